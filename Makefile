@@ -1,0 +1,37 @@
+# shifu: `make quickstart` and `make test` set everything up on a fresh machine (python3 + pip only).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch; GPU users install their own torch into .venv first and pass TORCH_SPEC=
+TORCH_SPEC ?= torch==2.13.0
+THREADS ?= 1
+
+.PHONY: setup quickstart test lint format clean bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora]"
+	touch $(STAMP)
+
+quickstart: setup
+	SHIFU_THREADS=$(THREADS) $(VENV)/bin/shifu quickstart
+
+test: setup
+	$(VENV)/bin/ruff check shifu tests benchmarks
+	$(VENV)/bin/ruff format --check shifu tests benchmarks
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+format: setup
+	$(VENV)/bin/ruff format shifu tests benchmarks
+	$(VENV)/bin/ruff check --fix shifu tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/ppo_iteration.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

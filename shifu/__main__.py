@@ -1,0 +1,3 @@
+from shifu.cli import main
+
+raise SystemExit(main())

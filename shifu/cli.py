@@ -1,0 +1,100 @@
+"""``shifu`` command line: ``shifu sft|rm|ppo|dpo --config FILE.yaml key.sub=value ...`` and friends.
+
+Trainer commands share one shape: a config dataclass (``Config``) and a ``train(cfg, resume, overwrite)``
+function in their module. Other commands (quickstart, report, demo, bench, study) take their own argv.
+Errors the user can fix (:class:`shifu.errors.ShifuError`) print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# command -> (module, description); trainer modules expose `Config` and `train`
+TRAINERS = {
+    "sft": ("shifu.trainers.sft", "stage 1: supervised fine-tuning on (prompt, response) data"),
+    "rm": ("shifu.trainers.reward", "stage 2: Bradley-Terry reward model on preference pairs"),
+    "ppo": ("shifu.trainers.ppo", "stage 3: PPO with actor, critic, reference and reward model"),
+    "dpo": ("shifu.trainers.dpo", "DPO on the same preference pairs (baseline)"),
+}
+# command -> (module, description); these modules expose `main(argv) -> int`
+TOOLS = {
+    "quickstart": ("shifu.quickstart", "run a built-in task end to end (SFT -> RM -> PPO -> report)"),
+    "report": ("shifu.report", "render report.html for a run directory"),
+    "demo": ("shifu.demo", "toy demos: `shifu demo bandit`"),
+    "bench": ("shifu.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
+    "study": ("shifu.study", "studies: `shifu study frontier`"),
+}
+
+
+def set_threads(n: int | None) -> None:
+    """torch intra-op threads from --threads or SHIFU_THREADS (1 is best with another busy process)."""
+    n = n or int(os.environ.get("SHIFU_THREADS", "0") or 0)
+    if n > 0:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"shifu {cmd}", description=description)
+    p.add_argument("--config", help="YAML file with config keys (overrides the defaults)")
+    p.add_argument("--out", help="output run directory (same as out_dir=...)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after --config")
+    return p
+
+
+def run_trainer(cmd: str, argv: list[str]) -> int:
+    from shifu.config import describe, load_config
+
+    module_name, description = TRAINERS[cmd]
+    args = trainer_parser(cmd, description).parse_args(argv)
+    module = importlib.import_module(module_name)
+    if args.help_config:
+        for key, default, help_ in describe(module.Config):
+            print(f"{key:32s} {default:>14s}  {help_}")
+        return 0
+    set_threads(args.threads)
+    overrides = list(args.overrides)
+    if args.out:
+        overrides.append(f"out_dir={args.out}")
+    cfg = load_config(module.Config, args.config, overrides)
+    module.train(cfg, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {**TRAINERS, **TOOLS}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: shifu COMMAND [options]\n\ncommands:")
+        for name, (_, desc) in commands.items():
+            print(f"  {name:11s} {desc}")
+        print("\n`shifu COMMAND --help` for a command's options.")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nshifu: error: unknown command '{argv[0]}'", file=sys.stderr)
+            return 2
+        return 0
+    from shifu.errors import ShifuError
+
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd in TRAINERS:
+            return run_trainer(cmd, rest)
+        return int(importlib.import_module(TOOLS[cmd][0]).main(rest) or 0)
+    except ShifuError as e:
+        print(f"shifu {cmd}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"shifu {cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""One frozen config tree per command: dataclasses, YAML presets, ``key.sub=value`` overrides.
+
+Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
+``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name; each
+command's config class adds its own ``validate()`` for impossible combinations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from shifu.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A config field with its documentation. Mutable defaults (lists, dicts, dataclasses) are copied."""
+    meta = {"help": help}
+    if dataclasses.is_dataclass(default) or isinstance(default, (list, dict)):
+        proto = default
+        return dataclasses.field(
+            default_factory=lambda: _copy(proto), metadata=meta, **kwargs
+        )
+    return dataclasses.field(default=default, metadata=meta, **kwargs)
+
+
+def _copy(x: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(x)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    """Coerce ``value`` to the annotated type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"config key '{key}': {value!r} is not a valid {tp}")
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"config key '{key}': {value!r} is not one of {', '.join(map(repr, allowed))}"
+            )
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return [_check_type(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping of {tp.__name__} fields")
+        return from_dict(tp, value, prefix=key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a nested mapping; unknown keys are an error naming the valid ones."""
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}'. Valid keys here: {', '.join(sorted(names))}"
+        )
+    kwargs = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"config override '{dotted}': '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping with safe loading; errors name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=3", "c=x"]`` -> nested dict; values parsed as YAML scalars (``3`` int, ``true`` bool)."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_path(tree, key.strip(), value)
+    return tree
+
+
+def load_config(
+    cls: type[T],
+    config_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+) -> T:
+    """defaults <- ``base`` (a preset mapping) <- YAML file <- overrides, then ``validate()``."""
+    data: dict[str, Any] = dict(base or {})
+    if config_file is not None:
+        data = _merge(data, read_yaml(config_file))
+    if overrides:
+        ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _merge(data, ov)
+    cfg = from_dict(cls, data)
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        validate()
+    return cfg
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every field, nested sections flattened; for ``--help-config`` and docs."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, prefix + f.name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+    return rows

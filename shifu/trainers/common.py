@@ -1,0 +1,86 @@
+"""Pieces every trainer shares: optimiser and schedule configs, seeding, run set-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import yaml
+
+from shifu.config import opt, to_dict
+from shifu.errors import ConfigError
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = opt(1e-4, "peak learning rate")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
+    betas: list[float] = opt([0.9, 0.95], "AdamW betas")
+    eps: float = opt(1e-5, "AdamW epsilon (1e-5 is published PPO practice; 1e-8 is torch's default)")
+    warmup_steps: int = opt(0, "linear warm-up optimiser steps from 0 to lr")
+    schedule: Literal["constant", "linear", "cosine"] = opt("cosine", "decay after warm-up, to min_lr_ratio*lr")
+    min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of lr (linear/cosine)")
+    max_grad_norm: float | None = opt(1.0, "gradient-norm clipping; null disables")
+
+    def validate(self, prefix: str = "optim") -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{prefix}.lr must be > 0 (got {self.lr})")
+        if self.eps <= 0:
+            raise ConfigError(f"{prefix}.eps must be > 0 (got {self.eps})")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1) (got {self.betas})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"{prefix}.warmup_steps must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{prefix}.min_lr_ratio must be in [0, 1]")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"{prefix}.max_grad_norm must be > 0 or null")
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    """Linear warm-up to lr, then constant / linear / cosine decay to ``min_lr_ratio * lr``."""
+    total = max(1, total_steps)
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        if cfg.schedule == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def autocast(enabled: bool, device: torch.device | str = "cpu"):
+    """bf16 autocast (CPU or CUDA) when enabled; a no-op context otherwise."""
+    dev = torch.device(device).type
+    return torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=enabled)
+
+
+def write_config(run_dir: str | Path, cfg) -> None:
+    """The resolved config next to the results (``config.yaml``)."""
+    Path(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
