@@ -1,1 +1,44 @@
+"""Pure PPO-RLHF math on tensors. Imports torch only; no function calls ``.item()`` or logs.
 
+Shapes: ``(B, T)`` whole sequences, ``(B, R)`` response tokens, ``(B,)`` one number per sequence;
+``response_mask`` is bool, True on real (non-padding) response tokens, responses right-padded.
+Losses return ``(loss, stats)`` with 0-dim tensor stats. docs/core.md explains each formula once.
+"""
+
+from .advantages import gae, shape_rewards
+from .controllers import (
+    AdaptiveKLController,
+    FixedKLController,
+    PenaltyKLController,
+    StepKLController,
+    build_kl_controller,
+)
+from .kl import kl_estimate
+from .logprobs import entropy_from_logits, log_probs_from_logits
+from .losses import bradley_terry_loss, dpo_loss, ppo_penalty_loss, ppo_policy_loss, ppo_value_loss
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .stats import RunningMoments, explained_variance
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "PenaltyKLController",
+    "RunningMoments",
+    "StepKLController",
+    "bradley_terry_loss",
+    "build_kl_controller",
+    "dpo_loss",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "kl_estimate",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_penalty_loss",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "shape_rewards",
+]

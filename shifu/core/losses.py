@@ -1,0 +1,205 @@
+"""PPO policy / value / penalty losses, and the Bradley-Terry and DPO preference losses.
+
+Every loss returns ``(loss, stats)``: a 0-dim tensor to minimise and a dict of detached 0-dim tensors.
+Per-token losses are masked with ``torch.where``, so masked tokens get exactly zero gradient, and are
+aggregated in one of two ways:
+
+- ``"token_mean"`` (default): sum over the real tokens of the batch divided by their count, or by
+  ``num_tokens`` when given (the token count of the whole optimiser step across micro-batches and
+  ranks, so that summing the micro-batch losses gives the token-mean of the whole step);
+- ``"seq_mean"``: mean over each row's real tokens, then mean over the rows that have a real token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kl import kl_estimate
+from .masked import masked_mean, masked_sum
+
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+def _check_same(mask: Tensor, **tensors: Tensor) -> Tensor:
+    for name, t in tensors.items():
+        if t.shape != mask.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} must equal response_mask shape {tuple(mask.shape)}"
+            )
+    return mask.bool()
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, aggregation: str = "token_mean", num_tokens: float | Tensor | None = None
+) -> Tensor:
+    """Reduce a per-token loss ``(B, R)`` to a scalar by ``aggregation`` (see the module docstring)."""
+    if aggregation == "token_mean":
+        if num_tokens is None:
+            return masked_mean(per_token, mask)
+        return masked_sum(per_token, mask) / num_tokens
+    if aggregation == "seq_mean":
+        if num_tokens is not None:
+            raise ValueError("num_tokens only applies to aggregation='token_mean'")
+        per_row = masked_mean(per_token, mask, dim=-1)  # (B,), 0 for a row without tokens
+        rows = mask.any(dim=-1)
+        return masked_mean(per_row, rows)
+    raise ValueError(f"unknown aggregation '{aggregation}'; valid: {', '.join(AGGREGATIONS)}")
+
+
+def ppo_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token_mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), negated to be minimised. All inputs (B, R).
+
+    ``ratio = exp(log_probs - old_log_probs)``; per token
+    ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``. With ``dual_clip = c > 1``
+    (Ye et al. 2020, "Mastering complex control in MOBA games"), tokens with ``A < 0`` are further
+    bounded: ``min(that, -c * A)``. Stats: ``clipfrac`` (fraction of real tokens where the clip is
+    active), ``approx_kl`` (k3 estimate of KL(pi_old || pi), mean over real tokens), ``ratio_mean``.
+    """
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    mask = _check_same(response_mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    log_ratio = torch.where(mask, log_probs - old_log_probs, zero)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(mask, advantages, zero)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {}
+    if dual_clip is not None:
+        lower = -dual_clip * adv  # the loss of an A<0 token never exceeds -c*A
+        dual_active = (adv < 0) & (per_token > lower)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, lower), per_token)
+        stats["dual_clipfrac"] = masked_mean(dual_active.to(log_probs.dtype), mask).detach()
+    loss = aggregate(per_token, mask, aggregation, num_tokens)
+    with torch.no_grad():
+        stats["clipfrac"] = masked_mean((clipped > unclipped).to(log_probs.dtype), mask)
+        stats["approx_kl"] = masked_mean(kl_estimate(old_log_probs, log_probs, "k3"), mask)
+        stats["ratio_mean"] = masked_mean(ratio, mask)
+    return loss, stats
+
+
+def ppo_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip: float | None = 0.2,
+    aggregation: str = "token_mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss ``0.5 * max((V - G)^2, (clip(V, V_old - eps, V_old + eps) - G)^2)``, inputs (B, R).
+
+    ``clip=None`` gives the plain ``0.5 * (V - G)^2``. Stats: ``clipfrac`` (fraction of real tokens where
+    the clipped term is the larger one).
+    """
+    if clip is not None and not clip > 0:
+        raise ValueError(f"value clip must be > 0 or None, got {clip}")
+    mask = _check_same(response_mask, values=values, old_values=old_values, returns=returns)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    error = torch.where(mask, values - returns, zero)
+    unclipped = error.pow(2)
+    if clip is None:
+        per_token = 0.5 * unclipped
+        clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        step = torch.where(mask, values - old_values, zero).clamp(-clip, clip)
+        clipped = (torch.where(mask, old_values - returns, zero) + step).pow(2)
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask).detach()
+    loss = aggregate(per_token, mask, aggregation, num_tokens)
+    return loss, {"clipfrac": clipfrac}
+
+
+def ppo_penalty_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    beta: float | Tensor,
+    aggregation: str = "token_mean",
+    *,
+    estimator: str = "k3",
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's KL-penalised objective (Schulman et al. 2017, sec. 4, eq. 8), negated: per token
+    ``-(ratio * A - beta * KL(pi_old || pi))``, inputs (B, R).
+
+    The KL is estimated per token at tokens sampled from pi_old with ``estimator`` (k3 by default:
+    ``(ratio - 1) - log ratio``, >= 0). Stats: ``kl`` (mean estimate over real tokens), ``ratio_mean``.
+    Adapt ``beta`` with :class:`PenaltyKLController`.
+    """
+    mask = _check_same(response_mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    new = torch.where(mask, log_probs, zero)
+    old = torch.where(mask, old_log_probs, zero)
+    ratio = torch.exp(new - old)
+    kl = kl_estimate(old, new, estimator)  # KL(pi_old || pi) from samples of pi_old
+    per_token = -(torch.where(mask, advantages, zero) * ratio - beta * kl)
+    loss = aggregate(per_token, mask, aggregation, num_tokens)
+    with torch.no_grad():
+        stats = {"kl": masked_mean(kl, mask), "ratio_mean": masked_mean(ratio, mask)}
+    return loss, stats
+
+
+def bradley_terry_loss(
+    chosen: Tensor, rejected: Tensor, margin: Tensor | None = None, center_coef: float = 0.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Bradley-Terry preference loss on scores (N,): ``mean(-log sigmoid(r_c - r_r - margin))``
+    ``+ center_coef * mean((r_c + r_r)^2)`` (the centring term keeps scores near 0).
+
+    Stats: ``accuracy`` (fraction with r_c > r_r; ties count as wrong) and ``margin`` (mean r_c - r_r).
+    """
+    if chosen.shape != rejected.shape:
+        raise ValueError(f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} shapes differ")
+    diff = chosen - rejected
+    target = diff if margin is None else diff - margin
+    loss = -F.logsigmoid(target).mean()
+    if center_coef:
+        loss = loss + center_coef * (chosen + rejected).pow(2).mean()
+    with torch.no_grad():
+        stats = {"accuracy": (diff > 0).to(chosen.dtype).mean(), "margin": diff.mean()}
+    return loss, stats
+
+
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float = 0.1,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO (Rafailov et al. 2023, eq. 7) on summed response log-probs (N,):
+    ``mean(-log sigmoid(beta * ((pc - rc) - (pr - rr))))``.
+
+    Stats: implicit rewards ``beta * (log pi - log pi_ref)`` averaged as ``chosen_reward`` and
+    ``rejected_reward``, ``margin`` (mean chosen minus rejected reward), ``accuracy`` (chosen > rejected).
+    """
+    chosen_reward = beta * (policy_chosen - ref_chosen)
+    rejected_reward = beta * (policy_rejected - ref_rejected)
+    diff = chosen_reward - rejected_reward
+    loss = -F.logsigmoid(diff).mean()
+    with torch.no_grad():
+        stats = {
+            "accuracy": (diff > 0).to(diff.dtype).mean(),
+            "margin": diff.mean(),
+            "chosen_reward": chosen_reward.mean(),
+            "rejected_reward": rejected_reward.mean(),
+        }
+    return loss, stats
