@@ -1,0 +1,426 @@
+"""Loading and validating training data; tokenising SFT rows; a resumable shuffled batch stream.
+
+Three row kinds, from JSONL (one JSON object per line), Parquet, or a directory written by
+``datasets.Dataset.save_to_disk``:
+
+- ``"sft"``: ``prompt`` + ``response`` strings, or ``messages`` (a chat: a list of ``{"role", "content"}``
+  whose last message is the assistant's reply).
+- ``"preference"``: ``prompt``, ``chosen``, ``rejected`` strings (``chosen != rejected``), optional
+  numeric ``margin``.
+- ``"prompt"``: ``prompt`` string; every other field is kept and reaches reward functions unchanged.
+
+Every problem is a :class:`shifu.errors.DataError` naming the file, the 1-based line (JSONL) or 0-based
+row (Parquet / datasets) and the field. With ``skip_bad=True`` bad rows are skipped instead and counted by
+reason (``LoadedRows.skipped``); a missing or unreadable file is always an error.
+
+Tokenisation conventions (``encode_sft``): prompt and response are tokenised separately without special
+tokens; EOS is appended to every response that fits; prompts longer than ``max_prompt_len`` are cut from
+the left (``truncate_left``) or the row is dropped (``drop``), and both are counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from shifu.config import opt
+from shifu.errors import ConfigError, DataError
+
+KINDS = ("sft", "preference", "prompt")
+PromptPolicy = Literal["truncate_left", "drop"]
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train: str = opt("", "training data: a .jsonl or .parquet file, or a saved HF datasets directory")
+    eval: str = opt("", "held-out data (same formats); empty: hold out `eval_fraction` of `train`")
+    eval_fraction: float = opt(0.05, "fraction of `train` held out when `eval` is empty (deterministic)")
+    split_seed: int = opt(0, "seed of the deterministic held-out split")
+    skip_bad: bool = opt(False, "skip invalid rows (and report how many and why) instead of stopping")
+    max_prompt_len: int = opt(128, "prompt tokens kept; longer prompts follow `prompt_policy`")
+    max_len: int = opt(256, "prompt + response tokens (EOS included); longer responses are cut")
+    prompt_policy: PromptPolicy = opt(
+        "truncate_left", "long prompts: `truncate_left` keeps their last tokens, `drop` drops the row"
+    )
+
+    def validate(self, prefix: str = "data") -> None:
+        if not self.train:
+            raise ConfigError(
+                f"{prefix}.train is required: the path of a .jsonl/.parquet file or datasets dir"
+            )
+        if not self.eval and not 0 < self.eval_fraction < 1:
+            raise ConfigError(
+                f"{prefix}.eval_fraction must be in (0, 1) when {prefix}.eval is empty "
+                f"(got {self.eval_fraction}); give a held-out file in {prefix}.eval or a fraction like 0.05"
+            )
+        if self.max_prompt_len < 1:
+            raise ConfigError(f"{prefix}.max_prompt_len must be >= 1 (got {self.max_prompt_len})")
+        if self.max_len <= self.max_prompt_len:
+            raise ConfigError(
+                f"{prefix}.max_len ({self.max_len}) must exceed {prefix}.max_prompt_len "
+                f"({self.max_prompt_len}) to leave room for a response"
+            )
+
+
+class LoadedRows(list):
+    """A list of validated rows (dicts) that also knows where they came from and what was skipped."""
+
+    def __init__(self, rows: list[dict], path: str, skipped: Counter | None = None):
+        super().__init__(rows)
+        self.path = path
+        self.skipped: Counter = skipped if skipped is not None else Counter()
+
+    def skip_report(self) -> str:
+        """One line: how many rows were skipped and why (empty string when none were)."""
+        if not self.skipped:
+            return ""
+        why = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common())
+        return f"{self.path}: skipped {sum(self.skipped.values())} bad rows ({why})"
+
+
+# --------------------------------------------------------------------------------------------------
+# reading files
+
+
+def _where(path: str, fmt: str, i: int) -> tuple[str, int | None]:
+    """(path text, line) for DataError: JSONL rows carry a 1-based line, table rows a 0-based row index."""
+    if fmt == "jsonl":
+        return path, i
+    return f"{path}, row {i}", None
+
+
+def _read_raw(path: str, split: str) -> tuple[str, list[tuple[int, Any, DataError | None]]]:
+    """-> (format, [(line or row index, parsed row or None, read error or None)])."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(path, None, None, "file does not exist", "check the path in data.train / data.eval")
+    if p.is_dir():
+        return "datasets", _read_datasets_dir(path, split)
+    if p.suffix == ".parquet":
+        return "parquet", _read_parquet(path)
+    return "jsonl", _read_jsonl(path)
+
+
+def _read_jsonl(path: str) -> list[tuple[int, Any, DataError | None]]:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise DataError(path, None, None, f"cannot read the file: {e.strerror or e}") from None
+    out = []
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue  # blank lines (including the one after a final newline) carry no row
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            err = DataError(
+                path, lineno, None, f"invalid UTF-8 at byte {e.start}", "re-save the file as UTF-8"
+            )
+            out.append((lineno, None, err))
+            continue
+        try:
+            out.append((lineno, json.loads(text), None))
+        except json.JSONDecodeError as e:
+            err = DataError(
+                path,
+                lineno,
+                None,
+                f"not valid JSON ({e.msg} at column {e.colno})",
+                "each line must be one JSON object",
+            )
+            out.append((lineno, None, err))
+    return out
+
+
+def _read_parquet(path: str) -> list[tuple[int, Any, DataError | None]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several unrelated types for a damaged file
+        raise DataError(path, None, None, f"not a readable Parquet file ({e})") from None
+    return [(i, row, None) for i, row in enumerate(table.to_pylist())]
+
+
+def _read_datasets_dir(path: str, split: str) -> list[tuple[int, Any, DataError | None]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # FileNotFoundError, ValueError, ... depending on what is missing
+        raise DataError(
+            path,
+            None,
+            None,
+            f"not a saved HF datasets directory ({e})",
+            "write one with Dataset.save_to_disk, or give a .jsonl/.parquet file",
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(path, None, None, f"has no split '{split}' (splits: {', '.join(ds)})")
+        ds = ds[split]
+    return [(i, row, None) for i, row in enumerate(ds)]
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_text(row: dict, key: str, where: tuple[str, int | None], required: bool = True) -> None:
+    path, line = where
+    if key not in row or row[key] is None:
+        if required:
+            raise DataError(path, line, key, "missing field", f"every row needs a '{key}' string")
+        return
+    value = row[key]
+    if not isinstance(value, str):
+        raise DataError(path, line, key, f"expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataError(path, line, key, "empty string", "remove the row or fill in the text")
+
+
+def _check_messages(row: dict, where: tuple[str, int | None]) -> None:
+    path, line = where
+    msgs = row["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(path, line, "messages", "expected a non-empty list of {role, content} objects")
+    for j, m in enumerate(msgs):
+        field = f"messages[{j}]"
+        if not isinstance(m, dict):
+            raise DataError(path, line, field, f"expected an object, got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise DataError(path, line, f"{field}.{key}", "missing or not a string")
+        if not m["content"].strip():
+            raise DataError(path, line, f"{field}.content", "empty string")
+    if msgs[-1]["role"] != "assistant":
+        raise DataError(
+            path,
+            line,
+            f"messages[{len(msgs) - 1}].role",
+            f"the last message must be the assistant's reply (got '{msgs[-1]['role']}')",
+        )
+
+
+def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
+    """Check one parsed row of ``kind``; return it (as a dict) or raise DataError."""
+    path, line = where
+    if not isinstance(row, dict):
+        raise DataError(path, line, None, f"expected a JSON object, got {type(row).__name__}")
+    if kind == "sft":
+        if "messages" in row and row["messages"] is not None:
+            _check_messages(row, where)
+        else:
+            if "prompt" not in row and "response" not in row:
+                raise DataError(
+                    path,
+                    line,
+                    "prompt",
+                    "missing field",
+                    "SFT rows need 'prompt' and 'response', or 'messages'",
+                )
+            _check_text(row, "prompt", where)
+            _check_text(row, "response", where)
+    elif kind == "preference":
+        for key in ("prompt", "chosen", "rejected"):
+            _check_text(row, key, where)
+        if row["chosen"] == row["rejected"]:
+            raise DataError(path, line, "rejected", "chosen == rejected: the pair carries no preference")
+        m = row.get("margin")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
+            raise DataError(path, line, "margin", f"expected a finite number, got {m!r}")
+    elif kind == "prompt":
+        _check_text(row, "prompt", where)
+    else:
+        raise ValueError(f"unknown row kind {kind!r}; expected one of {KINDS}")
+    return row
+
+
+def _reason(err: DataError) -> str:
+    return f"{err.problem} in '{err.field}'" if err.field else err.problem
+
+
+def load_rows(path: str | Path, kind: str, skip_bad: bool = False, split: str = "train") -> LoadedRows:
+    """Read and validate every row of ``path`` (JSONL, Parquet or a datasets dir) as ``kind`` rows.
+
+    ``split`` picks the split of a saved ``DatasetDict``. Raises DataError on the first bad row, or with
+    ``skip_bad`` skips bad rows and counts them by reason in ``.skipped`` (also printed to stderr). An
+    input with no valid rows is always an error.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown row kind {kind!r}; expected one of {KINDS}")
+    path = str(path)
+    fmt, raw = _read_raw(path, split)
+    rows, skipped = [], Counter()
+    for i, row, err in raw:
+        where = _where(path, fmt, i)
+        try:
+            if err is not None:
+                raise err
+            rows.append(validate_row(row, kind, where))
+        except DataError as e:
+            if not skip_bad:
+                raise
+            skipped[_reason(e)] += 1
+    if not rows:
+        hint = f"{sum(skipped.values())} rows were skipped as bad" if skipped else "the file holds no rows"
+        raise DataError(path, None, None, f"no valid {kind} rows", hint)
+    out = LoadedRows(rows, path, skipped)
+    if skipped:
+        print(f"shifu: {out.skip_report()}", file=sys.stderr)
+    return out
+
+
+def split_rows(rows: list[dict], fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Deterministic held-out split: -> (train, held_out) with ``max(1, round(fraction*N))`` held out.
+
+    The same rows, fraction and seed always give the same split (a torch.Generator permutation).
+    """
+    n = len(rows)
+    n_eval = max(1, round(fraction * n))
+    if n_eval >= n:
+        raise DataError(
+            getattr(rows, "path", "data"),
+            None,
+            None,
+            f"only {n} rows: holding out {n_eval} leaves nothing to train on",
+            "add rows, lower data.eval_fraction, or give data.eval",
+        )
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(perm[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def load_train_eval(cfg: DataConfig, kind: str) -> tuple[LoadedRows, list[dict]]:
+    """Train and held-out rows as ``cfg`` says: a separate eval file, or a deterministic fraction."""
+    train = load_rows(cfg.train, kind, skip_bad=cfg.skip_bad)
+    if cfg.eval:
+        return train, load_rows(cfg.eval, kind, skip_bad=cfg.skip_bad)
+    kept, held = split_rows(train, cfg.eval_fraction, cfg.split_seed)
+    return LoadedRows(kept, train.path, train.skipped), held
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenisation
+
+
+def render_messages(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """A chat -> (prompt text, response text); the response is the last (assistant) message.
+
+    With a chat template: prompt = template of all but the last message with ``add_generation_prompt``.
+    Without one, a plain rendering: ``"{role}: {content}\\n"`` per message, then ``"assistant: "``.
+    """
+    history, reply = messages[:-1], messages[-1]["content"]
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        return prompt, reply
+    prompt = "".join(f"{m['role']}: {m['content']}\n" for m in history) + "assistant: "
+    return prompt, reply
+
+
+def sft_texts(tokenizer, row: dict) -> tuple[str, str]:
+    """(prompt, response) text of a validated SFT row (``messages`` rendered by :func:`render_messages`)."""
+    if row.get("messages") is not None:
+        return render_messages(tokenizer, row["messages"])
+    return row["prompt"], row["response"]
+
+
+def encode_sft(
+    tokenizer,
+    rows: list[dict],
+    max_prompt_len: int,
+    max_len: int,
+    prompt_policy: str = "truncate_left",
+) -> tuple[list[dict[str, list[int]]], Counter]:
+    """Tokenise SFT rows -> ([{"prompt_ids", "response_ids"}], counts).
+
+    ``response_ids`` end with EOS, except when ``prompt + response + EOS`` exceeds ``max_len``: the response
+    is then cut on the right and carries no EOS (it did not end there; teaching the model to stop would be
+    wrong). ``counts`` has ``truncated_prompts``, ``dropped_prompts`` and ``truncated_responses``.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError("the tokenizer has no EOS token; SFT appends EOS to every response")
+    counts: Counter = Counter()
+    out = []
+    for row in rows:
+        prompt, response = sft_texts(tokenizer, row)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+        if len(p_ids) > max_prompt_len:
+            if prompt_policy == "drop":
+                counts["dropped_prompts"] += 1
+                continue
+            p_ids = p_ids[-max_prompt_len:]
+            counts["truncated_prompts"] += 1
+        room = max_len - len(p_ids)
+        if len(r_ids) > room:
+            r_ids = r_ids[:room]
+            counts["truncated_responses"] += 1
+        out.append({"prompt_ids": p_ids, "response_ids": r_ids})
+    return out, counts
+
+
+def collate_sft(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad prompt+response -> ``input_ids``, ``attention_mask`` (B,T) and ``loss_mask`` (B,T) bool.
+
+    ``loss_mask[b, t]`` is True where token t is a response token (EOS included). The NLL of token t is
+    read from the logits at position t-1, so the loss uses ``loss_mask[:, 1:]`` against ``logits[:, :-1]``.
+    """
+    T = max(len(e["prompt_ids"]) + len(e["response_ids"]) for e in examples)
+    B = len(examples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.bool)
+    for b, e in enumerate(examples):
+        P, R = len(e["prompt_ids"]), len(e["response_ids"])
+        input_ids[b, : P + R] = torch.tensor(e["prompt_ids"] + e["response_ids"], dtype=torch.long)
+        attention_mask[b, : P + R] = 1
+        loss_mask[b, P : P + R] = True
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+# --------------------------------------------------------------------------------------------------
+# batching
+
+
+class BatchStream:
+    """Endless shuffled micro-batches of indices into ``n`` examples, resumable from ``(epoch, index)``.
+
+    Epoch e's order is ``randperm(n)`` from a dedicated generator seeded with ``seed + e``, so the data
+    position is fully described by ``(epoch, index)`` (index = examples of epoch e already served). The
+    last batch of an epoch may be smaller; the next batch starts the next epoch.
+    """
+
+    def __init__(
+        self, n: int, batch_size: int, seed: int, epoch: int = 0, index: int = 0, shuffle: bool = True
+    ):
+        self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        self.epoch, self.index = epoch, index
+        self._perm = self._order(epoch)
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def next(self) -> list[int]:
+        if self.index >= self.n:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._perm = self._order(self.epoch)
+        batch = self._perm[self.index : self.index + self.batch_size]
+        self.index += len(batch)
+        return batch
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.n / self.batch_size)

@@ -1,0 +1,269 @@
+"""Stage 1, ``shifu sft``: supervised fine-tuning on (prompt, response) demonstrations.
+
+Loss: mean next-token negative log-likelihood over the response tokens of the whole (accumulated) batch,
+EOS included; prompt and padding positions are masked out. Output: ``OUT/final/``, an HF model +
+tokenizer directory (``AutoModelForCausalLM.from_pretrained`` loads it).
+
+The resume helpers here (``SAFE_RESUME_KEYS``, :func:`restore`) are shared with the reward-model trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shifu import checkpoint as ckpt
+from shifu.config import opt, to_dict
+from shifu.core import log_probs_from_logits, masked_sum
+from shifu.data import BatchStream, DataConfig, collate_sft, encode_sft, load_train_eval
+from shifu.errors import ConfigError
+from shifu.models import load_causal_lm, load_tokenizer
+from shifu.tracking import Tracker, progress
+from shifu.trainers.common import (
+    OptimConfig,
+    autocast,
+    build_optimizer,
+    build_scheduler,
+    seed_everything,
+    write_config,
+)
+
+# config keys a resumed run may change (everything else must match the checkpoint's config)
+SAFE_RESUME_KEYS = (
+    "max_steps",
+    "epochs",
+    "save_every",
+    "eval_every",
+    "keep_last",
+    "log_every",
+    "progress",
+    "tensorboard",
+)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = opt("", "policy to fine-tune: a local HF causal LM directory (any architecture)")
+    tokenizer: str = opt("", "tokenizer directory; empty: the model's own")
+    trust_remote_code: bool = opt(False, "allow custom model code shipped in the model directory")
+
+
+@dataclasses.dataclass
+class Config:
+    out_dir: str = opt("", "run directory: metrics.jsonl, tb/, checkpoints/, final/ (the fine-tuned model)")
+    seed: int = opt(0, "seed of initialisation-independent randomness: shuffling, dropout")
+    model: ModelConfig = opt(ModelConfig(), "the model to fine-tune")
+    data: DataConfig = opt(DataConfig(), "training and held-out data (kind: sft rows)")
+    optim: OptimConfig = opt(OptimConfig(), "AdamW and learning-rate schedule")
+    batch_size: int = opt(8, "sequences per micro-batch")
+    grad_accum: int = opt(1, "micro-batches per optimiser step (loss = token mean over all of them)")
+    epochs: float = opt(1.0, "passes over the training data (used when max_steps is 0)")
+    max_steps: int = opt(0, "optimiser steps; 0: derived from epochs")
+    eval_every: int = opt(0, "held-out loss every N steps; 0: only at the end")
+    eval_batch_size: int = opt(16, "sequences per held-out forward pass")
+    save_every: int = opt(0, "checkpoint every N steps (for --resume); 0: none")
+    keep_last: int = opt(2, "checkpoints kept")
+    log_every: int = opt(10, "training metrics averaged and logged every N steps")
+    bf16: bool = opt(False, "bf16 autocast for forward passes (weights and optimiser stay fp32)")
+    device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    progress: bool = opt(True, "show a progress bar on stderr")
+    tensorboard: bool = opt(True, "also write TensorBoard scalars to OUT/tb")
+
+    def validate(self) -> None:
+        if not self.out_dir:
+            raise ConfigError("out_dir is required: pass --out DIR or out_dir=DIR")
+        if not self.model.path:
+            raise ConfigError("model.path is required: a local HF causal LM directory")
+        self.data.validate()
+        self.optim.validate()
+        for key in ("batch_size", "grad_accum", "eval_batch_size", "keep_last", "log_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
+        for key in ("max_steps", "eval_every", "save_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0 (got {getattr(self, key)}); 0 means off/derived")
+        if self.max_steps == 0 and self.epochs <= 0:
+            raise ConfigError("set epochs > 0 or max_steps > 0")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def total_steps(n_batches_per_epoch: int, grad_accum: int, epochs: float, max_steps: int) -> int:
+    """Optimiser steps of the run: ``max_steps``, else ``ceil(epochs * batches_per_epoch / grad_accum)``."""
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(epochs * n_batches_per_epoch / grad_accum))
+
+
+def restore(
+    run_dir: Path, cfg, modules: dict[str, torch.nn.Module], optimizer, scheduler
+) -> dict[str, Any] | None:
+    """Load the latest checkpoint of ``run_dir`` into modules/optimizer/scheduler and the RNGs.
+
+    Returns its json state (``step``, ``data`` position, ...) or None when there is none. Refuses a
+    config that differs from the checkpoint's outside :data:`SAFE_RESUME_KEYS`, naming the keys.
+    """
+    path = ckpt.latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    tensor_state, state = ckpt.load_checkpoint(path, modules)
+    changed = [k for k in ckpt.config_diff(state["config"], to_dict(cfg)) if k not in SAFE_RESUME_KEYS]
+    if changed:
+        raise ConfigError(
+            f"cannot resume '{run_dir}' with a changed config: {', '.join(changed)} differ from the checkpoint. "
+            f"Only {', '.join(SAFE_RESUME_KEYS)} may change; restore the others or start a new run"
+        )
+    optimizer.load_state_dict(tensor_state["optimizer"])
+    scheduler.load_state_dict(tensor_state["scheduler"])
+    ckpt.set_rng_state(state["rng"])
+    return state
+
+
+def report_counts(path: str, counts: dict[str, int]) -> None:
+    """Tell the user about dropped/truncated rows (never silent)."""
+    if counts:
+        print(
+            f"shifu: {path}: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items()),
+            file=sys.stderr,
+        )
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[dict], pad_id: int, batch_size: int, device, bf16: bool) -> float:
+    """Token-mean NLL of the response tokens of ``examples`` (the held-out loss)."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        nll_sum, n = sft_nll_sum(model, collate_sft(examples[i : i + batch_size], pad_id), device, bf16)
+        total, count = total + float(nll_sum), count + n
+    model.train()
+    return total / max(count, 1)
+
+
+def sft_nll_sum(model, batch: dict[str, torch.Tensor], device, bf16: bool) -> tuple[torch.Tensor, int]:
+    """(sum of response-token NLL, number of response tokens) of one right-padded batch."""
+    input_ids = batch["input_ids"].to(device)
+    attention_mask = batch["attention_mask"].to(device)
+    target_mask = batch["loss_mask"][:, 1:].to(device)  # (B, T-1): token t+1 is a response token
+    with autocast(bf16, device):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    log_probs = log_probs_from_logits(logits[:, :-1].float(), input_ids[:, 1:])  # (B, T-1)
+    return -masked_sum(log_probs, target_mask), int(target_mask.sum())
+
+
+def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
+    """Run SFT as ``cfg`` says; returns the final metrics (``eval/sft/loss``, ``sft/loss``)."""
+    # 1. data: read and validate everything before the output directory is touched
+    train_rows, eval_rows = load_train_eval(cfg.data, "sft")
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
+    d = cfg.data
+    train_ex, counts = encode_sft(tokenizer, train_rows, d.max_prompt_len, d.max_len, d.prompt_policy)
+    eval_ex, eval_counts = encode_sft(tokenizer, eval_rows, d.max_prompt_len, d.max_len, d.prompt_policy)
+    report_counts(d.train, counts)
+    report_counts(d.eval or d.train + " (held out)", eval_counts)
+    if not train_ex or not eval_ex:
+        raise ConfigError("no SFT examples left after the prompt policy; raise data.max_prompt_len")
+
+    # 2. model, optimiser, schedule
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    model = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code).to(device)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))  # a pad token was added
+    model.train()
+    stream = BatchStream(len(train_ex), cfg.batch_size, cfg.seed)
+    n_steps = total_steps(stream.batches_per_epoch(), cfg.grad_accum, cfg.epochs, cfg.max_steps)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, n_steps)
+
+    # 3. run directory; resume from its latest checkpoint
+    run_dir = ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite)
+    step = 0
+    state = restore(run_dir, cfg, {"policy": model}, optimizer, scheduler) if resume else None
+    if state is not None:
+        step = state["step"]
+        stream = BatchStream(len(train_ex), cfg.batch_size, cfg.seed, **state["data"])
+    write_config(run_dir, cfg)
+    tracker = Tracker(run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else None)
+
+    # 4. the loop: each step = grad_accum micro-batches, loss = token mean over all of them
+    bar = progress(n_steps, "sft", enabled=cfg.progress, initial=step)
+    window: dict[str, float] = {"loss": 0.0, "tokens": 0, "steps": 0}
+    summary: dict[str, float] = {}
+    if step == 0:  # the starting point of the held-out curve
+        eval_loss = evaluate(model, eval_ex, tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16)
+        tracker.log(0, {"eval/sft/loss": eval_loss})
+    t0 = time.perf_counter()
+    while step < n_steps:
+        batches = [
+            collate_sft([train_ex[i] for i in stream.next()], tokenizer.pad_token_id)
+            for _ in range(cfg.grad_accum)
+        ]
+        n_tokens = sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)
+        step_loss = 0.0
+        for batch in batches:
+            nll_sum, _ = sft_nll_sum(model, batch, device, cfg.bf16)
+            loss = nll_sum / max(n_tokens, 1)
+            loss.backward()
+            step_loss += float(loss.detach())
+        if cfg.optim.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        window["loss"] += step_loss
+        window["tokens"] += sum(int(b["attention_mask"].sum()) for b in batches)
+        window["steps"] += 1
+
+        if step % cfg.log_every == 0 or step == n_steps:
+            elapsed = time.perf_counter() - t0
+            metrics = {
+                "sft/loss": window["loss"] / window["steps"],
+                "sft/lr": scheduler.get_last_lr()[0],
+                "perf/tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+            }
+            tracker.log(step, metrics)
+            summary["sft/loss"] = metrics["sft/loss"]
+            bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
+            window, t0 = {"loss": 0.0, "tokens": 0, "steps": 0}, time.perf_counter()
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
+            eval_loss = evaluate(
+                model, eval_ex, tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16
+            )
+            tracker.log(step, {"eval/sft/loss": eval_loss})
+            summary["eval/sft/loss"] = eval_loss
+        if cfg.save_every and (step % cfg.save_every == 0 or step == n_steps):
+            ckpt.save_checkpoint(
+                run_dir,
+                step,
+                {"policy": model},
+                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                {"data": stream.state(), "rng": ckpt.rng_state(), "config": to_dict(cfg)},
+                keep_last=cfg.keep_last,
+            )
+    bar.close()
+    tracker.close()
+
+    # 5. the fine-tuned model, loadable by transformers
+    model.save_pretrained(str(run_dir / "final"))
+    tokenizer.save_pretrained(str(run_dir / "final"))
+    (run_dir / "summary.json").write_text(json.dumps({"step": step, **summary}, indent=2), encoding="utf-8")
+    print(
+        f"shifu sft: {step} steps, eval/sft/loss {summary.get('eval/sft/loss', float('nan')):.4f}; "
+        f"model in {run_dir / 'final'}",
+        file=sys.stderr,
+    )
+    return summary
