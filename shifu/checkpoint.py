@@ -217,3 +217,43 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
         elif a != b:
             out.append(prefix + k)
     return out
+
+
+def _atomic_dir(path: str | Path, write) -> Path:
+    """Write a directory through ``write(tmp_dir)``, then swap it into place (the old one stays until then)."""
+    final = Path(path)
+    tmp = final.with_name(f".tmp-{final.name}")
+    old = final.with_name(f".old-{final.name}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ShifuError(
+            f"could not write '{final}': {e.strerror or e}. Check free disk space and permissions"
+        ) from None
+    return final
+
+
+def save_hf_dir(model, tokenizer, path: str | Path) -> Path:
+    """An HF directory (safetensors weights, config, tokenizer) that ``from_pretrained`` loads; atomic."""
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    return _atomic_dir(path, write)
+
+
+def save_scalar_dir(model, path: str | Path) -> Path:
+    """A shifu ScalarModel directory (reward model / critic); atomic."""
+    return _atomic_dir(path, lambda tmp: model.save_pretrained(tmp))

@@ -42,10 +42,16 @@ def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"shifu {cmd}", description=description)
     p.add_argument("--config", help="YAML file with config keys (overrides the defaults)")
     p.add_argument("--out", help="output run directory (same as out_dir=...)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)")
-    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)"
+    )
+    p.add_argument(
+        "--help-config", action="store_true", help="list every config key with its default and meaning"
+    )
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after --config")
     return p
 

@@ -25,9 +25,7 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
     meta = {"help": help}
     if dataclasses.is_dataclass(default) or isinstance(default, (list, dict)):
         proto = default
-        return dataclasses.field(
-            default_factory=lambda: _copy(proto), metadata=meta, **kwargs
-        )
+        return dataclasses.field(default_factory=lambda: _copy(proto), metadata=meta, **kwargs)
     return dataclasses.field(default=default, metadata=meta, **kwargs)
 
 
@@ -60,9 +58,7 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(
-                f"config key '{key}': {value!r} is not one of {', '.join(map(repr, allowed))}"
-            )
+            raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(repr, allowed))}")
         return value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -83,6 +79,11 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"config key '{key}': expected true/false, got {value!r}")
+    if tp in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-3" as a string
+            value = float(value)
+        except ValueError:
+            pass
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -111,7 +112,18 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         raise ConfigError(
             f"unknown config key '{prefix}{unknown[0]}'. Valid keys here: {', '.join(sorted(names))}"
         )
-    kwargs = {k: _check_type(v, hints[k], prefix + k) for k, v in data.items()}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        f = fields[k]
+        if (
+            dataclasses.is_dataclass(hints[k])
+            and isinstance(v, dict)
+            and f.default_factory is not dataclasses.MISSING
+        ):
+            # a partial section keeps the field's own defaults (e.g. critic.optim.lr), not the class's
+            v = _merge(dataclasses.asdict(f.default_factory()), v)
+        kwargs[k] = _check_type(v, hints[k], prefix + k)
     return cls(**kwargs)
 
 

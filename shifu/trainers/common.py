@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +26,9 @@ class OptimConfig:
     betas: list[float] = opt([0.9, 0.95], "AdamW betas")
     eps: float = opt(1e-5, "AdamW epsilon (1e-5 is published PPO practice; 1e-8 is torch's default)")
     warmup_steps: int = opt(0, "linear warm-up optimiser steps from 0 to lr")
-    schedule: Literal["constant", "linear", "cosine"] = opt("cosine", "decay after warm-up, to min_lr_ratio*lr")
+    schedule: Literal["constant", "linear", "cosine"] = opt(
+        "cosine", "decay after warm-up, to min_lr_ratio*lr"
+    )
     min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of lr (linear/cosine)")
     max_grad_norm: float | None = opt(1.0, "gradient-norm clipping; null disables")
 
@@ -84,3 +89,44 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
 def write_config(run_dir: str | Path, cfg) -> None:
     """The resolved config next to the results (``config.yaml``)."""
     Path(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM set ``requested``; the trainer finishes its step, checkpoints and exits 0.
+
+    A second signal restores the default handler's behaviour (raise KeyboardInterrupt / terminate).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if self.requested:
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.requested = True
+        print(
+            f"\nshifu: got {signal.Signals(signum).name}; finishing this step and writing a checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available; use device=cpu or auto")
+    return torch.device(name)

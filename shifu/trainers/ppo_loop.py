@@ -1,0 +1,365 @@
+"""``shifu ppo``: load the four models and the prompts, then iterate, evaluate, keep the best, checkpoint.
+
+Run directory: ``metrics.jsonl`` and ``tb/`` (every iteration), ``samples.jsonl`` (evaluation samples),
+``checkpoints/`` (resume), ``best/`` (actor at the best ``eval.best_metric``), ``final/`` (the actor at the
+end, an HF directory), ``critic/`` (the trained critic or value head), ``config.yaml``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shifu import checkpoint as ckpt
+from shifu.config import to_dict
+from shifu.errors import ConfigError, ShifuError
+from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left, pad_right
+from shifu.rewards import RewardSource, load_function, load_reward_model, same_tokenizer
+from shifu.rollout import SamplingParams, generate, policy_forward
+from shifu.tracking import Tracker, progress
+from shifu.trainers.common import GracefulStop, resolve_device, seed_everything, write_config
+from shifu.trainers.ppo import PPOTrainer, new_value_head
+from shifu.trainers.ppo_config import Config, derived_sizes
+
+# keys a resumed run may change: they do not alter what the finished iterations computed
+SAFE_ON_RESUME = {
+    "iterations",
+    "save_every",
+    "keep_last",
+    "eval.every",
+    "eval.num_prompts",
+    "guard.kl_ceiling",
+    "guard.divergence_patience",
+}
+
+
+def encode_prompts(
+    tok, rows: list[dict], max_len: int, policy: str, path: str
+) -> tuple[list[list[int]], list[dict], int]:
+    """Token ids of each prompt (no special tokens added), over-long ones truncated from the left or dropped."""
+    ids, kept, dropped = [], [], 0
+    for r in rows:
+        x = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        if not x:
+            raise ShifuError(f"{path}: a prompt encodes to zero tokens: {r['prompt']!r}")
+        if len(x) > max_len:
+            if policy == "drop":
+                dropped += 1
+                continue
+            x = x[-max_len:]
+        ids.append(x), kept.append(r)
+    if not ids:
+        raise ShifuError(f"{path}: no prompts left after applying data.max_prompt_len={max_len} ({policy})")
+    return ids, kept, dropped
+
+
+class PromptStream:
+    """Epoch permutations derived from (seed, epoch): the data position is just (epoch, index)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.bs, self.seed, self.epoch, self.index = n, batch_size, seed, 0, 0
+
+    def _perm(self) -> list[int]:
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        ).tolist()
+
+    def next(self) -> list[int]:
+        out: list[int] = []
+        while len(out) < self.bs:
+            perm = self._perm()
+            take = perm[self.index : self.index + self.bs - len(out)]
+            out += take
+            self.index += len(take)
+            if self.index >= self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+
+def _ptx_stream(cfg: Config, tok):
+    from shifu.data import load_rows
+
+    rows = load_rows(cfg.data.ptx, "sft", skip_bad=cfg.data.skip_bad)
+    gen = torch.Generator().manual_seed(cfg.seed + 7)
+    while True:
+        for i in torch.randperm(len(rows), generator=gen).tolist():
+            chunk = [rows[(i + j) % len(rows)] for j in range(cfg.minibatch_size // cfg.grad_accum)]
+            seqs, masks = [], []
+            for r in chunk:
+                p = tok(r["prompt"], add_special_tokens=False)["input_ids"][-cfg.data.max_prompt_len :]
+                resp = tok(r["response"], add_special_tokens=False)["input_ids"][
+                    : cfg.generation.max_new_tokens
+                ]
+                seqs.append(p + resp + [tok.eos_token_id])
+                masks.append([0] * len(p) + [1] * (len(resp) + 1))
+            b = pad_right(seqs, tok.pad_token_id)
+            b["loss_mask"] = pad_right(masks, 0)["input_ids"]
+            yield b
+
+
+def build_trainer(cfg: Config, tok, device) -> tuple[PPOTrainer, dict[str, torch.nn.Module]]:
+    """Load the four models (plus optimisers and controllers); returns the trainer and its stateful modules."""
+    actor = load_causal_lm(cfg.actor_path, trust_remote_code=cfg.trust_remote_code, dropout=False).to(device)
+    ref = load_causal_lm(
+        cfg.ref_path or cfg.actor_path, trust_remote_code=cfg.trust_remote_code, dropout=False
+    ).to(device)
+    if cfg.reward.function:
+        reward = RewardSource(function=load_function(cfg.reward.function), micro_batch=cfg.micro_batch_size)
+    else:
+        rm = load_reward_model(cfg.reward.model_path)
+        if isinstance(rm, torch.nn.Module):
+            rm = rm.to(device)
+        reward = RewardSource(model=rm, policy_tokenizer=tok, micro_batch=cfg.micro_batch_size)
+    critic, value_head, init = None, None, cfg.critic.init
+    if cfg.algo != "reinforce":
+        if init == "reward":
+            path = cfg.critic.path or cfg.reward.model_path
+            try:
+                critic = ScalarModel.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+            except ShifuError:
+                critic = None
+            if critic is None or not critic.is_causal or not same_tokenizer(critic.tokenizer, tok):
+                print(
+                    "shifu ppo: the reward model cannot be a critic (it needs a causal trunk with the policy's "
+                    "tokenizer to value each token); using critic.init=sft",
+                    file=sys.stderr,
+                )
+                init, critic = "sft", None
+            else:
+                critic.gain.fill_(1.0), critic.bias.fill_(0.0)
+        if init == "sft":
+            critic = ScalarModel.from_backbone(
+                cfg.critic.path or cfg.actor_path, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code
+            )
+        if init == "shared":
+            value_head = new_value_head(actor.config.get_text_config().hidden_size, cfg.seed).to(device)
+    if critic is not None:
+        from shifu.models import disable_dropout
+
+        critic = disable_dropout(critic).to(device)
+    ptx = _ptx_stream(cfg, tok) if cfg.ptx_coef > 0 else None
+    trainer = PPOTrainer(
+        actor, critic, ref, reward, tok, cfg, value_head=value_head, ptx_batches=ptx, device=device
+    )
+    modules = {"actor": actor}
+    if critic is not None:
+        modules["critic"] = critic
+    if value_head is not None:
+        modules["value_head"] = value_head
+    return trainer, modules
+
+
+@torch.no_grad()
+def evaluate(
+    trainer: PPOTrainer, ids: list[list[int]], rows: list[dict], gold_fn, cfg: Config
+) -> tuple[dict, list]:
+    """Held-out prompts, a low-temperature sample each: reward-model score, KL to the reference, gold score.
+
+    ``eval/kl`` is the k1 estimate (nats per response) between the actor and the reference, both with
+    logits divided by the evaluation temperature, on the evaluation samples. A private generator makes
+    evaluation leave the training RNG untouched.
+    """
+    tok, T = trainer.tok, cfg.eval.temperature
+    gen = torch.Generator().manual_seed(cfg.seed + 4242)
+    params = SamplingParams(cfg.generation.max_new_tokens, T, cfg.generation.top_k, cfg.generation.top_p)
+    trainer.actor.eval()
+    responses, scores, kls = [], [], []
+    for i in range(0, len(ids), cfg.micro_batch_size):
+        b = pad_left(ids[i : i + cfg.micro_batch_size], tok.pad_token_id)
+        pids, pmask = b["input_ids"].to(trainer.device), b["attention_mask"].to(trainer.device)
+        rids, rmask = generate(
+            trainer.actor, pids, pmask, params, tok.eos_token_id, tok.pad_token_id, generator=gen
+        )
+        full, am = torch.cat([pids, rids], 1), torch.cat([pmask, rmask.long()], 1)
+        P = pids.shape[1]
+        lp = policy_forward(trainer.actor, full, am, P, T)[0]
+        ref_lp = policy_forward(trainer.ref, full, am, P, T)[0]
+        kls.append(((lp - ref_lp) * rmask).sum(1).float().cpu())
+        texts = [tok.decode(rids[j][rmask[j]], skip_special_tokens=True) for j in range(len(rids))]
+        part_rows = rows[i : i + cfg.micro_batch_size]
+        scores.append(trainer.reward([r["prompt"] for r in part_rows], texts, part_rows, full, am).float())
+        responses += texts
+    scores_t, kl_t = torch.cat(scores), torch.cat(kls)
+    metrics = {"eval/score": float(scores_t[torch.isfinite(scores_t)].mean()), "eval/kl": float(kl_t.mean())}
+    golds = [None] * len(rows)
+    if gold_fn is not None:
+        golds = [float(g) for g in gold_fn([r["prompt"] for r in rows], responses, rows)]
+        metrics["gold/score"] = sum(golds) / len(golds)
+    samples = [
+        {"prompt": r["prompt"], "response": y, "score": float(s), "gold": g}
+        for r, y, s, g in zip(rows, responses, scores_t.tolist(), golds)
+    ]
+    return metrics, samples
+
+
+def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    from shifu.data import load_rows
+
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    # 0. validate all input before touching the output directory
+    rows = load_rows(cfg.data.prompts, "prompt", skip_bad=cfg.data.skip_bad)
+    if cfg.data.eval_prompts:
+        eval_rows = load_rows(cfg.data.eval_prompts, "prompt", skip_bad=cfg.data.skip_bad)
+    else:
+        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        n_eval = max(1, int(len(rows) * cfg.data.eval_fraction)) if len(rows) > 1 else 0
+        eval_rows, rows = [rows[i] for i in perm[:n_eval]], [rows[i] for i in sorted(perm[n_eval:])]
+    tok = load_tokenizer(cfg.actor_path, trust_remote_code=cfg.trust_remote_code)
+    tok.padding_side = "left"
+    ids, rows, dropped = encode_prompts(
+        tok, rows, cfg.data.max_prompt_len, cfg.data.prompt_policy, cfg.data.prompts
+    )
+    eval_ids, eval_rows, _ = encode_prompts(
+        tok,
+        eval_rows[: cfg.eval.num_prompts],
+        cfg.data.max_prompt_len,
+        cfg.data.prompt_policy,
+        cfg.data.eval_prompts or cfg.data.prompts,
+    )
+    gold_fn = load_function(cfg.eval.gold_function, "eval.gold_function") if cfg.eval.gold_function else None
+    latest = ckpt.latest_checkpoint(cfg.out_dir) if resume else None
+    if resume and latest is None and Path(cfg.out_dir).exists() and any(Path(cfg.out_dir).iterdir()):
+        raise ShifuError(f"--resume: '{cfg.out_dir}' has no complete checkpoint to resume from")
+    out = ckpt.prepare_run_dir(cfg.out_dir, resume=resume, overwrite=overwrite)
+
+    trainer, modules = build_trainer(cfg, tok, device)
+    stream = PromptStream(len(ids), cfg.batch_size, cfg.seed)
+    state: dict[str, Any] = {"iteration": 0, "best": None, "best_iteration": None, "evals": []}
+    if latest is not None:
+        tensors, js = ckpt.load_checkpoint(latest, modules)
+        changed = [
+            k
+            for k in ckpt.config_diff(js["config"], to_dict(cfg))
+            if k not in SAFE_ON_RESUME and k != "out_dir"
+        ]
+        if changed:
+            raise ConfigError(
+                f"--resume: the config differs from the checkpoint's in {', '.join(changed)}; "
+                f"only {', '.join(sorted(SAFE_ON_RESUME))} may change on resume"
+            )
+        trainer.load_state_dict(tensors, js["trainer"])
+        stream.epoch, stream.index = js["data"]["epoch"], js["data"]["index"]
+        state = js["loop"]
+        ckpt.set_rng_state(js["rng"])
+        print(f"shifu ppo: resumed from {latest} at iteration {state['iteration']}", file=sys.stderr)
+    write_config(out, cfg)
+    tracker = Tracker(out, resume_step=state["iteration"] if latest is not None else None)
+    if latest is None:
+        tracker.log(
+            0, {f"sizes/{k}": v for k, v in derived_sizes(cfg).items()} | {"data/prompts_dropped": dropped}
+        )
+
+    def save(iteration: int) -> None:
+        tensors, js = trainer.state_dict()
+        ckpt.save_checkpoint(
+            out,
+            iteration,
+            modules,
+            tensors,
+            {
+                "trainer": js,
+                "data": {"epoch": stream.epoch, "index": stream.index},
+                "loop": state,
+                "rng": ckpt.rng_state(),
+                "config": to_dict(cfg),
+            },
+            keep_last=cfg.keep_last,
+        )
+
+    def do_eval(iteration: int) -> dict[str, float]:
+        metrics, samples = evaluate(trainer, eval_ids, eval_rows, gold_fn, cfg)
+        with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
+            for s in samples:
+                f.write(json.dumps({"iteration": iteration, **s}) + "\n")
+        value = metrics.get(cfg.eval.best_metric)
+        if value is not None and (state["best"] is None or value > state["best"]):
+            state["best"], state["best_iteration"] = value, iteration
+            ckpt.save_hf_dir(trainer.actor, tok, out / "best")
+        state["evals"].append({"iteration": iteration, **metrics})
+        return metrics
+
+    stop_reason = None
+    if state["iteration"] == 0 and cfg.eval.every > 0:
+        tracker.log(0, do_eval(0))
+    bar = progress(cfg.iterations, "ppo", initial=state["iteration"])
+    with GracefulStop() as stop:
+        while state["iteration"] < cfg.iterations:
+            batch = stream.next()
+            b = pad_left([ids[i] for i in batch], tok.pad_token_id)
+            metrics = trainer.step(b["input_ids"], b["attention_mask"], [rows[i] for i in batch])
+            metrics.pop("_exp")
+            state["iteration"] += 1
+            it = state["iteration"]
+            if cfg.eval.every > 0 and (it % cfg.eval.every == 0 or it == cfg.iterations):
+                metrics.update(do_eval(it))
+            tracker.log(it, metrics)
+            bar.update(1)
+            bar.set_postfix(
+                score=f"{metrics['objective/score']:.3f}",
+                kl=f"{metrics['objective/kl']:.2f}",
+                beta=f"{metrics['objective/kl_coef']:.3g}",
+            )
+            stop_reason = _guard(cfg, metrics, state)
+            if stop_reason or stop.requested or (cfg.save_every and it % cfg.save_every == 0):
+                save(it)
+            if stop_reason:
+                break
+            if stop.requested:
+                bar.close(), tracker.close()
+                print(
+                    f"shifu ppo: stopped at iteration {it} with a checkpoint. Resume with: shifu ppo "
+                    f"--config <same config> --out {out} --resume",
+                    file=sys.stderr,
+                )
+                return {"stopped": True, "iteration": it}
+    bar.close()
+    if stop_reason is not None and (out / "best").exists():
+        print(
+            f"shifu ppo: guard stopped the run: {stop_reason}; restoring best/ (iteration "
+            f"{state['best_iteration']}) as final/",
+            file=sys.stderr,
+        )
+        from shifu.models import load_causal_lm as _load
+
+        best = _load(out / "best", dropout=False)
+        trainer.actor.load_state_dict(best.state_dict())
+    elif stop_reason is not None:
+        print(f"shifu ppo: guard stopped the run: {stop_reason} (no best/ to restore)", file=sys.stderr)
+    save(state["iteration"])
+    ckpt.save_hf_dir(trainer.actor, tok, out / "final")
+    if trainer.critic is not None:
+        ckpt.save_scalar_dir(trainer.critic, out / "critic")
+    summary = {
+        "iterations": state["iteration"],
+        "best": state["best"],
+        "best_iteration": state["best_iteration"],
+        "guard": stop_reason,
+        "evals": state["evals"],
+        "skipped_steps": trainer.skipped_steps,
+        "kl_coef": trainer.kl_ctl.value,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    tracker.close()
+    return summary
+
+
+def _guard(cfg: Config, metrics: dict[str, float], state: dict[str, Any]) -> str | None:
+    """Reward-hacking guard: a KL ceiling, or gold falling while the training score rises N evaluations."""
+    g = cfg.guard
+    if g.kl_ceiling is not None and metrics["objective/kl"] > g.kl_ceiling:
+        return f"objective/kl {metrics['objective/kl']:.2f} nats > guard.kl_ceiling {g.kl_ceiling}"
+    evals = [e for e in state["evals"] if "gold/score" in e]
+    if g.divergence_patience > 0 and "gold/score" in metrics and len(evals) > g.divergence_patience:
+        recent = evals[-(g.divergence_patience + 1) :]
+        pairs = list(zip(recent, recent[1:]))
+        if all(b["gold/score"] < a["gold/score"] and b["eval/score"] > a["eval/score"] for a, b in pairs):
+            return (
+                f"gold/score fell while eval/score rose for {g.divergence_patience} evaluations "
+                f"(gold {recent[0]['gold/score']:.3f} -> {recent[-1]['gold/score']:.3f})"
+            )
+    return None
