@@ -1,0 +1,69 @@
+"""log_probs_from_logits / entropy_from_logits against log_softmax, with chunking, temperature, autograd."""
+
+import math
+
+import pytest
+import torch
+
+from shifu.core import entropy_from_logits, log_probs_from_logits
+
+torch.set_num_threads(1)
+
+
+def reference_log_probs(logits, tokens, temperature=1.0):
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def test_hand_computed_case():
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])  # uniform; then p = (3/4, 1/4)
+    tokens = torch.tensor([[1, 0]])
+    torch.testing.assert_close(
+        log_probs_from_logits(logits, tokens), torch.tensor([[math.log(0.5), math.log(0.75)]])
+    )
+    h = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([[math.log(2.0), h]]))
+
+
+@pytest.mark.parametrize("chunk_elements", [2**22, 50, 7, 1])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_matches_log_softmax(chunk_elements, temperature):
+    torch.manual_seed(0)
+    full = torch.randn(3, 9, 11)
+    logits = full[:, 1:-1]  # a non-contiguous slice, as the trainer passes it
+    tokens = torch.randint(0, 11, (3, 7))
+    got = log_probs_from_logits(logits, tokens, temperature, chunk_elements=chunk_elements)
+    torch.testing.assert_close(got, reference_log_probs(logits, tokens, temperature))
+    expected_h = -(torch.softmax(logits / temperature, -1) * torch.log_softmax(logits / temperature, -1)).sum(
+        -1
+    )
+    torch.testing.assert_close(
+        entropy_from_logits(logits, temperature, chunk_elements=chunk_elements), expected_h
+    )
+
+
+def test_gradients_match_log_softmax_when_chunked():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 6, requires_grad=True)
+    tokens = torch.randint(0, 6, (2, 5))
+    weights = torch.randn(2, 5)
+    (log_probs_from_logits(logits, tokens, 0.9, chunk_elements=12) * weights).sum().backward()
+    got = logits.grad.clone()
+    logits.grad = None
+    (reference_log_probs(logits, tokens, 0.9) * weights).sum().backward()
+    torch.testing.assert_close(got, logits.grad)
+
+
+def test_bf16_logits_are_upcast():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 3, 5).to(torch.bfloat16)
+    tokens = torch.randint(0, 5, (2, 3))
+    out = log_probs_from_logits(logits, tokens)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference_log_probs(logits, tokens))
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="temperature"):
+        log_probs_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="tokens shape"):
+        log_probs_from_logits(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
