@@ -1,0 +1,449 @@
+"""``shifu report RUN_DIR``: render ``RUN_DIR/report.html`` and its PNG plots from what a run wrote.
+
+Reads (every piece optional; whatever is missing is named in the page instead of drawn):
+
+- ``summary.json``: ``gold_before``, ``gold_after``, ``kl`` (nats per response), ``rm_accuracy``,
+  ``seconds`` (stage -> seconds), ``task``, ``preset``, ``seed`` and any other scalars;
+- ``sft/metrics.jsonl``, ``rm/metrics.jsonl``, ``ppo/metrics.jsonl`` (one row per step, keys from
+  :data:`shifu.metrics.METRICS`; non-finite values are the strings ``"nan"``/``"inf"``). A single trainer's
+  run directory with ``metrics.jsonl`` at its top works too: its rows go to the stage their keys name;
+- ``samples_before.jsonl`` / ``samples_after.jsonl``: ``{"prompt", "response", "gold"}`` rows for the same
+  held-out prompts in the same order, shown side by side.
+
+Writes ``report.html`` (self-contained: inline CSS, no scripts, no external resources) and
+``report/NAME.png`` (referenced by relative path). Plots use matplotlib's object API with the Agg
+renderer, so rendering never touches pyplot's global backend state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from shifu.errors import ShifuError
+
+STAGES = ("sft", "rm", "ppo")
+# which stage a top-level metrics.jsonl row belongs to, from the namespace of its keys
+_STAGE_PREFIXES = {
+    "ppo": ("objective/", "policy/", "value/", "rollout/", "gold/"),
+    "rm": ("rm/", "eval/rm/"),
+    "sft": ("sft/", "eval/sft/"),
+}
+_X_LABEL = {"ppo": "PPO iteration", "rm": "reward-model step", "sft": "SFT step"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plot:
+    """One PNG: ``keys`` of one stage's metrics drawn against ``step``."""
+
+    name: str
+    title: str
+    ylabel: str
+    stage: str
+    keys: tuple[str, ...]
+
+
+# The report's plots over iterations, in page order; `gold_vs_kl` is drawn separately (one point per eval).
+PLOTS: tuple[Plot, ...] = (
+    Plot("score", "Reward-model score", "score", "ppo", ("objective/score", "objective/rlhf_reward", "eval/score")),
+    Plot("gold", "Gold judge on held-out prompts", "gold score", "ppo", ("gold/score",)),
+    Plot("kl", "KL to the reference policy", "nats per response", "ppo", ("objective/kl", "eval/kl")),
+    Plot("beta", "KL coefficient beta", "beta", "ppo", ("objective/kl_coef",)),
+    Plot("clipfrac", "Clipped fraction", "fraction of tokens", "ppo", ("policy/clipfrac", "value/clipfrac")),
+    Plot("entropy", "Policy entropy", "nats per token", "ppo", ("objective/entropy",)),
+    Plot("response_len", "Response length", "tokens", "ppo", ("rollout/response_len",)),
+    Plot("rm_accuracy", "Reward-model accuracy", "pairwise accuracy", "rm", ("rm/accuracy", "eval/rm/accuracy")),
+    Plot("sft_loss", "SFT loss", "nats per token", "sft", ("sft/loss", "eval/sft/loss")),
+)
+GOLD_VS_KL = "gold_vs_kl"
+_INPUTS = ("summary.json", *(f"{s}/metrics.jsonl" for s in STAGES), "samples_before.jsonl", "samples_after.jsonl")
+
+
+@dataclasses.dataclass
+class RunData:
+    """Everything read from a run directory; ``notes`` lists what was missing or unreadable."""
+
+    run_dir: Path
+    summary: dict[str, Any] | None
+    stages: dict[str, list[dict[str, Any]]]
+    before: list[dict[str, Any]] | None
+    after: list[dict[str, Any]] | None
+    notes: list[str]
+
+
+def _num(v: Any) -> float | None:
+    """A metric value as float: numbers as they are, ``"nan"``/``"inf"``/``"-inf"`` strings as floats,
+    anything else (null, bool, text) as None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            x = float(v)
+        except ValueError:
+            return None
+        return x if not math.isfinite(x) else None  # only the non-finite spellings Tracker writes
+    return None
+
+
+def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        notes.append(f"{path.name} is not valid JSON ({e}); the summary table is omitted")
+        return None
+    if not isinstance(value, dict):
+        notes.append(f"{path.name} is not a JSON object; the summary table is omitted")
+        return None
+    return value
+
+
+def _read_jsonl(path: Path, notes: list[str], run_dir: Path) -> list[dict[str, Any]] | None:
+    """Rows of a JSONL file; a bad line (e.g. the last line of a killed run) is skipped with a note."""
+    if not path.is_file():
+        return None
+    rows, bad = [], []
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(i)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(i)
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
+        notes.append(f"{path.relative_to(run_dir)}: skipped {len(bad)} line(s) that are not JSON objects (line {shown})")
+    return rows
+
+
+def _stage_of(row: dict[str, Any]) -> str | None:
+    for stage, prefixes in _STAGE_PREFIXES.items():
+        if any(k.startswith(prefixes) for k in row):
+            return stage
+    return None
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run directory. Raises :class:`ShifuError` if it does not exist or holds nothing to report."""
+    run = Path(run_dir)
+    if not run.exists():
+        raise ShifuError(
+            f"run directory {run} does not exist (pass the --out directory of `shifu quickstart` or a trainer)"
+        )
+    if not run.is_dir():
+        raise ShifuError(f"{run} is not a directory (pass a run directory, not a file inside it)")
+    notes: list[str] = []
+    summary = _read_json(run / "summary.json", notes)
+    stages: dict[str, list[dict[str, Any]]] = {}
+    for stage in STAGES:
+        rows = _read_jsonl(run / stage / "metrics.jsonl", notes, run)
+        if rows is not None:
+            stages[stage] = rows
+    top = _read_jsonl(run / "metrics.jsonl", notes, run) or []
+    for row in top:  # a single trainer's run: its rows go to the stage their keys name
+        stage = _stage_of(row)
+        if stage is not None and not (run / stage / "metrics.jsonl").is_file():
+            stages.setdefault(stage, []).append(row)
+    before = _read_jsonl(run / "samples_before.jsonl", notes, run)
+    after = _read_jsonl(run / "samples_after.jsonl", notes, run)
+    if summary is None and not any(stages.values()) and not before and not after:
+        raise ShifuError(
+            f"{run}: nothing to report: none of {', '.join(_INPUTS)} (or a top-level metrics.jsonl) "
+            "exists with content (pass the --out directory of `shifu quickstart` or a trainer)"
+        )
+    return RunData(run, summary, stages, before, after, notes)
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float], int]:
+    """(steps, values, number of non-finite values) of ``key``; non-finite values become NaN gaps."""
+    xs, ys, nonfinite = [], [], 0
+    for i, row in enumerate(rows):
+        y = _num(row.get(key))
+        if y is None:
+            continue
+        x = _num(row.get("step"))
+        xs.append(float(i) if x is None or not math.isfinite(x) else x)
+        if not math.isfinite(y):
+            nonfinite += 1
+            y = math.nan
+        ys.append(y)
+    return xs, ys, nonfinite
+
+
+def _figure():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+
+
+def _draw(plot: Plot, rows: list[dict[str, Any]], summary: dict[str, Any] | None, path: Path) -> str | None:
+    """Draw one plot to ``path``; returns None, or why nothing was drawn."""
+    drawn, notes = 0, []
+    fig, ax = _figure()
+    for key in plot.keys:
+        xs, ys, nonfinite = _series(rows, key)
+        if not any(math.isfinite(y) for y in ys):
+            continue
+        # sparse series (evaluation rows) get markers so single points are visible
+        ax.plot(xs, ys, marker="o" if len(xs) <= 40 else None, markersize=4, label=key)
+        drawn += 1
+        if nonfinite:
+            notes.append(f"{nonfinite} non-finite value(s) of {key} left as gaps")
+    if not drawn:
+        return f"no finite values of {', '.join(plot.keys)} in {plot.stage}/metrics.jsonl"
+    if plot.name == "gold" and summary is not None and _num(summary.get("gold_before")) is not None:
+        ax.axhline(_num(summary["gold_before"]), color="gray", linestyle="--", label="SFT policy (gold_before)")
+    ax.set_title(plot.title)
+    ax.set_xlabel(_X_LABEL[plot.stage])
+    ax.set_ylabel(plot.ylabel)
+    if len(ax.get_lines()) > 1:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+    return "; ".join(notes) if notes else None
+
+
+def _draw_gold_vs_kl(rows: list[dict[str, Any]], summary: dict[str, Any] | None, path: Path) -> str | None:
+    """Gold score against KL, one point per evaluation (in iteration order), plus the summary's end points.
+
+    The SFT policy is the reference, so "before" sits at KL = 0 by definition. Over-optimisation shows as
+    the curve turning down while KL keeps growing."""
+    points = []
+    for row in rows:
+        kl, gold = _num(row.get("eval/kl")), _num(row.get("gold/score"))
+        if kl is not None and gold is not None and math.isfinite(kl) and math.isfinite(gold):
+            points.append((kl, gold, row.get("step")))
+    s = summary or {}
+    before, after, kl_after = _num(s.get("gold_before")), _num(s.get("gold_after")), _num(s.get("kl"))
+    has_before = before is not None and math.isfinite(before)
+    has_after = all(v is not None and math.isfinite(v) for v in (after, kl_after))
+    if not points and not (has_before or has_after):
+        return "no evaluation rows with both eval/kl and gold/score, and no gold_before/gold_after in summary.json"
+    fig, ax = _figure()
+    if points:
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label="evaluations")
+        for kl, gold, step in (points[0], points[-1]) if len(points) > 1 else points[:1]:
+            ax.annotate(f"it {step}", (kl, gold), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if has_before:
+        ax.plot([0.0], [before], marker="*", markersize=12, linestyle="none", label="SFT policy (before)")
+    if has_after:
+        ax.plot([kl_after], [after], marker="s", markersize=7, linestyle="none", label="final policy (after)")
+    ax.set_title("Gold score against KL")
+    ax.set_xlabel("KL to the reference (nats per response)")
+    ax.set_ylabel("gold score")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- html
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
+       color: #222; padding: 0 1em; }
+h1 { margin-bottom: 0.2em; } .sub { color: #666; margin-top: 0; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.text { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 0.85em; max-width: 30em; }
+.up { color: #1a7f37; } .down { color: #c62828; }
+.plots { display: flex; flex-wrap: wrap; gap: 1em; }
+figure { margin: 0; } figcaption { font-size: 0.85em; color: #555; max-width: 640px; }
+.notes { background: #fff8e1; border-left: 4px solid #f0b400; padding: 0.5em 1em; }
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _f(v: Any, digits: int = 3, signed: bool = False) -> str:
+    x = _num(v)
+    if x is None:
+        return "—"
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
+    s = summary
+    before, after = _num(s.get("gold_before")), _num(s.get("gold_after"))
+    delta = after - before if before is not None and after is not None else None
+    rows: list[tuple[str, str, str]] = []  # (label, value html, css class)
+    for key in ("task", "preset", "seed"):
+        if key in s:
+            rows.append((key, _e(s[key]), ""))
+    rows.append(("gold before PPO (SFT policy)", _f(before), "num"))
+    rows.append(("gold after PPO (final policy)", _f(after), "num"))
+    cls = "" if delta is None or delta == 0 else ("up" if delta > 0 else "down")
+    rows.append(("gold delta (after - before)", f'<span class="{cls}">{_f(delta, signed=True)}</span>', "num"))
+    rows.append(("KL final vs reference (nats per response)", _f(s.get("kl")), "num"))
+    rm_acc = s.get("rm_accuracy")
+    rows.append(
+        ("reward-model accuracy (held-out)", _f(rm_acc) if rm_acc is not None else "— (no learned reward model)", "num")
+    )
+    if n_prompts:
+        rows.append(("held-out prompts in the samples", str(n_prompts), "num"))
+    seconds = s.get("seconds")
+    if isinstance(seconds, dict):
+        total = 0.0
+        for stage, sec in seconds.items():
+            x = _num(sec)
+            total += x if x is not None and math.isfinite(x) else 0.0
+            rows.append((f"time: {stage}", f"{_f(sec, 1)} s", "num"))
+        rows.append(("time: total", f"{total:.1f} s", "num"))
+    known = {"task", "preset", "seed", "gold_before", "gold_after", "kl", "rm_accuracy", "seconds"}
+    for key, value in s.items():  # anything else the run recorded, verbatim
+        if key in known:
+            continue
+        shown = _f(value, 4) if _num(value) is not None else _e(json.dumps(value) if not isinstance(value, str) else value)
+        rows.append((_e(key), shown, "num" if _num(value) is not None else ""))
+    body = "\n".join(f'<tr><th>{label}</th><td class="{c}">{v}</td></tr>' for label, v, c in rows)
+    return f"<table>\n{body}\n</table>"
+
+
+def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
+    before, after = data.before or [], data.after or []
+    if not before and not after:
+        notes.append("no samples_before.jsonl / samples_after.jsonl: the sample table is omitted")
+        return "<p>No samples were written for this run.</p>"
+    if not before or not after:
+        missing = "samples_before.jsonl" if not before else "samples_after.jsonl"
+        notes.append(f"{missing} is missing or empty: only one side of the sample table is shown")
+    n = max(len(before), len(after))
+    if before and after and len(before) != len(after):
+        notes.append(f"samples_before has {len(before)} rows and samples_after {len(after)}; paired by position")
+    mismatched = 0
+    rows = []
+    for i in range(min(n, max_samples)):
+        b = before[i] if i < len(before) else {}
+        a = after[i] if i < len(after) else {}
+        prompt = b.get("prompt", a.get("prompt", ""))
+        if b and a and b.get("prompt") != a.get("prompt"):
+            mismatched += 1
+            prompt = f"{b.get('prompt', '')}\n[after: {a.get('prompt', '')}]"
+        gb, ga = _num(b.get("gold")), _num(a.get("gold"))
+        d = ga - gb if gb is not None and ga is not None else None
+        cls = "" if d is None or d == 0 else ("up" if d > 0 else "down")
+        rows.append(
+            f'<tr><td class="num">{i + 1}</td><td class="text">{_e(prompt)}</td>'
+            f'<td class="text">{_e(b.get("response", ""))}</td><td class="num">{_f(gb)}</td>'
+            f'<td class="text">{_e(a.get("response", ""))}</td><td class="num">{_f(ga)}</td>'
+            f'<td class="num {cls}">{_f(d, signed=True)}</td></tr>'
+        )
+    if mismatched:
+        notes.append(f"{mismatched} sample row(s) have different prompts before and after; both are shown")
+    head = (
+        "<tr><th>#</th><th>prompt</th><th>before PPO (SFT policy)</th><th>gold</th>"
+        "<th>after PPO (final policy)</th><th>gold</th><th>delta</th></tr>"
+    )
+    shown = f"<p>First {min(n, max_samples)} of {n} held-out prompts.</p>" if n > max_samples else ""
+    return shown + "<table>\n" + head + "\n" + "\n".join(rows) + "\n</table>"
+
+
+def render_report(run_dir: str | Path, max_samples: int = 64) -> Path:
+    """Write ``run_dir/report.html`` and ``run_dir/report/*.png``; returns the path of the HTML file.
+
+    Missing files or keys omit their plot or table and are listed in the page. Raises
+    :class:`ShifuError` when ``run_dir`` does not exist or holds nothing to report.
+    """
+    data = load_run(run_dir)
+    run = data.run_dir
+    notes = list(data.notes)
+    img_dir = run / "report"
+    img_dir.mkdir(exist_ok=True)
+    for name in [p.name for p in PLOTS] + [GOLD_VS_KL]:  # drop plots of an earlier render
+        (img_dir / f"{name}.png").unlink(missing_ok=True)
+
+    figures = []
+    ppo_rows = data.stages.get("ppo", [])
+    for plot in PLOTS:
+        rows = data.stages.get(plot.stage)
+        if not rows:
+            notes.append(f"{plot.name}.png omitted: no {plot.stage}/metrics.jsonl rows")
+            continue
+        why = _draw(plot, rows, data.summary, img_dir / f"{plot.name}.png")
+        if (img_dir / f"{plot.name}.png").exists():
+            figures.append((plot.name, f"{plot.title}: {', '.join(plot.keys)} over {_X_LABEL[plot.stage]}s"))
+            if why:
+                notes.append(f"{plot.name}.png: {why}")
+        else:
+            notes.append(f"{plot.name}.png omitted: {why}")
+    why = _draw_gold_vs_kl(ppo_rows, data.summary, img_dir / f"{GOLD_VS_KL}.png")
+    if why is None:
+        figures.append((GOLD_VS_KL, "gold/score against eval/kl, one point per evaluation; star: SFT policy"))
+    else:
+        notes.append(f"{GOLD_VS_KL}.png omitted: {why}")
+
+    if data.summary is None:
+        notes.append("no summary.json: the summary table is omitted")
+    samples = _samples_html(data, max_samples, notes)
+    n_prompts = len(data.before or data.after or []) or None
+
+    s = data.summary or {}
+    title = "shifu run report" + (f": {s['task']}" if "task" in s else "")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="sub">{_e(run.resolve())}</p>',
+    ]
+    if data.summary is not None:
+        parts += ["<h2>Summary</h2>", _summary_html(data.summary, n_prompts)]
+    if notes:
+        parts.append('<div class="notes"><b>Not shown or partly shown:</b><ul>')
+        parts += [f"<li>{_e(n)}</li>" for n in notes]
+        parts.append("</ul></div>")
+    parts.append('<h2>Training curves</h2><div class="plots">')
+    for name, caption in figures:
+        parts.append(
+            f'<figure><img src="report/{name}.png" alt="{_e(name)}" width="640" height="360">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>"
+        )
+    parts.append("</div>")
+    parts += ["<h2>Samples on held-out prompts</h2>", samples, "</body></html>"]
+
+    out = run / "report.html"
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``shifu report RUN_DIR [--max-samples N]``."""
+    p = argparse.ArgumentParser(prog="shifu report", description="render report.html for a run directory")
+    p.add_argument("run_dir", help="a run directory written by `shifu quickstart` or a trainer")
+    p.add_argument("--max-samples", type=int, default=64, help="sample rows shown before/after (default 64)")
+    args = p.parse_args(argv)
+    path = render_report(args.run_dir, max_samples=args.max_samples)
+    n_png = len(list((path.parent / "report").glob("*.png")))
+    print(f"wrote {path} ({n_png} plots)")
+    return 0
