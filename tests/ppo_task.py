@@ -1,0 +1,55 @@
+"""A synthetic task with a known true reward for PPO tests: characters over a 12-letter alphabet.
+
+The policy is a random tiny GPT-2 over single characters; the true reward of a response is the fraction
+of its characters that are ``a`` (about 1/12 for the random policy). Importable as ``ppo_task`` from
+tests (pytest puts tests/ on sys.path), so configs can name ``ppo_task:frac_a``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ALPHABET = list("abcdefghijkl")
+EOS, PAD = "<eos>", "<pad>"
+
+
+def build_char_model(path: Path, pad_equals_eos: bool = False, seed: int = 0) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from shifu.models import build_tiny_gpt2, load_tokenizer
+
+    specials = [EOS] if pad_equals_eos else [EOS, PAD]
+    vocab = {t: i for i, t in enumerate(specials + ALPHABET + [" "])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    kwargs = {"eos_token": EOS, "bos_token": EOS} | ({} if pad_equals_eos else {"pad_token": PAD})
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    fast.save_pretrained(str(path))
+    fast = load_tokenizer(path)
+    build_tiny_gpt2(fast, n_layer=2, n_embd=32, n_head=2, n_positions=64, seed=seed).save_pretrained(
+        str(path)
+    )
+    return path
+
+
+def write_prompts(path: Path, n: int = 64) -> Path:
+    rows = [{"prompt": "".join(ALPHABET[(i * 7 + j) % 12] for j in range(3 + i % 3))} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def frac_a(prompts, responses, rows):
+    """True reward: fraction of response characters that are 'a'."""
+    return [r.count("a") / max(1, len(r)) for r in responses]
+
+
+def explode(prompts, responses, rows):
+    """A scripted reward worth hacking at any KL: 50 per 'a'."""
+    return [50.0 * r.count("a") for r in responses]
+
+
+def nan_some(prompts, responses, rows):
+    """frac_a, but NaN for every response starting with 'b' (a broken judge)."""
+    return [float("nan") if r.startswith("b") else r.count("a") / max(1, len(r)) for r in responses]
