@@ -51,18 +51,31 @@ class Plot:
 
 # The report's plots over iterations, in page order; `gold_vs_kl` is drawn separately (one point per eval).
 PLOTS: tuple[Plot, ...] = (
-    Plot("score", "Reward-model score", "score", "ppo", ("objective/score", "objective/rlhf_reward", "eval/score")),
+    Plot(
+        "score",
+        "Reward-model score",
+        "score",
+        "ppo",
+        ("objective/score", "objective/rlhf_reward", "eval/score"),
+    ),
     Plot("gold", "Gold judge on held-out prompts", "gold score", "ppo", ("gold/score",)),
     Plot("kl", "KL to the reference policy", "nats per response", "ppo", ("objective/kl", "eval/kl")),
     Plot("beta", "KL coefficient beta", "beta", "ppo", ("objective/kl_coef",)),
     Plot("clipfrac", "Clipped fraction", "fraction of tokens", "ppo", ("policy/clipfrac", "value/clipfrac")),
     Plot("entropy", "Policy entropy", "nats per token", "ppo", ("objective/entropy",)),
     Plot("response_len", "Response length", "tokens", "ppo", ("rollout/response_len",)),
-    Plot("rm_accuracy", "Reward-model accuracy", "pairwise accuracy", "rm", ("rm/accuracy", "eval/rm/accuracy")),
+    Plot(
+        "rm_accuracy", "Reward-model accuracy", "pairwise accuracy", "rm", ("rm/accuracy", "eval/rm/accuracy")
+    ),
     Plot("sft_loss", "SFT loss", "nats per token", "sft", ("sft/loss", "eval/sft/loss")),
 )
 GOLD_VS_KL = "gold_vs_kl"
-_INPUTS = ("summary.json", *(f"{s}/metrics.jsonl" for s in STAGES), "samples_before.jsonl", "samples_after.jsonl")
+_INPUTS = (
+    "summary.json",
+    *(f"{s}/metrics.jsonl" for s in STAGES),
+    "samples_before.jsonl",
+    "samples_after.jsonl",
+)
 
 
 @dataclasses.dataclass
@@ -126,7 +139,9 @@ def _read_jsonl(path: Path, notes: list[str], run_dir: Path) -> list[dict[str, A
             bad.append(i)
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
-        notes.append(f"{path.relative_to(run_dir)}: skipped {len(bad)} line(s) that are not JSON objects (line {shown})")
+        notes.append(
+            f"{path.relative_to(run_dir)}: skipped {len(bad)} line(s) that are not JSON objects (line {shown})"
+        )
     return rows
 
 
@@ -190,7 +205,9 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
 def _figure():
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    # fixed margins: constrained layout would double the drawing time
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
     ax = fig.add_subplot()
     ax.grid(True, alpha=0.3)
     return fig, ax
@@ -218,7 +235,9 @@ def _draw(plot: Plot, rows: list[dict[str, Any]], summary: dict[str, Any] | None
     if not drawn:
         return f"no finite values of {', '.join(plot.keys)} in {plot.stage}/metrics.jsonl"
     if plot.name == "gold" and summary is not None and _num(summary.get("gold_before")) is not None:
-        ax.axhline(_num(summary["gold_before"]), color="gray", linestyle="--", label="SFT policy (gold_before)")
+        ax.axhline(
+            _num(summary["gold_before"]), color="gray", linestyle="--", label="SFT policy (gold_before)"
+        )
     ax.set_title(plot.title)
     ax.set_xlabel(_X_LABEL[plot.stage])
     ax.set_ylabel(plot.ylabel)
@@ -247,8 +266,11 @@ def _draw_gold_vs_kl(rows: list[dict[str, Any]], summary: dict[str, Any] | None,
     fig, ax = _figure()
     if points:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label="evaluations")
-        for kl, gold, step in (points[0], points[-1]) if len(points) > 1 else points[:1]:
-            ax.annotate(f"it {step}", (kl, gold), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ends = [(points[0], (4, 4), "left")] + ([(points[-1], (-4, 6), "right")] if len(points) > 1 else [])
+        for (kl, gold, step), offset, align in ends:
+            ax.annotate(
+                f"it {step}", (kl, gold), textcoords="offset points", xytext=offset, ha=align, fontsize=7
+            )
     if has_before:
         ax.plot([0.0], [before], marker="*", markersize=12, linestyle="none", label="SFT policy (before)")
     if has_after:
@@ -264,7 +286,7 @@ def _draw_gold_vs_kl(rows: list[dict[str, Any]], summary: dict[str, Any] | None,
 # ----------------------------------------------------------------------------------------------- html
 
 _CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1340px;
        color: #222; padding: 0 1em; }
 h1 { margin-bottom: 0.2em; } .sub { color: #666; margin-top: 0; }
 table { border-collapse: collapse; margin: 1em 0; }
@@ -301,11 +323,17 @@ def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
     rows.append(("gold before PPO (SFT policy)", _f(before), "num"))
     rows.append(("gold after PPO (final policy)", _f(after), "num"))
     cls = "" if delta is None or delta == 0 else ("up" if delta > 0 else "down")
-    rows.append(("gold delta (after - before)", f'<span class="{cls}">{_f(delta, signed=True)}</span>', "num"))
+    rows.append(
+        ("gold delta (after - before)", f'<span class="{cls}">{_f(delta, signed=True)}</span>', "num")
+    )
     rows.append(("KL final vs reference (nats per response)", _f(s.get("kl")), "num"))
     rm_acc = s.get("rm_accuracy")
     rows.append(
-        ("reward-model accuracy (held-out)", _f(rm_acc) if rm_acc is not None else "— (no learned reward model)", "num")
+        (
+            "reward-model accuracy (held-out)",
+            _f(rm_acc) if rm_acc is not None else "— (no learned reward model)",
+            "num",
+        )
     )
     if n_prompts:
         rows.append(("held-out prompts in the samples", str(n_prompts), "num"))
@@ -321,8 +349,11 @@ def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
     for key, value in s.items():  # anything else the run recorded, verbatim
         if key in known:
             continue
-        shown = _f(value, 4) if _num(value) is not None else _e(json.dumps(value) if not isinstance(value, str) else value)
-        rows.append((_e(key), shown, "num" if _num(value) is not None else ""))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            shown, c = (str(value) if isinstance(value, int) else f"{value:.4g}"), "num"
+        else:
+            shown, c = _e(value if isinstance(value, str) else json.dumps(value)), ""
+        rows.append((_e(key), shown, c))
     body = "\n".join(f'<tr><th>{label}</th><td class="{c}">{v}</td></tr>' for label, v, c in rows)
     return f"<table>\n{body}\n</table>"
 
@@ -337,7 +368,9 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
         notes.append(f"{missing} is missing or empty: only one side of the sample table is shown")
     n = max(len(before), len(after))
     if before and after and len(before) != len(after):
-        notes.append(f"samples_before has {len(before)} rows and samples_after {len(after)}; paired by position")
+        notes.append(
+            f"samples_before has {len(before)} rows and samples_after {len(after)}; paired by position"
+        )
     mismatched = 0
     rows = []
     for i in range(min(n, max_samples)):

@@ -3,6 +3,7 @@ real browser (headless Chromium) with every image and no errors, and the metrics
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -91,6 +92,7 @@ def write_run(run: Path, *, iterations: int = 30, eval_every: int = 5) -> dict:
         "rm_accuracy": 0.78,
         "seconds": {"sft": 120.5, "rm": 60.25, "ppo": 400.0},
         "n_prompts": 3,
+        "judge": "vader <compound>",
     }
     (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
     prompts = ["This movie was", NASTY, "I & my <friends>"]
@@ -158,7 +160,8 @@ def test_render_full_run(tmp_path: Path):
     # summary figures: delta computed, stage times and total, extra keys kept
     assert "+0.600" in page and "-0.100" in page and "9.500" in page and "0.780" in page
     assert "120.5 s" in page and "580.8 s" in page
-    assert "n_prompts" in page
+    assert '<th>n_prompts</th><td class="num">3</td>' in page
+    assert '<th>judge</th><td class="">vader &lt;compound&gt;</td>' in page
     # per-sample gold deltas, in the before/after order of the files
     assert page.index("+0.800") < page.index("+0.300") < page.index("+0.700")
     # the inf clipfrac is reported as a gap, nothing is reported missing otherwise
@@ -314,6 +317,7 @@ def test_report_loads_in_headless_chromium(tmp_path: Path):
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
+        "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
         "--disable-quic",
         "--no-first-run",
         "--disable-background-networking",
@@ -331,7 +335,7 @@ def test_report_loads_in_headless_chromium(tmp_path: Path):
     assert r.returncode == 0, f"chromium exited {r.returncode}:\n{r.stderr[-2000:]}"
     found = re.search(r'<pre id="shifu-check">(.*?)</pre>', r.stdout, flags=re.S)
     assert found, f"the checking script did not run; chromium stderr:\n{r.stderr[-2000:]}"
-    result = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    result = json.loads(html.unescape(found.group(1)))
     assert result["errors"] == []
     srcs = sorted(im["src"] for im in result["images"])
     assert srcs == sorted(f"report/{n}.png" for n in EVERY_PLOT)
