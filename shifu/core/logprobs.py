@@ -1,43 +1,97 @@
 """Log-probabilities and entropy from logits, in chunks so that no second ``(B, T, V)`` tensor exists.
 
 ``logits[:, t]`` are the logits at the position that predicts ``tokens[:, t]`` (the caller slices
-``[:, P-1 : P+R-1]`` of a model's output; see docs/architecture.md). Both functions work on views of
-``logits`` (which may be non-contiguous), compute in float32 (bf16/fp16 chunks are upcast), and are
-differentiable.
+``[:, P-1 : P+R-1]`` of a model's output; see docs/architecture.md). Both functions read views of
+``logits`` (which may be non-contiguous), compute in float32 (bf16/fp16 chunks are upcast) and return
+float32 ``(B, T)``. They are differentiable through hand-written backward passes that recompute the softmax
+chunk by chunk: autograd saves only ``logits`` itself (which the model's graph holds anyway) instead of
+a divided or upcast copy per chunk, and the only ``(B, T, V)`` tensor created is the gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-# Elements of one (b, t, V) chunk: 2**22 floats = 16 MiB of float32 working memory per chunk.
+# Elements of one (b, t, V) chunk: 2**22 floats = 16 MiB of float32 working memory per temporary.
 DEFAULT_CHUNK_ELEMENTS = 2**22
 
 
-def _check_temperature(temperature: float) -> None:
+def _chunks(logits: Tensor, chunk_elements: int) -> Iterator[tuple[slice, slice]]:
+    """(batch, time) slices covering ``logits`` (B, T, V) with at most ~``chunk_elements`` logits each."""
+    B, T, V = logits.shape
+    rows = max(1, chunk_elements // max(V, 1))  # (b * t) rows per chunk
+    b_step = max(1, min(B, rows))
+    t_step = max(1, rows // b_step)
+    for b0 in range(0, B, b_step):
+        for t0 in range(0, T, t_step):
+            yield slice(b0, b0 + b_step), slice(t0, t0 + t_step)
+
+
+def _scaled(chunk: Tensor, temperature: float) -> Tensor:
+    z = chunk.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _check(logits: Tensor, temperature: float) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-def _map_chunks(fn: Callable[[Tensor, slice, slice], Tensor], logits: Tensor, chunk_elements: int) -> Tensor:
-    """Apply ``fn(chunk (b,t,V), batch_slice, time_slice) -> (b,t)`` over views of ``logits`` (B,T,V)."""
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
-    B, T, V = logits.shape
-    rows = max(1, chunk_elements // max(V, 1))  # (b*t) rows per chunk
-    b_step = max(1, min(B, rows))
-    t_step = max(1, rows // b_step)
-    if b_step >= B and t_step >= T:
-        return fn(logits, slice(None), slice(None))
-    out = []
-    for b0 in range(0, B, b_step):
-        bs = slice(b0, b0 + b_step)
-        parts = [fn(logits[bs, t0 : t0 + t_step], bs, slice(t0, t0 + t_step)) for t0 in range(0, T, t_step)]
-        out.append(torch.cat(parts, dim=1))
-    return torch.cat(out, dim=0)
+class _TokenLogProbs(torch.autograd.Function):
+    """log p(y) = u_y - logsumexp(u), u = z / tau; d/dz_v = (1[v = y] - softmax(u)_v) / tau."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, index: Tensor, temperature: float, chunk_elements: int) -> Tensor:
+        out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+        for bs, ts in _chunks(logits, chunk_elements):
+            u = _scaled(logits[bs, ts], temperature)
+            out[bs, ts] = u.gather(-1, index[bs, ts]).squeeze(-1) - torch.logsumexp(u, dim=-1)
+        ctx.save_for_backward(logits, index)
+        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        logits, index = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for bs, ts in _chunks(logits, ctx.chunk_elements):
+            g = torch.softmax(_scaled(logits[bs, ts], ctx.temperature), dim=-1).neg_()
+            g.scatter_add_(-1, index[bs, ts], torch.ones_like(index[bs, ts], dtype=g.dtype))
+            g.mul_(grad_out[bs, ts].unsqueeze(-1) / ctx.temperature)
+            grad[bs, ts] = g
+        return grad, None, None, None
+
+
+class _Entropy(torch.autograd.Function):
+    """H = logsumexp(u) - sum_v p_v u_v, p = softmax(u), u = z / tau; dH/dz_v = -p_v (log p_v + H) / tau."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, chunk_elements: int) -> Tensor:
+        out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+        for bs, ts in _chunks(logits, chunk_elements):
+            u = _scaled(logits[bs, ts], temperature)
+            out[bs, ts] = torch.logsumexp(u, dim=-1) - (torch.softmax(u, dim=-1) * u).sum(-1)
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        logits, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for bs, ts in _chunks(logits, ctx.chunk_elements):
+            log_p = torch.log_softmax(_scaled(logits[bs, ts], ctx.temperature), dim=-1)
+            g = log_p.add(entropy[bs, ts].unsqueeze(-1)).mul_(log_p.exp()).neg_()
+            g.mul_(grad_out[bs, ts].unsqueeze(-1) / ctx.temperature)
+            grad[bs, ts] = g
+        return grad, None, None
 
 
 def log_probs_from_logits(
@@ -45,24 +99,16 @@ def log_probs_from_logits(
 ) -> Tensor:
     """Log-probabilities ``(B, T)`` of ``tokens`` ``(B, T)`` under ``softmax(logits / temperature)``.
 
-    ``log p(y) = z_y / tau - logsumexp(z / tau)``: one gather plus one logsumexp per chunk of at most
-    ``chunk_elements`` logits, so only a chunk-sized temporary (the divided and upcast chunk, and
-    logsumexp's own workspace) exists beside ``logits``. Differentiable.
+    ``log p(y) = z_y / tau - logsumexp(z / tau)``: one gather and one logsumexp per chunk of at most
+    ``chunk_elements`` logits, so beside ``logits`` only chunk-sized temporaries exist (forward and
+    backward). Differentiable once (no double backward).
     """
-    _check_temperature(temperature)
+    _check(logits, temperature)
     if tokens.shape != logits.shape[:2]:
         raise ValueError(
             f"tokens shape {tuple(tokens.shape)} must be logits.shape[:2] = {tuple(logits.shape[:2])}"
         )
-    index = tokens.long().unsqueeze(-1)
-
-    def chunk_log_probs(chunk: Tensor, bs: slice, ts: slice) -> Tensor:
-        z = chunk.float()
-        if temperature != 1.0:
-            z = z / temperature
-        return z.gather(-1, index[bs, ts]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-    return _map_chunks(chunk_log_probs, logits, chunk_elements)
+    return _TokenLogProbs.apply(logits, tokens.long().unsqueeze(-1), float(temperature), int(chunk_elements))
 
 
 def entropy_from_logits(
@@ -70,14 +116,8 @@ def entropy_from_logits(
 ) -> Tensor:
     """Entropy ``(B, T)`` in nats of ``softmax(logits / temperature)`` at each position.
 
-    ``H = logsumexp(z) - sum_v softmax(z)_v z_v``, chunked like :func:`log_probs_from_logits`. Differentiable.
+    ``H = logsumexp(u) - sum_v softmax(u)_v u_v`` with ``u = z / tau``, chunked like
+    :func:`log_probs_from_logits`. Differentiable once.
     """
-    _check_temperature(temperature)
-
-    def chunk_entropy(chunk: Tensor, bs: slice, ts: slice) -> Tensor:
-        z = chunk.float()
-        if temperature != 1.0:
-            z = z / temperature
-        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-
-    return _map_chunks(chunk_entropy, logits, chunk_elements)
+    _check(logits, temperature)
+    return _Entropy.apply(logits, float(temperature), int(chunk_elements))
