@@ -1,0 +1,450 @@
+"""The only module that touches ``torch.distributed``: process groups, collectives, DDP/FSDP2 wrapping,
+sharded checkpoints, per-rank seeds and the memory helpers (gradient checkpointing, frozen-model offload).
+
+Every function works unchanged in a plain single process (``WORLD_SIZE`` unset): collectives return their
+input, wrappers return the model, ``rank() == 0``. Under ``torchrun`` call :func:`init` once at start-up.
+
+Conventions pinned here (and tested in ``tests/test_distributed.py`` on 2 CPU processes over gloo):
+
+- **Global token-mean.** A token-mean loss over a global batch split across ranks is
+  ``sum_r sum_t l_rt / N`` with ``N`` the number of real tokens on *all* ranks. DDP and FSDP2 *average*
+  gradients over the ``W`` ranks, so each rank must back-propagate ``sum_t l_rt / (N / W)``:
+  divide the local masked *sum* by :func:`token_mean_divisor` of the local count. The update then equals
+  a 1-process update on the whole batch (to float rounding), whatever the number of tokens on each rank.
+  With gradient accumulation, the count is that of every micro-batch of the optimiser step.
+- **Synced loops.** A loop whose length differs across ranks (generation until EOS) must run the same
+  number of collectives everywhere: loop ``while not all_true(local_done)``; finished ranks keep
+  running (wasted) forwards until every rank is done, so FSDP all-gathers never deadlock.
+- **Seeds.** Model initialisation and data shuffling use the *same* seed on every rank; sampling uses
+  :func:`rank_seed` so that ranks draw different responses.
+- **Main rank.** Only rank 0 (:func:`is_main`) writes logs and the non-sharded parts of checkpoints; all
+  ranks take part in :func:`save_sharded` / :func:`load_sharded` and :func:`full_state_dict`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shifu.errors import ShifuError
+
+TrainStrategy = Literal["none", "ddp", "fsdp2"]
+FrozenStrategy = Literal["replicate", "fsdp2"]
+
+_device: torch.device | None = None
+
+
+# --------------------------------------------------------------------------------------------------------
+# process group
+
+
+def init(backend: str | None = None, timeout_s: float = 600) -> torch.device:
+    """Join the process group that ``torchrun`` describes in the environment; return this rank's device.
+
+    ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. ``timeout_s`` bounds every
+    collective: a rank stuck waiting (a deadlock) fails after it instead of hanging. Without
+    ``WORLD_SIZE`` in the environment this is a single process: nothing is initialised.
+    """
+    global _device
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        _device = _default_device()
+        return _device
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise ShifuError(f"WORLD_SIZE is set but {key} is not: launch with `torchrun`, not by hand")
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    _device = _default_device()
+    if _device.type == "cuda":
+        torch.cuda.set_device(_device)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = _device  # binds the communicator to this GPU up front
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return _device
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def destroy() -> None:
+    """Leave the process group (call at the end of a torchrun program; a no-op otherwise)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    """True on rank 0 (and in a single process): the rank that logs and writes files."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def local_device() -> torch.device:
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
+    return _device if _device is not None else _default_device()
+
+
+def rank_seed(seed: int) -> int:
+    """``seed + 1000 * rank``: a different sampling stream per rank (rank 0 keeps ``seed``).
+
+    Use it for sampling only; model initialisation and data order use the shared ``seed``.
+    """
+    return seed + 1000 * rank()
+
+
+def _comm_device() -> torch.device:
+    """Where collective buffers live: the GPU for NCCL, the CPU for gloo."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return local_device()
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------------------
+# collectives (no gradient flows through any of them)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over ranks, as a new tensor on ``t``'s device (``t`` itself is left unchanged)."""
+    out = t.detach().clone()
+    if is_distributed():
+        buf = out.to(_comm_device())
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        out = buf.to(t.device)
+    return out
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of ``t`` over ranks (floating tensors)."""
+    return all_reduce_sum(t) / world_size()
+
+
+def global_count(n: torch.Tensor) -> torch.Tensor:
+    """Total over ranks of a local count (e.g. ``response_mask.sum()``): the global number of real tokens."""
+    return all_reduce_sum(n)
+
+
+def token_mean_divisor(n_local: torch.Tensor) -> torch.Tensor:
+    """``N_global / W``: divide the local masked loss *sum* by this to get a global token-mean update.
+
+    DDP/FSDP2 average gradients over ``W`` ranks, so ``sum_local / (N_global / W)`` averaged over ranks
+    is ``sum_global / N_global``. Clamped at 1 token so an all-padding batch gives a zero loss, not NaN.
+    """
+    n = global_count(n_local.detach().to(torch.float64)).clamp(min=1.0)
+    return (n / world_size()).to(torch.float32)
+
+
+def reduce_metrics(
+    metrics: dict[str, float | torch.Tensor], op: Literal["mean", "sum"] = "mean"
+) -> dict[str, float]:
+    """Mean (or sum) over ranks of scalar metrics, in ONE collective; returns plain floats.
+
+    Every rank must pass the same keys (order does not matter). Values are stacked into one float64
+    vector, all-reduced, and read back with a single device-to-host copy.
+    """
+    keys = sorted(metrics)
+    if not keys:
+        return {}
+    vals = torch.stack(
+        [torch.as_tensor(metrics[k]).detach().to("cpu", torch.float64).reshape(()) for k in keys]
+    )
+    total = all_reduce_sum(vals.to(_comm_device())).cpu()
+    if op == "mean":
+        total = total / world_size()
+    return dict(zip(keys, total.tolist()))
+
+
+def _reduce_flag(flag: bool, op: dist.ReduceOp) -> bool:
+    if not is_distributed():
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(t, op=op)
+    return bool(t.item())
+
+
+def any_true(flag: bool) -> bool:
+    """True if ``flag`` is true on any rank (one collective; every rank must call it)."""
+    return _reduce_flag(flag, dist.ReduceOp.MAX)
+
+
+def all_true(flag: bool) -> bool:
+    """True if ``flag`` is true on every rank: the ``all_done`` hook of synced generation."""
+    return _reduce_flag(flag, dist.ReduceOp.MIN)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (the others' argument is ignored)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# rank-0 output
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only (flushed, so torchrun's interleaved output stays readable)."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def warn0(message: str) -> None:
+    """A warning line on stderr, on rank 0 only."""
+    if is_main():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# wrapping models
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model (classes named in ``_no_split_modules``), outermost first.
+
+    Falls back to the children of every ``nn.ModuleList`` when no model declares its blocks.
+    """
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        blocks = [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m]
+    # never shard a block inside another block: keep the outermost ones
+    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+    return [b for b in blocks if id(b) not in inner]
+
+
+def _broadcast_from_main(model: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers to every rank (identical start before sharding)."""
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            buf = t.data.to(_comm_device())
+            dist.broadcast(buf, src=0)
+            t.data.copy_(buf.to(t.device))
+
+
+def _fully_shard(model: nn.Module, bf16: bool, cpu_offload: bool, reshard_after_forward: bool) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if bf16:
+        # compute in bf16, reduce gradients in fp32 (the sharded master weights stay fp32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs["offload_policy"] = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for block in _blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)  # the root: embeddings, final norm, (tied) head, scalar head
+    return model
+
+
+def wrap_trainable(
+    model: nn.Module, strategy: TrainStrategy, bf16: bool = False, cpu_offload: bool = False
+) -> nn.Module:
+    """Prepare a trained model (actor, critic, SFT policy, reward model) on this rank's device.
+
+    - ``none``: moved to :func:`local_device`, nothing else.
+    - ``ddp``: ``DistributedDataParallel`` (rank 0's weights broadcast at construction). Call the trained
+      model through the wrapper; reach HF methods (``generate``) through ``wrapped.module``.
+    - ``fsdp2``: ``fully_shard`` on each transformer block, then on the root. The model keeps its class
+      and methods (``generate`` works; each block all-gathers its weights in its forward). Rank 0's
+      weights are broadcast first. ``bf16`` computes in bf16 with fp32 gradient reduction;
+      ``cpu_offload`` keeps the sharded parameters, gradients and optimiser state on the CPU (GPU runs).
+
+    Build the optimiser *after* wrapping (FSDP2 replaces parameters by sharded DTensors).
+    """
+    device = local_device()
+    if strategy == "none" or not is_distributed():
+        if strategy not in ("none", "ddp", "fsdp2"):
+            raise ShifuError(f"unknown distributed strategy '{strategy}' (use none, ddp or fsdp2)")
+        return model.to(device)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to(device)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy == "fsdp2":
+        model = model.to(device)
+        _broadcast_from_main(model)
+        return _fully_shard(model, bf16=bf16, cpu_offload=cpu_offload, reshard_after_forward=True)
+    raise ShifuError(f"unknown distributed strategy '{strategy}' (use none, ddp or fsdp2)")
+
+
+def prepare_frozen(model: nn.Module, strategy: FrozenStrategy = "replicate", bf16: bool = False) -> nn.Module:
+    """A frozen model (reference, reward model) in eval mode with ``requires_grad=False``.
+
+    ``replicate``: a full copy on every rank's device (each rank loads the same directory).
+    ``fsdp2``: sharded like a trained model (1/W of its memory per rank; every forward all-gathers, so
+    all ranks must call its forward the same number of times).
+    """
+    model.eval().requires_grad_(False)
+    if strategy == "replicate" or not is_distributed():
+        if strategy not in ("replicate", "fsdp2"):
+            raise ShifuError(f"unknown frozen-model strategy '{strategy}' (use replicate or fsdp2)")
+        return model.to(local_device())
+    if strategy == "fsdp2":
+        model = model.to(local_device())
+        _broadcast_from_main(model)
+        return _fully_shard(model, bf16=bf16, cpu_offload=False, reshard_after_forward=True)
+    raise ShifuError(f"unknown frozen-model strategy '{strategy}' (use replicate or fsdp2)")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP wrapper (FSDP2 models are not wrapped: returned as is)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce inside the block when ``enabled`` is False.
+
+    For gradient accumulation: run every micro-batch but the last with ``grad_sync(model, False)``.
+    Works for DDP (``no_sync``) and FSDP2 (``set_requires_gradient_sync``); a no-op otherwise.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if enabled:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+# --------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Model (+ optimiser) state with ``torch.distributed.checkpoint``: each rank writes its own shard.
+
+    Call on every rank, with the same ``path`` (a shared filesystem). Works for plain, DDP and FSDP2
+    models and in a single process. The caller (``shifu.checkpoint``) makes it atomic by saving into a
+    temporary directory and renaming it on rank 0 after a :func:`barrier`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load what :func:`save_sharded` wrote into an already wrapped ``model`` (and ``optimizer``) in place.
+
+    The world size may differ from the one that saved (DCP reshards on load).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (Path(path) / ".metadata").exists():
+        raise ShifuError(
+            f"'{path}' is not a sharded checkpoint (no .metadata): was it written by save_sharded?"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The complete (unsharded) model state on CPU, gathered from all ranks (call on every rank).
+
+    With ``rank0_only`` (the default) the other ranks get an empty dict and never hold the full model;
+    otherwise every rank gets a copy. For writing a ``save_pretrained`` directory on rank 0, and for tests.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    sd = get_model_state_dict(model, options=opts)
+    return sd if rank0_only else {k: v.detach().cpu() for k, v in sd.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# memory features
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each block's activations in the backward pass instead of storing them.
+
+    Uses the HF API with non-reentrant checkpoints (correct with frozen inputs, e.g. LoRA, and with
+    FSDP2). Works on an HF model, a ``ScalarModel`` (its backbone) and a peft model. Gradients are equal
+    to those without it (tested); HF checkpoints only in ``train()`` mode.
+    """
+    target = unwrap(model)
+    for m in (target, getattr(target, "backbone", None), getattr(target, "base_model", None)):
+        if m is not None and hasattr(m, "gradient_checkpointing_enable"):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
+    raise ShifuError(
+        f"gradient checkpointing: {type(target).__name__} has no gradient_checkpointing_enable(); "
+        "use a Hugging Face model or set gradient_checkpointing=false"
+    )
+
+
+@contextlib.contextmanager
+def offload_frozen(model: nn.Module, device: torch.device | str | None = None) -> Iterator[nn.Module]:
+    """Keep a frozen model on the CPU; move it to ``device`` (default :func:`local_device`) for the block.
+
+    ``with offload_frozen(ref) as m: ref_logits = m(...)`` — the model goes back to the CPU on exit, so
+    between its forwards it costs no accelerator memory (at the price of two host-device copies). A no-op
+    when the device is the CPU.
+    """
+    device = torch.device(device) if device is not None else local_device()
+    if device.type == "cpu":
+        yield model
+        return
+    model.to(device, non_blocking=True)
+    try:
+        yield model
+    finally:
+        model.to("cpu")
