@@ -11,47 +11,71 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# key -> one-line meaning. Grouped by stage; the docs table keeps this order.
+# key -> one-line meaning, grouped by stage (the docs table keeps this order). A key ending in "/*" stands
+# for a family whose last part varies (e.g. "sizes/*").
 METRICS: dict[str, str] = {
-    # stage 1: supervised fine-tuning
-    "sft/loss": "SFT training loss: token-mean negative log-likelihood of response tokens (nats/token)",
-    "eval/sft/loss": "the same SFT loss on the held-out split",
-    # stage 2: Bradley-Terry reward model
-    "rm/loss": "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), mean over training pairs",
-    "rm/accuracy": "fraction of training pairs with r_chosen > r_rejected",
-    "rm/margin": "mean r_chosen - r_rejected over training pairs",
-    "eval/rm/loss": "Bradley-Terry loss on the held-out pairs",
-    "eval/rm/accuracy": "fraction of held-out pairs with r_chosen > r_rejected (falls while rm/accuracy rises: overfitting)",
+    # stage 1: supervised fine-tuning (shifu sft)
+    "sft/loss": "SFT training loss: token-mean negative log-likelihood of response tokens (nats/token), mean over the logging window",
+    "sft/lr": "learning rate of the SFT optimiser at this step",
+    "eval/sft/loss": "the same SFT loss on the held-out split (step 0: before training)",
+    # stage 2: Bradley-Terry reward model (shifu rm)
+    "rm/loss": "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), mean over the logging window",
+    "rm/accuracy": "fraction of training pairs with r_chosen > r_rejected, over the logging window",
+    "rm/margin": "mean r_chosen - r_rejected over training pairs in the logging window",
+    "rm/lr": "learning rate of the reward-model optimiser at this step",
+    "eval/rm/accuracy": "fraction of held-out pairs with r_chosen > r_rejected (rm/accuracy rising while this falls: overfitting)",
     "eval/rm/margin": "mean r_chosen - r_rejected over held-out pairs",
-    "eval/rm/length_corr": "length-bias check: correlation of the held-out score with response length (tokens)",
-    "eval/rm/accuracy_chosen_shorter": "held-out accuracy on pairs whose chosen response is shorter than the rejected one",
-    "eval/rm/accuracy_chosen_longer": "held-out accuracy on pairs whose chosen response is longer than the rejected one",
-    # stage 3: PPO, one row per iteration
-    "objective/score": "mean reward-model score of the rollout's responses (after any score processing)",
+    "eval/rm/chosen_mean": "mean score of the chosen responses of the held-out pairs (normalised scale)",
+    "eval/rm/rejected_mean": "mean score of the rejected responses of the held-out pairs (normalised scale)",
+    "eval/rm/len_corr": "length-bias check: correlation of held-out scores with response length",
+    "eval/rm/acc_chosen_shorter": "held-out accuracy on pairs whose chosen response is shorter than the rejected one",
+    "eval/rm/acc_chosen_longer": "held-out accuracy on pairs whose chosen response is longer than the rejected one",
+    # stage 3: PPO (shifu ppo), one row per iteration
+    "objective/score": "mean reward-model score of the rollout's responses, before score processing",
+    "objective/score_processed": "mean score after normalisation/clipping/missing-EOS penalty: what enters the reward",
     "objective/kl": "mean KL(policy || reference) of the rollout, summed over response tokens (nats per response)",
-    "objective/kl_per_token": "objective/kl divided by the response length (nats per token)",
+    "objective/kl_per_token": "KL(policy || reference) averaged over real response tokens (nats per token)",
     "objective/kl_coef": "beta, the KL penalty coefficient used for this rollout (set by the KL controller)",
-    "objective/rlhf_reward": "objective/score - beta * objective/kl: the shaped return PPO maximises",
-    "objective/entropy": "mean entropy of the policy over response tokens (nats per token)",
-    "policy/approx_kl": "approximate KL(old || new) between the rollout policy and the updated policy, mean over minibatches",
-    "policy/clipfrac": "fraction of response tokens whose ratio was clipped in the policy loss",
-    "policy/ratio_mean": "mean probability ratio pi_theta / pi_old over response tokens and minibatches",
-    "value/explained_var": "1 - Var(returns - values) / Var(returns): how much of the return the critic explains",
-    "value/clipfrac": "fraction of response tokens where the clipped value loss was the larger one",
-    "loss/policy": "clipped PPO surrogate loss, token-mean over response tokens",
+    "objective/rlhf_reward": "mean of score - beta * KL per response: the shaped return PPO maximises",
+    "objective/entropy": "mean entropy of the policy over real response tokens (nats per token)",
+    "policy/approx_kl": "k3 estimate of KL(old || new) between the rollout policy and the updated one, mean over minibatches",
+    "policy/clipfrac": "fraction of real response tokens where the clipped policy objective was active",
+    "policy/ratio_mean": "mean probability ratio pi_theta / pi_old over real response tokens and minibatches",
+    "policy/early_stop_epoch": "PPO epoch (1-based) after which approx_kl exceeded 1.5 x its target; 0 if none",
+    "policy/penalty_coef": "PPO-penalty variant only: the coefficient of its KL(old || new) term",
+    "value/explained_var": "1 - Var(returns - values) / Var(returns) over real tokens; 1 perfect, NaN if returns are constant",
+    "value/clipfrac": "fraction of real response tokens where the clipped value loss was the larger one",
+    "loss/policy": "policy loss (clipped PPO surrogate, or the variant's), token-mean over the minibatch",
     "loss/value": "critic loss 0.5 * (V - returns)^2 (clipped variant if enabled), token-mean",
-    "loss/entropy": "entropy bonus as it enters the loss: -c2 * mean response entropy (0 when c2 = 0)",
-    "loss/ptx": "PPO-ptx term: SFT negative log-likelihood on pretraining/SFT data (0 when off)",
+    "loss/entropy": "mean response entropy as it enters the loss term -ent_coef * H",
+    "loss/ptx": "PPO-ptx: SFT negative log-likelihood on a batch of demonstrations (logged when ptx_coef > 0)",
     "rollout/response_len": "mean number of real response tokens per rollout response (first EOS included)",
-    "rollout/eos_frac": "fraction of rollout responses that ended with EOS within the token limit",
+    "rollout/eos_frac": "fraction of rollout responses that produced EOS within the token limit",
+    "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite",
     "time/rollout_s": "seconds spent generating and scoring the rollout",
+    "time/generation_s": "seconds of the rollout spent generating responses",
+    "time/scoring_s": "seconds of the rollout spent on log-probs, values and scores (rollout minus generation)",
     "time/update_s": "seconds spent in the PPO update epochs",
-    "perf/tokens_per_s": "tokens processed per second of the iteration (SFT: training tokens per second)",
-    # PPO evaluation rows (every N iterations, held-out prompts, greedy or eval sampling)
+    "perf/tokens_per_s": "tokens processed per second (PPO: rollout + update; SFT: training tokens)",
+    "optim/lr": "learning rate of the PPO optimiser after this iteration",
+    "optim/skipped_steps": "optimiser steps skipped so far because the loss or gradients were not finite",
+    "sizes/*": "derived sizes logged once at step 0 (minibatches per epoch, optimiser steps, ...)",
+    "data/prompts_dropped": "prompts dropped at load time (e.g. longer than the prompt limit), logged at step 0",
+    # PPO evaluation rows (step 0 and every eval.every iterations, held-out prompts)
     "eval/score": "mean reward-model score on the held-out prompts",
-    "eval/kl": "mean KL(policy || reference) on the held-out prompts (nats per response)",
+    "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
     "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM",
 }
+
+
+def is_defined(key: str) -> bool:
+    """Whether ``key`` is in :data:`METRICS`, directly or through a ``prefix/*`` family."""
+    return key in METRICS or ("/" in key and key.rsplit("/", 1)[0] + "/*" in METRICS)
+
+
+def undefined_keys(rows: list[dict]) -> list[str]:
+    """Keys of metric rows (e.g. ``shifu.tracking.read_metrics(...)``) that the table does not define."""
+    return sorted({k for row in rows for k in row if k != "step" and not is_defined(k)})
 
 
 def markdown_table(metrics: dict[str, str] = METRICS) -> str:

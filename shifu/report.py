@@ -320,21 +320,18 @@ def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
     for key in ("task", "preset", "seed"):
         if key in s:
             rows.append((key, _e(s[key]), ""))
-    rows.append(("gold before PPO (SFT policy)", _f(before), "num"))
-    rows.append(("gold after PPO (final policy)", _f(after), "num"))
-    cls = "" if delta is None or delta == 0 else ("up" if delta > 0 else "down")
-    rows.append(
-        ("gold delta (after - before)", f'<span class="{cls}">{_f(delta, signed=True)}</span>', "num")
-    )
-    rows.append(("KL final vs reference (nats per response)", _f(s.get("kl")), "num"))
-    rm_acc = s.get("rm_accuracy")
-    rows.append(
-        (
-            "reward-model accuracy (held-out)",
-            _f(rm_acc) if rm_acc is not None else "— (no learned reward model)",
-            "num",
+    if "gold_before" in s or "gold_after" in s:
+        rows.append(("gold before PPO (SFT policy)", _f(before), "num"))
+        rows.append(("gold after PPO (final policy)", _f(after), "num"))
+        cls = "" if delta is None or delta == 0 else ("up" if delta > 0 else "down")
+        rows.append(
+            ("gold delta (after - before)", f'<span class="{cls}">{_f(delta, signed=True)}</span>', "num")
         )
-    )
+    if "kl" in s:
+        rows.append(("KL final vs reference (nats per response)", _f(s["kl"]), "num"))
+    if "rm_accuracy" in s:
+        shown = _f(s["rm_accuracy"]) if s["rm_accuracy"] is not None else "— (no learned reward model)"
+        rows.append(("reward-model accuracy (held-out)", shown, "num"))
     if n_prompts:
         rows.append(("held-out prompts in the samples", str(n_prompts), "num"))
     seconds = s.get("seconds")
@@ -343,9 +340,11 @@ def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
         for stage, sec in seconds.items():
             x = _num(sec)
             total += x if x is not None and math.isfinite(x) else 0.0
-            rows.append((f"time: {stage}", f"{_f(sec, 1)} s", "num"))
+            rows.append((f"time: {_e(stage)}", f"{_f(sec, 1)} s", "num"))
         rows.append(("time: total", f"{total:.1f} s", "num"))
-    known = {"task", "preset", "seed", "gold_before", "gold_after", "kl", "rm_accuracy", "seconds"}
+    # shown above (gold_gain and seconds_total are the delta and total rows)
+    known = {"task", "preset", "seed", "gold_before", "gold_after", "gold_gain", "kl", "rm_accuracy"}
+    known |= {"seconds", "seconds_total"}
     for key, value in s.items():  # anything else the run recorded, verbatim
         if key in known:
             continue

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shifu import cli
-from shifu.metrics import METRICS, markdown_table
+from shifu.metrics import METRICS, markdown_table, undefined_keys
 from shifu.report import GOLD_VS_KL, PLOTS, render_report
 from shifu.tracking import Tracker, read_metrics
 
@@ -253,7 +253,16 @@ def test_every_plotted_key_is_defined():
         for key in plot.keys:
             assert key in METRICS, f"report plots {key}, which shifu/metrics.py does not define"
     for key in METRICS:
-        assert re.fullmatch(r"[a-z]+(/[a-z_]+)+", key), key
+        assert re.fullmatch(r"[a-z]+(/[a-z_]+)*(/[a-z_]+|/\*)", key), key
+
+
+def test_undefined_keys_finds_what_the_table_lacks(tmp_path: Path):
+    run = tmp_path / "run"
+    write_run(run)
+    rows = [r for stage in ("sft", "rm", "ppo") for r in read_metrics(run / stage / "metrics.jsonl")]
+    assert undefined_keys(rows) == []
+    rows.append({"step": 0, "sizes/total_optimizer_steps": 40, "objective/scroe": 1.0, "sizes": 3})
+    assert undefined_keys(rows) == ["objective/scroe", "sizes"]
 
 
 # ----------------------------------------------------------------------------------- real browser
