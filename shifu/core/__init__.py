@@ -1,5 +1,9 @@
 """Pure PPO-RLHF math on tensors. Imports torch only; no function calls ``.item()`` or logs.
 
+Exceptions, by design: the KL controllers and ``RunningMoments`` hold Python floats between iterations
+(and so read tensors to the host), and input checks that raise ``ValueError`` (too few real elements in
+``masked_var``/``masked_whiten``, an empty row in ``shape_rewards``) read a count on the host.
+
 Shapes: ``(B, T)`` whole sequences, ``(B, R)`` response tokens, ``(B,)`` one number per sequence;
 ``response_mask`` is bool, True on real (non-padding) response tokens, responses right-padded.
 Losses return ``(loss, stats)`` with 0-dim tensor stats. docs/core.md explains each formula once.
