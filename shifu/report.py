@@ -405,6 +405,13 @@ def render_report(run_dir: str | Path, max_samples: int = 64) -> Path:
     :class:`ShifuError` when ``run_dir`` does not exist or holds nothing to report.
     """
     data = load_run(run_dir)
+    try:
+        return _render(data, max_samples)
+    except OSError as e:  # read-only directory, disk full, `report` exists as a file, ...
+        raise ShifuError(f"cannot write the report into {data.run_dir}: {e}") from e
+
+
+def _render(data: RunData, max_samples: int) -> Path:
     run = data.run_dir
     notes = list(data.notes)
     img_dir = run / "report"

@@ -227,6 +227,11 @@ def test_cli_errors_for_missing_or_empty_run_dir(tmp_path: Path, capsys):
     err = capsys.readouterr().err
     assert str(empty) in err and "nothing to report" in err
     assert not (empty / "report.html").exists()
+    blocked = tmp_path / "blocked"
+    write_run(blocked)
+    (blocked / "report").write_text("a file where the plot folder goes")
+    assert cli.main(["report", str(blocked)]) == 2
+    assert f"cannot write the report into {blocked}" in capsys.readouterr().err
 
 
 def test_cli_renders(tmp_path: Path, capsys):
