@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from shifu.core import entropy_from_logits, log_probs_from_logits
 from shifu.models import position_ids_from_mask
 
 
@@ -29,20 +30,6 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
     greedy: bool = False
     stop_at_eos: bool = True
-
-
-def _log_probs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    # TODO(core): switch to shifu.core.log_probs_from_logits once it lands
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def _entropy_from_logits(logits: Tensor) -> Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
@@ -207,11 +194,10 @@ def policy_forward(
         use_cache=False,
     )
     logits = out.logits  # (B, R, V)
-    assert logits.shape[1] == R
-    log_probs = _log_probs_from_logits(logits, input_ids[:, P:], temperature)
+    log_probs = log_probs_from_logits(logits, input_ids[:, P:], temperature)
     entropy = None
     if with_entropy:
-        entropy = _entropy_from_logits(logits.float() / temperature if temperature != 1.0 else logits)
+        entropy = entropy_from_logits(logits, temperature)
     values = None
     if value_head is not None:
         hidden = out.hidden_states[-1][:, P - 1 : T - 1]  # (B, R, d), after the final norm
