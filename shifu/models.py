@@ -60,8 +60,16 @@ def disable_dropout(model: nn.Module) -> nn.Module:
             m.p = 0.0
     cfg = getattr(model, "config", None)
     if cfg is not None:
-        for k in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                  "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        for k in (
+            "dropout",
+            "attention_dropout",
+            "hidden_dropout",
+            "resid_pdrop",
+            "embd_pdrop",
+            "attn_pdrop",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+        ):
             if hasattr(cfg, k) and isinstance(getattr(cfg, k), float):
                 setattr(cfg, k, 0.0)
     return model
@@ -96,7 +104,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _is_causal_backbone(config) -> bool:
     return not getattr(config, "is_encoder_decoder", False) and config.model_type not in {
-        "bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta", "mpnet", "albert",
+        "bert",
+        "roberta",
+        "distilbert",
+        "deberta",
+        "deberta-v2",
+        "electra",
+        "xlm-roberta",
+        "mpnet",
+        "albert",
     }
 
 
@@ -123,8 +139,13 @@ class ScalarModel(nn.Module):
         return self.backbone.config
 
     @classmethod
-    def from_backbone(cls, path: str | Path, seed: int | None = None, trust_remote_code: bool = False,
-                      dtype: torch.dtype | None = None) -> ScalarModel:
+    def from_backbone(
+        cls,
+        path: str | Path,
+        seed: int | None = None,
+        trust_remote_code: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> ScalarModel:
         """A fresh scalar head on the backbone of any local HF model (causal LM or encoder)."""
         from transformers import AutoModel
 
@@ -163,16 +184,24 @@ class ScalarModel(nn.Module):
             },
             str(p / HEAD_FILE),
         )
-        meta = {"kind": "scalar", "is_causal": self.is_causal, "gain": float(self.gain), "bias": float(self.bias)}
+        meta = {
+            "kind": "scalar",
+            "is_causal": self.is_causal,
+            "gain": float(self.gain),
+            "bias": float(self.bias),
+        }
         meta.update(extra or {})
         (p / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(B,T) raw head output at every position (values for the critic; no normalisation)."""
         kwargs = {}
         if self.is_causal:
-            kwargs["position_ids"] = position_ids if position_ids is not None else position_ids_from_mask(attention_mask)
+            kwargs["position_ids"] = (
+                position_ids if position_ids is not None else position_ids_from_mask(attention_mask)
+            )
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = out.last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
@@ -184,7 +213,9 @@ class ScalarModel(nn.Module):
         raw = values.gather(1, idx.clamp(min=0).unsqueeze(1)).squeeze(1)
         return raw * self.gain + self.bias
 
-    def encode(self, prompts: list[str], responses: list[str], max_length: int = 512) -> dict[str, torch.Tensor]:
+    def encode(
+        self, prompts: list[str], responses: list[str], max_length: int = 512
+    ) -> dict[str, torch.Tensor]:
         """Tokenise (prompt, response) text pairs for scoring with this model's own tokenizer.
 
         Causal trunks see ``prompt_ids + response_ids + [eos]`` (the SFT convention); encoders see the
@@ -196,17 +227,27 @@ class ScalarModel(nn.Module):
         if self.is_causal:
             rows = []
             for pr, rs in zip(prompts, responses):
-                ids = tok(pr, add_special_tokens=False)["input_ids"] + tok(rs, add_special_tokens=False)["input_ids"]
-                ids = ids[-(max_length - 1):] + [tok.eos_token_id]
+                ids = (
+                    tok(pr, add_special_tokens=False)["input_ids"]
+                    + tok(rs, add_special_tokens=False)["input_ids"]
+                )
+                ids = ids[-(max_length - 1) :] + [tok.eos_token_id]
                 rows.append(ids)
             return pad_right(rows, tok.pad_token_id)
-        enc = tok(prompts, responses, truncation="only_first", max_length=max_length, padding=True,
-                  return_tensors="pt")
+        enc = tok(
+            prompts,
+            responses,
+            truncation="only_first",
+            max_length=max_length,
+            padding=True,
+            return_tensors="pt",
+        )
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     @torch.no_grad()
-    def score_texts(self, prompts: list[str], responses: list[str], batch_size: int = 32,
-                    max_length: int = 512) -> torch.Tensor:
+    def score_texts(
+        self, prompts: list[str], responses: list[str], batch_size: int = 32, max_length: int = 512
+    ) -> torch.Tensor:
         """(N,) scores of decoded text pairs (a reward model whose tokenizer differs from the policy's)."""
         device = self.head.weight.device
         out = []
@@ -242,21 +283,36 @@ def pad_left(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     mask = torch.zeros((len(rows), T), dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
-            ids[i, T - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, T - len(r):] = 1
+            ids[i, T - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, T - len(r) :] = 1
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def build_tiny_gpt2(tokenizer, n_layer: int = 2, n_embd: int = 64, n_head: int = 2, n_positions: int = 256,
-                    seed: int = 0, dropout: float = 0.0):
+def build_tiny_gpt2(
+    tokenizer,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 2,
+    n_positions: int = 256,
+    seed: int = 0,
+    dropout: float = 0.0,
+):
     """A small random GPT-2 sized to ``tokenizer`` (built-in tasks, tests and benchmarks)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
     )
     return GPT2LMHeadModel(cfg)

@@ -212,8 +212,11 @@ def train_member(
     if step == 0:
         tracker.log(0, evaluate(model, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16))
     bar = progress(n_steps, "rm" if cfg.ensemble.k == 1 else f"rm member {member}", cfg.progress, step)
-    window, last = {"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}, {}
-    n_window = 0
+    # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
+    window, n_window = (
+        state["window"] if state else ({"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}, 0)
+    )
+    last = {}
     while step < n_steps:
         # one optimiser step: grad_accum micro-batches, each weighted by its share of the step's pairs
         batches = [[train_pairs[i] for i in stream.next()] for _ in range(cfg.grad_accum)]
@@ -249,7 +252,12 @@ def train_member(
                 step,
                 {"rm": model},
                 {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                {"data": stream.state(), "rng": ckpt.rng_state(), "config": to_dict(cfg)},
+                {
+                    "data": stream.state(),
+                    "window": [window, n_window],
+                    "rng": ckpt.rng_state(),
+                    "config": to_dict(cfg),
+                },
                 keep_last=cfg.keep_last,
             )
     bar.close()

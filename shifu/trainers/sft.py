@@ -37,6 +37,7 @@ from shifu.trainers.common import (
 
 # config keys a resumed run may change (everything else must match the checkpoint's config)
 SAFE_RESUME_KEYS = (
+    "out_dir",
     "max_steps",
     "epochs",
     "save_every",
@@ -199,7 +200,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
 
     # 4. the loop: each step = grad_accum micro-batches, loss = token mean over all of them
     bar = progress(n_steps, "sft", enabled=cfg.progress, initial=step)
-    window: dict[str, float] = {"loss": 0.0, "tokens": 0, "steps": 0}
+    # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
+    window: dict[str, float] = state["window"] if state else {"loss": 0.0, "tokens": 0, "steps": 0}
     summary: dict[str, float] = {}
     if step == 0:  # the starting point of the held-out curve
         eval_loss = evaluate(model, eval_ex, tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16)
@@ -251,7 +253,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                 step,
                 {"policy": model},
                 {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                {"data": stream.state(), "rng": ckpt.rng_state(), "config": to_dict(cfg)},
+                {"data": stream.state(), "window": window, "rng": ckpt.rng_state(), "config": to_dict(cfg)},
                 keep_last=cfg.keep_last,
             )
     bar.close()

@@ -1,0 +1,148 @@
+"""shifu.data: loading from every format, validation messages (file, line, field), skip_bad, splits,
+SFT tokenisation conventions, and the resumable batch stream."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import write_jsonl
+
+from shifu.data import BatchStream, collate_sft, encode_sft, load_rows, render_messages, split_rows
+from shifu.errors import DataError
+from shifu.models import load_tokenizer
+
+PAIR = {"prompt": "p", "chosen": "good", "rejected": "bad"}
+
+
+def test_jsonl_parquet_and_datasets_dir_load_the_same_rows(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no", "margin": 0.5 * i} for i in range(4)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.save_to_disk(str(tmp_path / "p_ds"))
+    for name in ("p.jsonl", "p.parquet", "p_ds"):
+        assert list(load_rows(tmp_path / name, "preference")) == rows
+
+
+def test_prompt_rows_keep_every_field(tmp_path):
+    write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1=", "answer": "2", "meta": {"k": [1]}}])
+    assert load_rows(tmp_path / "q.jsonl", "prompt")[0] == {
+        "prompt": "1+1=",
+        "answer": "2",
+        "meta": {"k": [1]},
+    }
+
+
+@pytest.mark.parametrize(
+    "row, field, problem",
+    [
+        ({"prompt": "p", "chosen": "a"}, "rejected", "missing field"),
+        ({"prompt": "p", "chosen": 3, "rejected": "b"}, "chosen", "expected a string, got int"),
+        ({"prompt": "  ", "chosen": "a", "rejected": "b"}, "prompt", "empty string"),
+        ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected", "chosen == rejected"),
+        ({**PAIR, "margin": "big"}, "margin", "expected a finite number"),
+        (["not", "an", "object"], None, "expected a JSON object"),
+    ],
+)
+def test_bad_preference_row_names_file_line_and_field(tmp_path, row, field, problem):
+    path = write_jsonl(tmp_path / "bad.jsonl", [PAIR, PAIR, row])
+    with pytest.raises(DataError) as e:
+        load_rows(path, "preference")
+    assert (e.value.path, e.value.line, e.value.field) == (str(path), 3, field)
+    assert problem in str(e.value) and "line 3" in str(e.value)
+
+
+def test_non_json_line_and_invalid_utf8_are_located(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b'{"prompt": "p", "response": "r"}\n{"prompt": "p", "response": \n')
+    with pytest.raises(DataError, match=r"x.jsonl, line 2: not valid JSON"):
+        load_rows(p, "sft")
+    p.write_bytes(b'{"prompt": "p", "response": "r"}\n\n{"prompt": "\xff\xfe", "response": "r"}\n')
+    with pytest.raises(DataError, match=r"x.jsonl, line 3: invalid UTF-8"):
+        load_rows(p, "sft")
+
+
+def test_missing_file_and_parquet_row_index(tmp_path):
+    import datasets
+
+    with pytest.raises(DataError, match="nope.jsonl: file does not exist"):
+        load_rows(tmp_path / "nope.jsonl", "sft")
+    datasets.Dataset.from_list(
+        [{"prompt": "a", "response": "b"}, {"prompt": "a", "response": ""}]
+    ).to_parquet(str(tmp_path / "s.parquet"))
+    with pytest.raises(DataError, match=r"s.parquet, row 1, field 'response': empty string"):
+        load_rows(tmp_path / "s.parquet", "sft")
+
+
+def test_skip_bad_counts_reasons(tmp_path, capsys):
+    p = tmp_path / "m.jsonl"
+    good = '{"prompt": "p", "chosen": "a", "rejected": "b"}\n'
+    p.write_text(
+        good * 3 + "oops\n" + '{"prompt": "p", "chosen": "a", "rejected": "a"}\n' * 2, encoding="utf-8"
+    )
+    rows = load_rows(p, "preference", skip_bad=True)
+    assert len(rows) == 3
+    assert sum(rows.skipped.values()) == 3
+    assert rows.skipped["chosen == rejected: the pair carries no preference in 'rejected'"] == 2
+    assert "skipped 3 bad rows" in capsys.readouterr().err
+    p.write_text("oops\n", encoding="utf-8")
+    with pytest.raises(DataError, match="no valid preference rows"):
+        load_rows(p, "preference", skip_bad=True)
+
+
+def test_messages_validation_and_rendering(tiny_model_dir, tmp_path):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": chat}, {"messages": chat[:1]}])
+    with pytest.raises(DataError, match=r"line 2, field 'messages\[0\].role': the last message must be"):
+        load_rows(tmp_path / "c.jsonl", "sft")
+    tok = load_tokenizer(tiny_model_dir)
+    assert render_messages(tok, chat) == ("user: hi\nassistant: ", "hello!")  # documented plain rendering
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    assert render_messages(tok, chat) == ("<user>hi<assistant>", "hello!")
+
+
+def test_split_is_deterministic_and_disjoint():
+    rows = [{"i": i} for i in range(100)]
+    train, held = split_rows(rows, 0.1, seed=3)
+    assert len(held) == 10 and len(train) == 90
+    assert split_rows(rows, 0.1, seed=3) == (train, held)
+    assert {r["i"] for r in train} | {r["i"] for r in held} == set(range(100))
+    assert split_rows(rows, 0.1, seed=4)[1] != held
+
+
+def test_encode_sft_eos_and_prompt_policies(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    rows = [{"prompt": "the movie was great and the acting", "response": " good"}]
+    (ex,), _ = encode_sft(tok, rows, max_prompt_len=100, max_len=200)
+    assert ex["response_ids"][-1] == tok.eos_token_id
+    assert tok.decode(ex["prompt_ids"] + ex["response_ids"][:-1]) == rows[0]["prompt"] + " good"
+    full = ex["prompt_ids"]
+    (cut,), counts = encode_sft(tok, rows, max_prompt_len=3, max_len=200, prompt_policy="truncate_left")
+    assert cut["prompt_ids"] == full[-3:] and counts["truncated_prompts"] == 1
+    dropped, counts = encode_sft(tok, rows, max_prompt_len=3, max_len=200, prompt_policy="drop")
+    assert dropped == [] and counts["dropped_prompts"] == 1
+    (short,), counts = encode_sft(tok, rows, max_prompt_len=100, max_len=len(full) + 1)
+    assert len(short["response_ids"]) == 1 and tok.eos_token_id not in short["response_ids"][-1:]
+    assert counts["truncated_responses"] == 1
+
+
+def test_collate_sft_masks_only_response_tokens():
+    batch = collate_sft(
+        [{"prompt_ids": [5, 6], "response_ids": [7, 0]}, {"prompt_ids": [5], "response_ids": [0]}], 0
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [5, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[False, False, True, True], [False, True, False, False]]
+
+
+def test_batch_stream_resumes_from_epoch_and_index():
+    full = BatchStream(10, 3, seed=7)
+    seq = [full.next() for _ in range(9)]
+    assert sorted(sum(seq[:4], [])) == list(range(10))  # epoch 0 = 4 batches, the last of size 1
+    assert seq[:4] != seq[4:8]  # each epoch reshuffled
+    part = BatchStream(10, 3, seed=7)
+    for _ in range(5):
+        part.next()
+    resumed = BatchStream(10, 3, seed=7, **part.state())
+    assert [resumed.next() for _ in range(4)] == seq[5:]
