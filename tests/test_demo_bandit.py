@@ -61,7 +61,7 @@ def test_without_the_penalty_kl_exceeds_the_bound():
 def test_cli_subprocess():
     env = {**os.environ, "SHIFU_THREADS": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "shifu", "demo", "bandit", "--epochs", "40", "--seed", "1"],
+        [sys.executable, "-m", "shifu", "demo", "bandit", "--epochs", "30", "--seed", "1"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -69,7 +69,7 @@ def test_cli_subprocess():
     )
     assert result.returncode == 0, result.stderr
     rows = parse(result.stdout)
-    assert len(rows) == 40
+    assert len(rows) == 30
     assert rows[-1][2] > 0.5 and math.isfinite(rows[-1][1]) and rows[-1][1] < KL_BOUND
 
 
