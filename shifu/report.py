@@ -370,6 +370,7 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
         notes.append(
             f"samples_before has {len(before)} rows and samples_after {len(after)}; paired by position"
         )
+    with_kl = any(_num(r.get("kl")) is not None for r in after)  # quickstart stores each response's KL
     mismatched = 0
     rows = []
     for i in range(min(n, max_samples)):
@@ -386,13 +387,17 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
             f'<tr><td class="num">{i + 1}</td><td class="text">{_e(prompt)}</td>'
             f'<td class="text">{_e(b.get("response", ""))}</td><td class="num">{_f(gb)}</td>'
             f'<td class="text">{_e(a.get("response", ""))}</td><td class="num">{_f(ga)}</td>'
-            f'<td class="num {cls}">{_f(d, signed=True)}</td></tr>'
+            f'<td class="num {cls}">{_f(d, signed=True)}</td>'
+            + (f'<td class="num">{_f(a.get("kl"), 2)}</td>' if with_kl else "")
+            + "</tr>"
         )
     if mismatched:
         notes.append(f"{mismatched} sample row(s) have different prompts before and after; both are shown")
     head = (
         "<tr><th>#</th><th>prompt</th><th>before PPO (SFT policy)</th><th>gold</th>"
-        "<th>after PPO (final policy)</th><th>gold</th><th>delta</th></tr>"
+        "<th>after PPO (final policy)</th><th>gold</th><th>delta</th>"
+        + ("<th>KL after (nats)</th>" if with_kl else "")
+        + "</tr>"
     )
     shown = f"<p>First {min(n, max_samples)} of {n} held-out prompts.</p>" if n > max_samples else ""
     return shown + "<table>\n" + head + "\n" + "\n".join(rows) + "\n</table>"
@@ -424,7 +429,11 @@ def _render(data: RunData, max_samples: int) -> Path:
     for plot in PLOTS:
         rows = data.stages.get(plot.stage)
         if not rows:
-            notes.append(f"{plot.name}.png omitted: no {plot.stage}/metrics.jsonl rows")
+            no_rm = (
+                plot.stage == "rm" and data.summary is not None and data.summary.get("rm_accuracy", 0) is None
+            )
+            why = "this run has no learned reward model" if no_rm else f"no {plot.stage}/metrics.jsonl rows"
+            notes.append(f"{plot.name}.png omitted: {why}")
             continue
         why = _draw(plot, rows, data.summary, img_dir / f"{plot.name}.png")
         if (img_dir / f"{plot.name}.png").exists():

@@ -97,8 +97,9 @@ def write_run(run: Path, *, iterations: int = 30, eval_every: int = 5) -> dict:
     (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
     prompts = ["This movie was", NASTY, "I & my <friends>"]
     for name, golds in (("samples_before", [-0.2, 0.1, 0.0]), ("samples_after", [0.6, 0.4, 0.7])):
+        kl = [{"kl": 4.25}, {"kl": 12.5}, {"kl": 0.75}] if name == "samples_after" else [{}] * 3
         lines = [
-            json.dumps({"prompt": p, "response": f"{name} reply {i} <i>fine</i> & more", "gold": g})
+            json.dumps({"prompt": p, "response": f"{name} reply {i} <i>fine</i> & more", "gold": g} | kl[i])
             for i, (p, g) in enumerate(zip(prompts, golds))
         ]
         (run / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -164,6 +165,9 @@ def test_render_full_run(tmp_path: Path):
     assert '<th>judge</th><td class="">vader &lt;compound&gt;</td>' in page
     # per-sample gold deltas, in the before/after order of the files
     assert page.index("+0.800") < page.index("+0.300") < page.index("+0.700")
+    assert "<th>KL after (nats)</th>" in page and page.index("4.25") < page.index("12.50") < page.index(
+        "0.75"
+    )
     # the inf clipfrac is reported as a gap, nothing is reported missing otherwise
     assert "1 non-finite value(s) of policy/clipfrac" in page
     assert "omitted" not in page
@@ -188,7 +192,7 @@ def test_render_tolerates_missing_pieces(tmp_path: Path):
     made = {p.stem for p in (run / "report").glob("*.png")}
     assert made == set(EVERY_PLOT) - {"entropy", "rm_accuracy", "sft_loss"}
     assert "entropy.png omitted: no finite values of objective/entropy in ppo/metrics.jsonl" in page
-    assert "rm_accuracy.png omitted: no rm/metrics.jsonl rows" in page
+    assert "rm_accuracy.png omitted: this run has no learned reward model" in page
     assert "ppo/metrics.jsonl: skipped 1 line(s) that are not JSON objects (line 31)" in page
     assert "samples_after.jsonl is missing or empty" in page
     assert "no learned reward model" in page
