@@ -36,6 +36,7 @@ CHECKS = [
     "fsdp2_accumulate_equals_single",
     "fsdp2_resume",
     "fsdp2_grad_ckpt_equals_single",
+    "lora_fsdp2_reference",
     "uneven_synced_loop",
     "frozen_fsdp2_equals_replicate",
     "fsdp2_bf16_learns",

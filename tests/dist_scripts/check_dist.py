@@ -160,7 +160,8 @@ def check_equals_single(tok, full, strategy: str, micro: int = 1, grad_ckpt: boo
         err_wrong = rel_diff(wrong, ref, base)
         detail += f"; per-rank token-mean (wrong) = {err_wrong:.2e}"
         assert err_wrong > 1e-2, f"negative control: per-rank normalisation should differ ({err_wrong:.2e})"
-    assert err < 2e-6, detail
+    # CPU: ~1e-7 (summation order); CUDA: cuBLAS picks other kernels for other batch shapes (~1e-6)
+    assert err < (2e-6 if D.local_device().type == "cpu" else 1e-5), detail
     return detail
 
 
@@ -222,6 +223,33 @@ def check_frozen_sharded(tok, full) -> str:
     err = (rep - sh).abs().max().item()
     assert err <= 1e-5, f"sharded frozen logits differ from replicated by {err:.2e}"
     return f"max |logits diff| = {err:.1e}"
+
+
+def check_lora_fsdp2(tok, full) -> str:
+    """LoRA actor sharded with FSDP2: after an adapter step, adapters-off log-probs == a frozen copy's."""
+    from shifu import lora
+
+    frozen = tiny.tiny_model(tok).eval().to(D.local_device())
+    actor = lora.wrap_lora(tiny.tiny_model(tok).eval(), lora.LoraConfig(enabled=True, r=4, alpha=8.0))
+    actor = D.wrap_trainable(actor, "fsdp2")
+    opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0)
+    mine = to_dev(local_rows(full))
+    for _ in range(2):
+        s, _ = tiny.nll_sum_and_count(actor, mine)
+        (s / D.token_mean_divisor(mine["attention_mask"][:, 1:].sum())).backward()
+        opt.step()
+        opt.zero_grad()
+    b = to_dev(full)
+    with torch.no_grad():
+        trained = actor(**b).logits
+        with lora.reference(actor, None) as ref:
+            got = ref(**b).logits
+        want = frozen(**b).logits
+    moved = (trained - want).abs().max().item()
+    err = (got - want).abs().max().item()
+    assert moved > 1e-3, f"the adapters did not change the policy ({moved:.1e})"
+    assert err <= 1e-6, f"adapters-off logits differ from the frozen copy by {err:.2e}"
+    return f"adapters moved logits by {moved:.2e}; reference error {err:.1e}"
 
 
 def check_bf16(tok, full) -> str:
@@ -287,6 +315,7 @@ def main() -> None:
     run_check(
         out, "fsdp2_grad_ckpt_equals_single", lambda: check_equals_single(tok, full, "fsdp2", grad_ckpt=True)
     )
+    run_check(out, "lora_fsdp2_reference", lambda: check_lora_fsdp2(tok, full))
     run_check(out, "uneven_synced_loop", lambda: check_uneven_loop(tok))
     run_check(out, "frozen_fsdp2_equals_replicate", lambda: check_frozen_sharded(tok, full))
     if args.bf16:
@@ -295,6 +324,9 @@ def main() -> None:
         run_check(out, "offload_frozen", lambda: check_offload(tok, full))
     D.barrier()
     D.destroy()
+    failed = [k for k, v in RESULTS.items() if not v["ok"]]
+    if failed:
+        sys.exit(f"failed checks: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
