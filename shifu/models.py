@@ -219,7 +219,8 @@ class ScalarModel(nn.Module):
         """Tokenise (prompt, response) text pairs for scoring with this model's own tokenizer.
 
         Causal trunks see ``prompt_ids + response_ids + [eos]`` (the SFT convention); encoders see the
-        tokenizer's pair encoding (``[CLS] prompt [SEP] response [SEP]`` for BERT). Right-padded.
+        tokenizer's pair encoding (``[CLS] prompt [SEP] response [SEP]`` for BERT). Right-padded. Longer
+        than ``max_length``: tokens are dropped from the left (of the longer text, for encoders).
         """
         tok = self.tokenizer
         if tok is None:
@@ -234,14 +235,20 @@ class ScalarModel(nn.Module):
                 ids = ids[-(max_length - 1) :] + [tok.eos_token_id]
                 rows.append(ids)
             return pad_right(rows, tok.pad_token_id)
-        enc = tok(
-            prompts,
-            responses,
-            truncation="only_first",
-            max_length=max_length,
-            padding=True,
-            return_tensors="pt",
-        )
+        # Over-long pairs lose tokens from the left of the longer text first (usually the prompt), the
+        # same "keep the end" policy as the causal branch; never an error for a long response.
+        side, tok.truncation_side = tok.truncation_side, "left"
+        try:
+            enc = tok(
+                prompts,
+                responses,
+                truncation="longest_first",
+                max_length=max_length,
+                padding=True,
+                return_tensors="pt",
+            )
+        finally:
+            tok.truncation_side = side
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     @torch.no_grad()

@@ -109,3 +109,7 @@ def test_encoder_backbone_scores_text_pairs():
     assert (batch["input_ids"][0] == tok.sep_token_id).sum() == 2  # [CLS] prompt [SEP] response [SEP]
     scores = rm.score_texts(["a prompt", "another, longer prompt here"], ["short", "a response"])
     torch.testing.assert_close(scores[:1], rm.score_texts(["a prompt"], ["short"]), atol=1e-5, rtol=1e-5)
+    # an over-long pair loses the start of the longer text (the prompt's end is kept), never an error
+    cut = rm.encode(["one two three four five six seven eight nine ten"], ["alpha beta"], max_length=10)
+    assert tok.decode(cut["input_ids"][0]) == "[CLS] six seven eight nine ten [SEP] alpha beta [SEP]"
+    assert rm.encode(["hi"], ["a b c d e f g h i j k l"], max_length=8)["input_ids"].shape[1] == 8

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -51,7 +52,7 @@ class RMModelConfig:
 class EnsembleConfig:
     k: int = opt(1, "number of reward models trained (seeds seed, seed+1, ...)")
     shard: bool = opt(False, "train member m on rows m, m+k, m+2k, ... instead of all rows")
-    aggregate: str = opt("mean", "how member scores combine: mean | median | min | mean_minus_std")
+    aggregate: Literal["mean", "median", "min", "mean_minus_std"] = opt("mean", "how member scores combine")
     std_coef: float = opt(1.0, "k in mean - k*std (aggregate: mean_minus_std)")
 
 
