@@ -9,7 +9,8 @@ once with a fixed split seed (independent of the run seed, so every seed is judg
 and cut into three disjoint sets:
 
 - ``prompts_eval.jsonl``: ``n_heldout`` pairs, the held-out gold prompts; never trained on;
-- ``sft_eval.jsonl``: ``n_sft_eval`` pairs for the SFT held-out loss;
+- ``sft_eval.jsonl``: ``n_sft_eval`` pairs for the SFT held-out loss (and, as ``prompts_val.jsonl``,
+  PPO's periodic validation prompts);
 - the rest: SFT demonstrations (``sft_train.jsonl``, a run-seeded sample of ``n_sft`` pairs) and PPO
   prompts (``prompts_train.jsonl``, all of them).
 
@@ -53,7 +54,7 @@ class ArithPreset:
 
 PRESETS: dict[str, ArithPreset] = {
     "tiny": ArithPreset(
-        max_operand=99, n_heldout=512, n_sft_eval=256, n_sft=4000, n_layer=2, n_embd=64, n_head=2
+        max_operand=99, n_heldout=512, n_sft_eval=256, n_sft=4000, n_layer=2, n_embd=128, n_head=4
     ),
     "small": ArithPreset(
         max_operand=999, n_heldout=512, n_sft_eval=512, n_sft=50000, n_layer=4, n_embd=128, n_head=4
@@ -125,7 +126,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
     """Write the data files, the tokenizer (``tokenizer/``) and an untrained model (``base/``).
 
-    Returns name -> path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_eval``,
+    Returns name -> path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``,
     ``tokenizer``, ``base``.
     """
     p = get_preset(preset)
@@ -145,12 +146,14 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     _write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
     _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
     _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+    # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
+    _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
 
     tok = build_tokenizer(out / "tokenizer")
     model = build_model(tok, p, seed)
     model.save_pretrained(str(out / "base"))
     tok.save_pretrained(str(out / "base"))
-    names = ["sft_train", "sft_eval", "prompts_train", "prompts_eval"]
+    names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
     paths = {n: str(out / f"{n}.jsonl") for n in names}
     paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
     return paths

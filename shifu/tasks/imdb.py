@@ -240,7 +240,7 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     """Write data files, tokenizer and starting model for the SFT stage.
 
     Files: ``sft_train.jsonl``/``sft_eval.jsonl`` (prompt, response), ``prompts_pairs.jsonl`` (prompts for
-    preference sampling), ``prompts_train.jsonl`` (PPO), ``prompts_eval.jsonl`` (held-out gold prompts),
+    preference sampling), ``prompts_train.jsonl`` (PPO), ``prompts_val.jsonl`` (PPO's periodic evaluation), ``prompts_eval.jsonl`` (held-out gold prompts),
     ``tokenizer/`` and ``base/`` (untrained GPT-2, or the converted SmolLM2 for preset ``smollm2``).
     """
     p = get_preset(preset)
@@ -252,9 +252,10 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
 
     sft = _pairs(train[: p.n_sft], p)
     _write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
-    _write_jsonl(
-        out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in _pairs(splits["sft_eval"], p)]
-    )
+    sft_eval = _pairs(splits["sft_eval"], p)
+    _write_jsonl(out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in sft_eval])
+    # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
+    _write_jsonl(out / "prompts_val.jsonl", [{"prompt": a} for a, _ in sft_eval])
     # preference and PPO prompts: training reviews (the RM and PPO may see SFT prompts; never held-out ones)
     pair_prompts = [a for a, _ in _pairs(train[-p.n_pairs :], p)]
     _write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
@@ -278,7 +279,7 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
         )
         model.save_pretrained(str(out / "base"))
         tok.save_pretrained(str(out / "base"))
-    names = ["sft_train", "sft_eval", "prompts_pairs", "prompts_train", "prompts_eval"]
+    names = ["sft_train", "sft_eval", "prompts_pairs", "prompts_train", "prompts_val", "prompts_eval"]
     paths = {n: str(out / f"{n}.jsonl") for n in names}
     paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
     return paths
@@ -301,7 +302,8 @@ def make_preference_pairs(
     """Sample two responses per prompt from the SFT policy, label them with the noisy VADER judge.
 
     Writes ``pairs_train.jsonl`` and ``pairs_eval.jsonl`` (``prompt``, ``chosen``, ``rejected``, plus
-    ``gold_chosen``/``gold_rejected``) into ``out_dir``; the last ``eval_fraction`` of prompts are the
+    ``gold_chosen``/``gold_rejected``) and ``sft_samples.jsonl`` (every sample as prompt/response, for the
+    reward model's normalisation) into ``out_dir``; the last ``eval_fraction`` of prompts are the
     RM's held-out pairs. Returns the paths and the label agreement with the noiseless judge.
     """
     import torch
@@ -324,6 +326,10 @@ def make_preference_pairs(
         a, b = responses[2 * i], responses[2 * i + 1]
         (c, gc), (r, gr) = ((a, g_a[i]), (b, g_b[i])) if a_wins[i] else ((b, g_b[i]), (a, g_a[i]))
         rows.append({"prompt": prompt, "chosen": c, "rejected": r, "gold_chosen": gc, "gold_rejected": gr})
+    # every sample once, for the reward model's normalisation fit (SFT-policy samples, training prompts)
+    _write_jsonl(
+        out / "sft_samples.jsonl", [{"prompt": p, "response": y} for p, y in zip(doubled, responses)]
+    )
     n_eval = max(1, int(round(eval_fraction * len(rows))))
     _write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
     _write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
