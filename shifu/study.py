@@ -1,0 +1,659 @@
+"""``shifu study frontier``: gold score against KL to the reference for PPO, DPO and REINFORCE.
+
+Every method starts from the **same** SFT policy (also the frozen reference), learns from the same judge
+(PPO and REINFORCE through their reward, DPO through preference pairs that judge labelled), and is
+measured the same way by :func:`measure`: one sample per held-out prompt (the task's
+``prompts_eval.jsonl``, never trained on), at the same temperature, from the same sampling seed;
+``gold`` = mean gold-judge score; ``kl`` = mean over prompts of ``sum_t log pi(a_t|s_t) -
+log pi_ref(a_t|s_t)`` over the policy's own response tokens (k1, **nats per response**). A method's
+"KL budget" is its knob: a fixed beta for PPO and REINFORCE (``kl.controller=fixed``), beta of DPO.
+
+Run directory (``--out``, default ``runs/frontier-<task>-<budget>``)::
+
+    OUT/shared/data/  sft/  pairs/  [rm/]   task files, the SFT policy, preference pairs, imdb reward model
+    OUT/runs/<method>-<point>-s<seed>/      one training run each, with RESULT.json (gold, kl, seconds)
+    OUT/frontier.json                       every point, per seed and mean/std, cost per method
+    OUT/frontier.png                        gold vs KL, one curve per method (mean, std bars over seeds)
+
+Finished stages and runs are kept (``DONE`` / ``RESULT.json`` markers): rerunning with the same ``--out``
+continues. Seeds change the RL/DPO run (sampling, shuffling); the SFT policy and the pairs are shared, so
+the spread over seeds is the method's own variance.
+
+Arith preference pairs: ``samples_per_prompt`` SFT samples per training prompt, ranked by exact match;
+a prompt with at least one right and one wrong (non-empty) sample gives the pair (first right, first
+wrong). Both sides are samples of the SFT policy, as in the imdb task's protocol, so DPO sees the same
+kind of data as the reward model would; using the answer key as ``chosen`` would hand DPO supervised
+targets that PPO only discovers through its samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shifu.errors import ShifuError
+
+METHODS = ("ppo", "dpo", "reinforce")
+
+# Per (task, budget): the shared stages, each method's training overrides, and the points of each
+# method (a label -> the overrides that set its KL budget). ``points`` are ordered strong -> weak KL
+# control; ``--points N`` keeps N of them spread over the list.
+_ARITH_RL = {
+    "iterations": 40,
+    "batch_size": 64,
+    "minibatch_size": 32,
+    "generation": {"max_new_tokens": 5, "temperature": 1.0},
+    "reward": {"function": "shifu.tasks.judges:exact_match"},
+    "critic": {"init": "sft", "optim": {"lr": 1e-3}},
+    "optim": {"lr": 5e-4, "schedule": "constant"},
+    "eval": {"every": 0},
+    "data": {"max_prompt_len": 16},
+    "save_every": 0,
+}
+BUDGETS: dict[tuple[str, str], dict[str, Any]] = {
+    ("arith", "full"): {
+        "preset": "tiny",
+        "sft": {"max_steps": 800},
+        "pairs": {"num_prompts": 3000, "samples_per_prompt": 4, "max_new_tokens": 5, "temperature": 1.0},
+        "ppo": {**_ARITH_RL, "ppo_epochs": 4},
+        "reinforce": {**_ARITH_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
+        "dpo": {
+            "epochs": 3.0,
+            "batch_size": 32,
+            "optim": {"lr": 5e-4, "schedule": "constant"},
+            "data": {"max_prompt_len": 16, "max_len": 24, "eval_fraction": 0.1},
+        },
+        "points": {
+            "ppo": {
+                f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.03, 0.01)
+            },
+            "reinforce": {
+                f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.03, 0.01)
+            },
+            "dpo": {f"beta={b}": {"beta": b} for b in (1.0, 0.3, 0.1, 0.03)},
+        },
+        "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 512},
+    },
+}
+# CI / tests: the same protocol at a fraction of the cost (fewer SFT steps, pairs, iterations, prompts)
+BUDGETS[("arith", "ci")] = {
+    **BUDGETS[("arith", "full")],
+    "sft": {"max_steps": 400},
+    "pairs": {"num_prompts": 1000, "samples_per_prompt": 4, "max_new_tokens": 5, "temperature": 1.0},
+    "ppo": {**_ARITH_RL, "ppo_epochs": 4, "iterations": 12},
+    "reinforce": {
+        **_ARITH_RL,
+        "algo": "reinforce",
+        "ppo_epochs": 1,
+        "reinforce_baseline": True,
+        "iterations": 12,
+    },
+    "dpo": {**BUDGETS[("arith", "full")]["dpo"], "epochs": 2.0},
+    "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 256},
+}
+_IMDB_RL = {
+    "iterations": 8,
+    "batch_size": 32,
+    "minibatch_size": 16,
+    "ppo_epochs": 2,
+    "generation": {"max_new_tokens": 20, "temperature": 1.0},
+    "critic": {"init": "sft", "optim": {"lr": 1e-3}},
+    "optim": {"lr": 1e-3, "schedule": "constant"},
+    "eval": {"every": 0},
+    "data": {"max_prompt_len": 24},
+    "save_every": 0,
+}
+BUDGETS[("imdb", "reduced")] = {
+    "preset": "tiny",
+    "sft": {},
+    "pairs": {"max_new_tokens": 20, "tau": 0.1, "temperature": 1.0},
+    "rm": {},
+    "ppo": _IMDB_RL,
+    "reinforce": {**_IMDB_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
+    "dpo": {
+        "epochs": 1.0,
+        "batch_size": 16,
+        "optim": {"lr": 5e-4, "schedule": "constant"},
+        "data": {"max_prompt_len": 24, "max_len": 64},
+    },
+    "points": {
+        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.05, 0.01)},
+        "reinforce": {
+            f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.05, 0.01)
+        },
+        "dpo": {f"beta={b}": {"beta": b} for b in (0.5, 0.1, 0.03)},
+    },
+    "eval": {"max_new_tokens": 20, "temperature": 1.0, "num_prompts": 256},
+}
+DEFAULT_BUDGET = {"arith": "full", "imdb": "reduced"}
+
+
+def _log(msg: str) -> None:
+    print(f"[study] {msg}", file=sys.stderr, flush=True)
+
+
+def _read_jsonl(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _done(stage_dir: Path) -> dict | None:
+    marker = stage_dir / "DONE"
+    return json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else None
+
+
+def _mark_done(stage_dir: Path, seconds: float, **extra: Any) -> None:
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / "DONE").write_text(json.dumps({"seconds": round(seconds, 2), **extra}), encoding="utf-8")
+
+
+def _train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
+    """Run a trainer (``Config`` + ``train``) in ``stage_dir``; an unfinished stage starts again."""
+    import importlib
+    import shutil
+
+    from shifu.config import load_config
+
+    module = importlib.import_module(module_name)
+    cfg = load_config(module.Config, None, _merge(overrides, {"out_dir": str(stage_dir)}))
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    return module.train(cfg) or {}
+
+
+# ------------------------------------------------------------------------------------- the measurement
+
+
+def measure(
+    policy_dir: str | Path,
+    ref_dir: str | Path,
+    rows: list[dict],
+    gold_fn,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> dict[str, Any]:
+    """Gold and KL of one policy on held-out prompt ``rows`` — the one measurement every method gets.
+
+    One sample per prompt at ``temperature`` (sampling generator seeded with ``seed``: every policy is
+    drawn with the same random numbers); ``gold`` = mean of ``gold_fn`` over the samples; ``kl`` = mean
+    over prompts of the k1 sum over response tokens of ``log pi - log pi_ref`` (nats per response,
+    :func:`shifu.tasks.evaluate_policy`); ``response_len`` = mean real tokens, EOS included.
+    """
+    from shifu.tasks import evaluate_policy
+
+    prompts = [r["prompt"] for r in rows]
+    ev = evaluate_policy(str(policy_dir), str(ref_dir), prompts, max_new_tokens, temperature, seed)
+    gold = [float(g) for g in gold_fn(prompts, ev["responses"], rows)]
+    n = len(prompts)
+    return {
+        "gold": sum(gold) / n,
+        "kl": sum(ev["kl"]) / n,
+        "response_len": sum(ev["lengths"]) / n,
+        "samples": [
+            {"prompt": p, "response": y, "gold": g} for p, y, g in zip(prompts[:8], ev["responses"], gold)
+        ],
+    }
+
+
+# ------------------------------------------------------------------------------------- shared stages
+
+
+def arith_pairs(sft_dir: Path, prompt_rows: list[dict], out: Path, pp: dict, seed: int) -> dict[str, Any]:
+    """Preference pairs from SFT samples ranked by exact match (see the module docstring)."""
+    import torch
+
+    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.tasks import sample_responses
+    from shifu.tasks.judges import exact_match
+
+    rows = list(prompt_rows)
+    random.Random(seed).shuffle(rows)
+    rows = rows[: pp["num_prompts"]]
+    tok, model = load_tokenizer(sft_dir), load_causal_lm(sft_dir, dropout=False).eval()
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [r["prompt"] for r in rows]
+    draws = [
+        sample_responses(model, tok, prompts, pp["max_new_tokens"], pp["temperature"], gen)
+        for _ in range(pp["samples_per_prompt"])
+    ]
+    pairs = []
+    for i, row in enumerate(rows):
+        samples = [d[i] for d in draws]
+        right = exact_match([row["prompt"]] * len(samples), samples, [row] * len(samples))
+        good = [s for s, r in zip(samples, right) if r == 1.0]
+        bad = [s for s, r in zip(samples, right) if r == 0.0 and s.strip()]
+        if good and bad:
+            pairs.append(
+                {"prompt": row["prompt"], "chosen": good[0], "rejected": bad[0], "answer": row["answer"]}
+            )
+    if len(pairs) < 20:
+        raise ShifuError(
+            f"only {len(pairs)} preference pairs from {len(rows)} prompts: the SFT policy is almost always "
+            "right or always wrong; raise pairs.num_prompts or change sft.max_steps"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "pairs.jsonl", pairs)
+    n_right = sum(exact_match(prompts, d, rows).count(1.0) for d in draws)
+    return {
+        "pairs": len(pairs),
+        "prompts": len(rows),
+        "sft_sample_accuracy": n_right / (len(rows) * len(draws)),
+    }
+
+
+def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[str, Any]:
+    """prepare -> SFT -> pairs (-> reward model for imdb) in ``out/shared``, reusing quickstart's stages."""
+    from shifu.quickstart import PLANS
+
+    qs = PLANS[(task, plan["preset"])]
+    shared = out / "shared"
+    info: dict[str, Any] = {"seconds": {}}
+    data_dir = shared / "data"
+    if (d := _done(data_dir)) is None:
+        _log(f"prepare {task} ({plan['preset']})")
+        t0 = time.time()
+        from shifu.tasks import arith, imdb
+
+        (arith if task == "arith" else imdb).prepare(data_dir, plan["preset"], sets_seed)
+        _mark_done(data_dir, time.time() - t0)
+        d = _done(data_dir)
+    info["seconds"]["prepare"] = d["seconds"]
+    files = {p.stem: str(p) for p in data_dir.glob("*.jsonl")}
+    info["files"] = files
+
+    sft_dir = shared / "sft"
+    if (d := _done(sft_dir)) is None:
+        _log("stage sft (the starting policy and reference of every method)")
+        t0 = time.time()
+        over = _merge(
+            _merge(qs["sft"], plan["sft"]),
+            {
+                "seed": sets_seed,
+                "model": {"path": str(data_dir / "base")},
+                "progress": False,
+                "data": {"train": files["sft_train"], "eval": files["sft_eval"]},
+            },
+        )
+        _train_stage("shifu.trainers.sft", sft_dir, over)
+        _mark_done(sft_dir, time.time() - t0)
+        d = _done(sft_dir)
+    info["seconds"]["sft"] = d["seconds"]
+    info["sft"] = str(sft_dir / "final")
+
+    pairs_dir = shared / "pairs"
+    if (d := _done(pairs_dir)) is None:
+        _log("stage pairs: SFT samples ranked by the judge")
+        t0 = time.time()
+        pp = plan["pairs"]
+        if task == "arith":
+            extra = arith_pairs(
+                sft_dir / "final", _read_jsonl(files["prompts_train"]), pairs_dir, pp, sets_seed
+            )
+        else:
+            from shifu.tasks import imdb
+
+            prompts = [r["prompt"] for r in _read_jsonl(files["prompts_pairs"])]
+            res = imdb.make_preference_pairs(
+                sft_dir / "final",
+                prompts,
+                pairs_dir,
+                max_new_tokens=pp["max_new_tokens"],
+                tau=pp["tau"],
+                seed=sets_seed,
+                temperature=pp["temperature"],
+            )
+            extra = {k: v for k, v in res.items() if not k.startswith("pairs")}
+        _mark_done(pairs_dir, time.time() - t0, **extra)
+        d = _done(pairs_dir)
+    info["seconds"]["pairs"] = d["seconds"]
+    info["pairs_info"] = {k: v for k, v in d.items() if k != "seconds"}
+    if task == "arith":
+        info["pairs"] = {"train": str(pairs_dir / "pairs.jsonl"), "eval": ""}
+        info["reward"] = {"function": "shifu.tasks.judges:exact_match"}
+    else:
+        info["pairs"] = {
+            "train": str(pairs_dir / "pairs_train.jsonl"),
+            "eval": str(pairs_dir / "pairs_eval.jsonl"),
+        }
+        rm_dir = shared / "rm"
+        if (d := _done(rm_dir)) is None:
+            _log("stage rm (the proxy reward of PPO and REINFORCE)")
+            t0 = time.time()
+            over = _merge(
+                _merge(qs["rm"], plan.get("rm", {})),
+                {
+                    "seed": sets_seed,
+                    "progress": False,
+                    "data": info["pairs"],
+                    # as quickstart: SFT-policy samples get normalised RM scores (mean 0, std 1)
+                    "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl")},
+                },
+            )
+            if over.get("model", {}).get("backbone", "sft") == "sft":
+                over = _merge(over, {"model": {"backbone": str(sft_dir / "final")}})
+            res = _train_stage("shifu.trainers.reward", rm_dir, over)
+            _mark_done(rm_dir, time.time() - t0, rm_accuracy=res.get("eval/rm/accuracy"))
+            d = _done(rm_dir)
+        info["seconds"]["rm"] = d["seconds"]
+        info["reward"] = {"model_path": str(rm_dir / "final")}
+    return info
+
+
+# ------------------------------------------------------------------------------------- one point
+
+
+def _trainer_overrides(method: str, plan: dict, point: dict, shared: dict, seed: int, run_dir: Path) -> dict:
+
+    files = shared["files"]
+    if method == "dpo":
+        data = {"train": shared["pairs"]["train"]}
+        if shared["pairs"]["eval"]:
+            data["eval"] = shared["pairs"]["eval"]
+        base = {
+            "seed": seed,
+            "policy_path": shared["sft"],
+            "progress": False,
+            "tensorboard": False,
+            "data": data,
+        }
+    else:
+        base = {
+            "seed": seed,
+            "actor_path": shared["sft"],
+            "reward": dict(shared["reward"]),
+            "data": {"prompts": files["prompts_train"], "eval_prompts": files["prompts_val"]},
+        }
+    return _merge(_merge(_merge(plan[method], base), point), {"out_dir": str(run_dir)})
+
+
+def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out: Path, ev: dict) -> dict:
+    """Train one (method, point, seed) from the SFT policy and measure it; cached in RESULT.json."""
+    from shifu.rewards import load_function
+
+    run_dir = out / "runs" / f"{method}-{label.replace('=', '')}-s{seed}"
+    result_file = run_dir / "RESULT.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text(encoding="utf-8"))
+    _log(f"{method} {label} seed {seed}")
+    module = "shifu.trainers.dpo" if method == "dpo" else "shifu.trainers.ppo"
+    over = _trainer_overrides(method, plan, plan["points"][method][label], shared, seed, run_dir)
+    t0 = time.time()
+    _train_stage(module, run_dir, over)
+    seconds = time.time() - t0
+    rows = ev["rows"]
+    m = measure(
+        run_dir / "final",
+        shared["sft"],
+        rows,
+        load_function(ev["gold"], "gold judge"),
+        ev["max_new_tokens"],
+        ev["temperature"],
+        ev["seed"],
+    )
+    result = {
+        "method": method,
+        "point": label,
+        "seed": seed,
+        "gold": m["gold"],
+        "kl": m["kl"],
+        "response_len": m["response_len"],
+        "train_seconds": round(seconds, 2),
+        "proxy": _proxy(method, run_dir),
+        "samples": m["samples"],
+    }
+    result_file.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    _log(f"{method} {label} seed {seed}: gold {m['gold']:.3f} at KL {m['kl']:.2f} nats ({seconds:.0f} s)")
+    return result
+
+
+def _proxy(method: str, run_dir: Path) -> float | None:
+    """What the method optimised, at its end: mean objective/score of the last 5 iterations (PPO,
+    REINFORCE), or the held-out implicit-reward margin (DPO)."""
+    from shifu.tracking import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if method == "dpo":
+        vals = [r["eval/dpo/margin"] for r in rows if "eval/dpo/margin" in r]
+        return vals[-1] if vals else None
+    vals = [r["objective/score"] for r in rows if isinstance(r.get("objective/score"), (int, float))][-5:]
+    return sum(vals) / len(vals) if vals else None
+
+
+# ------------------------------------------------------------------------------------- aggregate + plot
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+
+
+def aggregate(results: list[dict], order: dict[str, list[str]]) -> dict[str, Any]:
+    """Per method: each point's per-seed numbers and mean/std of gold and KL; cost per method."""
+    methods: dict[str, Any] = {}
+    for method, labels in order.items():
+        points = []
+        for label in labels:
+            rs = sorted(
+                (r for r in results if r["method"] == method and r["point"] == label), key=lambda r: r["seed"]
+            )
+            if not rs:
+                continue
+            g, gs = _mean_std([r["gold"] for r in rs])
+            k, ks = _mean_std([r["kl"] for r in rs])
+            points.append(
+                {
+                    "point": label,
+                    "gold_mean": g,
+                    "gold_std": gs,
+                    "kl_mean": k,
+                    "kl_std": ks,
+                    "per_seed": [
+                        {x: r[x] for x in ("seed", "gold", "kl", "response_len", "train_seconds", "proxy")}
+                        for r in rs
+                    ],
+                }
+            )
+        secs = [s["train_seconds"] for p in points for s in p["per_seed"]]
+        methods[method] = {
+            "points": points,
+            "train_seconds_per_run": sum(secs) / len(secs) if secs else None,
+            "train_seconds_total": sum(secs),
+            # across-seed spread of gold, averaged over the method's points (the variance target)
+            "mean_gold_std": sum(p["gold_std"] for p in points) / len(points) if points else None,
+        }
+    return methods
+
+
+def plot(frontier: dict[str, Any], path: Path) -> Path:
+    """gold vs KL: one curve per method through its points (mean), std over seeds as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    base = frontier["sft"]
+    for method, colour in zip(METHODS, ("tab:blue", "tab:orange", "tab:green")):
+        pts = sorted(frontier["methods"].get(method, {}).get("points", []), key=lambda p: p["kl_mean"])
+        if not pts:
+            continue
+        cost = frontier["methods"][method]["train_seconds_per_run"]
+        ax.errorbar(
+            [base["kl"]] + [p["kl_mean"] for p in pts],
+            [base["gold"]] + [p["gold_mean"] for p in pts],
+            xerr=[0.0] + [p["kl_std"] for p in pts],
+            yerr=[0.0] + [p["gold_std"] for p in pts],
+            marker="o",
+            capsize=3,
+            color=colour,
+            label=f"{method} ({cost:.0f} s/run)",
+        )
+        for p in pts:
+            ax.annotate(
+                p["point"],
+                (p["kl_mean"], p["gold_mean"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+                color=colour,
+            )
+    ax.scatter([base["kl"]], [base["gold"]], color="black", zorder=5, label="SFT (reference)")
+    ax.set_xlabel("KL(pi || pi_ref), nats per response (k1, held-out prompts)")
+    ax.set_ylabel(f"gold ({frontier['gold_judge'].split(':')[-1]}), held-out mean")
+    ax.set_title(
+        f"{frontier['task']} frontier, {len(frontier['seeds'])} seed(s), budget {frontier['budget']}"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------- the study
+
+
+def _spread(labels: list[str], n: int | None) -> list[str]:
+    """``n`` labels spread evenly over the list, first and last included (all when n is None or big)."""
+    if n is None or n >= len(labels):
+        return labels
+    if n == 1:
+        return [labels[len(labels) // 2]]
+    return [labels[round(i * (len(labels) - 1) / (n - 1))] for i in range(n)]
+
+
+def frontier(
+    task: str,
+    budget: str,
+    seeds: int,
+    out: Path,
+    points: int | None = None,
+    methods: tuple[str, ...] = METHODS,
+) -> dict[str, Any]:
+    """Run (or continue) the frontier study in ``out``; returns frontier.json's content."""
+    from shifu.quickstart import GOLD
+
+    if (task, budget) not in BUDGETS:
+        choices = ", ".join(f"--task {t} --budget {b}" for t, b in BUDGETS)
+        raise ShifuError(f"no frontier budget '{budget}' for task '{task}'. Choose: {choices}")
+    if seeds < 1:
+        raise ShifuError(f"--seeds must be >= 1 (got {seeds})")
+    plan = BUDGETS[(task, budget)]
+    t_start = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    shared = shared_stages(task, plan, out)
+    e = plan["eval"]
+    ev = {
+        "rows": _read_jsonl(shared["files"]["prompts_eval"])[: e["num_prompts"]],
+        "gold": GOLD[task],
+        "max_new_tokens": e["max_new_tokens"],
+        "temperature": e["temperature"],
+        "seed": 777,
+    }
+    from shifu.rewards import load_function
+
+    base = measure(
+        shared["sft"],
+        shared["sft"],
+        ev["rows"],
+        load_function(ev["gold"], "gold judge"),
+        ev["max_new_tokens"],
+        ev["temperature"],
+        ev["seed"],
+    )
+    order = {m: _spread(list(plan["points"][m]), points) for m in methods}
+    results = [
+        run_point(m, label, seed, plan, shared, out, ev)
+        for seed in range(seeds)
+        for m in methods
+        for label in order[m]
+    ]
+    report = {
+        "task": task,
+        "budget": budget,
+        "seeds": list(range(seeds)),
+        "gold_judge": ev["gold"],
+        "eval": {
+            "prompts": len(ev["rows"]),
+            "file": shared["files"]["prompts_eval"],
+            "temperature": ev["temperature"],
+            "max_new_tokens": ev["max_new_tokens"],
+            "sampling_seed": ev["seed"],
+            "kl": "k1, sum over response tokens, nats per response",
+        },
+        "sft": {"gold": base["gold"], "kl": base["kl"], "response_len": base["response_len"]},
+        "pairs": shared["pairs_info"],
+        "shared_seconds": shared["seconds"],
+        "methods": aggregate(results, order),
+        "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
+        "seconds_total": round(time.time() - t_start, 1),
+    }
+    (out / "frontier.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    plot(report, out / "frontier.png")
+    return report
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [
+        f"SFT: gold {report['sft']['gold']:.3f} at KL {report['sft']['kl']:.2f}",
+        f"{'method':10s} {'point':10s} {'gold':>14s} {'KL (nats)':>14s} {'s/run':>7s}",
+    ]
+    for method, m in report["methods"].items():
+        for p in m["points"]:
+            secs = sum(s["train_seconds"] for s in p["per_seed"]) / len(p["per_seed"])
+            lines.append(
+                f"{method:10s} {p['point']:10s} {p['gold_mean']:7.3f}±{p['gold_std']:.3f} "
+                f"{p['kl_mean']:8.2f}±{p['kl_std']:.2f} {secs:7.0f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shifu study", description="studies over shifu's trainers")
+    sub = ap.add_subparsers(dest="study", required=True)
+    fp = sub.add_parser("frontier", help="gold vs KL for PPO, DPO and REINFORCE from one SFT model")
+    fp.add_argument("--task", choices=["arith", "imdb"], default="arith")
+    fp.add_argument("--budget", default=None, help="arith: full (default) or ci; imdb: reduced")
+    fp.add_argument("--seeds", type=int, default=3, help="seeds per point (default 3)")
+    fp.add_argument(
+        "--points", type=int, default=None, help="points per method (default: all of the budget's)"
+    )
+    fp.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated subset of ppo,dpo,reinforce"
+    )
+    fp.add_argument("--out", default=None, help="study directory (default runs/frontier-TASK-BUDGET)")
+    fp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default SHIFU_THREADS)")
+    args = ap.parse_args(argv)
+    from shifu.cli import set_threads
+
+    set_threads(args.threads)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ShifuError(
+            f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}"
+        )
+    budget = args.budget or DEFAULT_BUDGET[args.task]
+    out = Path(args.out or f"runs/frontier-{args.task}-{budget}")
+    report = frontier(args.task, budget, args.seeds, out, args.points, methods)
+    print(_table(report))
+    print(f"frontier: {out / 'frontier.json'}, plot: {out / 'frontier.png'}; {report['seconds_total']:.0f} s")
+    return 0

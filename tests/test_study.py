@@ -1,0 +1,94 @@
+"""``shifu study frontier``: a one-seed arith frontier with two points per method (the CI run), and the
+pieces it is built from (point selection, aggregation over seeds, the shared measurement)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shifu import study
+from shifu.cli import main as cli_main
+
+torch.set_num_threads(1)
+
+
+def test_spread_keeps_first_and_last_points():
+    labels = ["a", "b", "c", "d"]
+    assert study._spread(labels, 2) == ["a", "d"]
+    assert study._spread(labels, 3) == ["a", "c", "d"]
+    assert study._spread(labels, None) == labels
+    assert study._spread(labels, 9) == labels
+
+
+def test_aggregate_means_and_sample_std_over_seeds():
+    results = [
+        {
+            "method": "ppo",
+            "point": "beta=0.1",
+            "seed": s,
+            "gold": g,
+            "kl": k,
+            "response_len": 3.0,
+            "train_seconds": 10.0,
+            "proxy": None,
+        }
+        for s, g, k in [(0, 0.2, 1.0), (1, 0.4, 3.0)]
+    ]
+    agg = study.aggregate(results, {"ppo": ["beta=0.1"], "dpo": []})
+    p = agg["ppo"]["points"][0]
+    assert p["gold_mean"] == pytest.approx(0.3) and p["kl_mean"] == pytest.approx(2.0)
+    assert p["gold_std"] == pytest.approx(0.1414, abs=1e-4)  # sample std (n - 1)
+    assert agg["ppo"]["train_seconds_per_run"] == 10.0
+    assert agg["dpo"]["points"] == []
+
+
+def test_measure_of_the_reference_itself_has_zero_kl(tiny_model_dir):
+    rows = [{"prompt": p} for p in ("the movie", "hello there", "tell me a story")]
+    m = study.measure(
+        tiny_model_dir, tiny_model_dir, rows, lambda ps, ys, rs: [float(len(y)) for y in ys], 6, 1.0, 0
+    )
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert m["gold"] > 0  # the judge saw the sampled text
+
+
+def test_unknown_budget_exits_2(tmp_path, capsys):
+    code = cli_main(["study", "frontier", "--task", "arith", "--budget", "huge", "--out", str(tmp_path)])
+    assert code == 2
+    assert "no frontier budget 'huge'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_arith_frontier_one_seed_two_points_per_method(tmp_path):
+    out = tmp_path / "frontier"
+    code = cli_main(
+        [
+            "study",
+            "frontier",
+            "--task",
+            "arith",
+            "--budget",
+            "ci",
+            "--seeds",
+            "1",
+            "--points",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads((out / "frontier.json").read_text())
+    assert (out / "frontier.png").stat().st_size > 10_000
+    assert report["eval"]["prompts"] == 256 and report["sft"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    for method in study.METHODS:
+        m = report["methods"][method]
+        assert len(m["points"]) == 2, method
+        assert m["train_seconds_per_run"] > 0
+        for p in m["points"]:
+            assert 0.0 <= p["gold_mean"] <= 1.0
+            assert p["kl_mean"] == p["kl_mean"] and p["kl_mean"] > -0.5  # a number; k1 mean of a moved policy
+        # the weaker KL control moves the policy further from the reference
+        strong, weak = m["points"]
+        assert weak["kl_mean"] > strong["kl_mean"], method
