@@ -209,7 +209,9 @@ def train_member(
     step = state["step"] if state else 0
     if state:
         stream = BatchStream(len(train_pairs), cfg.batch_size, seed, **state["data"])
-    tracker = Tracker(run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else None)
+    tracker = Tracker(
+        run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else (-1 if resume else None)
+    )  # -1: --resume without a checkpoint starts over and drops old lines
     if step == 0:
         tracker.log(0, evaluate(model, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16))
     bar = progress(n_steps, "rm" if cfg.ensemble.k == 1 else f"rm member {member}", cfg.progress, step)

@@ -196,7 +196,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         step = state["step"]
         stream = BatchStream(len(train_ex), cfg.batch_size, cfg.seed, **state["data"])
     write_config(run_dir, cfg)
-    tracker = Tracker(run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else None)
+    tracker = Tracker(
+        run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else (-1 if resume else None)
+    )  # -1: --resume without a checkpoint starts over and drops old lines
 
     # 4. the loop: each step = grad_accum micro-batches, loss = token mean over all of them
     bar = progress(n_steps, "sft", enabled=cfg.progress, initial=step)
