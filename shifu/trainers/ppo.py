@@ -320,7 +320,13 @@ class PPOTrainer:
         if values is not None and cfg.algo != "reinforce":
             old_values, returns = exp["values"][micro], exp["returns"][micro]
             vf_loss, vst = core.ppo_value_loss(
-                values.float(), old_values, returns, m, clip=cfg.value_clip, **kw
+                values.float(),
+                old_values,
+                returns,
+                m,
+                clip=cfg.value_clip,
+                aggregation=cfg.loss_aggregation,
+                **kw,
             )
             vf_loss = vf_loss * w
             loss = loss + cfg.vf_coef * vf_loss

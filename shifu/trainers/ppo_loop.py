@@ -81,19 +81,17 @@ class PromptStream:
 
 
 def _ptx_stream(cfg: Config, tok):
-    from shifu.data import load_rows
+    from shifu.data import load_rows, sft_texts
 
-    rows = load_rows(cfg.data.ptx, "sft", skip_bad=cfg.data.skip_bad)
+    rows = [sft_texts(tok, r) for r in load_rows(cfg.data.ptx, "sft", skip_bad=cfg.data.skip_bad)]
     gen = torch.Generator().manual_seed(cfg.seed + 7)
     while True:
         for i in torch.randperm(len(rows), generator=gen).tolist():
             chunk = [rows[(i + j) % len(rows)] for j in range(cfg.minibatch_size // cfg.grad_accum)]
             seqs, masks = [], []
             for r in chunk:
-                p = tok(r["prompt"], add_special_tokens=False)["input_ids"][-cfg.data.max_prompt_len :]
-                resp = tok(r["response"], add_special_tokens=False)["input_ids"][
-                    : cfg.generation.max_new_tokens
-                ]
+                p = tok(r[0], add_special_tokens=False)["input_ids"][-cfg.data.max_prompt_len :]
+                resp = tok(r[1], add_special_tokens=False)["input_ids"][: cfg.generation.max_new_tokens]
                 seqs.append(p + resp + [tok.eos_token_id])
                 masks.append([0] * len(p) + [1] * (len(resp) + 1))
             b = pad_right(seqs, tok.pad_token_id)
