@@ -52,6 +52,8 @@ def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--help-config", action="store_true", help="list every config key with its default and meaning"
     )
+    if cmd == "rm":
+        p.add_argument("--ensemble", type=int, metavar="K", help="train K reward models (same as ensemble.k=K)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after --config")
     return p
 
@@ -70,6 +72,8 @@ def run_trainer(cmd: str, argv: list[str]) -> int:
     overrides = list(args.overrides)
     if args.out:
         overrides.append(f"out_dir={args.out}")
+    if getattr(args, "ensemble", None):
+        overrides.append(f"ensemble.k={args.ensemble}")
     cfg = load_config(module.Config, args.config, overrides)
     module.train(cfg, resume=args.resume, overwrite=args.overwrite)
     return 0
