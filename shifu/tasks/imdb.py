@@ -75,18 +75,18 @@ PRESETS: dict[str, ImdbPreset] = {
         n_positions=64,
     ),
     "small": ImdbPreset(
-        vocab_size=8192,
-        tokenizer_reviews=12000,
+        vocab_size=4096,
+        tokenizer_reviews=8000,
         n_sft=22000,
         n_sft_eval=256,
-        n_pairs=2000,
+        n_pairs=1000,
         n_heldout=256,
         prompt_words=8,
-        response_words=24,
+        response_words=16,
         n_layer=4,
         n_embd=128,
         n_head=4,
-        n_positions=128,
+        n_positions=64,
     ),
     "smollm2": ImdbPreset(
         vocab_size=0,
@@ -240,7 +240,8 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     """Write data files, tokenizer and starting model for the SFT stage.
 
     Files: ``sft_train.jsonl``/``sft_eval.jsonl`` (prompt, response), ``prompts_pairs.jsonl`` (prompts for
-    preference sampling), ``prompts_train.jsonl`` (PPO), ``prompts_val.jsonl`` (PPO's periodic evaluation), ``prompts_eval.jsonl`` (held-out gold prompts),
+    preference sampling), ``prompts_train.jsonl`` (PPO), ``prompts_val.jsonl`` (PPO's periodic
+    evaluation), ``prompts_eval.jsonl`` (held-out gold prompts),
     ``tokenizer/`` and ``base/`` (untrained GPT-2, or the converted SmolLM2 for preset ``smollm2``).
     """
     p = get_preset(preset)
@@ -304,7 +305,8 @@ def make_preference_pairs(
     Writes ``pairs_train.jsonl`` and ``pairs_eval.jsonl`` (``prompt``, ``chosen``, ``rejected``, plus
     ``gold_chosen``/``gold_rejected``) and ``sft_samples.jsonl`` (every sample as prompt/response, for the
     reward model's normalisation) into ``out_dir``; the last ``eval_fraction`` of prompts are the
-    RM's held-out pairs. Returns the paths and the label agreement with the noiseless judge.
+    RM's held-out pairs. Pairs with an empty response are dropped. Returns the paths, the number of
+    pairs and the label agreement with the noiseless judge.
     """
     import torch
 
@@ -324,12 +326,15 @@ def make_preference_pairs(
     rows = []
     for i, prompt in enumerate(prompts):
         a, b = responses[2 * i], responses[2 * i + 1]
+        if not a.strip() or not b.strip():  # an immediate EOS: nothing for the judge to compare
+            continue
         (c, gc), (r, gr) = ((a, g_a[i]), (b, g_b[i])) if a_wins[i] else ((b, g_b[i]), (a, g_a[i]))
         rows.append({"prompt": prompt, "chosen": c, "rejected": r, "gold_chosen": gc, "gold_rejected": gr})
-    # every sample once, for the reward model's normalisation fit (SFT-policy samples, training prompts)
-    _write_jsonl(
-        out / "sft_samples.jsonl", [{"prompt": p, "response": y} for p, y in zip(doubled, responses)]
-    )
+    if len(rows) < 2:
+        raise ShifuError(f"only {len(rows)} preference pairs with two non-empty responses; train SFT longer")
+    # every non-empty sample once, for the reward model's normalisation fit (SFT policy, training prompts)
+    samples = [{"prompt": p, "response": y} for p, y in zip(doubled, responses) if y.strip()]
+    _write_jsonl(out / "sft_samples.jsonl", samples)
     n_eval = max(1, int(round(eval_fraction * len(rows))))
     _write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
     _write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
@@ -338,6 +343,7 @@ def make_preference_pairs(
     return {
         "pairs_train": str(out / "pairs_train.jsonl"),
         "pairs_eval": str(out / "pairs_eval.jsonl"),
+        "pairs": len(rows),
         "label_agreement": agree,
         "tie_fraction": float(1 - decided.mean()),
         "gold_mean": float(gold.mean()),
