@@ -183,7 +183,6 @@ def policy_forward(
     """
     P = prompt_len
     T = input_ids.shape[1]
-    R = T - P
     keep = torch.arange(P - 1, T - 1, device=input_ids.device)  # (R,) positions predicting the response
     out = model(
         input_ids=input_ids,
@@ -253,6 +252,7 @@ class _FastDecoder:
         self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
         self.key_mask = torch.ones((batch, max_len), dtype=torch.bool, device=like.device)
         self.length = 0  # positions filled in the cache
+        self.bias: Tensor | None = None  # (B * Hkv, 1, P+R) additive key-padding bias of decode steps
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write k, v (B, Hkv, T, D) at the current end of the cache; attend q (B, H, T, D) over it."""
@@ -260,19 +260,38 @@ class _FastDecoder:
         end = start + T
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
-        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # views, no copy
+        if T == 1:
+            return self._attend_one(q, keys, values, scale)
         if keys.shape[1] != q.shape[1]:  # grouped-query attention
             rep = q.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        if T == 1:
-            mask = self.key_mask[:, None, None, :end]  # (B, 1, 1, S)
-        else:
-            # causal (query i sees keys <= start + i) and key padding; a pad query with no real key
-            # before it attends to itself (its output is never used) so no row of the softmax is empty
-            q_pos = torch.arange(start, end, device=q.device).unsqueeze(1)  # (T, 1)
-            k_pos = torch.arange(end, device=q.device)  # (S,)
-            mask = ((k_pos <= q_pos) & self.key_mask[:, None, None, :end]) | (k_pos == q_pos)
+        # causal (query i sees keys <= start + i) and key padding; a pad query with no real key
+        # before it attends to itself (its output is never used) so no row of the softmax is empty
+        q_pos = torch.arange(start, end, device=q.device).unsqueeze(1)  # (T, 1)
+        k_pos = torch.arange(end, device=q.device)  # (S,)
+        mask = ((k_pos <= q_pos) & self.key_mask[:, None, None, :end]) | (k_pos == q_pos)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+    def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+        """One decode step: softmax(q k^T * scale + bias) v with batched matmuls over (B * Hkv) groups.
+
+        q (B, H, 1, D); keys/values (B, Hkv, S, D) views of the cache. Query heads sharing a KV head (GQA,
+        head h uses KV head h // rep) become the ``rep`` rows of one group, so the cache is never copied.
+        The additive key-padding bias (0 / -inf) is built once per generation (the mask is fixed then).
+        """
+        B, H, _, D = q.shape
+        Hkv, S = keys.shape[1], keys.shape[2]
+        if self.bias is None:
+            bias = torch.zeros((B, Hkv, 1, self.key_mask.shape[1]), dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~self.key_mask[:, None, None, :], float("-inf"))
+            self.bias = bias.view(B * Hkv, 1, -1)
+        qg = q.reshape(B * Hkv, H // Hkv, D)
+        scores = torch.baddbmm(
+            self.bias[:, :, :S], qg, keys.reshape(B * Hkv, S, D).transpose(1, 2), alpha=scale
+        )
+        out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * Hkv, S, D))
+        return out.view(B, H, 1, D)
 
 
 class _GPT2Decoder(_FastDecoder):
