@@ -24,6 +24,7 @@ Conventions pinned here (and tested in ``tests/test_distributed.py`` on 2 CPU pr
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import os
 import sys
@@ -347,6 +348,128 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+# --------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO (optional: pip install 'shifu-rlhf[deepspeed]')
+
+
+def _deepspeed():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the import: DeepSpeed picks its backend then
+    try:
+        import deepspeed
+    except ImportError:
+        raise ShifuError("DeepSpeed is not installed: pip install 'shifu-rlhf[deepspeed]'") from None
+    return deepspeed
+
+
+def load_deepspeed_config(ds_config: str | Path | dict, optim: Any = None) -> dict[str, Any]:
+    """A DeepSpeed config dict from a JSON file (or a dict), with shifu's defaults filled in.
+
+    shifu's loop owns batching and accumulation, so ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` default to 1. From ``optim`` (a ``shifu.trainers.common.OptimConfig``):
+    ``gradient_clipping`` and, when the ZeRO section offloads the optimiser and the file names no
+    optimiser, an ``AdamW`` section (DeepSpeed then uses its CPU Adam, compiled on first use).
+    """
+    import json
+
+    if isinstance(ds_config, dict):
+        cfg = copy.deepcopy(ds_config)
+    else:
+        path = Path(ds_config)
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ShifuError(f"DeepSpeed config '{path}' does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ShifuError(
+                f"DeepSpeed config '{path}', line {e.lineno}: not valid JSON ({e.msg})"
+            ) from None
+    cfg.setdefault("train_micro_batch_size_per_gpu", 1)
+    cfg.setdefault("gradient_accumulation_steps", 1)
+    cfg.setdefault("steps_per_print", 10**9)  # shifu's tracker logs; keep DeepSpeed quiet
+    zero = cfg.get("zero_optimization", {})
+    if optim is not None:
+        # 0 disables clipping (DeepSpeed's own default is not "off")
+        cfg.setdefault("gradient_clipping", optim.max_grad_norm if optim.max_grad_norm is not None else 0.0)
+        if "offload_optimizer" in zero and "optimizer" not in cfg:
+            cfg["optimizer"] = {
+                "type": "AdamW",
+                "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps,
+                           "weight_decay": optim.weight_decay},
+            }  # fmt: skip
+    return cfg
+
+
+def wrap_deepspeed(
+    model: nn.Module, optim: Any, ds_config: str | Path | dict, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``(engine, optimizer)`` for a trained model under DeepSpeed ZeRO (stage, offload from the config).
+
+    ``optim`` is an ``OptimConfig``; without an ``optimizer`` section in the config and without
+    ``optimizer``, a torch ``AdamW`` is built from it. Call the engine like the model; train with
+    :func:`backward` and :func:`optimizer_step` (they call ``engine.backward``/``engine.step``).
+    Gradients are averaged over ranks as with DDP, so :func:`token_mean_divisor` applies unchanged.
+    For ZeRO-3, build HF models inside :func:`deepspeed_zero3_init` so weights load straight into shards.
+    """
+    deepspeed = _deepspeed()
+    cfg = load_deepspeed_config(ds_config, optim)
+    if optimizer is None and "optimizer" not in cfg:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+        )
+    if optimizer is not None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        cfg.setdefault("zero_allow_untested_optimizer", True)
+    if not is_distributed():
+        init()
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    return engine, ds_optimizer
+
+
+def deepspeed_zero3_init(ds_config: str | Path | dict) -> Any:
+    """Keep the returned object alive while calling ``from_pretrained``: under ZeRO-3 transformers then
+    creates each weight directly as a shard (no full copy per rank) and loads the checkpoint into it."""
+    _deepspeed()
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(load_deepspeed_config(ds_config))
+
+
+def _is_deepspeed(model: nn.Module) -> bool:
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
+def backward(model: nn.Module, loss: torch.Tensor) -> None:
+    """``loss.backward()``, or ``engine.backward(loss)`` under DeepSpeed (which handles loss scaling)."""
+    if _is_deepspeed(model):
+        model.backward(loss)
+    else:
+        loss.backward()
+
+
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+) -> float | None:
+    """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping.
+
+    Plain/DDP/FSDP2: ``clip_grad_norm_`` over all ranks' shards, then ``optimizer.step()``. DeepSpeed:
+    ``engine.step()`` (it clips with the config's ``gradient_clipping``).
+    """
+    if _is_deepspeed(model):
+        model.step()
+        norm = model.get_global_grad_norm()
+        return None if norm is None else float(norm)
+    norm = None
+    if max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            norm = norm.full_tensor()
+        norm = float(norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -43,17 +43,16 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
-    out = tmp_path_factory.mktemp("dist")
+def launch(script: str, out: Path, *args: str, timeout: float = 240) -> tuple[dict[str, dict], str]:
+    """torchrun 2 CPU ranks of ``dist_scripts/<script>``; merge the ranks' per-check results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHIFU_THREADS": "1", "SHIFU_DIST_TIMEOUT": "60"}
     env.pop("WORLD_SIZE", None)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "dist_scripts" / "check_dist.py"), "--out", str(out), "--bf16",
+        str(HERE / "dist_scripts" / script), "--out", str(out), *args,
     ]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         log = proc.stdout[-3000:] + proc.stderr[-3000:]
     except subprocess.TimeoutExpired as e:
         log = f"torchrun timed out: {e}"
@@ -69,11 +68,33 @@ def two_rank_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
     return results, log
 
 
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
+    return launch("check_dist.py", tmp_path_factory.mktemp("dist"), "--bf16")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
+    pytest.importorskip("deepspeed", reason="optional: pip install 'shifu-rlhf[deepspeed]'")
+    return launch("check_deepspeed.py", tmp_path_factory.mktemp("ds"), timeout=400)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_ranks(two_rank_results, check):
     """DDP/FSDP2 update == 1-process update on the same global batch; resume == uninterrupted; etc."""
     results, log = two_rank_results
+    assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
+    assert results[check]["ok"], results[check]["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "check", ["zero2_equals_single", "zero2_learns", "zero3_equals_single", "zero3_learns"]
+)
+def test_deepspeed_two_ranks(deepspeed_results, check):
+    """ZeRO-2/3 (gloo, CPU): the update equals 1 process on the same global batch; AdamW lowers the loss."""
+    results, log = deepspeed_results
     assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
     assert results[check]["ok"], results[check]["detail"]
 
