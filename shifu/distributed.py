@@ -209,6 +209,16 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list indexed by rank, on every rank (e.g. per-rank RNG states
+    for a checkpoint that rank 0 writes)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------
 # rank-0 output
 

@@ -112,7 +112,7 @@ def test_single_process_is_a_no_op():
     assert D.token_mean_divisor(torch.tensor(7)).item() == 7.0
     assert D.token_mean_divisor(torch.tensor(0)).item() == 1.0  # empty batch: zero loss, not NaN
     assert D.any_true(True) and not D.all_true(False)
-    assert D.broadcast_object({"x": 1}) == {"x": 1}
+    assert D.broadcast_object({"x": 1}) == {"x": 1} and D.gather_object(3) == [3]
     assert D.rank_seed(5) == 5
     model = torch.nn.Linear(2, 2)
     assert D.wrap_trainable(model, "fsdp2") is model  # nothing to shard across one process

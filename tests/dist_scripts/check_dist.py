@@ -124,8 +124,7 @@ def dist_step(tok, full, strategy, opt_cls, lr, normalise="global", micro: int =
             s, n = tiny.nll_sum_and_count(model, part)
             loss = s / divisor if normalise == "global" else s / n
             loss.backward()
-    opt.step()
-    opt.zero_grad()
+    D.optimizer_step(model, opt, None)
     return params(model)
 
 
@@ -142,8 +141,8 @@ def check_collectives() -> str:
     assert D.all_true(True) is True and D.any_true(False) is False
     obj = D.broadcast_object({"from": r, "seed": D.rank_seed(7)})
     assert obj == {"from": 0, "seed": 7}, obj
-    seeds = D.reduce_metrics({"s": D.rank_seed(7)}, op="sum")["s"]
-    assert seeds == sum(7 + 1000 * i for i in range(W)), "rank seeds are not distinct"
+    seeds = D.gather_object({"seed": D.rank_seed(7)})
+    assert seeds == [{"seed": 7 + 1000 * i} for i in range(W)], f"rank seeds: {seeds}"
     return f"world={W}"
 
 
@@ -264,10 +263,10 @@ def check_bf16(tok, full) -> str:
         loss = s / divisor
         losses.append(D.reduce_metrics({"loss": loss})["loss"])
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        norm = D.optimizer_step(model, opt, max_grad_norm=1.0)  # clips over all ranks' DTensor shards
+        assert isinstance(norm, float) and norm > 0, norm
     assert losses[-1] < losses[0] - 0.3, f"bf16 loss did not fall: {losses}"
-    return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, last grad norm {norm:.3f}"
 
 
 def check_offload(tok, full) -> str:
