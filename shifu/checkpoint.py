@@ -24,43 +24,58 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from shifu.errors import OutputDirError, ShifuError
 
 CKPT_DIR = "checkpoints"
+RUN_MARKER = ".shifu-run"  # written into every run directory; --overwrite deletes only such directories
+# what a failed write raises: the OS, torch.save's zip writer, the safetensors writer
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def looks_like_run(d: Path) -> bool:
+    """A directory shifu wrote: it has the run marker (or, from older runs, metrics or a checkpoint pointer)."""
+    return any((d / m).exists() for m in (RUN_MARKER, "metrics.jsonl", f"{CKPT_DIR}/latest"))
+
+
+def _why(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or str(e)
 
 
 def prepare_run_dir(run_dir: str | Path, resume: bool = False, overwrite: bool = False) -> Path:
-    """Refuse to start a fresh run in a non-empty directory unless ``resume`` or ``overwrite``.
+    """Create (or reuse) a run directory; refuse to clobber anything by accident.
 
-    ``overwrite`` deletes only what shifu wrote there (it refuses a directory that does not look
-    like a shifu run, so a typo never wipes a user's files).
+    A fresh run into a non-empty directory is refused unless ``resume`` (continue the run there) or
+    ``overwrite`` (delete it first). Both refuse a non-empty directory that does not look like a shifu run
+    (no ``.shifu-run`` marker, ``metrics.jsonl`` or checkpoint pointer), so a typo in ``--out`` never wipes
+    or litters a user's files. The directory is probed for writability; errors name the path.
     """
     d = Path(run_dir)
     if d.exists() and not d.is_dir():
-        raise OutputDirError(f"output path '{d}' exists and is not a directory")
+        raise OutputDirError(f"output path '{d}' exists and is not a directory; choose another --out")
     if d.exists() and any(d.iterdir()):
-        if resume:
-            return d
-        if not overwrite:
+        if not (resume or overwrite):
             raise OutputDirError(
                 f"output directory '{d}' is not empty. Pass --resume to continue the run there, "
                 "--overwrite to replace it, or choose another --out"
             )
-        markers = {"metrics.jsonl", CKPT_DIR, "config.yaml", "final", "summary.json"}
-        if not any((d / m).exists() for m in markers):
+        if not looks_like_run(d):
             raise OutputDirError(
-                f"refusing to --overwrite '{d}': it does not look like a shifu run directory"
+                f"refusing to {'--resume in' if resume else '--overwrite'} '{d}': it is not empty and does "
+                f"not look like a shifu run directory (no {RUN_MARKER}); choose another --out"
             )
-        shutil.rmtree(d)
+        if not resume:
+            shutil.rmtree(d)
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / ".write-test"
         probe.write_text("ok")
         probe.unlink()
+        (d / RUN_MARKER).write_text("a shifu run directory (safe for shifu --overwrite to delete)\n")
     except OSError as e:
-        raise OutputDirError(f"cannot write to output directory '{d}': {e.strerror or e}") from None
+        raise OutputDirError(f"cannot write to output directory '{d}': {_why(e)}") from None
     return d
 
 
@@ -147,8 +162,8 @@ def save_checkpoint(
     tmp = root / f".tmp-{name}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for stale in root.glob(".tmp-step-*"):  # left by a crash in an earlier write
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
         for mname, module in modules.items():
             save_model(module, str(tmp / f"model-{mname}.safetensors"))
@@ -165,10 +180,10 @@ def save_checkpoint(
             os.fsync(f.fileno())
         os.replace(pointer_tmp, root / "latest")
         _fsync_dir(root)
-    except OSError as e:
+    except WRITE_ERRORS as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShifuError(
-            f"could not write checkpoint '{final}': {e.strerror or e}. "
+            f"could not write checkpoint '{final}': {_why(e)}. "
             "Check free disk space and permissions; the previous checkpoint is intact"
         ) from None
     # Only now that `latest` points at the new one: drop the oldest beyond keep_last.
@@ -235,10 +250,10 @@ def _atomic_dir(path: str | Path, write) -> Path:
         os.replace(tmp, final)
         _fsync_dir(final.parent)
         shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except WRITE_ERRORS as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShifuError(
-            f"could not write '{final}': {e.strerror or e}. Check free disk space and permissions"
+            f"could not write '{final}': {_why(e)}. Check free disk space and permissions"
         ) from None
     return final
 

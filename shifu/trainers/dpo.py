@@ -210,7 +210,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     if state:
         stream = BatchStream(len(train_pairs), cfg.batch_size, cfg.seed, **state["data"])
     write_config(run_dir, cfg)
-    tracker = Tracker(run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else None)
+    tracker = Tracker(
+        run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else (-1 if resume else None)
+    )  # -1: --resume without a checkpoint starts over and drops old lines
 
     def held_out() -> dict[str, float]:
         return evaluate(model, eval_pairs, eval_ref, pad_id, cfg.beta, cfg.eval_batch_size, device, cfg.bf16)
@@ -220,7 +222,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     if step == 0:
         tracker.log(0, held_out())  # policy == reference: implicit rewards 0, loss log 2
     bar = progress(n_steps, "dpo", enabled=cfg.progress, initial=step)
-    window, n_window, t0 = dict.fromkeys(STAT_KEYS, 0.0), 0, time.perf_counter()
+    # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
+    window, n_window = state["window"] if state and "window" in state else (dict.fromkeys(STAT_KEYS, 0.0), 0)
+    t0 = time.perf_counter()
     while step < n_steps:
         batches = [stream.next() for _ in range(cfg.grad_accum)]
         n_pairs = sum(len(b) for b in batches)
@@ -263,7 +267,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                 step,
                 {"policy": model},
                 {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                {"data": stream.state(), "rng": ckpt.rng_state(), "config": to_dict(cfg)},
+                {
+                    "data": stream.state(),
+                    "window": [window, n_window],
+                    "rng": ckpt.rng_state(),
+                    "config": to_dict(cfg),
+                },
                 keep_last=cfg.keep_last,
             )
     bar.close()

@@ -84,6 +84,7 @@ class PPOTrainer:
         self.sample_gen = torch.Generator().manual_seed(cfg.seed)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.skipped_steps = 0  # optimiser steps skipped for non-finite loss/gradients
+        self.nonfinite_in_a_row = 0  # consecutive skipped steps (the loop stops at cfg.max_nonfinite_steps)
         self.params = SamplingParams(
             cfg.generation.max_new_tokens,
             cfg.generation.temperature,
@@ -364,6 +365,7 @@ class PPOTrainer:
         finite = all(torch.isfinite(p.grad).all() for p in params)
         if not finite:  # a NaN/Inf gradient skips this step (counted), never reaches the weights
             self.skipped_steps += 1
+            self.nonfinite_in_a_row += 1
             for opt, sched, _ in groups:
                 opt.zero_grad(set_to_none=True)
                 sched.step()
@@ -373,6 +375,7 @@ class PPOTrainer:
                 torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], max_norm)
             opt.step()
             sched.step()
+        self.nonfinite_in_a_row = 0
 
     # ---------------------------------------------------------------- one iteration
     def step(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list[dict]) -> dict[str, Any]:
@@ -409,6 +412,7 @@ class PPOTrainer:
             "sample_gen": self.sample_gen.get_state().tolist(),
             "shuffle_gen": self.shuffle_gen.get_state().tolist(),
             "skipped_steps": self.skipped_steps,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
         if self.penalty_ctl is not None:
             js["penalty_ctl"] = self.penalty_ctl.state_dict()
@@ -425,6 +429,7 @@ class PPOTrainer:
         self.sample_gen.set_state(torch.tensor(js["sample_gen"], dtype=torch.uint8))
         self.shuffle_gen.set_state(torch.tensor(js["shuffle_gen"], dtype=torch.uint8))
         self.skipped_steps = js["skipped_steps"]
+        self.nonfinite_in_a_row = js.get("nonfinite_in_a_row", 0)
         if self.penalty_ctl is not None:
             self.penalty_ctl.load_state_dict(js["penalty_ctl"])
 

@@ -132,6 +132,9 @@ class Config:
     penalty_init: float = opt(1.0, "ppo_penalty: initial beta of KL(pi_old || pi)")
     penalty_target: float = opt(0.01, "ppo_penalty: target per-token KL(pi_old || pi) (PPO paper d_targ)")
     bf16: bool = opt(False, "bf16 autocast for forwards (CPU where supported; native speed on GPU)")
+    max_nonfinite_steps: int = opt(
+        8, "stop after this many consecutive optimiser steps with a NaN/Inf loss or gradient (each skipped)"
+    )
     save_every: int = opt(10, "checkpoint every N iterations (0: only at the end)")
     keep_last: int = opt(2, "checkpoints kept")
     generation: GenerationConfig = opt(GenerationConfig(), "sampling of rollouts")
@@ -188,6 +191,8 @@ class Config:
             raise ConfigError("ptx_coef > 0 needs data.ptx (an SFT data file)")
         if self.algo == "reinforce" and self.ppo_epochs != 1:
             raise ConfigError("algo=reinforce is on-policy: set ppo_epochs=1")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError(f"max_nonfinite_steps must be >= 1 (got {self.max_nonfinite_steps})")
         if self.eval.every < 0 or self.save_every < 0 or self.keep_last < 1:
             raise ConfigError("eval.every and save_every must be >= 0, keep_last >= 1")
         self.optim.validate("optim")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ SAFE_ON_RESUME = {
     "eval.num_prompts",
     "guard.kl_ceiling",
     "guard.divergence_patience",
+    "max_nonfinite_steps",
 }
 
 
@@ -220,10 +220,12 @@ def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str,
         cfg.data.eval_prompts or cfg.data.prompts,
     )
     gold_fn = load_function(cfg.eval.gold_function, "eval.gold_function") if cfg.eval.gold_function else None
-    latest = ckpt.latest_checkpoint(cfg.out_dir) if resume else None
-    if resume and latest is None and Path(cfg.out_dir).exists() and any(Path(cfg.out_dir).iterdir()):
-        raise ShifuError(f"--resume: '{cfg.out_dir}' has no complete checkpoint to resume from")
     out = ckpt.prepare_run_dir(cfg.out_dir, resume=resume, overwrite=overwrite)
+    latest = ckpt.latest_checkpoint(out) if resume else None
+    if resume and latest is None:
+        print(
+            f"shifu ppo: --resume: no checkpoint in '{out}' yet; starting from the beginning", file=sys.stderr
+        )
 
     trainer, modules = build_trainer(cfg, tok, device)
     stream = PromptStream(len(ids), cfg.batch_size, cfg.seed)
@@ -246,7 +248,16 @@ def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str,
         ckpt.set_rng_state(js["rng"])
         print(f"shifu ppo: resumed from {latest} at iteration {state['iteration']}", file=sys.stderr)
     write_config(out, cfg)
-    tracker = Tracker(out, resume_step=state["iteration"] if latest is not None else None)
+    # resuming: drop what the interrupted run logged after its checkpoint (-1: no checkpoint, start over)
+    resume_step = state["iteration"] if latest is not None else (-1 if resume else None)
+    tracker = Tracker(out, resume_step=resume_step)
+    if resume_step is not None and (out / "samples.jsonl").exists():
+        kept = [
+            line
+            for line in (out / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line)["iteration"] <= resume_step
+        ]
+        (out / "samples.jsonl").write_text("".join(x + "\n" for x in kept), encoding="utf-8")
     if latest is None:
         tracker.log(
             0, {f"sizes/{k}": v for k, v in derived_sizes(cfg).items()} | {"data/prompts_dropped": dropped}
@@ -302,6 +313,18 @@ def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str,
                 kl=f"{metrics['objective/kl']:.2f}",
                 beta=f"{metrics['objective/kl_coef']:.3g}",
             )
+            if trainer.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                bar.close(), tracker.close()
+                last = ckpt.latest_checkpoint(out)
+                raise ShifuError(
+                    f"iteration {it}: {trainer.nonfinite_in_a_row} consecutive optimiser steps had a NaN/Inf "
+                    f"loss or gradient (max_nonfinite_steps={cfg.max_nonfinite_steps}); stopping. "
+                    + (
+                        f"The last good checkpoint is {last}; lower optim.lr or check the reward, then --resume"
+                        if last
+                        else "No checkpoint was written; lower optim.lr or check the reward"
+                    )
+                )
             stop_reason = _guard(cfg, metrics, state)
             if stop_reason or stop.requested or (cfg.save_every and it % cfg.save_every == 0):
                 save(it)

@@ -23,10 +23,11 @@ from shifu import checkpoint as ckpt
 from shifu.config import opt, to_dict
 from shifu.core import log_probs_from_logits, masked_sum
 from shifu.data import BatchStream, DataConfig, collate_sft, encode_sft, load_train_eval
-from shifu.errors import ConfigError
+from shifu.errors import ConfigError, ShifuError
 from shifu.models import load_causal_lm, load_tokenizer
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
+    GracefulStop,
     OptimConfig,
     autocast,
     build_optimizer,
@@ -46,6 +47,7 @@ SAFE_RESUME_KEYS = (
     "log_every",
     "progress",
     "tensorboard",
+    "max_nonfinite_steps",
 )
 
 
@@ -73,6 +75,9 @@ class Config:
     keep_last: int = opt(2, "checkpoints kept")
     log_every: int = opt(10, "training metrics averaged and logged every N steps")
     bf16: bool = opt(False, "bf16 autocast for forward passes (weights and optimiser stay fp32)")
+    max_nonfinite_steps: int = opt(
+        5, "stop after this many consecutive steps with a NaN/Inf loss or gradient (each one is skipped)"
+    )
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     progress: bool = opt(True, "show a progress bar on stderr")
     tensorboard: bool = opt(True, "also write TensorBoard scalars to OUT/tb")
@@ -84,7 +89,14 @@ class Config:
             raise ConfigError("model.path is required: a local HF causal LM directory")
         self.data.validate()
         self.optim.validate()
-        for key in ("batch_size", "grad_accum", "eval_batch_size", "keep_last", "log_every"):
+        for key in (
+            "batch_size",
+            "grad_accum",
+            "eval_batch_size",
+            "keep_last",
+            "log_every",
+            "max_nonfinite_steps",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
         for key in ("max_steps", "eval_every", "save_every"):
@@ -204,66 +216,108 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     bar = progress(n_steps, "sft", enabled=cfg.progress, initial=step)
     # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
     window: dict[str, float] = state["window"] if state else {"loss": 0.0, "tokens": 0, "steps": 0}
+    # steps skipped for a NaN/Inf loss or gradient: in total, and in a row (both checkpointed)
+    nonfinite = state.get("nonfinite", [0, 0]) if state else [0, 0]
     summary: dict[str, float] = {}
     if step == 0:  # the starting point of the held-out curve
         eval_loss = evaluate(model, eval_ex, tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16)
         tracker.log(0, {"eval/sft/loss": eval_loss})
-    t0 = time.perf_counter()
-    while step < n_steps:
-        batches = [
-            collate_sft([train_ex[i] for i in stream.next()], tokenizer.pad_token_id)
-            for _ in range(cfg.grad_accum)
-        ]
-        n_tokens = sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)
-        step_loss = 0.0
-        for batch in batches:
-            nll_sum, _ = sft_nll_sum(model, batch, device, cfg.bf16)
-            loss = nll_sum / max(n_tokens, 1)
-            loss.backward()
-            step_loss += float(loss.detach())
-        if cfg.optim.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        window["loss"] += step_loss
-        window["tokens"] += sum(int(b["attention_mask"].sum()) for b in batches)
-        window["steps"] += 1
 
-        if step % cfg.log_every == 0 or step == n_steps:
-            elapsed = time.perf_counter() - t0
-            metrics = {
-                "sft/loss": window["loss"] / window["steps"],
-                "sft/lr": scheduler.get_last_lr()[0],
-                "perf/tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
-            }
-            tracker.log(step, metrics)
-            summary["sft/loss"] = metrics["sft/loss"]
-            bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
-            window, t0 = {"loss": 0.0, "tokens": 0, "steps": 0}, time.perf_counter()
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
-            eval_loss = evaluate(
-                model, eval_ex, tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16
-            )
-            tracker.log(step, {"eval/sft/loss": eval_loss})
-            summary["eval/sft/loss"] = eval_loss
-        if cfg.save_every and (step % cfg.save_every == 0 or step == n_steps):
-            ckpt.save_checkpoint(
-                run_dir,
-                step,
-                {"policy": model},
-                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                {"data": stream.state(), "window": window, "rng": ckpt.rng_state(), "config": to_dict(cfg)},
-                keep_last=cfg.keep_last,
-            )
+    def save() -> None:
+        ckpt.save_checkpoint(
+            run_dir,
+            step,
+            {"policy": model},
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            {
+                "data": stream.state(),
+                "window": window,
+                "nonfinite": nonfinite,
+                "rng": ckpt.rng_state(),
+                "config": to_dict(cfg),
+            },
+            keep_last=cfg.keep_last,
+        )
+
+    t0 = time.perf_counter()
+    with GracefulStop() as stop:
+        while step < n_steps:
+            batches = [
+                collate_sft([train_ex[i] for i in stream.next()], tokenizer.pad_token_id)
+                for _ in range(cfg.grad_accum)
+            ]
+            n_tokens = sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)
+            step_loss = 0.0
+            for batch in batches:
+                nll_sum, _ = sft_nll_sum(model, batch, device, cfg.bf16)
+                loss = nll_sum / max(n_tokens, 1)
+                loss.backward()
+                step_loss += float(loss.detach())
+            params = [p for p in model.parameters() if p.grad is not None]
+            if math.isfinite(step_loss) and all(bool(torch.isfinite(p.grad).all()) for p in params):
+                if cfg.optim.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()
+                nonfinite[1] = 0
+                window["loss"] += step_loss
+                window["steps"] += 1
+            else:  # a NaN/Inf loss or gradient: skip the update (weights and Adam moments untouched)
+                nonfinite[0] += 1
+                nonfinite[1] += 1
+                print(
+                    f"shifu sft: step {step + 1}: non-finite loss or gradient, step skipped", file=sys.stderr
+                )
+            scheduler.step()  # the schedule follows the step counter, skipped or not
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            window["tokens"] += sum(int(b["attention_mask"].sum()) for b in batches)
+            if nonfinite[1] >= cfg.max_nonfinite_steps:
+                bar.close(), tracker.close()
+                last = ckpt.latest_checkpoint(run_dir)
+                raise ShifuError(
+                    f"{nonfinite[1]} consecutive steps (up to step {step}) had a NaN/Inf loss or gradient; "
+                    f"stopping (max_nonfinite_steps={cfg.max_nonfinite_steps}). "
+                    + (
+                        f"The last good checkpoint is {last}; lower optim.lr or check the data, then --resume"
+                        if last
+                        else "No checkpoint was written; lower optim.lr or check the data"
+                    )
+                )
+
+            if step % cfg.log_every == 0 or step == n_steps:
+                elapsed = time.perf_counter() - t0
+                metrics = {
+                    "sft/loss": window["loss"] / window["steps"] if window["steps"] else float("nan"),
+                    "sft/lr": scheduler.get_last_lr()[0],
+                    "sft/skipped_steps": nonfinite[0],
+                    "perf/tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+                }
+                tracker.log(step, metrics)
+                summary["sft/loss"] = metrics["sft/loss"]
+                bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
+                window, t0 = {"loss": 0.0, "tokens": 0, "steps": 0}, time.perf_counter()
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
+                eval_loss = evaluate(
+                    model, eval_ex, tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16
+                )
+                tracker.log(step, {"eval/sft/loss": eval_loss})
+                summary["eval/sft/loss"] = eval_loss
+            if (cfg.save_every and (step % cfg.save_every == 0 or step == n_steps)) or stop.requested:
+                save()
+            if stop.requested and step < n_steps:
+                bar.close(), tracker.close()
+                print(
+                    f"shifu sft: stopped at step {step} with a checkpoint. Resume with: shifu sft "
+                    f"--config <same config> --out {run_dir} --resume",
+                    file=sys.stderr,
+                )
+                return {"stopped": True, "step": step}
     bar.close()
     tracker.close()
 
     # 5. the fine-tuned model, loadable by transformers
-    model.save_pretrained(str(run_dir / "final"))
-    tokenizer.save_pretrained(str(run_dir / "final"))
+    ckpt.save_hf_dir(model, tokenizer, run_dir / "final")
     (run_dir / "summary.json").write_text(json.dumps({"step": step, **summary}, indent=2), encoding="utf-8")
     print(
         f"shifu sft: {step} steps, eval/sft/loss {summary.get('eval/sft/loss', float('nan')):.4f}; "

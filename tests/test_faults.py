@@ -1,0 +1,316 @@
+"""Surviving faults: protected output directories, torn and failed checkpoint writes, NaN/Inf values, and
+an audit of everything that loads files (safetensors, ``weights_only``, safe YAML, no remote code, offline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ppo_task import build_char_model, write_prompts
+from test_sft import make_cfg as sft_cfg
+
+from shifu import checkpoint as ckpt
+from shifu import cli
+from shifu.config import load_config
+from shifu.errors import ShifuError
+from shifu.tracking import read_metrics
+from shifu.trainers import ppo, sft
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "shifu"
+
+
+# ------------------------------------------------------------------ output directories
+def sft_cli(model_dir, tmp_path: Path, out: Path, *flags: str) -> list[str]:
+    cfg = sft_cfg(model_dir, tmp_path)  # writes the data files
+    return [
+        "sft",
+        "--out",
+        str(out),
+        f"model.path={model_dir}",
+        f"data.train={cfg.data.train}",
+        f"data.eval={cfg.data.eval}",
+        "max_steps=2",
+        "progress=false",
+        "tensorboard=false",
+        *flags,
+    ]
+
+
+def test_output_directories_are_protected(tiny_model_dir, tmp_path, capsys):
+    mine = tmp_path / "my_files"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    # a fresh run into a non-empty directory: refused, exit 2, the message says what to do
+    assert cli.main(sft_cli(tiny_model_dir, tmp_path, mine)) == 2
+    err = capsys.readouterr().err
+    assert f"'{mine}' is not empty" in err and "--resume" in err and "--overwrite" in err
+    # --overwrite / --resume never touch a directory that is not a shifu run
+    for flag in ("--overwrite", "--resume"):
+        assert cli.main(sft_cli(tiny_model_dir, tmp_path, mine, flag)) == 2
+        assert "does not look like a shifu run" in capsys.readouterr().err
+        assert (mine / "thesis.tex").read_text() == "years of work"
+    # a shifu run directory: refused without a flag, replaced with --overwrite
+    run = tmp_path / "run"
+    assert cli.main(sft_cli(tiny_model_dir, tmp_path, run)) == 0
+    (run / "stale.txt").write_text("from the old run")
+    assert cli.main(sft_cli(tiny_model_dir, tmp_path, run)) == 2
+    assert cli.main(sft_cli(tiny_model_dir, tmp_path, run, "--overwrite")) == 0
+    assert not (run / "stale.txt").exists() and (run / "final" / "config.json").exists()
+    # an output path that cannot be a directory: exit 2 naming it
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert cli.main(sft_cli(tiny_model_dir, tmp_path, blocker / "run")) == 2
+    assert f"'{blocker / 'run'}'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ checkpoint writes
+def _module(seed: int, n: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(n, n)
+
+
+def _save(run: Path, step: int, m: torch.nn.Module) -> Path:
+    return ckpt.save_checkpoint(run, step, {"m": m}, {"opt": {"x": torch.ones(2)}}, {"k": step}, keep_last=2)
+
+
+def _loads_as(run: Path, step: int, m: torch.nn.Module) -> None:
+    path = ckpt.latest_checkpoint(run)
+    assert path is not None and path.name == f"step-{step:08d}"
+    fresh = _module(99)
+    tensors, js = ckpt.load_checkpoint(path, {"m": fresh})
+    assert js["k"] == step and torch.equal(tensors["opt"]["x"], torch.ones(2))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), m.state_dict().values()))
+
+
+def test_crash_in_the_middle_of_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "resume_scripts"))
+    import run_shifu
+
+    run, first = tmp_path / "run", _module(1)
+    _save(run, 1, first)
+    pid = os.fork()
+    if pid == 0:  # the child dies (os._exit(137)) halfway through writing checkpoint 2
+        try:
+            os.environ["SHIFU_TEST_CRASH_IN_CHECKPOINT"] = "2"
+            run_shifu.install_hooks()
+            _save(run, 2, _module(2))
+        finally:
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 137
+    torn = run / ckpt.CKPT_DIR / ".tmp-step-00000002"
+    assert (torn / "model-m.safetensors").stat().st_size > 0 and not (torn / "state.json").exists()
+    _loads_as(run, 1, first)
+    second = _module(2)
+    _save(run, 2, second)  # the next write succeeds and clears the torn one
+    _loads_as(run, 2, second)
+    assert not torn.exists()
+
+
+def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
+    run, first = tmp_path / "run", _module(1)
+    _save(run, 1, first)
+    big = _module(2, n=512)  # ~1 MB of weights
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    # files may not grow past 64 KiB: writes fail with EFBIG, as on a full disk (works as root too)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, old_limit[1]))
+    try:
+        with pytest.raises(ShifuError, match=r"could not write checkpoint '.*step-00000002'.*File too large"):
+            _save(run, 2, big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    _loads_as(run, 1, first)
+    assert not list((run / ckpt.CKPT_DIR).glob(".tmp-*"))
+
+
+def test_unwritable_checkpoint_directory_names_the_path(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ckpt.CKPT_DIR).write_text("a file where the checkpoint directory should be")
+    with pytest.raises(ShifuError, match=re.escape(str(run / ckpt.CKPT_DIR))):
+        _save(run, 1, _module(1))
+
+
+# ------------------------------------------------------------------ non-finite values: SFT
+def _nan_at(monkeypatch, calls_with_nan):
+    real, n = sft.sft_nll_sum, {"calls": 0}
+
+    def nll(*args, **kwargs):
+        out, tokens = real(*args, **kwargs)
+        n["calls"] += 1
+        return (out * float("nan") if calls_with_nan(n["calls"]) else out), tokens
+
+    monkeypatch.setattr(sft, "sft_nll_sum", nll)
+
+
+def test_sft_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkeypatch):
+    # calls: 1-2 the step-0 held-out loss (20 rows / 16), then one per step (grad_accum=1)
+    _nan_at(monkeypatch, lambda c: c == 2 + 3)  # step 3's loss is NaN
+    cfg = sft_cfg(tiny_model_dir, tmp_path, max_steps=6, save_every=6, log_every=2)
+    sft.train(cfg)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "sft/loss" in r]
+    assert [r["sft/skipped_steps"] for r in rows] == [0, 1, 1]
+    assert all(isinstance(r["sft/loss"], float) for r in rows)  # the window mean ignores the skipped step
+    state = torch.load(
+        ckpt.latest_checkpoint(tmp_path / "run") / "state.pt", weights_only=True, map_location="cpu"
+    )
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {5}  # 6 steps, 1 skipped
+    final = sft.load_causal_lm(tmp_path / "run" / "final")
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+
+
+def test_sft_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    _nan_at(monkeypatch, lambda c: c >= 2 + 5)  # every step from step 5 on
+    argv = sft_cli(tiny_model_dir, tmp_path, tmp_path / "run", "max_steps=20", "save_every=2")
+    argv += ["max_nonfinite_steps=3"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "3 consecutive steps" in err and "max_nonfinite_steps=3" in err and "step-00000006" in err
+    path = ckpt.latest_checkpoint(tmp_path / "run")
+    assert path.name == "step-00000006"  # step 6 was skipped: weights = step 4's, checkpoint intact
+    model = sft.load_causal_lm(tiny_model_dir)
+    ckpt.load_checkpoint(path, {"policy": model})
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not (tmp_path / "run" / "final").exists()
+
+
+# ------------------------------------------------------------------ non-finite values: PPO
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults_ppo")
+    return {"model": build_char_model(d / "model"), "prompts": write_prompts(d / "prompts.jsonl")}
+
+
+def ppo_cfg(task, out, *extra):
+    base = [
+        f"out_dir={out}",
+        f"actor_path={task['model']}",
+        f"data.prompts={task['prompts']}",
+        "reward.function=ppo_task:frac_a",
+        "critic.init=sft",
+        "iterations=3",
+        "batch_size=8",
+        "minibatch_size=4",
+        "ppo_epochs=1",
+        "generation.max_new_tokens=6",
+        "optim.lr=1e-2",
+        "eval.every=0",
+        "eval.num_prompts=4",
+        "save_every=1",
+    ]
+    return load_config(ppo.Config, None, base + list(extra))
+
+
+def _finite(path: Path) -> bool:
+    from safetensors.torch import load_file
+
+    return all(torch.isfinite(t).all() for t in load_file(str(path)).values())
+
+
+def test_ppo_drops_nan_scores_and_skips_a_nan_loss_step(task, tmp_path, monkeypatch):
+    from shifu import core
+
+    real, calls = core.ppo_policy_loss, {"n": 0}
+
+    def loss_nan_once(*args, **kwargs):
+        calls["n"] += 1
+        loss, st = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 3 else loss), st
+
+    monkeypatch.setattr(core, "ppo_policy_loss", loss_nan_once)
+    out = tmp_path / "run"
+    summary = ppo.train(ppo_cfg(task, out, "reward.function=ppo_task:nan_some"))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "optim/skipped_steps" in r]
+    skipped = [r["optim/skipped_steps"] for r in rows]  # cumulative; dropped samples shrink minibatches
+    assert skipped[0] == 0 and skipped[-1] == 1 and summary["skipped_steps"] == 1
+    assert sum(r["rollout/dropped_nonfinite"] for r in rows) > 0  # 'b...' responses scored NaN
+    assert all(isinstance(r["objective/score"], float) for r in rows)  # never NaN: the batch is clean
+    assert _finite(out / "final" / "model.safetensors")
+
+
+def test_ppo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(task, tmp_path, monkeypatch):
+    from shifu import core
+
+    real, calls = core.ppo_policy_loss, {"n": 0}
+
+    def nan_from_iteration_3(*args, **kwargs):
+        calls["n"] += 1  # 2 optimiser steps per iteration
+        loss, st = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] > 4 else loss), st
+
+    monkeypatch.setattr(core, "ppo_policy_loss", nan_from_iteration_3)
+    out = tmp_path / "run"
+    cfg = ppo_cfg(task, out, "iterations=10", "max_nonfinite_steps=4")
+    with pytest.raises(ShifuError, match=r"iteration 4: 4 consecutive .*step-00000003"):
+        ppo.train(cfg)
+    # iteration 3's two steps were skipped: its checkpoint holds iteration 2's weights, and nothing later
+    # was written (iteration 4 ended the run before its checkpoint)
+    assert ckpt.latest_checkpoint(out).name == "step-00000003"
+    from safetensors.torch import load_file
+
+    two, three = (
+        load_file(str(out / ckpt.CKPT_DIR / f"step-0000000{i}" / "model-actor.safetensors")) for i in (2, 3)
+    )
+    assert all(torch.equal(two[k], three[k]) for k in two) and _finite(
+        out / ckpt.CKPT_DIR / "step-00000003" / "model-actor.safetensors"
+    )
+    assert not (out / "final").exists()
+
+
+# ------------------------------------------------------------------ safe loading audit
+def _sources() -> list[tuple[Path, str]]:
+    return [(p, p.read_text(encoding="utf-8")) for p in sorted(SRC.rglob("*.py"))]
+
+
+def _calls(text: str, name: str) -> list[str]:
+    """The argument text of every call ``name(...)`` in ``text`` (balanced parentheses)."""
+    out = []
+    for m in re.finditer(re.escape(name) + r"\(", text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        out.append(text[m.end() : i - 1])
+    return out
+
+
+def test_every_torch_load_is_weights_only_and_no_pickle_or_unsafe_yaml():
+    loads = 0
+    for path, text in _sources():
+        for args in _calls(text, "torch.load"):
+            loads += 1
+            assert "weights_only=True" in args, f"{path}: torch.load({args}) without weights_only=True"
+        for bad in ("yaml.load(", "yaml.unsafe_load", "yaml.Loader", "pickle.load", "torch.jit.load"):
+            assert bad not in text, f"{path} uses {bad}"
+    assert loads >= 1  # the checkpoint loader is found, so the scan is looking at the right files
+
+
+def test_remote_code_is_off_unless_asked_and_hub_is_offline():
+    from shifu.trainers import dpo, reward
+
+    for path, text in _sources():
+        assert "trust_remote_code=True" not in text, path
+    assert sft.Config().model.trust_remote_code is False
+    assert reward.Config().model.trust_remote_code is False
+    assert ppo.Config().trust_remote_code is False and dpo.Config().trust_remote_code is False
+    # `import shifu` (run before any shifu module can import transformers) switches the hub off
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code = "import shifu, huggingface_hub.constants as c, json; print(json.dumps(c.HF_HUB_OFFLINE))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) is True
