@@ -393,7 +393,7 @@ class _LlamaDecoder(_FastDecoder):
             k = _rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
             a = self.attend(i, q, k, v, self.scale).transpose(1, 2).reshape(B * T, H * D)
-            x = (a @ blk.self_attn.o_proj.weight.t()).add_(x)
+            x = F.linear(a, blk.self_attn.o_proj.weight, blk.self_attn.o_proj.bias).add_(x)
             h = F.rms_norm(x, (d,), blk.post_attention_layernorm.weight, self.eps)
             gate, up = (h @ self.gate_up[i]).chunk(2, dim=-1)
             x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)

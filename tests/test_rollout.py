@@ -324,3 +324,39 @@ def test_top_k_then_top_p_in_generation_stays_in_support():
         ).logits[:, P - 1 : -1]
     rank = (logits > logits.gather(-1, resp.unsqueeze(-1))).sum(-1)  # 0 = most likely
     assert (rank < 4).all()
+
+
+def test_llama_with_attention_bias_matches_hf_generate():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        attention_bias=True,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        pad_token_id=PAD,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to 0; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    ids, mask = left_padded_prompts()
+    params = SamplingParams(max_new_tokens=8, greedy=True, stop_at_eos=False)
+    resp, _ = generate(model, ids, mask, params, EOS, PAD, engine="fast")
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            pad_token_id=PAD,
+            eos_token_id=None,
+        )
+    assert torch.equal(resp, ref[:, ids.shape[1] :])
