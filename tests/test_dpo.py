@@ -70,7 +70,7 @@ def test_dpo_learns_preference_and_reference_stays_frozen(tmp_path, tiny_model_d
     # policy == reference before the first step: implicit rewards 0, loss log 2, accuracy 0 (no r_c > r_r)
     assert start["eval/dpo/loss"] == pytest.approx(0.6931, abs=1e-4)
     assert start["eval/dpo/margin"] == pytest.approx(0.0, abs=1e-5)
-    # measured: held-out accuracy 0.0 -> 1.0, margin 0 -> ~2, loss 0.693 -> ~0.15 (25 steps)
+    # measured (25 steps): held-out accuracy 0.0 -> 1.0, margin 0 -> 4.2, loss 0.693 -> 0.03
     assert summary["eval/dpo/accuracy"] >= 0.9
     assert summary["eval/dpo/margin"] > 0.5
     assert summary["eval/dpo/loss"] < 0.45
