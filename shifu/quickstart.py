@@ -256,7 +256,8 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     sft_final = sft_dir / "final"
 
     # 3. imdb: preference pairs from the SFT policy, labelled by the noisy judge; then the reward model
-    reward: dict[str, Any] = {"function": GOLD[task]}
+    # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
+    reward: dict[str, Any] = {"function": plan["ppo"].get("reward", {}).get("function", GOLD[task])}
     rm_accuracy = None
     if task == "imdb":
         from shifu.tasks import imdb

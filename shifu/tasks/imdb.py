@@ -247,24 +247,31 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     p = get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    splits = split_reviews(load_reviews(), p.n_heldout, p.n_sft_eval)
+    # the whole reserved block (1000 reviews) is held out; its first n_heldout usable prompts are judged
+    splits = split_reviews(load_reviews(), 1000, p.n_sft_eval)
+    held_pairs = _pairs(splits["heldout"], p)
+    # different reviews can open with the same words: a prompt text seen in held-out is never trained on
+    held_texts = {a for a, _ in held_pairs}
+    heldout = list(dict.fromkeys(a for a, _ in held_pairs))[: p.n_heldout]
+    if len(heldout) < p.n_heldout:
+        raise ShifuError(f"only {len(heldout)} held-out reviews are long enough; lower prompt_words")
     train = list(splits["train"])
     random.Random(seed).shuffle(train)  # which training reviews a run uses depends on its seed
 
-    sft = _pairs(train[: p.n_sft], p)
+    def usable(reviews: list[str]) -> list[tuple[str, str]]:
+        return [(a, b) for a, b in _pairs(reviews, p) if a not in held_texts]
+
+    sft = usable(train[: p.n_sft])
     _write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
-    sft_eval = _pairs(splits["sft_eval"], p)
+    sft_eval = usable(splits["sft_eval"])
     _write_jsonl(out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in sft_eval])
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
     _write_jsonl(out / "prompts_val.jsonl", [{"prompt": a} for a, _ in sft_eval])
     # preference and PPO prompts: training reviews (the RM and PPO may see SFT prompts; never held-out ones)
-    pair_prompts = [a for a, _ in _pairs(train[-p.n_pairs :], p)]
+    pair_prompts = [a for a, _ in usable(train[-p.n_pairs :])]
     _write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
     _write_jsonl(out / "prompts_train.jsonl", [{"prompt": a} for a, _ in sft])
-    heldout = _pairs(splits["heldout"], p)
-    if len(heldout) < p.n_heldout:
-        raise ShifuError(f"only {len(heldout)} held-out reviews are long enough; lower prompt_words")
-    _write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a, _ in heldout])
+    _write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a in heldout])
 
     if p.pretrained == "smollm2":
         src = converted_smollm2()
@@ -383,9 +390,16 @@ def converted_smollm2() -> Path:
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
     )
+    # transformers marks a GGUF-loaded model as quantized (not serialisable) although its weights are
+    # dequantised fp32 tensors: copy them into a plain model built from the same config
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
+    plain.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     os.replace(tmp, target)
     return target
