@@ -5,6 +5,7 @@ an audit of everything that loads files (safetensors, ``weights_only``, safe YAM
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import resource
@@ -314,3 +315,25 @@ def test_remote_code_is_off_unless_asked_and_hub_is_offline():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) is True
+
+
+_CALLS = {"n": 0}
+
+
+def nan_first_batch(prompts, responses, rows):
+    """A judge that fails on its whole first batch (every score NaN), then scores like ppo_task:frac_a."""
+    _CALLS["n"] += 1
+    if _CALLS["n"] == 1:
+        return [float("nan")] * len(responses)
+    return [r.count("a") / max(1, len(r)) for r in responses]
+
+
+def test_ppo_survives_a_batch_whose_scores_are_all_nan(task, tmp_path):
+    _CALLS["n"] = 0
+    out = tmp_path / "run"
+    cfg = ppo_cfg(task, out, "reward.function=test_faults:nan_first_batch", "kl.controller=adaptive")
+    summary = ppo.train(cfg)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/dropped_nonfinite" in r]
+    assert rows[0]["rollout/dropped_nonfinite"] == 8 and rows[1]["rollout/dropped_nonfinite"] == 0
+    assert isinstance(rows[-1]["objective/score"], float) and math.isfinite(summary["kl_coef"])
+    assert summary["skipped_steps"] == 0 and _finite(out / "final" / "model.safetensors")

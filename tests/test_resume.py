@@ -2,11 +2,12 @@
 
 Each trainer (sft, rm, ppo, dpo) runs once uninterrupted, then again as a chain of interrupted processes:
 
-1. a crash *inside* a checkpoint write (the process dies after half of a weights file is on disk);
-2. ``--resume``, then SIGTERM mid-run (sft, ppo; exit 0, a message naming ``--resume``, a checkpoint at the
-   step it stopped) or SIGKILL (rm, dpo) once a later checkpoint exists;
+0. SIGKILL before the first checkpoint (``--resume`` then starts over);
+1. ``--resume`` with a crash *inside* a checkpoint write (the process dies after half of a weights file is on disk);
+2. ``--resume``, then SIGTERM mid-run (sft, rm, ppo; exit 0, a message naming ``--resume``, a checkpoint at the
+   step it stopped) or SIGKILL (dpo) once a later checkpoint exists;
 3. ``--resume``, SIGKILLed as soon as the next checkpoint write starts (``.tmp-step-*`` appears) or lands;
-4. ``--resume`` to the end.
+4. ``--resume`` to the end; 5. ``--resume`` of the finished run changes nothing.
 
 The final weights (sha256 over every safetensors tensor of ``final/``, and ``critic/`` for PPO) and every
 ``metrics.jsonl`` row (minus ``time/*`` and ``perf/*``) must equal the uninterrupted run's, bit for bit.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,8 +156,15 @@ def interrupted_chain(
 ) -> list[str]:
     """Steps 1-4 of the module docstring on ``run``; returns a line per interruption (for the report)."""
     report = []
+    # 0. SIGKILL before the first checkpoint: --resume finds none and starts over (old log lines dropped)
+    r = Run(argv, logs / "0.log", env)
+    assert r.signal_when(lambda: (run / "metrics.jsonl").exists(), signal.SIGKILL), "ended before SIGKILL"
+    report.append(f"SIGKILL before any checkpoint (latest {latest_step(run)}) -> starts over")
+    assert latest_step(run) == -1
     # 1. crash in the middle of writing checkpoint `crash_at`: the previous one stays the latest, loadable
-    r = Run(argv, logs / "1.log", {**(env or {}), "SHIFU_TEST_CRASH_IN_CHECKPOINT": str(crash_at)})
+    r = Run(
+        [*argv, "--resume"], logs / "1.log", {**(env or {}), "SHIFU_TEST_CRASH_IN_CHECKPOINT": str(crash_at)}
+    )
     assert r.wait() == 137, r.output()
     before = latest_step(run)
     assert 0 < before < crash_at, before
@@ -168,8 +177,9 @@ def interrupted_chain(
         assert r.signal_when(logged_step_at_least(run, crash_at + 1), signal.SIGTERM), "ended before SIGTERM"
         assert r.rc == 0, r.output()
         assert "--resume" in r.output() and "stopped at" in r.output(), r.output()
+        said = re.search(r"stopped at (?:step|iteration) (\d+) with a checkpoint", r.output())
         stopped = latest_step(run)
-        assert stopped == max(x["step"] for x in metric_rows(run)), (stopped, r.output())
+        assert said and stopped == int(said.group(1)) > crash_at, r.output()
         report.append(f"SIGTERM -> exit 0, checkpoint at {stopped}")
     else:
         assert r.signal_when(tmp_write_started(run, crash_at), signal.SIGKILL), "ended before SIGKILL"
@@ -185,6 +195,11 @@ def interrupted_chain(
     r = Run([*argv, "--resume"], logs / "4.log", env)
     assert r.wait() == 0, r.output()
     assert not list((run / ckpt.CKPT_DIR).glob(".tmp-*")), "a stale partial checkpoint was left behind"
+    # 5. --resume of a finished run (e.g. killed after its last checkpoint) changes no metrics or weights
+    rows, digest = metric_rows(run), weights_digest(run / "final")
+    r = Run([*argv, "--resume"], logs / "5.log", env)
+    assert r.wait() == 0, r.output()
+    assert metric_rows(run) == rows and weights_digest(run / "final") == digest
     return report
 
 
@@ -229,7 +244,7 @@ def sft_argv(model, data, out) -> list[str]:
         "max_steps=14",
         "log_every=3",  # log windows straddle checkpoints: the window must be checkpointed too
         "eval_every=4",
-        "save_every=2",
+        "save_every=4",  # a SIGTERM between scheduled checkpoints writes its own
         "keep_last=2",
         "progress=false",
         "tensorboard=false",
@@ -246,10 +261,10 @@ def rm_argv(model, data, out) -> list[str]:
         f"data.eval={data['pref_eval']}",
         "optim.lr=1e-3",
         "batch_size=8",
-        "max_steps=12",
+        "max_steps=14",
         "log_every=3",
         "eval_every=4",
-        "save_every=2",
+        "save_every=4",
         "progress=false",
         "tensorboard=false",
     ]
@@ -297,7 +312,9 @@ def ppo_argv(data, out) -> list[str]:
         "reward.normalize=true",  # and the running score moments
         "eval.every=3",
         "eval.num_prompts=8",
-        "save_every=2",
+        "save_every=3",
+        f"data.ptx={data['sft_train']}",  # the PPO-ptx data stream must continue where it was
+        "ptx_coef=0.1",
     ]
 
 
@@ -314,12 +331,12 @@ def _clean_and_chain(argv_of, tmp_path, crash_at: int, term: bool, *weight_dirs:
 # ------------------------------------------------------------------ the tests
 @pytest.mark.slow
 def test_sft_killed_anywhere_resumes_bit_identically(tiny_model_dir, data, tmp_path):
-    _clean_and_chain(lambda out: sft_argv(tiny_model_dir, data, out), tmp_path, 4, True, "final")
+    _clean_and_chain(lambda out: sft_argv(tiny_model_dir, data, out), tmp_path, 8, True, "final")
 
 
 @pytest.mark.slow
 def test_rm_killed_anywhere_resumes_bit_identically(tiny_model_dir, data, tmp_path):
-    _clean_and_chain(lambda out: rm_argv(tiny_model_dir, data, out), tmp_path, 4, False, "final")
+    _clean_and_chain(lambda out: rm_argv(tiny_model_dir, data, out), tmp_path, 8, True, "final")
 
 
 @pytest.mark.slow
@@ -329,7 +346,7 @@ def test_dpo_killed_anywhere_resumes_bit_identically(tiny_model_dir, data, tmp_p
 
 @pytest.mark.slow
 def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
-    resumed = _clean_and_chain(lambda out: ppo_argv(data, out), tmp_path, 4, True, "final", "critic")
+    resumed = _clean_and_chain(lambda out: ppo_argv(data, out), tmp_path, 6, True, "final", "critic")
     clean = tmp_path / "clean"
     assert (clean / "samples.jsonl").read_text() == (resumed / "samples.jsonl").read_text()
     assert (clean / "best" / "model.safetensors").exists() and weights_digest(
@@ -347,7 +364,7 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ppo_real_subprocess_sigterm_and_resume(data, tmp_path):
-    """The same guarantee through fresh interpreters (``run_shifu.py`` = ``python -m shifu`` + hooks)."""
+    """SIGTERM and --resume in fresh interpreters (``run_shifu.py`` = ``python -m shifu`` + test hooks)."""
     env = {
         "PATH": os.environ.get("PATH", ""),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
@@ -358,8 +375,8 @@ def test_ppo_real_subprocess_sigterm_and_resume(data, tmp_path):
     clean, resumed = tmp_path / "clean", tmp_path / "resumed"
     argv = ppo_argv(data, clean)
     argv[argv.index("iterations=12")] = "iterations=8"
-    done = subprocess.run([*script, *argv], env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stderr
+    clean_run = Run(argv, tmp_path / "clean.log")  # the reference in a forked child: also shows the two agree
+    assert clean_run.wait() == 0, clean_run.output()
     argv[argv.index(str(clean))] = str(resumed)
     with open(tmp_path / "term.log", "w") as log:
         p = subprocess.Popen([*script, *argv], env=env, stdout=log, stderr=subprocess.STDOUT)

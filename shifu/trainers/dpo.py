@@ -35,6 +35,7 @@ from shifu.models import load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.rollout import policy_forward
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
+    GracefulStop,
     OptimConfig,
     autocast,
     build_optimizer,
@@ -224,57 +225,70 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     bar = progress(n_steps, "dpo", enabled=cfg.progress, initial=step)
     # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
     window, n_window = state["window"] if state and "window" in state else (dict.fromkeys(STAT_KEYS, 0.0), 0)
-    t0 = time.perf_counter()
-    while step < n_steps:
-        batches = [stream.next() for _ in range(cfg.grad_accum)]
-        n_pairs = sum(len(b) for b in batches)
-        for idx in batches:
-            pairs, ref_lp = [train_pairs[i] for i in idx], [train_ref[i] for i in idx]
-            loss, stats = pair_loss(model, pairs, ref_lp, pad_id, cfg.beta, device, cfg.bf16)
-            w = len(idx) / n_pairs
-            (loss * w).backward()
-            for k, v in {"loss": loss.detach(), **stats}.items():
-                window[k] += w * float(v)
-        if cfg.optim.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, n_window = step + 1, n_window + 1
-        bar.update(1)
 
-        if step % cfg.log_every == 0 or step == n_steps:
-            last = {f"dpo/{k}": v / n_window for k, v in window.items()}
-            elapsed = time.perf_counter() - t0
-            tracker.log(
-                step,
-                {
-                    **last,
-                    "dpo/lr": scheduler.get_last_lr()[0],
-                    "perf/pairs_per_s": n_window * cfg.batch_size * cfg.grad_accum / max(elapsed, 1e-9),
-                },
-            )
-            summary.update(last)
-            bar.set_postfix(acc=f"{last['dpo/accuracy']:.2f}", margin=f"{last['dpo/margin']:.2f}")
-            window, n_window, t0 = dict.fromkeys(STAT_KEYS, 0.0), 0, time.perf_counter()
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
-            metrics = held_out()
-            tracker.log(step, metrics)
-            summary.update(metrics)
-        if cfg.save_every and (step % cfg.save_every == 0 or step == n_steps):
-            ckpt.save_checkpoint(
-                run_dir,
-                step,
-                {"policy": model},
-                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                {
-                    "data": stream.state(),
-                    "window": [window, n_window],
-                    "rng": ckpt.rng_state(),
-                    "config": to_dict(cfg),
-                },
-                keep_last=cfg.keep_last,
-            )
+    def save() -> None:
+        ckpt.save_checkpoint(
+            run_dir,
+            step,
+            {"policy": model},
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            {
+                "data": stream.state(),
+                "window": [window, n_window],
+                "rng": ckpt.rng_state(),
+                "config": to_dict(cfg),
+            },
+            keep_last=cfg.keep_last,
+        )
+
+    t0 = time.perf_counter()
+    with GracefulStop() as stop:
+        while step < n_steps:
+            batches = [stream.next() for _ in range(cfg.grad_accum)]
+            n_pairs = sum(len(b) for b in batches)
+            for idx in batches:
+                pairs, ref_lp = [train_pairs[i] for i in idx], [train_ref[i] for i in idx]
+                loss, stats = pair_loss(model, pairs, ref_lp, pad_id, cfg.beta, device, cfg.bf16)
+                w = len(idx) / n_pairs
+                (loss * w).backward()
+                for k, v in {"loss": loss.detach(), **stats}.items():
+                    window[k] += w * float(v)
+            if cfg.optim.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, n_window = step + 1, n_window + 1
+            bar.update(1)
+
+            if step % cfg.log_every == 0 or step == n_steps:
+                last = {f"dpo/{k}": v / n_window for k, v in window.items()}
+                elapsed = time.perf_counter() - t0
+                tracker.log(
+                    step,
+                    {
+                        **last,
+                        "dpo/lr": scheduler.get_last_lr()[0],
+                        "perf/pairs_per_s": n_window * cfg.batch_size * cfg.grad_accum / max(elapsed, 1e-9),
+                    },
+                )
+                summary.update(last)
+                bar.set_postfix(acc=f"{last['dpo/accuracy']:.2f}", margin=f"{last['dpo/margin']:.2f}")
+                window, n_window, t0 = dict.fromkeys(STAT_KEYS, 0.0), 0, time.perf_counter()
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
+                metrics = held_out()
+                tracker.log(step, metrics)
+                summary.update(metrics)
+            if (cfg.save_every and (step % cfg.save_every == 0 or step == n_steps)) or stop.requested:
+                save()
+            if stop.requested and step < n_steps:
+                bar.close(), tracker.close()
+                print(
+                    f"shifu dpo: stopped at step {step} with a checkpoint. Resume with: shifu dpo "
+                    f"--config <same config> --out {run_dir} --resume",
+                    file=sys.stderr,
+                )
+                return {"stopped": True, "step": step}
     bar.close()
     tracker.close()
 

@@ -8,6 +8,7 @@ this module only orders the calls. ``PPOTrainer.step`` is one iteration on a bat
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 
 from shifu import core
+from shifu import distributed as D
+from shifu import lora as L
 from shifu.rewards import RewardSource
 from shifu.rollout import SamplingParams, critic_forward, generate, policy_forward
 from shifu.trainers.common import autocast, build_optimizer, build_scheduler
@@ -37,7 +40,13 @@ class PPOTrainer:
     """Holds the four models, the optimisers and the controllers; ``step`` runs one PPO iteration.
 
     ``critic`` is a ScalarModel, or ``None`` with ``value_head`` set (shared trunk), or both ``None``
-    for ``algo=reinforce``.
+    for ``algo=reinforce``. ``ref`` is ``None`` for a LoRA actor (the reference is the actor with its
+    adapters disabled).
+
+    Under torchrun (``cfg.distributed``) the trainer wraps the plain models it is given: actor and critic
+    with DDP / FSDP2 / DeepSpeed, frozen models replicated or sharded. Each rank holds ``batch_size / W``
+    rollouts; losses use the global token count, whitening / score statistics / KL are global, and every
+    rank takes the same decisions (non-finite skip, early stop, KL coefficient).
     """
 
     def __init__(
@@ -58,6 +67,26 @@ class PPOTrainer:
         for frozen in (ref, getattr(reward, "model", None)):
             if isinstance(frozen, nn.Module):
                 frozen.requires_grad_(False).eval()
+        dcfg = cfg.distributed
+        self.strategy, self.world = dcfg.strategy, D.world_size()
+        self.deepspeed = dcfg.strategy == "deepspeed"
+        self.offload_frozen = dcfg.offload_frozen
+        # the fast decoder reads weights directly: sharded weights (FSDP2, ZeRO-3) go through HF forwards
+        self.gen_engine = "hf" if dcfg.strategy in ("fsdp2", "deepspeed") else "auto"
+        if dcfg.gradient_checkpointing:
+            for m in (actor, critic):
+                if m is not None:
+                    D.enable_gradient_checkpointing(m)
+        if dcfg.strategy != "none":
+            if not self.deepspeed:
+                actor = D.wrap_trainable(actor, dcfg.strategy)
+                critic = D.wrap_trainable(critic, dcfg.strategy) if critic is not None else None
+            for frozen in (ref, getattr(reward, "model", None)):
+                if isinstance(frozen, nn.Module):
+                    D.prepare_frozen(frozen, dcfg.frozen)
+                    if dcfg.offload_frozen:
+                        frozen.to("cpu")
+            self.actor, self.critic = actor, critic
         sizes = derived_sizes(cfg)
         total = sizes["total_optimizer_steps"]
         actor_params = list(actor.parameters()) + (
@@ -67,8 +96,15 @@ class PPOTrainer:
         if critic is not None and not separate_critic:
             actor_params += list(critic.parameters())
         self.opt = build_optimizer(actor_params, cfg.optim)
-        self.sched = build_scheduler(self.opt, cfg.optim, total)
         self.critic_opt = build_optimizer(critic.parameters(), cfg.critic.optim) if separate_critic else None
+        if self.deepspeed:  # the engines own the ZeRO-partitioned optimisers; the schedules stay shifu's
+            ds = dcfg.deepspeed_config
+            self.actor, self.opt = D.wrap_deepspeed(actor, cfg.optim, ds, optimizer=self.opt)
+            if self.critic_opt is not None:
+                self.critic, self.critic_opt = D.wrap_deepspeed(
+                    critic, cfg.critic.optim, ds, optimizer=self.critic_opt
+                )
+        self.sched = build_scheduler(self.opt, cfg.optim, total)
         self.critic_sched = (
             build_scheduler(self.critic_opt, cfg.critic.optim, total) if separate_critic else None
         )
@@ -81,7 +117,7 @@ class PPOTrainer:
             else None
         )
         self.score_moments = core.RunningMoments()
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed)
+        self.sample_gen = torch.Generator().manual_seed(D.rank_seed(cfg.seed))  # own stream per rank
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.skipped_steps = 0  # optimiser steps skipped for non-finite loss/gradients
         self.nonfinite_in_a_row = 0  # consecutive skipped steps (the loop stops at cfg.max_nonfinite_steps)
@@ -92,6 +128,57 @@ class PPOTrainer:
             cfg.generation.top_p,
         )
 
+    # ---------------------------------------------------------------- distributed helpers
+    @property
+    def actor_module(self) -> nn.Module:
+        """The actor for no-grad forwards and generation: inside DDP/DeepSpeed wrappers (no gradient
+        sync, no per-forward collectives); the FSDP2 model itself."""
+        return D.unwrap(self.actor)
+
+    def _gen_kwargs(self) -> dict[str, Any]:
+        if self.world == 1:
+            return {}
+        # ranks keep stepping until every rank's responses ended: sharded forwards never deadlock
+        return {"all_done": D.all_true, "engine": self.gen_engine}
+
+    def _offloaded(self, model: nn.Module | None):
+        if model is None or not self.offload_frozen:
+            return contextlib.nullcontext(model)
+        return D.offload_frozen(model, self.device)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference model for a no-grad forward: the frozen copy (moved in from the CPU with
+        ``offload_frozen``), or the LoRA actor with its adapters disabled."""
+        if self.ref is None:
+            with L.reference(self.actor_module, None) as ref:
+                yield ref
+            return
+        with self._offloaded(self.ref) as ref:
+            yield ref
+
+    def _global_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean over the elements of ``x`` on every rank (``x.mean()`` in one process)."""
+        if self.world == 1:
+            return x.mean()
+        s = D.all_reduce_sum(torch.stack([x.sum().double(), torch.tensor(x.numel(), dtype=torch.float64)]))
+        return (s[0] / s[1]).to(x.dtype)
+
+    def _global_whiten(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``core.masked_whiten`` with the mean and unbiased variance of the real elements of all ranks."""
+        if self.world == 1:
+            return core.masked_whiten(x, mask)
+        m = mask.to(x.dtype)
+        s = D.all_reduce_sum(torch.stack([(x * m).sum().double(), m.sum().double()]))
+        n = s[1]
+        if n < 2:
+            raise ValueError("masked_whiten needs at least 2 real elements over all ranks")
+        mean = (s[0] / n).to(x.dtype)
+        ss = D.all_reduce_sum(((x - mean) * m).pow(2).sum().double())
+        var = (ss / (n - 1)).to(x.dtype)
+        out = (x - mean) * torch.rsqrt(var + 1e-8)
+        return torch.where(mask.bool(), out, torch.zeros((), dtype=x.dtype, device=x.device))
+
     # ---------------------------------------------------------------- rollout
     @torch.no_grad()
     def rollout(
@@ -100,16 +187,18 @@ class PPOTrainer:
         cfg, tok, T = self.cfg, self.tok, self.cfg.generation.temperature
         t0 = time.perf_counter()
         self.actor.eval()
+        actor = self.actor_module
         # 1. sample responses (B,R), right-padded; everything after the first EOS is pad (mask False)
         with autocast(cfg.bf16, self.device):
             response_ids, response_mask = generate(
-                self.actor,
+                actor,
                 prompt_ids,
                 prompt_mask,
                 self.params,
                 tok.eos_token_id,
                 tok.pad_token_id,
                 generator=self.sample_gen,
+                **self._gen_kwargs(),
             )
         t_gen = time.perf_counter() - t0
         P = prompt_ids.shape[1]
@@ -121,13 +210,12 @@ class PPOTrainer:
         with autocast(cfg.bf16, self.device):
             for i in range(0, input_ids.shape[0], mb):
                 ids, am = input_ids[i : i + mb], attention_mask[i : i + mb]
-                lp, ent, v = policy_forward(
-                    self.actor, ids, am, P, T, with_entropy=True, value_head=self.value_head
-                )
+                lp, ent, v = policy_forward(actor, ids, am, P, T, with_entropy=True, value_head=self.value_head)
                 old_lp.append(lp.float()), entropy.append(ent.float())
-                ref_lp.append(policy_forward(self.ref, ids, am, P, T)[0].float())
+                with self.reference() as ref:
+                    ref_lp.append(policy_forward(ref, ids, am, P, T)[0].float())
                 if self.critic is not None:
-                    v = critic_forward(self.critic, ids, am, P)
+                    v = critic_forward(D.unwrap(self.critic), ids, am, P)
                 if v is not None:
                     old_values.append(v.float())
         old_log_probs, ref_log_probs, entropy = torch.cat(old_lp), torch.cat(ref_lp), torch.cat(entropy)
@@ -137,7 +225,9 @@ class PPOTrainer:
         responses = [
             tok.decode(response_ids[i][response_mask[i]], skip_special_tokens=True) for i in range(len(rows))
         ]
-        scores = self.reward(prompts, responses, rows, input_ids, attention_mask).to(old_log_probs.device)
+        reward_model = self.reward.model if isinstance(self.reward.model, nn.Module) else None
+        with self._offloaded(reward_model):
+            scores = self.reward(prompts, responses, rows, input_ids, attention_mask).to(old_log_probs.device)
         last = (response_mask.long().cumsum(1) == response_mask.sum(1, keepdim=True)) & response_mask
         eos_found = (response_ids == tok.eos_token_id).logical_and(last).any(1)
         exp = dict(
@@ -176,9 +266,10 @@ class PPOTrainer:
                 scores - pen if cfg.reward.missing_eos_mode == "subtract" else torch.full_like(scores, -pen)
             )
             scores = torch.where(exp["eos_found"], scores, penalised)
-        raw_mean = scores.mean()
+        raw_mean = self._global_mean(scores)
         if cfg.reward.normalize:
-            self.score_moments.update(scores)
+            # global statistics: every rank merges the same scores of all ranks
+            self.score_moments.update(scores if self.world == 1 else torch.cat(D.gather_object(scores.cpu())))
             scores = (scores - self.score_moments.mean) / max(self.score_moments.std, 1e-8)
         if cfg.reward.clip is not None:
             scores = scores.clamp(-cfg.reward.clip, cfg.reward.clip)
@@ -190,7 +281,7 @@ class PPOTrainer:
         if cfg.algo == "reinforce":
             # whole-sequence return R = score - beta * sum_t kl_t, the same for every token of the response
             ret = scores - beta * core.masked_sum(kl, mask, dim=1)
-            adv = ret - ret.mean() if cfg.reinforce_baseline else ret
+            adv = ret - self._global_mean(ret) if cfg.reinforce_baseline else ret
             exp["advantages"] = adv.unsqueeze(1) * mask
             exp["returns"] = exp["advantages"]
         else:
@@ -198,8 +289,38 @@ class PPOTrainer:
             # 4. GAE backwards over real tokens, V after the last token = 0; whiten over real tokens
             advantages, returns = core.gae(rewards, exp["values"], mask, cfg.gamma, cfg.lam)
             if cfg.whiten_advantages:
-                advantages = core.masked_whiten(advantages, mask)
+                advantages = self._global_whiten(advantages, mask)
             exp["advantages"], exp["returns"] = advantages, returns
+        if self.world > 1:  # means over all ranks' responses / tokens, in one collective
+            n_tok = mask.sum()
+            sums = D.reduce_metrics(
+                {
+                    "rows": float(mask.shape[0]),
+                    "tokens": n_tok,
+                    "score": scores.sum(),
+                    "kl": kl_seq.sum(),
+                    "kl_tok": (kl1 * mask).sum(),
+                    "rlhf": (scores - beta * kl_seq).sum(),
+                    "ent": (exp["entropy"] * mask).sum(),
+                    "eos": exp["eos_found"].float().sum(),
+                    "dropped": float(exp["dropped_nonfinite"]),
+                },
+                op="sum",
+            )
+            rows, toks = max(sums["rows"], 1.0), max(sums["tokens"], 1.0)
+            return {
+                "objective/score": float(raw_mean),
+                "objective/score_processed": sums["score"] / rows,
+                "objective/kl": sums["kl"] / rows,
+                "objective/kl_per_token": sums["kl_tok"] / toks,
+                "objective/kl_coef": beta,
+                "objective/rlhf_reward": sums["rlhf"] / rows,
+                "objective/entropy": sums["ent"] / toks,
+                "rollout/response_len": sums["tokens"] / rows,
+                "rollout/eos_frac": sums["eos"] / rows,
+                "rollout/dropped_nonfinite": sums["dropped"],
+                "rollout/rows": sums["rows"],
+            }
         return {
             "objective/score": float(raw_mean),
             "objective/score_processed": float(scores.mean()),
@@ -216,7 +337,8 @@ class PPOTrainer:
     # ---------------------------------------------------------------- update
     def update(self, exp: dict[str, Any]) -> dict[str, float]:
         cfg = self.cfg
-        B, mbs, P = exp["input_ids"].shape[0], cfg.minibatch_size, exp["prompt_len"]
+        # local rows and local minibatch (the config's sizes are global: W ranks share them)
+        B, mbs, P = exp["input_ids"].shape[0], cfg.minibatch_size // self.world, exp["prompt_len"]
         mask = exp["response_mask"]
         sums: dict[str, float] = {}
         n_stat = 0
@@ -228,14 +350,31 @@ class PPOTrainer:
             epoch_kl, epoch_n = 0.0, 0
             for start in range(0, B, mbs):
                 idx = perm[start : start + mbs]
-                n_tokens = mask[idx].sum().clamp(min=1)
-                self.opt.zero_grad(set_to_none=True)
-                if self.critic_opt is not None:
-                    self.critic_opt.zero_grad(set_to_none=True)
+                if self.world == 1:
+                    n_tokens = mask[idx].sum().clamp(min=1)
+                else:  # N_global / W: DDP/FSDP2/ZeRO average gradients over ranks (shifu.distributed)
+                    n_tokens = D.token_mean_divisor(mask[idx].sum())
+                if not self.deepspeed:
+                    self.opt.zero_grad(set_to_none=True)
+                    if self.critic_opt is not None:
+                        self.critic_opt.zero_grad(set_to_none=True)
                 stats = {}
-                for micro in idx.chunk(max(1, min(cfg.grad_accum, len(idx)))):
+                micros = idx.chunk(max(1, min(cfg.grad_accum, len(idx))))
+                for j, micro in enumerate(micros):
+                    last = j == len(micros) - 1
                     loss, st = self._loss(exp, micro, P, n_tokens, len(micro) / len(idx))
-                    loss.backward()
+                    if self.deepspeed:  # each engine back-propagates its own (disjoint) part
+                        actor_part, critic_part = self._loss_parts
+                        D.backward(self.actor, actor_part if self.critic_opt is not None else loss)
+                        if self.critic_opt is not None and critic_part is not None:
+                            D.backward(self.critic, critic_part)
+                    elif last or self.world == 1:
+                        loss.backward()
+                    else:  # accumulate locally; the last micro-batch all-reduces
+                        with D.grad_sync(self.actor, False), contextlib.ExitStack() as es:
+                            if self.critic is not None:
+                                es.enter_context(D.grad_sync(self.critic, False))
+                            loss.backward()
                     for k, v in st.items():  # loss/* are partial sums; the rest are micro-batch means
                         wk = 1.0 if k.startswith("loss/") else len(micro) / len(idx)
                         stats[k] = stats.get(k, 0.0) + float(v) * wk
@@ -245,11 +384,16 @@ class PPOTrainer:
                 n_stat += 1
                 epoch_kl, epoch_n = epoch_kl + stats["policy/approx_kl"], epoch_n + 1
             # 5. stop the remaining epochs when the policy moved too far from the rollout policy
+            if self.world > 1 and cfg.target_approx_kl is not None:  # the same decision on every rank
+                epoch_kl = D.reduce_metrics({"kl": epoch_kl})["kl"]
             if cfg.target_approx_kl is not None and epoch_kl / epoch_n > 1.5 * cfg.target_approx_kl:
                 sums["policy/early_stop_epoch"] = _epoch + 1
                 break
         out = {k: v / max(1, n_stat) for k, v in sums.items() if k != "policy/early_stop_epoch"}
         out["policy/early_stop_epoch"] = sums.get("policy/early_stop_epoch", 0)
+        if self.world > 1:
+            out = D.reduce_metrics(out)  # means over ranks, once per iteration
+            B = B * self.world
         out["optim/lr"] = self.sched.get_last_lr()[0]
         out["optim/skipped_steps"] = self.skipped_steps
         if self.penalty_ctl is not None:
@@ -318,6 +462,7 @@ class PPOTrainer:
             "policy/ratio_mean": st["ratio_mean"],
         }
         loss = pg_loss
+        critic_part = None
         if values is not None and cfg.algo != "reinforce":
             old_values, returns = exp["values"][micro], exp["returns"][micro]
             vf_loss, vst = core.ppo_value_loss(
@@ -330,7 +475,8 @@ class PPOTrainer:
                 **kw,
             )
             vf_loss = vf_loss * w
-            loss = loss + cfg.vf_coef * vf_loss
+            critic_part = cfg.vf_coef * vf_loss
+            loss = loss + critic_part
             stats.update(
                 {
                     "loss/value": vf_loss.detach(),
@@ -345,6 +491,9 @@ class PPOTrainer:
             ptx = self._ptx_loss(next(self.ptx_batches)) * frac
             loss = loss + cfg.ptx_coef * ptx
             stats["loss/ptx"] = ptx.detach()
+        if self.deepspeed:  # the actor engine's part (policy, entropy, ptx) and the critic engine's
+            actor_part = loss - critic_part.detach() if critic_part is not None else loss
+            self._loss_parts = (actor_part, critic_part)
         return loss, stats
 
     def _ptx_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -356,13 +505,23 @@ class PPOTrainer:
 
     def _optimizer_step(self) -> None:
         cfg = self.cfg
+        if self.deepspeed:  # the engines clip (gradient_clipping from optim.max_grad_norm) and step
+            D.optimizer_step(self.actor, self.opt, None)
+            self.sched.step()
+            if self.critic_opt is not None:
+                D.optimizer_step(self.critic, self.critic_opt, None)
+                self.critic_sched.step()
+            self.nonfinite_in_a_row = 0
+            return
         groups = [(self.opt, self.sched, cfg.optim.max_grad_norm)]
         if self.critic_opt is not None:
             groups.append((self.critic_opt, self.critic_sched, cfg.critic.optim.max_grad_norm))
         params = [
             p for opt, _, _ in groups for g in opt.param_groups for p in g["params"] if p.grad is not None
         ]
-        finite = all(torch.isfinite(p.grad).all() for p in params)
+        finite = all(torch.isfinite(_local(p.grad)).all() for p in params)
+        if self.world > 1:  # skip on every rank, or the replicas / shards diverge
+            finite = not D.any_true(not finite)
         if not finite:  # a NaN/Inf gradient skips this step (counted), never reaches the weights
             self.skipped_steps += 1
             self.nonfinite_in_a_row += 1
@@ -380,11 +539,23 @@ class PPOTrainer:
     # ---------------------------------------------------------------- one iteration
     def step(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list[dict]) -> dict[str, Any]:
         exp = self.rollout(prompt_ids.to(self.device), prompt_mask.to(self.device), rows)
+        if exp["input_ids"].shape[0] == 0:  # every score was NaN/Inf: no update, controllers untouched
+            nan = float("nan")
+            return {
+                "objective/score": nan,
+                "objective/kl": nan,
+                "objective/kl_coef": self.kl_ctl.value,
+                "rollout/dropped_nonfinite": exp["dropped_nonfinite"],
+                "optim/skipped_steps": self.skipped_steps,
+                "time/rollout_s": exp["time/rollout_s"],
+                "_exp": {k: exp[k] for k in ("prompts", "responses", "scores")},
+            }
         t0 = time.perf_counter()
         metrics = self.advantages(exp)
         metrics.update(self.update(exp))
         # 6. the KL controller sees the measured KL in nats per response
-        self.kl_ctl.update(metrics["objective/kl"], exp["input_ids"].shape[0])
+        # (the global mean KL and the global number of responses: every rank's controller agrees)
+        self.kl_ctl.update(metrics["objective/kl"], exp["input_ids"].shape[0] * self.world)
         t_update = time.perf_counter() - t0
         n_tokens = int(exp["response_mask"].sum())
         metrics.update(
@@ -399,17 +570,56 @@ class PPOTrainer:
         metrics["_exp"] = {k: exp[k] for k in ("prompts", "responses", "scores")}
         return metrics
 
+    def sharded(self) -> bool:
+        """True when weights and optimiser states are saved per rank (FSDP2, DeepSpeed): see
+        :meth:`save_shards`; the tensor state then holds only the schedules."""
+        return D.is_sharded(self.actor)
+
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """name -> (wrapped) trained model with its optimiser, for sharded checkpoints."""
+        out = {"actor": (self.actor, self.opt)}
+        if self.critic is not None:
+            out["critic"] = (self.critic, self.critic_opt)
+        return out
+
+    def save_shards(self, path) -> None:
+        """Every rank writes its shards of the trained models and optimisers under ``path`` (FSDP2: DCP;
+        DeepSpeed: the engine's checkpoint). Call on all ranks."""
+        from pathlib import Path
+
+        for name, (model, opt) in self.trained_modules().items():
+            if D._is_deepspeed(model):
+                model.save_checkpoint(str(Path(path) / name), tag="shards")
+            else:
+                D.save_sharded(Path(path) / name, model, opt)
+
+    def load_shards(self, path) -> None:
+        from pathlib import Path
+
+        for name, (model, opt) in self.trained_modules().items():
+            if D._is_deepspeed(model):
+                model.load_checkpoint(str(Path(path) / name), tag="shards")
+            else:
+                D.load_sharded(Path(path) / name, model, opt)
+
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(tensor_state, json_state) for a checkpoint: optimisers, schedulers, controllers, generators."""
-        tensors = {"opt": self.opt.state_dict(), "sched": self.sched.state_dict()}
+        """(tensor_state, json_state) for a checkpoint: optimisers, schedulers, controllers, generators.
+
+        Under FSDP2 / DeepSpeed the optimisers are in the shards (:meth:`save_shards`), not here. Call on
+        every rank under torchrun (the per-rank sampling generators are gathered)."""
+        sharded = self.sharded()
+        tensors = {"sched": self.sched.state_dict()}
+        if not sharded:
+            tensors["opt"] = self.opt.state_dict()
         if self.critic_opt is not None:
-            tensors.update(
-                critic_opt=self.critic_opt.state_dict(), critic_sched=self.critic_sched.state_dict()
-            )
+            tensors["critic_sched"] = self.critic_sched.state_dict()
+            if not sharded:
+                tensors["critic_opt"] = self.critic_opt.state_dict()
         js = {
             "kl_ctl": self.kl_ctl.state_dict(),
             "score_moments": self.score_moments.state_dict(),
             "sample_gen": self.sample_gen.get_state().tolist(),
+            **({"sample_gen_ranks": D.gather_object(self.sample_gen.get_state().tolist())} if self.world > 1 else {}),
             "shuffle_gen": self.shuffle_gen.get_state().tolist(),
             "skipped_steps": self.skipped_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
@@ -419,19 +629,27 @@ class PPOTrainer:
         return tensors, js
 
     def load_state_dict(self, tensors: dict[str, Any], js: dict[str, Any]) -> None:
-        self.opt.load_state_dict(tensors["opt"])
+        if "opt" in tensors:
+            self.opt.load_state_dict(tensors["opt"])
         self.sched.load_state_dict(tensors["sched"])
         if self.critic_opt is not None:
-            self.critic_opt.load_state_dict(tensors["critic_opt"])
+            if "critic_opt" in tensors:
+                self.critic_opt.load_state_dict(tensors["critic_opt"])
             self.critic_sched.load_state_dict(tensors["critic_sched"])
         self.kl_ctl.load_state_dict(js["kl_ctl"])
         self.score_moments.load_state_dict(js["score_moments"])
-        self.sample_gen.set_state(torch.tensor(js["sample_gen"], dtype=torch.uint8))
+        gen_state = js["sample_gen_ranks"][D.rank()] if self.world > 1 else js["sample_gen"]
+        self.sample_gen.set_state(torch.tensor(gen_state, dtype=torch.uint8))
         self.shuffle_gen.set_state(torch.tensor(js["shuffle_gen"], dtype=torch.uint8))
         self.skipped_steps = js["skipped_steps"]
         self.nonfinite_in_a_row = js.get("nonfinite_in_a_row", 0)
         if self.penalty_ctl is not None:
             self.penalty_ctl.load_state_dict(js["penalty_ctl"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _select(v: Any, keep: torch.Tensor) -> Any:

@@ -32,6 +32,7 @@ from shifu.errors import ConfigError
 from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
+    GracefulStop,
     OptimConfig,
     autocast,
     build_optimizer,
@@ -220,49 +221,62 @@ def train_member(
         state["window"] if state else ({"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}, 0)
     )
     last = {}
-    while step < n_steps:
-        # one optimiser step: grad_accum micro-batches, each weighted by its share of the step's pairs
-        batches = [[train_pairs[i] for i in stream.next()] for _ in range(cfg.grad_accum)]
-        n_pairs = sum(len(b) for b in batches)
-        for batch in batches:
-            chosen, rejected = pair_scores(model, batch, pad_id, device, cfg.bf16)
-            margin = torch.tensor([p["margin"] for p in batch], device=device)
-            loss, stats = bradley_terry_loss(
-                chosen, rejected, margin if margin.any() else None, cfg.center_coef
-            )
-            (loss * len(batch) / n_pairs).backward()
-            w = len(batch) / n_pairs
-            window["rm/loss"] += w * float(loss.detach())
-            window["rm/accuracy"] += w * float(stats["accuracy"])
-            window["rm/margin"] += w * float(stats["margin"])
-        if cfg.optim.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, n_window = step + 1, n_window + 1
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == n_steps:
-            last = {k: v / n_window for k, v in window.items()}
-            tracker.log(step, {**last, "rm/lr": scheduler.get_last_lr()[0]})
-            bar.set_postfix(acc=f"{last['rm/accuracy']:.2f}")
-            window, n_window = dict.fromkeys(window, 0.0), 0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < n_steps:
-            tracker.log(step, evaluate(model, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16))
-        if cfg.save_every and (step % cfg.save_every == 0 or step == n_steps):
-            ckpt.save_checkpoint(
-                run_dir,
-                step,
-                {"rm": model},
-                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                {
-                    "data": stream.state(),
-                    "window": [window, n_window],
-                    "rng": ckpt.rng_state(),
-                    "config": to_dict(cfg),
-                },
-                keep_last=cfg.keep_last,
-            )
+
+    def save() -> None:
+        ckpt.save_checkpoint(
+            run_dir,
+            step,
+            {"rm": model},
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            {
+                "data": stream.state(),
+                "window": [window, n_window],
+                "rng": ckpt.rng_state(),
+                "config": to_dict(cfg),
+            },
+            keep_last=cfg.keep_last,
+        )
+
+    with GracefulStop() as stop:
+        while step < n_steps:
+            # one optimiser step: grad_accum micro-batches, each weighted by its share of the step's pairs
+            batches = [[train_pairs[i] for i in stream.next()] for _ in range(cfg.grad_accum)]
+            n_pairs = sum(len(b) for b in batches)
+            for batch in batches:
+                chosen, rejected = pair_scores(model, batch, pad_id, device, cfg.bf16)
+                margin = torch.tensor([p["margin"] for p in batch], device=device)
+                loss, stats = bradley_terry_loss(
+                    chosen, rejected, margin if margin.any() else None, cfg.center_coef
+                )
+                (loss * len(batch) / n_pairs).backward()
+                w = len(batch) / n_pairs
+                window["rm/loss"] += w * float(loss.detach())
+                window["rm/accuracy"] += w * float(stats["accuracy"])
+                window["rm/margin"] += w * float(stats["margin"])
+            if cfg.optim.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, n_window = step + 1, n_window + 1
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == n_steps:
+                last = {k: v / n_window for k, v in window.items()}
+                tracker.log(step, {**last, "rm/lr": scheduler.get_last_lr()[0]})
+                bar.set_postfix(acc=f"{last['rm/accuracy']:.2f}")
+                window, n_window = dict.fromkeys(window, 0.0), 0
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < n_steps:
+                tracker.log(step, evaluate(model, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16))
+            if (cfg.save_every and (step % cfg.save_every == 0 or step == n_steps)) or stop.requested:
+                save()
+            if stop.requested and step < n_steps:
+                bar.close(), tracker.close()
+                print(
+                    f"shifu rm: stopped at step {step} with a checkpoint. Resume with: shifu rm "
+                    f"--config <same config> --out {cfg.out_dir} --resume",
+                    file=sys.stderr,
+                )
+                return {"step": step, "stopped": True}
     bar.close()
     tracker.close()
     model.eval()
@@ -351,6 +365,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             model = first if m == 0 else fresh(m)
             mine = train_pairs[m::k] if cfg.ensemble.shard else train_pairs
             stats = train_member(cfg, model, mdir, m, mine, eval_pairs, resume)
+            if stats.get("stopped"):  # SIGINT/SIGTERM: checkpointed; --resume continues this member
+                return stats
             if k > 1:
                 model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
                 (mdir / "final" / "summary.json").write_text(json.dumps(stats), encoding="utf-8")
@@ -383,8 +399,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     report = evaluate(
         scorer, eval_pairs, members[0].tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16
     )
+    final_step = max(s["step"] for s in member_stats)
+    metrics_file = run_dir / "metrics.jsonl"
+    if resume and metrics_file.exists():  # a run killed after logging its final report logs it once
+        lines = metrics_file.read_text(encoding="utf-8").splitlines()
+        report_keys = set(report)
+        kept = [
+            x
+            for x in lines
+            if x.strip() and not (json.loads(x)["step"] == final_step and report_keys <= set(json.loads(x)))
+        ]
+        metrics_file.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
     tracker = Tracker(run_dir, tensorboard=cfg.tensorboard)
-    tracker.log(max(s["step"] for s in member_stats), report)
+    tracker.log(final_step, report)
     tracker.close()
     summary = {
         key: sum(s.get(key, float("nan")) for s in member_stats) / k
