@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import os
 import sys
@@ -36,12 +37,70 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shifu.errors import ShifuError
+from shifu.config import opt
+from shifu.errors import ConfigError, ShifuError
 
 TrainStrategy = Literal["none", "ddp", "fsdp2"]
 FrozenStrategy = Literal["replicate", "fsdp2"]
 
 _device: torch.device | None = None
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """The ``distributed`` section of the sft, rm and ppo configs (read under ``torchrun``)."""
+
+    strategy: Literal["none", "ddp", "fsdp2", "deepspeed"] = opt(
+        "none", "trained models: none (one process), ddp, fsdp2 (fully_shard) or deepspeed (ZeRO)"
+    )
+    deepspeed_config: str | None = opt(
+        None, "DeepSpeed JSON config (ZeRO stage 2/3, offload); needs strategy=deepspeed"
+    )
+    frozen: Literal["replicate", "fsdp2"] = opt(
+        "replicate", "reference / reward model: a full copy per rank, or sharded with fsdp2"
+    )
+    gradient_checkpointing: bool = opt(False, "recompute block activations in the backward pass")
+    offload_frozen: bool = opt(
+        False, "keep the frozen models on the CPU between their forwards (saves accelerator memory)"
+    )
+    timeout_s: float = opt(600.0, "process-group timeout: a rank stuck in a collective fails after it")
+
+    def validate(self, prefix: str = "distributed") -> None:
+        if self.strategy == "deepspeed" and not self.deepspeed_config:
+            raise ConfigError(
+                f"{prefix}.strategy=deepspeed needs {prefix}.deepspeed_config (a JSON file with "
+                "zero_optimization.stage 2 or 3)"
+            )
+        if self.deepspeed_config and self.strategy != "deepspeed":
+            raise ConfigError(f"{prefix}.deepspeed_config is set but {prefix}.strategy is {self.strategy}")
+        if self.offload_frozen and self.frozen == "fsdp2":
+            raise ConfigError(
+                f"{prefix}.offload_frozen keeps whole frozen models on the CPU; it cannot be combined with "
+                f"{prefix}.frozen=fsdp2 (sharded): choose one"
+            )
+        if self.frozen == "fsdp2" and self.strategy == "deepspeed":
+            raise ConfigError(
+                f"{prefix}.frozen=fsdp2 with strategy=deepspeed is not supported: use frozen=replicate "
+                "(optionally with offload_frozen=true)"
+            )
+        if self.timeout_s <= 0:
+            raise ConfigError(f"{prefix}.timeout_s must be > 0 (got {self.timeout_s})")
+        ws = planned_world_size()
+        if ws > 1 and self.strategy == "none":
+            raise ConfigError(
+                f"launched with {ws} processes but {prefix}.strategy=none: set {prefix}.strategy=ddp, "
+                "fsdp2 or deepspeed (or run one process)"
+            )
+
+
+def planned_world_size() -> int:
+    """The number of processes ``torchrun`` started (``WORLD_SIZE``), known before :func:`init`."""
+    if is_distributed():
+        return world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise ShifuError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -332,8 +391,26 @@ def prepare_frozen(model: nn.Module, strategy: FrozenStrategy = "replicate", bf1
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside a DDP wrapper (FSDP2 models are not wrapped: returned as is)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The user's model inside a DDP wrapper or DeepSpeed engine (FSDP2 models are not wrapped: returned
+    as is)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) or _is_deepspeed(model):
+        return model.module
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when no rank holds the full model: FSDP2, or a DeepSpeed engine (checkpoints go through
+    :func:`save_sharded` / the engine's own checkpoint, final weights through :func:`full_state_dict`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) or _is_deepspeed(model)
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a complete (unsharded) state dict, present on every rank, into a plain, DDP or FSDP2 model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(unwrap(model), state_dict, options=StateDictOptions(full_state_dict=True))
 
 
 @contextlib.contextmanager
@@ -537,6 +614,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if _is_deepspeed(model):
+        if model.zero_optimization_partition_weights():  # ZeRO-3: gather the 16-bit shards on rank 0
+            sd = model._zero3_consolidated_16bit_state_dict()
+            sd = {k: v.detach().float().cpu() for k, v in (sd or {}).items()}
+        else:
+            sd = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+        return sd if (is_main() or not rank0_only) else {}
     opts = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     sd = get_model_state_dict(model, options=opts)
     return sd if rank0_only else {k: v.detach().cpu() for k, v in sd.items()}

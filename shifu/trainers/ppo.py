@@ -210,7 +210,9 @@ class PPOTrainer:
         with autocast(cfg.bf16, self.device):
             for i in range(0, input_ids.shape[0], mb):
                 ids, am = input_ids[i : i + mb], attention_mask[i : i + mb]
-                lp, ent, v = policy_forward(actor, ids, am, P, T, with_entropy=True, value_head=self.value_head)
+                lp, ent, v = policy_forward(
+                    actor, ids, am, P, T, with_entropy=True, value_head=self.value_head
+                )
                 old_lp.append(lp.float()), entropy.append(ent.float())
                 with self.reference() as ref:
                     ref_lp.append(policy_forward(ref, ids, am, P, T)[0].float())
@@ -619,7 +621,11 @@ class PPOTrainer:
             "kl_ctl": self.kl_ctl.state_dict(),
             "score_moments": self.score_moments.state_dict(),
             "sample_gen": self.sample_gen.get_state().tolist(),
-            **({"sample_gen_ranks": D.gather_object(self.sample_gen.get_state().tolist())} if self.world > 1 else {}),
+            **(
+                {"sample_gen_ranks": D.gather_object(self.sample_gen.get_state().tolist())}
+                if self.world > 1
+                else {}
+            ),
             "shuffle_gen": self.shuffle_gen.get_state().tolist(),
             "skipped_steps": self.skipped_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,

@@ -9,7 +9,9 @@ import dataclasses
 from typing import Literal
 
 from shifu.config import opt
+from shifu.distributed import DistributedConfig, planned_world_size
 from shifu.errors import ConfigError
+from shifu.lora import LoraConfig
 from shifu.trainers.common import OptimConfig
 
 
@@ -106,8 +108,8 @@ class Config:
         "ppo", "ppo (clip), ppo_penalty (PPO paper), reinforce"
     )
     iterations: int = opt(20, "rollout + update iterations")
-    batch_size: int = opt(32, "prompts (= responses) per rollout")
-    minibatch_size: int = opt(8, "responses per optimiser step")
+    batch_size: int = opt(32, "prompts (= responses) per rollout, over all processes (global)")
+    minibatch_size: int = opt(8, "responses per optimiser step, over all processes (global)")
     grad_accum: int = opt(1, "micro-batches a minibatch is split into (same update, less memory)")
     micro_batch_size: int = opt(32, "rows per no-grad scoring forward in the rollout")
     ppo_epochs: int = opt(4, "passes over each rollout")
@@ -145,6 +147,10 @@ class Config:
     optim: OptimConfig = opt(OptimConfig(lr=1e-5), "actor optimiser")
     eval: EvalConfig = opt(EvalConfig(), "held-out evaluation and best checkpoint")
     guard: GuardConfig = opt(GuardConfig(), "reward-hacking guard")
+    distributed: DistributedConfig = opt(
+        DistributedConfig(), "multi-process training under torchrun (batch_size stays the global batch)"
+    )
+    lora: LoraConfig = opt(LoraConfig(), "LoRA actor; the reference is then the actor with adapters disabled")
 
     def validate(self) -> None:
         if not self.out_dir:
@@ -197,14 +203,51 @@ class Config:
             raise ConfigError("eval.every and save_every must be >= 0, keep_last >= 1")
         self.optim.validate("optim")
         self.critic.optim.validate("critic.optim")
+        self._validate_distributed()
+
+    def _validate_distributed(self) -> None:
+        d, W = self.distributed, planned_world_size()
+        d.validate()
+        if self.lora.enabled:
+            self.lora.validate()
+            if d.strategy in ("fsdp2", "deepspeed"):
+                raise ConfigError(
+                    f"lora.enabled=true with distributed.strategy={d.strategy} is not supported (final/ is "
+                    "written by merging the adapters into a full copy of the actor): use strategy=ddp"
+                )
+            if self.ref_path:
+                raise ConfigError(
+                    "lora.enabled=true uses the actor with adapters disabled as the reference: drop ref_path"
+                )
+        if d.strategy != "none" and self.critic.init == "shared":
+            raise ConfigError(
+                f"critic.init=shared with distributed.strategy={d.strategy} is not supported (the value head "
+                "sits outside the wrapped actor): use critic.init=sft or reward"
+            )
+        if d.strategy == "deepspeed" and self.joint_optimizer:
+            raise ConfigError("joint_optimizer=true with distributed.strategy=deepspeed is not supported")
+        if W > 1:
+            for k in ("batch_size", "minibatch_size"):
+                if getattr(self, k) % W:
+                    raise ConfigError(
+                        f"{k} ({getattr(self, k)}) is the global number of responses and must be a multiple "
+                        f"of the number of processes ({W})"
+                    )
+            if (self.minibatch_size // W) % self.grad_accum:
+                raise ConfigError(
+                    f"minibatch_size / processes ({self.minibatch_size // W}) must be a multiple of "
+                    f"grad_accum ({self.grad_accum})"
+                )
 
 
 def derived_sizes(cfg: Config) -> dict[str, int]:
     """Sizes that follow from the config (logged once; never written back into it)."""
     minibatches = cfg.batch_size // cfg.minibatch_size
-    return {
+    W = planned_world_size()
+    out = {"processes": W, "rollouts_per_process": cfg.batch_size // W} if W > 1 else {}
+    return out | {
         "minibatches_per_epoch": minibatches,
-        "micro_batch_rows": cfg.minibatch_size // cfg.grad_accum,
+        "micro_batch_rows": cfg.minibatch_size // W // cfg.grad_accum,
         "optimizer_steps_per_iteration": minibatches * cfg.ppo_epochs,
         "total_optimizer_steps": minibatches * cfg.ppo_epochs * cfg.iterations,
     }

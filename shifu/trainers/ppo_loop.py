@@ -214,7 +214,14 @@ def evaluate(
         b = pad_left(ids[i : i + cfg.micro_batch_size], tok.pad_token_id)
         pids, pmask = b["input_ids"].to(trainer.device), b["attention_mask"].to(trainer.device)
         rids, rmask = generate(
-            actor, pids, pmask, params, tok.eos_token_id, tok.pad_token_id, generator=gen, **trainer._gen_kwargs()
+            actor,
+            pids,
+            pmask,
+            params,
+            tok.eos_token_id,
+            tok.pad_token_id,
+            generator=gen,
+            **trainer._gen_kwargs(),
         )
         full, am = torch.cat([pids, rids], 1), torch.cat([pmask, rmask.long()], 1)
         P = pids.shape[1]
@@ -452,7 +459,9 @@ def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str,
 
         best = _load(out / "best", dropout=False)
         if cfg.lora.enabled:
-            D.warn0("shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the last actor")
+            D.warn0(
+                "shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the last actor"
+            )
         elif W > 1:
             D.load_full_state_dict(trainer.actor, best.state_dict())
         else:

@@ -1,0 +1,217 @@
+"""Multi-process checks of the PPO trainer under torchrun, launched by ``tests/test_distributed_trainers.py``::
+
+    torchrun --standalone --nproc_per_node 2 tests/dist_scripts/check_ppo.py --out DIR [--deepspeed]
+
+Same protocol as ``check_dist.py`` (``DIR/rank<r>.json``, one entry per check, every check in one launch).
+
+``ppo_<strategy>_equals_single``: one PPO iteration (``ppo_epochs=1``, one minibatch = the whole local
+batch) on a fixed global experience. Rank 0 samples it with a 1-process trainer and broadcasts it; the
+reference trainer (pretending ``world == 1``) updates on all of it, the distributed trainer on this rank's
+contiguous half (rank 0 the longer responses: different token counts per rank). Actor and critic weights
+after the update must agree to float tolerance. With ``--deepspeed``: ZeRO-2 and ZeRO-3 PPO updates lower
+the clipped PPO loss on a fixed experience.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import check_dist as C  # noqa: E402
+import ppo_task  # noqa: E402
+
+from shifu import distributed as D  # noqa: E402
+from shifu.config import from_dict, load_config, parse_overrides  # noqa: E402
+from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left  # noqa: E402
+from shifu.rewards import RewardSource  # noqa: E402
+from shifu.trainers.ppo import PPOTrainer  # noqa: E402
+from shifu.trainers.ppo_config import Config  # noqa: E402
+
+B = 8  # global rollouts
+
+
+def make_cfg(out: Path, model: Path, *extra: str) -> Config:
+    base = [
+        f"out_dir={out}",
+        f"actor_path={model}",
+        f"data.prompts={out / 'p.jsonl'}",
+        "reward.function=ppo_task:frac_a",
+        "critic.init=sft",
+        f"batch_size={B}",
+        f"minibatch_size={B}",
+        "ppo_epochs=1",
+        "micro_batch_size=8",
+        "generation.max_new_tokens=8",
+        "optim.lr=1e-2",
+        "critic.optim.lr=1e-2",
+    ]
+    if not any(e.startswith("distributed.strategy=") for e in extra):
+        # the 1-process reference inside a 2-process job: validate() would (rightly) refuse strategy=none
+        return from_dict(Config, parse_overrides(base + list(extra)))
+    return load_config(Config, overrides=base + list(extra))
+
+
+def trainer_for(cfg: Config, model: Path, world_one: bool = False) -> PPOTrainer:
+    tok = load_tokenizer(model)
+    tok.padding_side = "left"
+    actor = load_causal_lm(model, dropout=False)
+    ref = load_causal_lm(model, dropout=False)
+    critic = ScalarModel.from_backbone(model, seed=cfg.seed)
+    reward = RewardSource(function=ppo_task.frac_a, micro_batch=cfg.micro_batch_size)
+    t = PPOTrainer(actor, critic, ref, reward, tok, cfg, device=D.local_device())
+    if world_one:
+        t.world = 1  # a 1-process trainer inside the torchrun job: the reference update
+    return t
+
+
+def prompts(tok, n: int):
+    rows = [
+        {"prompt": "".join(ppo_task.ALPHABET[(i * 5 + j) % 12] for j in range(2 + i % 4))} for i in range(n)
+    ]
+    ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    b = pad_left(ids, tok.pad_token_id)
+    return b["input_ids"], b["attention_mask"], rows
+
+
+def fixed_experience(cfg: Config, model: Path) -> dict:
+    """A global rollout sampled on rank 0 by a plain trainer and broadcast: identical on every rank."""
+    exp = None
+    if D.is_main():
+        t = trainer_for(cfg, model, world_one=True)
+        pids, pmask, rows = prompts(t.tok, B)
+        exp = t.rollout(pids, pmask, rows)
+        exp = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in exp.items()}
+    return D.broadcast_object(exp)
+
+
+def local_half(exp: dict) -> dict:
+    """Rows of this rank (contiguous halves), responses sorted longest first: rank 0 has more tokens."""
+    order = exp["response_mask"].sum(1).argsort(descending=True, stable=True)
+    n = B // D.world_size()
+    mine = order[D.rank() * n : (D.rank() + 1) * n]
+    return select(exp, mine), select(exp, order)
+
+
+def select(exp: dict, idx: torch.Tensor) -> dict:
+    out = {}
+    for k, v in exp.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            out[k] = v[idx].to(D.local_device())
+        elif isinstance(v, list):
+            out[k] = [v[i] for i in idx.tolist()]
+        else:
+            out[k] = v
+    return out
+
+
+def check_equals_single(out: Path, model: Path, strategy: str) -> str:
+    cfg_single = make_cfg(out, model)
+    cfg_dist = make_cfg(out, model, f"distributed.strategy={strategy}")
+    exp = fixed_experience(cfg_single, model)
+    mine, everything = local_half(exp)
+    n_tok = [int(x) for x in D.gather_object(int(mine["response_mask"].sum()))]
+    single = trainer_for(cfg_single, model, world_one=True)
+    base_actor = C.params(single.actor)
+    single.advantages(everything)
+    m_single = single.update(everything)
+    dist = trainer_for(cfg_dist, model)
+    dist.advantages(mine)
+    m_dist = dist.update(mine)
+    errs = {
+        "actor": C.rel_diff(C.params(dist.actor), C.params(single.actor), base_actor),
+        "critic": C.rel_diff(
+            C.params(dist.critic), C.params(single.critic), C.params(trainer_for(cfg_single, model).critic)
+        ),
+    }
+    lv, ls = m_dist["loss/value"], m_single["loss/value"]
+    assert max(errs.values()) < 1e-4, f"{strategy} PPO update differs from 1 process: {errs}"
+    # negative control: each rank's own token mean (the common mistake) gives a visibly different update
+    divisor = D.token_mean_divisor
+    D.token_mean_divisor = lambda n: n.clamp(min=1).float()
+    try:
+        wrong = trainer_for(cfg_dist, model)
+        wrong.advantages(mine)
+        wrong.update(mine)
+    finally:
+        D.token_mean_divisor = divisor
+    err_wrong = C.rel_diff(C.params(wrong.actor), C.params(single.actor), base_actor)
+    assert err_wrong > 20 * errs["actor"], (
+        f"negative control too close: {err_wrong:.2e} vs {errs['actor']:.2e}"
+    )
+    return (
+        f"response tokens per rank {n_tok}; rel. diff actor {errs['actor']:.2e}, critic {errs['critic']:.2e} "
+        f"(per-rank token means instead: {err_wrong:.2e}); loss/value over ranks {lv:.6f} vs 1 process {ls:.6f}"
+    )
+
+
+def check_deepspeed_learns(out: Path, model: Path, stage: int) -> str:
+    ds = out / f"zero{stage}.json"
+    if D.is_main():
+        ds.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    D.barrier()
+    cfg = make_cfg(
+        out, model, "distributed.strategy=deepspeed", f"distributed.deepspeed_config={ds}", "ppo_epochs=4",
+        "optim.lr=3e-3", "critic.optim.lr=3e-3",
+    )  # fmt: skip
+    exp = fixed_experience(make_cfg(out, model), model)
+    mine, _ = local_half(exp)
+    t = trainer_for(cfg, model)
+    t.advantages(mine)
+
+    def loss() -> float:
+        idx = torch.arange(mine["input_ids"].shape[0])
+        with torch.no_grad():
+            n = D.token_mean_divisor(mine["response_mask"].sum())
+            value, _ = t._loss(mine, idx, mine["prompt_len"], n, 1.0)
+        return D.reduce_metrics({"l": value})["l"]
+
+    before = loss()
+    t.update(mine)
+    after = loss()
+    assert after < before - 1e-3, f"ZeRO-{stage}: PPO loss did not fall: {before:.4f} -> {after:.4f}"
+    return f"ZeRO-{stage}: PPO loss (policy + value) {before:.4f} -> {after:.4f} after 4 epochs"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--deepspeed", action="store_true")
+    args = ap.parse_args()
+    import os
+
+    torch.set_num_threads(int(os.environ.get("SHIFU_THREADS", "1")))
+    D.init(timeout_s=float(os.environ.get("SHIFU_DIST_TIMEOUT", "120")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.out / "model"
+    if D.is_main():
+        ppo_task.build_char_model(model)
+    D.barrier()
+    with tempfile.TemporaryDirectory():
+        if args.deepspeed:
+            for stage in (2, 3):
+                C.run_check(
+                    args.out,
+                    f"ppo_zero{stage}_learns",
+                    lambda s=stage: check_deepspeed_learns(args.out, model, s),
+                )
+        else:
+            for strategy in ("ddp", "fsdp2"):
+                C.run_check(
+                    args.out, f"ppo_{strategy}_equals_single",
+                    lambda s=strategy: check_equals_single(args.out, model, s),
+                )  # fmt: skip
+    D.barrier()
+    D.destroy()
+
+
+if __name__ == "__main__":
+    main()
