@@ -199,7 +199,10 @@ def _train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     resume = ckpt.latest_checkpoint(stage_dir) is not None
     if not resume and stage_dir.exists():
         shutil.rmtree(stage_dir)  # an unfinished stage without a checkpoint starts again
-    return module.train(cfg, resume=resume, overwrite=False) or {}
+    result = module.train(cfg, resume=resume, overwrite=False) or {}
+    if result.get("stopped"):  # SIGINT/SIGTERM: the stage checkpointed; running quickstart again resumes it
+        raise SystemExit(0)
+    return result
 
 
 def _log(msg: str) -> None:
