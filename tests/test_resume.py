@@ -323,7 +323,7 @@ def _clean_and_chain(argv_of, tmp_path, crash_at: int, term: bool, *weight_dirs:
     r = Run(argv_of(clean), tmp_path / "clean.log")
     assert r.wait() == 0, r.output()
     report = interrupted_chain(argv_of(resumed), resumed, tmp_path, crash_at, term)
-    print("\n".join(report))
+    print("\n".join(report), file=sys.__stderr__)  # the kill points and what each left (shown with -s)
     check_equal(clean, resumed, *weight_dirs)
     return resumed
 
