@@ -97,17 +97,19 @@ class PPOTrainer:
             actor_params += list(critic.parameters())
         self.opt = build_optimizer(actor_params, cfg.optim)
         self.critic_opt = build_optimizer(critic.parameters(), cfg.critic.optim) if separate_critic else None
-        if self.deepspeed:  # the engines own the ZeRO-partitioned optimisers; the schedules stay shifu's
+        self.sched = build_scheduler(self.opt, cfg.optim, total)
+        self.critic_sched = (
+            build_scheduler(self.critic_opt, cfg.critic.optim, total) if separate_critic else None
+        )
+        if self.deepspeed:
+            # the engines own the ZeRO-partitioned optimisers; the schedules stay shifu's, on the torch
+            # optimisers inside them (ZeRO keeps their param_group dicts, so the lr set there is used)
             ds = dcfg.deepspeed_config
             self.actor, self.opt = D.wrap_deepspeed(actor, cfg.optim, ds, optimizer=self.opt)
             if self.critic_opt is not None:
                 self.critic, self.critic_opt = D.wrap_deepspeed(
                     critic, cfg.critic.optim, ds, optimizer=self.critic_opt
                 )
-        self.sched = build_scheduler(self.opt, cfg.optim, total)
-        self.critic_sched = (
-            build_scheduler(self.critic_opt, cfg.critic.optim, total) if separate_critic else None
-        )
         self.kl_ctl = core.build_kl_controller(
             cfg.kl.controller, cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon
         )
@@ -494,7 +496,9 @@ class PPOTrainer:
             loss = loss + cfg.ptx_coef * ptx
             stats["loss/ptx"] = ptx.detach()
         if self.deepspeed:  # the actor engine's part (policy, entropy, ptx) and the critic engine's
-            actor_part = loss - critic_part.detach() if critic_part is not None else loss
+            actor_part = pg_loss - cfg.ent_coef * ent  # (built apart: its graph must not reach the critic)
+            if "loss/ptx" in stats:
+                actor_part = actor_part + cfg.ptx_coef * ptx
             self._loss_parts = (actor_part, critic_part)
         return loss, stats
 

@@ -367,7 +367,7 @@ def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str,
         save_fn(
             out,
             iteration,
-            modules,
+            modules if shards is None else {},  # sharded weights are in shards/
             tensors,
             {
                 "trainer": js,

@@ -1,0 +1,232 @@
+"""The trainers under torchrun (2 CPU processes, gloo): PPO with DDP / FSDP2 / DeepSpeed ZeRO, LoRA and
+gradient checkpointing inside the PPO trainer.
+
+Launches (each costs seconds of start-up, so checks are batched):
+
+- ``dist_scripts/check_ppo.py``: one PPO update on 2 ranks == 1 process on the same global experience
+  (DDP, FSDP2; with a negative control), and, with ``--deepspeed``, ZeRO-2/3 PPO updates lower the loss.
+- the real CLI, ``torchrun -m shifu ppo``: 2 iterations with DDP (uneven response lengths across ranks,
+  evaluation, best/ and final/ written once by rank 0); FSDP2 with sharded checkpoints: 2 iterations,
+  resume to 4 == 4 uninterrupted.
+
+Process groups get a short timeout (a deadlock fails instead of hanging) and every launch a subprocess
+timeout. The LoRA and gradient-checkpointing checks run in this process (no torchrun needed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ppo_task
+import pytest
+import torch
+from test_distributed import launch
+
+from shifu.config import load_config
+from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left
+from shifu.rewards import RewardSource
+from shifu.rollout import policy_forward
+from shifu.trainers.ppo import PPOTrainer
+from shifu.trainers.ppo_config import Config
+
+HERE = Path(__file__).resolve().parent
+torch.set_num_threads(1)
+
+
+def env() -> dict[str, str]:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "SHIFU_THREADS": "1"}
+    e["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), e.get("PYTHONPATH", "")])
+    e.pop("WORLD_SIZE", None)
+    return e
+
+
+def torchrun_ppo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "shifu", "ppo", *args]  # fmt: skip
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist_ppo")
+    return {"model": ppo_task.build_char_model(d / "model"), "prompts": ppo_task.write_prompts(d / "p.jsonl")}
+
+
+def cli_args(task, out: Path, *extra: str) -> list[str]:
+    return [
+        f"out_dir={out}", f"actor_path={task['model']}", f"data.prompts={task['prompts']}",
+        "reward.function=ppo_task:frac_a", "critic.init=sft", "batch_size=8", "minibatch_size=4",
+        "ppo_epochs=2", "generation.max_new_tokens=8", "optim.lr=1e-2", "optim.schedule=constant",
+        "critic.optim.lr=1e-2", "critic.optim.schedule=constant", "distributed.timeout_s=60", *extra,
+    ]  # fmt: skip
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ 2 processes
+
+
+@pytest.fixture(scope="module")
+def ppo_results(tmp_path_factory):
+    return launch("check_ppo.py", tmp_path_factory.mktemp("ppo_eq"), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["ppo_ddp_equals_single", "ppo_fsdp2_equals_single"])
+def test_ppo_update_on_two_ranks_equals_one_process(ppo_results, check):
+    results, log = ppo_results
+    assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
+    assert results[check]["ok"], results[check]["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_ppo_lowers_the_loss(tmp_path_factory, stage):
+    pytest.importorskip("deepspeed", reason="optional: pip install 'shifu-rlhf[deepspeed]'")
+    results, log = _deepspeed_results(tmp_path_factory)
+    check = f"ppo_zero{stage}_learns"
+    assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
+    assert results[check]["ok"], results[check]["detail"]
+
+
+_DS: dict = {}
+
+
+def _deepspeed_results(tmp_path_factory):
+    # one launch for both stages; DeepSpeed compiles its CPU comm op on first use (minutes when cold)
+    if "r" not in _DS:
+        _DS["r"] = launch("check_ppo.py", tmp_path_factory.mktemp("ppo_ds"), "--deepspeed", timeout=500)
+    return _DS["r"]
+
+
+@pytest.mark.slow
+def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
+    """torchrun -m shifu ppo with DDP: uneven responses across ranks finish (synced generation), the
+    evaluation runs on both ranks, and the run directory holds exactly one copy of every record."""
+    out = tmp_path / "ddp"
+    torchrun_ppo(*cli_args(task, out, "distributed.strategy=ddp", "iterations=2", "eval.every=1",
+                           "eval.num_prompts=6", "save_every=1"))  # fmt: skip
+    metrics = rows_of(out / "metrics.jsonl")
+    its = [r["step"] for r in metrics if "objective/kl" in r]
+    assert its == [1, 2], its  # one line per iteration (rank 1 wrote nothing)
+    sizes = next(r for r in metrics if "sizes/processes" in r)
+    assert sizes["sizes/processes"] == 2 and sizes["sizes/rollouts_per_process"] == 4
+    assert all(r["rollout/rows"] == 8 for r in metrics if "rollout/rows" in r)  # global batch
+    samples = rows_of(out / "samples.jsonl")
+    per_eval = [sum(s["iteration"] == i for s in samples) for i in (0, 1, 2)]
+    assert per_eval[0] > 0 and per_eval == [per_eval[0]] * 3, per_eval  # each held-out prompt once per eval
+    assert (out / "final" / "model.safetensors").exists() and (out / "critic").is_dir()
+    assert (out / "best" / "model.safetensors").exists()
+    assert load_causal_lm(out / "final") is not None
+    assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
+
+
+@pytest.mark.slow
+def test_cli_fsdp2_sharded_checkpoint_resume_equals_uninterrupted(task, tmp_path):
+    common = ("distributed.strategy=fsdp2", "eval.every=0", "save_every=2")
+    full, part = tmp_path / "full", tmp_path / "part"
+    torchrun_ppo(*cli_args(task, full, *common, "iterations=4"))
+    torchrun_ppo(*cli_args(task, part, *common, "iterations=2"))
+    ck = part / "checkpoints" / "step-00000002"
+    assert (ck / "sharded" / "actor" / ".metadata").exists() and (ck / "sharded" / "critic").is_dir()
+    torchrun_ppo("--resume", *cli_args(task, part, *common, "iterations=4"))
+    a, b = weights(full / "final"), weights(part / "final")
+    start = weights(task["model"])
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert moved > 1e-3, "training did not change the actor"
+    assert diff <= 1e-6 * max(1.0, moved), f"resumed actor differs from uninterrupted by {diff:.2e}"
+    ma, mb = rows_of(full / "metrics.jsonl"), rows_of(part / "metrics.jsonl")
+    ka = [r["objective/kl"] for r in ma if "objective/kl" in r]
+    kb = [r["objective/kl"] for r in mb if "objective/kl" in r]
+    assert ka == pytest.approx(kb, rel=1e-5, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------------ inside the trainer
+
+
+def _trainer(task, *extra: str, ref: bool = True, lora: bool = False) -> PPOTrainer:
+    cfg = load_config(Config, overrides=cli_args(task, Path("/tmp/unused"), "ppo_epochs=1", *extra))
+    tok = load_tokenizer(task["model"])
+    tok.padding_side = "left"
+    actor = load_causal_lm(task["model"], dropout=False)
+    if lora:
+        from shifu.lora import wrap_lora
+
+        actor = wrap_lora(actor, cfg.lora)
+    critic = ScalarModel.from_backbone(task["model"], seed=0)
+    r = load_causal_lm(task["model"], dropout=False) if ref else None
+    return PPOTrainer(actor, critic, r, RewardSource(function=ppo_task.frac_a), tok, cfg)
+
+
+def _prompts(tok, n=8):
+    rows = [{"prompt": "abc"[: 1 + i % 3] + "def"[i % 3]} for i in range(n)]
+    b = pad_left([tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows], tok.pad_token_id)
+    return b["input_ids"], b["attention_mask"], rows
+
+
+def test_lora_reference_in_the_trainer_equals_a_frozen_copy(task):
+    """With lora.enabled the trainer loads no reference: its reference log-probs (actor with adapters off)
+    equal a real frozen SFT copy's, also after PPO updates moved the adapters."""
+    pytest.importorskip("peft")
+    t = _trainer(task, "lora.enabled=true", "lora.r=4", "lora.target_modules=[c_attn]", "optim.lr=5e-2",
+                 ref=False, lora=True)  # fmt: skip
+    frozen = load_causal_lm(task["model"], dropout=False).eval()
+    pids, pmask, rows = _prompts(t.tok)
+    for _ in range(2):
+        exp = t.rollout(pids, pmask, rows)
+        t.advantages(exp)
+        t.update(exp)
+    exp = t.rollout(pids, pmask, rows)
+    with torch.no_grad():
+        want = policy_forward(frozen, exp["input_ids"], exp["attention_mask"], exp["prompt_len"])[0]
+    assert torch.equal(exp["ref_log_probs"], want.float())
+    moved = (exp["old_log_probs"] - exp["ref_log_probs"]).abs().max().item()
+    assert moved > 1e-4, "the adapters did not change the actor: the check above would be vacuous"
+
+
+def test_gradient_checkpointing_in_the_trainer_gives_the_same_update(task):
+    a = _trainer(task)
+    b = _trainer(task, "distributed.gradient_checkpointing=true")
+    assert b.actor.is_gradient_checkpointing and not a.actor.is_gradient_checkpointing
+    pids, pmask, rows = _prompts(a.tok)
+    exp = a.rollout(pids, pmask, rows)
+    a.advantages(exp)
+    exp_b = copy.deepcopy(exp)
+    a.update(exp)
+    b.update(exp_b)
+    for (k, p), q in zip(a.actor.named_parameters(), b.actor.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=k)
+    assert any(
+        (p - q).abs().max() > 0 for p, q in zip(a.actor.parameters(), _trainer(task).actor.parameters())
+    )
+
+
+def test_distributed_config_rejects_impossible_combinations(task):
+    from shifu.errors import ConfigError
+
+    bad = {
+        "distributed.strategy=deepspeed": "deepspeed_config",
+        "distributed.deepspeed_config=x.json": "strategy",
+        "distributed.frozen=fsdp2 distributed.offload_frozen=true distributed.strategy=ddp": "offload_frozen",
+        "lora.enabled=true distributed.strategy=fsdp2": "lora.enabled",
+        "critic.init=shared distributed.strategy=ddp": "critic.init=shared",
+    }
+    for overrides, name in bad.items():
+        with pytest.raises(ConfigError, match=name):
+            load_config(Config, overrides=cli_args(task, Path("/tmp/x"), *overrides.split()))
