@@ -302,8 +302,14 @@ def test_every_torch_load_is_weights_only_and_no_pickle_or_unsafe_yaml():
 def test_remote_code_is_off_unless_asked_and_hub_is_offline():
     from shifu.trainers import dpo, reward
 
+    hub_loads = 0
     for path, text in _sources():
         assert "trust_remote_code=True" not in text, path
+        for m in re.finditer(r"(Auto\w+)\.from_pretrained\(", text):  # transformers loaders: local only
+            args = _calls(text[m.start() :], m.group(1) + ".from_pretrained")[0]
+            hub_loads += 1
+            assert "local_files_only=True" in args, f"{path}: {m.group(1)}.from_pretrained({args})"
+    assert hub_loads >= 3
     assert sft.Config().model.trust_remote_code is False
     assert reward.Config().model.trust_remote_code is False
     assert ppo.Config().trust_remote_code is False and dpo.Config().trust_remote_code is False
