@@ -173,9 +173,20 @@ def _done(stage_dir: Path) -> dict | None:
     return json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else None
 
 
-def _mark_done(stage_dir: Path, seconds: float, **extra: Any) -> None:
+def _mark_done(stage_dir: Path, t0: tuple[float, float], **extra: Any) -> None:
+    """Write ``DONE`` with the stage's wall-clock ``seconds`` and process ``cpu_seconds`` since ``t0``.
+
+    ``t0`` is ``_clock()`` at the stage's start. CPU time (all threads of this process) is the figure to
+    compare on a shared machine: with one torch thread it is what the stage takes on an idle core.
+    """
+    wall, cpu = time.time() - t0[0], time.process_time() - t0[1]
     stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / "DONE").write_text(json.dumps({"seconds": round(seconds, 2), **extra}), encoding="utf-8")
+    marker = {"seconds": round(wall, 2), "cpu_seconds": round(cpu, 2), **extra}
+    (stage_dir / "DONE").write_text(json.dumps(marker), encoding="utf-8")
+
+
+def _clock() -> tuple[float, float]:
+    return time.time(), time.process_time()
 
 
 def _read_jsonl(path: str | Path) -> list[dict]:
@@ -224,26 +235,28 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
         _set(plan, key, yaml.safe_load(raw))
     out.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
+    cpu: dict[str, float | None] = {}  # process CPU seconds per stage (None: stage finished by an older run)
 
     # 1. prepare: data files, tokenizer, untrained (or converted) base model
     data_dir = out / "data"
     if (d := _done(data_dir)) is None:
         _log(f"prepare task {task} (preset {preset}) in {data_dir}")
-        t0 = time.time()
+        t0 = _clock()
         shutil.rmtree(data_dir, ignore_errors=True)
         from shifu.tasks import arith, imdb
 
         (arith if task == "arith" else imdb).prepare(data_dir, preset, seed)
-        _mark_done(data_dir, time.time() - t0)
+        _mark_done(data_dir, t0)
         d = _done(data_dir)
     seconds["prepare"] = d["seconds"]
+    cpu["prepare"] = d.get("cpu_seconds")
     files = {p.stem: str(p) for p in data_dir.glob("*.jsonl")}
 
     # 2. SFT from the base model
     sft_dir = out / "sft"
     if (d := _done(sft_dir)) is None:
         _log("stage sft")
-        t0 = time.time()
+        t0 = _clock()
         sft_over = _merge(
             plan["sft"],
             {
@@ -253,9 +266,10 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
             },
         )
         _train_stage("shifu.trainers.sft", sft_dir, sft_over)
-        _mark_done(sft_dir, time.time() - t0)
+        _mark_done(sft_dir, t0)
         d = _done(sft_dir)
     seconds["sft"] = d["seconds"]
+    cpu["sft"] = d.get("cpu_seconds")
     sft_final = sft_dir / "final"
 
     # 3. imdb: preference pairs from the SFT policy, labelled by the noisy judge; then the reward model
@@ -268,7 +282,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
         pairs_dir = out / "pairs"
         if (d := _done(pairs_dir)) is None:
             _log("stage pairs: two SFT samples per prompt, noisy VADER preference")
-            t0 = time.time()
+            t0 = _clock()
             pp = plan["pairs"]
             info = imdb.make_preference_pairs(
                 sft_final,
@@ -279,15 +293,14 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
                 seed=seed,
                 temperature=pp["temperature"],
             )
-            _mark_done(
-                pairs_dir, time.time() - t0, **{k: v for k, v in info.items() if not k.startswith("pairs_")}
-            )
+            _mark_done(pairs_dir, t0, **{k: v for k, v in info.items() if not k.startswith("pairs_")})
             d = _done(pairs_dir)
         seconds["pairs"] = d["seconds"]
+        cpu["pairs"] = d.get("cpu_seconds")
         rm_dir = out / "rm"
         if (d := _done(rm_dir)) is None:
             _log("stage rm")
-            t0 = time.time()
+            t0 = _clock()
             rm_over = _merge(
                 plan["rm"],
                 {
@@ -304,9 +317,10 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
             rm_over = _merge(rm_over, {"normalize": {"responses": str(pairs_dir / "sft_samples.jsonl")}})
             result = _train_stage("shifu.trainers.reward", rm_dir, rm_over)
             acc = result.get("eval/rm/accuracy")
-            _mark_done(rm_dir, time.time() - t0, rm_accuracy=acc)
+            _mark_done(rm_dir, t0, rm_accuracy=acc)
             d = _done(rm_dir)
         seconds["rm"] = d["seconds"]
+        cpu["rm"] = d.get("cpu_seconds")
         rm_accuracy = d.get("rm_accuracy")
         reward = {"model_path": str(rm_dir / "final")}
 
@@ -314,7 +328,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     ppo_dir = out / "ppo"
     if (d := _done(ppo_dir)) is None:
         _log("stage ppo")
-        t0 = time.time()
+        t0 = _clock()
         ppo_over = _merge(
             plan["ppo"],
             {
@@ -327,17 +341,22 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
         if "model_path" in reward:
             ppo_over["reward"].pop("function", None)
         _train_stage("shifu.trainers.ppo", ppo_dir, ppo_over)
-        _mark_done(ppo_dir, time.time() - t0)
+        _mark_done(ppo_dir, t0)
         d = _done(ppo_dir)
     seconds["ppo"] = d["seconds"]
+    cpu["ppo"] = d.get("cpu_seconds")
 
     # 5. final evaluation on the held-out prompts: SFT policy vs final policy, gold judge, KL
     _log("final evaluation on held-out prompts")
-    t0 = time.time()
+    t0 = _clock()
     summary = evaluate(task, sft_final, ppo_dir / "final", files["prompts_eval"], plan["eval"], seed, out)
-    seconds["eval"] = round(time.time() - t0, 2)
-    summary.update(task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds)
+    seconds["eval"] = round(time.time() - t0[0], 2)
+    cpu["eval"] = round(time.process_time() - t0[1], 2)
+    summary.update(
+        task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
+    )
     summary["seconds_total"] = round(sum(seconds.values()), 2)
+    summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return summary
 
