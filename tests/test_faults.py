@@ -343,3 +343,19 @@ def test_ppo_survives_a_batch_whose_scores_are_all_nan(task, tmp_path):
     assert rows[0]["rollout/dropped_nonfinite"] == 8 and rows[1]["rollout/dropped_nonfinite"] == 0
     assert isinstance(rows[-1]["objective/score"], float) and math.isfinite(summary["kl_coef"])
     assert summary["skipped_steps"] == 0 and _finite(out / "final" / "model.safetensors")
+
+
+# ------------------------------------------------------------------ signals
+def test_graceful_stop_only_sets_a_flag_and_says_so_on_the_raw_stderr(capfd):
+    from shifu.trainers.common import GracefulStop
+
+    before = signal.getsignal(signal.SIGTERM)
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # would end pytest without the handler
+        for _ in range(100):  # Python runs the handler between bytecodes
+            if stop.requested:
+                break
+    assert stop.requested
+    # written with os.write (a print could collide with a progress-bar write already in progress)
+    assert "got SIGTERM; finishing this step and writing a checkpoint" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back

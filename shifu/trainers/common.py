@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import signal
 import sys
@@ -109,11 +110,13 @@ class GracefulStop:
             signal.raise_signal(signum)
             return
         self.requested = True
-        print(
-            f"\nshifu: got {signal.Signals(signum).name}; finishing this step and writing a checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
+        # os.write, not print: the signal may land while the main thread is inside a write to sys.stderr
+        # (a progress bar), and a buffered stream refuses a reentrant write (RuntimeError)
+        msg = f"\nshifu: got {signal.Signals(signum).name}; finishing this step and writing a checkpoint\n"
+        try:
+            os.write(sys.stderr.fileno(), msg.encode())
+        except (OSError, ValueError, AttributeError):  # no usable stderr: stopping still works
+            pass
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
