@@ -56,27 +56,31 @@ _ARITH_RL = {
     "data": {"max_prompt_len": 16},
     "save_every": 0,
 }
+_ARITH_FULL_RL = {
+    **_ARITH_RL,
+    "iterations": 30,
+    "batch_size": 128,
+    "minibatch_size": 64,
+    "optim": {"lr": 1e-4, "schedule": "constant"},
+}
+_BETAS = (0.3, 0.03, 0.0)
 BUDGETS: dict[tuple[str, str], dict[str, Any]] = {
     ("arith", "full"): {
         "preset": "tiny",
         "sft": {"max_steps": 800},
         "pairs": {"num_prompts": 3000, "samples_per_prompt": 4, "max_new_tokens": 5, "temperature": 1.0},
-        "ppo": {**_ARITH_RL, "ppo_epochs": 4},
-        "reinforce": {**_ARITH_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
+        "ppo": {**_ARITH_FULL_RL, "ppo_epochs": 4},
+        "reinforce": {**_ARITH_FULL_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
         "dpo": {
             "epochs": 3.0,
             "batch_size": 32,
-            "optim": {"lr": 5e-4, "schedule": "constant"},
+            "optim": {"lr": 2e-4, "schedule": "constant"},
             "data": {"max_prompt_len": 16, "max_len": 24, "eval_fraction": 0.1},
         },
         "points": {
-            "ppo": {
-                f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.03, 0.01)
-            },
-            "reinforce": {
-                f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.03, 0.01)
-            },
-            "dpo": {f"beta={b}": {"beta": b} for b in (1.0, 0.3, 0.1, 0.03)},
+            "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in _BETAS},
+            "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in _BETAS},
+            "dpo": {f"beta={b}": {"beta": b} for b in (1.0, 0.3, 0.1)},
         },
         "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 512},
     },
@@ -94,7 +98,16 @@ BUDGETS[("arith", "ci")] = {
         "reinforce_baseline": True,
         "iterations": 12,
     },
-    "dpo": {**BUDGETS[("arith", "full")]["dpo"], "epochs": 2.0},
+    "dpo": {
+        **BUDGETS[("arith", "full")]["dpo"],
+        "epochs": 2.0,
+        "optim": {"lr": 5e-4, "schedule": "constant"},
+    },
+    "points": {
+        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.01)},
+        "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.01)},
+        "dpo": {f"beta={b}": {"beta": b} for b in (1.0, 0.03)},
+    },
     "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 256},
 }
 _IMDB_RL = {
