@@ -54,7 +54,12 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
     # is never chosen.
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype) * total
+    # the uniforms come from the generator's own device (a CPU generator also drives CUDA sampling: B floats)
+    gen_device = generator.device if generator is not None else probs.device
+    u = (
+        torch.rand(total.shape, generator=generator, device=gen_device, dtype=probs.dtype).to(probs.device)
+        * total
+    )
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     choice = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return choice if idx is None else idx.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
