@@ -10,6 +10,13 @@ Output: ``OUT/final/`` (``ScalarModel.from_pretrained``); with ``ensemble.k > 1`
 ``OUT/member-<m>/`` (its own metrics and checkpoints, model in ``final/``) and ``OUT/final/ensemble.json``.
 Either loads with :func:`shifu.ensemble.load_reward`. After training, gain/bias are fitted (when
 ``normalize.responses`` or ``normalize.policy`` is set) so normalisation-set scores have mean 0, std 1.
+
+Under ``torchrun`` (``distributed.strategy=ddp|fsdp2``): ``batch_size`` stays the *global* number of pairs
+per micro-batch; each of the W ranks takes ``batch[rank::W]`` and weights its pair-mean loss by
+``len(local) / (n_pairs_global / W)``, so the averaged gradient is the Bradley-Terry mean over all pairs of
+the step. Held-out scores are gathered from all ranks (every rank computes the same report); only rank 0
+writes. After training every rank holds a plain copy of each member (FSDP2: gathered) for normalisation and
+the final report.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ from typing import Literal
 import torch
 
 from shifu import checkpoint as ckpt
+from shifu import distributed as D
 from shifu.config import opt, to_dict
 from shifu.core import bradley_terry_loss
 from shifu.data import BatchStream, DataConfig, load_rows, load_train_eval, sft_texts
+from shifu.distributed import DistributedConfig
 from shifu.ensemble import AGGREGATIONS, RewardEnsemble, write_manifest
 from shifu.errors import ConfigError
-from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left, pad_right
+from shifu.models import ScalarModel, last_token_index, load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
     GracefulStop,
@@ -40,7 +49,18 @@ from shifu.trainers.common import (
     seed_everything,
     write_config,
 )
-from shifu.trainers.sft import report_counts, resolve_device, restore, total_steps
+from shifu.trainers.sft import (
+    prepare_run_dir_main,
+    rank_slice,
+    report_counts,
+    resolve_device,
+    restore,
+    restore_distributed,
+    run_device,
+    save_distributed,
+    total_steps,
+    validate_distributed,
+)
 
 
 @dataclasses.dataclass
@@ -92,6 +112,9 @@ class Config:
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto")
     progress: bool = opt(True, "show a progress bar on stderr")
     tensorboard: bool = opt(True, "also write TensorBoard scalars")
+    distributed: DistributedConfig = opt(
+        DistributedConfig(), "torchrun: ddp or fsdp2 for the reward model (batch_size stays global)"
+    )
 
     def validate(self) -> None:
         if not self.out_dir:
@@ -102,6 +125,7 @@ class Config:
             )
         self.data.validate()
         self.optim.validate()
+        validate_distributed(self.distributed, self.batch_size, "pairs")
         if self.ensemble.k < 1:
             raise ConfigError(f"ensemble.k must be >= 1 (got {self.ensemble.k})")
         if self.ensemble.aggregate not in AGGREGATIONS:
@@ -160,9 +184,43 @@ def pair_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,), (N,) scores of the chosen and rejected sides, in one forward over 2N sequences."""
     batch = pad_right([p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], pad_id)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     with autocast(bf16, device):
-        scores = model.score(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float()
+        if D.unwrap(model) is model:
+            scores = model.score(ids, mask).float()
+        else:  # DDP: through the wrapper's forward (it syncs gradients), then ScalarModel.score's read-out
+            inner = D.unwrap(model)
+            raw = model(ids, mask).gather(1, last_token_index(mask).clamp(min=0).unsqueeze(1)).squeeze(1)
+            scores = (raw * inner.gain + inner.bias).float()
     return scores[: len(pairs)], scores[len(pairs) :]
+
+
+def eval_scores(
+    model, pairs: list[dict], pad_id: int, batch_size: int, device, bf16: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,), (N,) CPU scores of every pair, in order. Under torchrun each rank scores its strided share of
+    each ``batch_size`` chunk (the same number of forwards on every rank) and the scores of all ranks are
+    gathered once: every rank returns all of them."""
+    world, rank = D.world_size(), D.rank()
+    if world == 1:
+        c, r = zip(
+            *(
+                pair_scores(model, pairs[i : i + batch_size], pad_id, device, bf16)
+                for i in range(0, len(pairs), batch_size)
+            )
+        )
+        return torch.cat(c).cpu(), torch.cat(r).cpu()
+    mine: list[tuple[int, float, float]] = []  # (pair index, chosen, rejected)
+    for i in range(0, len(pairs), batch_size):
+        idx, real = rank_slice(list(range(i, min(i + batch_size, len(pairs)))), world, rank)
+        c, r = pair_scores(model, [pairs[j] for j in idx], pad_id, device, bf16)
+        if real:
+            mine += zip(idx, c.cpu().tolist(), r.cpu().tolist())
+    everything = sorted(x for part in D.gather_object(mine) for x in part)
+    return (
+        torch.tensor([x[1] for x in everything], dtype=torch.float),
+        torch.tensor([x[2] for x in everything], dtype=torch.float),
+    )
 
 
 @torch.no_grad()
@@ -170,14 +228,8 @@ def evaluate(model, pairs: list[dict], pad_id: int, batch_size: int, device, bf1
     """Held-out report: ``eval/rm/{accuracy, margin, chosen_mean, rejected_mean, len_corr, acc_chosen_*}``."""
     was_training = model.training
     model.eval()
-    c, r = zip(
-        *(
-            pair_scores(model, pairs[i : i + batch_size], pad_id, device, bf16)
-            for i in range(0, len(pairs), batch_size)
-        )
-    )
+    chosen, rejected = eval_scores(model, pairs, pad_id, batch_size, device, bf16)
     model.train(was_training)
-    chosen, rejected = torch.cat(c).cpu(), torch.cat(r).cpu()
     lc = torch.tensor([p["chosen_len"] for p in pairs], dtype=torch.float)
     lr = torch.tensor([p["rejected_len"] for p in pairs], dtype=torch.float)
     right = (chosen > rejected).float()
@@ -198,24 +250,48 @@ def evaluate(model, pairs: list[dict], pad_id: int, batch_size: int, device, bf1
 def train_member(
     cfg: Config, model: ScalarModel, run_dir: Path, member: int, train_pairs, eval_pairs, resume: bool
 ) -> dict:
-    """Train one reward model in ``run_dir`` (checkpoints, metrics); returns its last train metrics."""
+    """Train one reward model in ``run_dir`` (checkpoints, metrics); returns its last train metrics.
+
+    Under torchrun ``model`` is trained through a DDP wrapper (updated in place) or sharded in place by
+    FSDP2; :func:`train` then gathers a plain copy (:func:`plain_member`)."""
     device, pad_id, seed = resolve_device(cfg.device), model.tokenizer.pad_token_id, cfg.seed + member
+    world, main = D.world_size(), D.is_main()
+    if world > 1:
+        device = D.local_device()
     seed_everything(seed)
     model.to(device).train()
-    stream = BatchStream(len(train_pairs), cfg.batch_size, seed)
+    if cfg.distributed.gradient_checkpointing:
+        D.enable_gradient_checkpointing(model)
+    if world > 1:
+        model = D.wrap_trainable(model, cfg.distributed.strategy)  # before the optimiser (FSDP2 shards)
+        torch.manual_seed(D.rank_seed(seed))  # dropout: a different stream per rank
+    stream = BatchStream(len(train_pairs), cfg.batch_size, seed)  # global micro-batches
     n_steps = total_steps(stream.batches_per_epoch(), cfg.grad_accum, cfg.epochs, cfg.max_steps)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, n_steps)
-    state = restore(run_dir, cfg, {"rm": model}, optimizer, scheduler) if resume else None
+    state = None
+    if resume:
+        state = (
+            restore(run_dir, cfg, {"rm": model}, optimizer, scheduler)
+            if world == 1
+            else restore_distributed(run_dir, cfg, "rm", model, optimizer, scheduler)
+        )
     step = state["step"] if state else 0
     if state:
         stream = BatchStream(len(train_pairs), cfg.batch_size, seed, **state["data"])
     tracker = Tracker(
-        run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else (-1 if resume else None)
+        run_dir,
+        enabled=main,
+        tensorboard=cfg.tensorboard,
+        resume_step=step if state else (-1 if resume else None),
     )  # -1: --resume without a checkpoint starts over and drops old lines
     if step == 0:
         tracker.log(0, evaluate(model, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16))
-    bar = progress(n_steps, "rm" if cfg.ensemble.k == 1 else f"rm member {member}", cfg.progress, step)
+        if world > 1:  # the per-rank sizes are derived, never written into the config
+            tracker.log(0, {"sizes/world_size": world, "sizes/batch_size_per_rank": cfg.batch_size // world})
+            D.print0(f"shifu rm: {world} processes, {cfg.batch_size // world} pairs per rank per micro-batch")
+    desc = "rm" if cfg.ensemble.k == 1 else f"rm member {member}"
+    bar = progress(n_steps, desc, cfg.progress and main, step)
     # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
     window, n_window = (
         state["window"] if state else ({"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}, 0)
@@ -223,36 +299,46 @@ def train_member(
     last = {}
 
     def save() -> None:
+        json_state = {
+            "data": stream.state(),
+            "window": [window, n_window],
+            "rng": ckpt.rng_state(),
+            "config": to_dict(cfg),
+        }
+        if world > 1:
+            save_distributed(run_dir, step, "rm", model, optimizer, scheduler, json_state, cfg.keep_last)
+            return
         ckpt.save_checkpoint(
             run_dir,
             step,
             {"rm": model},
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-            {
-                "data": stream.state(),
-                "window": [window, n_window],
-                "rng": ckpt.rng_state(),
-                "config": to_dict(cfg),
-            },
+            json_state,
             keep_last=cfg.keep_last,
         )
 
     with GracefulStop() as stop:
         while step < n_steps:
             # one optimiser step: grad_accum micro-batches, each weighted by its share of the step's pairs
-            batches = [[train_pairs[i] for i in stream.next()] for _ in range(cfg.grad_accum)]
-            n_pairs = sum(len(b) for b in batches)
-            for batch in batches:
-                chosen, rejected = pair_scores(model, batch, pad_id, device, cfg.bf16)
-                margin = torch.tensor([p["margin"] for p in batch], device=device)
-                loss, stats = bradley_terry_loss(
-                    chosen, rejected, margin if margin.any() else None, cfg.center_coef
+            if world > 1:
+                synced_stop = _distributed_micro_batches(
+                    cfg, model, stream, train_pairs, pad_id, device, window, float(stop.requested)
                 )
-                (loss * len(batch) / n_pairs).backward()
-                w = len(batch) / n_pairs
-                window["rm/loss"] += w * float(loss.detach())
-                window["rm/accuracy"] += w * float(stats["accuracy"])
-                window["rm/margin"] += w * float(stats["margin"])
+            else:
+                synced_stop = False
+                batches = [[train_pairs[i] for i in stream.next()] for _ in range(cfg.grad_accum)]
+                n_pairs = sum(len(b) for b in batches)
+                for batch in batches:
+                    chosen, rejected = pair_scores(model, batch, pad_id, device, cfg.bf16)
+                    margin = torch.tensor([p["margin"] for p in batch], device=device)
+                    loss, stats = bradley_terry_loss(
+                        chosen, rejected, margin if margin.any() else None, cfg.center_coef
+                    )
+                    (loss * len(batch) / n_pairs).backward()
+                    w = len(batch) / n_pairs
+                    window["rm/loss"] += w * float(loss.detach())
+                    window["rm/accuracy"] += w * float(stats["accuracy"])
+                    window["rm/margin"] += w * float(stats["margin"])
             if cfg.optim.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             optimizer.step()
@@ -267,20 +353,69 @@ def train_member(
                 window, n_window = dict.fromkeys(window, 0.0), 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step < n_steps:
                 tracker.log(step, evaluate(model, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16))
-            if (cfg.save_every and (step % cfg.save_every == 0 or step == n_steps)) or stop.requested:
+            # under torchrun: a signal seen by any rank at this step's collective stops every rank here
+            stopping = stop.requested if world == 1 else synced_stop
+            if (cfg.save_every and (step % cfg.save_every == 0 or step == n_steps)) or stopping:
                 save()
-            if stop.requested and step < n_steps:
+            if stopping and step < n_steps:
                 bar.close(), tracker.close()
-                print(
-                    f"shifu rm: stopped at step {step} with a checkpoint. Resume with: shifu rm "
-                    f"--config <same config> --out {cfg.out_dir} --resume",
-                    file=sys.stderr,
-                )
+                if main:
+                    print(
+                        f"shifu rm: stopped at step {step} with a checkpoint. Resume with: shifu rm "
+                        f"--config <same config> --out {cfg.out_dir} --resume",
+                        file=sys.stderr,
+                    )
                 return {"step": step, "stopped": True}
     bar.close()
     tracker.close()
     model.eval()
     return {"step": step, **last}
+
+
+def _distributed_micro_batches(
+    cfg: Config, model, stream: BatchStream, train_pairs: list[dict], pad_id: int, device, window, stop: float
+) -> bool:
+    """Forward/backward of one optimiser step's micro-batches on this rank (under torchrun); adds the
+    step's global loss/accuracy/margin to ``window``; returns True when any rank asked to stop.
+
+    Each global micro-batch is split ``batch[rank::W]``; a rank's pair-mean loss is weighted by
+    ``len(local) / (n_pairs_global / W)`` so the rank-averaged gradient is the mean over every pair of the
+    step (``shifu.distributed.token_mean_divisor`` of the pair count). One collective carries the metrics
+    and the stop flag.
+    """
+    world, rank = D.world_size(), D.rank()
+    shares = [rank_slice(stream.next(), world, rank) for _ in range(cfg.grad_accum)]
+    n_local = sum(len(idx) for idx, real in shares if real)
+    divisor = D.token_mean_divisor(torch.tensor(float(n_local)))  # n_pairs_global / W
+    local = {"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}
+    for j, (idx, real) in enumerate(shares):
+        batch = [train_pairs[i] for i in idx]
+        with D.grad_sync(model, j == len(shares) - 1):  # all-reduce once, on the last micro-batch
+            chosen, rejected = pair_scores(model, batch, pad_id, device, cfg.bf16)
+            margin = torch.tensor([p["margin"] for p in batch], device=device)
+            loss, stats = bradley_terry_loss(
+                chosen, rejected, margin if margin.any() else None, cfg.center_coef
+            )
+            w = len(batch) / divisor if real else torch.zeros(())  # a weight-0 stand-in for an empty share
+            (loss * w).backward()
+        w = float(w)
+        local["rm/loss"] += w * float(loss.detach())
+        local["rm/accuracy"] += w * float(stats["accuracy"])
+        local["rm/margin"] += w * float(stats["margin"])
+    g = D.reduce_metrics({**local, "stop": stop})  # means over ranks = means over every pair of the step
+    for k in local:
+        window[k] += g[k]
+    return g["stop"] > 0
+
+
+def plain_member(model: ScalarModel, fresh) -> ScalarModel:
+    """A plain (unsharded) copy of a member trained under FSDP2, on every rank (``fresh()`` builds the
+    untrained model); a DDP-trained or single-process member is returned as is."""
+    if not D.is_sharded(model):
+        return model
+    plain = fresh()
+    plain.load_state_dict(D.full_state_dict(model, rank0_only=False))
+    return plain.eval()
 
 
 @torch.no_grad()
@@ -351,9 +486,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     if not train_pairs or not eval_pairs:
         raise ConfigError("no preference pairs left after the prompt policy; raise data.max_prompt_len")
 
-    # 2. train each member in its own run directory (the top one when k == 1)
-    run_dir = ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite)
-    write_config(run_dir, cfg)
+    # 2. train each member in its own run directory (the top one when k == 1); rank 0 writes
+    device = run_device(cfg.distributed, cfg.device)  # under torchrun: joins the process group
+    main = D.is_main()
+    run_dir = prepare_run_dir_main(cfg.out_dir, resume, overwrite)
+    if main:
+        write_config(run_dir, cfg)
     members, member_dirs, member_stats = [], [], []
     for m in range(k):
         mdir = run_dir if k == 1 else run_dir / f"member-{m}"
@@ -367,7 +505,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             stats = train_member(cfg, model, mdir, m, mine, eval_pairs, resume)
             if stats.get("stopped"):  # SIGINT/SIGTERM: checkpointed; --resume continues this member
                 return stats
-            if k > 1:
+            model = plain_member(model, lambda m=m: fresh(m))  # FSDP2: gathered into a plain copy
+            if k > 1 and main:
                 model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
                 (mdir / "final" / "summary.json").write_text(json.dumps(stats), encoding="utf-8")
         members.append(model)
@@ -390,18 +529,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             )
 
     # 4. save, and report the final (normalised, aggregated) model on the held-out pairs
-    for model, mdir in zip(members, member_dirs):
-        model.save_pretrained(mdir)
-    if k > 1:
-        write_manifest(run_dir / "final", member_dirs, cfg.ensemble.aggregate, cfg.ensemble.std_coef)
+    if main:
+        for model, mdir in zip(members, member_dirs):
+            model.save_pretrained(mdir)
+        if k > 1:
+            write_manifest(run_dir / "final", member_dirs, cfg.ensemble.aggregate, cfg.ensemble.std_coef)
     scorer = members[0] if k == 1 else RewardEnsemble(members, cfg.ensemble.aggregate, cfg.ensemble.std_coef)
-    device = resolve_device(cfg.device)
     report = evaluate(
         scorer, eval_pairs, members[0].tokenizer.pad_token_id, cfg.eval_batch_size, device, cfg.bf16
     )
     final_step = max(s["step"] for s in member_stats)
     metrics_file = run_dir / "metrics.jsonl"
-    if resume and metrics_file.exists():  # a run killed after logging its final report logs it once
+    if main and resume and metrics_file.exists():  # a run killed after logging its final report logs it once
         lines = metrics_file.read_text(encoding="utf-8").splitlines()
         report_keys = set(report)
         kept = [
@@ -410,7 +549,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             if x.strip() and not (json.loads(x)["step"] == final_step and report_keys <= set(json.loads(x)))
         ]
         metrics_file.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-    tracker = Tracker(run_dir, tensorboard=cfg.tensorboard)
+    tracker = Tracker(run_dir, enabled=main, tensorboard=cfg.tensorboard)
     tracker.log(final_step, report)
     tracker.close()
     summary = {
@@ -418,10 +557,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         for key in ("rm/loss", "rm/accuracy", "rm/margin")
     }
     summary.update(report)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    print(
-        f"shifu rm: held-out accuracy {report['eval/rm/accuracy']:.3f}, margin {report['eval/rm/margin']:.3f}, "
-        f"length corr {report['eval/rm/len_corr']:.3f}; model in {run_dir / 'final'}",
-        file=sys.stderr,
-    )
+    if main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        print(
+            f"shifu rm: held-out accuracy {report['eval/rm/accuracy']:.3f}, margin "
+            f"{report['eval/rm/margin']:.3f}, length corr {report['eval/rm/len_corr']:.3f}; "
+            f"model in {run_dir / 'final'}",
+            file=sys.stderr,
+        )
+    D.barrier()
     return summary
