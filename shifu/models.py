@@ -323,3 +323,16 @@ def build_tiny_gpt2(
         tie_word_embeddings=True,
     )
     return GPT2LMHeadModel(cfg)
+
+
+def fuse_tanh_gelu(model: nn.Module) -> nn.Module:
+    """Swap transformers' Python ``gelu_new`` (GPT-2's NewGELUActivation: pow, mul, tanh as separate ops) for
+    torch's fused ``GELU(approximate="tanh")`` — the same formula, 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))),
+    equal to ~2e-7, and about 2x faster forward+backward on CPU. In place; returns the model."""
+    from transformers.activations import NewGELUActivation
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(parent, name, nn.GELU(approximate="tanh"))
+    return model

@@ -53,9 +53,16 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach: one kernel per step for all tensors, not one per parameter (the per-tensor loop dominated
-    # small models' optimiser time in the PPO benchmark)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    # fused (one kernel for the whole update) where torch has it: plain float tensors on CPU/CUDA; else
+    # foreach. The per-parameter loop dominated small models' optimiser time in the PPO benchmark.
+    fused = all(
+        not hasattr(p, "to_local")
+        and p.device.type in ("cpu", "cuda")
+        and p.dtype in (torch.float32, torch.bfloat16)
+        for p in params
+    )
+    kind = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):

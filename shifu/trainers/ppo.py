@@ -18,6 +18,7 @@ from torch import nn
 from shifu import core
 from shifu import distributed as D
 from shifu import lora as L
+from shifu.models import fuse_tanh_gelu
 from shifu.rewards import RewardSource
 from shifu.rollout import SamplingParams, critic_forward, generate, policy_forward
 from shifu.trainers.common import autocast, build_optimizer, build_scheduler
@@ -67,6 +68,9 @@ class PPOTrainer:
         for frozen in (ref, getattr(reward, "model", None)):
             if isinstance(frozen, nn.Module):
                 frozen.requires_grad_(False).eval()
+        for m in (actor, critic, ref, getattr(reward, "model", None)):
+            if isinstance(m, nn.Module):
+                fuse_tanh_gelu(m)  # same function, one fused kernel
         dcfg = cfg.distributed
         self.strategy, self.world = dcfg.strategy, D.world_size()
         self.deepspeed = dcfg.strategy == "deepspeed"
@@ -522,10 +526,14 @@ class PPOTrainer:
         groups = [(self.opt, self.sched, cfg.optim.max_grad_norm)]
         if self.critic_opt is not None:
             groups.append((self.critic_opt, self.critic_sched, cfg.critic.optim.max_grad_norm))
-        params = [
-            p for opt, _, _ in groups for g in opt.param_groups for p in g["params"] if p.grad is not None
-        ]
-        finite = all(torch.isfinite(_local(p.grad)).all() for p in params)
+        # one fused norm per optimiser (clip_grad_norm_ with foreach; inf = measure only) decides both the
+        # clipping and whether the step is finite: no per-parameter isfinite pass
+        norms = []
+        for opt, _, max_norm in groups:
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            limit = max_norm if max_norm is not None else float("inf")
+            norms.append(torch.nn.utils.clip_grad_norm_(params, limit, foreach=True))
+        finite = bool(torch.isfinite(torch.stack([_local(n).float() for n in norms])).all())
         if self.world > 1:  # skip on every rank, or the replicas / shards diverge
             finite = not D.any_true(not finite)
         if not finite:  # a NaN/Inf gradient skips this step (counted), never reaches the weights
@@ -535,9 +543,7 @@ class PPOTrainer:
                 opt.zero_grad(set_to_none=True)
                 sched.step()
             return
-        for opt, sched, max_norm in groups:
-            if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], max_norm)
+        for opt, sched, _ in groups:
             opt.step()
             sched.step()
         self.nonfinite_in_a_row = 0
