@@ -69,6 +69,9 @@ def test_ppo_raises_true_reward_with_bounded_kl(task, tmp_path):
     assert gold[0] < 0.2 and gold[-1] > 0.3, gold
     assert max(kls) < 12.0, kls
     assert (out / "final" / "config.json").exists() and (out / "best" / "config.json").exists()
+    from shifu.metrics import undefined_keys
+
+    assert undefined_keys(rows_of(out / "metrics.jsonl")) == []  # every logged key is in docs/metrics.md
     samples = rows_of(out / "samples.jsonl")
     assert {s["iteration"] for s in samples} == {0, 6, 12} and all("gold" in s for s in samples)
 
