@@ -99,13 +99,13 @@ PLANS: dict[tuple[str, str], dict[str, Any]] = {
     ("imdb", "small"): {
         "sft": {
             "batch_size": 32,
-            "max_steps": 500,
+            "max_steps": 400,
             "log_every": 50,
-            "optim": {"lr": 2e-3, "warmup_steps": 30},
+            "optim": {"lr": 4e-3, "warmup_steps": 20},
             "data": {"max_prompt_len": 24, "max_len": 56},
         },
-        "pairs": {"max_new_tokens": 24, "tau": 0.1, "temperature": 1.0},
-        "rm": {"model": {"backbone": "minilm"}, "batch_size": 16, "epochs": 1.0, "optim": {"lr": 5e-5}},
+        "pairs": {"max_new_tokens": 24, "tau": 0.1, "temperature": 1.0, "drop_ties": True},
+        "rm": {"model": {"backbone": "minilm"}, "batch_size": 16, "epochs": 2.0, "optim": {"lr": 1e-4}},
         "ppo": {
             "iterations": 40,
             "batch_size": 64,
@@ -113,7 +113,10 @@ PLANS: dict[tuple[str, str], dict[str, Any]] = {
             "ppo_epochs": 4,
             "generation": {"max_new_tokens": 24, "temperature": 1.0},
             "critic": {"init": "sft", "optim": {"lr": 3e-4}},
-            "kl": {"controller": "adaptive", "init_coef": 0.05, "target": 8.0},
+            # measured (seed 0, 250-step SFT, beta 0.05, horizon 10000 i.e. nearly fixed): KL 4.7 at
+            # iteration 15, 7.7 at 30, 10-11 at 40. A short horizon would first *lower* beta while KL is
+            # under target; 2000 lets beta move at most ~0.6 % per iteration, so init_coef decides
+            "kl": {"controller": "adaptive", "init_coef": 0.07, "target": 7.0, "horizon": 2000},
             "optim": {"lr": 3e-4, "schedule": "constant"},
             "eval": {"every": 10, "num_prompts": 64, "gold_function": "shifu.tasks.judges:vader_compound"},
             "data": {"max_prompt_len": 24},
@@ -292,6 +295,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
                 tau=pp["tau"],
                 seed=seed,
                 temperature=pp["temperature"],
+                drop_ties=pp.get("drop_ties", False),
             )
             _mark_done(pairs_dir, t0, **{k: v for k, v in info.items() if not k.startswith("pairs_")})
             d = _done(pairs_dir)
@@ -349,7 +353,8 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     # 5. final evaluation on the held-out prompts: SFT policy vs final policy, gold judge, KL
     _log("final evaluation on held-out prompts")
     t0 = _clock()
-    summary = evaluate(task, sft_final, ppo_dir / "final", files["prompts_eval"], plan["eval"], seed, out)
+    ev = {"max_prompt_len": plan["ppo"].get("data", {}).get("max_prompt_len"), **plan["eval"]}
+    summary = evaluate(task, sft_final, ppo_dir / "final", files["prompts_eval"], ev, seed, out)
     seconds["eval"] = round(time.time() - t0[0], 2)
     cpu["eval"] = round(time.process_time() - t0[1], 2)
     summary.update(
@@ -372,8 +377,11 @@ def evaluate(
     prompts = [r["prompt"] for r in rows]
     gold_fn = load_function(GOLD[task], "gold judge")
     T, R = ev["temperature"], ev["max_new_tokens"]
-    before = evaluate_policy(str(sft_dir), None, prompts, R, T, seed + 777)
-    after = evaluate_policy(str(final_dir), str(sft_dir), prompts, R, T, seed + 777)
+    # prompts cut to PPO's data.max_prompt_len (keeping their last tokens) as in training: an untruncated
+    # long prompt + R new tokens can run past the model's positions (imdb small: 64)
+    L = ev.get("max_prompt_len")
+    before = evaluate_policy(str(sft_dir), None, prompts, R, T, seed + 777, max_prompt_len=L)
+    after = evaluate_policy(str(final_dir), str(sft_dir), prompts, R, T, seed + 777, max_prompt_len=L)
     g_before = [float(x) for x in gold_fn(prompts, before["responses"], rows)]
     g_after = [float(x) for x in gold_fn(prompts, after["responses"], rows)]
     _write_jsonl(
@@ -400,8 +408,9 @@ def evaluate(
         "gold_judge": GOLD[task],
     }
     if task == "arith":  # greedy decoding as well: what the policy "knows" at its mode
-        gb = evaluate_policy(str(sft_dir), None, prompts, R, T, seed, greedy=True)["responses"]
-        ga = evaluate_policy(str(final_dir), None, prompts, R, T, seed, greedy=True)["responses"]
+        gb = evaluate_policy(str(sft_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L)
+        ga = evaluate_policy(str(final_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L)
+        gb, ga = gb["responses"], ga["responses"]
         summary["gold_greedy_before"] = sum(gold_fn(prompts, gb, rows)) / n
         summary["gold_greedy_after"] = sum(gold_fn(prompts, ga, rows)) / n
     return summary

@@ -17,11 +17,19 @@ import torch
 TASKS = ("imdb", "arith")
 
 
-def encode_prompts(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
-    """Left-padded prompt ids (B, P) without special tokens (the SFT convention: prompt ids + response ids)."""
+def encode_prompts(
+    tokenizer, prompts: list[str], max_prompt_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Left-padded prompt ids (B, P) without special tokens (the SFT convention: prompt ids + response ids).
+
+    ``max_prompt_len`` keeps each prompt's last tokens (the trainers' ``truncate_left``), so prompt +
+    response fits the model's positions exactly as in training.
+    """
     from shifu.models import pad_left
 
     rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    if max_prompt_len:
+        rows = [r[-max_prompt_len:] for r in rows]
     return pad_left(rows, tokenizer.pad_token_id)
 
 
@@ -46,6 +54,7 @@ def generate_batches(
     generator: torch.Generator | None,
     batch_size: int = 64,
     greedy: bool = False,
+    max_prompt_len: int | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
     """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R))."""
     from shifu.rollout import SamplingParams, generate
@@ -53,7 +62,7 @@ def generate_batches(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
     out = []
     for i in range(0, len(prompts), batch_size):
-        enc = encode_prompts(tokenizer, prompts[i : i + batch_size])
+        enc = encode_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_len)
         ids, mask = generate(
             model,
             enc["input_ids"],
@@ -116,13 +125,14 @@ def evaluate_policy(
     seed: int,
     batch_size: int = 64,
     greedy: bool = False,
+    max_prompt_len: int | None = None,
 ) -> dict:
     """Sample one response per prompt from ``policy_dir`` and measure the KL to ``reference_dir``.
 
     Returns ``responses`` (decoded), ``kl`` (list, nats per response: sum over the response's real
     tokens of ``log pi(a_t|s_t) - log pi_ref(a_t|s_t)``, both at temperature T, on the policy's own
     samples, i.e. the k1 estimate of KL(pi || pi_ref) per response) and ``lengths`` (real tokens,
-    EOS included). ``kl`` is None without a reference.
+    EOS included). ``kl`` is None without a reference. ``max_prompt_len`` keeps each prompt's last tokens.
     """
     from shifu.models import load_causal_lm, load_tokenizer
 
@@ -134,7 +144,7 @@ def evaluate_policy(
     kl: list[float] = []
     lengths: list[int] = []
     for enc, ids, mask in generate_batches(
-        model, tok, prompts, max_new_tokens, temperature, gen, batch_size, greedy
+        model, tok, prompts, max_new_tokens, temperature, gen, batch_size, greedy, max_prompt_len
     ):
         responses.extend(decode_responses(tok, ids, mask))
         lengths.extend(mask.sum(1).tolist())

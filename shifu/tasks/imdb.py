@@ -75,7 +75,7 @@ PRESETS: dict[str, ImdbPreset] = {
         n_positions=64,
     ),
     "small": ImdbPreset(
-        vocab_size=4096,
+        vocab_size=2048,
         tokenizer_reviews=8000,
         n_sft=22000,
         n_sft_eval=256,
@@ -306,14 +306,17 @@ def make_preference_pairs(
     temperature: float = 1.0,
     eval_fraction: float = 0.1,
     batch_size: int = 64,
+    drop_ties: bool = False,
 ) -> dict[str, float | str]:
     """Sample two responses per prompt from the SFT policy, label them with the noisy VADER judge.
 
     Writes ``pairs_train.jsonl`` and ``pairs_eval.jsonl`` (``prompt``, ``chosen``, ``rejected``, plus
     ``gold_chosen``/``gold_rejected``) and ``sft_samples.jsonl`` (every sample as prompt/response, for the
     reward model's normalisation) into ``out_dir``; the last ``eval_fraction`` of prompts are the
-    RM's held-out pairs. Pairs with an empty response are dropped. Returns the paths, the number of
-    pairs and the label agreement with the noiseless judge.
+    RM's held-out pairs. Pairs with an empty response are dropped, and with ``drop_ties`` also pairs the
+    judge scores exactly equal (mostly two responses without a sentiment word, both 0.0: the judge has
+    no preference, and a coin-flip label only adds noise to the reward model's data and accuracy).
+    Returns the paths, the number of pairs and the label agreement with the noiseless judge.
     """
     import torch
 
@@ -334,6 +337,8 @@ def make_preference_pairs(
     for i, prompt in enumerate(prompts):
         a, b = responses[2 * i], responses[2 * i + 1]
         if not a.strip() or not b.strip():  # an immediate EOS: nothing for the judge to compare
+            continue
+        if drop_ties and g_a[i] == g_b[i]:
             continue
         (c, gc), (r, gr) = ((a, g_a[i]), (b, g_b[i])) if a_wins[i] else ((b, g_b[i]), (a, g_a[i]))
         rows.append({"prompt": prompt, "chosen": c, "rejected": r, "gold_chosen": gc, "gold_rejected": gr})
