@@ -149,22 +149,30 @@ def save_checkpoint(
     tensor_state: dict[str, Any],
     json_state: dict[str, Any],
     keep_last: int = 2,
+    shards: str | Path | None = None,
 ) -> Path:
     """Write a complete checkpoint atomically; returns its directory.
 
     ``modules``: name -> module whose ``state_dict`` is saved as safetensors (shared tensors handled).
     ``tensor_state``: optimiser/scheduler state dicts (torch.save; reloaded with ``weights_only=True``).
     ``json_state``: everything else, JSON-serialisable (counters, controllers, RNG, data position, config).
+    ``shards``: sharded training (FSDP2 / DeepSpeed), rank 0 only: a directory every rank already wrote its
+    shards into (``shifu.distributed.save_sharded``) before a barrier. It is moved in as ``sharded/``, so the
+    shards, the weights and the state appear together when the directory is renamed and ``latest`` updated.
     """
     root = Path(run_dir) / CKPT_DIR
     name = f"step-{step:08d}"
     final = root / name
     tmp = root / f".tmp-{name}"
+    if shards is not None and not Path(shards).is_dir():
+        raise ShifuError(f"sharded checkpoint of step {step}: no shards were written to '{shards}'")
     try:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-step-*"):  # left by a crash in an earlier write
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+        if shards is not None:
+            os.replace(shards, tmp / "sharded")
         for mname, module in modules.items():
             save_model(module, str(tmp / f"model-{mname}.safetensors"))
         torch.save(tensor_state, tmp / "state.pt")
@@ -283,42 +291,7 @@ def save_checkpoint_with_shards(
     keep_last: int = 2,
     shards: str | Path | None = None,
 ) -> Path:
-    """:func:`save_checkpoint` for sharded training (FSDP2 / DeepSpeed), called on rank 0 only.
-
-    ``shards``: a directory every rank already wrote its shards into (``shifu.distributed.save_sharded``)
-    before a barrier. It is moved into the temporary checkpoint as ``sharded/``, so the shards, the weights
-    of ``modules`` and the state appear together when the directory is renamed and ``latest`` updated.
-    """
-    root = Path(run_dir) / CKPT_DIR
-    name = f"step-{step:08d}"
-    final, tmp = root / name, root / f".tmp-{name}"
-    if shards is None or not Path(shards).is_dir():
-        raise ShifuError(f"sharded checkpoint of step {step}: no shards were written to '{shards}'")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        os.replace(shards, tmp / "sharded")
-        for mname, module in modules.items():
-            save_model(module, str(tmp / f"model-{mname}.safetensors"))
-        torch.save(tensor_state, tmp / "state.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **json_state}), encoding="utf-8")
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = root / ".latest.tmp"
-        pointer_tmp.write_text(name, encoding="utf-8")
-        with open(pointer_tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, root / "latest")
-        _fsync_dir(root)
-    except WRITE_ERRORS as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ShifuError(
-            f"could not write checkpoint '{final}': {_why(e)}. "
-            "Check free disk space and permissions; the previous checkpoint is intact"
-        ) from None
-    done = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in done[: max(0, len(done) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """:func:`save_checkpoint` for sharded training: ``shards`` is required."""
+    if shards is None:
+        raise ShifuError(f"sharded checkpoint of step {step}: no shards directory given")
+    return save_checkpoint(run_dir, step, modules, tensor_state, json_state, keep_last, shards=shards)
