@@ -53,7 +53,9 @@ def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
         "--help-config", action="store_true", help="list every config key with its default and meaning"
     )
     if cmd == "rm":
-        p.add_argument("--ensemble", type=int, metavar="K", help="train K reward models (same as ensemble.k=K)")
+        p.add_argument(
+            "--ensemble", type=int, metavar="K", help="train K reward models (same as ensemble.k=K)"
+        )
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after --config")
     return p
 
