@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from shifu.core import entropy_from_logits, log_probs_from_logits
+from shifu.errors import ShifuError
 from shifu.models import position_ids_from_mask
 
 
@@ -144,6 +145,12 @@ def generate(
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
+    n_positions = getattr(getattr(model, "config", None), "n_positions", None)  # learned positions (GPT-2)
+    if isinstance(n_positions, int) and P + R > n_positions:
+        raise ShifuError(
+            f"prompt ({P} tokens) + max_new_tokens ({R}) exceeds the model's {n_positions} positions: "
+            "lower data.max_prompt_len or generation.max_new_tokens"
+        )
     all_done = all_done or (lambda local: local)
     buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)
     # index of the first EOS per row (R = none yet): response_mask = position <= eos_seen_at

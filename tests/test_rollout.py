@@ -360,3 +360,28 @@ def test_llama_with_attention_bias_matches_hf_generate():
             eos_token_id=None,
         )
     assert torch.equal(resp, ref[:, ids.shape[1] :])
+
+
+def test_prompt_plus_response_past_learned_positions_is_a_clear_error(tiny_model_dir):
+    from shifu.errors import ShifuError
+    from shifu.models import build_tiny_gpt2, load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = build_tiny_gpt2(tok, n_layer=1, n_embd=16, n_head=2, n_positions=12)
+    ids = torch.randint(3, 50, (2, 10))
+    with pytest.raises(ShifuError, match="exceeds the model's 12 positions"):
+        generate(
+            model,
+            ids,
+            torch.ones_like(ids),
+            SamplingParams(max_new_tokens=4),
+            tok.eos_token_id,
+            tok.pad_token_id,
+        )
+    # the task helpers keep the prompt's tail instead of failing
+    from shifu.tasks import sample_responses
+
+    texts = sample_responses(
+        model, tok, ["the movie was great and the acting was good " * 3], max_new_tokens=4
+    )
+    assert len(texts) == 1

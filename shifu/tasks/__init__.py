@@ -60,6 +60,11 @@ def generate_batches(
     from shifu.rollout import SamplingParams, generate
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
+    # a model with learned positions (GPT-2: n_positions) fits prompt + response: keep the prompt's tail
+    n_positions = getattr(model.config, "n_positions", None)
+    if n_positions is not None:
+        room = n_positions - max_new_tokens
+        max_prompt_len = room if max_prompt_len is None else min(max_prompt_len, room)
     out = []
     for i in range(0, len(prompts), batch_size):
         enc = encode_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_len)
