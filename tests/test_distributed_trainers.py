@@ -28,7 +28,7 @@ import torch
 from test_distributed import launch
 
 from shifu.config import load_config
-from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left
+from shifu.models import ScalarModel, fuse_tanh_gelu, load_causal_lm, load_tokenizer, pad_left
 from shifu.rewards import RewardSource
 from shifu.rollout import policy_forward
 from shifu.trainers.ppo import PPOTrainer
@@ -186,7 +186,8 @@ def test_lora_reference_in_the_trainer_equals_a_frozen_copy(task):
     pytest.importorskip("peft")
     t = _trainer(task, "lora.enabled=true", "lora.r=4", "lora.target_modules=[c_attn]", "optim.lr=5e-2",
                  ref=False, lora=True)  # fmt: skip
-    frozen = load_causal_lm(task["model"], dropout=False).eval()
+    # the trainer runs GPT-2 with the fused tanh-GELU; the frozen copy must use the same kernel to be bit-equal
+    frozen = fuse_tanh_gelu(load_causal_lm(task["model"], dropout=False).eval())
     pids, pmask, rows = _prompts(t.tok)
     for _ in range(2):
         exp = t.rollout(pids, pmask, rows)

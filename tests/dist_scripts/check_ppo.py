@@ -133,7 +133,9 @@ def check_equals_single(out: Path, model: Path, strategy: str) -> str:
         ),
     }
     lv, ls = m_dist["loss/value"], m_single["loss/value"]
-    assert max(errs.values()) < 1e-4, f"{strategy} PPO update differs from 1 process: {errs}"
+    # Adam at lr 1e-2 turns all-reduce rounding (~1e-7) into ~1e-4 relative update differences (9e-5 with
+    # foreach AdamW, 1.2e-4 with fused); the per-rank-normalisation control is 1.99 off, so 1e-3 still tells
+    assert max(errs.values()) < 1e-3, f"{strategy} PPO update differs from 1 process: {errs}"
     # negative control: each rank's own token mean (the common mistake) gives a visibly different update
     divisor = D.token_mean_divisor
     D.token_mean_divisor = lambda n: n.clamp(min=1).float()
