@@ -493,7 +493,8 @@ class PPOTrainer:
                 }
             )
         ent = core.masked_sum(entropy, m) / denom * w
-        loss = loss - cfg.ent_coef * ent
+        if cfg.ent_coef:  # 0 * H would still backpropagate through a (B, R, V) softmax
+            loss = loss - cfg.ent_coef * ent
         stats["loss/entropy"] = ent.detach()
         if cfg.ptx_coef > 0 and self.ptx_batches is not None:
             ptx = self._ptx_loss(next(self.ptx_batches)) * frac
