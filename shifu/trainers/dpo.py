@@ -37,6 +37,7 @@ from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
     GracefulStop,
     OptimConfig,
+    announce_stop,
     autocast,
     build_optimizer,
     build_scheduler,
@@ -283,11 +284,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                 save()
             if stop.requested and step < n_steps:
                 bar.close(), tracker.close()
-                print(
-                    f"shifu dpo: stopped at step {step} with a checkpoint. Resume with: shifu dpo "
-                    f"--config <same config> --out {run_dir} --resume",
-                    file=sys.stderr,
-                )
+                announce_stop("dpo", f"step {step}", run_dir)
                 return {"stopped": True, "step": step}
     bar.close()
     tracker.close()

@@ -23,7 +23,7 @@ from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left, 
 from shifu.rewards import RewardSource, load_function, load_reward_model, same_tokenizer
 from shifu.rollout import SamplingParams, generate, policy_forward
 from shifu.tracking import Tracker, progress
-from shifu.trainers.common import GracefulStop, resolve_device, seed_everything, write_config
+from shifu.trainers.common import GracefulStop, announce_stop, resolve_device, seed_everything, write_config
 from shifu.trainers.ppo import PPOTrainer, new_value_head
 from shifu.trainers.ppo_config import Config, derived_sizes
 
@@ -442,11 +442,7 @@ def run(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str,
                 break
             if stop.requested:
                 bar.close(), tracker.close()
-                print(
-                    f"shifu ppo: stopped at iteration {it} with a checkpoint. Resume with: shifu ppo "
-                    f"--config <same config> --out {out} --resume",
-                    file=sys.stderr,
-                )
+                announce_stop("ppo", f"iteration {it}", out)
                 return {"stopped": True, "iteration": it}
     bar.close()
     if stop_reason is not None and (out / "best").exists():

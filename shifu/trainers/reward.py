@@ -43,6 +43,7 @@ from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
     GracefulStop,
     OptimConfig,
+    announce_stop,
     autocast,
     build_optimizer,
     build_scheduler,
@@ -360,11 +361,7 @@ def train_member(
             if stopping and step < n_steps:
                 bar.close(), tracker.close()
                 if main:
-                    print(
-                        f"shifu rm: stopped at step {step} with a checkpoint. Resume with: shifu rm "
-                        f"--config <same config> --out {cfg.out_dir} --resume",
-                        file=sys.stderr,
-                    )
+                    announce_stop("rm", f"step {step}", cfg.out_dir)
                 return {"step": step, "stopped": True}
     bar.close()
     tracker.close()

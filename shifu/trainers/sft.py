@@ -38,6 +38,7 @@ from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
     GracefulStop,
     OptimConfig,
+    announce_stop,
     autocast,
     build_optimizer,
     build_scheduler,
@@ -502,11 +503,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             if stopping and step < n_steps:
                 bar.close(), tracker.close()
                 if main:
-                    print(
-                        f"shifu sft: stopped at step {step} with a checkpoint. Resume with: shifu sft "
-                        f"--config <same config> --out {run_dir} --resume",
-                        file=sys.stderr,
-                    )
+                    announce_stop("sft", f"step {step}", run_dir)
                 return {"stopped": True, "step": step}
     bar.close()
     tracker.close()
