@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -66,20 +67,26 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
     return choice if idx is None else idx.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
-def _finish(buf: Tensor, eos_seen_at: Tensor, steps: int, pad_token_id: int) -> tuple[Tensor, Tensor]:
-    """Trim the (B, max_new) token buffer to ``steps`` columns and mask everything after the first EOS."""
+def _finish(buf, eos_seen_at, steps, pad_token_id, stats=None, value_head=None) -> Sample:
+    """Trim the (B, max_new) token buffer (and per-token stats) to ``steps`` columns and mask everything
+    after the first EOS."""
     ids = buf[:, :steps]
     pos = torch.arange(steps, device=buf.device)
     mask = pos.unsqueeze(0) <= eos_seen_at.unsqueeze(1)
     ids = ids.masked_fill(~mask, pad_token_id)
-    return ids, mask
+    if stats is None:
+        return Sample(ids, mask)
+    lp, ent, values = stats[:, :, :steps]
+    return Sample(ids, mask, lp, ent, values if value_head is not None else None)
 
 
 class _HFDecoder:
     """Fallback for any architecture: the HF forward with the model's own KV cache."""
 
-    def __init__(self, model, batch: int, max_len: int, like: Tensor):
+    def __init__(self, model, batch: int, max_len: int, like: Tensor, want_hidden: bool = False):
         self.model = model
+        self.want_hidden = want_hidden
+        self.last_hidden: Tensor | None = None  # (B, d) final hidden state of the last position
         self.key_mask = torch.ones((batch, max_len), dtype=torch.long, device=like.device)
         self.length = 0
         self.cache = None
@@ -96,15 +103,18 @@ class _HFDecoder:
             position_ids=pos,
             use_cache=True,
             logits_to_keep=1,
+            output_hidden_states=self.want_hidden,
             **kwargs,
         )
+        if self.want_hidden:
+            self.last_hidden = out.hidden_states[-1][:, -1]
         cache = getattr(out, "cache", None)
         self.cache = cache if cache is not None else out.past_key_values
         self.length = end
         return out.logits[:, -1]
 
 
-def _decoder(model, batch: int, max_len: int, like: Tensor, engine: str):
+def _decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
     """The fastest decoder that supports ``model`` (``engine``: "auto", "fast" (must be supported), "hf")."""
     if engine not in ("auto", "fast", "hf"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'hf', not {engine!r}")
@@ -114,7 +124,21 @@ def _decoder(model, batch: int, max_len: int, like: Tensor, engine: str):
                 return cls(model, batch, max_len)
         if engine == "fast":
             raise ValueError(f"no fast decoder for model type {model.config.model_type!r}")
-    return _HFDecoder(model, batch, max_len, like)
+    return _HFDecoder(model, batch, max_len, like, want_hidden)
+
+
+class Sample(NamedTuple):
+    """What :func:`sample` returns. ``response_ids`` (B, R) long and ``response_mask`` (B, R) bool as
+    :func:`generate`; with ``with_log_probs``: ``log_probs`` and ``entropy`` (B, R) float32 of the sampled
+    tokens under ``logits / temperature`` (full vocabulary, the distribution :func:`policy_forward` scores),
+    and ``values`` (B, R) of ``value_head`` on the final hidden state when one is given. Padding positions
+    hold whatever the finished rows computed; use ``response_mask``."""
+
+    response_ids: Tensor
+    response_mask: Tensor
+    log_probs: Tensor | None = None
+    entropy: Tensor | None = None
+    values: Tensor | None = None
 
 
 @torch.no_grad()
@@ -142,6 +166,29 @@ def generate(
     cache, see ``_FastDecoder``) and the HF forward with its cache for everything else; "hf" forces the
     latter. Both give the same tokens up to float rounding.
     """
+    out = sample(
+        model, prompt_ids, prompt_mask, params, eos_token_id, pad_token_id, generator, all_done, engine
+    )
+    return out.response_ids, out.response_mask
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    params: SamplingParams,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+    engine: str = "auto",
+    with_log_probs: bool = False,
+    value_head: nn.Module | None = None,
+) -> Sample:
+    """:func:`generate`, optionally also returning what PPO's rollout would otherwise need a second
+    forward pass for: the log-probs and entropies of the sampled tokens and shared-trunk values, read off
+    the decode steps (the same logits, up to float rounding; ``tests/test_rollout.py`` checks 1e-5)."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
@@ -155,10 +202,13 @@ def generate(
     buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)
     # index of the first EOS per row (R = none yet): response_mask = position <= eos_seen_at
     eos_seen_at = torch.full((B,), R, dtype=torch.long, device=device)
+    stats = None
+    if with_log_probs or value_head is not None:
+        stats = torch.zeros((3, B, R), dtype=torch.float32, device=device)  # log-probs, entropy, values
     if R == 0:
-        return _finish(buf, eos_seen_at, 0, pad_token_id)
+        return _finish(buf, eos_seen_at, 0, pad_token_id, stats, value_head)
     weight = next(model.parameters())
-    dec = _decoder(model, B, P + R, weight, engine)
+    dec = _decoder(model, B, P + R, weight, engine, want_hidden=value_head is not None)
     dec.key_mask[:, :P] = prompt_mask.to(dec.key_mask.dtype)
     pos = position_ids_from_mask(prompt_mask)
     next_pos = pos[:, -1:] + 1  # (B, 1) position of response token 0
@@ -167,6 +217,12 @@ def generate(
     for t in range(R):
         tok = sample_next(logits, params, generator)
         buf[:, t] = tok
+        if stats is not None:
+            lg = logits.unsqueeze(1)  # (B, 1, V): the same chunked functions as policy_forward
+            stats[0, :, t] = log_probs_from_logits(lg, tok.unsqueeze(1), params.temperature).squeeze(1)
+            stats[1, :, t] = entropy_from_logits(lg, params.temperature).squeeze(1)
+            if value_head is not None:
+                stats[2, :, t] = value_head(dec.last_hidden).squeeze(-1).float()
         steps = t + 1
         if params.stop_at_eos:
             eos_seen_at.masked_fill_((tok == eos_token_id) & (eos_seen_at == R), t)
@@ -174,7 +230,7 @@ def generate(
                 break
         if t + 1 < R:
             logits = dec.forward(buf[:, t : t + 1], next_pos + t)
-    return _finish(buf, eos_seen_at, steps, pad_token_id)
+    return _finish(buf, eos_seen_at, steps, pad_token_id, stats, value_head)
 
 
 def policy_forward(
@@ -185,9 +241,11 @@ def policy_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     value_head: nn.Module | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Log-probs (B, R) of ``input_ids[:, P:]`` under ``logits / temperature``, read at positions
-    ``P-1 .. P+R-2``; entropy (B, R) of the same distributions if asked; ``value_head(last hidden state)``
+    ``P-1 .. P+R-2``; entropy (B, R) of the same distributions if asked (outside the autograd graph with
+    ``entropy_grad=False``: a logged-only entropy costs no backward); ``value_head(last hidden state)``
     (B, R) at the same positions if a value head is given (shared-trunk critic). Differentiable.
 
     ``input_ids``/``attention_mask`` (B, P+R) = cat(left-padded prompt, right-padded response). Logits are
@@ -208,7 +266,8 @@ def policy_forward(
     log_probs = log_probs_from_logits(logits, input_ids[:, P:], temperature)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(logits, temperature)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
     values = None
     if value_head is not None:
         hidden = out.hidden_states[-1][:, P - 1 : T - 1]  # (B, R, d), after the final norm
@@ -264,6 +323,7 @@ class _FastDecoder:
         self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
         self.key_mask = torch.ones((batch, max_len), dtype=torch.bool, device=like.device)
         self.length = 0  # positions filled in the cache
+        self.last_hidden: Tensor | None = None  # (B, d) final (normed) hidden state of the last position
         self.bias: Tensor | None = None  # (B * Hkv, 1, P+R) additive key-padding bias of decode steps
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -346,8 +406,8 @@ class _GPT2Decoder(_FastDecoder):
             x = torch.addmm(blk.mlp.c_proj.bias, h, blk.mlp.c_proj.weight).add_(x)
         self.length += T
         last = x.view(B, T, d)[:, -1]
-        last = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, self.eps)
-        return last @ self.lm_head.t()
+        self.last_hidden = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, self.eps)
+        return self.last_hidden @ self.lm_head.t()
 
 
 class _LlamaDecoder(_FastDecoder):
@@ -410,8 +470,8 @@ class _LlamaDecoder(_FastDecoder):
             gate, up = (h @ self.gate_up[i]).chunk(2, dim=-1)
             x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)
         self.length += T
-        last = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
-        return last @ self.lm_head.t()
+        self.last_hidden = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
+        return self.last_hidden @ self.lm_head.t()
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from shifu.rollout import (
     generate,
     in_micro_batches,
     policy_forward,
+    sample,
     sample_next,
 )
 
@@ -165,6 +166,31 @@ def test_fast_decoder_log_probs_equal_full_forward(arch):
     )
     torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast_entropy, entropy, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_sample_returns_the_log_probs_entropy_and_values_a_full_forward_gives(arch, engine):
+    """What PPO's rollout takes from the decode steps instead of a second forward pass (fp32): the sampled
+    tokens' log-probs and entropies under logits / T and the shared-trunk values equal policy_forward's on
+    the finished sequences, on every real response token (EOS on, so rows end at different lengths)."""
+    model, temperature = MODELS[arch](), 0.7
+    torch.manual_seed(5)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    ids, mask = left_padded_prompts()
+    params = SamplingParams(max_new_tokens=40, temperature=temperature)
+    out = sample(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(4), engine=engine,
+                 with_log_probs=True, value_head=head)  # fmt: skip
+    resp, m = out.response_ids, out.response_mask
+    assert not m.all() and m[:, 0].all()  # some rows stopped early: the masks matter
+    plain, _ = generate(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(4), engine=engine)
+    assert torch.equal(plain, resp)  # asking for the statistics does not change the samples
+    with torch.no_grad():
+        lp, ent, values = policy_forward(model, torch.cat([ids, resp], 1), torch.cat([mask, m.long()], 1),
+                                         ids.shape[1], temperature, with_entropy=True, value_head=head)  # fmt: skip
+    torch.testing.assert_close(out.log_probs[m], lp[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy[m], ent[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.values[m], values[m], atol=1e-5, rtol=1e-5)
 
 
 def test_policy_forward_matches_plain_forward_and_is_differentiable():

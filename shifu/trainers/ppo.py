@@ -20,7 +20,7 @@ from shifu import distributed as D
 from shifu import lora as L
 from shifu.models import fuse_tanh_gelu
 from shifu.rewards import RewardSource
-from shifu.rollout import SamplingParams, critic_forward, generate, policy_forward
+from shifu.rollout import SamplingParams, critic_forward, policy_forward, sample
 from shifu.trainers.common import autocast, build_optimizer, build_scheduler
 from shifu.trainers.ppo_config import Config, derived_sizes
 
@@ -194,9 +194,13 @@ class PPOTrainer:
         t0 = time.perf_counter()
         self.actor.eval()
         actor = self.actor_module
-        # 1. sample responses (B,R), right-padded; everything after the first EOS is pad (mask False)
+        # 1. sample responses (B,R), right-padded; everything after the first EOS is pad (mask False).
+        # In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
+        # old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer.
+        # bf16 autocast recomputes them: decode and full-sequence kernels round differently there.
+        reuse = cfg.reuse_generation_log_probs and not cfg.bf16
         with autocast(cfg.bf16, self.device):
-            response_ids, response_mask = generate(
+            sampled = sample(
                 actor,
                 prompt_ids,
                 prompt_mask,
@@ -204,28 +208,36 @@ class PPOTrainer:
                 tok.eos_token_id,
                 tok.pad_token_id,
                 generator=self.sample_gen,
+                with_log_probs=reuse,
+                value_head=self.value_head if reuse else None,
                 **self._gen_kwargs(),
             )
+        response_ids, response_mask = sampled.response_ids, sampled.response_mask
         t_gen = time.perf_counter() - t0
         P = prompt_ids.shape[1]
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
         attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
         # 2. old / reference log-probs (logits / T), values, entropy — batched no-grad forwards
         old_lp, entropy, old_values, ref_lp = [], [], [], []
+        if reuse:
+            old_lp, entropy = [sampled.log_probs], [sampled.entropy]
+            if sampled.values is not None:
+                old_values.append(sampled.values)
         mb = cfg.micro_batch_size
         with autocast(cfg.bf16, self.device):
             for i in range(0, input_ids.shape[0], mb):
                 ids, am = input_ids[i : i + mb], attention_mask[i : i + mb]
-                lp, ent, v = policy_forward(
-                    actor, ids, am, P, T, with_entropy=True, value_head=self.value_head
-                )
-                old_lp.append(lp.float()), entropy.append(ent.float())
+                if not reuse:
+                    lp, ent, v = policy_forward(
+                        actor, ids, am, P, T, with_entropy=True, value_head=self.value_head
+                    )
+                    old_lp.append(lp.float()), entropy.append(ent.float())
+                    if v is not None:
+                        old_values.append(v.float())
                 with self.reference() as ref:
                     ref_lp.append(policy_forward(ref, ids, am, P, T)[0].float())
                 if self.critic is not None:
-                    v = critic_forward(D.unwrap(self.critic), ids, am, P)
-                if v is not None:
-                    old_values.append(v.float())
+                    old_values.append(critic_forward(D.unwrap(self.critic), ids, am, P).float())
         old_log_probs, ref_log_probs, entropy = torch.cat(old_lp), torch.cat(ref_lp), torch.cat(entropy)
         values = torch.cat(old_values) if old_values else torch.zeros_like(old_log_probs)
         # 3. scores of prompt + response from the reward model(s) or function
@@ -432,6 +444,7 @@ class PPOTrainer:
                 cfg.generation.temperature,
                 with_entropy=True,
                 value_head=self.value_head,
+                entropy_grad=bool(cfg.ent_coef),
             )
             if self.critic is not None:
                 values = critic_forward(self.critic, ids, am, P)

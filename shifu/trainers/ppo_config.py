@@ -134,6 +134,11 @@ class Config:
     penalty_init: float = opt(1.0, "ppo_penalty: initial beta of KL(pi_old || pi)")
     penalty_target: float = opt(0.01, "ppo_penalty: target per-token KL(pi_old || pi) (PPO paper d_targ)")
     bf16: bool = opt(False, "bf16 autocast for forwards (CPU where supported; native speed on GPU)")
+    reuse_generation_log_probs: bool = opt(
+        True,
+        "fp32: take old log-probs, entropy and shared-trunk values from the decode steps instead of a "
+        "second forward pass (equal up to float rounding); bf16 always recomputes",
+    )
     max_nonfinite_steps: int = opt(
         8, "stop after this many consecutive optimiser steps with a NaN/Inf loss or gradient (each skipped)"
     )
