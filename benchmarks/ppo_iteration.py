@@ -108,8 +108,10 @@ def phase_flops() -> dict[str, float]:
     causal = (T + 1) / 2  # mean keys per query of a causal forward over T positions
     # generation: prefill B*P tokens (logits at the last position), then R-1 one-token steps
     gen = forward_flops(B * P, (P + 1) / 2, B) + sum(forward_flops(B, P + t + 1, B) for t in range(R - 1))
-    # scoring: actor and reference (logits at R positions), critic and reward trunks (scalar heads ~ 0)
-    scoring = 2 * forward_flops(B * T, causal, B * R) + 2 * forward_flops(B * T, causal, 0, lm_head=False)
+    # scoring: the reference (logits at R positions), critic and reward trunks (scalar heads ~ 0). The
+    # rollout policy's own log-probs are not counted: the decode steps already computed those logits (a
+    # system that runs a second policy forward for them, as TRL does, gets no credit for it)
+    scoring = forward_flops(B * T, causal, B * R) + 2 * forward_flops(B * T, causal, 0, lm_head=False)
     # training: every epoch, actor and critic forward + backward (3x forward) over the whole rollout
     train = (
         EPOCHS * 3 * (forward_flops(B * T, causal, B * R) + forward_flops(B * T, causal, 0, lm_head=False))

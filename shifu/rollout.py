@@ -34,18 +34,26 @@ class SamplingParams:
     stop_at_eos: bool = True
 
 
-def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+def sample_next(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    probs: Tensor | None = None,
+) -> Tensor:
     """(B,) next tokens from (B, V) logits: argmax when greedy, else softmax(logits/T) restricted by top-k
-    then top-p (the smallest set of most likely tokens whose mass reaches p; the most likely always kept)."""
+    then top-p (the smallest set of most likely tokens whose mass reaches p; the most likely always kept).
+    ``probs``: softmax(logits/T) when the caller has it already (used only without top-k/top-p)."""
     if params.greedy:
         return logits.argmax(-1)
-    scaled = logits.float() / params.temperature
     idx = None
-    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
-        scaled, idx = scaled.topk(params.top_k, dim=-1)  # sorted descending
-    elif params.top_p < 1.0:
-        scaled, idx = scaled.sort(dim=-1, descending=True)
-    probs = torch.softmax(scaled, dim=-1)
+    truncated = (0 < params.top_k < logits.shape[-1]) or params.top_p < 1.0
+    if probs is None or truncated:
+        scaled = logits.float() / params.temperature
+        if 0 < params.top_k < scaled.shape[-1]:
+            scaled, idx = scaled.topk(params.top_k, dim=-1)  # sorted descending
+        elif params.top_p < 1.0:
+            scaled, idx = scaled.sort(dim=-1, descending=True)
+        probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         # drop a token when the mass strictly before it already reaches p (keeps the first always)
         before = probs.cumsum(-1) - probs
@@ -215,12 +223,15 @@ def sample(
     logits = dec.forward(prompt_ids, pos)
     steps = 0
     for t in range(R):
-        tok = sample_next(logits, params, generator)
+        probs = None
+        if stats is not None:  # log-softmax(logits / T) once: log-prob, entropy, and the sampling probs
+            logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+            probs = logp.exp()
+        tok = sample_next(logits, params, generator, probs)
         buf[:, t] = tok
         if stats is not None:
-            lg = logits.unsqueeze(1)  # (B, 1, V): the same chunked functions as policy_forward
-            stats[0, :, t] = log_probs_from_logits(lg, tok.unsqueeze(1), params.temperature).squeeze(1)
-            stats[1, :, t] = entropy_from_logits(lg, params.temperature).squeeze(1)
+            stats[0, :, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+            stats[1, :, t] = -(probs * logp).sum(-1)
             if value_head is not None:
                 stats[2, :, t] = value_head(dec.last_hidden).squeeze(-1).float()
         steps = t + 1
@@ -388,26 +399,35 @@ class _GPT2Decoder(_FastDecoder):
         super().__init__(cfg.n_layer, batch, self.n_head, self.head_dim, max_len, tr.wte.weight)
         self.tr, self.lm_head, self.eps = tr, model.lm_head.weight, cfg.layer_norm_epsilon
         self.approximate = self.ACTIVATIONS[cfg.activation_function]
+        # the weights each step reads, looked up once (module attribute access costs ~2 us a time)
+        self.blocks = [
+            (b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
+             b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.c_fc.weight, b.mlp.c_fc.bias,
+             b.mlp.c_proj.weight, b.mlp.c_proj.bias)
+            for b in tr.h
+        ]  # fmt: skip
 
     def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
         """(B, T) ids at (B, T) positions -> (B, V) logits of the last position; advances the cache."""
-        tr, (B, T), H, D = self.tr, ids.shape, self.n_head, self.head_dim
+        tr, (B, T), H, D, eps = self.tr, ids.shape, self.n_head, self.head_dim, self.eps
         x = F.embedding(ids, tr.wte.weight) + F.embedding(pos, tr.wpe.weight)  # (B, T, d)
         d = x.shape[-1]
         x = x.view(B * T, d)
-        for i, blk in enumerate(tr.h):
-            h = F.layer_norm(x, (d,), blk.ln_1.weight, blk.ln_1.bias, self.eps)
-            qkv = torch.addmm(blk.attn.c_attn.bias, h, blk.attn.c_attn.weight)  # Conv1D: x @ W + b
+        for i, (ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, pr_w, pr_b) in enumerate(
+            self.blocks
+        ):
+            h = F.layer_norm(x, (d,), ln1_w, ln1_b, eps)
+            qkv = torch.addmm(qkv_b, h, qkv_w)  # Conv1D: x @ W + b
             q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
             a = self.attend(i, q, k, v, D**-0.5).transpose(1, 2).reshape(B * T, d)
-            x = torch.addmm(blk.attn.c_proj.bias, a, blk.attn.c_proj.weight).add_(x)
-            h = F.layer_norm(x, (d,), blk.ln_2.weight, blk.ln_2.bias, self.eps)
-            h = F.gelu(torch.addmm(blk.mlp.c_fc.bias, h, blk.mlp.c_fc.weight), approximate=self.approximate)
-            x = torch.addmm(blk.mlp.c_proj.bias, h, blk.mlp.c_proj.weight).add_(x)
+            x = torch.addmm(o_b, a, o_w).add_(x)
+            h = F.layer_norm(x, (d,), ln2_w, ln2_b, eps)
+            h = F.gelu(torch.addmm(fc_b, h, fc_w), approximate=self.approximate)
+            x = torch.addmm(pr_b, h, pr_w).add_(x)
         self.length += T
         last = x.view(B, T, d)[:, -1]
-        self.last_hidden = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, self.eps)
-        return self.last_hidden @ self.lm_head.t()
+        self.last_hidden = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, eps)
+        return F.linear(self.last_hidden, self.lm_head)
 
 
 class _LlamaDecoder(_FastDecoder):
@@ -471,7 +491,7 @@ class _LlamaDecoder(_FastDecoder):
             x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)
         self.length += T
         self.last_hidden = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
-        return self.last_hidden @ self.lm_head.t()
+        return F.linear(self.last_hidden, self.lm_head)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

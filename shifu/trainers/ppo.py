@@ -540,13 +540,21 @@ class PPOTrainer:
         groups = [(self.opt, self.sched, cfg.optim.max_grad_norm)]
         if self.critic_opt is not None:
             groups.append((self.critic_opt, self.critic_sched, cfg.critic.optim.max_grad_norm))
-        # one fused norm per optimiser (clip_grad_norm_ with foreach; inf = measure only) decides both the
-        # clipping and whether the step is finite: no per-parameter isfinite pass
+        # one fused norm per optimiser decides both the clipping and whether the step is finite (no
+        # per-parameter isfinite pass). In one process the gradients are rescaled only when the norm is
+        # over the limit (clip_grad_norm_ multiplies every gradient by a coefficient clamped to 1 anyway);
+        # sharded/replicated gradients keep clip_grad_norm_, which reduces the norm over ranks itself.
         norms = []
         for opt, _, max_norm in groups:
             params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             limit = max_norm if max_norm is not None else float("inf")
-            norms.append(torch.nn.utils.clip_grad_norm_(params, limit, foreach=True))
+            if self.world > 1:
+                norms.append(torch.nn.utils.clip_grad_norm_(params, limit, foreach=True))
+                continue
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            if float(norm) > limit:
+                torch.nn.utils.clip_grads_with_norm_(params, limit, norm, foreach=True)
+            norms.append(norm)
         finite = bool(torch.isfinite(torch.stack([_local(n).float() for n in norms])).all())
         if self.world > 1:  # skip on every rank, or the replicas / shards diverge
             finite = not D.any_true(not finite)
