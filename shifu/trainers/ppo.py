@@ -197,8 +197,10 @@ class PPOTrainer:
         # 1. sample responses (B,R), right-padded; everything after the first EOS is pad (mask False).
         # In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
         # old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer.
-        # bf16 autocast recomputes them: decode and full-sequence kernels round differently there.
-        reuse = cfg.reuse_generation_log_probs and not cfg.bf16
+        # bf16 (autocast or bf16/fp16 weights) recomputes them: decode and full-sequence kernels round
+        # differently there.
+        fp32 = not cfg.bf16 and next(actor.parameters()).dtype == torch.float32
+        reuse = cfg.reuse_generation_log_probs and fp32
         with autocast(cfg.bf16, self.device):
             sampled = sample(
                 actor,

@@ -137,7 +137,8 @@ class Config:
     reuse_generation_log_probs: bool = opt(
         True,
         "fp32: take old log-probs, entropy and shared-trunk values from the decode steps instead of a "
-        "second forward pass (equal up to float rounding); bf16 always recomputes",
+        "second forward pass (equal up to float rounding); bf16 autocast or half-precision weights always "
+        "recompute",
     )
     max_nonfinite_steps: int = opt(
         8, "stop after this many consecutive optimiser steps with a NaN/Inf loss or gradient (each skipped)"

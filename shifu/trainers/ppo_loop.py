@@ -21,7 +21,7 @@ from shifu.config import to_dict
 from shifu.errors import ConfigError, ShifuError
 from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.rewards import RewardSource, load_function, load_reward_model, same_tokenizer
-from shifu.rollout import SamplingParams, generate, policy_forward
+from shifu.rollout import SamplingParams, policy_forward, sample
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import GracefulStop, announce_stop, resolve_device, seed_everything, write_config
 from shifu.trainers.ppo import PPOTrainer, new_value_head
@@ -209,11 +209,13 @@ def evaluate(
         all_rows = rows
         ids, rows = [ids[i] for i in mine], [rows[i] for i in mine]
     actor = trainer.actor_module
+    # the decode steps' log-probs serve the KL in fp32 (as in the rollout; half precision recomputes)
+    reuse = cfg.reuse_generation_log_probs and next(actor.parameters()).dtype == torch.float32
     responses, scores, kls = [], [], []
     for i in range(0, len(ids), cfg.micro_batch_size):
         b = pad_left(ids[i : i + cfg.micro_batch_size], tok.pad_token_id)
         pids, pmask = b["input_ids"].to(trainer.device), b["attention_mask"].to(trainer.device)
-        rids, rmask = generate(
+        out = sample(
             actor,
             pids,
             pmask,
@@ -221,11 +223,13 @@ def evaluate(
             tok.eos_token_id,
             tok.pad_token_id,
             generator=gen,
+            with_log_probs=reuse,
             **trainer._gen_kwargs(),
         )
+        rids, rmask = out.response_ids, out.response_mask
         full, am = torch.cat([pids, rids], 1), torch.cat([pmask, rmask.long()], 1)
         P = pids.shape[1]
-        lp = policy_forward(actor, full, am, P, T)[0]
+        lp = out.log_probs if out.log_probs is not None else policy_forward(actor, full, am, P, T)[0]
         with trainer.reference() as ref:
             ref_lp = policy_forward(ref, full, am, P, T)[0]
         kls.append(((lp - ref_lp) * rmask).sum(1).float().cpu())
