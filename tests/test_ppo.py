@@ -85,8 +85,9 @@ def test_ppo_raises_true_reward_with_bounded_kl(task, tmp_path):
         ("kl.controller=penalty", "kl.target=5.0"),
         ("critic.init=shared",),
         ("algo=ppo_penalty", "penalty_init=0.1", "penalty_target=0.05", "kl.init_coef=0.05"),
+        ("bf16=true", "critic.init=shared"),  # the fast defaults; bf16 recomputes the rollout log-probs
     ],
-    ids=["adaptive", "step", "penalty", "shared_trunk", "ppo_penalty"],
+    ids=["adaptive", "step", "penalty", "shared_trunk", "ppo_penalty", "bf16_shared_trunk"],
 )
 def test_ppo_variants_learn(task, tmp_path, extra):
     out = tmp_path / "run"
@@ -123,6 +124,25 @@ def test_ratio_is_one_before_first_step(task, tmp_path):
     ]
     m = exp["response_mask"][idx]
     torch.testing.assert_close(lp[m], exp["old_log_probs"][idx][m], atol=1e-5, rtol=0)
+
+
+def test_fp32_rollout_takes_old_log_probs_from_the_decode_steps(task, tmp_path):
+    """fp32: no actor forward over the finished sequences (the decode steps' log-probs are the rollout's
+    old_log_probs); with reuse off the trainer recomputes them, and both agree to float rounding."""
+    calls = []
+    results = {}
+    for reuse in ("true", "false"):
+        trainer, tok, b, rows = _trainer(task, tmp_path / reuse, f"reuse_generation_log_probs={reuse}")
+        hook = trainer.actor.register_forward_hook(lambda *a, r=reuse: calls.append(r))
+        trainer.sample_gen.manual_seed(0)
+        results[reuse] = trainer.rollout(b["input_ids"], b["attention_mask"], rows)
+        hook.remove()
+    assert calls.count("true") == 0 and calls.count("false") >= 1
+    a, c = results["true"], results["false"]
+    assert torch.equal(a["input_ids"], c["input_ids"])
+    m = a["response_mask"]
+    torch.testing.assert_close(a["old_log_probs"][m], c["old_log_probs"][m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a["entropy"][m], c["entropy"][m], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model", ["model", "model_pad_eos"])
