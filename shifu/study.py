@@ -110,7 +110,54 @@ BUDGETS[("arith", "ci")] = {
     },
     "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 256},
 }
+# imdb "reduced": the quickstart ``small`` preset's SFT (400 steps of a 4-layer GPT-2), then pairs from
+# 3000 prompts (ties dropped; the preset's 1000 gave 709 pairs and a reward model at 0.55 held-out
+# accuracy), a MiniLM reward model for one epoch, and 30-iteration fixed-beta RL runs. REINFORCE makes one
+# pass over each batch (2 optimiser steps per iteration against PPO's 8), so it gets 4x PPO's lr: at the
+# same lr it moved <= 1.9 nats in 30 iterations. ``smoke`` is the earlier, cheap setting on the ``tiny``
+# preset: its pairs were 59 % ties (both VADER 0), its reward model at chance (0.50) and every method ended
+# below the SFT policy; it checks the pipeline end to end and nothing else.
 _IMDB_RL = {
+    "iterations": 30,
+    "batch_size": 64,
+    "minibatch_size": 32,
+    "ppo_epochs": 4,
+    "generation": {"max_new_tokens": 24, "temperature": 1.0},
+    "critic": {"init": "sft", "optim": {"lr": 3e-4}},
+    "optim": {"lr": 3e-4, "schedule": "constant"},
+    "eval": {"every": 0},
+    "data": {"max_prompt_len": 24},
+    "save_every": 0,
+}
+BUDGETS[("imdb", "reduced")] = {
+    "preset": "small",
+    "sft": {},
+    # quickstart small: 24 new tokens, tau 0.1, T 1.0, ties dropped; prompts_pairs topped up to 3000
+    "pairs": {"num_prompts": 3000},
+    "rm": {"epochs": 1.0},
+    "ppo": _IMDB_RL,
+    "reinforce": {
+        **_IMDB_RL,
+        "algo": "reinforce",
+        "ppo_epochs": 1,
+        "reinforce_baseline": True,
+        "optim": {"lr": 1.2e-3, "schedule": "constant"},
+    },
+    "dpo": {
+        "epochs": 2.0,
+        "batch_size": 16,
+        "optim": {"lr": 5e-4, "schedule": "constant"},
+        "data": {"max_prompt_len": 24, "max_len": 56},
+    },
+    "points": {
+        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.02)},
+        "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.02)},
+        "dpo": {f"beta={b}": {"beta": b} for b in (0.3, 0.1, 0.03)},
+    },
+    "eval": {"max_new_tokens": 24, "temperature": 1.0, "num_prompts": 256, "max_prompt_len": 24},
+}
+_IMDB_SMOKE_RL = {
+    **_IMDB_RL,
     "iterations": 8,
     "batch_size": 32,
     "minibatch_size": 16,
@@ -118,17 +165,14 @@ _IMDB_RL = {
     "generation": {"max_new_tokens": 20, "temperature": 1.0},
     "critic": {"init": "sft", "optim": {"lr": 1e-3}},
     "optim": {"lr": 1e-3, "schedule": "constant"},
-    "eval": {"every": 0},
-    "data": {"max_prompt_len": 24},
-    "save_every": 0,
 }
-BUDGETS[("imdb", "reduced")] = {
+BUDGETS[("imdb", "smoke")] = {
     "preset": "tiny",
     "sft": {},
-    "pairs": {"max_new_tokens": 20, "tau": 0.1, "temperature": 1.0},
+    "pairs": {},  # quickstart tiny: ties kept
     "rm": {},
-    "ppo": _IMDB_RL,
-    "reinforce": {**_IMDB_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
+    "ppo": _IMDB_SMOKE_RL,
+    "reinforce": {**_IMDB_SMOKE_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
     "dpo": {
         "epochs": 1.0,
         "batch_size": 16,
@@ -136,13 +180,11 @@ BUDGETS[("imdb", "reduced")] = {
         "data": {"max_prompt_len": 24, "max_len": 64},
     },
     "points": {
-        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.05, 0.01)},
-        "reinforce": {
-            f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.05, 0.01)
-        },
-        "dpo": {f"beta={b}": {"beta": b} for b in (0.5, 0.1, 0.03)},
+        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.01)},
+        "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.01)},
+        "dpo": {f"beta={b}": {"beta": b} for b in (0.5, 0.03)},
     },
-    "eval": {"max_new_tokens": 20, "temperature": 1.0, "num_prompts": 256},
+    "eval": {"max_new_tokens": 20, "temperature": 1.0, "num_prompts": 256, "max_prompt_len": 24},
 }
 DEFAULT_BUDGET = {"arith": "full", "imdb": "reduced"}
 
@@ -201,6 +243,7 @@ def measure(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    max_prompt_len: int | None = None,
 ) -> dict[str, Any]:
     """Gold and KL of one policy on held-out prompt ``rows`` — the one measurement every method gets.
 
@@ -208,11 +251,20 @@ def measure(
     drawn with the same random numbers); ``gold`` = mean of ``gold_fn`` over the samples; ``kl`` = mean
     over prompts of the k1 sum over response tokens of ``log pi - log pi_ref`` (nats per response,
     :func:`shifu.tasks.evaluate_policy`); ``response_len`` = mean real tokens, EOS included.
+    ``max_prompt_len`` keeps each prompt's last tokens, as the RL trainers' ``data.max_prompt_len``.
     """
     from shifu.tasks import evaluate_policy
 
     prompts = [r["prompt"] for r in rows]
-    ev = evaluate_policy(str(policy_dir), str(ref_dir), prompts, max_new_tokens, temperature, seed)
+    ev = evaluate_policy(
+        str(policy_dir),
+        str(ref_dir),
+        prompts,
+        max_new_tokens,
+        temperature,
+        seed,
+        max_prompt_len=max_prompt_len,
+    )
     gold = [float(g) for g in gold_fn(prompts, ev["responses"], rows)]
     n = len(prompts)
     return {
@@ -314,7 +366,7 @@ def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[
     if (d := _done(pairs_dir)) is None:
         _log("stage pairs: SFT samples ranked by the judge")
         t0 = time.time()
-        pp = plan["pairs"]
+        pp = _merge(qs.get("pairs", {}), plan["pairs"])
         if task == "arith":
             extra = arith_pairs(
                 sft_dir / "final", _read_jsonl(files["prompts_train"]), pairs_dir, pp, sets_seed
@@ -323,6 +375,10 @@ def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[
             from shifu.tasks import imdb
 
             prompts = [r["prompt"] for r in _read_jsonl(files["prompts_pairs"])]
+            # pp["num_prompts"]: top the task's preference prompts up with PPO's training prompts (never
+            # held-out ones); the last 10 % of pairs, from the added prompts, are the RM's held-out pairs
+            n_more = pp.get("num_prompts", len(prompts)) - len(prompts)
+            prompts += [r["prompt"] for r in _read_jsonl(files["prompts_train"])[: max(0, n_more)]]
             res = imdb.make_preference_pairs(
                 sft_dir / "final",
                 prompts,
@@ -331,8 +387,9 @@ def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[
                 tau=pp["tau"],
                 seed=sets_seed,
                 temperature=pp["temperature"],
+                drop_ties=pp.get("drop_ties", False),
             )
-            extra = {k: v for k, v in res.items() if not k.startswith("pairs")}
+            extra = {k: v for k, v in res.items() if not k.startswith("pairs_")}
         _mark_done(pairs_dir, time.time() - t0, **extra)
         d = _done(pairs_dir)
     info["seconds"]["pairs"] = d["seconds"]
@@ -366,7 +423,33 @@ def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[
             d = _done(rm_dir)
         info["seconds"]["rm"] = d["seconds"]
         info["reward"] = {"model_path": str(rm_dir / "final")}
+        info["rm"] = {
+            "accuracy": d.get("rm_accuracy"),
+            **rm_gold_accuracy(rm_dir / "final", _read_jsonl(info["pairs"]["eval"])),
+        }
     return info
+
+
+def rm_gold_accuracy(rm_path: Path, pairs: list[dict]) -> dict[str, Any]:
+    """The reward model against the noiseless judge on held-out pairs: the fraction of pairs whose
+    gold-better response it scores higher (pairs with equal gold scores left out). ``accuracy`` from the RM
+    trainer is against the noisy (Bradley-Terry) labels it was trained to predict."""
+    import torch
+
+    from shifu.rewards import load_reward_model
+
+    decided = [r for r in pairs if r["gold_chosen"] != r["gold_rejected"]]
+    if not decided:
+        return {"gold_accuracy": None, "gold_pairs": 0}
+    model = load_reward_model(rm_path).eval()
+    prompts = [r["prompt"] for r in decided]
+    with torch.no_grad():
+        chosen = model.score_texts(prompts, [r["chosen"] for r in decided]).float().tolist()
+        rejected = model.score_texts(prompts, [r["rejected"] for r in decided]).float().tolist()
+    right = [
+        (c > rj) == (r["gold_chosen"] > r["gold_rejected"]) for c, rj, r in zip(chosen, rejected, decided)
+    ]
+    return {"gold_accuracy": sum(right) / len(right), "gold_pairs": len(right)}
 
 
 # ------------------------------------------------------------------------------------- one point
@@ -419,6 +502,7 @@ def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out:
         ev["max_new_tokens"],
         ev["temperature"],
         ev["seed"],
+        ev["max_prompt_len"],
     )
     result = {
         "method": method,
@@ -490,8 +574,35 @@ def aggregate(results: list[dict], order: dict[str, list[str]]) -> dict[str, Any
             "train_seconds_total": sum(secs),
             # across-seed spread of gold, averaged over the method's points (the variance target)
             "mean_gold_std": sum(p["gold_std"] for p in points) / len(points) if points else None,
+            # the same spread with the part explained by each seed's own KL removed (see _resid_std)
+            "gold_std_at_kl": _resid_std([[(s["kl"], s["gold"]) for s in p["per_seed"]] for p in points]),
         }
     return methods
+
+
+def _resid_std(groups: list[list[tuple[float, float]]]) -> float | None:
+    """Spread of gold over seeds *at the same KL*: the residual std of a pooled within-point regression.
+
+    ``groups`` holds one list of (kl, gold) per point, one pair per seed. Within each point, gold and KL
+    are centred on the point's means; one slope b (gold per nat, shared by the points) is fitted to the
+    centred values, and the result is the sample std of ``gold - b * kl`` deviations with n - P - 1
+    degrees of freedom (n runs, P points). A seed that drifted further than its siblings is not counted
+    as variance to the extent that gold moves with KL; what is left is the method's scatter at a given
+    KL. None when there are not enough seeds (n - P - 1 < 1) or no KL spread within points.
+    """
+    dx, dy = [], []
+    for g in groups:
+        if not g:
+            continue
+        mx, my = sum(x for x, _ in g) / len(g), sum(y for _, y in g) / len(g)
+        dx += [x - mx for x, _ in g]
+        dy += [y - my for _, y in g]
+    dof = len(dx) - sum(1 for g in groups if g) - 1
+    sxx = sum(x * x for x in dx)
+    if dof < 1 or sxx == 0:
+        return None
+    b = sum(x * y for x, y in zip(dx, dy)) / sxx
+    return math.sqrt(sum((y - b * x) ** 2 for x, y in zip(dx, dy)) / dof)
 
 
 def plot(frontier: dict[str, Any], path: Path) -> Path:
@@ -560,8 +671,14 @@ def frontier(
     out: Path,
     points: int | None = None,
     methods: tuple[str, ...] = METHODS,
+    only: list[str] | None = None,
+    name: str = "frontier",
 ) -> dict[str, Any]:
-    """Run (or continue) the frontier study in ``out``; returns frontier.json's content."""
+    """Run (or continue) the frontier study in ``out``; returns the report (``out/<name>.json``).
+
+    ``only``: ``method:label`` items (e.g. ``ppo:beta=0.3``) — run just these points, instead of
+    ``points`` per method of ``methods``.
+    """
     from shifu.quickstart import GOLD
 
     if (task, budget) not in BUDGETS:
@@ -570,6 +687,11 @@ def frontier(
     if seeds < 1:
         raise ShifuError(f"--seeds must be >= 1 (got {seeds})")
     plan = BUDGETS[(task, budget)]
+    if only:
+        order = _select(plan, only)
+        methods = tuple(order)
+    else:
+        order = {m: _spread(list(plan["points"][m]), points) for m in methods}
     t_start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     shared = shared_stages(task, plan, out)
@@ -580,6 +702,7 @@ def frontier(
         "max_new_tokens": e["max_new_tokens"],
         "temperature": e["temperature"],
         "seed": 777,
+        "max_prompt_len": e.get("max_prompt_len"),
     }
     from shifu.rewards import load_function
 
@@ -591,8 +714,8 @@ def frontier(
         ev["max_new_tokens"],
         ev["temperature"],
         ev["seed"],
+        ev["max_prompt_len"],
     )
-    order = {m: _spread(list(plan["points"][m]), points) for m in methods}
     results = [
         run_point(m, label, seed, plan, shared, out, ev)
         for seed in range(seeds)
@@ -614,14 +737,28 @@ def frontier(
         },
         "sft": {"gold": base["gold"], "kl": base["kl"], "response_len": base["response_len"]},
         "pairs": shared["pairs_info"],
+        "reward_model": shared.get("rm"),
         "shared_seconds": shared["seconds"],
         "methods": aggregate(results, order),
         "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
         "seconds_total": round(time.time() - t_start, 1),
     }
-    (out / "frontier.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    plot(report, out / "frontier.png")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    plot(report, out / f"{name}.png")
     return report
+
+
+def _select(plan: dict, only: list[str]) -> dict[str, list[str]]:
+    """``method:label`` items -> {method: labels}, in the budget's order; unknown items are an error."""
+    chosen: dict[str, list[str]] = {}
+    for item in only:
+        method, _, label = item.partition(":")
+        known = list(plan["points"].get(method, {}))
+        if label not in known:
+            have = ", ".join(f"{m}:{x}" for m in plan["points"] for x in plan["points"][m])
+            raise ShifuError(f"--only: no point '{item}' in this budget. Choose from: {have}")
+        chosen.setdefault(method, []).append(label)
+    return {m: [x for x in plan["points"][m] if x in chosen[m]] for m in METHODS if m in chosen}
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -636,6 +773,12 @@ def _table(report: dict[str, Any]) -> str:
                 f"{method:10s} {p['point']:10s} {p['gold_mean']:7.3f}±{p['gold_std']:.3f} "
                 f"{p['kl_mean']:8.2f}±{p['kl_std']:.2f} {secs:7.0f}"
             )
+    for method, m in report["methods"].items():
+        if m.get("gold_std_at_kl") is not None:
+            lines.append(
+                f"{method}: gold std over seeds {m['mean_gold_std']:.3f} (mean over points), "
+                f"at matched KL {m['gold_std_at_kl']:.3f}"
+            )
     return "\n".join(lines)
 
 
@@ -644,13 +787,27 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="study", required=True)
     fp = sub.add_parser("frontier", help="gold vs KL for PPO, DPO and REINFORCE from one SFT model")
     fp.add_argument("--task", choices=["arith", "imdb"], default="arith")
-    fp.add_argument("--budget", default=None, help="arith: full (default) or ci; imdb: reduced")
+    fp.add_argument(
+        "--budget", default=None, help="arith: full (default) or ci; imdb: reduced (default) or smoke"
+    )
     fp.add_argument("--seeds", type=int, default=3, help="seeds per point (default 3)")
     fp.add_argument(
         "--points", type=int, default=None, help="points per method (default: all of the budget's)"
     )
     fp.add_argument(
         "--methods", default=",".join(METHODS), help="comma-separated subset of ppo,dpo,reinforce"
+    )
+    fp.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="METHOD:POINT",
+        help="run just these points, e.g. --only ppo:beta=0.3 reinforce:beta=0.02 (overrides --points/--methods)",
+    )
+    fp.add_argument(
+        "--name",
+        default="frontier",
+        help="report file names in --out: NAME.json, NAME.png (default frontier)",
     )
     fp.add_argument("--out", default=None, help="study directory (default runs/frontier-TASK-BUDGET)")
     fp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default SHIFU_THREADS)")
@@ -666,7 +823,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     budget = args.budget or DEFAULT_BUDGET[args.task]
     out = Path(args.out or f"runs/frontier-{args.task}-{budget}")
-    report = frontier(args.task, budget, args.seeds, out, args.points, methods)
+    report = frontier(args.task, budget, args.seeds, out, args.points, methods, args.only, args.name)
     print(_table(report))
-    print(f"frontier: {out / 'frontier.json'}, plot: {out / 'frontier.png'}; {report['seconds_total']:.0f} s")
+    print(
+        f"frontier: {out / (args.name + '.json')}, plot: {out / (args.name + '.png')}; "
+        f"{report['seconds_total']:.0f} s"
+    )
     return 0

@@ -44,6 +44,54 @@ def test_aggregate_means_and_sample_std_over_seeds():
     assert agg["dpo"]["points"] == []
 
 
+def test_std_at_kl_removes_the_part_of_the_seed_spread_that_kl_explains():
+    # every seed on one line gold = 0.5 - 0.1 * kl: seeds differ only in how far they drifted
+    on_line = [[(k, 0.5 - 0.1 * k) for k in (1.0, 2.0, 3.0)], [(k, 0.5 - 0.1 * k) for k in (5.0, 7.0)]]
+    assert study._resid_std(on_line) == pytest.approx(0.0, abs=1e-12)
+    same_kl = [[(1.0, 0.6), (1.0, 0.4)], [(2.0, 0.3), (2.0, 0.1)]]
+    assert study._resid_std(same_kl) is None  # no KL spread within points: no slope to fit
+    scattered = [[(1.0, 0.6), (2.0, 0.4), (3.0, 0.6)], [(1.0, 0.3), (3.0, 0.3)]]
+    # slope 0; deviations from the point means 0.067, -0.133, 0.067, 0, 0: SS 0.0267 over 5 - 2 - 1
+    assert study._resid_std(scattered) == pytest.approx(0.1155, abs=1e-4)
+    assert study._resid_std([[(1.0, 0.2)], [(2.0, 0.3)]]) is None  # one seed per point
+
+
+def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, capsys):
+    plan = study.BUDGETS[("arith", "ci")]
+    assert study._select(plan, ["reinforce:beta=0.01", "ppo:beta=0.3"]) == {
+        "ppo": ["beta=0.3"],
+        "reinforce": ["beta=0.01"],
+    }
+    code = cli_main(
+        [
+            "study",
+            "frontier",
+            "--task",
+            "arith",
+            "--budget",
+            "ci",
+            "--only",
+            "ppo:beta=9",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 2
+    assert "no point 'ppo:beta=9'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any stage ran
+
+
+def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
+    from shifu.quickstart import PLANS
+
+    plan = study.BUDGETS[("imdb", "reduced")]
+    assert plan["preset"] == "small"
+    pairs = study._merge(PLANS[("imdb", "small")]["pairs"], plan["pairs"])
+    assert pairs["drop_ties"] is True and pairs["num_prompts"] == 3000
+    # evaluation prompts are cut as the RL trainers cut them (the small model has 64 positions)
+    assert plan["eval"]["max_prompt_len"] == plan["ppo"]["data"]["max_prompt_len"]
+
+
 def test_measure_of_the_reference_itself_has_zero_kl(tiny_model_dir):
     rows = [{"prompt": p} for p in ("the movie", "hello there", "tell me a story")]
     m = study.measure(
