@@ -15,6 +15,9 @@ Run directory (``--out``, default ``runs/frontier-<task>-<budget>``)::
     OUT/frontier.json                       every point, per seed and mean/std, cost per method
     OUT/frontier.png                        gold vs KL, one curve per method (mean, std bars over seeds)
 
+(``--name NAME`` writes NAME.json / NAME.png instead; ``--only METHOD:POINT ...`` runs just those points,
+e.g. more seeds at a few points, reusing the shared stages and finished runs of the directory.)
+
 Finished stages and runs are kept (``DONE`` / ``RESULT.json`` markers): rerunning with the same ``--out``
 continues. Seeds change the RL/DPO run (sampling, shuffling); the SFT policy and the pairs are shared, so
 the spread over seeds is the method's own variance.
