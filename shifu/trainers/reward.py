@@ -55,7 +55,6 @@ from shifu.trainers.sft import (
     rank_slice,
     report_counts,
     resolve_device,
-    restore,
     restore_distributed,
     run_device,
     save_distributed,
@@ -272,11 +271,7 @@ def train_member(
     scheduler = build_scheduler(optimizer, cfg.optim, n_steps)
     state = None
     if resume:
-        state = (
-            restore(run_dir, cfg, {"rm": model}, optimizer, scheduler)
-            if world == 1
-            else restore_distributed(run_dir, cfg, "rm", model, optimizer, scheduler)
-        )
+        state = restore_distributed(run_dir, cfg, "rm", model, optimizer, scheduler)
     step = state["step"] if state else 0
     if state:
         stream = BatchStream(len(train_pairs), cfg.batch_size, seed, **state["data"])

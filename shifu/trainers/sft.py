@@ -214,8 +214,11 @@ def save_distributed(
 def restore_distributed(
     run_dir: Path, cfg, name: str, model: torch.nn.Module, optimizer, scheduler
 ) -> dict[str, Any] | None:
-    """:func:`restore` under torchrun (every rank): plain weights into a DDP model, or the DCP shards into
-    an FSDP2 model and its optimiser; this rank's RNG state when the checkpoint has one per rank."""
+    """:func:`restore` of the trained model ``name``, in one process or under torchrun (every rank): plain
+    weights into a DDP model, or the DCP shards into an FSDP2 model and its optimiser; this rank's RNG
+    state when the checkpoint has one per rank."""
+    if D.world_size() == 1:
+        return restore(run_dir, cfg, {name: model}, optimizer, scheduler)
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         return None
@@ -356,11 +359,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     step = 0
     state = None
     if resume:
-        state = (
-            restore(run_dir, cfg, {"policy": model}, optimizer, scheduler)
-            if world == 1
-            else restore_distributed(run_dir, cfg, "policy", model, optimizer, scheduler)
-        )
+        state = restore_distributed(run_dir, cfg, "policy", model, optimizer, scheduler)
     if state is not None:
         step = state["step"]
         stream = BatchStream(len(train_ex), cfg.batch_size, cfg.seed, **state["data"])
