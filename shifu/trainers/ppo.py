@@ -185,6 +185,12 @@ class PPOTrainer:
         out = (x - mean) * torch.rsqrt(var + 1e-8)
         return torch.where(mask.bool(), out, torch.zeros((), dtype=x.dtype, device=x.device))
 
+    def reuses_decode_log_probs(self, bf16_autocast: bool) -> bool:
+        """Whether the decode steps' log-probs stand in for a second actor forward: fp32 only, since bf16
+        (autocast or bf16/fp16 weights) makes decode and full-sequence kernels round differently."""
+        fp32 = not bf16_autocast and next(self.actor_module.parameters()).dtype == torch.float32
+        return self.cfg.reuse_generation_log_probs and fp32
+
     # ---------------------------------------------------------------- rollout
     @torch.no_grad()
     def rollout(
@@ -197,10 +203,7 @@ class PPOTrainer:
         # 1. sample responses (B,R), right-padded; everything after the first EOS is pad (mask False).
         # In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
         # old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer.
-        # bf16 (autocast or bf16/fp16 weights) recomputes them: decode and full-sequence kernels round
-        # differently there.
-        fp32 = not cfg.bf16 and next(actor.parameters()).dtype == torch.float32
-        reuse = cfg.reuse_generation_log_probs and fp32
+        reuse = self.reuses_decode_log_probs(cfg.bf16)
         with autocast(cfg.bf16, self.device):
             sampled = sample(
                 actor,

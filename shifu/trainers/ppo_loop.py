@@ -209,8 +209,7 @@ def evaluate(
         all_rows = rows
         ids, rows = [ids[i] for i in mine], [rows[i] for i in mine]
     actor = trainer.actor_module
-    # the decode steps' log-probs serve the KL in fp32 (as in the rollout; half precision recomputes)
-    reuse = cfg.reuse_generation_log_probs and next(actor.parameters()).dtype == torch.float32
+    reuse = trainer.reuses_decode_log_probs(bf16_autocast=False)  # evaluation runs without autocast
     responses, scores, kls = [], [], []
     for i in range(0, len(ids), cfg.micro_batch_size):
         b = pad_left(ids[i : i + cfg.micro_batch_size], tok.pad_token_id)
