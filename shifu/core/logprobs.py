@@ -59,11 +59,15 @@ class _TokenLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
         logits, index = ctx.saved_tensors
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for bs, ts in _chunks(logits, ctx.chunk_elements):
+        chunks = list(_chunks(logits, ctx.chunk_elements))
+        whole = len(chunks) == 1 and logits.dtype == torch.float32  # the chunk's gradient is the gradient
+        grad = None if whole else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for bs, ts in chunks:
             g = torch.softmax(_scaled(logits[bs, ts], ctx.temperature), dim=-1).neg_()
             g.scatter_add_(-1, index[bs, ts], torch.ones_like(index[bs, ts], dtype=g.dtype))
             g.mul_(grad_out[bs, ts].unsqueeze(-1) / ctx.temperature)
+            if whole:
+                return g, None, None, None
             grad[bs, ts] = g
         return grad, None, None, None
 
@@ -125,14 +129,17 @@ class _TokenLogProbsEntropy(torch.autograd.Function):
         logits, index, lse, ent = ctx.saved_tensors
         if grad_lp is None and grad_ent is None:
             return None, None, None, None, None
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for bs, ts in _chunks(logits, ctx.chunk_elements):
+        chunks = list(_chunks(logits, ctx.chunk_elements))
+        # one chunk in float32: the chunk's gradient is the gradient (no second (B, T, V) buffer + copy)
+        whole = len(chunks) == 1 and logits.dtype == torch.float32
+        grad = None if whole else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for bs, ts in chunks:
             log_p = _scaled(logits[bs, ts], ctx.temperature) - lse[bs, ts].unsqueeze(-1)
-            p = log_p.exp()
             g_lp = None if grad_lp is None else grad_lp[bs, ts].unsqueeze(-1)
-            if grad_ent is None:
-                g = p.mul_(g_lp).neg_()
-            else:
+            if grad_ent is None:  # -p g_lp, in place
+                g = log_p.exp_().mul_(g_lp).neg_()
+            else:  # -p (g_H (log p + H) + g_lp)
+                p = log_p.exp()
                 g = log_p.add_(ent[bs, ts].unsqueeze(-1)).mul_(grad_ent[bs, ts].unsqueeze(-1))
                 if g_lp is not None:
                     g.add_(g_lp)
@@ -141,6 +148,8 @@ class _TokenLogProbsEntropy(torch.autograd.Function):
                 g.scatter_add_(-1, index[bs, ts], g_lp)
             if ctx.temperature != 1.0:
                 g.div_(ctx.temperature)
+            if whole:
+                return g, None, None, None, None
             grad[bs, ts] = g
         return grad, None, None, None, None
 
