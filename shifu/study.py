@@ -608,6 +608,78 @@ def _resid_std(groups: list[list[tuple[float, float]]]) -> float | None:
     return math.sqrt(sum((y - b * x) ** 2 for x, y in zip(dx, dy)) / dof)
 
 
+def _gold_at(curve: list[tuple[float, float]], kl: float) -> float | None:
+    """Gold of one seed's frontier at ``kl``: linear in ln KL between its two neighbouring points (the
+    measured curves are close to straight lines in ln KL: imdb seed 0 gains 0.24-0.30 gold per unit of
+    ln KL between every pair of neighbouring points, for all three methods). None outside the seed's
+    range (no extrapolation)."""
+    pts = sorted((k, g) for k, g in curve if k > 0)
+    for (k0, g0), (k1, g1) in zip(pts, pts[1:]):
+        if k0 <= kl <= k1:
+            if k1 == k0:
+                return (g0 + g1) / 2
+            w = (math.log(kl) - math.log(k0)) / (math.log(k1) - math.log(k0))
+            return g0 + w * (g1 - g0)
+    return None
+
+
+def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2) -> dict[str, Any] | None:
+    """Every method's gold read at the same KLs, per seed, along that seed's own frontier.
+
+    Each seed of a method has one (KL, gold) per point; :func:`_gold_at` interpolates it. The KL grid
+    spans the range that at least ``min_seeds`` seeds of *every* method cover, ``grid_points`` values
+    evenly spaced in ln KL. Per method and grid KL: mean and std over the seeds that reach it; versus
+    PPO: the difference of means with its standard error (seeds of two methods are independent). This is
+    what "one method's frontier is above another's" and "more variance across seeds at the same KL"
+    are read from. None when fewer than two methods have ``min_seeds`` seeds with two points or more.
+    """
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for method, m in methods.items():
+        by_seed: dict[int, list[tuple[float, float]]] = {}
+        for p in m["points"]:
+            for s in p["per_seed"]:
+                by_seed.setdefault(s["seed"], []).append((s["kl"], s["gold"]))
+        usable = [c for c in by_seed.values() if len([k for k, _ in c if k > 0]) >= 2]
+        if len(usable) >= min_seeds:
+            curves[method] = usable
+    if len(curves) < 2:
+        return None
+
+    def covered(cs: list[list[tuple[float, float]]]) -> tuple[float, float]:
+        # the widest [lo, hi] that min_seeds seeds each span
+        los = sorted(min(k for k, _ in c if k > 0) for c in cs)
+        his = sorted((max(k for k, _ in c) for c in cs), reverse=True)
+        return los[min_seeds - 1], his[min_seeds - 1]
+
+    ranges = [covered(cs) for cs in curves.values()]
+    lo, hi = max(r[0] for r in ranges), min(r[1] for r in ranges)
+    if not lo < hi:
+        return {"kl_grid": [], "methods": {}, "vs_ppo": {}, "note": "the methods' KL ranges do not overlap"}
+    n = max(grid_points, 2)
+    grid = [math.exp(math.log(lo) + i * (math.log(hi) - math.log(lo)) / (n - 1)) for i in range(n)]
+    grid[0], grid[-1] = lo, hi  # exactly the ends (exp(log(x)) may land just outside a seed's range)
+    table: dict[str, list[dict[str, Any]]] = {}
+    for method, cs in curves.items():
+        rows = []
+        for kl in grid:
+            golds = [g for g in (_gold_at(c, kl) for c in cs) if g is not None]
+            mean, std = _mean_std(golds) if golds else (None, None)
+            rows.append({"kl": kl, "gold_mean": mean, "gold_std": std, "seeds": len(golds)})
+        table[method] = rows
+    vs_ppo: dict[str, list[dict[str, Any]]] = {}
+    if "ppo" in table:
+        for method, rows in table.items():
+            if method == "ppo":
+                continue
+            diffs = []
+            for a, b in zip(table["ppo"], rows):
+                if a["seeds"] >= 2 and b["seeds"] >= 2:
+                    se = math.sqrt(a["gold_std"] ** 2 / a["seeds"] + b["gold_std"] ** 2 / b["seeds"])
+                    diffs.append({"kl": a["kl"], "ppo_minus": a["gold_mean"] - b["gold_mean"], "se": se})
+            vs_ppo[method] = diffs
+    return {"kl_grid": grid, "methods": table, "vs_ppo": vs_ppo}
+
+
 def plot(frontier: dict[str, Any], path: Path) -> Path:
     """gold vs KL: one curve per method through its points (mean), std over seeds as error bars."""
     import matplotlib
@@ -725,6 +797,7 @@ def frontier(
         for m in methods
         for label in order[m]
     ]
+    methods_report = aggregate(results, order)
     report = {
         "task": task,
         "budget": budget,
@@ -742,7 +815,8 @@ def frontier(
         "pairs": shared["pairs_info"],
         "reward_model": shared.get("rm"),
         "shared_seconds": shared["seconds"],
-        "methods": aggregate(results, order),
+        "methods": methods_report,
+        "matched_kl": matched_kl(methods_report),
         "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
         "seconds_total": round(time.time() - t_start, 1),
     }
@@ -775,6 +849,23 @@ def _table(report: dict[str, Any]) -> str:
             lines.append(
                 f"{method:10s} {p['point']:10s} {p['gold_mean']:7.3f}±{p['gold_std']:.3f} "
                 f"{p['kl_mean']:8.2f}±{p['kl_std']:.2f} {secs:7.0f}"
+            )
+    mk = report.get("matched_kl")
+    if mk and mk["kl_grid"]:
+        lines.append("gold at matched KL (each seed read along its own frontier; mean±std over seeds):")
+        lines.append(f"{'KL (nats)':>10s} " + " ".join(f"{m:>16s}" for m in mk["methods"]))
+        for i, kl in enumerate(mk["kl_grid"]):
+            cells = []
+            for rows in mk["methods"].values():
+                r = rows[i]
+                cells.append(
+                    f"{r['gold_mean']:.3f}±{r['gold_std']:.3f} ({r['seeds']})" if r["seeds"] else "-"
+                )
+            lines.append(f"{kl:10.2f} " + " ".join(f"{c:>16s}" for c in cells))
+        for method, diffs in mk["vs_ppo"].items():
+            lines.append(
+                f"ppo - {method}: "
+                + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.1f}" for d in diffs)
             )
     for method, m in report["methods"].items():
         if m.get("gold_std_at_kl") is not None:

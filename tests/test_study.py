@@ -56,6 +56,56 @@ def test_std_at_kl_removes_the_part_of_the_seed_spread_that_kl_explains():
     assert study._resid_std([[(1.0, 0.2)], [(2.0, 0.3)]]) is None  # one seed per point
 
 
+def _runs(method: str, curves: dict[int, list[tuple[float, float]]]) -> list[dict]:
+    return [
+        {"method": method, "point": f"p{i}", "seed": seed, "gold": g, "kl": k, "response_len": 1.0,
+         "train_seconds": 1.0, "proxy": None}
+        for seed, pts in curves.items()
+        for i, (k, g) in enumerate(pts)
+    ]  # fmt: skip
+
+
+def test_matched_kl_reads_every_seed_along_its_own_frontier():
+    import math
+
+    # gold = a + 0.25 ln KL per seed: PPO seeds at a = 0.10 / 0.14, DPO at 0.05 / 0.07 / 0.09, each
+    # stopping at different KLs; along ln KL the interpolation is exact, so the answer is known
+    def line(a, kls):
+        return [(k, a + 0.25 * math.log(k)) for k in kls]
+
+    results = _runs("ppo", {0: line(0.10, [2.0, 6.0, 16.0]), 1: line(0.14, [1.5, 5.0, 12.0])})
+    results += _runs(
+        "dpo", {0: line(0.05, [4.0, 9.0]), 1: line(0.07, [3.0, 20.0]), 2: line(0.09, [5.0, 8.0])}
+    )
+    order = {"ppo": ["p0", "p1", "p2"], "dpo": ["p0", "p1"]}
+    mk = study.matched_kl(study.aggregate(results, order), grid_points=3)
+    # range: PPO's 2nd-lowest start 2.0 .. 2nd-highest end 12; DPO's 4.0 .. 9.0 -> grid 4 .. 9 (in ln KL)
+    assert mk["kl_grid"][0] == pytest.approx(4.0) and mk["kl_grid"][-1] == pytest.approx(9.0)
+    assert mk["kl_grid"][1] == pytest.approx(6.0)  # geometric middle
+    for row, kl in zip(mk["methods"]["ppo"], mk["kl_grid"]):
+        assert row["seeds"] == 2 and row["gold_mean"] == pytest.approx(0.12 + 0.25 * math.log(kl))
+        assert row["gold_std"] == pytest.approx(0.04 / math.sqrt(2))
+    dpo = mk["methods"]["dpo"]
+    assert [r["seeds"] for r in dpo] == [2, 3, 2]  # seed 2 covers only 5..8, seed 0 only up to 9
+    assert dpo[1]["gold_mean"] == pytest.approx(0.07 + 0.25 * math.log(6.0))
+    diff = mk["vs_ppo"]["dpo"][1]
+    assert diff["ppo_minus"] == pytest.approx(0.05)
+    assert diff["se"] == pytest.approx(math.sqrt(0.04**2 / 2 / 2 + 0.02**2 / 3))
+
+
+def test_matched_kl_needs_two_methods_with_overlapping_ranges():
+    one = study.aggregate(
+        _runs("ppo", {0: [(1.0, 0.1), (2.0, 0.2)], 1: [(1.0, 0.1), (3.0, 0.3)]}), {"ppo": ["p0", "p1"]}
+    )
+    assert study.matched_kl(one) is None
+    apart = _runs("ppo", {s: [(1.0, 0.1), (2.0, 0.2)] for s in (0, 1)})
+    apart += _runs("dpo", {s: [(5.0, 0.1), (9.0, 0.2)] for s in (0, 1)})
+    mk = study.matched_kl(study.aggregate(apart, {"ppo": ["p0", "p1"], "dpo": ["p0", "p1"]}))
+    assert mk["kl_grid"] == [] and "do not overlap" in mk["note"]
+    assert study._gold_at([(1.0, 0.1), (4.0, 0.3)], 2.0) == pytest.approx(0.2)  # halfway in ln KL
+    assert study._gold_at([(1.0, 0.1), (4.0, 0.3)], 5.0) is None  # never extrapolated
+
+
 def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, capsys):
     plan = study.BUDGETS[("arith", "ci")]
     assert study._select(plan, ["reinforce:beta=0.01", "ppo:beta=0.3"]) == {
