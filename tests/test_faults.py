@@ -17,14 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 from ppo_task import build_char_model, write_prompts
+from test_dpo import config as dpo_cfg
+from test_rm import make_cfg as rm_cfg
 from test_sft import make_cfg as sft_cfg
 
 from shifu import checkpoint as ckpt
 from shifu import cli
 from shifu.config import load_config
 from shifu.errors import ShifuError
+from shifu.models import ScalarModel
 from shifu.tracking import read_metrics
-from shifu.trainers import ppo, sft
+from shifu.trainers import dpo, ppo, reward, sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "shifu"
@@ -188,6 +191,161 @@ def test_sft_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
     assert not (tmp_path / "run" / "final").exists()
 
 
+# ------------------------------------------------------------------ non-finite values: rm and DPO
+def _nan_loss_at(monkeypatch, module, name: str, steps_with_nan) -> None:
+    """``module.name`` (a ``(loss, stats)`` function) returns a NaN loss on its k-th call with gradients on
+    when ``steps_with_nan(k)``; held-out passes (under no_grad) are not counted. One call per training step
+    (grad_accum=1), so k is the step."""
+    real, n = getattr(module, name), {"calls": 0}
+
+    def loss_fn(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return loss, stats
+        n["calls"] += 1
+        return (loss * float("nan") if steps_with_nan(n["calls"]) else loss), stats
+
+    monkeypatch.setattr(module, name, loss_fn)
+
+
+def _checkpoint_steps(run: Path) -> set[int]:
+    """The Adam step counts in the latest checkpoint of ``run``."""
+    state = torch.load(ckpt.latest_checkpoint(run) / "state.pt", weights_only=True, map_location="cpu")
+    return {int(s["step"]) for s in state["optimizer"]["state"].values()}
+
+
+def _window_rows(run: Path, name: str) -> list[dict]:
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if f"{name}/loss" in r]
+    # the window mean ignores the skipped step: never NaN (written as null)
+    assert all(isinstance(r[f"{name}/loss"], float) and math.isfinite(r[f"{name}/loss"]) for r in rows)
+    return rows
+
+
+def test_rm_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    _nan_loss_at(monkeypatch, reward, "bradley_terry_loss", lambda k: k == 3)
+    reward.train(rm_cfg(tiny_model_dir, tmp_path, max_steps=6, save_every=6, log_every=2))
+    run = tmp_path / "run"
+    assert "shifu rm: step 3: non-finite loss or gradient, step skipped" in capsys.readouterr().err
+    assert [r["rm/skipped_steps"] for r in _window_rows(run, "rm")] == [0, 1, 1]
+    assert _checkpoint_steps(run) == {5}  # 6 steps, 1 skipped: Adam never saw it
+    final = ScalarModel.from_pretrained(run / "final")
+    assert all(torch.isfinite(t).all() for t in final.state_dict().values())
+
+
+def test_rm_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    _nan_loss_at(monkeypatch, reward, "bradley_terry_loss", lambda k: k >= 5)  # every step from step 5 on
+    cfg = rm_cfg(tiny_model_dir, tmp_path, max_steps=20, save_every=2, max_nonfinite_steps=3)
+    message = r"3 consecutive steps \(up to step 7\).*max_nonfinite_steps=3.*step-00000006.*--resume"
+    with pytest.raises(ShifuError, match=message):
+        reward.train(cfg)
+    run = tmp_path / "run"
+    assert ckpt.latest_checkpoint(run).name == "step-00000006"
+    # steps 5 and 6 were skipped: the step-6 checkpoint holds step 4's weights, all finite
+    four, six = (run / ckpt.CKPT_DIR / f"step-0000000{i}" / "model-rm.safetensors" for i in (4, 6))
+    assert _finite(six) and _same(four, six)
+    assert not (run / "final").exists()
+    # the counts are checkpointed: resumed at step 6 (2 skipped in a row), one more NaN step stops it
+    with pytest.raises(ShifuError, match=message):
+        reward.train(cfg, resume=True)
+
+
+def test_dpo_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    _nan_loss_at(monkeypatch, dpo, "dpo_loss", lambda k: k == 3)
+    dpo.train(dpo_cfg(tmp_path, tiny_model_dir, "run", max_steps=6, save_every=6, log_every=2))
+    run = tmp_path / "run"
+    assert "shifu dpo: step 3: non-finite loss or gradient, step skipped" in capsys.readouterr().err
+    assert [r["dpo/skipped_steps"] for r in _window_rows(run, "dpo")] == [0, 1, 1]
+    assert _checkpoint_steps(run) == {5}
+    final = sft.load_causal_lm(run / "final")
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+
+
+def test_dpo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    _nan_loss_at(monkeypatch, dpo, "dpo_loss", lambda k: k >= 5)
+    argv = ["dpo", "--out", str(tmp_path / "run"), "max_steps=10", "save_every=2", "max_nonfinite_steps=3"]
+    cfg = dpo_cfg(tmp_path, tiny_model_dir, "run", max_steps=10, save_every=2, max_nonfinite_steps=3)
+    argv += [f"policy_path={cfg.policy_path}", f"data.train={cfg.data.train}", f"data.eval={cfg.data.eval}"]
+    argv += ["data.max_len=48", "data.max_prompt_len=16", "optim.lr=3e-3", "optim.schedule=constant"]
+    argv += ["batch_size=16", "log_every=5", "progress=false", "tensorboard=false", "device=cpu"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "3 consecutive steps (up to step 7)" in err and "max_nonfinite_steps=3" in err
+    assert "step-00000006" in err
+    run = tmp_path / "run"
+    assert ckpt.latest_checkpoint(run).name == "step-00000006"
+    four, six = (run / ckpt.CKPT_DIR / f"step-0000000{i}" / "model-policy.safetensors" for i in (4, 6))
+    assert _finite(six) and _same(four, six)
+    assert not (run / "final").exists()
+    # fixed (no more NaN), --resume finishes; the total count continues from the checkpoint's 2
+    monkeypatch.undo()
+    assert cli.main(argv + ["--resume"]) == 0
+    assert [r["dpo/skipped_steps"] for r in _window_rows(run, "dpo")] == [1, 2]
+    assert _finite(run / "final" / "model.safetensors")
+
+
+# rank 1 alone sees a NaN loss value at step 2 (its gradients stay finite): under torchrun every rank must
+# skip that step, or rank 0 would take it and the replicas would part
+_RM_RANK_NAN = """
+import sys
+import torch
+from shifu import distributed as D
+from shifu.config import load_config
+from shifu.trainers import reward
+
+real, calls = reward.bradley_terry_loss, {"n": 0}
+
+
+def loss_fn(*args, **kwargs):
+    loss, stats = real(*args, **kwargs)
+    if torch.is_grad_enabled():
+        calls["n"] += 1
+        if calls["n"] == 2 and (D.world_size() == 1 or D.rank() == 1):
+            loss = loss + float("nan") * loss.detach()
+    return loss, stats
+
+
+reward.bradley_terry_loss = loss_fn
+reward.train(load_config(reward.Config, overrides=sys.argv[1:]))
+D.destroy()
+"""
+
+
+@pytest.mark.slow
+def test_rm_under_torchrun_skips_a_step_that_is_nan_on_one_rank_only(tiny_model_dir, tmp_path):
+    script = tmp_path / "rm_rank_nan.py"
+    script.write_text(_RM_RANK_NAN)
+    cfg = rm_cfg(tiny_model_dir, tmp_path)  # writes the data files
+    args = [f"model.backbone={tiny_model_dir}", f"data.train={cfg.data.train}", f"data.eval={cfg.data.eval}"]
+    args += ["batch_size=4", "max_steps=3", "log_every=1", "optim.schedule=constant", "optim.eps=1.0"]
+    args += ["progress=false", "tensorboard=false", "distributed.timeout_s=60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHIFU_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("WORLD_SIZE", None)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    runs = {}
+    for name, cmd in (
+        ("one", [sys.executable, str(script)]),
+        ("two", [*torchrun, str(script), "distributed.strategy=ddp"]),
+    ):
+        done = subprocess.run(
+            [*cmd, f"out_dir={tmp_path / name}", *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        assert done.stderr.count("step 2: non-finite loss or gradient, step skipped") == 1  # rank 0 says it
+        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [r["rm/skipped_steps"] for r in rows if "rm/loss" in r] == [0, 1, 1]
+        final = ScalarModel.from_pretrained(tmp_path / name / "final")
+        runs[name] = {k: v.clone() for k, v in final.state_dict().items()}
+    init = ScalarModel.from_backbone(str(tiny_model_dir), seed=0).state_dict()
+    diff = max(float((runs["two"][k] - runs["one"][k]).abs().max()) for k in init)
+    moved = max(float((runs["one"][k] - init[k]).abs().max()) for k in init)
+    assert moved > 0 and diff / moved < 1e-3  # 2 ranks == 1 process, both with step 2 skipped
+
+
 # ------------------------------------------------------------------ non-finite values: PPO
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
@@ -219,6 +377,13 @@ def _finite(path: Path) -> bool:
     from safetensors.torch import load_file
 
     return all(torch.isfinite(t).all() for t in load_file(str(path)).values())
+
+
+def _same(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_ppo_drops_nan_scores_and_skips_a_nan_loss_step(task, tmp_path, monkeypatch):

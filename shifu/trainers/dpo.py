@@ -13,7 +13,9 @@ read by :func:`shifu.rollout.policy_forward`, so DPO, PPO and the gold/KL evalua
 The reference is a frozen copy (``ref_path``, default ``policy_path``) loaded separately; its log-probs are
 computed once, before training, for every pair. Dropout is disabled in both models, so the implicit reward
 is exactly 0 before the first step. Output: ``OUT/final/`` (HF model + tokenizer), ``summary.json``,
-``metrics.jsonl``; ``save_every`` writes checkpoints that ``--resume`` continues exactly.
+``metrics.jsonl``; ``save_every`` writes checkpoints that ``--resume`` continues exactly. A step whose loss
+or gradient is NaN/Inf is skipped and counted (``dpo/skipped_steps``); ``max_nonfinite_steps`` of them in a
+row stop the run, as in ``shifu sft``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from shifu.trainers.common import (
     seed_everything,
     write_config,
 )
+from shifu.trainers.reward import count_nonfinite, grads_finite
 from shifu.trainers.sft import report_counts, resolve_device, restore, total_steps
 
 STAT_KEYS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
@@ -69,6 +72,9 @@ class Config:
     keep_last: int = opt(2, "checkpoints kept")
     log_every: int = opt(10, "training metrics averaged and logged every N steps")
     bf16: bool = opt(False, "bf16 autocast for forward passes (weights and optimiser stay fp32)")
+    max_nonfinite_steps: int = opt(
+        5, "stop after this many consecutive steps with a NaN/Inf loss or gradient (each one is skipped)"
+    )
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto")
     progress: bool = opt(True, "show a progress bar on stderr")
     tensorboard: bool = opt(True, "also write TensorBoard scalars to OUT/tb")
@@ -82,7 +88,14 @@ class Config:
             raise ConfigError(f"beta must be > 0 (got {self.beta}); typical values are 0.01 .. 0.5")
         self.data.validate()
         self.optim.validate()
-        for key in ("batch_size", "grad_accum", "eval_batch_size", "keep_last", "log_every"):
+        for key in (
+            "batch_size",
+            "grad_accum",
+            "eval_batch_size",
+            "keep_last",
+            "log_every",
+            "max_nonfinite_steps",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
         for key in ("max_steps", "eval_every", "save_every"):
@@ -225,7 +238,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         tracker.log(0, held_out())  # policy == reference: implicit rewards 0, loss log 2
     bar = progress(n_steps, "dpo", enabled=cfg.progress, initial=step)
     # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
+    # (n_window counts the steps taken; a skipped step adds nothing to the window)
     window, n_window = state["window"] if state and "window" in state else (dict.fromkeys(STAT_KEYS, 0.0), 0)
+    # steps skipped for a NaN/Inf loss or gradient: in total, and in a row (both checkpointed)
+    nonfinite = state.get("nonfinite", [0, 0]) if state else [0, 0]
 
     def save() -> None:
         ckpt.save_checkpoint(
@@ -236,46 +252,59 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             {
                 "data": stream.state(),
                 "window": [window, n_window],
+                "nonfinite": nonfinite,
                 "rng": ckpt.rng_state(),
                 "config": to_dict(cfg),
             },
             keep_last=cfg.keep_last,
         )
 
-    t0 = time.perf_counter()
+    t0, t0_step = time.perf_counter(), step
     with GracefulStop() as stop:
         while step < n_steps:
             batches = [stream.next() for _ in range(cfg.grad_accum)]
             n_pairs = sum(len(b) for b in batches)
+            step_stats = dict.fromkeys(STAT_KEYS, 0.0)
             for idx in batches:
                 pairs, ref_lp = [train_pairs[i] for i in idx], [train_ref[i] for i in idx]
                 loss, stats = pair_loss(model, pairs, ref_lp, pad_id, cfg.beta, device, cfg.bf16)
                 w = len(idx) / n_pairs
                 (loss * w).backward()
                 for k, v in {"loss": loss.detach(), **stats}.items():
-                    window[k] += w * float(v)
-            if cfg.optim.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
+                    step_stats[k] += w * float(v)
+            finite = grads_finite(model, step_stats["loss"])
+            if finite:
+                if cfg.optim.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()  # a NaN/Inf loss or gradient skips it: weights and Adam moments untouched
+                for k in STAT_KEYS:
+                    window[k] += step_stats[k]
+                n_window += 1
+            scheduler.step()  # the schedule follows the step counter, skipped or not
             optimizer.zero_grad(set_to_none=True)
-            step, n_window = step + 1, n_window + 1
+            step += 1
             bar.update(1)
+            error = count_nonfinite(nonfinite, finite, "dpo", step, cfg.max_nonfinite_steps, run_dir)
+            if error:
+                bar.close(), tracker.close()
+                raise error
 
             if step % cfg.log_every == 0 or step == n_steps:
-                last = {f"dpo/{k}": v / n_window for k, v in window.items()}
-                elapsed = time.perf_counter() - t0
+                last = {f"dpo/{k}": v / n_window if n_window else float("nan") for k, v in window.items()}
+                pairs_done = (step - t0_step) * cfg.batch_size * cfg.grad_accum
                 tracker.log(
                     step,
                     {
                         **last,
                         "dpo/lr": scheduler.get_last_lr()[0],
-                        "perf/pairs_per_s": n_window * cfg.batch_size * cfg.grad_accum / max(elapsed, 1e-9),
+                        "dpo/skipped_steps": nonfinite[0],
+                        "perf/pairs_per_s": pairs_done / max(time.perf_counter() - t0, 1e-9),
                     },
                 )
                 summary.update(last)
                 bar.set_postfix(acc=f"{last['dpo/accuracy']:.2f}", margin=f"{last['dpo/margin']:.2f}")
-                window, n_window, t0 = dict.fromkeys(STAT_KEYS, 0.0), 0, time.perf_counter()
+                window, n_window = dict.fromkeys(STAT_KEYS, 0.0), 0
+                t0, t0_step = time.perf_counter(), step
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
                 metrics = held_out()
                 tracker.log(step, metrics)

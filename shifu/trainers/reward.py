@@ -10,6 +10,8 @@ Output: ``OUT/final/`` (``ScalarModel.from_pretrained``); with ``ensemble.k > 1`
 ``OUT/member-<m>/`` (its own metrics and checkpoints, model in ``final/``) and ``OUT/final/ensemble.json``.
 Either loads with :func:`shifu.ensemble.load_reward`. After training, gain/bias are fitted (when
 ``normalize.responses`` or ``normalize.policy`` is set) so normalisation-set scores have mean 0, std 1.
+As in ``shifu sft``, a step whose loss or gradient is NaN/Inf is skipped and counted (``rm/skipped_steps``);
+``max_nonfinite_steps`` of them in a row stop the run (:func:`count_nonfinite`).
 
 Under ``torchrun`` (``distributed.strategy=ddp|fsdp2``): ``batch_size`` stays the *global* number of pairs
 per micro-batch; each of the W ranks takes ``batch[rank::W]`` and weights its pair-mean loss by
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Literal
@@ -37,7 +40,7 @@ from shifu.core import bradley_terry_loss
 from shifu.data import BatchStream, DataConfig, load_rows, load_train_eval, sft_texts
 from shifu.distributed import DistributedConfig
 from shifu.ensemble import AGGREGATIONS, RewardEnsemble, write_manifest
-from shifu.errors import ConfigError
+from shifu.errors import ConfigError, ShifuError
 from shifu.models import ScalarModel, last_token_index, load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
@@ -51,6 +54,7 @@ from shifu.trainers.common import (
     write_config,
 )
 from shifu.trainers.sft import (
+    _local,
     prepare_run_dir_main,
     rank_slice,
     report_counts,
@@ -109,6 +113,9 @@ class Config:
     keep_last: int = opt(2, "checkpoints kept")
     log_every: int = opt(10, "training metrics averaged and logged every N steps")
     bf16: bool = opt(False, "bf16 autocast for forward passes")
+    max_nonfinite_steps: int = opt(
+        5, "stop after this many consecutive steps with a NaN/Inf loss or gradient (each one is skipped)"
+    )
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto")
     progress: bool = opt(True, "show a progress bar on stderr")
     tensorboard: bool = opt(True, "also write TensorBoard scalars")
@@ -132,11 +139,55 @@ class Config:
             raise ConfigError(f"ensemble.aggregate must be one of {', '.join(AGGREGATIONS)}")
         if self.normalize.responses and self.normalize.policy:
             raise ConfigError("set only one of normalize.responses and normalize.policy")
-        for key in ("batch_size", "grad_accum", "eval_batch_size", "keep_last", "log_every"):
+        for key in (
+            "batch_size",
+            "grad_accum",
+            "eval_batch_size",
+            "keep_last",
+            "log_every",
+            "max_nonfinite_steps",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
         if self.max_steps == 0 and self.epochs <= 0:
             raise ConfigError("set epochs > 0 or max_steps > 0")
+
+
+def grads_finite(model: torch.nn.Module, loss: float) -> bool:
+    """True when ``loss`` and every gradient of ``model`` (this rank's shard under FSDP2) are finite; one
+    device-to-host read."""
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    return math.isfinite(loss) and (
+        not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+    )
+
+
+def count_nonfinite(
+    nonfinite: list[int], finite: bool, name: str, step: int, limit: int, run_dir: Path, say: bool = True
+) -> ShifuError | None:
+    """Book optimiser step ``step`` (1-based) in ``nonfinite`` = [skipped in total, skipped in a row] (rm and
+    dpo; the same rule as sft). A skipped step is announced on stderr (when ``say``); after ``limit``
+    skipped steps in a row the error that ends the run is returned (the caller closes its sinks and raises).
+    """
+    if finite:
+        nonfinite[1] = 0
+        return None
+    nonfinite[0] += 1
+    nonfinite[1] += 1
+    if say:
+        print(f"shifu {name}: step {step}: non-finite loss or gradient, step skipped", file=sys.stderr)
+    if nonfinite[1] < limit:
+        return None
+    last = ckpt.latest_checkpoint(run_dir)
+    return ShifuError(
+        f"{nonfinite[1]} consecutive steps (up to step {step}) had a NaN/Inf loss or gradient; "
+        f"stopping (max_nonfinite_steps={limit}). "
+        + (
+            f"The last good checkpoint is {last}; lower optim.lr or check the data, then --resume"
+            if last
+            else "No checkpoint was written; lower optim.lr or check the data"
+        )
+    )
 
 
 def resolve_backbone(name: str) -> str:
@@ -289,15 +340,19 @@ def train_member(
     desc = "rm" if cfg.ensemble.k == 1 else f"rm member {member}"
     bar = progress(n_steps, desc, cfg.progress and main, step)
     # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
+    # (n_window counts the steps taken; a skipped step adds nothing to the window)
     window, n_window = (
         state["window"] if state else ({"rm/loss": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}, 0)
     )
+    # steps skipped for a NaN/Inf loss or gradient: in total, and in a row (both checkpointed)
+    nonfinite = state.get("nonfinite", [0, 0]) if state else [0, 0]
     last = {}
 
     def save() -> None:
         json_state = {
             "data": stream.state(),
             "window": [window, n_window],
+            "nonfinite": nonfinite,
             "rng": ckpt.rng_state(),
             "config": to_dict(cfg),
         }
@@ -317,11 +372,12 @@ def train_member(
         while step < n_steps:
             # one optimiser step: grad_accum micro-batches, each weighted by its share of the step's pairs
             if world > 1:
-                synced_stop = _distributed_micro_batches(
-                    cfg, model, stream, train_pairs, pad_id, device, window, float(stop.requested)
+                step_stats, finite, synced_stop = _distributed_micro_batches(
+                    cfg, model, stream, train_pairs, pad_id, device, float(stop.requested)
                 )
             else:
                 synced_stop = False
+                step_stats = dict.fromkeys(window, 0.0)
                 batches = [[train_pairs[i] for i in stream.next()] for _ in range(cfg.grad_accum)]
                 n_pairs = sum(len(b) for b in batches)
                 for batch in batches:
@@ -332,19 +388,30 @@ def train_member(
                     )
                     (loss * len(batch) / n_pairs).backward()
                     w = len(batch) / n_pairs
-                    window["rm/loss"] += w * float(loss.detach())
-                    window["rm/accuracy"] += w * float(stats["accuracy"])
-                    window["rm/margin"] += w * float(stats["margin"])
-            if cfg.optim.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
+                    step_stats["rm/loss"] += w * float(loss.detach())
+                    step_stats["rm/accuracy"] += w * float(stats["accuracy"])
+                    step_stats["rm/margin"] += w * float(stats["margin"])
+                finite = grads_finite(model, step_stats["rm/loss"])
+            if finite:
+                if cfg.optim.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()  # a NaN/Inf loss or gradient skips it: weights and Adam moments untouched
+                for k in window:
+                    window[k] += step_stats[k]
+                n_window += 1
+            scheduler.step()  # the schedule follows the step counter, skipped or not
             optimizer.zero_grad(set_to_none=True)
-            step, n_window = step + 1, n_window + 1
+            step += 1
             bar.update(1)
+            error = count_nonfinite(nonfinite, finite, desc, step, cfg.max_nonfinite_steps, run_dir, main)
+            if error:
+                bar.close(), tracker.close()
+                raise error
             if step % cfg.log_every == 0 or step == n_steps:
-                last = {k: v / n_window for k, v in window.items()}
-                tracker.log(step, {**last, "rm/lr": scheduler.get_last_lr()[0]})
+                last = {k: v / n_window if n_window else float("nan") for k, v in window.items()}
+                tracker.log(
+                    step, {**last, "rm/lr": scheduler.get_last_lr()[0], "rm/skipped_steps": nonfinite[0]}
+                )
                 bar.set_postfix(acc=f"{last['rm/accuracy']:.2f}")
                 window, n_window = dict.fromkeys(window, 0.0), 0
             if cfg.eval_every and step % cfg.eval_every == 0 and step < n_steps:
@@ -365,15 +432,16 @@ def train_member(
 
 
 def _distributed_micro_batches(
-    cfg: Config, model, stream: BatchStream, train_pairs: list[dict], pad_id: int, device, window, stop: float
-) -> bool:
-    """Forward/backward of one optimiser step's micro-batches on this rank (under torchrun); adds the
-    step's global loss/accuracy/margin to ``window``; returns True when any rank asked to stop.
+    cfg: Config, model, stream: BatchStream, train_pairs: list[dict], pad_id: int, device, stop: float
+) -> tuple[dict[str, float], bool, bool]:
+    """Forward/backward of one optimiser step's micro-batches on this rank (under torchrun); returns the
+    step's global loss/accuracy/margin, whether the loss and every gradient are finite on every rank, and
+    whether any rank asked to stop.
 
     Each global micro-batch is split ``batch[rank::W]``; a rank's pair-mean loss is weighted by
     ``len(local) / (n_pairs_global / W)`` so the rank-averaged gradient is the mean over every pair of the
-    step (``shifu.distributed.token_mean_divisor`` of the pair count). One collective carries the metrics
-    and the stop flag.
+    step (``shifu.distributed.token_mean_divisor`` of the pair count). One collective carries the metrics,
+    the finiteness flag and the stop flag, so every rank takes (or skips) the step alike.
     """
     world, rank = D.world_size(), D.rank()
     shares = [rank_slice(stream.next(), world, rank) for _ in range(cfg.grad_accum)]
@@ -394,10 +462,10 @@ def _distributed_micro_batches(
         local["rm/loss"] += w * float(loss.detach())
         local["rm/accuracy"] += w * float(stats["accuracy"])
         local["rm/margin"] += w * float(stats["margin"])
-    g = D.reduce_metrics({**local, "stop": stop})  # means over ranks = means over every pair of the step
-    for k in local:
-        window[k] += g[k]
-    return g["stop"] > 0
+    finite = float(grads_finite(model, local["rm/loss"]))  # this rank's loss and (shard of the) gradients
+    # means over ranks = means over every pair of the step; "finite" is 1.0 only when it is 1 on every rank
+    g = D.reduce_metrics({**local, "finite": finite, "stop": stop})
+    return {k: g[k] for k in local}, g["finite"] == 1.0, g["stop"] > 0
 
 
 def plain_member(model: ScalarModel, fresh) -> ScalarModel:
