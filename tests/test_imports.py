@@ -39,7 +39,7 @@ def test_core_sources_import_only_torch_and_the_standard_library():
 
 def test_public_names():
     expected = {
-        "masked_sum", "masked_mean", "masked_var", "masked_whiten", "log_probs_from_logits",
+        "masked_sum", "masked_mean", "masked_var", "masked_whiten", "log_probs_from_logits", "log_probs_and_entropy",
         "entropy_from_logits", "kl_estimate", "shape_rewards", "gae", "ppo_policy_loss", "ppo_value_loss",
         "ppo_penalty_loss", "bradley_terry_loss", "dpo_loss", "FixedKLController", "AdaptiveKLController",
         "StepKLController", "PenaltyKLController", "build_kl_controller", "RunningMoments",
