@@ -1,5 +1,7 @@
 """``shifu`` command line: ``shifu sft|rm|ppo|dpo --config FILE.yaml key.sub=value ...`` and friends.
 
+Trainer flags and ``key.sub=value`` overrides mix in any order (``--out runs/x --resume max_steps=200``).
+
 Trainer commands share one shape: a config dataclass (``Config``) and a ``train(cfg, resume, overwrite)``
 function in their module. Other commands (quickstart, report, demo, bench, study) take their own argv.
 Errors the user can fix (:class:`shifu.errors.ShifuError`) print one clear line and exit 2.
@@ -56,15 +58,29 @@ def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--ensemble", type=int, metavar="K", help="train K reward models (same as ensemble.k=K)"
         )
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after --config")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides, applied after --config; they may come before, between or after flags",
+    )
     return p
+
+
+def parse_trainer_args(cmd: str, argv: list[str]) -> argparse.Namespace:
+    """A trainer command's flags and ``key.sub=value`` overrides, in any order.
+
+    Plain ``parse_args`` takes the positional overrides as one run, so ``a=1 --resume b=2`` (overrides on
+    both sides of a flag) failed with "unrecognized arguments: b=2"; the intermixed parse collects every
+    override, keeping their order (a later override of the same key wins).
+    """
+    return trainer_parser(cmd, TRAINERS[cmd][1]).parse_intermixed_args(argv)
 
 
 def run_trainer(cmd: str, argv: list[str]) -> int:
     from shifu.config import describe, load_config
 
-    module_name, description = TRAINERS[cmd]
-    args = trainer_parser(cmd, description).parse_args(argv)
+    module_name, _ = TRAINERS[cmd]
+    args = parse_trainer_args(cmd, argv)
     module = importlib.import_module(module_name)
     if args.help_config:
         for key, default, help_ in describe(module.Config):

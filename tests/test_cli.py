@@ -1,0 +1,67 @@
+"""Trainer command lines: flags and ``key.sub=value`` overrides in any order, e.g. overrides after --resume."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from test_sft import make_cfg as sft_cfg
+
+from shifu import cli
+from shifu.tracking import read_metrics
+
+
+@pytest.mark.parametrize("cmd", sorted(cli.TRAINERS))
+def test_overrides_mix_with_flags_for_every_trainer(cmd):
+    argv = ["a.b=1", "--out", "runs/x", "c=2", "--resume", "d.e=3", "--threads", "1", "f=x=y"]
+    args = cli.parse_trainer_args(cmd, argv)
+    assert args.overrides == ["a.b=1", "c=2", "d.e=3", "f=x=y"]
+    assert args.out == "runs/x" and args.resume and args.threads == 1 and not args.overwrite
+    # the usual order (flags first) and no overrides at all still parse
+    assert cli.parse_trainer_args(cmd, ["--config", "c.yaml", "--resume", "x=1"]).overrides == ["x=1"]
+    assert cli.parse_trainer_args(cmd, ["--out", "o"]).overrides == []
+
+
+def test_rm_ensemble_flag_between_overrides():
+    args = cli.parse_trainer_args("rm", ["epochs=1", "--ensemble", "3", "batch_size=4"])
+    assert args.ensemble == 3 and args.overrides == ["epochs=1", "batch_size=4"]
+
+
+def test_override_after_resume_is_applied(tiny_model_dir, tmp_path, capsys):
+    """A real SFT run through ``shifu.cli.main``: overrides between flags, then one after ``--resume``."""
+    data = sft_cfg(tiny_model_dir, tmp_path).data  # writes train/eval JSONL
+    run = tmp_path / "run"
+    common = [
+        f"model.path={tiny_model_dir}",
+        f"data.train={data.train}",
+        f"data.eval={data.eval}",
+        "save_every=2",
+        "progress=false",
+        "tensorboard=false",
+    ]
+    # overrides on both sides of --out and --threads: plain parse_args rejected the second group
+    first = ["sft", "max_steps=2", "--out", str(run), *common[:3], "--threads", "1", *common[3:]]
+    assert cli.main(first) == 0
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 2
+    # the override placed after --resume: the run continues from step 2 to the new max_steps
+    assert cli.main(["sft", *common[:2], "--out", str(run), *common[2:], "--resume", "max_steps=4"]) == 0
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 4
+    assert yaml.safe_load((run / "config.yaml").read_text())["max_steps"] == 4
+    capsys.readouterr()
+    # a malformed override after --resume: exit 2, one line naming it, the run untouched
+    assert cli.main(["sft", "--out", str(run), *common, "--resume", "max_steps"]) == 2
+    err = capsys.readouterr().err
+    assert "override 'max_steps' must look like key.sub=value" in err and "Traceback" not in err
+    assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 4
+
+
+def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
+    out = tmp_path / "run"
+    argv = ["ppo", "--out", str(out), "kl.target=3", "--resume", "iterations", "--threads", "1"]
+    r = subprocess.run([sys.executable, "-m", "shifu", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "override 'iterations' must look like key.sub=value" in r.stderr
+    assert "unrecognized arguments" not in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
