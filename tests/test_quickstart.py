@@ -92,3 +92,20 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     assert "no quickstart plan" in capsys.readouterr().err
     assert cli_main(["quickstart", "--task", "arith", "--out", str(tmp_path), "--set", "iterations=3"]) == 2
     assert "stage.key=value" in capsys.readouterr().err
+
+
+def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
+    from shifu.quickstart import PLANS, preference_prompts
+
+    files = {"prompts_pairs": str(tmp_path / "pairs.jsonl"), "prompts_train": str(tmp_path / "train.jsonl")}
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"t{i}"}) + "\n" for i in range(5)))
+    assert preference_prompts(files) == ["p0", "p1", "p2"]
+    assert preference_prompts(files, 2) == ["p0", "p1", "p2"]  # never fewer than the task's own
+    assert preference_prompts(files, 5) == ["p0", "p1", "p2", "t0", "t1"]
+    assert preference_prompts(files, 100) == ["p0", "p1", "p2", "t0", "t1", "t2", "t3", "t4"]
+    # imdb small: 3000 prompts (the task's 1000 gave 709 pairs and a 0.55 reward model), ties dropped,
+    # one RM epoch, as the imdb "reduced" frontier study measured it (RM held-out accuracy 0.79)
+    small = PLANS[("imdb", "small")]
+    assert small["pairs"]["num_prompts"] == 3000 and small["pairs"]["drop_ties"] is True
+    assert small["rm"]["epochs"] == 1.0
