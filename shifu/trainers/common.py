@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import yaml
 
+from shifu import checkpoint as ckpt
 from shifu.config import opt, to_dict
-from shifu.errors import ConfigError
+from shifu.errors import ConfigError, ShifuError
 
 
 @dataclasses.dataclass
@@ -151,3 +152,45 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is available; use device=cpu or auto")
     return torch.device(name)
+
+
+# ---------------------------------------------------------------- non-finite steps (sft, rm, dpo)
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grads_finite(model: torch.nn.Module, loss: float) -> bool:
+    """True when ``loss`` and every gradient of ``model`` (this rank's shard under FSDP2) are finite; one
+    device-to-host read."""
+    grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+    return math.isfinite(loss) and (
+        not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+    )
+
+
+def count_nonfinite(
+    nonfinite: list[int], finite: bool, name: str, step: int, limit: int, run_dir: Path, say: bool = True
+) -> ShifuError | None:
+    """Book optimiser step ``step`` (1-based) in ``nonfinite`` = [skipped in total, skipped in a row]. A
+    skipped step is announced on stderr (when ``say``); after ``limit`` skipped steps in a row the error
+    that ends the run is returned (the caller closes its sinks and raises)."""
+    if finite:
+        nonfinite[1] = 0
+        return None
+    nonfinite[0] += 1
+    nonfinite[1] += 1
+    if say:
+        print(f"shifu {name}: step {step}: non-finite loss or gradient, step skipped", file=sys.stderr)
+    if nonfinite[1] < limit:
+        return None
+    last = ckpt.latest_checkpoint(run_dir)
+    return ShifuError(
+        f"{nonfinite[1]} consecutive steps (up to step {step}) had a NaN/Inf loss or gradient; "
+        f"stopping (max_nonfinite_steps={limit}). "
+        + (
+            f"The last good checkpoint is {last}; lower optim.lr or check the data, then --resume"
+            if last
+            else "No checkpoint was written; lower optim.lr or check the data"
+        )
+    )

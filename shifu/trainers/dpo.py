@@ -43,10 +43,11 @@ from shifu.trainers.common import (
     autocast,
     build_optimizer,
     build_scheduler,
+    count_nonfinite,
+    grads_finite,
     seed_everything,
     write_config,
 )
-from shifu.trainers.reward import count_nonfinite, grads_finite
 from shifu.trainers.sft import report_counts, resolve_device, restore, total_steps
 
 STAT_KEYS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")

@@ -21,7 +21,7 @@ from shifu import lora as L
 from shifu.models import fuse_tanh_gelu
 from shifu.rewards import RewardSource
 from shifu.rollout import SamplingParams, critic_forward, policy_forward, sample
-from shifu.trainers.common import autocast, build_optimizer, build_scheduler
+from shifu.trainers.common import autocast, build_optimizer, build_scheduler, local_shard
 from shifu.trainers.ppo_config import Config, derived_sizes
 
 __all__ = ["Config", "PPOTrainer", "train"]
@@ -560,7 +560,7 @@ class PPOTrainer:
             if float(norm) > limit:
                 torch.nn.utils.clip_grads_with_norm_(params, limit, norm, foreach=True)
             norms.append(norm)
-        finite = bool(torch.isfinite(torch.stack([_local(n).float() for n in norms])).all())
+        finite = bool(torch.isfinite(torch.stack([local_shard(n).float() for n in norms])).all())
         if self.world > 1:  # skip on every rank, or the replicas / shards diverge
             finite = not D.any_true(not finite)
         if not finite:  # a NaN/Inf gradient skips this step (counted), never reaches the weights
@@ -688,11 +688,6 @@ class PPOTrainer:
         self.nonfinite_in_a_row = js.get("nonfinite_in_a_row", 0)
         if self.penalty_ctl is not None:
             self.penalty_ctl.load_state_dict(js["penalty_ctl"])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 DTensor (the tensor itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _select(v: Any, keep: torch.Tensor) -> Any:

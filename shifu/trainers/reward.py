@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Literal
@@ -40,7 +39,7 @@ from shifu.core import bradley_terry_loss
 from shifu.data import BatchStream, DataConfig, load_rows, load_train_eval, sft_texts
 from shifu.distributed import DistributedConfig
 from shifu.ensemble import AGGREGATIONS, RewardEnsemble, write_manifest
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ConfigError
 from shifu.models import ScalarModel, last_token_index, load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.tracking import Tracker, progress
 from shifu.trainers.common import (
@@ -50,11 +49,12 @@ from shifu.trainers.common import (
     autocast,
     build_optimizer,
     build_scheduler,
+    count_nonfinite,
+    grads_finite,
     seed_everything,
     write_config,
 )
 from shifu.trainers.sft import (
-    _local,
     prepare_run_dir_main,
     rank_slice,
     report_counts,
@@ -151,43 +151,6 @@ class Config:
                 raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
         if self.max_steps == 0 and self.epochs <= 0:
             raise ConfigError("set epochs > 0 or max_steps > 0")
-
-
-def grads_finite(model: torch.nn.Module, loss: float) -> bool:
-    """True when ``loss`` and every gradient of ``model`` (this rank's shard under FSDP2) are finite; one
-    device-to-host read."""
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-    return math.isfinite(loss) and (
-        not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-    )
-
-
-def count_nonfinite(
-    nonfinite: list[int], finite: bool, name: str, step: int, limit: int, run_dir: Path, say: bool = True
-) -> ShifuError | None:
-    """Book optimiser step ``step`` (1-based) in ``nonfinite`` = [skipped in total, skipped in a row] (rm and
-    dpo; the same rule as sft). A skipped step is announced on stderr (when ``say``); after ``limit``
-    skipped steps in a row the error that ends the run is returned (the caller closes its sinks and raises).
-    """
-    if finite:
-        nonfinite[1] = 0
-        return None
-    nonfinite[0] += 1
-    nonfinite[1] += 1
-    if say:
-        print(f"shifu {name}: step {step}: non-finite loss or gradient, step skipped", file=sys.stderr)
-    if nonfinite[1] < limit:
-        return None
-    last = ckpt.latest_checkpoint(run_dir)
-    return ShifuError(
-        f"{nonfinite[1]} consecutive steps (up to step {step}) had a NaN/Inf loss or gradient; "
-        f"stopping (max_nonfinite_steps={limit}). "
-        + (
-            f"The last good checkpoint is {last}; lower optim.lr or check the data, then --resume"
-            if last
-            else "No checkpoint was written; lower optim.lr or check the data"
-        )
-    )
 
 
 def resolve_backbone(name: str) -> str:

@@ -42,6 +42,8 @@ from shifu.trainers.common import (
     autocast,
     build_optimizer,
     build_scheduler,
+    count_nonfinite,
+    grads_finite,
     seed_everything,
     write_config,
 )
@@ -427,10 +429,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                     loss = nll_sum / divisor if real[j] else nll_sum * 0.0
                     loss.backward()
                 step_loss += float(loss.detach())
-            params = [p for p in model.parameters() if p.grad is not None]
-            finite = math.isfinite(step_loss) and all(
-                bool(torch.isfinite(_local(p.grad)).all()) for p in params
-            )
+            finite = grads_finite(model, step_loss)
             tokens = sum(int(b["attention_mask"].sum()) for b, r in zip(batches, real) if r)
             synced_stop = False
             if world > 1:  # one collective per step: global loss, skip and stop decisions, throughput
@@ -447,35 +446,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
             if finite:
                 if cfg.optim.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()
-                nonfinite[1] = 0
+                optimizer.step()  # a NaN/Inf loss or gradient skips it: weights and Adam moments untouched
                 window["loss"] += step_loss
                 window["steps"] += 1
-            else:  # a NaN/Inf loss or gradient: skip the update (weights and Adam moments untouched)
-                nonfinite[0] += 1
-                nonfinite[1] += 1
-                if main:
-                    print(
-                        f"shifu sft: step {step + 1}: non-finite loss or gradient, step skipped",
-                        file=sys.stderr,
-                    )
             scheduler.step()  # the schedule follows the step counter, skipped or not
             optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
             window["tokens"] += tokens
-            if nonfinite[1] >= cfg.max_nonfinite_steps:
+            error = count_nonfinite(nonfinite, finite, "sft", step, cfg.max_nonfinite_steps, run_dir, main)
+            if error:
                 bar.close(), tracker.close()
-                last = ckpt.latest_checkpoint(run_dir)
-                raise ShifuError(
-                    f"{nonfinite[1]} consecutive steps (up to step {step}) had a NaN/Inf loss or gradient; "
-                    f"stopping (max_nonfinite_steps={cfg.max_nonfinite_steps}). "
-                    + (
-                        f"The last good checkpoint is {last}; lower optim.lr or check the data, then --resume"
-                        if last
-                        else "No checkpoint was written; lower optim.lr or check the data"
-                    )
-                )
+                raise error
 
             if step % cfg.log_every == 0 or step == n_steps:
                 elapsed = time.perf_counter() - t0
@@ -542,8 +524,3 @@ def save_final_policy(model: torch.nn.Module, cfg: Config, tokenizer, path: Path
     elif D.is_main():
         ckpt.save_hf_dir(D.unwrap(model), tokenizer, path)
     D.barrier()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 DTensor gradient (the tensor itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
