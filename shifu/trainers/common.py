@@ -194,3 +194,36 @@ def count_nonfinite(
             else "No checkpoint was written; lower optim.lr or check the data"
         )
     )
+
+
+def validate_loop_fields(cfg) -> None:
+    """The training-loop fields sft, rm and dpo Configs share: counts >= 1, step counts >= 0 (0 = off or
+    derived), and some length of training (``epochs`` or ``max_steps``)."""
+    for key in (
+        "batch_size",
+        "grad_accum",
+        "eval_batch_size",
+        "keep_last",
+        "log_every",
+        "max_nonfinite_steps",
+    ):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key} must be >= 1 (got {getattr(cfg, key)})")
+    for key in ("max_steps", "eval_every", "save_every"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)}); 0 means off/derived")
+    if cfg.max_steps == 0 and cfg.epochs <= 0:
+        raise ConfigError("set epochs > 0 or max_steps > 0")
+
+
+def apply_step(
+    model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float | None, finite: bool
+) -> None:
+    """Clip and take the optimiser step unless the step's loss or gradients were not finite (then the weights
+    and Adam moments stay untouched); the schedule advances and the gradients are cleared either way."""
+    if finite:
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)

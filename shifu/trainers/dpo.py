@@ -40,12 +40,14 @@ from shifu.trainers.common import (
     GracefulStop,
     OptimConfig,
     announce_stop,
+    apply_step,
     autocast,
     build_optimizer,
     build_scheduler,
     count_nonfinite,
     grads_finite,
     seed_everything,
+    validate_loop_fields,
     write_config,
 )
 from shifu.trainers.sft import report_counts, resolve_device, restore, total_steps
@@ -89,21 +91,7 @@ class Config:
             raise ConfigError(f"beta must be > 0 (got {self.beta}); typical values are 0.01 .. 0.5")
         self.data.validate()
         self.optim.validate()
-        for key in (
-            "batch_size",
-            "grad_accum",
-            "eval_batch_size",
-            "keep_last",
-            "log_every",
-            "max_nonfinite_steps",
-        ):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
-        for key in ("max_steps", "eval_every", "save_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0 (got {getattr(self, key)}); 0 means off/derived")
-        if self.max_steps == 0 and self.epochs <= 0:
-            raise ConfigError("set epochs > 0 or max_steps > 0")
+        validate_loop_fields(self)
 
 
 def encode_pairs(tokenizer, rows: list[dict], d: DataConfig) -> tuple[list[dict], Counter]:
@@ -274,15 +262,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                 for k, v in {"loss": loss.detach(), **stats}.items():
                     step_stats[k] += w * float(v)
             finite = grads_finite(model, step_stats["loss"])
+            apply_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, finite)
             if finite:
-                if cfg.optim.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()  # a NaN/Inf loss or gradient skips it: weights and Adam moments untouched
                 for k in STAT_KEYS:
                     window[k] += step_stats[k]
                 n_window += 1
-            scheduler.step()  # the schedule follows the step counter, skipped or not
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
             error = count_nonfinite(nonfinite, finite, "dpo", step, cfg.max_nonfinite_steps, run_dir)

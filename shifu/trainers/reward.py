@@ -46,12 +46,14 @@ from shifu.trainers.common import (
     GracefulStop,
     OptimConfig,
     announce_stop,
+    apply_step,
     autocast,
     build_optimizer,
     build_scheduler,
     count_nonfinite,
     grads_finite,
     seed_everything,
+    validate_loop_fields,
     write_config,
 )
 from shifu.trainers.sft import (
@@ -139,18 +141,7 @@ class Config:
             raise ConfigError(f"ensemble.aggregate must be one of {', '.join(AGGREGATIONS)}")
         if self.normalize.responses and self.normalize.policy:
             raise ConfigError("set only one of normalize.responses and normalize.policy")
-        for key in (
-            "batch_size",
-            "grad_accum",
-            "eval_batch_size",
-            "keep_last",
-            "log_every",
-            "max_nonfinite_steps",
-        ):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
-        if self.max_steps == 0 and self.epochs <= 0:
-            raise ConfigError("set epochs > 0 or max_steps > 0")
+        validate_loop_fields(self)
 
 
 def resolve_backbone(name: str) -> str:
@@ -355,15 +346,11 @@ def train_member(
                     step_stats["rm/accuracy"] += w * float(stats["accuracy"])
                     step_stats["rm/margin"] += w * float(stats["margin"])
                 finite = grads_finite(model, step_stats["rm/loss"])
+            apply_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, finite)
             if finite:
-                if cfg.optim.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()  # a NaN/Inf loss or gradient skips it: weights and Adam moments untouched
                 for k in window:
                     window[k] += step_stats[k]
                 n_window += 1
-            scheduler.step()  # the schedule follows the step counter, skipped or not
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
             error = count_nonfinite(nonfinite, finite, desc, step, cfg.max_nonfinite_steps, run_dir, main)

@@ -39,12 +39,14 @@ from shifu.trainers.common import (
     GracefulStop,
     OptimConfig,
     announce_stop,
+    apply_step,
     autocast,
     build_optimizer,
     build_scheduler,
     count_nonfinite,
     grads_finite,
     seed_everything,
+    validate_loop_fields,
     write_config,
 )
 
@@ -105,21 +107,7 @@ class Config:
         self.data.validate()
         self.optim.validate()
         validate_distributed(self.distributed, self.batch_size, "sequences")
-        for key in (
-            "batch_size",
-            "grad_accum",
-            "eval_batch_size",
-            "keep_last",
-            "log_every",
-            "max_nonfinite_steps",
-        ):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1 (got {getattr(self, key)})")
-        for key in ("max_steps", "eval_every", "save_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0 (got {getattr(self, key)}); 0 means off/derived")
-        if self.max_steps == 0 and self.epochs <= 0:
-            raise ConfigError("set epochs > 0 or max_steps > 0")
+        validate_loop_fields(self)
 
 
 def validate_distributed(dcfg: DistributedConfig, batch_size: int, unit: str) -> None:
@@ -443,14 +431,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                 )
                 step_loss, finite, synced_stop = g["loss"], g["finite"] == 1.0, g["stop"] > 0
                 tokens = round(g["tokens"] * world)
+            apply_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, finite)
             if finite:
-                if cfg.optim.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()  # a NaN/Inf loss or gradient skips it: weights and Adam moments untouched
                 window["loss"] += step_loss
                 window["steps"] += 1
-            scheduler.step()  # the schedule follows the step counter, skipped or not
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
             window["tokens"] += tokens
