@@ -136,8 +136,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def summarise(system: str, iters: list[dict], peak: float, extra: dict) -> dict:
-    """One JSON-able dict from per-iteration {total, generation, scoring, train} seconds."""
+def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra: dict) -> dict:
+    """One JSON-able dict from per-iteration {total, generation, scoring, train} seconds.
+
+    ``peaks``: the GEMM peak read before and after the iterations. MFU divides by the higher one (the
+    machine's speed drifts on a VM; one reading taken in a slow moment made MFU read above 1)."""
+    peak = max(peaks)
     fl = phase_flops()
     total_flops = sum(fl.values())
 
@@ -156,6 +160,7 @@ def summarise(system: str, iters: list[dict], peak: float, extra: dict) -> dict:
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "flops_per_iter": total_flops,
         "matmul_peak_gflops": round(peak, 2),
+        "matmul_peak_gflops_before_after": [round(p, 2) for p in peaks],
         "mfu": total_flops / med("total") / (peak * 1e9),
     }
     for phase, key in (("generation", "generation"), ("scoring", "scoring"), ("train", "train")):
@@ -189,6 +194,7 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
     trainer.opt.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
     prompts = build_prompts(warmup + n_iters)
     mask = torch.ones_like(prompts)
+    peak_before = matmul_peak_gflops()
     iters = []
     for i in range(warmup + n_iters):
         rows = [{"prompt": ""} for _ in range(BATCH)]
@@ -203,7 +209,7 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
         "optimizer_steps_per_iter": steps[0] // (warmup + n_iters),
         "mode": "fast (shared trunk%s)" % (", bf16" if cfg.bf16 else "") if fast else "fp32",
     }
-    return summarise("shifu", iters, matmul_peak_gflops(), extra)
+    return summarise("shifu", iters, (peak_before, matmul_peak_gflops()), extra)
 
 
 def _scalar_model(seed: int, tok, cls):
@@ -306,6 +312,7 @@ def run_trl(n_iters: int, warmup: int) -> dict:
             marks.append(time.perf_counter())
 
     trainer.add_callback(Clock())
+    peak_before = matmul_peak_gflops()
     trainer.train()
     totals = [b - a for a, b in zip(marks, marks[1:])][warmup:]
     # TRL times no phases; only the iteration total is comparable
@@ -313,7 +320,9 @@ def run_trl(n_iters: int, warmup: int) -> dict:
         {"total": t, "generation": float("nan"), "scoring": float("nan"), "train": float("nan")}
         for t in totals
     ]
-    out = summarise("trl", iters, matmul_peak_gflops(), {"optimizer_steps_per_iter": steps[0] // n})
+    out = summarise(
+        "trl", iters, (peak_before, matmul_peak_gflops()), {"optimizer_steps_per_iter": steps[0] // n}
+    )
     for k in ("median_generation_s", "median_scoring_s", "median_train_s", "generated_tokens_per_s"):
         out[k] = None
     for k in ("mfu_generation", "mfu_scoring", "mfu_train"):
