@@ -196,19 +196,19 @@ def count_nonfinite(
     )
 
 
+def require_positive(cfg, keys: tuple[str, ...]) -> None:
+    """ConfigError naming the first of ``keys`` whose value on ``cfg`` is below 1."""
+    for key in keys:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key} must be >= 1 (got {getattr(cfg, key)})")
+
+
 def validate_loop_fields(cfg) -> None:
     """The training-loop fields sft, rm and dpo Configs share: counts >= 1, step counts >= 0 (0 = off or
     derived), and some length of training (``epochs`` or ``max_steps``)."""
-    for key in (
-        "batch_size",
-        "grad_accum",
-        "eval_batch_size",
-        "keep_last",
-        "log_every",
-        "max_nonfinite_steps",
-    ):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1 (got {getattr(cfg, key)})")
+    require_positive(
+        cfg, ("batch_size", "grad_accum", "eval_batch_size", "keep_last", "log_every", "max_nonfinite_steps")
+    )
     for key in ("max_steps", "eval_every", "save_every"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)}); 0 means off/derived")

@@ -12,7 +12,7 @@ from shifu.config import opt
 from shifu.distributed import DistributedConfig, planned_world_size
 from shifu.errors import ConfigError
 from shifu.lora import LoraConfig
-from shifu.trainers.common import OptimConfig
+from shifu.trainers.common import OptimConfig, require_positive
 
 
 @dataclasses.dataclass
@@ -171,16 +171,10 @@ class Config:
             raise ConfigError(
                 "critic.init=reward needs reward.model_path; with a reward function use critic.init=sft or shared"
             )
-        for k in (
-            "iterations",
-            "batch_size",
-            "minibatch_size",
-            "grad_accum",
-            "micro_batch_size",
-            "ppo_epochs",
-        ):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"{k} must be >= 1 (got {getattr(self, k)})")
+        require_positive(
+            self,
+            ("iterations", "batch_size", "minibatch_size", "grad_accum", "micro_batch_size", "ppo_epochs"),
+        )
         if self.batch_size % self.minibatch_size:
             raise ConfigError(
                 f"batch_size ({self.batch_size}) must be a multiple of minibatch_size ({self.minibatch_size})"
