@@ -115,7 +115,8 @@ BUDGETS[("arith", "ci")] = {
 }
 # imdb "reduced": the quickstart ``small`` preset's SFT (400 steps of a 4-layer GPT-2), then pairs from
 # 3000 prompts (ties dropped; the same as the preset now — stated here so the budget stays fixed if the
-# preset changes; the preset's earlier 1000 prompts gave 709 pairs and a reward model at 0.55 held-out), a MiniLM reward model for one epoch, and 30-iteration fixed-beta RL runs. REINFORCE makes one
+# preset changes; the preset's earlier 1000 prompts gave 709 pairs and a reward model at 0.55 held-out
+# accuracy), a MiniLM reward model for one epoch, and 30-iteration fixed-beta RL runs. REINFORCE makes one
 # pass over each batch (2 optimiser steps per iteration against PPO's 8), so it gets 4x PPO's lr: at the
 # same lr it moved <= 1.9 nats in 30 iterations. ``smoke`` is the earlier, cheap setting on the ``tiny``
 # preset: its pairs were 59 % ties (both VADER 0), its reward model at chance (0.50) and every method ended
