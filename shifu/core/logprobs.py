@@ -35,6 +35,16 @@ def _scaled(chunk: Tensor, temperature: float) -> Tensor:
     return z / temperature if temperature != 1.0 else z
 
 
+def _backward_chunks(logits: Tensor, chunk_elements: int) -> tuple[list[tuple[slice, slice]], Tensor | None]:
+    """The chunks of a backward pass and the (B, T, V) gradient buffer they are written into; None when a
+    single float32 chunk covers ``logits``: that chunk's gradient (a fresh tensor) is the gradient, so no
+    second buffer and copy are made."""
+    chunks = list(_chunks(logits, chunk_elements))
+    if len(chunks) == 1 and logits.dtype == torch.float32:
+        return chunks, None
+    return chunks, torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
 def _check(logits: Tensor, temperature: float) -> None:
     if logits.dim() != 3:
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
@@ -59,14 +69,12 @@ class _TokenLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
         logits, index = ctx.saved_tensors
-        chunks = list(_chunks(logits, ctx.chunk_elements))
-        whole = len(chunks) == 1 and logits.dtype == torch.float32  # the chunk's gradient is the gradient
-        grad = None if whole else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        chunks, grad = _backward_chunks(logits, ctx.chunk_elements)
         for bs, ts in chunks:
             g = torch.softmax(_scaled(logits[bs, ts], ctx.temperature), dim=-1).neg_()
             g.scatter_add_(-1, index[bs, ts], torch.ones_like(index[bs, ts], dtype=g.dtype))
             g.mul_(grad_out[bs, ts].unsqueeze(-1) / ctx.temperature)
-            if whole:
+            if grad is None:
                 return g, None, None, None
             grad[bs, ts] = g
         return grad, None, None, None
@@ -89,11 +97,13 @@ class _Entropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
         logits, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for bs, ts in _chunks(logits, ctx.chunk_elements):
+        chunks, grad = _backward_chunks(logits, ctx.chunk_elements)
+        for bs, ts in chunks:
             log_p = torch.log_softmax(_scaled(logits[bs, ts], ctx.temperature), dim=-1)
             g = log_p.add(entropy[bs, ts].unsqueeze(-1)).mul_(log_p.exp()).neg_()
             g.mul_(grad_out[bs, ts].unsqueeze(-1) / ctx.temperature)
+            if grad is None:
+                return g, None, None
             grad[bs, ts] = g
         return grad, None, None
 
@@ -129,10 +139,7 @@ class _TokenLogProbsEntropy(torch.autograd.Function):
         logits, index, lse, ent = ctx.saved_tensors
         if grad_lp is None and grad_ent is None:
             return None, None, None, None, None
-        chunks = list(_chunks(logits, ctx.chunk_elements))
-        # one chunk in float32: the chunk's gradient is the gradient (no second (B, T, V) buffer + copy)
-        whole = len(chunks) == 1 and logits.dtype == torch.float32
-        grad = None if whole else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        chunks, grad = _backward_chunks(logits, ctx.chunk_elements)
         for bs, ts in chunks:
             log_p = _scaled(logits[bs, ts], ctx.temperature) - lse[bs, ts].unsqueeze(-1)
             g_lp = None if grad_lp is None else grad_lp[bs, ts].unsqueeze(-1)
@@ -148,7 +155,7 @@ class _TokenLogProbsEntropy(torch.autograd.Function):
                 g.scatter_add_(-1, index[bs, ts], g_lp)
             if ctx.temperature != 1.0:
                 g.div_(ctx.temperature)
-            if whole:
+            if grad is None:
                 return g, None, None, None, None
             grad[bs, ts] = g
         return grad, None, None, None, None
