@@ -1,0 +1,241 @@
+"""Tracker sinks: every metric of docs/metrics.md and the run's config reach JSONL, TensorBoard, W&B (offline,
+files under the run directory) and MLflow (a local file store), read back from what each one wrote; a
+resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are named."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from shifu.errors import ConfigError
+from shifu.metrics import METRICS
+from shifu.tracking import IDS_FILE, Tracker, flatten_config, read_ids, read_metrics, scalars
+
+CONFIG = {
+    "seed": 3,
+    "optim": {"lr": 0.001, "betas": [0.9, 0.95]},
+    "kl": {"controller": "adaptive", "target": 6.0},
+    "reward": {"function": None},
+}
+
+
+@pytest.fixture
+def offline_env(tmp_path, monkeypatch):
+    """W&B offline with its config/cache/data dirs in tmp (never a server, nothing in $HOME); MLflow from
+    the Tracker's own defaults."""
+    for k, v in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+    }.items():
+        monkeypatch.setenv(k, v)
+    for k in (
+        "WANDB_PROJECT",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+    ):
+        monkeypatch.delenv(k, raising=False)
+    pytest.importorskip("wandb", reason="pip install 'shifu-rlhf[wandb]'")
+    pytest.importorskip("mlflow", reason="pip install 'shifu-rlhf[mlflow]'")
+
+
+def every_metric(step: int) -> dict[str, float]:
+    """One value for every key of the metrics table ("sizes/*" as "sizes/world_size"), distinct per key."""
+    row = {}
+    for i, key in enumerate(METRICS):
+        row[key.replace("/*", "/world_size")] = step + i / 100
+    return row
+
+
+# ------------------------------------------------------------------------------ W&B's offline file
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a ``run-ID.wandb`` file: a 7-byte header (":W&B", magic, version), then
+    LevelDB-log framing (32 KiB blocks; each chunk: crc32 u32, length u16, type u8 = full/first/middle/last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B", f"{path} is not a W&B data file"
+    block, pos, chunks, out = 32768, 7, b"", []
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # a block tail too short for a header is zero padding
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if kind == 0:  # zeroed rest of the block
+            pos += left
+            continue
+        data, pos = raw[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 2):
+            chunks = data
+        else:
+            chunks += data
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            out.append(record)
+    return out
+
+
+def wandb_runs(run_dir: Path) -> list[dict]:
+    """Each offline run directory under RUN/wandb, in order: its run id, config and history by step."""
+    runs = []
+    for d in sorted((run_dir / "wandb").glob("offline-run-*")):
+        (data_file,) = d.glob("run-*.wandb")
+        run = {"id": None, "config": {}, "history": {}}
+        for r in wandb_records(data_file):
+            kind = r.WhichOneof("record_type")
+            if kind == "run":
+                run["id"] = r.run.run_id
+                run["config"] |= {u.key: json.loads(u.value_json) for u in r.run.config.update}
+            elif kind == "config":
+                run["config"] |= {u.key: json.loads(u.value_json) for u in r.config.update}
+            elif kind == "history":
+                items = {"/".join(i.nested_key) or i.key: i.value_json for i in r.history.item}
+                run["history"][r.history.step.num] = {
+                    k: float(v) for k, v in items.items() if not k.startswith("_")
+                }
+        runs.append(run)
+    return runs
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+def test_flatten_config_and_scalars():
+    assert flatten_config(CONFIG) == {
+        "seed": "3",
+        "optim.lr": "0.001",
+        "optim.betas": "[0.9, 0.95]",
+        "kl.controller": "adaptive",
+        "kl.target": "6.0",
+        "reward.function": "null",
+    }
+    row = {"step": 4, "a": 1, "b": float("nan"), "c": True, "d": "text"}
+    assert list(scalars(row)) == ["a", "b"] and math.isnan(scalars(row)["b"])
+
+
+def test_every_sink_at_once_then_resume_continues_the_same_runs(tmp_path, offline_env):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    t = Tracker(run, trackers=["wandb", "mlflow"], config=CONFIG, run_name="exp-a")
+    for step in (1, 2, 3):
+        t.log(step, every_metric(step) | ({"loss/value": float("nan")} if step == 2 else {}))
+    ids = t.run_ids
+    t.close()
+    assert read_ids(run) == {
+        "wandb": {"id": ids["wandb"]},
+        "mlflow": {"run_id": ids["mlflow"], "tracking_uri": (run / "mlruns").resolve().as_uri()},
+    }
+
+    # "killed" after step 3 with its last checkpoint at step 2: the resumed Tracker continues both runs
+    t = Tracker(run, trackers=["mlflow", "wandb"], config=CONFIG | {"seed": 4}, resume_step=2)
+    assert t.run_ids == ids
+    for step in (3, 4):
+        t.log(step, every_metric(step))
+    t.close()
+    keys = list(every_metric(0))
+
+    # JSONL: the resumed log equals an uninterrupted one; the NaN is kept visible
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[1]["loss/value"] == "nan"
+
+    # TensorBoard: every key, steps 1..4 (purged at the resume step), the NaN left out
+    events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(keys)
+    assert [e.step for e in events.Scalars("objective/kl")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("loss/value")] == [1, 3, 4]
+
+    # W&B, offline under RUN/wandb: two offline runs with the same id, history and config from the files
+    first, second = wandb_runs(run)
+    assert first["id"] == second["id"] == ids["wandb"]
+    assert sorted(first["history"]) == [1, 2, 3] and sorted(second["history"]) == [3, 4]
+    for step, row in first["history"].items():
+        expected = every_metric(step)
+        if step == 2:
+            assert math.isnan(row.pop("loss/value"))
+            expected.pop("loss/value")
+        assert row == pytest.approx(expected)
+    assert second["history"][4] == pytest.approx(every_metric(4))
+    assert {k: first["config"][k] for k in CONFIG} == CONFIG
+    assert second["config"]["seed"] == 4  # the resumed run's config wins
+
+    # MLflow, a local file store under RUN/mlruns: every key with its history, the config as params
+    assert (run / "mlruns").is_dir()
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    mrun = client.get_run(ids["mlflow"])
+    assert mrun.info.status == "FINISHED" and mrun.info.run_name == "exp-a"
+    assert sorted(mrun.data.metrics) == sorted(keys)
+    for key in keys:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(ids["mlflow"], key))
+        # step 3 twice: logged before the kill and again after the resume (MLflow cannot drop points)
+        assert [s for s, _ in history] == [1, 2, 3, 3, 4], key
+        expected = [every_metric(s)[key] for s, _ in history]
+        if key == "loss/value":
+            assert math.isnan(history[1][1])
+            history, expected = history[:1] + history[2:], expected[:1] + expected[2:]
+        assert [v for _, v in history] == pytest.approx(expected), key
+    assert mrun.data.params == flatten_config(CONFIG)  # the first run's params are kept
+    assert mrun.data.tags["resumed.seed"] == "4"  # a changed key is recorded as a tag
+    config_file = Path(client.download_artifacts(ids["mlflow"], "config.json", str(tmp_path)))
+    assert json.loads(config_file.read_text()) == CONFIG | {"seed": 4}  # the latest start's config
+
+
+def test_disabled_rank_writes_nothing(tmp_path, offline_env):
+    run = tmp_path / "rank1"
+    t = Tracker(run, enabled=False, trackers=["wandb", "mlflow"], config=CONFIG)
+    t.log(1, every_metric(1))
+    t.close()
+    assert t.run_ids == {} and not run.exists()
+
+
+def test_missing_extra_names_the_pip_install(tmp_path, monkeypatch):
+    for name in ("wandb", "mlflow"):
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, name, None)  # import wandb -> ImportError, find_spec -> None
+            with pytest.raises(ConfigError, match=rf"pip install 'shifu-rlhf\[{name}\]'"):
+                Tracker(tmp_path / "run", trackers=[name])
+            with pytest.raises(ConfigError, match=rf"pip install 'shifu-rlhf\[{name}\]'"):
+                Tracker(tmp_path / "run", enabled=False, trackers=[name])  # every rank fails alike
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="unknown tracker 'wandbb'; choose from jsonl, tensorboard, wandb"):
+        Tracker(tmp_path / "run", trackers=["wandbb"])
+
+
+def test_mlflow_tracking_uri_and_new_run_after_overwrite(tmp_path, offline_env):
+    """An explicit store (here another local directory) is used and remembered; an emptied run directory
+    (what --overwrite does) starts a new tracker run."""
+    from mlflow.tracking import MlflowClient
+
+    store = (tmp_path / "shared-store").resolve().as_uri()
+    run = tmp_path / "run"
+    t = Tracker(run, tensorboard=False, trackers=["mlflow"], tracking_uri=store)
+    t.log(1, {"objective/score": 0.5})
+    first = t.run_ids["mlflow"]
+    t.close()
+    assert not (run / "mlruns").exists() and read_ids(run)["mlflow"]["tracking_uri"] == store
+    t = Tracker(run, tensorboard=False, trackers=["mlflow"], resume_step=1)  # the stored store is reused
+    t.log(2, {"objective/score": 0.75})
+    assert t.run_ids["mlflow"] == first
+    t.close()
+    history = MlflowClient(tracking_uri=store).get_metric_history(first, "objective/score")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.75)]
+
+    (run / IDS_FILE).unlink()
+    t = Tracker(run, tensorboard=False, trackers=["mlflow"], tracking_uri=store)
+    assert t.run_ids["mlflow"] != first
+    t.close()
