@@ -24,10 +24,12 @@ TRAINERS = {
 # command -> (module, description); these modules expose `main(argv) -> int`
 TOOLS = {
     "quickstart": ("shifu.quickstart", "run a built-in task end to end (SFT -> RM -> PPO -> report)"),
-    "report": ("shifu.report", "render report.html for a run directory"),
+    "report": ("shifu.report", "render report.html for a run directory, or compare several runs"),
+    "sample": ("shifu.sample", "generate from a policy; optionally score it with a reward model/function"),
     "demo": ("shifu.demo", "toy demos: `shifu demo bandit`"),
     "bench": ("shifu.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
     "study": ("shifu.study", "studies: `shifu study frontier`"),
+    "serve": ("shifu.serve", "serve a reward model, ensemble or rule reward over HTTP (docs/serve.md)"),
 }
 
 
