@@ -86,7 +86,8 @@ def split_url(url: str) -> tuple[str, str, int, str]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(
-            f"reward service url '{url}' must look like http://127.0.0.1:8000 (scheme http or https and a host)"
+            f"reward service url '{url}' must look like http://127.0.0.1:8000 "
+            "(scheme http or https and a host)"
         )
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -141,7 +142,8 @@ class RemoteReward:
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_backoff_s < 0:
             raise ConfigError(
                 "RemoteReward needs timeout_s > 0 and retries, backoff_s, max_backoff_s >= 0; got "
-                f"timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}, max_backoff_s={max_backoff_s}"
+                f"timeout_s={timeout_s}, retries={retries}, backoff_s={backoff_s}, "
+                f"max_backoff_s={max_backoff_s}"
             )
         self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
         self.batch_size, self.max_in_flight = int(batch_size), int(max_in_flight)
@@ -184,7 +186,8 @@ class RemoteReward:
             if not isinstance(per_row, list) or len(per_row) != n:
                 raise RewardServiceError(
                     f"reward service {self.url} answered without 'token_scores' for {n} responses "
-                    f"(keys: {sorted(answer)}); it serves one score per response: call the RemoteReward itself"
+                    f"(keys: {sorted(answer)}); it serves one score per response: call the RemoteReward "
+                    "itself"
                 )
             out.extend(
                 self._floats({"s": r}, "s", len(r) if isinstance(r, list) else -1, start) for r in per_row
@@ -229,7 +232,8 @@ class RemoteReward:
             except (TypeError, ValueError) as e:
                 raise ShifuError(
                     f"cannot send rows {s}..{min(stop, n) - 1} to reward service {self.url} as JSON ({e}); "
-                    "reward functions served over HTTP get rows of JSON values (str, number, bool, list, dict)"
+                    "reward functions served over HTTP get rows of JSON values "
+                    "(str, number, bool, list, dict)"
                 ) from None
         if len(bodies) == 1 or self.max_in_flight == 1:
             answers = [self.request("POST", "/score", b) for b in bodies]
@@ -282,7 +286,8 @@ class RemoteReward:
             return _decode(url, status, data)
         raise RewardServiceUnavailable(
             f"reward service {url} did not answer after {self.retries + 1} attempts in "
-            f"{time.monotonic() - t0:.1f} s (last: {last}). Start it (`shifu serve RM_DIR --port {self.port}`) "
+            f"{time.monotonic() - t0:.1f} s (last: {last}). "
+            f"Start it (`shifu serve RM_DIR --port {self.port}`) "
             "or fix the URL; a PPO run stops with a checkpoint that --resume continues"
         )
 

@@ -321,8 +321,9 @@ class Served:
                 i, j = (int(x) for x in bad.nonzero()[0])
                 raise _unprocessable(
                     f"input_ids[{i}][{j}]",
-                    f"id {int(req.input_ids[i, j])} is outside the reward model's vocabulary 0..{self.vocab_rows - 1}; "
-                    "send text when the policy's tokenizer differs (compare /v1/metadata tokenizer.fingerprint)",
+                    f"id {int(req.input_ids[i, j])} is outside the reward model's vocabulary "
+                    f"0..{self.vocab_rows - 1}; send text when the policy's tokenizer differs "
+                    "(compare /v1/metadata tokenizer.fingerprint)",
                 )
             return [(req.input_ids, req.attention_mask)]
         if not self.one_tokenizer:
@@ -350,7 +351,7 @@ class Served:
 def load_served(
     source: str, device: str = "cpu", aggregate: str | None = None, std_coef: float | None = None
 ) -> Served:
-    """A reward model / ensemble / run directory, or ``package.module:function``; errors say which is wanted."""
+    """A reward model / ensemble / run directory, or ``package.module:function`` (errors say which)."""
     if Path(source).is_dir():
         from shifu.ensemble import load_reward
 
@@ -513,7 +514,8 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
             raise RequestError(
                 413,
                 "body",
-                f"the body has {length} bytes, over this server's limit of {max_bytes} (--max-body-bytes); send fewer rows per request",
+                f"the body has {length} bytes, over this server's limit of {max_bytes} (--max-body-bytes); "
+                "send fewer rows per request",
             )
 
     async def collect() -> bytes:
@@ -708,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     token = args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
     if not is_loopback(args.host) and not token:
         raise ConfigError(
-            f"--host {args.host} is not a loopback address: anyone who reaches it could use the reward model. "
-            f"Give --token (or ${TOKEN_ENV}), or bind 127.0.0.1"
+            f"--host {args.host} is not a loopback address: anyone who reaches it could use the reward "
+            f"model. Give --token (or ${TOKEN_ENV}), or bind 127.0.0.1"
         )
     for name in ("max_batch_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
