@@ -1,0 +1,188 @@
+"""Model cards from real runs: sft -> rm -> ppo and dpo on the character task (tiny models, seconds), each
+final/README.md parsed back with huggingface_hub's ModelCard (metadata) and its results checked against
+the run's own files, including gold standard errors computed here from the per-prompt samples."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+from conftest import write_jsonl
+from ppo_task import ALPHABET, build_char_model, write_prompts
+
+from shifu import cli
+from shifu.modelcard import main as card_main
+from shifu.modelcard import read_card_metadata, write_model_card
+
+QUIET = ["progress=false", "tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Real sft, rm (on the SFT trunk), ppo (against that reward model, gold judge frac_a) and dpo runs."""
+    root = tmp_path_factory.mktemp("cards")
+    base = build_char_model(root / "base")
+    prompts = write_prompts(root / "prompts.jsonl")
+    rng = random.Random(0)
+
+    def prompt() -> str:
+        return "".join(rng.choice(ALPHABET) for _ in range(3))
+
+    sft = write_jsonl(
+        root / "sft.jsonl", [{"prompt": prompt(), "response": "a" * rng.randint(1, 4)} for _ in range(64)]
+    )
+    pairs = write_jsonl(
+        root / "pairs.jsonl",
+        [{"prompt": prompt(), "chosen": "a" * rng.randint(2, 4), "rejected": prompt()} for _ in range(64)],
+    )
+    out = {k: root / k for k in ("sft", "rm", "ppo", "dpo")}
+    argvs = {
+        "sft": [f"model.path={base}", f"data.train={sft}", "max_steps=10", "batch_size=8", *QUIET],
+        "rm": [
+            f"model.backbone={out['sft'] / 'final'}",
+            f"data.train={pairs}",
+            "max_steps=10",
+            "batch_size=8",
+            *QUIET,
+        ],
+        "ppo": [
+            f"actor_path={out['sft'] / 'final'}",
+            f"data.prompts={prompts}",
+            f"reward.model_path={out['rm'] / 'final'}",
+            "eval.gold_function=ppo_task:frac_a",
+            "critic.init=sft",
+            "iterations=4",
+            "batch_size=8",
+            "minibatch_size=8",
+            "optim.lr=1e-2",
+            "generation.max_new_tokens=6",
+            "eval.every=2",
+            "eval.num_prompts=16",
+            "save_every=0",
+        ],
+        "dpo": [
+            f"policy_path={out['sft'] / 'final'}",
+            f"data.train={pairs}",
+            "max_steps=6",
+            "batch_size=8",
+            *QUIET,
+        ],
+    }
+    for kind in ("sft", "rm", "ppo", "dpo"):
+        assert cli.main([kind, "--out", str(out[kind]), *argvs[kind]]) == 0, kind
+    return out | {"base": base, "pairs": pairs}
+
+
+def card_table(text: str) -> dict[str, str]:
+    """measure -> value of the card's Markdown tables."""
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    return {r[0].strip(): r[1].strip() for r in rows if len(r) == 2}
+
+
+def test_every_stage_gets_a_card_with_metadata_and_results(runs):
+    from huggingface_hub import ModelCard
+
+    base_of = {
+        "sft": runs["base"],
+        "rm": runs["sft"] / "final",
+        "ppo": runs["sft"] / "final",
+        "dpo": runs["sft"] / "final",
+    }
+    tags = {"sft": "sft", "rm": "reward-model", "ppo": "ppo", "dpo": "dpo"}
+    for kind in ("sft", "rm", "ppo", "dpo"):
+        path = write_model_card(runs[kind] / "final", runs[kind], kind)
+        assert path == runs[kind] / "final" / "README.md"
+        meta = ModelCard.load(path).data.to_dict()  # the Hub's own parser
+        assert meta == read_card_metadata(path)
+        assert meta["base_model"] == str(base_of[kind])
+        assert meta["library_name"] == ("shifu" if kind == "rm" else "transformers")
+        assert meta["tags"] == ["shifu", "rlhf", tags[kind]]
+        assert ("pipeline_tag" in meta) == (kind != "rm")
+        text = path.read_text(encoding="utf-8")
+        assert "## Training recipe" in text and "## Key config" in text and "Not recorded" not in text
+        assert "```yaml" in text  # the full config
+
+    summary = {k: json.loads((runs[k] / "summary.json").read_text()) for k in ("sft", "rm", "dpo")}
+    rm = card_table((runs["rm"] / "final" / "README.md").read_text())
+    assert rm["reward-model accuracy, held-out pairs"] == f"{summary['rm']['eval/rm/accuracy']:.4f}"
+    assert rm["data.train"] == f"`{runs['pairs']}` (64 rows)"
+    dpo = card_table((runs["dpo"] / "final" / "README.md").read_text())
+    assert dpo["implicit-reward accuracy, held-out pairs"] == f"{summary['dpo']['eval/dpo/accuracy']:.4f}"
+    assert dpo["beta"] == "`0.1`"
+    sft = card_table((runs["sft"] / "final" / "README.md").read_text())
+    first = json.loads((runs["sft"] / "metrics.jsonl").read_text().splitlines()[0])["eval/sft/loss"]
+    assert sft["held-out SFT loss, before -> after (nats/token)"] == (
+        f"{first:.4f} -> {summary['sft']['eval/sft/loss']:.4f}"
+    )
+
+    # PPO: gold at the first and last evaluation with standard errors, from samples.jsonl by hand
+    ppo = card_table((runs["ppo"] / "final" / "README.md").read_text())
+    samples = [json.loads(x) for x in (runs["ppo"] / "samples.jsonl").read_text().splitlines()]
+    before = [s["gold"] for s in samples if s["iteration"] == 0]
+    after = [s["gold"] for s in samples if s["iteration"] == 4]
+    n = len(after)
+
+    def pm(xs: list[float], sign: str = "") -> str:
+        return f"{statistics.mean(xs):{sign}.4f} ± {statistics.stdev(xs) / n**0.5:.4f}"
+
+    label = f"gold, held-out prompts, iteration 0 -> 4 (n = {n})"
+    assert ppo[f"{label}: before"] == pm(before)
+    assert ppo[f"{label}: after"] == pm(after)
+    assert ppo[f"{label}: gain (paired standard error)"] == pm([a - b for a, b in zip(after, before)], "+")
+    assert ppo["reward-model accuracy, held-out pairs"] == f"{summary['rm']['eval/rm/accuracy']:.4f}"
+    assert ppo["kl.controller"] == "`adaptive`" and ppo["reward.model_path"] == f"`{runs['rm'] / 'final'}`"
+
+
+def test_quickstart_layout_and_missing_files(runs, tmp_path, capsys):
+    """A quickstart run: the PPO card carries the end-to-end gold (standard errors from samples_before/
+    after), KL and reward-model accuracy; `python -m shifu.modelcard RUN` writes every stage's card. A
+    final/ with no run files still gets a valid card that says what was not recorded."""
+    quick = tmp_path / "quickstart-arith-tiny-s0"
+    for k in ("sft", "rm", "ppo"):
+        shutil.copytree(runs[k], quick / k)
+    before, after = [0.0, 0.5, 0.25, 1.0], [0.5, 1.0, 0.25, 1.0]
+    for name, golds in (("samples_before", before), ("samples_after", after)):
+        write_jsonl(
+            quick / f"{name}.jsonl",
+            [{"prompt": f"p{i}", "response": "r", "gold": g} for i, g in enumerate(golds)],
+        )
+    summary = {"gold_before": 0.4375, "gold_after": 0.6875, "kl": 1.25, "rm_accuracy": 0.8, "eval_prompts": 4}
+    (quick / "summary.json").write_text(json.dumps(summary))
+    assert card_main([str(quick)]) == 0
+    assert capsys.readouterr().out.count("wrote ") == 3
+    text = (quick / "ppo" / "final" / "README.md").read_text()
+    assert (
+        text.splitlines()[text.splitlines().index("---", 1) + 2]
+        == "# quickstart-arith-tiny-s0/ppo: policy aligned with PPO"
+    )
+    table = card_table(text)
+    label = "gold, end-to-end evaluation (n = 4)"
+    se = statistics.stdev(before) / 2
+    assert table[f"{label}: before"] == f"0.4375 ± {se:.4f}"
+    gain_se = statistics.stdev([a - b for a, b in zip(after, before)]) / 2
+    assert table[f"{label}: gain (paired standard error)"] == f"+0.2500 ± {gain_se:.4f}"
+    assert table["KL to the reference, end-to-end (nats/response)"] == "1.2500"
+    assert table["reward-model accuracy, held-out pairs (quickstart)"] == "0.8000"
+    assert read_card_metadata(quick / "rm" / "final" / "README.md")["tags"] == [
+        "shifu",
+        "rlhf",
+        "reward-model",
+    ]
+
+    bare = tmp_path / "bare"
+    shutil.copytree(runs["ppo"] / "final", bare / "final")
+    (bare / "final" / "README.md").unlink()
+    meta = read_card_metadata(write_model_card(bare / "final", bare, "ppo"))
+    assert meta == {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["shifu", "rlhf", "ppo"],
+    }
+    text = (bare / "final" / "README.md").read_text()
+    assert "no config.yaml in the run directory" in text and "No results were recorded." in text
+    with pytest.raises(Exception, match="unknown model kind 'ppx'"):
+        write_model_card(bare / "final", bare, "ppx")
