@@ -1,4 +1,5 @@
 """``shifu report RUN_DIR``: render ``RUN_DIR/report.html`` and its PNG plots from what a run wrote.
+(``shifu report RUN_A RUN_B ...`` compares several runs on one page: :mod:`shifu.compare`.)
 
 Reads (every piece optional; whatever is missing is named in the page instead of drawn):
 
@@ -486,12 +487,32 @@ def _render(data: RunData, max_samples: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``shifu report RUN_DIR [--max-samples N]``."""
-    p = argparse.ArgumentParser(prog="shifu report", description="render report.html for a run directory")
-    p.add_argument("run_dir", help="a run directory written by `shifu quickstart` or a trainer")
+    """``shifu report RUN_DIR [--max-samples N]``, or ``shifu report RUN_A RUN_B ... [--out FILE]``."""
+    p = argparse.ArgumentParser(
+        prog="shifu report",
+        description="render report.html for a run directory; with several, one page comparing them",
+    )
+    p.add_argument("run_dir", nargs="+", help="run directories written by `shifu quickstart` or a trainer")
     p.add_argument("--max-samples", type=int, default=64, help="sample rows shown before/after (default 64)")
+    p.add_argument(
+        "--out", default=None, help="comparison page to write (several runs only; default compare.html)"
+    )
+    p.add_argument(
+        "--labels", default=None, help="comparison: comma-separated run names (default: dir names)"
+    )
     args = p.parse_args(argv)
-    path = render_report(args.run_dir, max_samples=args.max_samples)
+    if len(args.run_dir) > 1:
+        from shifu.compare import render_comparison
+
+        labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+        path = render_comparison(args.run_dir, args.out or "compare.html", labels)
+        print(f"wrote {path} ({len(args.run_dir)} runs)")
+        return 0
+    if args.out or args.labels:
+        raise ShifuError(
+            "--out and --labels are for comparisons of several runs; one run's report is RUN_DIR/report.html"
+        )
+    path = render_report(args.run_dir[0], max_samples=args.max_samples)
     n_png = len(list((path.parent / "report").glob("*.png")))
     print(f"wrote {path} ({n_png} plots)")
     return 0
