@@ -10,13 +10,15 @@ a rule reward ``package.module:function`` (:func:`shifu.rewards.load_function`).
     POST /v1/score      {"prompts", "responses", "rows"?} or {"input_ids", "attention_mask"}
                         -> {"scores": [...]} (or {"token_scores": [[...], ...]} from a process reward)
 
-**Batching.** One asyncio task (:class:`Batcher`) takes the pending requests, up to ``max_batch_tokens``
-(rows x padded width), and runs one forward per padded width on a single scoring thread; the event loop
-keeps accepting requests meanwhile. Rows of different widths are never padded to a common width: extra
-padding changes the float sums of a forward in the last bit, and then the scores would no longer equal
-in-process :class:`shifu.rewards.RewardSource` scores bit for bit. Text is padded per request, as
-``score_texts`` pads per micro-batch, so a client sending one micro-batch per request gets exactly the
-in-process scores. Reward functions are called once per request, in arrival order, on the same thread.
+**Batching.** One asyncio task (:class:`Batcher`) runs the scoring on one thread, one forward at a time,
+while the event loop keeps accepting requests; the requests that arrived during a forward are merged
+into the next one, right-padded to one width, up to ``--max-batch-tokens`` (rows x width). Merged scores
+equal in-process :class:`shifu.rewards.RewardSource` scores up to float32 summation order (a row's
+result depends on its place in the batch in the last bit; tests/test_serve.py bounds the difference by
+1e-5 relative). ``--exact`` scores each request in its own forward exactly as sent: a client sending one
+of the trainer's micro-batches per request (text is padded per request, as ``score_texts`` pads per
+micro-batch) then gets the in-process scores bit for bit. Reward functions are called once per request,
+in arrival order, on the same thread.
 
 **Safety.** Binds 127.0.0.1 by default; any other address needs a bearer token (``--token`` or
 ``SHIFU_SERVE_TOKEN``). Bodies are capped (``--max-body-bytes``, 413) and must arrive within
@@ -265,6 +267,12 @@ class Served:
     vocab_rows: int = 0  # ids must be < this: rows of the input embedding
 
     @property
+    def pad_id(self) -> int:
+        """The id that pads merged batches (any id works under mask 0; the tokenizer's pad for tidiness)."""
+        tok = getattr(self.model, "tokenizer", None)
+        return int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
+
+    @property
     def kind(self) -> str:
         if self.function is not None:
             return "function"
@@ -380,42 +388,50 @@ def split_rows(
     return [(ids[i : i + step], mask[i : i + step]) for i in range(0, ids.shape[0], step)]
 
 
-def score_merged(
-    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    blocks: list[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[list[torch.Tensor], int]:
-    """Score many (n_i, T_i) blocks with one ``score`` call per distinct width T (blocks of one width are
-    stacked, never re-padded); returns each block's (n_i,) scores in order and the number of calls."""
-    by_width: dict[int, list[int]] = {}
-    for i, (ids, _) in enumerate(blocks):
-        by_width.setdefault(ids.shape[1], []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(blocks)
-    for idx in by_width.values():
-        scores = score(torch.cat([blocks[i][0] for i in idx]), torch.cat([blocks[i][1] for i in idx]))
-        for i, part in zip(idx, scores.split([blocks[i][0].shape[0] for i in idx])):
-            out[i] = part
-    return out, len(by_width)
+def stack_blocks(
+    blocks: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_i, T_i) blocks -> one (sum n_i, max T_i) batch, narrower blocks right-padded (mask 0).
+
+    Right padding leaves every real position's value unchanged in exact arithmetic (position ids and the
+    scored last token come from the mask; causal attention never looks right, and encoders mask padded
+    keys), but not in float32: the scores of a merged forward can differ from the same rows scored alone
+    by a few units in the last place.
+    """
+    width = max(ids.shape[1] for ids, _ in blocks)
+    out_ids = torch.full((sum(ids.shape[0] for ids, _ in blocks), width), pad_id, dtype=torch.long)
+    out_mask = torch.zeros_like(out_ids)
+    row = 0
+    for ids, mask in blocks:
+        n, t = ids.shape
+        out_ids[row : row + n, :t], out_mask[row : row + n, :t] = ids, mask
+        row += n
+    return out_ids, out_mask
 
 
 @dataclass
 class _Job:
     future: asyncio.Future
-    block: tuple[torch.Tensor, torch.Tensor] | None = None  # merged with others
-    call: Callable | None = None  # run alone
-
-    @property
-    def tokens(self) -> int:
-        return 0 if self.block is None else self.block[0].numel()
+    block: tuple[torch.Tensor, torch.Tensor] | None = None  # a (n, T) block, merged with others
+    call: Callable | None = None  # run alone (reward functions, ensembles of several tokenizers)
 
 
 @dataclass
 class Batcher:
-    """The batching queue: one task takes pending jobs, merges blocks up to ``max_batch_tokens`` and runs
-    them on ``executor`` (one thread: one forward at a time, in arrival order)."""
+    """The batching queue: one asyncio task takes pending jobs and runs them on ``executor`` (one thread:
+    one forward at a time, in arrival order).
 
-    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ``merge=True``: the blocks pending when a forward ends go into the next forward together, right-padded
+    to one width (:func:`stack_blocks`), up to ``max_batch_tokens`` = rows x width; a larger request is cut
+    into pieces of that size. ``merge=False`` (``--exact``): each request is one forward exactly as sent,
+    so its scores equal in-process scores of the same micro-batch bit for bit.
+    """
+
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     max_batch_tokens: int
     executor: ThreadPoolExecutor
+    merge: bool = True
+    pad_id: int = 0
     stats: dict = field(default_factory=lambda: {"requests": 0, "forwards": 0, "rows": 0})
 
     def __post_init__(self):
@@ -424,13 +440,11 @@ class Batcher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def score_blocks(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """(sum n_i,) float32 scores of the blocks, once the batcher has run them."""
+        """(sum n_i,) float32 scores of a request's (n_i, T_i) blocks, once the batcher has run them."""
         loop = asyncio.get_running_loop()
-        jobs = [
-            _Job(loop.create_future(), block=piece)
-            for ids, mask in blocks
-            for piece in split_rows(ids, mask, self.max_batch_tokens)
-        ]
+        if self.merge:
+            blocks = [piece for ids, mask in blocks for piece in split_rows(ids, mask, self.max_batch_tokens)]
+        jobs = [_Job(loop.create_future(), block=b) for b in blocks]
         for job in jobs:
             self.queue.put_nowait(job)
         self.stats["requests"] += 1
@@ -452,26 +466,36 @@ class Batcher:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
+    def _forward(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """On the scoring thread: one forward over the blocks, split back into each block's scores."""
+        ids, mask = blocks[0] if len(blocks) == 1 else stack_blocks(blocks, self.pad_id)
+        return list(self.score(ids, mask).split([b[0].shape[0] for b in blocks]))
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             job = self._held or await self.queue.get()
             self._held = None
             if job.call is not None:
-                await self._settle([job], loop.run_in_executor(self.executor, job.call), single=True)
+                await self._settle([job], loop.run_in_executor(self.executor, job.call), forward=False)
                 continue
-            batch, tokens = [job], job.tokens
-            while not self.queue.empty():  # everything that arrived during the last forward
+            batch, rows, width = [job], job.block[0].shape[0], job.block[0].shape[1]
+            while self.merge and not self.queue.empty():  # what arrived during the last forward
                 nxt = self.queue.get_nowait()
-                if nxt.call is not None or tokens + nxt.tokens > self.max_batch_tokens:
+                if nxt.call is not None:
+                    self._held = nxt
+                    break
+                n, t = nxt.block[0].shape
+                if (rows + n) * max(width, t) > self.max_batch_tokens:
                     self._held = nxt
                     break
                 batch.append(nxt)
-                tokens += nxt.tokens
-            blocks = [j.block for j in batch]
-            await self._settle(batch, loop.run_in_executor(self.executor, score_merged, self.score, blocks))
+                rows, width = rows + n, max(width, t)
+            await self._settle(
+                batch, loop.run_in_executor(self.executor, self._forward, [j.block for j in batch])
+            )
 
-    async def _settle(self, jobs: list[_Job], work: asyncio.Future, single: bool = False) -> None:
+    async def _settle(self, jobs: list[_Job], work: asyncio.Future, forward: bool = True) -> None:
         """Await the scoring thread's ``work`` and hand each job its part (or the exception)."""
         try:
             result = await work
@@ -480,11 +504,9 @@ class Batcher:
                 if not j.future.done():
                     j.future.set_exception(e)
             return
-        if single:
-            parts = [result]
-        else:
-            parts, forwards = result
-            self.stats["forwards"] += forwards
+        parts = result if forward else [result]
+        if forward:
+            self.stats["forwards"] += 1
             self.stats["rows"] += sum(int(p.shape[0]) for p in parts)
         for j, part in zip(jobs, parts):
             if not j.future.done():  # a client that went away leaves a cancelled future
@@ -545,6 +567,7 @@ def create_app(
     max_batch_tokens: int = 16384,
     max_body_bytes: int = 16 * 2**20,
     body_timeout_s: float = 30.0,
+    exact: bool = False,
 ):
     """The Starlette app serving ``served`` (see the module docstring); run it with uvicorn."""
     from starlette.applications import Starlette
@@ -557,6 +580,7 @@ def create_app(
         "max_batch_tokens": max_batch_tokens,
         "max_body_bytes": max_body_bytes,
         "body_timeout_s": body_timeout_s,
+        "exact": exact,
     }
     metadata = served.metadata() | {"limits": limits}
     state: dict = {}
@@ -564,9 +588,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         executor = ThreadPoolExecutor(1, thread_name_prefix="shifu-score")
-        state["batcher"] = Batcher(
-            served.score_ids if served.model is not None else None, max_batch_tokens, executor
-        )
+        score = served.score_ids if served.model is not None else None
+        state["batcher"] = Batcher(score, max_batch_tokens, executor, merge=not exact, pad_id=served.pad_id)
         try:
             yield
         finally:
@@ -685,6 +708,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408)"
     )
     p.add_argument(
+        "--exact",
+        action="store_true",
+        help="one forward per request as sent (no merging): scores equal in-process ones bit for bit",
+    )
+    p.add_argument(
         "--device", default="cpu", help="torch device of the reward model (cpu, cuda, cuda:1, ...)"
     )
     p.add_argument(
@@ -730,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_threads(args.threads)
     served = load_served(args.source, args.device, args.aggregate, args.std_coef)
-    app = create_app(served, token, args.max_batch_tokens, args.max_body_bytes, args.body_timeout)
+    app = create_app(served, token, args.max_batch_tokens, args.max_body_bytes, args.body_timeout, args.exact)
     sock = bind_socket(args.host, args.port)
     print(
         f"shifu serve: {served.kind} {served.source} on {socket_url(sock)} "
