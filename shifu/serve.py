@@ -588,6 +588,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         executor = ThreadPoolExecutor(1, thread_name_prefix="shifu-score")
+        # one tokenising thread: HF fast tokenizers are not safe to call from several threads at once
+        # (their padding/truncation settings are shared state), and it overlaps with the forwards
+        state["encoder"] = ThreadPoolExecutor(1, thread_name_prefix="shifu-encode")
         score = served.score_ids if served.model is not None else None
         state["batcher"] = Batcher(score, max_batch_tokens, executor, merge=not exact, pad_id=served.pad_id)
         try:
@@ -595,6 +598,7 @@ def create_app(
         finally:
             await state["batcher"].close()
             executor.shutdown(wait=True)
+            state["encoder"].shutdown(wait=True)
 
     async def health(request):
         b = state["batcher"]
@@ -611,7 +615,7 @@ def create_app(
             raise RequestError(415, "Content-Type", f"Content-Type '{ctype}' is not application/json")
         raw = await read_body(request, max_body_bytes, body_timeout_s)
         req = await run_in_threadpool(lambda: parse_score_request(decode_body(raw)))
-        blocks = await run_in_threadpool(served.blocks, req)
+        blocks = await asyncio.get_running_loop().run_in_executor(state["encoder"], served.blocks, req)
         b = state["batcher"]
         if blocks is None:
             scores, token_scores = await b.run_alone(lambda: served.call(req))

@@ -386,6 +386,7 @@ def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
     assert status == 404 and "/v1/nothing" in answer["error"]["message"]
     status, answer = raw(guarded_url, "GET", "/v1/score", headers=auth)
     assert status == 405 and "GET /v1/score" in answer["error"]["message"]
+    assert raw(guarded_url, "GET", "/health")[0] == 200
 
 
 def test_token_ids_to_a_reward_function_are_refused():
