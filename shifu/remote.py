@@ -14,8 +14,9 @@ What it sends (docs/serve.md has the schemas):
 - **text** otherwise (prompts and decoded responses; the rows too when the server runs a reward
   function), ``batch_size`` rows a request, which the server pads as one block.
 
-With ``batch_size`` equal to the trainer's ``micro_batch_size`` the scores equal in-process
-``RewardSource`` scores bit for bit (tests/test_serve.py): each request is one in-process micro-batch.
+With ``batch_size`` equal to the trainer's ``micro_batch_size`` and a server started with ``--exact``, the
+scores equal in-process ``RewardSource`` scores bit for bit (tests/test_serve.py): each request is one
+in-process micro-batch, scored as one forward. A merging server (the default) agrees within 1e-5 relative.
 
 Failures: connection errors, timeouts and HTTP 408/429/502/503/504 are retried ``retries`` times after
 :func:`backoff_delays` seconds; then :class:`RewardServiceUnavailable` (the service is down: a trainer
@@ -199,7 +200,8 @@ class RemoteReward:
         return self.request("GET", "/health", prefix=False)
 
     def close(self) -> None:
-        """Stop the request threads (connections close with them)."""
+        """Close this thread's connection and stop the request threads (theirs close with them)."""
+        self._drop()
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> RemoteReward:
