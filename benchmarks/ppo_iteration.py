@@ -9,6 +9,12 @@ response has 32 tokens), 4 PPO epochs of minibatch 8 (16 optimiser steps per ite
     python benchmarks/ppo_iteration.py --vs-trl     # alternate shifu and TRL runs, print the ratio
     python benchmarks/ppo_iteration.py --short      # 1 iteration, no warm-up (CI: keeps it from rotting)
 
+The cost curve (issue 15): ``--shape toy|gpt2-12x512|smollm2-135m`` and ``--response-len N`` (random weights;
+``--batch``/``--minibatch`` shrink the rollout at the large shapes). ``--eos-scale s`` scales the EOS row of
+the tied embedding so that responses stop at EOS at varied lengths (then EOS is not disabled);
+``--micro-batch-tokens N`` passes shifu's token-budget micro-batches; ``--budget-ab N`` alternates shifu
+runs without and with ``micro_batch_tokens=N`` instead of the TRL comparison.
+
 The model builders below import only torch/transformers/tokenizers so that the TRL side (its own
 virtualenv, ``.bench/trl-venv``, TRL 1.12.0) builds bit-identical models from the same seeds.
 FLOPs are counted analytically (the useful work, identical for both systems): matmuls of the trunk,
@@ -18,6 +24,7 @@ attention scores and the LM head at the positions that need logits; backward = 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -39,18 +46,47 @@ TRL_VENV = ROOT / ".bench" / "trl-venv"
 TRL_SPEC = ["trl==1.12.0"]
 TORCH_WHEEL_GLOB = "/opt/wheels/torch-2.13.0*.whl"
 
-VOCAB, WIDTH, LAYERS, HEADS = 4096, 256, 4, 4
-BATCH, PROMPT_LEN, NEW_TOKENS, EPOCHS, MINIBATCH = 32, 16, 32, 4, 8
 SEED = 0
+
+
+@dataclasses.dataclass
+class Setup:
+    """The benchmarked model shape and rollout (the defaults: issue 8's toy configuration)."""
+
+    shape: str = "toy"
+    arch: str = "gpt2"  # gpt2 or llama
+    vocab: int = 4096
+    width: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 4
+    intermediate: int = 1024  # MLP width
+    batch: int = 32
+    prompt_len: int = 16
+    new_tokens: int = 32
+    epochs: int = 4
+    minibatch: int = 8
+    eos_scale: float = 0.0  # > 0: responses stop at EOS (its embedding row scaled by this)
+    micro_batch_tokens: int | None = None
+
+
+SHAPES = {
+    "toy": {},
+    "gpt2-12x512": {"width": 512, "layers": 12, "heads": 8, "kv_heads": 8, "intermediate": 2048},
+    # SmolLM2-135M's shape: Llama, 30 layers, width 576, GQA 9 query / 3 KV heads, SwiGLU 1536, tied embeddings
+    "smollm2-135m": {"arch": "llama", "vocab": 49152, "width": 576, "layers": 30, "heads": 9, "kv_heads": 3,
+                     "intermediate": 1536},
+}  # fmt: skip
+S = Setup()
 
 
 # ----------------------------------------------------------------------------------------- models
 def build_tokenizer(tmp: Path):
-    """A word-level tokenizer over ``VOCAB`` tokens ``<pad>, <eos>, w2 .. w4095`` (offline, instant)."""
+    """A word-level tokenizer over ``S.vocab`` tokens ``<pad>, <eos>, w2 ..`` (offline, instant)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, S.vocab)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path = tmp / "tokenizer.json"
@@ -58,63 +94,91 @@ def build_tokenizer(tmp: Path):
     return PreTrainedTokenizerFast(tokenizer_file=str(path), pad_token="<pad>", eos_token="<eos>")
 
 
-def gpt2_config():
+def model_config():
+    """The HF config of ``S``'s shape (dropout off, EOS 1, pad 0, tied embeddings)."""
+    if S.arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=S.vocab, hidden_size=S.width, intermediate_size=S.intermediate,
+            num_hidden_layers=S.layers, num_attention_heads=S.heads, num_key_value_heads=S.kv_heads,
+            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=1, pad_token_id=0,
+        )  # fmt: skip
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=VOCAB, n_positions=128, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+        vocab_size=S.vocab, n_positions=max(128, S.prompt_len + S.new_tokens), n_embd=S.width, n_layer=S.layers,
+        n_head=S.heads, n_inner=S.intermediate, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
 
 
 def build_policy(seed: int = SEED):
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(gpt2_config()).eval()
+    model = AutoModelForCausalLM.from_config(model_config()).eval()
+    if S.eos_scale:  # a large EOS embedding (tied: also its logit row): responses end at varied lengths
+        with torch.no_grad():
+            model.get_input_embeddings().weight[1].mul_(S.eos_scale)
+    return model
 
 
 def build_scalar_parts(seed: int):
-    """(GPT-2 trunk, head weight (1, d)) of a scalar model: head N(0, 1/sqrt(d+1)), bias 0 (the spec)."""
-    from transformers import GPT2Model
+    """(trunk, head weight (1, d)) of a scalar model: head N(0, 1/sqrt(d+1)), bias 0 (the spec)."""
+    from transformers import AutoModel
 
     torch.manual_seed(seed)
-    trunk = GPT2Model(gpt2_config()).eval()
+    trunk = AutoModel.from_config(model_config()).eval()
     g = torch.Generator().manual_seed(seed)
-    head = torch.randn(1, WIDTH, generator=g) / (WIDTH + 1) ** 0.5
+    head = torch.randn(1, S.width, generator=g) / (S.width + 1) ** 0.5
     return trunk, head
 
 
 def build_prompts(n_iters: int) -> torch.Tensor:
-    """(n_iters * BATCH, PROMPT_LEN) prompt ids, no padding, never <pad>/<eos>."""
+    """(n_iters * S.batch, S.prompt_len) prompt ids, no padding, never <pad>/<eos>."""
     g = torch.Generator().manual_seed(SEED + 100)
-    return torch.randint(2, VOCAB, (n_iters * BATCH, PROMPT_LEN), generator=g)
+    return torch.randint(2, S.vocab, (n_iters * S.batch, S.prompt_len), generator=g)
 
 
 # ----------------------------------------------------------------------------------------- FLOPs
+def trunk_params() -> int:
+    """Weights of the trunk's matmuls per layer x layers (GPT-2: 12 d^2; Llama: q, o d^2, k, v d*d_kv, MLP 3 d f)."""
+    d, f = S.width, S.intermediate
+    if S.arch == "llama":
+        kv = d * S.kv_heads // S.heads
+        return S.layers * (2 * d * d + 2 * d * kv + 3 * d * f)
+    return S.layers * (4 * d * d + 2 * d * f)
+
+
 def forward_flops(tokens: int, context: float, logit_positions: int, lm_head: bool = True) -> float:
-    """Matmul FLOPs of one forward: trunk 24 L d^2 per token (qkv 3d^2, out d^2, MLP 8d^2, x2 for
-    multiply-add), attention 4 L d per (query, key) pair, LM head 2 d V per position that needs logits."""
-    trunk = 24 * LAYERS * WIDTH**2 * tokens
-    attention = 4 * LAYERS * WIDTH * tokens * context
-    head = 2 * WIDTH * VOCAB * logit_positions if lm_head else 0
+    """Matmul FLOPs of one forward: trunk 2 x its matmul weights per token (GPT-2: 24 L d^2), attention
+    4 L d per (query, key) pair, LM head 2 d V per position that needs logits."""
+    trunk = 2 * trunk_params() * tokens
+    attention = 4 * S.layers * S.width * tokens * context
+    head = 2 * S.width * S.vocab * logit_positions if lm_head else 0
     return trunk + attention + head
 
 
-def phase_flops() -> dict[str, float]:
-    B, P, R = BATCH, PROMPT_LEN, NEW_TOKENS
+def phase_flops(response_len: float | None = None) -> dict[str, float]:
+    """FLOPs per phase at the full response length, or (EOS) at the measured mean ``response_len`` (the
+    useful work: padding after EOS earns no credit)."""
+    B, P = S.batch, S.prompt_len
+    R = S.new_tokens if response_len is None else response_len
     T = P + R
     causal = (T + 1) / 2  # mean keys per query of a causal forward over T positions
     # generation: prefill B*P tokens (logits at the last position), then R-1 one-token steps
-    gen = forward_flops(B * P, (P + 1) / 2, B) + sum(forward_flops(B, P + t + 1, B) for t in range(R - 1))
+    gen = forward_flops(B * P, (P + 1) / 2, B) + sum(
+        forward_flops(B, P + t + 1, B) for t in range(max(0, round(R) - 1))
+    )
     # scoring: the reference (logits at R positions), critic and reward trunks (scalar heads ~ 0). The
     # rollout policy's own log-probs are not counted: the decode steps already computed those logits (a
     # system that runs a second policy forward for them, as TRL does, gets no credit for it)
     scoring = forward_flops(B * T, causal, B * R) + 2 * forward_flops(B * T, causal, 0, lm_head=False)
     # training: every epoch, actor and critic forward + backward (3x forward) over the whole rollout
     train = (
-        EPOCHS * 3 * (forward_flops(B * T, causal, B * R) + forward_flops(B * T, causal, 0, lm_head=False))
+        S.epochs * 3 * (forward_flops(B * T, causal, B * R) + forward_flops(B * T, causal, 0, lm_head=False))
     )
     return {"generation": gen, "scoring": scoring, "train": train}
 
@@ -142,7 +206,7 @@ def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra:
     ``peaks``: the GEMM peak read before and after the iterations. MFU divides by the higher one (the
     machine's speed drifts on a VM; one reading taken in a slow moment made MFU read above 1)."""
     peak = max(peaks)
-    fl = phase_flops()
+    fl = phase_flops(extra.get("mean_response_len") if S.eos_scale else None)
     total_flops = sum(fl.values())
 
     def med(k):
@@ -150,13 +214,14 @@ def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra:
 
     out = {
         "system": system,
+        "setup": dataclasses.asdict(S),
         "iterations": len(iters),
         "median_s_per_iter": med("total"),
         "min_s_per_iter": min(it["total"] for it in iters),
         "median_generation_s": med("generation"),
         "median_scoring_s": med("scoring"),
         "median_train_s": med("train"),
-        "generated_tokens_per_s": BATCH * NEW_TOKENS / med("generation"),
+        "generated_tokens_per_s": S.batch * extra.get("mean_response_len", S.new_tokens) / med("generation"),
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "flops_per_iter": total_flops,
         "matmul_peak_gflops": round(peak, 2),
@@ -171,43 +236,55 @@ def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra:
 
 # ----------------------------------------------------------------------------------------- shifu
 def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
-    from shifu.models import ScalarModel
+    from shifu.models import ScalarModel, new_value_head
     from shifu.rewards import RewardSource
-    from shifu.trainers.common import OptimConfig
-    from shifu.trainers.ppo import Config, PPOTrainer, new_value_head
+    from shifu.schema import GenerationConfig, OptimConfig, PPOConfig
+    from shifu.strategy import build_strategy
+    from shifu.trainers import ppo, ppo_models
 
     tmp = Path(tempfile.mkdtemp(prefix="shifu-bench-"))
     tok = build_tokenizer(tmp)
     actor, ref = build_policy(), build_policy()
     reward = _scalar_model(1, tok, ScalarModel)
     critic = None if fast else _scalar_model(2, tok, ScalarModel)
-    cfg = Config(
-        batch_size=BATCH, minibatch_size=MINIBATCH, ppo_epochs=EPOCHS, micro_batch_size=BATCH, seed=SEED,
-        joint_optimizer=fast, bf16=fast and _bf16_supported(), optim=OptimConfig(lr=1e-5),
+    cfg = PPOConfig(
+        batch_size=S.batch, minibatch_size=S.minibatch, ppo_epochs=S.epochs, micro_batch_size=S.batch, seed=SEED,
+        joint_optimizer=fast, bf16=fast, optim=OptimConfig(lr=1e-5), micro_batch_tokens=S.micro_batch_tokens,
+        generation=GenerationConfig(max_new_tokens=S.new_tokens),
     )  # fmt: skip
-    cfg.generation.max_new_tokens = NEW_TOKENS
-    value_head = new_value_head(WIDTH, SEED) if fast else None
-    trainer = PPOTrainer(actor, critic, ref, RewardSource(model=reward, policy_tokenizer=tok), tok, cfg,
-                         value_head=value_head)  # fmt: skip
-    trainer.params.stop_at_eos = False  # EOS disabled: every response has NEW_TOKENS tokens
+    value_head = new_value_head(S.width, SEED) if fast else None
+    strategy = build_strategy(cfg.distributed)
+    strategy.launch("cpu")
+    reward_source = RewardSource(model=reward, policy_tokenizer=tok)
+    models = ppo_models.place(actor, critic, value_head, ref, reward_source, tok, cfg, strategy)
+    state = ppo_models.PPOState.new(cfg, strategy)
+    # EOS disabled (every response has S.new_tokens tokens) unless --eos-scale
+    params = dataclasses.replace(ppo.sampling_params(cfg), stop_at_eos=bool(S.eos_scale))
     steps = [0]
-    trainer.opt.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+    models.optimizers["actor"].optimizer.register_step_post_hook(
+        lambda *a: steps.__setitem__(0, steps[0] + 1)
+    )
     prompts = build_prompts(warmup + n_iters)
     mask = torch.ones_like(prompts)
     peak_before = matmul_peak_gflops()
-    iters = []
+    iters, lengths = [], []
     for i in range(warmup + n_iters):
-        rows = [{"prompt": ""} for _ in range(BATCH)]
-        sl = slice(i * BATCH, (i + 1) * BATCH)
+        rows = [{"prompt": ""} for _ in range(S.batch)]
+        sl = slice(i * S.batch, (i + 1) * S.batch)
         t0 = time.perf_counter()
-        m = trainer.step(prompts[sl], mask[sl], rows)
+        m = ppo.iteration(models, state, cfg, prompts[sl], mask[sl], rows, params)
         total = time.perf_counter() - t0
         if i >= warmup:
+            lengths.append(m["rollout/response_len"])
             iters.append({"total": total, "generation": m["time/generation_s"], "scoring": m["time/scoring_s"],
                           "train": m["time/update_s"]})  # fmt: skip
+    p = models.precision
     extra = {
         "optimizer_steps_per_iter": steps[0] // (warmup + n_iters),
-        "mode": "fast (shared trunk%s)" % (", bf16" if cfg.bf16 else "") if fast else "fp32",
+        "mode": ("fast (shared trunk, bf16 where measured faster)" if fast else "fp32")
+        + (f", micro_batch_tokens={S.micro_batch_tokens}" if S.micro_batch_tokens else ""),
+        "bf16": {"decode": p.decode, "frozen": p.frozen, "update": p.update, "reason": p.reason},
+        "mean_response_len": statistics.mean(lengths),
     }
     return summarise("shifu", iters, (peak_before, matmul_peak_gflops()), extra)
 
@@ -221,21 +298,14 @@ def _scalar_model(seed: int, tok, cls):
     return model.eval()
 
 
-def _bf16_supported() -> bool:
-    # autocast bf16 on a CPU without native bf16 (avx512_bf16/AMX) is emulated and slower than fp32
-    return bool(getattr(torch.backends.mkldnn, "is_available", lambda: False)()) and bool(
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ) and "avx512_bf16" in Path("/proc/cpuinfo").read_text()  # fmt: skip
-
-
-def generation_vs_hf(rounds: int = 3) -> dict:
+def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-scale says)
     """Generation tokens/s of shifu's engine and of HF ``generate`` (sampling, no EOS), alternating."""
     from shifu.rollout import SamplingParams, generate
 
     model = build_policy()
     prompts = build_prompts(1)
     mask = torch.ones_like(prompts)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    params = SamplingParams(max_new_tokens=S.new_tokens, stop_at_eos=False)
 
     def ours():
         generate(model, prompts, mask, params, eos_token_id=1, pad_token_id=0)
@@ -243,7 +313,7 @@ def generation_vs_hf(rounds: int = 3) -> dict:
     def hf():
         with torch.no_grad():
             model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)  # fmt: skip
+                           max_new_tokens=S.new_tokens, min_new_tokens=S.new_tokens, pad_token_id=0)  # fmt: skip
 
     times: dict[str, list[float]] = {"shifu": [], "hf": []}
     ours(), hf()
@@ -252,7 +322,7 @@ def generation_vs_hf(rounds: int = 3) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    tps = {k: BATCH * NEW_TOKENS / statistics.median(v) for k, v in times.items()}
+    tps = {k: S.batch * S.new_tokens / statistics.median(v) for k, v in times.items()}
     return {
         "generation_tokens_per_s_shifu": tps["shifu"],
         "generation_tokens_per_s_hf_generate": tps["hf"],
@@ -267,7 +337,7 @@ def run_trl(n_iters: int, warmup: int) -> dict:
 
     warnings.filterwarnings("ignore")
     from datasets import Dataset
-    from transformers import GPT2ForSequenceClassification, TrainerCallback
+    from transformers import AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     tmp = Path(tempfile.mkdtemp(prefix="trl-bench-"))
@@ -275,10 +345,10 @@ def run_trl(n_iters: int, warmup: int) -> dict:
 
     def scalar(seed):
         trunk, head = build_scalar_parts(seed)
-        cfg = gpt2_config()
+        cfg = model_config()
         cfg.num_labels = 1
-        m = GPT2ForSequenceClassification(cfg)
-        m.transformer.load_state_dict(trunk.state_dict())
+        m = AutoModelForSequenceClassification.from_config(cfg)
+        getattr(m, m.base_model_prefix).load_state_dict(trunk.state_dict())
         with torch.no_grad():
             m.score.weight.copy_(head)
         return m.eval()
@@ -286,13 +356,16 @@ def run_trl(n_iters: int, warmup: int) -> dict:
     n = warmup + n_iters
     data = Dataset.from_dict({"input_ids": build_prompts(n).tolist()})
     # TRL: rollout batch = per_device_train_batch_size * gradient_accumulation_steps = 32, split into
-    # num_mini_batches = 4 minibatches of 8. Accelerate would step the optimiser only every 4th
-    # minibatch (each minibatch is one micro-batch); gradient_accumulation_steps is reset to 1 on the
-    # accelerator below so that TRL, like shifu, takes 16 optimiser steps of 8 sequences per iteration.
+    # num_mini_batches = 4 minibatches of 8 (at the default setup). Accelerate would step the optimiser
+    # only every 4th minibatch (each minibatch is one micro-batch); gradient_accumulation_steps is reset
+    # to 1 on the accelerator below so that TRL, like shifu, takes 16 optimiser steps of 8 sequences per
+    # iteration. With --eos-scale TRL truncates responses after EOS (stop_token="eos").
+    n_mini = S.batch // S.minibatch
     args = PPOConfig(
-        output_dir=str(tmp / "out"), per_device_train_batch_size=8, gradient_accumulation_steps=4,
-        num_mini_batches=4, num_ppo_epochs=EPOCHS, total_episodes=BATCH * n, response_length=NEW_TOKENS,
-        stop_token=None, temperature=1.0, local_rollout_forward_batch_size=BATCH, learning_rate=1e-5,
+        output_dir=str(tmp / "out"), per_device_train_batch_size=S.minibatch, gradient_accumulation_steps=n_mini,
+        num_mini_batches=n_mini, num_ppo_epochs=S.epochs, total_episodes=S.batch * n,
+        response_length=S.new_tokens, stop_token="eos" if S.eos_scale else None, temperature=1.0,
+        local_rollout_forward_batch_size=S.batch, learning_rate=1e-5,
         kl_coef=0.05, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95,
         num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=10**6, use_cpu=True,
         bf16=False, fp16=False, seed=SEED, dataloader_num_workers=0, missing_eos_penalty=None,
@@ -350,9 +423,16 @@ def ensure_trl_venv() -> Path:
     return py
 
 
+def setup_args() -> list[str]:
+    """``S`` as command-line arguments (the subprocesses rebuild the same setup)."""
+    out = ["--shape", S.shape, "--response-len", str(S.new_tokens), "--batch", str(S.batch),
+           "--minibatch", str(S.minibatch), "--eos-scale", str(S.eos_scale)]  # fmt: skip
+    return out + (["--micro-batch-tokens", str(S.micro_batch_tokens)] if S.micro_batch_tokens else [])
+
+
 def subprocess_run(python: str, system: str, n_iters: int, warmup: int, fast: bool = False) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--system", system, "--iters", str(n_iters),
-           "--warmup", str(warmup)] + (["--fast"] if fast else [])  # fmt: skip
+           "--warmup", str(warmup), *setup_args()] + (["--fast"] if fast else [])  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
@@ -363,52 +443,83 @@ def subprocess_run(python: str, system: str, n_iters: int, warmup: int, fast: bo
 
 # ----------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
+    global S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="1 iteration, no warm-up (CI)")
     ap.add_argument("--iters", type=int, default=5, help="measured iterations")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up iterations (not measured)")
     ap.add_argument(
-        "--fast", action="store_true", help="shifu's fast defaults: shared-trunk critic, bf16 if native"
-    )
+        "--fast", action="store_true",
+        help="shifu's fast defaults: shared-trunk critic, bf16=true (bf16 only where the probe measures it faster)",
+    )  # fmt: skip
     ap.add_argument("--vs-trl", action="store_true", help="alternate shifu and TRL runs; print the ratio")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of shifu/TRL runs with --vs-trl")
     ap.add_argument("--no-gen-check", action="store_true", help="skip generation tokens/s vs HF generate")
+    ap.add_argument("--gen-rounds", type=int, default=3, help="alternating rounds of the generation check")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="toy", help="model shape (random weights)")
+    ap.add_argument("--response-len", type=int, default=32, help="max new tokens per response")
+    ap.add_argument("--batch", type=int, default=32, help="responses per rollout")
+    ap.add_argument("--minibatch", type=int, default=8, help="responses per optimiser step")
+    ap.add_argument(
+        "--eos-scale", type=float, default=0.0, help="> 0: responses stop at EOS at varied lengths"
+    )
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="shifu's micro_batch_tokens")
+    ap.add_argument("--budget-ab", type=int, default=None,
+                    help="alternate shifu fp32 runs without / with micro_batch_tokens=N (no TRL)")  # fmt: skip
     ap.add_argument("--system", choices=["shifu", "trl"], default="shifu", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    S = Setup(shape=args.shape, **SHAPES[args.shape], batch=args.batch, new_tokens=args.response_len,
+              minibatch=args.minibatch, eos_scale=args.eos_scale, micro_batch_tokens=args.micro_batch_tokens)  # fmt: skip
     torch.set_num_threads(1)
     if args.short:
         args.iters, args.warmup, args.rounds = 1, 0, 1
     if args.system == "trl":
         print(json.dumps(run_trl(args.iters, args.warmup)), flush=True)
         return 0
+    if args.budget_ab:
+        runs = {"fixed": [], "budget": []}
+        for _ in range(args.rounds):
+            for name, budget in (("fixed", None), ("budget", args.budget_ab)):
+                S.micro_batch_tokens = budget
+                runs[name].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
+                print(json.dumps({"run": name, **runs[name][-1]}), flush=True)
+        med = {k: statistics.median(r["median_train_s"] for r in v) for k, v in runs.items()}
+        print(json.dumps({"update_s_fixed": med["fixed"], "update_s_budget": med["budget"],
+                          "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
+                          "per_round_update_ratio": [b["median_train_s"] / a["median_train_s"]
+                                                     for a, b in zip(runs["fixed"], runs["budget"])]}), flush=True)  # fmt: skip
+        return 0
     if not args.vs_trl:
         out = run_shifu(args.iters, args.warmup, args.fast)
         if not (args.short or args.no_gen_check):
-            out.update(generation_vs_hf())
+            out.update(generation_vs_hf(args.gen_rounds))
         print(json.dumps(out), flush=True)
         return 0
     trl_py = str(ensure_trl_venv())
     runs: dict[str, list[dict]] = {"shifu": [], "trl": [], "shifu_fast": []}
     for _ in range(args.rounds):
         runs["shifu"].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
+        print(json.dumps({"run": "shifu", **runs["shifu"][-1]}), flush=True)
         runs["trl"].append(subprocess_run(trl_py, "trl", args.iters, args.warmup))
+        print(json.dumps({"run": "trl", **runs["trl"][-1]}), flush=True)
         runs["shifu_fast"].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup, fast=True))
-    for name, rs in runs.items():
-        for r in rs:
-            print(json.dumps({"run": name, **r}), flush=True)
+        print(json.dumps({"run": "shifu_fast", **runs["shifu_fast"][-1]}), flush=True)
 
     def med(name):
         return statistics.median(r["median_s_per_iter"] for r in runs[name])
 
     summary = {
+        "setup": dataclasses.asdict(S),
         "shifu_median_s_per_iter": med("shifu"),
         "trl_median_s_per_iter": med("trl"),
         "shifu_fast_median_s_per_iter": med("shifu_fast"),
         "ratio_shifu_over_trl": med("shifu") / med("trl"),
         "throughput_fast_over_trl": med("trl") / med("shifu_fast"),
+        "throughput_fast_over_fp32": med("shifu") / med("shifu_fast"),
+        "peak_rss_mib": {k: max(r["peak_rss_mib"] for r in v) for k, v in runs.items()},
     }
     if not args.no_gen_check:
-        summary.update(generation_vs_hf())
+        summary.update(generation_vs_hf(args.gen_rounds))
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from shifu.errors import ShifuError
@@ -19,5 +20,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     spec = importlib.util.spec_from_file_location("shifu_ppo_iteration", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return int(module.main(argv))

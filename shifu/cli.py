@@ -10,9 +10,13 @@ Errors the user can fix (:class:`shifu.errors.ShifuError`) print one clear line 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+
+from shifu import quiet
 
 # command -> (module, description); trainer modules expose `Config` and `train`
 TRAINERS = {
@@ -24,7 +28,7 @@ TRAINERS = {
 # command -> (module, description); these modules expose `main(argv) -> int`
 TOOLS = {
     "quickstart": ("shifu.quickstart", "run a built-in task end to end (SFT -> RM -> PPO -> report)"),
-    "report": ("shifu.report", "render report.html for a run directory, or compare several runs"),
+    "report": ("shifu.compare", "render report.html for a run directory, or compare several runs"),
     "sample": ("shifu.sample", "generate from a policy; optionally score it with a reward model/function"),
     "demo": ("shifu.demo", "toy demos: `shifu demo bandit`"),
     "bench": ("shifu.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
@@ -54,7 +58,14 @@ def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)"
     )
     p.add_argument(
-        "--help-config", action="store_true", help="list every config key with its default and meaning"
+        "--help-config",
+        action="store_true",
+        help="list every config key with its default, meaning and allowed values",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show third-party progress bars, warnings and log messages (transformers, peft, ...)",
     )
     if cmd == "rm":
         p.add_argument(
@@ -95,18 +106,51 @@ def run_trainer(cmd: str, argv: list[str]) -> int:
     if getattr(args, "ensemble", None):
         overrides.append(f"ensemble.k={args.ensemble}")
     cfg = load_config(module.Config, args.config, overrides)
-    module.train(cfg, resume=args.resume, overwrite=args.overwrite)
+    from shifu import checkpoint, distributed
+
+    try:
+        module.train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except Exception as e:  # a collective that failed because another process of a torchrun job is gone
+        why = distributed.lost_peer(e)
+        if why is None:
+            raise
+        raise lost_peer_error(cmd, cfg.out_dir, why, argv) from None
+    finally:
+        checkpoint.release_run_dirs()  # the next command in this process may use the directory
+    distributed.destroy()  # under torchrun: every rank leaves the process group together (else a no-op)
     return 0
+
+
+def lost_peer_error(cmd: str, out_dir: str, why: str, argv: list[str]):
+    """The error of a process whose torchrun job lost another process (killed, crashed, or silent for
+    ``distributed.timeout_s``): which process saw it, the last checkpoint, how to continue."""
+    from shifu import checkpoint, distributed
+    from shifu.errors import ShifuError
+
+    with contextlib.suppress(ValueError):  # (ValueError: not the main thread)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM must not cut the message short
+    try:
+        latest = checkpoint.latest_checkpoint(out_dir)
+    except (ShifuError, OSError):
+        latest = None
+    where = f"the last checkpoint is {latest}" if latest else "no checkpoint was written yet"
+    resume = "" if "--resume" in argv else " --resume"
+    return ShifuError(
+        f"process {distributed.rank()} of {distributed.world_size()} lost another process of this torchrun job "
+        f"({why}); {where}. Once every process has exited, run the same torchrun command{resume} to continue"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose, argv = quiet.verbose_requested(argv)  # any command takes --verbose, anywhere
     commands = {**TRAINERS, **TOOLS}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: shifu COMMAND [options]\n\ncommands:")
         for name, (_, desc) in commands.items():
             print(f"  {name:11s} {desc}")
-        print("\n`shifu COMMAND --help` for a command's options.")
+        print("\n`shifu COMMAND --help` for a command's options; --verbose (any command) also shows the")
+        print("progress bars, warnings and log messages of transformers, datasets, peft and DeepSpeed.")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"\nshifu: error: unknown command '{argv[0]}'", file=sys.stderr)
             return 2
@@ -114,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from shifu.errors import ShifuError
 
     cmd, rest = argv[0], argv[1:]
+    quiet.configure(verbose)  # before transformers & co. are imported
+    quiet.import_deepspeed_on_use()
     try:
         if cmd in TRAINERS:
             return run_trainer(cmd, rest)

@@ -13,6 +13,7 @@ can be mailed or attached to an issue as it is.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import dataclasses
 import io
@@ -24,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from shifu import report
 from shifu.errors import ShifuError
 from shifu.modelcard import gold_comparison
 from shifu.report import _CSS, RunData, _e, _figure, _num, _series, load_run
@@ -361,3 +363,33 @@ def render_comparison(run_dirs: list[str | Path], out: str | Path, labels: list[
     except OSError as e:
         raise ShifuError(f"cannot write the comparison to {path}: {e}") from e
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``shifu report RUN_DIR [--max-samples N]``, or ``shifu report RUN_A RUN_B ... [--out FILE]``."""
+    p = argparse.ArgumentParser(
+        prog="shifu report",
+        description="render report.html for a run directory; with several, one page comparing them",
+    )
+    p.add_argument("run_dir", nargs="+", help="run directories written by `shifu quickstart` or a trainer")
+    p.add_argument("--max-samples", type=int, default=64, help="sample rows shown before/after (default 64)")
+    p.add_argument(
+        "--out", default=None, help="comparison page to write (several runs only; default compare.html)"
+    )
+    p.add_argument(
+        "--labels", default=None, help="comparison: comma-separated run names (default: dir names)"
+    )
+    args = p.parse_args(argv)
+    if len(args.run_dir) > 1:
+        labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+        path = render_comparison(args.run_dir, args.out or "compare.html", labels)
+        print(f"wrote {path} ({len(args.run_dir)} runs)")
+        return 0
+    if args.out or args.labels:
+        raise ShifuError(
+            "--out and --labels are for comparisons of several runs; one run's report is RUN_DIR/report.html"
+        )
+    path = report.render_report(args.run_dir[0], max_samples=args.max_samples)
+    n_png = len(list((path.parent / "report").glob("*.png")))
+    print(f"wrote {path} ({n_png} plots)")
+    return 0

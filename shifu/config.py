@@ -1,8 +1,10 @@
-"""One frozen config tree per command: dataclasses, YAML presets, ``key.sub=value`` overrides.
+"""The config machinery: frozen dataclasses, YAML presets, ``key.sub=value`` overrides.
 
 Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
-``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name; each
-command's config class adds its own ``validate()`` for impossible combinations.
+``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name, a key that was
+renamed is rejected with its new name (a config class's ``RENAMED`` table), and each command's config class
+adds its own ``validate()`` for impossible combinations. The sections and commands are in
+:mod:`shifu.schema`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from shifu.errors import ConfigError
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str, **kwargs: Any) -> Any:
-    """A config field with its documentation. Mutable defaults (lists, dicts, dataclasses) are copied."""
-    meta = {"help": help}
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kwargs: Any) -> Any:
+    """A config field with its documentation. Mutable defaults (lists, dicts, dataclasses) are copied.
+    ``choices``: the values the field's validation accepts, when its type does not say them (a ``Literal``
+    type does); ``--help-config`` lists them."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
     if dataclasses.is_dataclass(default) or isinstance(default, (list, dict)):
         proto = default
         return dataclasses.field(default_factory=lambda: _copy(proto), metadata=meta, **kwargs)
@@ -54,6 +60,8 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
                 return _check_type(value, a, key)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # e.g. Literal[...] | None: name the allowed values
+            raise ConfigError(f"{errors[0]} (or null)")
         raise ConfigError(f"config key '{key}': {value!r} is not a valid {tp}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
@@ -131,6 +139,17 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def with_values(cfg: T, values: dict[str, Any]) -> T:
+    """``cfg`` with the dotted keys of ``values`` replaced (``{"critic.init": "sft"}``), not re-validated:
+    what a run actually used where it could not do what its config said, for ``config.yaml`` to record."""
+    for dotted, value in values.items():
+        head, _, rest = dotted.partition(".")
+        if rest:
+            value = with_values(getattr(cfg, head), {rest: value})
+        cfg = dataclasses.replace(cfg, **{head: value})
+    return cfg
+
+
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -181,6 +200,23 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return tree
 
 
+def lookup(tree: dict[str, Any], dotted: str, missing: Any = None) -> Any:
+    """``tree["a"]["b"]`` for ``"a.b"``; ``missing`` when any part is absent."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return missing
+        node = node[part]
+    return node
+
+
+def check_renamed(cls: type, data: dict[str, Any]) -> None:
+    """ConfigError for the first key of ``data`` that ``cls.RENAMED`` lists as an old name."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if lookup(data, old, missing=KeyError) is not KeyError:
+            raise ConfigError(f"config key '{old}' was renamed to '{new}': write {new}=... instead")
+
+
 def load_config(
     cls: type[T],
     config_file: str | Path | None = None,
@@ -194,6 +230,7 @@ def load_config(
     if overrides:
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = _merge(data, ov)
+    check_renamed(cls, data)
     cfg = from_dict(cls, data)
     validate = getattr(cfg, "validate", None)
     if callable(validate):
@@ -201,8 +238,25 @@ def load_config(
     return cfg
 
 
+def allowed_values(tp: Any, field: dataclasses.Field | None = None) -> tuple[Any, ...] | None:
+    """The values a field accepts when they are a fixed set (None otherwise): the field's ``choices``, or
+    its ``Literal`` type's values, also inside ``X | None`` and ``list[X]`` (null is not listed)."""
+    if field is not None and "choices" in field.metadata:
+        return field.metadata["choices"]
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType, list, tuple):
+        for arg in typing.get_args(tp):
+            values = allowed_values(arg)
+            if values is not None:
+                return values
+    return None
+
+
 def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, help) for every field, nested sections flattened; for ``--help-config`` and docs."""
+    """(key, default, help) for every field, nested sections flattened; for ``--help-config`` and docs.
+    A field with a fixed set of values ends its help with them: ``(one of 'a', 'b')``, as its error says."""
     rows = []
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
@@ -210,5 +264,10 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
             rows.extend(describe(tp, prefix + f.name + "."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+        help_ = f.metadata.get("help", "")
+        values = allowed_values(tp, f)
+        if values is not None:
+            each = "each " if typing.get_origin(tp) in (list, tuple) else ""
+            help_ += f" ({each}one of {', '.join(map(repr, values))})"
+        rows.append((prefix + f.name, repr(default), help_))
     return rows

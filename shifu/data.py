@@ -13,60 +13,32 @@ Every problem is a :class:`shifu.errors.DataError` naming the file, the 1-based 
 row (Parquet / datasets) and the field. With ``skip_bad=True`` bad rows are skipped instead and counted by
 reason (``LoadedRows.skipped``); a missing or unreadable file is always an error.
 
-Tokenisation conventions (``encode_sft``): prompt and response are tokenised separately without special
-tokens; EOS is appended to every response that fits; prompts longer than ``max_prompt_len`` are cut from
-the left (``truncate_left``) or the row is dropped (``drop``), and both are counted.
+Tokenisation conventions (``encode_sft``, ``encode_prompts``): prompt and response are tokenised
+separately without special tokens; EOS is appended to every response that fits; prompts longer than
+``max_prompt_len`` are cut from the left (``truncate_left``) or the row is dropped (``drop``), and both are
+counted.
+
+Streams: :class:`BatchStream` (shuffled micro-batches, sft/rm/dpo), :class:`PromptStream` (full rollout
+batches across epochs, ppo) and :func:`ptx_batches` (PPO-ptx demonstrations), each resumable from a
+position.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
+import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from shifu.config import opt
-from shifu.errors import ConfigError, DataError
+from shifu.errors import ConfigError, DataError, ShifuError
+from shifu.schema import DataConfig
 
 KINDS = ("sft", "preference", "prompt")
-PromptPolicy = Literal["truncate_left", "drop"]
-
-
-@dataclasses.dataclass
-class DataConfig:
-    train: str = opt("", "training data: a .jsonl or .parquet file, or a saved HF datasets directory")
-    eval: str = opt("", "held-out data (same formats); empty: hold out `eval_fraction` of `train`")
-    eval_fraction: float = opt(0.05, "fraction of `train` held out when `eval` is empty (deterministic)")
-    split_seed: int = opt(0, "seed of the deterministic held-out split")
-    skip_bad: bool = opt(False, "skip invalid rows (and report how many and why) instead of stopping")
-    max_prompt_len: int = opt(128, "prompt tokens kept; longer prompts follow `prompt_policy`")
-    max_len: int = opt(256, "prompt + response tokens (EOS included); longer responses are cut")
-    prompt_policy: PromptPolicy = opt(
-        "truncate_left", "long prompts: `truncate_left` keeps their last tokens, `drop` drops the row"
-    )
-
-    def validate(self, prefix: str = "data") -> None:
-        if not self.train:
-            raise ConfigError(
-                f"{prefix}.train is required: the path of a .jsonl/.parquet file or datasets dir"
-            )
-        if not self.eval and not 0 < self.eval_fraction < 1:
-            raise ConfigError(
-                f"{prefix}.eval_fraction must be in (0, 1) when {prefix}.eval is empty "
-                f"(got {self.eval_fraction}); give a held-out file in {prefix}.eval or a fraction like 0.05"
-            )
-        if self.max_prompt_len < 1:
-            raise ConfigError(f"{prefix}.max_prompt_len must be >= 1 (got {self.max_prompt_len})")
-        if self.max_len <= self.max_prompt_len:
-            raise ConfigError(
-                f"{prefix}.max_len ({self.max_len}) must exceed {prefix}.max_prompt_len "
-                f"({self.max_prompt_len}) to leave room for a response"
-            )
 
 
 class LoadedRows(list):
@@ -108,13 +80,36 @@ def _read_raw(path: str, split: str) -> tuple[str, list[tuple[int, Any, DataErro
     return "jsonl", _read_jsonl(path)
 
 
+UTF8_BOM = b"\xef\xbb\xbf"  # written at the start of a file by Windows editors ("UTF-8 with BOM")
+# (magic bytes, what the file is, what to do): files that are not UTF-8 JSONL, named before any line is read
+NOT_JSONL = (
+    (b"\xff\xfe", "UTF-16 text (it starts with a UTF-16 byte-order mark)", "re-save it as UTF-8"),
+    (b"\xfe\xff", "UTF-16 text (it starts with a UTF-16 byte-order mark)", "re-save it as UTF-8"),
+    (b"\x1f\x8b", "gzip-compressed", "decompress it first (gunzip)"),
+    (b"PK\x03\x04", "a zip archive", "unpack it and give the .jsonl file inside"),
+    (b"PAR1", "a Parquet file without the .parquet suffix", "rename it to end in .parquet"),
+)
+TABLE_SUFFIXES = {".csv", ".tsv", ".xlsx", ".xls"}
+
+
 def _read_jsonl(path: str) -> list[tuple[int, Any, DataError | None]]:
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise DataError(path, None, None, f"cannot read the file: {e.strerror or e}") from None
+    for magic, what, fix in NOT_JSONL:
+        if data.startswith(magic):
+            raise DataError(path, None, None, f"is {what}, not JSONL", fix)
+    if Path(path).suffix.lower() in TABLE_SUFFIXES:
+        raise DataError(
+            path, None, None, f"is a {Path(path).suffix} table, not JSONL",
+            "convert it, e.g. datasets.Dataset.from_csv(path).to_json('data.jsonl'), or save it as Parquet",
+        )  # fmt: skip
+    if data[:4096].lstrip(UTF8_BOM + b" \t\r\n").startswith(b"["):
+        _refuse_json_array(path, data)
     out = []
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.removeprefix(UTF8_BOM)  # a BOM starts the file (or a file concatenated into it)
         if not raw.strip():
             continue  # blank lines (including the one after a final newline) carry no row
         try:
@@ -137,6 +132,19 @@ def _read_jsonl(path: str) -> list[tuple[int, Any, DataError | None]]:
             )
             out.append((lineno, None, err))
     return out
+
+
+def _refuse_json_array(path: str, data: bytes) -> None:
+    """A file holding one JSON array of rows (``.json`` style) rather than one object per line."""
+    try:
+        value = json.loads(data.removeprefix(UTF8_BOM).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # not one JSON document: the lines are reported one by one
+    if isinstance(value, list):
+        raise DataError(
+            path, None, None, f"holds one JSON array of {len(value)} items, not one JSON object per line (JSONL)",
+            "convert it, e.g. jq -c '.[]' file.json > file.jsonl",
+        )  # fmt: skip
 
 
 def _read_parquet(path: str) -> list[tuple[int, Any, DataError | None]]:
@@ -184,9 +192,22 @@ def _check_text(row: dict, key: str, where: tuple[str, int | None], required: bo
         raise DataError(path, line, key, f"expected a string, got {type(value).__name__}")
     if not value.strip():
         raise DataError(path, line, key, "empty string", "remove the row or fill in the text")
+    _check_unicode(value, path, line, key)
 
 
-def _check_messages(row: dict, where: tuple[str, int | None]) -> None:
+def _check_unicode(value: str, path: str, line: int | None, key: str) -> None:
+    """A JSON escape of half a UTF-16 surrogate pair (``"\\ud83d"`` alone) is no character: tokenizers fail
+    on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            path, line, key, f"invalid Unicode escape at character {e.start} (a lone surrogate "
+            f"\\u{ord(value[e.start]):04x})", "write the character itself, or escape the whole surrogate pair",
+        ) from None  # fmt: skip
+
+
+def _check_messages(row: dict, where: tuple[str, int | None], reply: bool = True) -> None:
     path, line = where
     msgs = row["messages"]
     if not isinstance(msgs, list) or not msgs:
@@ -200,13 +221,29 @@ def _check_messages(row: dict, where: tuple[str, int | None]) -> None:
                 raise DataError(path, line, f"{field}.{key}", "missing or not a string")
         if not m["content"].strip():
             raise DataError(path, line, f"{field}.content", "empty string")
-    if msgs[-1]["role"] != "assistant":
+        _check_unicode(m["content"], path, line, f"{field}.content")
+    last = f"messages[{len(msgs) - 1}].role"
+    if reply and msgs[-1]["role"] != "assistant":
+        raise DataError(
+            path, line, last, f"the last message must be the assistant's reply (got '{msgs[-1]['role']}')"
+        )
+    if not reply and msgs[-1]["role"] == "assistant":
         raise DataError(
             path,
             line,
-            f"messages[{len(msgs) - 1}].role",
-            f"the last message must be the assistant's reply (got '{msgs[-1]['role']}')",
+            last,
+            "the last message is the assistant's: a prompt's conversation ends on the user's turn",
         )
+
+
+def _check_prompt(row: dict, where: tuple[str, int | None]) -> None:
+    """A prompt is a ``prompt`` string or a ``messages`` conversation up to the user's turn; with only
+    ``messages``, ``prompt`` becomes its last message's text (what reward functions and judges read)."""
+    if row.get("messages") is not None:
+        _check_messages(row, where, reply=False)
+        row.setdefault("prompt", row["messages"][-1]["content"])
+        return
+    _check_text(row, "prompt", where)
 
 
 def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
@@ -229,7 +266,8 @@ def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
             _check_text(row, "prompt", where)
             _check_text(row, "response", where)
     elif kind == "preference":
-        for key in ("prompt", "chosen", "rejected"):
+        _check_prompt(row, where)
+        for key in ("chosen", "rejected"):
             _check_text(row, key, where)
         if row["chosen"] == row["rejected"]:
             raise DataError(path, line, "rejected", "chosen == rejected: the pair carries no preference")
@@ -237,7 +275,7 @@ def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
             raise DataError(path, line, "margin", f"expected a finite number, got {m!r}")
     elif kind == "prompt":
-        _check_text(row, "prompt", where)
+        _check_prompt(row, where)
     else:
         raise ValueError(f"unknown row kind {kind!r}; expected one of {KINDS}")
     return row
@@ -273,7 +311,7 @@ def load_rows(path: str | Path, kind: str, skip_bad: bool = False, split: str = 
         hint = f"{sum(skipped.values())} rows were skipped as bad" if skipped else "the file holds no rows"
         raise DataError(path, None, None, f"no valid {kind} rows", hint)
     out = LoadedRows(rows, path, skipped)
-    if skipped:
+    if skipped and os.environ.get("RANK", "0") == "0":  # under torchrun every rank reads; rank 0 reports
         print(f"shifu: {out.skip_report()}", file=sys.stderr)
     return out
 
@@ -311,25 +349,39 @@ def load_train_eval(cfg: DataConfig, kind: str) -> tuple[LoadedRows, list[dict]]
 # tokenisation
 
 
-def render_messages(tokenizer, messages: list[dict]) -> tuple[str, str]:
-    """A chat -> (prompt text, response text); the response is the last (assistant) message.
-
-    With a chat template: prompt = template of all but the last message with ``add_generation_prompt``.
-    Without one, a plain rendering: ``"{role}: {content}\\n"`` per message, then ``"assistant: "``.
-    """
-    history, reply = messages[:-1], messages[-1]["content"]
+def _render(tokenizer, history: list[dict]) -> str:
+    """A conversation up to the model's turn as prompt text: the tokenizer's chat template with the
+    generation prompt added, or without one a plain ``"{role}: {content}\\n"`` per message, then
+    ``"assistant: "``."""
     if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-        return prompt, reply
-    prompt = "".join(f"{m['role']}: {m['content']}\n" for m in history) + "assistant: "
-    return prompt, reply
+        return tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in history) + "assistant: "
 
 
-def sft_texts(tokenizer, row: dict) -> tuple[str, str]:
-    """(prompt, response) text of a validated SFT row (``messages`` rendered by :func:`render_messages`)."""
+def render_messages(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """An SFT chat -> (prompt text, response text); the response is the last (assistant) message and the
+    prompt the conversation before it (:func:`_render`)."""
+    return _render(tokenizer, messages[:-1]), messages[-1]["content"]
+
+
+def prompt_text(tokenizer, row: dict, chat_template: bool = True) -> str:
+    """The text a model is prompted with for a validated row: its ``messages`` rendered up to the model's
+    turn; else its ``prompt`` string as one user message through the tokenizer's chat template when
+    ``chat_template`` and the tokenizer has one (an instruct model answers a bare string with EOS), else the
+    string verbatim."""
+    if row.get("messages") is not None:
+        return _render(tokenizer, row["messages"])
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return _render(tokenizer, [{"role": "user", "content": row["prompt"]}])
+    return row["prompt"]
+
+
+def sft_texts(tokenizer, row: dict, chat_template: bool = True) -> tuple[str, str]:
+    """(prompt, response) text of a validated SFT row (``messages`` rendered by :func:`render_messages`;
+    a ``prompt`` string by :func:`prompt_text`)."""
     if row.get("messages") is not None:
         return render_messages(tokenizer, row["messages"])
-    return row["prompt"], row["response"]
+    return prompt_text(tokenizer, row, chat_template), row["response"]
 
 
 def encode_sft(
@@ -338,6 +390,7 @@ def encode_sft(
     max_prompt_len: int,
     max_len: int,
     prompt_policy: str = "truncate_left",
+    chat_template: bool = True,
 ) -> tuple[list[dict[str, list[int]]], Counter]:
     """Tokenise SFT rows -> ([{"prompt_ids", "response_ids"}], counts).
 
@@ -351,7 +404,7 @@ def encode_sft(
     counts: Counter = Counter()
     out = []
     for row in rows:
-        prompt, response = sft_texts(tokenizer, row)
+        prompt, response = sft_texts(tokenizer, row, chat_template)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
         if len(p_ids) > max_prompt_len:
@@ -365,6 +418,43 @@ def encode_sft(
             r_ids = r_ids[:room]
             counts["truncated_responses"] += 1
         out.append({"prompt_ids": p_ids, "response_ids": r_ids})
+    return out, counts
+
+
+def encode_reward_pairs(
+    scorer, rows: list[dict], max_len: int, max_prompt_len: int, policy: str, chat_template: bool = True
+):
+    """Preference rows, tokenised as the reward model ``scorer`` scores them (``ScalarModel.encode``) ->
+    ([{"chosen", "rejected" (token ids), "margin", "chosen_len", "rejected_len"}], counts)."""
+    tok, counts, kept = scorer.tokenizer, {}, []
+    for r in rows:
+        r = {**r, "prompt_text": prompt_text(tok, r, chat_template) if scorer.is_causal else r["prompt"]}
+        if (
+            policy == "drop"
+            and len(tok(r["prompt_text"], add_special_tokens=False)["input_ids"]) > max_prompt_len
+        ):
+            counts["dropped_prompts"] = counts.get("dropped_prompts", 0) + 1
+        else:
+            kept.append(r)
+    out = []
+    for i in range(0, len(kept), 256):
+        chunk = kept[i : i + 256]
+        ids = {}
+        for side in ("chosen", "rejected"):
+            enc = scorer.encode([r["prompt_text"] for r in chunk], [r[side] for r in chunk], max_len)
+            ids[side] = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"], enc["attention_mask"])]
+        for j, r in enumerate(chunk):
+            if max(len(ids["chosen"][j]), len(ids["rejected"][j])) >= max_len:
+                counts["truncated_pairs"] = counts.get("truncated_pairs", 0) + 1
+            out.append(
+                {
+                    "chosen": ids["chosen"][j],
+                    "rejected": ids["rejected"][j],
+                    "margin": float(r.get("margin") or 0.0),
+                    "chosen_len": len(r["chosen"]),
+                    "rejected_len": len(r["rejected"]),
+                }
+            )
     return out, counts
 
 
@@ -424,3 +514,109 @@ class BatchStream:
 
     def batches_per_epoch(self) -> int:
         return math.ceil(self.n / self.batch_size)
+
+
+class PromptStream:
+    """Endless rollout batches of exactly ``batch_size`` prompt indices: epoch e's order is ``randperm(n)``
+    seeded with ``seed * 1000 + e``, and a batch that runs past an epoch's end continues into the next, so
+    the data position is just ``(epoch, index)``."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, epoch: int = 0, index: int = 0):
+        self.n, self.bs, self.seed, self.epoch, self.index = n, batch_size, seed, epoch, index
+
+    def _perm(self) -> list[int]:
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        ).tolist()
+
+    def next(self) -> list[int]:
+        out: list[int] = []
+        while len(out) < self.bs:
+            perm = self._perm()
+            take = perm[self.index : self.index + self.bs - len(out)]
+            out += take
+            self.index += len(take)
+            if self.index >= self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+def split_prompts(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """PPO's held-out prompts when no eval file is given: ``max(1, int(fraction * N))`` rows of a
+    ``randperm`` seeded with ``seed`` (in that order), the rest kept in file order -> (train, held_out)."""
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, int(len(rows) * fraction)) if len(rows) > 1 else 0
+    return [rows[i] for i in sorted(perm[n_eval:])], [rows[i] for i in perm[:n_eval]]
+
+
+def encode_prompts(
+    tokenizer, rows: list[dict], max_len: int, policy: str, path: str, chat_template: bool = True
+) -> tuple[list[list[int]], list[dict], int]:
+    """Token ids of each row's :func:`prompt_text` (no special tokens added), over-long ones truncated from the
+    left or dropped -> (ids, the rows kept, how many were dropped)."""
+    ids, kept, dropped = [], [], 0
+    for r in rows:
+        x = tokenizer(prompt_text(tokenizer, r, chat_template), add_special_tokens=False)["input_ids"]
+        if not x:
+            raise ShifuError(f"{path}: a prompt encodes to zero tokens: {r['prompt']!r}")
+        if len(x) > max_len:
+            if policy == "drop":
+                dropped += 1
+                continue
+            x = x[-max_len:]
+        ids.append(x), kept.append(r)
+    if not ids:
+        raise ShifuError(f"{path}: no prompts left after applying data.max_prompt_len={max_len} ({policy})")
+    return ids, kept, dropped
+
+
+class Counted:
+    """An iterator that counts the items it served, so a resumed run skips exactly that many."""
+
+    def __init__(self, it):
+        self.it, self.served = it, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.served += 1
+        return next(self.it)
+
+
+def ptx_batches(
+    tokenizer,
+    path: str,
+    rows_per_batch: int,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    seed: int,
+    skip_bad: bool,
+    chat_template: bool = True,
+) -> Counted:
+    """Endless right-padded batches of SFT demonstrations for the PPO-ptx term: ``input_ids``,
+    ``attention_mask`` and ``loss_mask`` (True on response tokens and the appended EOS), shuffled by a
+    generator seeded with ``seed``; prompts keep their last ``max_prompt_len`` tokens, responses their first
+    ``max_new_tokens``."""
+    from shifu.models import pad_right
+
+    rows = [sft_texts(tokenizer, r, chat_template) for r in load_rows(path, "sft", skip_bad=skip_bad)]
+
+    def batches():
+        gen = torch.Generator().manual_seed(seed)
+        while True:
+            for i in torch.randperm(len(rows), generator=gen).tolist():
+                seqs, masks = [], []
+                for prompt, response in (rows[(i + j) % len(rows)] for j in range(rows_per_batch)):
+                    p = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_len:]
+                    r = tokenizer(response, add_special_tokens=False)["input_ids"][:max_new_tokens]
+                    seqs.append(p + r + [tokenizer.eos_token_id])
+                    masks.append([0] * len(p) + [1] * (len(r) + 1))
+                b = pad_right(seqs, tokenizer.pad_token_id)
+                b["loss_mask"] = pad_right(masks, 0)["input_ids"]
+                yield b
+
+    return Counted(batches())

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import datetime
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -37,60 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shifu.config import opt
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ShifuError
 
 TrainStrategy = Literal["none", "ddp", "fsdp2"]
 FrozenStrategy = Literal["replicate", "fsdp2"]
 
 _device: torch.device | None = None
-
-
-@dataclasses.dataclass
-class DistributedConfig:
-    """The ``distributed`` section of the sft, rm and ppo configs (read under ``torchrun``)."""
-
-    strategy: Literal["none", "ddp", "fsdp2", "deepspeed"] = opt(
-        "none", "trained models: none (one process), ddp, fsdp2 (fully_shard) or deepspeed (ZeRO)"
-    )
-    deepspeed_config: str | None = opt(
-        None, "DeepSpeed JSON config (ZeRO stage 2/3, offload); needs strategy=deepspeed"
-    )
-    frozen: Literal["replicate", "fsdp2"] = opt(
-        "replicate", "reference / reward model: a full copy per rank, or sharded with fsdp2"
-    )
-    gradient_checkpointing: bool = opt(False, "recompute block activations in the backward pass")
-    offload_frozen: bool = opt(
-        False, "keep the frozen models on the CPU between their forwards (saves accelerator memory)"
-    )
-    timeout_s: float = opt(600.0, "process-group timeout: a rank stuck in a collective fails after it")
-
-    def validate(self, prefix: str = "distributed") -> None:
-        if self.strategy == "deepspeed" and not self.deepspeed_config:
-            raise ConfigError(
-                f"{prefix}.strategy=deepspeed needs {prefix}.deepspeed_config (a JSON file with "
-                "zero_optimization.stage 2 or 3)"
-            )
-        if self.deepspeed_config and self.strategy != "deepspeed":
-            raise ConfigError(f"{prefix}.deepspeed_config is set but {prefix}.strategy is {self.strategy}")
-        if self.offload_frozen and self.frozen == "fsdp2":
-            raise ConfigError(
-                f"{prefix}.offload_frozen keeps whole frozen models on the CPU; it cannot be combined with "
-                f"{prefix}.frozen=fsdp2 (sharded): choose one"
-            )
-        if self.frozen == "fsdp2" and self.strategy == "deepspeed":
-            raise ConfigError(
-                f"{prefix}.frozen=fsdp2 with strategy=deepspeed is not supported: use frozen=replicate "
-                "(optionally with offload_frozen=true)"
-            )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"{prefix}.timeout_s must be > 0 (got {self.timeout_s})")
-        ws = planned_world_size()
-        if ws > 1 and self.strategy == "none":
-            raise ConfigError(
-                f"launched with {ws} processes but {prefix}.strategy=none: set {prefix}.strategy=ddp, "
-                "fsdp2 or deepspeed (or run one process)"
-            )
 
 
 def planned_world_size() -> int:
@@ -140,9 +90,30 @@ def _default_device() -> torch.device:
 
 
 def destroy() -> None:
-    """Leave the process group (call at the end of a torchrun program; a no-op otherwise)."""
+    """Leave the process group (call at the end of a torchrun program; a no-op otherwise). Every rank waits
+    for the others first: a rank tearing gloo down while another still talks to it can abort the process."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+
+
+# what a collective's error says when another process of the job died or stopped answering (gloo, NCCL)
+_PEER_SIGNS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Connection refused", "Broken pipe",
+               "timed out", "Timed out", "Socket Timeout")  # fmt: skip
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """Why a collective failed, when ``error`` says another process of this torchrun job died or stopped
+    answering within ``distributed.timeout_s`` (its first line, without the backend's source location);
+    None for any other error, and always in a single process."""
+    if not is_distributed() or not isinstance(error, (RuntimeError, dist.DistError)):
+        return None
+    text = str(error).strip()
+    if not isinstance(error, dist.DistError) and not any(sign in text for sign in _PEER_SIGNS):
+        return None
+    first = text.splitlines()[0] if text else type(error).__name__
+    first = first.split("] ", 1)[1] if first.startswith("[") and "] " in first else first
+    return first.split(". This is typically caused", 1)[0]
 
 
 def is_distributed() -> bool:
@@ -201,23 +172,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean of ``t`` over ranks (floating tensors)."""
-    return all_reduce_sum(t) / world_size()
-
-
-def global_count(n: torch.Tensor) -> torch.Tensor:
-    """Total over ranks of a local count (e.g. ``response_mask.sum()``): the global number of real tokens."""
-    return all_reduce_sum(n)
-
-
 def token_mean_divisor(n_local: torch.Tensor) -> torch.Tensor:
     """``N_global / W``: divide the local masked loss *sum* by this to get a global token-mean update.
 
     DDP/FSDP2 average gradients over ``W`` ranks, so ``sum_local / (N_global / W)`` averaged over ranks
     is ``sum_global / N_global``. Clamped at 1 token so an all-padding batch gives a zero loss, not NaN.
     """
-    n = global_count(n_local.detach().to(torch.float64)).clamp(min=1.0)
+    n = all_reduce_sum(n_local.detach().to(torch.float64)).clamp(min=1.0)  # real tokens on every rank
     return (n / world_size()).to(torch.float32)
 
 
@@ -232,13 +193,18 @@ def reduce_metrics(
     keys = sorted(metrics)
     if not keys:
         return {}
-    vals = torch.stack(
-        [torch.as_tensor(metrics[k]).detach().to("cpu", torch.float64).reshape(()) for k in keys]
-    )
+    vals = torch.stack([_float64(metrics[k]) for k in keys])
     total = all_reduce_sum(vals.to(_comm_device())).cpu()
     if op == "mean":
         total = total / world_size()
     return dict(zip(keys, total.tolist()))
+
+
+def _float64(v: float | torch.Tensor) -> torch.Tensor:
+    """A 0-dim float64 CPU tensor of a scalar (a Python float keeps all its digits)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", torch.float64).reshape(())
+    return torch.tensor(float(v), dtype=torch.float64)
 
 
 def _reduce_flag(flag: bool, op: dist.ReduceOp) -> bool:
@@ -276,22 +242,6 @@ def gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-# --------------------------------------------------------------------------------------------------------
-# rank-0 output
-
-
-def print0(*args: Any, **kwargs: Any) -> None:
-    """``print`` on rank 0 only (flushed, so torchrun's interleaved output stays readable)."""
-    if is_main():
-        print(*args, **kwargs, flush=True)
-
-
-def warn0(message: str) -> None:
-    """A warning line on stderr, on rank 0 only."""
-    if is_main():
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -398,14 +348,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """True when no rank holds the full model: FSDP2, or a DeepSpeed engine (checkpoints go through
-    :func:`save_sharded` / the engine's own checkpoint, final weights through :func:`full_state_dict`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule) or _is_deepspeed(model)
-
-
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load a complete (unsharded) state dict, present on every rank, into a plain, DDP or FSDP2 model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -455,7 +397,7 @@ def load_deepspeed_config(ds_config: str | Path | dict, optim: Any = None) -> di
     """A DeepSpeed config dict from a JSON file (or a dict), with shifu's defaults filled in.
 
     shifu's loop owns batching and accumulation, so ``train_micro_batch_size_per_gpu`` and
-    ``gradient_accumulation_steps`` default to 1. From ``optim`` (a ``shifu.trainers.common.OptimConfig``):
+    ``gradient_accumulation_steps`` default to 1. From ``optim`` (a ``shifu.schema.OptimConfig``):
     ``gradient_clipping`` and, when the ZeRO section offloads the optimiser and the file names no
     optimiser, an ``AdamW`` section (DeepSpeed then uses its CPU Adam, compiled on first use).
     """
@@ -526,37 +468,6 @@ def deepspeed_zero3_init(ds_config: str | Path | dict) -> Any:
 
 def _is_deepspeed(model: nn.Module) -> bool:
     return type(model).__name__ == "DeepSpeedEngine"
-
-
-def backward(model: nn.Module, loss: torch.Tensor) -> None:
-    """``loss.backward()``, or ``engine.backward(loss)`` under DeepSpeed (which handles loss scaling)."""
-    if _is_deepspeed(model):
-        model.backward(loss)
-    else:
-        loss.backward()
-
-
-def optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
-) -> float | None:
-    """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping.
-
-    Plain/DDP/FSDP2: ``clip_grad_norm_`` over all ranks' shards, then ``optimizer.step()``. DeepSpeed:
-    ``engine.step()`` (it clips with the config's ``gradient_clipping``).
-    """
-    if _is_deepspeed(model):
-        model.step()
-        norm = model.get_global_grad_norm()
-        return None if norm is None else float(norm)
-    norm = None
-    if max_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-            norm = norm.full_tensor()
-        norm = float(norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -106,7 +106,11 @@ def load_reward(
     if not (p / ENSEMBLE_FILE).exists() and not (p / META_FILE).exists() and (p / "final").is_dir():
         p = p / "final"
     if (p / ENSEMBLE_FILE).exists():
-        manifest = json.loads((p / ENSEMBLE_FILE).read_text(encoding="utf-8"))
+        from shifu.models import read_json_file
+
+        manifest = read_json_file(
+            p / ENSEMBLE_FILE, "ensemble manifest", "train the ensemble again or restore a copy"
+        )
         members = [ScalarModel.from_pretrained(p / m) for m in manifest["members"]]
         how = aggregate_how or manifest.get("aggregate", "mean")
         k = std_coef if std_coef is not None else manifest.get("std_coef", 1.0)

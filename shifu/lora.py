@@ -6,42 +6,25 @@ frozen SFT policy, i.e. the *same* network with the adapters switched off: :func
 without a second copy of the weights (one model fewer in memory). Its log-probs equal a real frozen copy's
 exactly, before and after training (tested in ``tests/test_lora.py``).
 
+The critic can be trained the same way (``lora.critic``): :func:`wrap_lora_critic` adapts the trunk of a
+:class:`~shifu.models.ScalarModel` and keeps its value head fully trained. A checkpoint then holds only
+what trains (adapters, the value head; :func:`shifu.checkpoint.trained_state_dict`), never the frozen base.
+
 Outputs stay plain Hugging Face directories: :func:`merged_copy` folds ``B A`` into ``W`` for
-``save_pretrained``.
+``save_pretrained`` (also for a ScalarModel critic, whose backbone is merged).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
-from shifu.config import opt
 from shifu.errors import ConfigError, ShifuError
-
-
-@dataclasses.dataclass
-class LoraConfig:
-    enabled: bool = opt(False, "train LoRA adapters instead of all weights; the reference is then the actor "
-                               "with adapters disabled (no separate reference model)")  # fmt: skip
-    r: int = opt(16, "adapter rank")
-    alpha: float = opt(32.0, "scale numerator: the update is (alpha / r) * B A")
-    dropout: float = opt(0.0, "dropout on the adapter input (keep 0 for PPO: ratios must start at 1)")
-    target_modules: list[str] | None = opt(
-        None, "names of the linear layers to adapt (e.g. [q_proj, v_proj]); null: peft's default for the "
-        "architecture (c_attn for GPT-2, q_proj/v_proj for Llama-style models)"
-    )  # fmt: skip
-
-    def validate(self, prefix: str = "lora") -> None:
-        if self.r < 1:
-            raise ConfigError(f"{prefix}.r must be >= 1 (got {self.r})")
-        if self.alpha <= 0:
-            raise ConfigError(f"{prefix}.alpha must be > 0 (got {self.alpha})")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{prefix}.dropout must be in [0, 1) (got {self.dropout})")
+from shifu.schema import LoraConfig
 
 
 def _peft():
@@ -75,13 +58,66 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         raise ConfigError(f"lora.target_modules: {e} — name the linear layers to adapt") from None
 
 
+def wrap_lora_critic(critic: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """A :class:`~shifu.models.ScalarModel` critic whose trunk (``critic.backbone``) carries LoRA adapters:
+    trunk weights frozen, adapters and the scalar head trained. In place; returns ``critic``.
+
+    The adapters start at ``B = 0``, so the wrapped critic starts with exactly the values of the unwrapped
+    one; the layers adapted are ``cfg.target_modules`` (peft's default for the architecture when null)."""
+    peft = _peft()
+    cfg.validate()
+    lcfg = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        bias="none",
+    )  # (no task type: the trunk is called with input ids, mask and positions as it is)
+    try:
+        critic.backbone = peft.get_peft_model(critic.backbone, lcfg)
+    except ValueError as e:
+        raise ConfigError(f"lora.target_modules: {e} — name the linear layers to adapt") from None
+    return critic
+
+
+def share_frozen_trunk(actor: nn.Module, critic: nn.Module) -> int:
+    """Make a LoRA critic's frozen trunk weights *be* the LoRA actor's where they are equal (a critic
+    started from the SFT model: the same trunk), so actor, reference and critic hold one copy of the base
+    between them. Only frozen tensors equal in name, shape, dtype and value are shared (neither optimiser
+    moves them; :func:`merged_copy` deep-copies). Returns the number of elements shared."""
+    if not (is_lora(actor) and is_lora_critic(critic)):
+        return 0
+    actor_trunk = _inner(actor).get_base_model().base_model  # the HF trunk inside the causal LM
+    critic_trunk = _inner(critic).backbone.get_base_model()
+    theirs = dict(actor_trunk.named_parameters())
+    shared = 0
+    for name, p in list(critic_trunk.named_parameters()):
+        q = theirs.get(name)
+        if p.requires_grad or q is None or q.requires_grad or q.shape != p.shape or q.dtype != p.dtype:
+            continue
+        if q.device == p.device and torch.equal(p, q):
+            owner, _, leaf = name.rpartition(".")
+            critic_trunk.get_submodule(owner)._parameters[leaf] = q
+            shared += q.numel()
+    return shared
+
+
 def _inner(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def _is_peft(m: nn.Module) -> bool:
+    return hasattr(m, "disable_adapter") and hasattr(m, "peft_config")
+
+
 def is_lora(model: nn.Module) -> bool:
     """True for a peft-wrapped model (also inside a DDP wrapper)."""
-    return hasattr(_inner(model), "disable_adapter") and hasattr(_inner(model), "peft_config")
+    return _is_peft(_inner(model))
+
+
+def is_lora_critic(model: nn.Module) -> bool:
+    """True for a ScalarModel whose trunk carries LoRA adapters (:func:`wrap_lora_critic`)."""
+    return _is_peft(getattr(_inner(model), "backbone", None) or nn.Module())
 
 
 @contextlib.contextmanager
@@ -119,7 +155,17 @@ def trainable_summary(model: nn.Module) -> str:
 
 def merged_copy(model: nn.Module) -> nn.Module:
     """A plain HF model with ``W + (alpha/r) B A`` folded in, for ``save_pretrained`` (the actor is left
-    untouched; costs one more copy of the weights in host memory while it exists)."""
+    untouched; costs one more copy of the weights in host memory while it exists). A LoRA critic
+    (:func:`wrap_lora_critic`) comes back as a plain ScalarModel with its trunk merged."""
+    if is_lora_critic(model):
+        critic = _inner(model)
+        trunk, critic.backbone = critic.backbone, None  # (deep-copy the rest without the trunk)
+        try:
+            plain = copy.deepcopy(critic)
+        finally:
+            critic.backbone = trunk
+        plain.backbone = copy.deepcopy(trunk).merge_and_unload()
+        return plain
     if not is_lora(model):
         raise ShifuError("merged_copy needs a LoRA model")
     return copy.deepcopy(_inner(model)).merge_and_unload()

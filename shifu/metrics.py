@@ -35,6 +35,9 @@ METRICS: dict[str, str] = {
     "objective/score": "mean reward-model score of the rollout's responses, before score processing",
     "objective/score_processed": "mean score after normalisation/clipping/missing-EOS penalty: what enters the reward",
     "objective/kl": "mean KL(policy || reference) of the rollout, summed over response tokens (nats per response)",
+    "objective/kl_k3": "k3 estimate of the same KL, summed over response tokens (nats per response, never negative; "
+    "the progress bar shows it)",
+    "objective/process_reward": "mean sum of the process (step) rewards per response, when the reward gives steps",
     "objective/kl_per_token": "KL(policy || reference) averaged over real response tokens (nats per token)",
     "objective/kl_coef": "beta, the KL penalty coefficient used for this rollout (set by the KL controller)",
     "objective/rlhf_reward": "mean of score - beta * KL per response: the shaped return PPO maximises",
@@ -50,9 +53,23 @@ METRICS: dict[str, str] = {
     "loss/value": "critic loss 0.5 * (V - returns)^2 (clipped variant if enabled), token-mean",
     "loss/entropy": "mean response entropy as it enters the loss term -ent_coef * H",
     "loss/ptx": "PPO-ptx: SFT negative log-likelihood on a batch of demonstrations (logged when ptx_coef > 0)",
+    "loss/kl": "kl.penalty=loss: the k3 KL to the reference as a loss term (nats per token), before beta",
     "rollout/response_len": "mean number of real response tokens per rollout response (first EOS included)",
     "rollout/eos_frac": "fraction of rollout responses that produced EOS within the token limit",
-    "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite",
+    "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite "
+    "(with group_size > 1, every response of their group)",
+    "rollout/groups_dropped": "dynamic_sampling: groups whose scores were all equal, left out of the update",
+    "rollout/mismatch_abs_log_ratio": "tis_cap or bf16 decode: mean |log pi_old - log pi_rollout| over response tokens "
+    "(trainer forward vs the decode's own log-probs)",
+    "rollout/mismatch_max_abs_log_ratio": "tis_cap or bf16 decode: largest |log pi_old - log pi_rollout| of the rollout",
+    "rollout/mismatch_k3": "tis_cap or bf16 decode: k3 estimate of KL(pi_rollout || pi_old) per token",
+    "rollout/mismatch_is_weight_mean": "tis_cap: mean truncated importance weight min(pi_old / pi_rollout, cap)",
+    "rollout/mismatch_is_truncfrac": "tis_cap: fraction of response tokens whose importance weight was capped",
+    "precision/bf16_decode": "bf16=true: 1 when generation reads a bf16 copy of the actor (the GEMM probe measured "
+    "it faster; shifu.precision), else 0",
+    "precision/bf16_frozen": "bf16=true: 1 when the reference and reward model hold bf16 weights, else 0",
+    "precision/bf16_update": "bf16=true: 1 when the update's forwards run under bf16 autocast (fp32 master "
+    "weights and optimiser state), else 0",
     "time/rollout_s": "seconds spent generating and scoring the rollout",
     "time/generation_s": "seconds of the rollout spent generating responses",
     "time/scoring_s": "seconds of the rollout spent on log-probs, values and scores (rollout minus generation)",
@@ -81,6 +98,7 @@ METRICS: dict[str, str] = {
     # PPO evaluation rows (step 0 and every eval.every iterations, held-out prompts)
     "eval/score": "mean reward-model score on the held-out prompts",
     "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
+    "eval/kl_k3": "k3 estimate of eval/kl (nats per response, never negative)",
     "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM",
 }
 

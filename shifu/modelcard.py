@@ -28,7 +28,9 @@ from typing import Any
 
 import yaml
 
+from shifu.config import lookup
 from shifu.errors import ShifuError
+from shifu.report import read_json
 
 KINDS = ("sft", "rm", "ppo", "dpo")
 TITLES = {
@@ -41,17 +43,17 @@ TAGS = {"sft": ["sft"], "rm": ["reward-model"], "ppo": ["ppo"], "dpo": ["dpo"]}
 # where each stage's config names the model it started from (first match wins)
 BASE_MODEL_KEYS = {
     "sft": ("model.path",),
-    "rm": ("model.backbone",),
-    "ppo": ("actor_path", "actor.path", "policy.path"),
-    "dpo": ("policy_path", "policy.path"),
+    "rm": ("model.path",),
+    "ppo": ("model.path",),
+    "dpo": ("model.path",),
 }
 # the config keys a reader asks about first, per stage (absent or empty ones are skipped)
 KEY_CONFIG = {
     "sft": ("model.path", "data.max_len", "epochs", "max_steps", "batch_size", "grad_accum"),
-    "rm": ("model.backbone", "ensemble.k", "ensemble.aggregate", "center_coef", "epochs", "max_steps"),
+    "rm": ("model.path", "ensemble.k", "ensemble.aggregate", "center_coef", "epochs", "max_steps"),
     "ppo": (
-        "actor_path",
-        "ref_path",
+        "model.path",
+        "model.ref_path",
         "algo",
         "reward.model_path",
         "reward.function",
@@ -73,10 +75,10 @@ KEY_CONFIG = {
         "generation.temperature",
         "eval.gold_function",
     ),
-    "dpo": ("policy_path", "ref_path", "beta", "epochs", "max_steps", "batch_size"),
+    "dpo": ("model.path", "model.ref_path", "beta", "epochs", "max_steps", "batch_size"),
 }
 COMMON_CONFIG = ("optim.lr", "optim.schedule", "optim.warmup_steps", "seed", "bf16", "distributed.strategy")
-DATA_KEYS = ("data.train", "data.eval", "data.prompts", "data.eval_prompts", "data.ptx")
+DATA_KEYS = ("data.train", "data.eval", "data.ptx")
 RECIPE = {
     "sft": "Supervised fine-tuning (`shifu sft`): next-token loss on the response tokens of (prompt, response) "
     "demonstrations; prompt and padding positions are masked out.",
@@ -91,17 +93,6 @@ RECIPE = {
 
 
 # ------------------------------------------------------------------------------------------ reading
-
-
-def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        notes.append(f"{path.name} is not valid JSON ({e})")
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -131,16 +122,6 @@ def read_config(run_dir: Path, notes: list[str]) -> dict[str, Any]:
         notes.append(f"config.yaml is not valid YAML ({e})")
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def lookup(config: dict[str, Any], dotted: str) -> Any:
-    """``config["a"]["b"]`` for ``"a.b"``; None when any part is missing."""
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def _num(v: Any) -> float | None:
@@ -183,7 +164,7 @@ def quickstart_summary(run_dir: Path, notes: list[str]) -> tuple[dict[str, Any],
     """The end-to-end summary of a quickstart run this stage belongs to (``summary.json`` with
     ``gold_before`` here or one level up), and the directory it is in."""
     for d in (run_dir, run_dir.parent):
-        s = _read_json(d / "summary.json", notes)
+        s = read_json(d / "summary.json", notes)
         if s is not None and "gold_before" in s:
             return s, d
     return None
@@ -195,7 +176,7 @@ def _reward_model_accuracy(config: dict[str, Any], notes: list[str]) -> float | 
     if not isinstance(path, str) or not path:
         return None
     for d in (Path(path), Path(path).parent):
-        s = _read_json(d / "summary.json", notes)
+        s = read_json(d / "summary.json", notes)
         if s is not None and _num(s.get("eval/rm/accuracy")) is not None:
             return _num(s["eval/rm/accuracy"])
     return None
@@ -203,7 +184,7 @@ def _reward_model_accuracy(config: dict[str, Any], notes: list[str]) -> float | 
 
 def collect_results(kind: str, run_dir: Path, config: dict[str, Any], notes: list[str]) -> list[tuple]:
     """(label, value text) rows of the measured results of one stage."""
-    summary = _read_json(run_dir / "summary.json", notes) or {}
+    summary = read_json(run_dir / "summary.json", notes) or {}
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     rows: list[tuple[str, str]] = []
 
@@ -420,8 +401,8 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
         parts += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             "",
-            f'model = AutoModelForCausalLM.from_pretrained("{final_dir}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{final_dir}")',
+            f'model = AutoModelForCausalLM.from_pretrained("{final_dir}", local_files_only=True)',
+            f'tokenizer = AutoTokenizer.from_pretrained("{final_dir}", local_files_only=True)',
         ]
     parts += ["```", ""]
     if kind != "rm":
@@ -442,6 +423,8 @@ def write_model_card(final_dir: str | Path, run_dir: str | Path, kind: str) -> P
         raise ShifuError(f"{final} is not a directory: write the card after the model was saved there")
     text = render_card(kind, final, run)
     out = final / "README.md"
+    if out.exists() and out.read_text(encoding="utf-8") == text:
+        return out  # unchanged: leave the file (and the directory's mtime) alone
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out)
@@ -461,7 +444,7 @@ def read_card_metadata(path: str | Path) -> dict[str, Any]:
 def infer_kind(run_dir: Path) -> str | None:
     """The stage of a trainer's run directory, from its config keys (or a reward model's marker file)."""
     config = read_config(run_dir, [])
-    for kind, key in (("ppo", "actor_path"), ("dpo", "policy_path"), ("rm", "model.backbone")):
+    for kind, key in (("ppo", "iterations"), ("dpo", "beta"), ("rm", "ensemble")):  # each stage's own key
         if lookup(config, key) is not None:
             return kind
     if any((run_dir / "final" / m).exists() for m in ("shifu_scalar.json", "ensemble.json")):

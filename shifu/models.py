@@ -13,9 +13,13 @@ Conventions pinned here (and tested in tests/test_models.py):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,27 +34,221 @@ HEAD_FILE = "scalar_head.safetensors"
 META_FILE = "shifu_scalar.json"
 
 
-def _require_dir(path: str | Path, what: str) -> Path:
-    p = Path(path)
-    if not (p / "config.json").exists():
+SAVE_HINT = (
+    "give the path of a local directory written by `save_pretrained` (shifu never downloads from a hub)"
+)
+# what `from_pretrained` reads weights from (one file, or an index naming shards)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# files a saved tokenizer consists of (at least one of them is always written by `save_pretrained`)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "special_tokens_map.json")  # fmt: skip
+
+
+def read_json_file(path: Path, what: str, hint: str) -> Any:
+    """The JSON value in ``path``; a ShifuError naming the file, line and column when it is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as e:
         raise ShifuError(
-            f"{what} '{p}' is not a model directory (no config.json). Give the path of a directory "
-            "written by `save_pretrained` (shifu never downloads from a hub)"
+            f"{what} '{path}', line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); {hint}"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ShifuError(f"{what} '{path}': not UTF-8 text (byte {e.start}); {hint}") from None
+    except OSError as e:
+        raise ShifuError(f"cannot read {what} '{path}': {e.strerror or e}") from None
+
+
+def check_safetensors(path: str | Path, hint: str = "") -> None:
+    """ShifuError naming ``path`` unless it is a complete safetensors file: an 8-byte header length, a JSON
+    header, then exactly the tensor bytes the header's ``data_offsets`` cover (a truncated copy or an
+    interrupted download fails here, by name, instead of deep inside the loader)."""
+    p = Path(path)
+    hint = hint or f"the directory '{p.parent}' is damaged (an interrupted copy?): copy or save it again"
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+    except OSError as e:
+        raise ShifuError(f"cannot read '{p}': {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ShifuError(f"'{p}' is not a safetensors file ({size} bytes, no readable header); {hint}")
+    try:
+        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"], default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ShifuError(f"'{p}' has a damaged safetensors header; {hint}") from None
+    expected = 8 + n + end
+    if size < expected:
+        raise ShifuError(
+            f"'{p}' is truncated: it holds {size} of the {expected} bytes its header declares; {hint}"
         )
+    if size > expected:
+        raise ShifuError(f"'{p}' has {size - expected} bytes after its last tensor (a damaged file); {hint}")
+
+
+def _require_dir(path: str | Path, what: str, trust_remote_code: bool = False) -> Path:
+    """``path`` as a model directory: it exists, holds a readable ``config.json`` with a ``model_type``
+    transformers knows, and complete weight files; else a ShifuError naming what is wrong and where."""
+    p = Path(path)
+    if not p.exists():
+        raise ShifuError(f"{what} '{p}' does not exist; {SAVE_HINT}")
+    if not p.is_dir():
+        raise ShifuError(f"{what} '{p}' is a file, not a model directory; {SAVE_HINT}")
+    if not (p / "config.json").exists():
+        raise ShifuError(f"{what} '{p}' is not a model directory (no config.json); {SAVE_HINT}")
+    resave = "re-save the model with `save_pretrained`"
+    config = read_json_file(p / "config.json", f"{what} config", resave)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise ShifuError(
+            f"'{p / 'config.json'}' has no model_type, so no architecture can be built; {resave}"
+        )
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING and not (trust_remote_code and "auto_map" in config):
+        import transformers
+
+        raise ShifuError(
+            f"'{p / 'config.json'}': model_type '{model_type}' is not an architecture transformers "
+            f"{transformers.__version__} knows; upgrade transformers, or set model.trust_remote_code=true if "
+            "the model ships its own code (and you trust it)"
+        )
+    _require_weights(p, what)
     return p
+
+
+def _require_weights(p: Path, what: str) -> None:
+    """The weight files of a model directory exist and are complete (every shard an index names, too)."""
+    present = [f for f in WEIGHT_FILES if (p / f).exists()]
+    if not present:
+        raise ShifuError(
+            f"{what} '{p}' has no weights (none of {', '.join(WEIGHT_FILES[:2])}); copy the weight files "
+            "too, or re-save the model with `save_pretrained`"
+        )
+    files = [p / f for f in present if not f.endswith(".json")]
+    for index in (p / f for f in present if f.endswith(".json")):
+        weight_map = read_json_file(index, "the weight index of " + what, "re-save the model").get(
+            "weight_map"
+        )
+        shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        missing = [s for s in shards if not (p / s).is_file()]
+        if not shards or missing:
+            raise ShifuError(
+                f"'{index}' names weight files that are not in '{p}': "
+                f"{', '.join(missing[:3]) or 'none at all'}; copy every shard, or re-save the model"
+            )
+        files += [p / s for s in shards]
+    for f in files:
+        if f.suffix == ".safetensors":
+            check_safetensors(f)
+
+
+@contextlib.contextmanager
+def _loading(what: str, p: Path) -> Iterator[None]:
+    """Turn whatever transformers, tokenizers or safetensors raise while reading ``p`` into one ShifuError
+    naming the directory (their messages name neither it nor a fix)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would print before shifu's message (a failure says why)
+    try:
+        yield
+    except ShifuError:
+        raise
+    except Exception as e:  # OSError, ValueError, RuntimeError, KeyError, SafetensorError, ... by library
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ShifuError(
+            f"cannot load the {what} in '{p}': {first} ({type(e).__name__}). The directory may be damaged or "
+            "written by an incompatible library version; re-save it with `save_pretrained`"
+        ) from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _check_loaded(model: nn.Module, info: dict, what: str, p: Path) -> None:
+    """Refuse a model whose weights did not all come from ``p`` (the rest would be random: the weight file
+    belongs to another architecture) or do not fit the shapes its config.json declares."""
+    mismatched = sorted(info.get("mismatched_keys") or [])  # (name, shape in the file, shape of the model)
+    if mismatched:
+        name, saved, built = (tuple(x) if i else x for i, x in enumerate(mismatched[0]))
+        raise ShifuError(
+            f"the weights in '{p}' do not fit the shapes its config.json declares ({len(mismatched)} tensors, "
+            f"e.g. {name}: {saved} in the file, {built} in the model); the config and the weight files come "
+            "from different models: copy the matching config.json, or re-save the model with `save_pretrained`"
+        )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ShifuError(
+            f"the weight files in '{p}' lack {len(missing)} of the {what}'s tensors (e.g. "
+            f"{', '.join(missing[:3])}): they would start random. The weights belong to another model or "
+            "are incomplete; re-save the model with `save_pretrained`"
+        )
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """AutoTokenizer from a local directory; adds a pad token when missing (EOS if any, else ``<pad>``)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    p = Path(path)
+    if not p.is_dir():
+        problem = "is a file, not a directory" if p.exists() else "does not exist"
+        raise ShifuError(f"'{p}' (a model or tokenizer directory) {problem}; {SAVE_HINT}")
+    if not any((p / f).exists() for f in TOKENIZER_FILES):
+        raise ShifuError(
+            f"'{p}' holds no tokenizer (none of tokenizer.json, tokenizer_config.json, vocab.json, ...); save "
+            "the tokenizer into it with `tokenizer.save_pretrained`, or name a directory that has one"
+        )
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        if (p / f).exists():  # (AutoTokenizer reads the model's config.json too)
+            what = "model config" if f == "config.json" else "tokenizer file"
+            read_json_file(p / f, what, f"re-save the {what.split()[0]} with `save_pretrained`")
+    with _loading("tokenizer", p):
+        tok = AutoTokenizer.from_pretrained(
+            str(p), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    if len(tok) <= len(set(tok.all_special_tokens)):
+        raise ShifuError(
+            f"the tokenizer in '{p}' has no vocabulary ({len(tok)} tokens, all special): its vocabulary files "
+            "are missing; save the tokenizer into it with `tokenizer.save_pretrained`"
+        )
     if tok.pad_token is None:
         if tok.eos_token is not None:
             tok.pad_token = tok.eos_token
         else:
             tok.add_special_tokens({"pad_token": "<pad>"})
     return tok
+
+
+def check_vocab(tokenizer, model: nn.Module, path: str | Path, key: str) -> None:
+    """ShifuError unless ``model`` (loaded from ``path``, the value of config key ``key``) can read the ids of
+    ``tokenizer`` (the policy's): its embedding has a row for every id, and a tokenizer saved in ``path``
+    maps text to the same ids. Catches a reference, critic or DPO reference from another model family, which
+    would otherwise crash with an index error mid-run (a smaller vocabulary) or compute a meaningless KL or
+    value (a different one). Call after resizing the model for a pad token the trainer added."""
+    trunk = getattr(model, "backbone", model)
+    rows = trunk.get_input_embeddings().num_embeddings
+    where = f"{key}={path}"
+    if len(tokenizer) > rows:
+        raise ShifuError(
+            f"{where}: the model embeds {rows} token ids, but the policy's tokenizer has {len(tokenizer)}: "
+            f"they come from different models; set {key} to a model trained with the policy's tokenizer"
+        )
+    p = Path(path)
+    if any((p / f).exists() for f in TOKENIZER_FILES):
+        own = load_tokenizer(p)
+        if own.get_vocab() != tokenizer.get_vocab():
+            raise ShifuError(
+                f"{where}: its tokenizer ({len(own)} tokens) differs from the policy's ({len(tokenizer)} tokens), "
+                f"so the same ids would mean other words; set {key} to a model trained with the policy's tokenizer"
+            )
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -81,10 +279,13 @@ def load_causal_lm(
     """AutoModelForCausalLM from a local HF directory (any architecture)."""
     from transformers import AutoModelForCausalLM
 
-    p = _require_dir(path, "policy model")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32
-    )
+    p = _require_dir(path, "model", trust_remote_code)
+    with _loading("model", p):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
+            output_loading_info=True, ignore_mismatched_sizes=True,
+        )  # fmt: skip
+    _check_loaded(model, info, "model", p)
     if not dropout:
         disable_dropout(model)
     return model
@@ -149,10 +350,13 @@ class ScalarModel(nn.Module):
         """A fresh scalar head on the backbone of any local HF model (causal LM or encoder)."""
         from transformers import AutoModel
 
-        p = _require_dir(path, "backbone")
-        backbone = AutoModel.from_pretrained(
-            str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32
-        )
+        p = _require_dir(path, "backbone", trust_remote_code)
+        with _loading("backbone", p):
+            backbone, info = AutoModel.from_pretrained(
+                str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
+                output_loading_info=True, ignore_mismatched_sizes=True,
+            )  # fmt: skip
+        _check_loaded(backbone, info, "backbone", p)
         tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
         return cls(backbone, tok, seed=seed)
 
@@ -162,8 +366,19 @@ class ScalarModel(nn.Module):
         p = Path(path)
         if not (p / META_FILE).exists():
             raise ShifuError(f"'{p}' is not a shifu reward/value model directory ({META_FILE} missing)")
+        hint = "the reward/value model directory is damaged; train it again or restore a copy"
+        read_json_file(p / META_FILE, "shifu model file", hint)
+        if not (p / HEAD_FILE).is_file():
+            raise ShifuError(f"'{p}' has no scalar head ({HEAD_FILE} missing); {hint}")
+        check_safetensors(p / HEAD_FILE, hint)
         model = cls.from_backbone(p, trust_remote_code=trust_remote_code)
         state = load_file(str(p / HEAD_FILE))
+        need = {"weight": model.head.weight.shape, "bias": model.head.bias.shape, "gain": (), "norm_bias": ()}
+        bad = [k for k, shape in need.items() if k not in state or tuple(state[k].shape) != tuple(shape)]
+        if bad:
+            raise ShifuError(
+                f"'{p / HEAD_FILE}' lacks or misshapes {', '.join(bad)} for this backbone; {hint}"
+            )
         model.head.load_state_dict({"weight": state["weight"], "bias": state["bias"]})
         model.gain.copy_(state["gain"])
         model.bias.copy_(state["norm_bias"])
@@ -208,7 +423,11 @@ class ScalarModel(nn.Module):
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B,) normalised score: head output at the last real token (from the mask), gain*s + bias."""
-        values = self(input_ids, attention_mask)
+        return self.read_score(self(input_ids, attention_mask), attention_mask)
+
+    def read_score(self, values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) ``gain * v + bias`` of the values (B, T) of :meth:`forward` at each row's last real token
+        (for a forward that went through a wrapper, e.g. DDP, which syncs the gradients of forward only)."""
         idx = last_token_index(attention_mask)
         raw = values.gather(1, idx.clamp(min=0).unsqueeze(1)).squeeze(1)
         return raw * self.gain + self.bias
@@ -262,6 +481,33 @@ class ScalarModel(nn.Module):
             b = self.encode(prompts[i : i + batch_size], responses[i : i + batch_size], max_length)
             out.append(self.score(b["input_ids"].to(device), b["attention_mask"].to(device)).float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
+
+    def fit_normalisation(self, prompts: list[str], responses: list[str]) -> tuple[float, float]:
+        """Set ``gain``, ``bias`` so that ``gain * s + bias`` has mean 0, std 1 on these pairs (gain = 1/std,
+        bias = -mean/std); returns the raw (mean, std). A constant score only has its mean removed."""
+        self.gain.fill_(1.0)
+        self.bias.fill_(0.0)
+        s = self.score_texts(prompts, responses)
+        mean, std = float(s.mean()), float(s.std()) if len(s) > 1 else 0.0
+        if std < 1e-6:
+            print(
+                f"shifu rm: normalisation scores have std {std:.2e}; only the mean is removed",
+                file=sys.stderr,
+            )
+            std = 1.0
+        self.gain.fill_(1.0 / std)
+        self.bias.fill_(-mean / std)
+        return mean, std
+
+
+def new_value_head(hidden_size: int, seed: int) -> nn.Linear:
+    """Scalar head N(0, 1/sqrt(d+1)), bias 0 — the spec's initialisation, for the shared-trunk critic."""
+    head = nn.Linear(hidden_size, 1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) / (hidden_size + 1) ** 0.5)
+        head.bias.zero_()
+    return head
 
 
 def _hidden_size(config) -> int:

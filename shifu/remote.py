@@ -178,6 +178,11 @@ class RemoteReward:
             out.append(self._floats(answer, "scores", n, start))
         return torch.cat(out) if out else torch.zeros(0)
 
+    def score_with_steps(self, prompts, responses, rows, input_ids=None, attention_mask=None):
+        """``(scores, None)``: :meth:`shifu.rewards.RewardSource.score_with_steps`'s call (a service sends
+        one score per response to a trainer; process rewards stay in process)."""
+        return self(prompts, responses, rows, input_ids, attention_mask), None
+
     def token_scores(self, prompts: list[str], responses: list[str], rows: list[dict]) -> list[torch.Tensor]:
         """Per-token (process) rewards: one float32 tensor per response, as long as the function made it."""
         out: list[torch.Tensor] = []

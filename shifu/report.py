@@ -1,5 +1,5 @@
 """``shifu report RUN_DIR``: render ``RUN_DIR/report.html`` and its PNG plots from what a run wrote.
-(``shifu report RUN_A RUN_B ...`` compares several runs on one page: :mod:`shifu.compare`.)
+(The command ``shifu report`` is :func:`shifu.compare.main`: one run's report, or several runs compared.)
 
 Reads (every piece optional; whatever is missing is named in the page instead of drawn):
 
@@ -9,7 +9,13 @@ Reads (every piece optional; whatever is missing is named in the page instead of
   :data:`shifu.metrics.METRICS`; non-finite values are the strings ``"nan"``/``"inf"``). A single trainer's
   run directory with ``metrics.jsonl`` at its top works too: its rows go to the stage their keys name;
 - ``samples_before.jsonl`` / ``samples_after.jsonl``: ``{"prompt", "response", "gold"}`` rows for the same
-  held-out prompts in the same order, shown side by side.
+  held-out prompts in the same order, shown side by side; for a ``shifu ppo`` run, its ``samples.jsonl``
+  (``{"iteration", "prompt", "response", "score", "gold"?}`` per evaluation): its first and its last evaluation
+  side by side.
+
+Any stage's run directory works: a quickstart run (``sft/``, ``rm/``, ``ppo/``), or the ``--out`` of
+``shifu sft`` (loss), ``shifu rm`` (accuracy), ``shifu dpo`` (loss, accuracy, margin) or ``shifu ppo``
+(score, gold, KL, ... and its samples). Only the plots of the stages the run has are drawn or listed.
 
 Writes ``report.html`` (self-contained: inline CSS, no scripts, no external resources) and
 ``report/NAME.png`` (referenced by relative path). Plots use matplotlib's object API with the Agg
@@ -18,7 +24,6 @@ renderer, so rendering never touches pyplot's global backend state.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import html
 import json
@@ -29,14 +34,16 @@ from typing import Any
 
 from shifu.errors import ShifuError
 
-STAGES = ("sft", "rm", "ppo")
+STAGES = ("sft", "rm", "dpo", "ppo")
+QUICKSTART_STAGES = ("sft", "rm", "ppo")  # the stages a quickstart run is expected to have
 # which stage a top-level metrics.jsonl row belongs to, from the namespace of its keys
 _STAGE_PREFIXES = {
-    "ppo": ("objective/", "policy/", "value/", "rollout/", "gold/"),
+    "ppo": ("objective/", "policy/", "value/", "rollout/", "gold/", "eval/score", "eval/kl"),
     "rm": ("rm/", "eval/rm/"),
+    "dpo": ("dpo/", "eval/dpo/"),
     "sft": ("sft/", "eval/sft/"),
 }
-_X_LABEL = {"ppo": "PPO iteration", "rm": "reward-model step", "sft": "SFT step"}
+_X_LABEL = {"ppo": "PPO iteration", "rm": "reward-model step", "dpo": "DPO step", "sft": "SFT step"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,21 @@ PLOTS: tuple[Plot, ...] = (
         "rm_accuracy", "Reward-model accuracy", "pairwise accuracy", "rm", ("rm/accuracy", "eval/rm/accuracy")
     ),
     Plot("sft_loss", "SFT loss", "nats per token", "sft", ("sft/loss", "eval/sft/loss")),
+    Plot("dpo_loss", "DPO loss", "nats per pair", "dpo", ("dpo/loss", "eval/dpo/loss")),
+    Plot(
+        "dpo_accuracy",
+        "DPO implicit-reward accuracy",
+        "pairwise accuracy",
+        "dpo",
+        ("dpo/accuracy", "eval/dpo/accuracy"),
+    ),
+    Plot(
+        "dpo_margin",
+        "DPO implicit-reward margin",
+        "beta * log-ratio margin",
+        "dpo",
+        ("dpo/margin", "eval/dpo/margin"),
+    ),
 )
 GOLD_VS_KL = "gold_vs_kl"
 _INPUTS = (
@@ -76,12 +98,17 @@ _INPUTS = (
     *(f"{s}/metrics.jsonl" for s in STAGES),
     "samples_before.jsonl",
     "samples_after.jsonl",
+    "samples.jsonl",
 )
 
 
 @dataclasses.dataclass
 class RunData:
-    """Everything read from a run directory; ``notes`` lists what was missing or unreadable."""
+    """Everything read from a run directory; ``notes`` lists what was missing or unreadable.
+
+    ``kind``: ``quickstart`` (stages in subdirectories), a trainer's stage (``sft``, ``rm``, ``dpo``,
+    ``ppo``: its ``metrics.jsonl`` at the top), or ``run`` (only samples or a summary). ``sample_labels``
+    name the two sides of the sample table (``before``, ``after``)."""
 
     run_dir: Path
     summary: dict[str, Any] | None
@@ -89,6 +116,15 @@ class RunData:
     before: list[dict[str, Any]] | None
     after: list[dict[str, Any]] | None
     notes: list[str]
+    kind: str = "quickstart"
+    sample_labels: tuple[str, str] = ("before PPO (SFT policy)", "after PPO (final policy)")
+
+    @property
+    def expected_stages(self) -> tuple[str, ...]:
+        """The stages this run should have: a missing one is named in the page, the others are not."""
+        if self.kind == "quickstart":
+            return tuple(s for s in STAGES if s in QUICKSTART_STAGES or s in self.stages)
+        return (self.kind,) if self.kind in STAGES else tuple(self.stages)
 
 
 def _num(v: Any) -> float | None:
@@ -107,16 +143,17 @@ def _num(v: Any) -> float | None:
     return None
 
 
-def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
+def read_json(path: Path, notes: list[str], consequence: str = "") -> dict[str, Any] | None:
+    """A JSON object file of a run, or None (missing; or unreadable, with a note ending in ``consequence``)."""
     if not path.is_file():
         return None
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        notes.append(f"{path.name} is not valid JSON ({e}); the summary table is omitted")
+        notes.append(f"{path.name} is not valid JSON ({e}){consequence}")
         return None
     if not isinstance(value, dict):
-        notes.append(f"{path.name} is not a JSON object; the summary table is omitted")
+        notes.append(f"{path.name} is not a JSON object{consequence}")
         return None
     return value
 
@@ -163,7 +200,7 @@ def load_run(run_dir: str | Path) -> RunData:
     if not run.is_dir():
         raise ShifuError(f"{run} is not a directory (pass a run directory, not a file inside it)")
     notes: list[str] = []
-    summary = _read_json(run / "summary.json", notes)
+    summary = read_json(run / "summary.json", notes, "; the summary table is omitted")
     stages: dict[str, list[dict[str, Any]]] = {}
     for stage in STAGES:
         rows = _read_jsonl(run / stage / "metrics.jsonl", notes, run)
@@ -176,12 +213,43 @@ def load_run(run_dir: str | Path) -> RunData:
             stages.setdefault(stage, []).append(row)
     before = _read_jsonl(run / "samples_before.jsonl", notes, run)
     after = _read_jsonl(run / "samples_after.jsonl", notes, run)
+    labels = RunData.sample_labels
+    if before is None and after is None:  # a `shifu ppo` run: its evaluations' samples
+        before, after, labels = _ppo_samples(_read_jsonl(run / "samples.jsonl", notes, run), notes)
     if summary is None and not any(stages.values()) and not before and not after:
         raise ShifuError(
             f"{run}: nothing to report: none of {', '.join(_INPUTS)} (or a top-level metrics.jsonl) "
             "exists with content (pass the --out directory of `shifu quickstart` or a trainer)"
         )
-    return RunData(run, summary, stages, before, after, notes)
+    if any((run / stage / "metrics.jsonl").is_file() for stage in STAGES) or "gold_before" in (summary or {}):
+        kind = "quickstart"
+    else:  # a trainer's run: the stage its metric keys name
+        kind = next((s for s in STAGES if s in stages), "ppo" if after else "run")
+    return RunData(run, summary, stages, before, after, notes, kind, labels)
+
+
+def _ppo_samples(
+    rows: list[dict[str, Any]] | None, notes: list[str]
+) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None, tuple[str, str]]:
+    """(first evaluation's rows, last evaluation's rows, their labels) of a ``shifu ppo`` run's
+    ``samples.jsonl``; one evaluation only is shown as the "after" side, and said so."""
+    if not rows:
+        return None, None, RunData.sample_labels
+    by_iteration: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        it = _num(row.get("iteration"))
+        if it is not None and math.isfinite(it):
+            by_iteration.setdefault(int(it), []).append(row)
+    if not by_iteration:
+        notes.append("samples.jsonl: no row has an iteration number; the sample table is omitted")
+        return None, None, RunData.sample_labels
+    first, last = min(by_iteration), max(by_iteration)
+    after_label = f"iteration {last} (last evaluation)"
+    if first == last:
+        notes.append(f"samples.jsonl holds one evaluation (iteration {last}): no earlier samples to compare")
+        return None, by_iteration[last], ("", after_label)
+    before_label = f"iteration {first}" + (" (initial policy)" if first == 0 else " (first evaluation)")
+    return by_iteration[first], by_iteration[last], (before_label, after_label)
 
 
 # ---------------------------------------------------------------------------------------------- plots
@@ -349,6 +417,11 @@ def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
     for key, value in s.items():  # anything else the run recorded, verbatim
         if key in known:
             continue
+        if isinstance(value, (list, dict)) and len(json.dumps(value)) > 200:
+            # (a ppo run's `evals`: every evaluation's metrics, which the plots show)
+            shown = f"{len(value)} entries (in summary.json)"
+            rows.append((_e(key), shown, ""))
+            continue
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             shown, c = (str(value) if isinstance(value, int) else f"{value:.4g}"), "num"
         else:
@@ -360,18 +433,20 @@ def _summary_html(summary: dict[str, Any], n_prompts: int | None) -> str:
 
 def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
     before, after = data.before or [], data.after or []
+    files = "samples.jsonl" if data.kind == "ppo" else "samples_before.jsonl / samples_after.jsonl"
     if not before and not after:
-        notes.append("no samples_before.jsonl / samples_after.jsonl: the sample table is omitted")
+        notes.append(f"no {files}: the sample table is omitted")
         return "<p>No samples were written for this run.</p>"
-    if not before or not after:
+    if data.kind != "ppo" and (not before or not after):  # (a ppo run's notes come from _ppo_samples)
         missing = "samples_before.jsonl" if not before else "samples_after.jsonl"
         notes.append(f"{missing} is missing or empty: only one side of the sample table is shown")
     n = max(len(before), len(after))
     if before and after and len(before) != len(after):
-        notes.append(
-            f"samples_before has {len(before)} rows and samples_after {len(after)}; paired by position"
-        )
+        notes.append(f"the two sample sets have {len(before)} and {len(after)} rows; paired by position")
+    # the gold judge's value when the run had one, else the reward's score (a ppo run without a gold judge)
+    key = "gold" if any("gold" in r for r in before + after) else "score"
     with_kl = any(_num(r.get("kl")) is not None for r in after)  # quickstart stores each response's KL
+    one_side = not before
     mismatched = 0
     rows = []
     for i in range(min(n, max_samples)):
@@ -381,25 +456,27 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
         if b and a and b.get("prompt") != a.get("prompt"):
             mismatched += 1
             prompt = f"{b.get('prompt', '')}\n[after: {a.get('prompt', '')}]"
-        gb, ga = _num(b.get("gold")), _num(a.get("gold"))
+        gb, ga = _num(b.get(key)), _num(a.get(key))
         d = ga - gb if gb is not None and ga is not None else None
         cls = "" if d is None or d == 0 else ("up" if d > 0 else "down")
-        rows.append(
-            f'<tr><td class="num">{i + 1}</td><td class="text">{_e(prompt)}</td>'
-            f'<td class="text">{_e(b.get("response", ""))}</td><td class="num">{_f(gb)}</td>'
-            f'<td class="text">{_e(a.get("response", ""))}</td><td class="num">{_f(ga)}</td>'
-            f'<td class="num {cls}">{_f(d, signed=True)}</td>'
-            + (f'<td class="num">{_f(a.get("kl"), 2)}</td>' if with_kl else "")
-            + "</tr>"
-        )
+        cells = [f'<td class="num">{i + 1}</td><td class="text">{_e(prompt)}</td>']
+        if not one_side:
+            cells.append(f'<td class="text">{_e(b.get("response", ""))}</td><td class="num">{_f(gb)}</td>')
+        cells.append(f'<td class="text">{_e(a.get("response", ""))}</td><td class="num">{_f(ga)}</td>')
+        if not one_side:
+            cells.append(f'<td class="num {cls}">{_f(d, signed=True)}</td>')
+        if with_kl:
+            cells.append(f'<td class="num">{_f(a.get("kl"), 2)}</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
     if mismatched:
         notes.append(f"{mismatched} sample row(s) have different prompts before and after; both are shown")
-    head = (
-        "<tr><th>#</th><th>prompt</th><th>before PPO (SFT policy)</th><th>gold</th>"
-        "<th>after PPO (final policy)</th><th>gold</th><th>delta</th>"
-        + ("<th>KL after (nats)</th>" if with_kl else "")
-        + "</tr>"
-    )
+    label_before, label_after = data.sample_labels
+    value = "gold" if key == "gold" else "score (reward)"
+    head = "<tr><th>#</th><th>prompt</th>"
+    if not one_side:
+        head += f"<th>{_e(label_before)}</th><th>{value}</th>"
+    head += f"<th>{_e(label_after)}</th><th>{value}</th>"
+    head += ("" if one_side else "<th>delta</th>") + ("<th>KL after (nats)</th>" if with_kl else "") + "</tr>"
     shown = f"<p>First {min(n, max_samples)} of {n} held-out prompts.</p>" if n > max_samples else ""
     return shown + "<table>\n" + head + "\n" + "\n".join(rows) + "\n</table>"
 
@@ -429,6 +506,8 @@ def _render(data: RunData, max_samples: int) -> Path:
     ppo_rows = data.stages.get("ppo", [])
     for plot in PLOTS:
         rows = data.stages.get(plot.stage)
+        if not rows and plot.stage not in data.expected_stages:
+            continue  # another stage's plot (a DPO run has no PPO curves): nothing is missing
         if not rows:
             no_rm = (
                 plot.stage == "rm" and data.summary is not None and data.summary.get("rm_accuracy", 0) is None
@@ -443,19 +522,29 @@ def _render(data: RunData, max_samples: int) -> Path:
                 notes.append(f"{plot.name}.png: {why}")
         else:
             notes.append(f"{plot.name}.png omitted: {why}")
-    why = _draw_gold_vs_kl(ppo_rows, data.summary, img_dir / f"{GOLD_VS_KL}.png")
-    if why is None:
-        figures.append((GOLD_VS_KL, "gold/score against eval/kl, one point per evaluation; star: SFT policy"))
-    else:
-        notes.append(f"{GOLD_VS_KL}.png omitted: {why}")
+    if "ppo" in data.expected_stages:
+        why = _draw_gold_vs_kl(ppo_rows, data.summary, img_dir / f"{GOLD_VS_KL}.png")
+        if why is None:
+            figures.append(
+                (GOLD_VS_KL, "gold/score against eval/kl, one point per evaluation; star: SFT policy")
+            )
+        else:
+            notes.append(f"{GOLD_VS_KL}.png omitted: {why}")
 
     if data.summary is None:
         notes.append("no summary.json: the summary table is omitted")
-    samples = _samples_html(data, max_samples, notes)
+    # sft, rm and dpo runs generate nothing: no sample table to miss
+    has_samples = data.kind in ("quickstart", "ppo", "run") or data.before or data.after
+    samples = _samples_html(data, max_samples, notes) if has_samples else None
     n_prompts = len(data.before or data.after or []) or None
 
     s = data.summary or {}
-    title = "shifu run report" + (f": {s['task']}" if "task" in s else "")
+    if "task" in s:
+        title = f"shifu run report: {s['task']}"
+    elif data.kind in STAGES:
+        title = f"shifu run report: shifu {data.kind} run {run.resolve().name}"
+    else:
+        title = "shifu run report"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -477,42 +566,12 @@ def _render(data: RunData, max_samples: int) -> Path:
             f"<figcaption>{_e(caption)}</figcaption></figure>"
         )
     parts.append("</div>")
-    parts += ["<h2>Samples on held-out prompts</h2>", samples, "</body></html>"]
+    if samples is not None:
+        parts += ["<h2>Samples on held-out prompts</h2>", samples]
+    parts.append("</body></html>")
 
     out = run / "report.html"
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("\n".join(parts) + "\n", encoding="utf-8")
     os.replace(tmp, out)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``shifu report RUN_DIR [--max-samples N]``, or ``shifu report RUN_A RUN_B ... [--out FILE]``."""
-    p = argparse.ArgumentParser(
-        prog="shifu report",
-        description="render report.html for a run directory; with several, one page comparing them",
-    )
-    p.add_argument("run_dir", nargs="+", help="run directories written by `shifu quickstart` or a trainer")
-    p.add_argument("--max-samples", type=int, default=64, help="sample rows shown before/after (default 64)")
-    p.add_argument(
-        "--out", default=None, help="comparison page to write (several runs only; default compare.html)"
-    )
-    p.add_argument(
-        "--labels", default=None, help="comparison: comma-separated run names (default: dir names)"
-    )
-    args = p.parse_args(argv)
-    if len(args.run_dir) > 1:
-        from shifu.compare import render_comparison
-
-        labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
-        path = render_comparison(args.run_dir, args.out or "compare.html", labels)
-        print(f"wrote {path} ({len(args.run_dir)} runs)")
-        return 0
-    if args.out or args.labels:
-        raise ShifuError(
-            "--out and --labels are for comparisons of several runs; one run's report is RUN_DIR/report.html"
-        )
-    path = render_report(args.run_dir[0], max_samples=args.max_samples)
-    n_png = len(list((path.parent / "report").glob("*.png")))
-    print(f"wrote {path} ({n_png} plots)")
-    return 0

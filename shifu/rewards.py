@@ -3,6 +3,12 @@
 A reward *function* has the signature ``fn(prompts: list[str], responses: list[str], rows: list[dict])
 -> list[float]`` and is named in configs as ``"package.module:function"``; ``rows`` are the prompt rows of
 the data file, so extra fields (e.g. an ``answer``) reach it. Gold judges use the same signature.
+
+**Process rewards.** Instead of a number, a reward function may return for a response a list of steps
+``[[end, reward], ...]``: ``end`` is a character offset into the response text (the step is
+``response[previous end:end]``), and ``shifu ppo`` places the step's reward on the response token that holds
+character ``end - 1`` (:meth:`RewardSource.score_with_steps`). A response's score is then the sum of its
+step rewards; an outcome reward goes on a last step ending at ``len(response)``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from shifu.data import prompt_text
 from shifu.errors import ConfigError, ShifuError
 
 RewardFn = Callable[[list[str], list[str], list[dict]], list[float]]
@@ -46,15 +53,22 @@ class RewardSource:
 
     With a causal reward model that shares the policy's tokenizer, the token ids of the rollout are scored
     directly (prompt ids + response ids, the EOS the policy emitted being the last real token); otherwise
-    the decoded text is re-tokenised with the reward model's own tokenizer.
+    the decoded text is re-tokenised with the reward model's own tokenizer, a causal model's prompt rendered
+    by :func:`shifu.data.prompt_text` as ``shifu rm`` rendered it in training.
     """
 
     def __init__(
-        self, model=None, function: RewardFn | None = None, policy_tokenizer=None, micro_batch: int = 32
+        self,
+        model=None,
+        function: RewardFn | None = None,
+        policy_tokenizer=None,
+        micro_batch: int = 32,
+        chat_template: bool = True,
     ):
         if (model is None) == (function is None):
             raise ConfigError("give exactly one of reward.model_path and reward.function")
         self.model, self.function, self.micro_batch = model, function, micro_batch
+        self.chat_template = chat_template
         self.token_path = (
             model is not None
             and getattr(model, "is_causal", False)
@@ -70,18 +84,42 @@ class RewardSource:
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B,) float32 scores on CPU. Non-finite values are passed through (the trainer drops them)."""
-        if self.function is not None:
-            try:
-                out = self.function(prompts, responses, rows)
-            except Exception as e:  # a user's function: say whose fault it is
-                raise ShifuError(f"reward function raised {type(e).__name__}: {e}") from e
-            scores = torch.tensor([float(x) for x in out], dtype=torch.float32)
-            if scores.shape[0] != len(prompts):
-                raise ShifuError(
-                    f"reward function returned {scores.shape[0]} scores for {len(prompts)} responses"
-                )
+        """(B,) float32 scores on CPU (a process reward's: the sum of its steps). Non-finite values are
+        passed through (the trainer drops them)."""
+        scores, steps = self.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
+        if steps is None:
             return scores
+        return scores + torch.tensor([sum(r for _, r in row) for row in steps], dtype=torch.float32)
+
+    @torch.no_grad()
+    def score_with_steps(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        rows: list[dict],
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[list[tuple[int, float]]] | None]:
+        """``(scores (B,), steps)``: ``steps`` is None unless the reward function returned process rewards
+        for some response; then ``steps[i]`` is response i's ``[(end, reward), ...]`` (empty for a response
+        scored by a number) and ``scores[i]`` its number (0 for a response given steps)."""
+        if self.function is None:
+            return self._model_scores(prompts, responses, rows, input_ids, attention_mask), None
+        try:
+            out = list(self.function(prompts, responses, rows))
+        except Exception as e:  # a user's function: say whose fault it is
+            raise ShifuError(f"reward function raised {type(e).__name__}: {e}") from e
+        if len(out) != len(prompts):
+            raise ShifuError(f"reward function returned {len(out)} scores for {len(prompts)} responses")
+        if not any(isinstance(x, (list, tuple)) for x in out):
+            return torch.tensor([float(x) for x in out], dtype=torch.float32), None
+        steps = [
+            _steps(x, i, len(responses[i])) if isinstance(x, (list, tuple)) else [] for i, x in enumerate(out)
+        ]
+        scores = [0.0 if isinstance(x, (list, tuple)) else float(x) for x in out]
+        return torch.tensor(scores, dtype=torch.float32), steps
+
+    def _model_scores(self, prompts, responses, rows, input_ids, attention_mask) -> torch.Tensor:
         if self.token_path and input_ids is not None:
             dev = next(self.model.parameters()).device
             outs = []
@@ -90,17 +128,38 @@ class RewardSource:
                 mask = attention_mask[i : i + self.micro_batch].to(dev)
                 outs.append(self.model.score(ids, mask).float().cpu())
             return torch.cat(outs)
+        if getattr(self.model, "is_causal", False):  # the prompt as the reward model saw it in training
+            # a row without its own prompt (a caller's bare rows) is prompted with the string given
+            prompts = [prompt_text(self.model.tokenizer, {"prompt": p} | r, self.chat_template)
+                       for p, r in zip(prompts, rows)]  # fmt: skip
         return self.model.score_texts(prompts, responses, batch_size=self.micro_batch).float()
+
+
+def _steps(x, i: int, length: int) -> list[tuple[int, float]]:
+    """Response ``i``'s process reward ``[[end, reward], ...]`` checked: ends are increasing character
+    offsets in ``1..length``."""
+    out, last = [], 0
+    for j, step in enumerate(x):
+        try:
+            end, reward = step
+            end, reward = int(end), float(reward)
+        except (TypeError, ValueError):
+            raise ShifuError(
+                f"reward function: response {i}, step {j}: expected [end, reward] (end: a character offset "
+                f"into the response), got {step!r}"
+            ) from None
+        if not last < end <= length:
+            raise ShifuError(
+                f"reward function: response {i}, step {j}: end {end} must be after the previous step's "
+                f"({last}) and at most the response's length ({length} characters)"
+            )
+        out.append((end, reward))
+        last = end
+    return out
 
 
 def load_reward_model(path: str | Path):
     """A saved reward model or ensemble directory (ensembles resolved by shifu.ensemble when present)."""
-    p = Path(path)
-    try:
-        from shifu.ensemble import load_reward  # written alongside the RM trainer
+    from shifu.ensemble import load_reward
 
-        return load_reward(p)
-    except ImportError:
-        from shifu.models import ScalarModel
-
-        return ScalarModel.from_pretrained(p)
+    return load_reward(Path(path))

@@ -1,4 +1,4 @@
-"""The rollout engine: sampling responses and the batched scoring forwards of PPO.
+"""The rollout engine: sampling responses, the batched scoring forwards of PPO, and the rollout itself.
 
 Conventions (docs/architecture.md): prompts are left-padded ``(B, P)``, responses right-padded ``(B, R)``;
 a rollout row is ``cat(prompt, response)`` with position ids ``cumsum(attention_mask) - 1``. The
@@ -9,17 +9,60 @@ True on real response tokens, the first EOS included; everything after it is ``p
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from shifu.core import log_probs_and_entropy, log_probs_from_logits
+from shifu.decode import decoder
 from shifu.errors import ShifuError
 from shifu.models import position_ids_from_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One PPO rollout: ``B`` responses (this process's share of the batch) and what the update needs.
+
+    Sequences are ``cat(left-padded prompt (B, P), right-padded response (B, R))``; per-token tensors (B, R)
+    are over the response, token t read at sequence position ``P - 1 + t``. ``advantages`` and ``returns``
+    are filled in after the rollout (``dataclasses.replace``).
+    """
+
+    input_ids: Tensor  # (B, P+R) prompt + response token ids
+    attention_mask: Tensor  # (B, P+R) 1 on real tokens
+    response_mask: Tensor  # (B, R) bool, True on real response tokens (the first EOS included)
+    prompt_len: int  # P
+    old_log_probs: Tensor  # (B, R) log pi_old(a_t | s_t), logits / T
+    ref_log_probs: Tensor  # (B, R) log pi_ref(a_t | s_t), logits / T
+    values: Tensor  # (B, R) critic values V(s_t) (zeros without a critic)
+    entropy: Tensor  # (B, R) entropy of pi_old at each position
+    scores: Tensor  # (B,) reward of each response, finite
+    eos_found: Tensor  # (B,) bool: the response ended with EOS within the token limit
+    prompts: list[str]  # B prompt texts
+    responses: list[str]  # B decoded responses
+    rows: list[dict]  # B prompt rows of the data file
+    advantages: Tensor | None = None  # (B, R)
+    returns: Tensor | None = None  # (B, R) value targets
+    rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
+    token_rewards: Tensor | None = None  # (B, R) process rewards on the tokens that end a step, else 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: Tensor) -> Rollout:
+        """The rows ``idx`` (a 1-D index tensor) of every per-row field."""
+        rows = idx.tolist()
+
+        def pick(v):
+            if isinstance(v, Tensor):
+                return v[idx]
+            if isinstance(v, list):
+                return [v[i] for i in rows]
+            return v  # prompt_len, unset optional fields
+
+        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 @dataclasses.dataclass
@@ -88,53 +131,6 @@ def _finish(buf, eos_seen_at, steps, pad_token_id, stats=None, value_head=None) 
     return Sample(ids, mask, lp, ent, values if value_head is not None else None)
 
 
-class _HFDecoder:
-    """Fallback for any architecture: the HF forward with the model's own KV cache."""
-
-    def __init__(self, model, batch: int, max_len: int, like: Tensor, want_hidden: bool = False):
-        self.model = model
-        self.want_hidden = want_hidden
-        self.last_hidden: Tensor | None = None  # (B, d) final hidden state of the last position
-        self.key_mask = torch.ones((batch, max_len), dtype=torch.long, device=like.device)
-        self.length = 0
-        self.cache = None
-        # transformers >= 5.2x renamed `past_key_values` to `cache`
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
-        end = self.length + ids.shape[1]
-        kwargs = {} if self.cache is None else {self.cache_kw: self.cache}
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.key_mask[:, :end],
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=self.want_hidden,
-            **kwargs,
-        )
-        if self.want_hidden:
-            self.last_hidden = out.hidden_states[-1][:, -1]
-        cache = getattr(out, "cache", None)
-        self.cache = cache if cache is not None else out.past_key_values
-        self.length = end
-        return out.logits[:, -1]
-
-
-def _decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
-    """The fastest decoder that supports ``model`` (``engine``: "auto", "fast" (must be supported), "hf")."""
-    if engine not in ("auto", "fast", "hf"):
-        raise ValueError(f"engine must be 'auto', 'fast' or 'hf', not {engine!r}")
-    if engine != "hf":
-        for cls in (_GPT2Decoder, _LlamaDecoder):
-            if cls.supports(model):
-                return cls(model, batch, max_len)
-        if engine == "fast":
-            raise ValueError(f"no fast decoder for model type {model.config.model_type!r}")
-    return _HFDecoder(model, batch, max_len, like, want_hidden)
-
-
 class Sample(NamedTuple):
     """What :func:`sample` returns. ``response_ids`` (B, R) long and ``response_mask`` (B, R) bool as
     :func:`generate`; with ``with_log_probs``: ``log_probs`` and ``entropy`` (B, R) float32 of the sampled
@@ -149,34 +145,26 @@ class Sample(NamedTuple):
     values: Tensor | None = None
 
 
-@torch.no_grad()
-def generate(
-    model,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    params: SamplingParams,
-    eos_token_id: int,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-    all_done: Callable[[bool], bool] | None = None,
-    engine: str = "auto",
-) -> tuple[Tensor, Tensor]:
-    """Sample responses.
+def check_positions(model, prompt_len: int, max_new_tokens: int) -> None:
+    """ShifuError when a prompt of ``prompt_len`` tokens plus ``max_new_tokens`` would run past a model with
+    learned positions (GPT-2's ``n_positions``); trainers call it before writing anything."""
+    n_positions = getattr(getattr(model, "config", None), "n_positions", None)
+    if isinstance(n_positions, int) and prompt_len + max_new_tokens > n_positions:
+        raise ShifuError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{n_positions} positions: lower data.max_prompt_len or generation.max_new_tokens"
+        )
 
-    ``prompt_ids``/``prompt_mask`` (B, P) are left-padded. Returns ``response_ids`` (B, R) long and
-    ``response_mask`` (B, R) bool, right-padded: True on real response tokens including the first EOS;
-    everything after the first EOS is ``pad_token_id`` with mask False. ``R <= max_new_tokens``: trimmed to
-    the longest response; decoding stops early once every row has emitted EOS (when ``stop_at_eos``).
-    ``all_done(local_done) -> global_done`` lets distributed ranks keep stepping (forwards on finished
-    rows) until every rank is done; the default is local.
 
-    ``engine="auto"`` uses the hand-written decoder for GPT-2 and Llama-style models (preallocated KV
-    cache, see ``_FastDecoder``) and the HF forward with its cache for everything else; "hf" forces the
-    latter. Both give the same tokens up to float rounding.
+def generate(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, *args, **kwargs):
+    """Sample responses -> ``(response_ids, response_mask)``; the arguments of :func:`sample`.
+
+    ``prompt_ids``/``prompt_mask`` (B, P) are left-padded. ``response_ids`` (B, R) long and ``response_mask``
+    (B, R) bool are right-padded: True on real response tokens including the first EOS; everything after
+    the first EOS is ``pad_token_id`` with mask False. ``R <= max_new_tokens``: trimmed to the longest
+    response; decoding stops early once every row has emitted EOS (when ``stop_at_eos``).
     """
-    out = sample(
-        model, prompt_ids, prompt_mask, params, eos_token_id, pad_token_id, generator, all_done, engine
-    )
+    out = sample(model, prompt_ids, prompt_mask, params, *args, **kwargs)
     return out.response_ids, out.response_mask
 
 
@@ -194,18 +182,19 @@ def sample(
     with_log_probs: bool = False,
     value_head: nn.Module | None = None,
 ) -> Sample:
-    """:func:`generate`, optionally also returning what PPO's rollout would otherwise need a second
-    forward pass for: the log-probs and entropies of the sampled tokens and shared-trunk values, read off
-    the decode steps (the same logits, up to float rounding; ``tests/test_rollout.py`` checks 1e-5)."""
+    """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
+    with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
+    log-probs and entropies of the sampled tokens and shared-trunk values, read off the decode steps (the
+    same logits, up to float rounding; ``tests/test_rollout.py`` checks 1e-5).
+
+    ``all_done(local_done) -> global_done`` lets distributed ranks keep stepping (forwards on finished rows)
+    until every rank is done; the default is local. ``engine="auto"`` uses the hand-written decoder for
+    GPT-2 and Llama-style models (:mod:`shifu.decode`, a preallocated KV cache) and the HF forward with its
+    cache for everything else; "hf" forces the latter. Both give the same tokens up to float rounding."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
-    n_positions = getattr(getattr(model, "config", None), "n_positions", None)  # learned positions (GPT-2)
-    if isinstance(n_positions, int) and P + R > n_positions:
-        raise ShifuError(
-            f"prompt ({P} tokens) + max_new_tokens ({R}) exceeds the model's {n_positions} positions: "
-            "lower data.max_prompt_len or generation.max_new_tokens"
-        )
+    check_positions(model, P, R)
     all_done = all_done or (lambda local: local)
     buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)
     # index of the first EOS per row (R = none yet): response_mask = position <= eos_seen_at
@@ -216,7 +205,7 @@ def sample(
     if R == 0:
         return _finish(buf, eos_seen_at, 0, pad_token_id, stats, value_head)
     weight = next(model.parameters())
-    dec = _decoder(model, B, P + R, weight, engine, want_hidden=value_head is not None)
+    dec = decoder(model, B, P + R, weight, engine, want_hidden=value_head is not None)
     dec.key_mask[:, :P] = prompt_mask.to(dec.key_mask.dtype)
     pos = position_ids_from_mask(prompt_mask)
     next_pos = pos[:, -1:] + 1  # (B, 1) position of response token 0
@@ -293,211 +282,3 @@ def critic_forward(critic, input_ids: Tensor, attention_mask: Tensor, prompt_len
     T = input_ids.shape[1]
     values = critic(input_ids, attention_mask, position_ids=position_ids_from_mask(attention_mask))
     return values[:, prompt_len - 1 : T - 1]
-
-
-def _cat(parts: list):
-    first = parts[0]
-    if first is None:
-        return None
-    if isinstance(first, Tensor):
-        return torch.cat(parts, dim=0)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_cat([p[i] for p in parts]) for i in range(len(first)))
-    raise TypeError(f"in_micro_batches: cannot concatenate outputs of type {type(first).__name__}")
-
-
-@torch.no_grad()
-def in_micro_batches(fn: Callable, micro_batch_size: int, *tensors: Tensor):
-    """Run ``fn(*row_slices)`` over slices of ``micro_batch_size`` rows and concatenate the outputs along
-    dim 0 (a tensor, or a tuple of tensors / None, as ``fn`` returns). No gradients."""
-    n = tensors[0].shape[0]
-    step = max(1, micro_batch_size)
-    parts = [fn(*(t[i : i + step] for t in tensors)) for i in range(0, n, step)]
-    return _cat(parts)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Fast decode: a hand-written forward for GPT-2 and Llama-style models that reads the HF model's weights
-# directly, with a preallocated KV cache (L, B, H, P+R, D) and no per-step module/cache bookkeeping. Any
-# other architecture (or an unsupported option) falls back to the HF forward with its own cache.
-# ---------------------------------------------------------------------------------------------------------
-
-
-class _FastDecoder:
-    """Shared machinery: preallocated K/V, the key-padding mask over the cache, attention over the cache.
-
-    ``key_mask`` (B, P+R) bool is True on real prompt positions and on every generated position; the
-    cache holds K/V of every position (pad ones too) and the mask hides the pad ones.
-    """
-
-    def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, like: Tensor):
-        shape = (n_layer, batch, n_kv_head, max_len, head_dim)
-        self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.key_mask = torch.ones((batch, max_len), dtype=torch.bool, device=like.device)
-        self.length = 0  # positions filled in the cache
-        self.last_hidden: Tensor | None = None  # (B, d) final (normed) hidden state of the last position
-        self.bias: Tensor | None = None  # (B * Hkv, 1, P+R) additive key-padding bias of decode steps
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Write k, v (B, Hkv, T, D) at the current end of the cache; attend q (B, H, T, D) over it."""
-        start, T = self.length, q.shape[2]
-        end = start + T
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # views, no copy
-        if T == 1:
-            return self._attend_one(q, keys, values, scale)
-        if keys.shape[1] != q.shape[1]:  # grouped-query attention
-            rep = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        # causal (query i sees keys <= start + i) and key padding; a pad query with no real key
-        # before it attends to itself (its output is never used) so no row of the softmax is empty
-        q_pos = torch.arange(start, end, device=q.device).unsqueeze(1)  # (T, 1)
-        k_pos = torch.arange(end, device=q.device)  # (S,)
-        mask = ((k_pos <= q_pos) & self.key_mask[:, None, None, :end]) | (k_pos == q_pos)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-
-    def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
-        """One decode step: softmax(q k^T * scale + bias) v with batched matmuls over (B * Hkv) groups.
-
-        q (B, H, 1, D); keys/values (B, Hkv, S, D) views of the cache. Query heads sharing a KV head (GQA,
-        head h uses KV head h // rep) become the ``rep`` rows of one group, so the cache is never copied.
-        The additive key-padding bias (0 / -inf) is built once per generation (the mask is fixed then).
-        """
-        B, H, _, D = q.shape
-        Hkv, S = keys.shape[1], keys.shape[2]
-        if self.bias is None:
-            bias = torch.zeros((B, Hkv, 1, self.key_mask.shape[1]), dtype=q.dtype, device=q.device)
-            bias.masked_fill_(~self.key_mask[:, None, None, :], float("-inf"))
-            self.bias = bias.view(B * Hkv, 1, -1)
-        qg = q.reshape(B * Hkv, H // Hkv, D)
-        scores = torch.baddbmm(
-            self.bias[:, :, :S], qg, keys.reshape(B * Hkv, S, D).transpose(1, 2), alpha=scale
-        )
-        out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * Hkv, S, D))
-        return out.view(B, H, 1, D)
-
-
-class _GPT2Decoder(_FastDecoder):
-    ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-    @classmethod
-    def supports(cls, model) -> bool:
-        cfg = model.config
-        return (
-            cfg.model_type == "gpt2"
-            and hasattr(model, "transformer")
-            and cfg.activation_function in cls.ACTIVATIONS
-            and cfg.scale_attn_weights
-            and not cfg.scale_attn_by_inverse_layer_idx
-            and not getattr(cfg, "add_cross_attention", False)
-        )
-
-    def __init__(self, model, batch: int, max_len: int):
-        cfg, tr = model.config, model.transformer
-        self.n_head = cfg.n_head
-        self.head_dim = cfg.n_embd // cfg.n_head
-        super().__init__(cfg.n_layer, batch, self.n_head, self.head_dim, max_len, tr.wte.weight)
-        self.tr, self.lm_head, self.eps = tr, model.lm_head.weight, cfg.layer_norm_epsilon
-        self.approximate = self.ACTIVATIONS[cfg.activation_function]
-        # the weights each step reads, looked up once (module attribute access costs ~2 us a time)
-        self.blocks = [
-            (b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
-             b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.c_fc.weight, b.mlp.c_fc.bias,
-             b.mlp.c_proj.weight, b.mlp.c_proj.bias)
-            for b in tr.h
-        ]  # fmt: skip
-
-    def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
-        """(B, T) ids at (B, T) positions -> (B, V) logits of the last position; advances the cache."""
-        tr, (B, T), H, D, eps = self.tr, ids.shape, self.n_head, self.head_dim, self.eps
-        x = F.embedding(ids, tr.wte.weight) + F.embedding(pos, tr.wpe.weight)  # (B, T, d)
-        d = x.shape[-1]
-        x = x.view(B * T, d)
-        for i, (ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, pr_w, pr_b) in enumerate(
-            self.blocks
-        ):
-            h = F.layer_norm(x, (d,), ln1_w, ln1_b, eps)
-            qkv = torch.addmm(qkv_b, h, qkv_w)  # Conv1D: x @ W + b
-            q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
-            a = self.attend(i, q, k, v, D**-0.5).transpose(1, 2).reshape(B * T, d)
-            x = torch.addmm(o_b, a, o_w).add_(x)
-            h = F.layer_norm(x, (d,), ln2_w, ln2_b, eps)
-            h = F.gelu(torch.addmm(fc_b, h, fc_w), approximate=self.approximate)
-            x = torch.addmm(pr_b, h, pr_w).add_(x)
-        self.length += T
-        last = x.view(B, T, d)[:, -1]
-        self.last_hidden = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, eps)
-        return F.linear(self.last_hidden, self.lm_head)
-
-
-class _LlamaDecoder(_FastDecoder):
-    """Llama-style: RMSNorm, rotary embeddings (the model's own rotary module), GQA, SwiGLU MLP."""
-
-    MODEL_TYPES = {"llama", "mistral", "qwen2"}
-
-    @classmethod
-    def supports(cls, model) -> bool:
-        cfg = model.config
-        inner = getattr(model, "model", None)
-        return (
-            cfg.model_type in cls.MODEL_TYPES
-            and inner is not None
-            and hasattr(inner, "rotary_emb")
-            and getattr(cfg, "hidden_act", "silu") == "silu"
-            and not getattr(cfg, "mlp_bias", False)
-            and getattr(cfg, "sliding_window", None) is None
-            and getattr(cfg, "pretraining_tp", 1) == 1
-            and (cfg.rope_parameters or {}).get("rope_type", "default") != "dynamic"
-        )
-
-    def __init__(self, model, batch: int, max_len: int):
-        cfg, inner = model.config, model.model
-        self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_head
-        w = inner.embed_tokens.weight
-        super().__init__(cfg.num_hidden_layers, batch, self.n_kv, self.head_dim, max_len, w)
-        self.inner, self.lm_head, self.eps = inner, model.lm_head.weight, cfg.rms_norm_eps
-        self.scale = self.head_dim**-0.5
-        # q/k/v and gate/up fused into one matmul each (weights change between rollouts: fuse per call)
-        self.qkv, self.qkv_bias, self.gate_up = [], [], []
-        for blk in inner.layers:
-            at, mlp = blk.self_attn, blk.mlp
-            self.qkv.append(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).t())
-            biases = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]
-            self.qkv_bias.append(None if biases[0] is None else torch.cat(biases))
-            self.gate_up.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t())
-
-    def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
-        inner, (B, T) = self.inner, ids.shape
-        H, Hkv, D = self.n_head, self.n_kv, self.head_dim
-        x = F.embedding(ids, inner.embed_tokens.weight)  # (B, T, d)
-        cos, sin = inner.rotary_emb(x, pos)  # (B, T, D)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        d = x.shape[-1]
-        x = x.view(B * T, d)
-        for i, blk in enumerate(inner.layers):
-            h = F.rms_norm(x, (d,), blk.input_layernorm.weight, self.eps)
-            qkv = (
-                h @ self.qkv[i] if self.qkv_bias[i] is None else torch.addmm(self.qkv_bias[i], h, self.qkv[i])
-            )
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = _rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
-            k = _rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
-            a = self.attend(i, q, k, v, self.scale).transpose(1, 2).reshape(B * T, H * D)
-            x = F.linear(a, blk.self_attn.o_proj.weight, blk.self_attn.o_proj.bias).add_(x)
-            h = F.rms_norm(x, (d,), blk.post_attention_layernorm.weight, self.eps)
-            gate, up = (h @ self.gate_up[i]).chunk(2, dim=-1)
-            x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)
-        self.length += T
-        self.last_hidden = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
-        return F.linear(self.last_hidden, self.lm_head)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding, rotate-half convention (Su et al. 2021; HF Llama's layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

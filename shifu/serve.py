@@ -338,15 +338,24 @@ class Served:
             return None
         if req.size == 0:
             return []
-        enc = self.model.encode(req.prompts, req.responses, MAX_LENGTH)
+        enc = self.model.encode(self.prompts(req), req.responses, MAX_LENGTH)
         return [(enc["input_ids"], enc["attention_mask"])]
+
+    def prompts(self, req: ScoreRequest) -> list[str]:
+        """The prompts as a causal reward model saw them in training: a user message through its chat
+        template, when its tokenizer has one (:func:`shifu.data.prompt_text`)."""
+        if not getattr(self.model, "is_causal", False):
+            return req.prompts
+        from shifu.data import prompt_text
+
+        return [prompt_text(self.model.tokenizer, {"prompt": p}) for p in req.prompts]
 
     @torch.no_grad()
     def call(self, req: ScoreRequest) -> tuple[list[float] | None, list[list[float]] | None]:
         """Score a request in one call: a reward function, or an ensemble whose members' tokenizers differ."""
         if self.function is None:
             return self.model.score_texts(
-                req.prompts, req.responses, max(1, req.size), MAX_LENGTH
+                self.prompts(req), req.responses, max(1, req.size), MAX_LENGTH
             ).tolist(), None
         rows = req.rows if req.rows is not None else [{} for _ in req.prompts]
         try:
@@ -362,8 +371,10 @@ def load_served(
     """A reward model / ensemble / run directory, or ``package.module:function`` (errors say which)."""
     if Path(source).is_dir():
         from shifu.ensemble import load_reward
+        from shifu.models import fuse_tanh_gelu
 
-        model = load_reward(source, aggregate, std_coef).to(device).eval()
+        # the kernels a trainer scores with in process (one fused tanh-GELU): the same scores, bit for bit
+        model = fuse_tanh_gelu(load_reward(source, aggregate, std_coef)).to(device).eval()
         first = _members(model)[0]
         rows = first.backbone.get_input_embeddings().num_embeddings
         return Served(

@@ -1,4 +1,5 @@
-"""``shifu study frontier``: gold score against KL to the reference for PPO, DPO and REINFORCE.
+"""``shifu study frontier``: gold score against KL to the reference (and against training CPU seconds) for
+PPO, DPO, REINFORCE and the critic-free methods (GRPO, RLOO, REINFORCE++: :func:`critic_free`).
 
 Every method starts from the **same** SFT policy (also the frozen reference), learns from the same judge
 (PPO and REINFORCE through their reward, DPO through preference pairs that judge labelled), and is
@@ -19,8 +20,9 @@ Run directory (``--out``, default ``runs/frontier-<task>-<budget>``)::
 e.g. more seeds at a few points, reusing the shared stages and finished runs of the directory.)
 
 Finished stages and runs are kept (``DONE`` / ``RESULT.json`` markers): rerunning with the same ``--out``
-continues. Seeds change the RL/DPO run (sampling, shuffling); the SFT policy and the pairs are shared, so
-the spread over seeds is the method's own variance.
+continues, and a run stopped with a checkpoint (Ctrl-C) resumes from it (:mod:`shifu.pipeline`). Seeds
+change the RL/DPO run (sampling, shuffling); the SFT policy and the pairs are shared, so the spread over
+seeds is the method's own variance.
 
 Arith preference pairs: ``samples_per_prompt`` SFT samples per training prompt, ranked by exact match;
 a prompt with at least one right and one wrong (non-empty) sample gives the pair (first right, first
@@ -35,14 +37,45 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from shifu.errors import ShifuError
+from shifu.pipeline import Stages, log, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.pipeline import merge as _merge  # a budget's keys on top of quickstart's plan (private here)
 
-METHODS = ("ppo", "dpo", "reinforce")
+METHODS = ("ppo", "dpo", "reinforce", "grpo", "rloo", "reinforce_pp")
+COLOURS = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
+
+
+def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[str, Any]:
+    """The critic-free methods of a budget (issue 16), on its PPO and REINFORCE settings and the same
+    responses per iteration (``batch_size`` counts responses: G = 4 per prompt for the group methods):
+
+    - ``grpo``: PPO's clipped loss and epochs, group-normalised advantages, the KL as a k3 loss term;
+    - ``rloo``: REINFORCE's one on-policy pass and lr, leave-one-out baseline, the KL in the reward;
+    - ``reinforce_pp``: PPO's clipped loss and epochs, REINFORCE++ (whitened reward-to-go, no critic).
+
+    Each method's points are fixed betas, like PPO's (the KL each reaches is measured, not assumed)."""
+    fixed = {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in betas}
+    return {
+        "grpo": _merge(ppo, {"advantage_estimator": "grpo", "group_size": 4, "kl": {"penalty": "loss"}}),
+        "rloo": _merge(
+            {k: v for k, v in reinforce.items() if k != "reinforce_baseline"},
+            {"advantage_estimator": "rloo", "group_size": 4},
+        ),
+        "reinforce_pp": _merge(ppo, {"advantage_estimator": "reinforce_pp"}),
+        "points": {"grpo": fixed, "rloo": fixed, "reinforce_pp": fixed},
+    }
+
+
+def with_critic_free(budget: dict[str, Any], betas: tuple[float, ...]) -> dict[str, Any]:
+    """``budget`` with the critic-free methods added (their points next to the others)."""
+    extra = critic_free(budget["ppo"], budget["reinforce"], betas)
+    points = {**budget["points"], **extra.pop("points")}
+    return {**budget, **extra, "points": points}
+
 
 # Per (task, budget): the shared stages, each method's training overrides, and the points of each
 # method (a label -> the overrides that set its KL budget). ``points`` are ordered strong -> weak KL
@@ -193,50 +226,14 @@ BUDGETS[("imdb", "smoke")] = {
     },
     "eval": {"max_new_tokens": 20, "temperature": 1.0, "num_prompts": 256, "max_prompt_len": 24},
 }
+for _key, _betas in {
+    ("arith", "full"): (0.3, 0.03),
+    ("arith", "ci"): (0.3, 0.01),
+    ("imdb", "reduced"): (0.3, 0.1, 0.05, 0.02),
+    ("imdb", "smoke"): (0.2, 0.01),
+}.items():
+    BUDGETS[_key] = with_critic_free(BUDGETS[_key], _betas)
 DEFAULT_BUDGET = {"arith": "full", "imdb": "reduced"}
-
-
-def _log(msg: str) -> None:
-    print(f"[study] {msg}", file=sys.stderr, flush=True)
-
-
-def _read_jsonl(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _done(stage_dir: Path) -> dict | None:
-    marker = stage_dir / "DONE"
-    return json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else None
-
-
-def _mark_done(stage_dir: Path, seconds: float, **extra: Any) -> None:
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / "DONE").write_text(json.dumps({"seconds": round(seconds, 2), **extra}), encoding="utf-8")
-
-
-def _train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
-    """Run a trainer (``Config`` + ``train``) in ``stage_dir``; an unfinished stage starts again."""
-    import importlib
-    import shutil
-
-    from shifu.config import load_config
-
-    module = importlib.import_module(module_name)
-    cfg = load_config(module.Config, None, _merge(overrides, {"out_dir": str(stage_dir)}))
-    shutil.rmtree(stage_dir, ignore_errors=True)
-    return module.train(cfg) or {}
 
 
 # ------------------------------------------------------------------------------------- the measurement
@@ -321,7 +318,7 @@ def arith_pairs(sft_dir: Path, prompt_rows: list[dict], out: Path, pp: dict, see
             "right or always wrong; raise pairs.num_prompts or change sft.max_steps"
         )
     out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "pairs.jsonl", pairs)
+    write_jsonl(out / "pairs.jsonl", pairs)
     n_right = sum(exact_match(prompts, d, rows).count(1.0) for d in draws)
     return {
         "pairs": len(pairs),
@@ -331,106 +328,42 @@ def arith_pairs(sft_dir: Path, prompt_rows: list[dict], out: Path, pp: dict, see
 
 
 def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[str, Any]:
-    """prepare -> SFT -> pairs (-> reward model for imdb) in ``out/shared``, reusing quickstart's stages."""
-    from shifu.quickstart import PLANS
+    """prepare -> SFT -> pairs (-> reward model for imdb) in ``out/shared``: quickstart's stages and plan for
+    the budget's preset, with the budget's overrides on top; every stage is seeded with ``sets_seed``."""
+    from shifu.quickstart import PLANS, preference_prompts
 
     qs = PLANS[(task, plan["preset"])]
-    shared = out / "shared"
-    info: dict[str, Any] = {"seconds": {}}
-    data_dir = shared / "data"
-    if (d := _done(data_dir)) is None:
-        _log(f"prepare {task} ({plan['preset']})")
-        t0 = time.time()
-        from shifu.tasks import arith, imdb
-
-        (arith if task == "arith" else imdb).prepare(data_dir, plan["preset"], sets_seed)
-        _mark_done(data_dir, time.time() - t0)
-        d = _done(data_dir)
-    info["seconds"]["prepare"] = d["seconds"]
-    files = {p.stem: str(p) for p in data_dir.glob("*.jsonl")}
-    info["files"] = files
-
-    sft_dir = shared / "sft"
-    if (d := _done(sft_dir)) is None:
-        _log("stage sft (the starting policy and reference of every method)")
-        t0 = time.time()
-        over = _merge(
-            _merge(qs["sft"], plan["sft"]),
-            {
-                "seed": sets_seed,
-                "model": {"path": str(data_dir / "base")},
-                "progress": False,
-                "data": {"train": files["sft_train"], "eval": files["sft_eval"]},
-            },
-        )
-        _train_stage("shifu.trainers.sft", sft_dir, over)
-        _mark_done(sft_dir, time.time() - t0)
-        d = _done(sft_dir)
-    info["seconds"]["sft"] = d["seconds"]
-    info["sft"] = str(sft_dir / "final")
-
-    pairs_dir = shared / "pairs"
-    if (d := _done(pairs_dir)) is None:
-        _log("stage pairs: SFT samples ranked by the judge")
-        t0 = time.time()
-        pp = _merge(qs.get("pairs", {}), plan["pairs"])
-        if task == "arith":
-            extra = arith_pairs(
-                sft_dir / "final", _read_jsonl(files["prompts_train"]), pairs_dir, pp, sets_seed
-            )
-        else:
-            from shifu.quickstart import preference_prompts
-            from shifu.tasks import imdb
-
-            # the task's preference prompts topped up to pp["num_prompts"] with PPO's training prompts
-            res = imdb.make_preference_pairs(
-                sft_dir / "final",
-                preference_prompts(files, pp.get("num_prompts")),
-                pairs_dir,
-                max_new_tokens=pp["max_new_tokens"],
-                tau=pp["tau"],
-                seed=sets_seed,
-                temperature=pp["temperature"],
-                drop_ties=pp.get("drop_ties", False),
-            )
-            extra = {k: v for k, v in res.items() if not k.startswith("pairs_")}
-        _mark_done(pairs_dir, time.time() - t0, **extra)
-        d = _done(pairs_dir)
-    info["seconds"]["pairs"] = d["seconds"]
-    info["pairs_info"] = {k: v for k, v in d.items() if k != "seconds"}
+    stages = Stages(out / "shared", sets_seed, "study")
+    quiet = {"progress": False}
+    files = stages.prepare(task, plan["preset"])
+    sft_final = stages.sft(_merge(_merge(qs["sft"], plan["sft"]), quiet), files)
+    info: dict[str, Any] = {"files": files, "sft": str(sft_final)}
+    pairs_dir = stages.root / "pairs"
+    pp = _merge(qs.get("pairs", {}), plan["pairs"])
     if task == "arith":
+
+        def work(stage_dir: Path) -> dict[str, Any]:
+            return arith_pairs(sft_final, read_jsonl(files["prompts_train"]), stage_dir, pp, sets_seed)
+
+        pairs = stages.run("pairs", pairs_dir, "stage pairs: SFT samples ranked by exact match", work)
         info["pairs"] = {"train": str(pairs_dir / "pairs.jsonl"), "eval": ""}
         info["reward"] = {"function": "shifu.tasks.judges:exact_match"}
     else:
+        # the task's preference prompts topped up to pp["num_prompts"] with PPO's training prompts
+        pairs = stages.imdb_pairs(sft_final, preference_prompts(files, pp.get("num_prompts")), pp)
         info["pairs"] = {
             "train": str(pairs_dir / "pairs_train.jsonl"),
             "eval": str(pairs_dir / "pairs_eval.jsonl"),
         }
-        rm_dir = shared / "rm"
-        if (d := _done(rm_dir)) is None:
-            _log("stage rm (the proxy reward of PPO and REINFORCE)")
-            t0 = time.time()
-            over = _merge(
-                _merge(qs["rm"], plan.get("rm", {})),
-                {
-                    "seed": sets_seed,
-                    "progress": False,
-                    "data": info["pairs"],
-                    # as quickstart: SFT-policy samples get normalised RM scores (mean 0, std 1)
-                    "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl")},
-                },
-            )
-            if over.get("model", {}).get("backbone", "sft") == "sft":
-                over = _merge(over, {"model": {"backbone": str(sft_dir / "final")}})
-            res = _train_stage("shifu.trainers.reward", rm_dir, over)
-            _mark_done(rm_dir, time.time() - t0, rm_accuracy=res.get("eval/rm/accuracy"))
-            d = _done(rm_dir)
-        info["seconds"]["rm"] = d["seconds"]
-        info["reward"] = {"model_path": str(rm_dir / "final")}
+        rm = stages.rm(_merge(_merge(qs["rm"], plan.get("rm", {})), quiet), sft_final)
+        rm_final = stages.root / "rm" / "final"
+        info["reward"] = {"model_path": str(rm_final)}
         info["rm"] = {
-            "accuracy": d.get("rm_accuracy"),
-            **rm_gold_accuracy(rm_dir / "final", _read_jsonl(info["pairs"]["eval"])),
+            "accuracy": rm.get("rm_accuracy"),
+            **rm_gold_accuracy(rm_final, read_jsonl(info["pairs"]["eval"])),
         }
+    info["pairs_info"] = {k: v for k, v in pairs.items() if k not in ("seconds", "cpu_seconds")}
+    info["seconds"] = stages.seconds()
     return info
 
 
@@ -459,28 +392,23 @@ def rm_gold_accuracy(rm_path: Path, pairs: list[dict]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- one point
 
 
-def _trainer_overrides(method: str, plan: dict, point: dict, shared: dict, seed: int, run_dir: Path) -> dict:
-
-    files = shared["files"]
+def _trainer_overrides(method: str, plan: dict, point: dict, shared: dict, seed: int) -> dict:
+    """The config of one run: the budget's ``plan[method]`` from the SFT policy, then the point's own keys."""
     if method == "dpo":
         data = {"train": shared["pairs"]["train"]}
         if shared["pairs"]["eval"]:
             data["eval"] = shared["pairs"]["eval"]
         base = {
             "seed": seed,
-            "policy_path": shared["sft"],
+            "model": {"path": shared["sft"]},
             "progress": False,
             "tensorboard": False,
             "data": data,
         }
+        over = _merge(plan[method], base)
     else:
-        base = {
-            "seed": seed,
-            "actor_path": shared["sft"],
-            "reward": dict(shared["reward"]),
-            "data": {"prompts": files["prompts_train"], "eval_prompts": files["prompts_val"]},
-        }
-    return _merge(_merge(_merge(plan[method], base), point), {"out_dir": str(run_dir)})
+        over = ppo_overrides(plan[method], shared["sft"], shared["files"], shared["reward"], seed)
+    return _merge(over, point)
 
 
 def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out: Path, ev: dict) -> dict:
@@ -491,12 +419,13 @@ def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out:
     result_file = run_dir / "RESULT.json"
     if result_file.exists():
         return json.loads(result_file.read_text(encoding="utf-8"))
-    _log(f"{method} {label} seed {seed}")
+    name = f"{method} {label} seed {seed}"
+    log("study", name)
     module = "shifu.trainers.dpo" if method == "dpo" else "shifu.trainers.ppo"
-    over = _trainer_overrides(method, plan, plan["points"][method][label], shared, seed, run_dir)
-    t0 = time.time()
-    _train_stage(module, run_dir, over)
-    seconds = time.time() - t0
+    over = _trainer_overrides(method, plan, plan["points"][method][label], shared, seed)
+    t0, c0 = time.time(), time.process_time()
+    train_stage(module, run_dir, over)
+    seconds, cpu_seconds = time.time() - t0, time.process_time() - c0
     rows = ev["rows"]
     m = measure(
         run_dir / "final",
@@ -516,11 +445,12 @@ def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out:
         "kl": m["kl"],
         "response_len": m["response_len"],
         "train_seconds": round(seconds, 2),
+        "train_cpu_seconds": round(cpu_seconds, 2),  # every thread of the process: the critic's cost counts
         "proxy": _proxy(method, run_dir),
         "samples": m["samples"],
     }
     result_file.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    _log(f"{method} {label} seed {seed}: gold {m['gold']:.3f} at KL {m['kl']:.2f} nats ({seconds:.0f} s)")
+    log("study", f"{name}: gold {m['gold']:.3f} at KL {m['kl']:.2f} nats ({seconds:.0f} s)")
     return result
 
 
@@ -567,14 +497,17 @@ def aggregate(results: list[dict], order: dict[str, list[str]]) -> dict[str, Any
                     "kl_std": ks,
                     "per_seed": [
                         {x: r[x] for x in ("seed", "gold", "kl", "response_len", "train_seconds", "proxy")}
+                        | {"train_cpu_seconds": r.get("train_cpu_seconds", r["train_seconds"])}
                         for r in rs
                     ],
                 }
             )
         secs = [s["train_seconds"] for p in points for s in p["per_seed"]]
+        cpu = [s["train_cpu_seconds"] for p in points for s in p["per_seed"]]
         methods[method] = {
             "points": points,
             "train_seconds_per_run": sum(secs) / len(secs) if secs else None,
+            "train_cpu_seconds_per_run": sum(cpu) / len(cpu) if cpu else None,
             "train_seconds_total": sum(secs),
             # across-seed spread of gold, averaged over the method's points (the variance target)
             "mean_gold_std": sum(p["gold_std"] for p in points) / len(points) if points else None,
@@ -681,19 +614,40 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
     return {"kl_grid": grid, "methods": table, "vs_ppo": vs_ppo}
 
 
+def gold_per_cpu(methods: dict[str, Any], sft_gold: float) -> dict[str, list[dict[str, Any]]]:
+    """Per method and point: the gold gained over the SFT policy per CPU-minute of training (each seed's
+    ``(gold - sft_gold) / train_cpu_seconds * 60``; mean and standard error over seeds), with the CPU
+    seconds a run took. What a method buys per unit of compute, its critic (or its G samples) counted."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for method, m in methods.items():
+        rows = []
+        for p in m["points"]:
+            rates = [(s["gold"] - sft_gold) / s["train_cpu_seconds"] * 60 for s in p["per_seed"]]
+            mean, std = _mean_std(rates)
+            cpu, _ = _mean_std([s["train_cpu_seconds"] for s in p["per_seed"]])
+            rows.append({"point": p["point"], "gain_per_cpu_minute": mean,
+                         "se": std / math.sqrt(len(rates)), "cpu_seconds": cpu, "seeds": len(rates)})  # fmt: skip
+        out[method] = rows
+    return out
+
+
 def plot(frontier: dict[str, Any], path: Path) -> Path:
-    """gold vs KL: one curve per method through its points (mean), std over seeds as error bars."""
+    """Two views: gold vs KL (one curve per method through its points, means, std over seeds as error
+    bars) and gold vs training CPU seconds per run (each point's mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, (ax, ax_cpu) = plt.subplots(1, 2, figsize=(11.5, 4.4))
     base = frontier["sft"]
-    for method, colour in zip(METHODS, ("tab:blue", "tab:orange", "tab:green")):
+    for method, colour in COLOURS.items():
         pts = sorted(frontier["methods"].get(method, {}).get("points", []), key=lambda p: p["kl_mean"])
         if not pts:
             continue
+        cpu = [sum(s["train_cpu_seconds"] for s in p["per_seed"]) / len(p["per_seed"]) for p in pts]
+        ax_cpu.errorbar(cpu, [p["gold_mean"] for p in pts], yerr=[p["gold_std"] for p in pts], marker="o",
+                        linestyle="none", capsize=3, color=colour, label=method)  # fmt: skip
         cost = frontier["methods"][method]["train_seconds_per_run"]
         ax.errorbar(
             [base["kl"]] + [p["kl_mean"] for p in pts],
@@ -722,6 +676,12 @@ def plot(frontier: dict[str, Any], path: Path) -> Path:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    ax_cpu.axhline(base["gold"], color="black", linewidth=0.8, label="SFT (reference)")
+    ax_cpu.set_xlabel("training CPU seconds per run (all threads)")
+    ax_cpu.set_ylabel("gold, held-out mean")
+    ax_cpu.set_title("gold against compute (each point: one knob, mean over seeds)")
+    ax_cpu.grid(alpha=0.3)
+    ax_cpu.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -749,9 +709,11 @@ def frontier(
     methods: tuple[str, ...] = METHODS,
     only: list[str] | None = None,
     name: str = "frontier",
+    reward_url: str | None = None,
 ) -> dict[str, Any]:
     """Run (or continue) the frontier study in ``out``; returns the report (``out/<name>.json``).
 
+    ``reward_url``: a ``shifu serve`` service that scores PPO's and REINFORCE's rollouts.
     ``only``: ``method:label`` items (e.g. ``ppo:beta=0.3``) — run just these points, instead of
     ``points`` per method of ``methods``.
     """
@@ -771,9 +733,11 @@ def frontier(
     t_start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     shared = shared_stages(task, plan, out)
+    if reward_url:  # PPO and REINFORCE scored by a reward service (DPO learns from the pairs as before)
+        shared["reward"] = {"url": reward_url}
     e = plan["eval"]
     ev = {
-        "rows": _read_jsonl(shared["files"]["prompts_eval"])[: e["num_prompts"]],
+        "rows": read_jsonl(shared["files"]["prompts_eval"])[: e["num_prompts"]],
         "gold": GOLD[task],
         "max_new_tokens": e["max_new_tokens"],
         "temperature": e["temperature"],
@@ -818,6 +782,7 @@ def frontier(
         "shared_seconds": shared["seconds"],
         "methods": methods_report,
         "matched_kl": matched_kl(methods_report),
+        "gold_per_cpu": gold_per_cpu(methods_report, base["gold"]),
         "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
         "seconds_total": round(time.time() - t_start, 1),
     }
@@ -868,6 +833,10 @@ def _table(report: dict[str, Any]) -> str:
                 f"ppo - {method}: "
                 + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.1f}" for d in diffs)
             )
+    lines.append("gold gained over SFT per CPU-minute of training (mean±s.e. over seeds; CPU s/run):")
+    for method, rows in report.get("gold_per_cpu", {}).items():
+        lines.append(f"{method:14s} " + ", ".join(
+            f"{r['point']} {r['gain_per_cpu_minute']:+.4f}±{r['se']:.4f} ({r['cpu_seconds']:.0f} s)" for r in rows))  # fmt: skip
     for method, m in report["methods"].items():
         if m.get("gold_std_at_kl") is not None:
             lines.append(
@@ -880,7 +849,9 @@ def _table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shifu study", description="studies over shifu's trainers")
     sub = ap.add_subparsers(dest="study", required=True)
-    fp = sub.add_parser("frontier", help="gold vs KL for PPO, DPO and REINFORCE from one SFT model")
+    fp = sub.add_parser(
+        "frontier", help="gold vs KL (and vs CPU seconds) for PPO, DPO, REINFORCE and the critic-free methods"
+    )
     fp.add_argument("--task", choices=["arith", "imdb"], default="arith")
     fp.add_argument(
         "--budget", default=None, help="arith: full (default) or ci; imdb: reduced (default) or smoke"
@@ -890,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
         "--points", type=int, default=None, help="points per method (default: all of the budget's)"
     )
     fp.add_argument(
-        "--methods", default=",".join(METHODS), help="comma-separated subset of ppo,dpo,reinforce"
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}"
     )
     fp.add_argument(
         "--only",
@@ -905,6 +876,11 @@ def main(argv: list[str] | None = None) -> int:
         help="report file names in --out: NAME.json, NAME.png (default frontier)",
     )
     fp.add_argument("--out", default=None, help="study directory (default runs/frontier-TASK-BUDGET)")
+    fp.add_argument(
+        "--reward-url",
+        default=None,
+        help="score PPO and REINFORCE with this reward service (`shifu serve`) instead of the task's reward",
+    )
     fp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default SHIFU_THREADS)")
     args = ap.parse_args(argv)
     from shifu.cli import set_threads
@@ -918,7 +894,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     budget = args.budget or DEFAULT_BUDGET[args.task]
     out = Path(args.out or f"runs/frontier-{args.task}-{budget}")
-    report = frontier(args.task, budget, args.seeds, out, args.points, methods, args.only, args.name)
+    report = frontier(
+        args.task, budget, args.seeds, out, args.points, methods, args.only, args.name, args.reward_url
+    )
     print(_table(report))
     print(
         f"frontier: {out / (args.name + '.json')}, plot: {out / (args.name + '.png')}; "

@@ -35,6 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from shifu.errors import ConfigError
+from shifu.metrics import is_defined
 
 IDS_FILE = ".trackers.json"
 # name -> (module to import, the extra that installs it); "jsonl" is always on, "tensorboard" = the flag
@@ -304,6 +305,11 @@ class Tracker:
         return {name: sink.id for name, sink in self._sinks.items()}
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        undefined = [k for k in metrics if not is_defined(k)]
+        if undefined:  # every key a trainer writes is defined once, with its meaning, in shifu.metrics
+            raise ValueError(
+                f"metric keys {undefined} are not in shifu/metrics.py's table: define them there"
+            )
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

@@ -53,3 +53,46 @@ def explode(prompts, responses, rows):
 def nan_some(prompts, responses, rows):
     """frac_a, but NaN for every response starting with 'b' (a broken judge)."""
     return [float("nan") if r.startswith("b") else r.count("a") / max(1, len(r)) for r in responses]
+
+
+_CALLS = {"n": 0}
+
+
+def frac_a_then_dies(prompts, responses, rows):
+    """frac_a, served by `shifu serve` in its own process: the process dies (as a crashed service would)
+    during its 4th scoring request."""
+    import os
+
+    _CALLS["n"] += 1
+    if _CALLS["n"] == 4:
+        os._exit(1)
+    return frac_a(prompts, responses, rows)
+
+
+def constant(prompts, responses, rows):
+    """The same score for every response: every group is tied."""
+    return [0.5] * len(responses)
+
+
+SEEN: list[list[int]] = []  # the prompt rows of each scoring call (their ids), in order (read by the tests)
+
+
+def frac_a_seen(prompts, responses, rows):
+    """frac_a, recording which prompt rows (the data file's row objects) it was asked about."""
+    SEEN.append([id(r) for r in rows])
+    return frac_a(prompts, responses, rows)
+
+
+def a_steps(prompts, responses, rows):
+    """A process reward: a step ends at every 'a' of the response and earns 1 / len(response) (so the
+    steps sum to frac_a); a response without an 'a' gets one step of 0 over all of it (or 0.0 when empty)."""
+    out: list = []
+    for r in responses:
+        steps = [[i + 1, 1.0 / len(r)] for i, c in enumerate(r) if c == "a"]
+        out.append(steps or ([[len(r), 0.0]] if r else 0.0))
+    return out
+
+
+def raises(prompts, responses, rows):
+    """A broken judge: raises on every call."""
+    raise ValueError("the judge is broken")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 
 from shifu.config import from_dict, load_config, read_yaml
 from shifu.errors import ConfigError
+from shifu.schema import check_world_size
 from shifu.trainers import ppo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +32,8 @@ def test_partial_section_keeps_the_fields_own_defaults():
         None,
         [
             "out_dir=x",
-            "actor_path=a",
-            "data.prompts=p",
+            "model.path=a",
+            "data.train=p",
             "reward.function=m:f",
             "critic.init=sft",
             "critic.optim.eps=1e-6",
@@ -46,8 +49,8 @@ def test_exponent_without_dot_is_a_number():
         None,
         [
             "out_dir=x",
-            "actor_path=a",
-            "data.prompts=p",
+            "model.path=a",
+            "data.train=p",
             "reward.function=m:f",
             "critic.init=sft",
             "optim.lr=3e-3",
@@ -67,7 +70,7 @@ def test_exponent_without_dot_is_a_number():
     ],
 )
 def test_bad_values_are_named(override, needle):
-    base = ["out_dir=x", "actor_path=a", "data.prompts=p", "reward.function=m:f", "critic.init=sft"]
+    base = ["out_dir=x", "model.path=a", "data.train=p", "reward.function=m:f", "critic.init=sft"]
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(ppo.Config, None, base + [override])
 
@@ -82,3 +85,53 @@ def test_cli_reports_config_errors_with_exit_2(tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "error:" in r.stderr and not out.exists()
+
+
+PPO_BASE = ["out_dir=x", "model.path=a", "data.train=p", "reward.function=m:f", "critic.init=sft"]
+
+
+@pytest.mark.parametrize(
+    "module, old, new",
+    [
+        ("shifu.trainers.ppo", "actor_path=a", "model.path"),
+        ("shifu.trainers.ppo", "data.prompts=p", "data.train"),
+        ("shifu.trainers.ppo", "data.eval_prompts=e", "data.eval"),
+        ("shifu.trainers.dpo", "policy_path=a", "model.path"),
+        ("shifu.trainers.dpo", "ref_path=r", "model.ref_path"),
+        ("shifu.trainers.reward", "model.backbone=minilm", "model.path"),
+        ("shifu.trainers.sft", "eval_every=5", "eval.every"),
+        ("shifu.trainers.sft", "eval_batch_size=4", "eval.batch_size"),
+    ],
+)
+def test_an_old_key_name_says_the_new_one(module, old, new):
+    cls = importlib.import_module(module).Config
+    with pytest.raises(
+        ConfigError, match=rf"'{re.escape(old.split('=')[0])}' was renamed to '{re.escape(new)}'"
+    ):
+        load_config(cls, None, ["out_dir=x", old])
+
+
+def test_configs_are_frozen_and_replace_makes_a_new_one():
+    cfg = load_config(ppo.Config, None, PPO_BASE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.iterations = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kl.target = 1.0
+    assert dataclasses.replace(cfg, iterations=3).iterations == 3 and cfg.iterations == 20
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "kl.init_coef=inf", "critic.optim.eps=.nan"])
+def test_non_finite_numbers_are_named(override):
+    with pytest.raises(ConfigError, match=re.escape(override.split("=")[0]) + " must be a finite number"):
+        load_config(ppo.Config, None, PPO_BASE + [override])
+
+
+def test_world_size_is_checked_at_launch_not_by_validate(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # how a YAML validates must not depend on how it is launched
+    cfg = load_config(ppo.Config, None, PPO_BASE + ["batch_size=6", "minibatch_size=3"])
+    check_world_size(cfg, 1)
+    with pytest.raises(ConfigError, match="distributed.strategy=none"):
+        check_world_size(cfg, 2)
+    ddp = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, strategy="ddp"))
+    with pytest.raises(ConfigError, match=r"minibatch_size \(3\).*multiple of the number of processes \(2\)"):
+        check_world_size(ddp, 2)

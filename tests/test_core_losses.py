@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from shifu.core import bradley_terry_loss, dpo_loss, ppo_penalty_loss, ppo_policy_loss, ppo_value_loss
+from shifu.core import (
+    POLICY_LOSSES,
+    bradley_terry_loss,
+    dpo_loss,
+    gspo_policy_loss,
+    kl_loss,
+    ppo_penalty_loss,
+    ppo_policy_loss,
+    ppo_value_loss,
+)
 
 torch.set_num_threads(1)
 
@@ -80,7 +89,7 @@ def test_empty_mask_loss_is_zero():
     assert loss.item() == 0.0 and stats["clipfrac"].item() == 0.0
 
 
-@pytest.mark.parametrize("which", ["policy", "value", "penalty"])
+@pytest.mark.parametrize("which", ["policy", "value", "penalty", "gspo", "kl"])
 def test_token_mean_with_num_tokens_is_split_invariant(which):
     """Two micro-batches (or ranks) normalised by the global token count sum to the whole batch's loss."""
     lp, old, adv, mask = random_batch(1)
@@ -91,6 +100,10 @@ def test_token_mean_with_num_tokens_is_split_invariant(which):
             return ppo_policy_loss(lp[rows], old[rows], adv[rows], mask[rows], **kw)[0]
         if which == "value":
             return ppo_value_loss(lp[rows], old_v[rows], adv[rows], mask[rows], clip=0.2, **kw)[0]
+        if which == "gspo":
+            return gspo_policy_loss(lp[rows], old[rows], adv[rows], mask[rows], clip_high=0.1, **kw)[0]
+        if which == "kl":
+            return kl_loss(lp[rows], old[rows], mask[rows], **kw)[0]
         return ppo_penalty_loss(lp[rows], old[rows], adv[rows], mask[rows], beta=0.3, **kw)[0]
 
     whole = loss_of(slice(None))
@@ -101,7 +114,7 @@ def test_token_mean_with_num_tokens_is_split_invariant(which):
     assert not torch.allclose(0.5 * (loss_of(slice(0, 2)) + loss_of(slice(2, None))), whole)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "token_sum_norm"])
 def test_padding_changes_nothing_and_gets_zero_gradient(aggregation):
     lp, old, adv, mask = random_batch(2)
     returns = torch.randn_like(lp)
@@ -116,11 +129,18 @@ def test_padding_changes_nothing_and_gets_zero_gradient(aggregation):
         v_loss, v_stats = ppo_value_loss(v, old, returns, mask, aggregation=aggregation)
         k = lp.clone().requires_grad_(True)
         k_loss, k_stats = ppo_penalty_loss(k, old, adv, mask, beta=0.5, aggregation=aggregation)
-        (p_loss + v_loss + k_loss).backward()
-        for g in (x.grad, v.grad, k.grad):
+        s = lp.clone().requires_grad_(True)
+        s_loss, s_stats = gspo_policy_loss(
+            s, old, adv, mask, clip_low=0.2, clip_high=0.2, aggregation=aggregation
+        )
+        r = lp.clone().requires_grad_(True)
+        r_loss, r_stats = kl_loss(r, old, mask, aggregation=aggregation)
+        (p_loss + v_loss + k_loss + s_loss + r_loss).backward()
+        for g in (x.grad, v.grad, k.grad, s.grad, r.grad):
             assert (g[~mask] == 0).all()  # exactly zero on padding
             assert (g[mask] != 0).any()
-        return [p_loss, v_loss, k_loss, *p_stats.values(), *v_stats.values(), *k_stats.values()]
+        losses = [p_loss, v_loss, k_loss, s_loss, r_loss]
+        return losses + [t for st in (p_stats, v_stats, k_stats, s_stats, r_stats) for t in st.values()]
 
     clean = run(lp, old, adv, returns)
     dirty = run(*poisoned)
@@ -183,3 +203,103 @@ def test_dpo_hand_computed():
     assert stats["rejected_reward"].item() == pytest.approx(-0.5)
     assert stats["margin"].item() == pytest.approx(1.0)
     assert stats["accuracy"].item() == 1.0
+
+
+def test_token_sum_norm_divides_by_a_constant():
+    """Dr. GRPO: sum over real tokens / (rows * L_max); every token weighs the same whatever the lengths."""
+    lp = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    loss, _ = ppo_policy_loss(lp, lp, adv, mask, aggregation="token_sum_norm")
+    assert loss.item() == pytest.approx(-(3 + 4) / (2 * 3))  # default divisor B * R
+    loss, _ = ppo_policy_loss(lp, lp, adv, mask, aggregation="token_sum_norm", num_tokens=2 * 8)
+    assert loss.item() == pytest.approx(-(3 + 4) / 16)  # rows * max_new_tokens
+    # split invariance with the constant divisor: the two rows alone sum to the batch
+    halves = sum(
+        ppo_policy_loss(
+            lp[i : i + 1],
+            lp[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            aggregation="token_sum_norm",
+            num_tokens=16,
+        )[0]
+        for i in range(2)
+    )
+    torch.testing.assert_close(halves, loss)
+    # a token's gradient does not depend on the length of its own response (token_mean's does, via the count)
+    x = lp.clone().requires_grad_(True)
+    ppo_policy_loss(x, lp, adv, mask, aggregation="token_sum_norm", num_tokens=16)[0].backward()
+    torch.testing.assert_close(x.grad, -torch.where(mask, adv, 0.0) / 16)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_policy_loss_takes_the_shared_signature_and_aggregations(name):
+    lp, old, adv, mask = random_batch(3)
+    options = {"ppo_penalty": {"beta": 0.1}}.get(name, {})
+    for aggregation, kw in [
+        ("token_mean", {"num_tokens": 40}),
+        ("seq_mean", {}),
+        ("token_sum_norm", {"num_tokens": 60}),
+    ]:
+        loss, stats = POLICY_LOSSES[name](lp, old, adv, mask, aggregation=aggregation, **kw, **options)
+        assert loss.dim() == 0 and torch.isfinite(loss)
+        assert {"approx_kl", "clipfrac", "ratio_mean"} <= set(stats)
+        assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
+
+
+def test_gspo_hand_computed():
+    """Row 0: token log-ratios ln 2, 0 -> s = exp(ln 2 / 2) = sqrt 2, A = +1: clipped to 1.2 on both tokens.
+    Row 1: one token, ratio 0.9, A = -1: inside [0.8, 1.2], loss 0.9. Row 2 is padding only."""
+    lp = torch.tensor([[L(2.0), 0.0], [L(0.9), 5.0], [7.0, 7.0]])
+    old = torch.zeros(3, 2)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [3.0, 3.0]])
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    loss, stats = gspo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx((-1.2 - 1.2 + 0.9) / 3)
+    loss, _ = gspo_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, aggregation="seq_mean")
+    assert loss.item() == pytest.approx((-1.2 + 0.9) / 2)
+    assert stats["clipfrac"].item() == pytest.approx(2 / 3)  # the two tokens of the clipped row
+    assert stats["ratio_mean"].item() == pytest.approx((math.sqrt(2) + 0.9) / 2)
+    assert stats["approx_kl"].item() == pytest.approx(((2 - 1 - L(2)) + 0 + (0.9 - 1 - L(0.9))) / 3)
+    # with the paper's default range (3e-4, 4e-4) the 0.9 sequence is clipped too: 0.9997 * 1
+    loss, stats = gspo_policy_loss(lp, old, adv, mask)
+    assert loss.item() == pytest.approx((-1.0004 * 2 + 0.9997) / 3)
+    assert stats["clipfrac"].item() == 1.0
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean"])
+def test_gspo_gradient_is_the_sequence_level_objective(aggregation):
+    """With one advantage per row, GSPO-token's gradient equals that of GSPO's sequence objective
+    -min(s_i A_i, clip(s_i) A_i) with s_i = exp(mean_t log ratio), spread by the row's weight."""
+    lp, old, _, mask = random_batch(4)
+    row_adv = torch.randn(lp.shape[0], generator=torch.Generator().manual_seed(5))
+    adv = row_adv.unsqueeze(1).expand_as(lp).contiguous()
+    x = lp.clone().requires_grad_(True)
+    gspo_policy_loss(x, old, adv, mask, clip_low=0.1, clip_high=0.1, aggregation=aggregation)[0].backward()
+
+    y = lp.clone().requires_grad_(True)
+    lengths = mask.sum(1).double()
+    s = torch.exp(torch.where(mask, y - old, 0.0).sum(1) / lengths)
+    per_seq = -torch.minimum(s * row_adv, s.clamp(0.9, 1.1) * row_adv)
+    weights = 1 / len(lengths) if aggregation == "seq_mean" else lengths / lengths.sum()
+    (per_seq * weights).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad.float())
+    assert (x.grad[~mask] == 0).all()
+
+
+def test_kl_loss_hand_computed_value_and_gradient():
+    """k3 = pi_ref/pi - log(pi_ref/pi) - 1 and d k3 / d log pi = 1 - pi_ref/pi (GRPO's KL term)."""
+    lp = torch.tensor([[L(0.5), L(0.5)]], requires_grad=True)
+    ref = torch.tensor([[L(0.25), 123.0]])
+    mask = torch.tensor([[True, False]])
+    loss, stats = kl_loss(lp, ref, mask)
+    assert loss.item() == pytest.approx(0.5 - L(0.5) - 1)
+    assert stats["kl"].item() == pytest.approx(0.5 - L(0.5) - 1)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[1 - 0.5, 0.0]]))
+    # equal log-probs: zero loss and zero gradient; k1 option gives the log ratio
+    zero, _ = kl_loss(lp.detach(), lp.detach(), mask)
+    assert zero.item() == 0.0
+    k1, _ = kl_loss(lp, ref, mask, estimator="k1")
+    assert k1.item() == pytest.approx(L(2.0))

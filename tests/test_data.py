@@ -146,3 +146,69 @@ def test_batch_stream_resumes_from_epoch_and_index():
         part.next()
     resumed = BatchStream(10, 3, seed=7, **part.state())
     assert [resumed.next() for _ in range(4)] == seq[5:]
+
+
+# ------------------------------------------------------------------------------------------ chat templates
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def chat_tokenizer(template: bool = True):
+    from conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    if template:
+        tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_prompt_strings_are_rendered_with_the_chat_template_unless_switched_off():
+    from shifu.data import encode_prompts, prompt_text
+
+    tok, row = chat_tokenizer(), {"prompt": "What is 23+45?"}
+    assert prompt_text(tok, row) == "<|user|>What is 23+45?\n<|assistant|>"
+    assert prompt_text(tok, row, chat_template=False) == "What is 23+45?"
+    assert prompt_text(chat_tokenizer(template=False), row) == "What is 23+45?"  # no template: verbatim
+    ids, kept, dropped = encode_prompts(tok, [row], 128, "truncate_left", "p.jsonl")
+    assert tok.decode(ids[0]) == "<|user|>What is 23+45?\n<|assistant|>" and kept == [row] and dropped == 0
+
+
+def test_prompt_and_preference_rows_accept_messages(tmp_path):
+    from shifu.data import prompt_text
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    prompts = load_rows(write_jsonl(tmp_path / "p.jsonl", [{"messages": chat, "answer": "5"}]), "prompt")
+    assert prompts[0]["prompt"] == "Hi?" and prompts[0]["answer"] == "5"  # what reward functions read
+    assert prompt_text(chat_tokenizer(), prompts[0]) == "<|system|>Be brief.\n<|user|>Hi?\n<|assistant|>"
+    pair = {"messages": chat, "chosen": "Hello.", "rejected": "Go away."}
+    assert load_rows(write_jsonl(tmp_path / "pairs.jsonl", [pair]), "preference")[0]["prompt"] == "Hi?"
+    answered = chat + [{"role": "assistant", "content": "Hello."}]
+    with pytest.raises(DataError, match=r"p2.jsonl, line 1.*messages\[2\]\.role.*user's turn"):
+        load_rows(write_jsonl(tmp_path / "p2.jsonl", [{"messages": answered}]), "prompt")
+
+
+def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
+    from shifu.data import encode_reward_pairs, encode_sft
+    from shifu.schema import TextDataConfig
+    from shifu.trainers import dpo
+
+    tok = chat_tokenizer()
+    rows = [{"prompt": "review:", "chosen": " great film", "rejected": " bad film"}]
+    pairs, _ = dpo.encode_pairs(tok, rows, TextDataConfig(train="x"))
+    assert tok.decode(pairs[0]["prompt_ids"]) == "<|user|>review:\n<|assistant|>"
+    plain, _ = dpo.encode_pairs(tok, rows, TextDataConfig(train="x", chat_template=False))
+    assert tok.decode(plain[0]["prompt_ids"]) == "review:"
+    sft, _ = encode_sft(tok, [{"prompt": "review:", "response": " great"}], 64, 128)
+    assert tok.decode(sft[0]["prompt_ids"]) == "<|user|>review:\n<|assistant|>"
+
+    from shifu.models import ScalarModel, build_tiny_gpt2
+
+    tok.save_pretrained(str(tmp_path / "rm"))  # a real causal reward model whose tokenizer has the template
+    build_tiny_gpt2(tok, n_layer=1, n_embd=32, n_head=2, n_positions=128, seed=0).save_pretrained(
+        str(tmp_path / "rm")
+    )
+    scorer = ScalarModel.from_backbone(tmp_path / "rm", seed=0)
+    scored, _ = encode_reward_pairs(scorer, rows, 128, 64, "truncate_left")
+    assert tok.decode(scored[0]["chosen"]).startswith("<|user|>review:\n<|assistant|>")

@@ -1,5 +1,5 @@
-"""``shifu sft`` and ``shifu rm`` under torchrun (2 CPU processes, gloo): a step on 2 ranks equals a
-1-process step on the same global batch, with DDP and FSDP2; an FSDP2 run resumed from its sharded
+"""``shifu sft``, ``shifu rm`` and ``shifu dpo`` under torchrun (2 CPU processes, gloo): a step on 2 ranks
+equals a 1-process step on the same global batch, with DDP and FSDP2; an FSDP2 run resumed from its sharded
 checkpoint equals an uninterrupted one; the real CLI runs end to end and only rank 0 writes.
 
 Two launches (torchrun start-up costs seconds): ``dist_scripts/run_trainers.py`` runs every DDP/FSDP2
@@ -24,9 +24,10 @@ from conftest import write_jsonl
 from safetensors.torch import load_file
 
 from shifu.config import load_config
-from shifu.data import BatchStream, DataConfig, encode_sft
+from shifu.data import BatchStream, encode_sft
 from shifu.models import ScalarModel, load_tokenizer
-from shifu.trainers import reward, sft
+from shifu.schema import TextDataConfig as DataConfig
+from shifu.trainers import dpo, reward, sft
 
 HERE = Path(__file__).resolve().parent
 torch.set_num_threads(1)
@@ -76,16 +77,24 @@ def task(tmp_path_factory, tiny_model_dir):
 def sft_args(task, out: Path, *extra: str) -> list[str]:
     return [
         f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['sft_train']}",
-        f"data.eval={task['sft_eval']}", "batch_size=4", "grad_accum=2", "eval_batch_size=4", "optim.lr=1e-3", "optim.eps=1.0",
+        f"data.eval={task['sft_eval']}", "batch_size=4", "grad_accum=2", "eval.batch_size=4", "optim.lr=1e-3", "optim.eps=1.0",
         "optim.schedule=constant", "progress=false", "tensorboard=false", "log_every=1", *extra,
     ]  # fmt: skip
 
 
 def rm_args(task, out: Path, *extra: str) -> list[str]:
     return [
-        f"out_dir={out}", f"model.backbone={task['model']}", f"data.train={task['rm_train']}",
-        f"data.eval={task['rm_eval']}", "batch_size=4", "grad_accum=2", "eval_batch_size=4", "optim.lr=1e-3", "optim.eps=1.0",
+        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['rm_train']}",
+        f"data.eval={task['rm_eval']}", "batch_size=4", "grad_accum=2", "eval.batch_size=4", "optim.lr=1e-3", "optim.eps=1.0",
         "optim.schedule=constant", "progress=false", "tensorboard=false", "log_every=1", *extra,
+    ]  # fmt: skip
+
+
+def dpo_args(task, out: Path, *extra: str) -> list[str]:
+    return [
+        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['rm_train']}",
+        f"data.eval={task['rm_eval']}", "batch_size=4", "grad_accum=2", "eval.batch_size=4", "optim.lr=1e-3",
+        "optim.eps=1.0", "optim.schedule=constant", "progress=false", "tensorboard=false", "log_every=1", *extra,
     ]  # fmt: skip
 
 
@@ -139,6 +148,8 @@ def two_rank_runs(task):
                                              "distributed.strategy=fsdp2"), "resume": True},
         {"cmd": "rm", "overrides": rm_args(task, d / "rm_ddp", "max_steps=1", "distributed.strategy=ddp")},
         {"cmd": "rm", "overrides": rm_args(task, d / "rm_fsdp2", "max_steps=1", "distributed.strategy=fsdp2")},
+        {"cmd": "dpo", "overrides": dpo_args(task, d / "dpo_ddp", "max_steps=1", "distributed.strategy=ddp")},
+        {"cmd": "dpo", "overrides": dpo_args(task, d / "dpo_fsdp2", "max_steps=1", "distributed.strategy=fsdp2")},
     ]  # fmt: skip
     for r in runs:
         r["overrides"].append("distributed.timeout_s=60")
@@ -206,22 +217,43 @@ def test_rm_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path, 
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_dpo_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path, strategy):
+    """DPO under torchrun: the pair-mean loss over the global batch (5 pairs: one micro-batch leaves rank 1
+    a weight-0 stand-in), so 2 ranks take the 1-process step; held-out metrics reduced over ranks."""
+    ref = one_process(dpo, dpo_args(task, tmp_path / "ref", "max_steps=1"))
+    init = load_file(str(Path(task["model"]) / "model.safetensors"))
+    got = two_rank_runs / f"dpo_{strategy}"
+    rel = rel_diff(lm_weights(got), lm_weights(ref), init)
+    print(f"dpo {strategy}: 2 ranks vs 1 process, relative weight difference {rel:.2e}")
+    assert rel < REL_TOL
+    one, two = (json.loads((r / "summary.json").read_text()) for r in (ref, got))
+    for key in ("dpo/loss", "eval/dpo/loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    # after one step the margins are of the size of the update, so they carry its relative difference
+    for key in ("dpo/margin", "eval/dpo/margin"):
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key
+
+
 def test_cli_sft_ddp_end_to_end_rank0_writes_once(task, tmp_path):
     """torchrun -m shifu sft: 4 steps with evaluation and checkpoints; every record written once, and
     the same losses and weights as the 1-process CLI-equivalent run."""
     out = tmp_path / "cli"
-    args = sft_args(task, out, "max_steps=4", "eval_every=2", "save_every=2", "distributed.strategy=ddp",
+    args = sft_args(task, out, "max_steps=4", "eval.every=2", "save_every=2", "distributed.strategy=ddp",
                     "distributed.timeout_s=60")  # fmt: skip
     proc = torchrun("-m", "shifu", "sft", *args)
     assert proc.stderr.count("shifu sft: 4 steps") == 1  # the final report comes from rank 0 only
-    ref = one_process(sft, sft_args(task, tmp_path / "ref4", "max_steps=4", "eval_every=2", "save_every=2"))
+    ref = one_process(sft, sft_args(task, tmp_path / "ref4", "max_steps=4", "eval.every=2", "save_every=2"))
     got_rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
-    # the same records (plus the logged per-rank sizes), each once: a second writer would duplicate lines
-    assert [sorted(r) for r in got_rows if "sizes/world_size" not in r] == [sorted(r) for r in ref_rows]
-    sizes = [r for r in got_rows if "sizes/world_size" in r]
-    assert sizes == [{"step": 0, "sizes/world_size": 2, "sizes/batch_size_per_rank": 2}]
-    for g, r in zip([x for x in got_rows if "sizes/world_size" not in x], ref_rows):
+    # the same records, each once (a second writer would duplicate lines); the derived sizes at step 0
+    assert [sorted(r) for r in got_rows] == [sorted(r) for r in ref_rows]
+    sizes = [
+        {k: v for k, v in r.items() if k.startswith("sizes/")} for r in got_rows if "sizes/processes" in r
+    ]
+    assert sizes == [{"sizes/processes": 2, "sizes/batch_per_process": 2, "sizes/total_optimizer_steps": 4}]
+    assert next(r for r in ref_rows if "sizes/processes" in r)["sizes/processes"] == 1
+    for g, r in zip(got_rows, ref_rows):
         for key in ("sft/loss", "eval/sft/loss"):
             if key in r:
                 assert g[key] == pytest.approx(r[key], rel=1e-4), (key, g["step"])

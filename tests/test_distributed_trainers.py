@@ -15,7 +15,6 @@ timeout. The LoRA and gradient-checkpointing checks run in this process (no torc
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -31,8 +30,9 @@ from shifu.config import load_config
 from shifu.models import ScalarModel, fuse_tanh_gelu, load_causal_lm, load_tokenizer, pad_left
 from shifu.rewards import RewardSource
 from shifu.rollout import policy_forward
-from shifu.trainers.ppo import PPOTrainer
-from shifu.trainers.ppo_config import Config
+from shifu.schema import PPOConfig as Config
+from shifu.strategy import build_strategy
+from shifu.trainers import ppo, ppo_models, ppo_rollout
 
 HERE = Path(__file__).resolve().parent
 torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def task(tmp_path_factory):
 
 def cli_args(task, out: Path, *extra: str) -> list[str]:
     return [
-        f"out_dir={out}", f"actor_path={task['model']}", f"data.prompts={task['prompts']}",
+        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['prompts']}",
         "reward.function=ppo_task:frac_a", "critic.init=sft", "batch_size=8", "minibatch_size=4",
         "ppo_epochs=2", "generation.max_new_tokens=8", "optim.lr=1e-2", "optim.schedule=constant",
         "critic.optim.lr=1e-2", "critic.optim.schedule=constant", "distributed.timeout_s=60", *extra,
@@ -125,7 +125,7 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     its = [r["step"] for r in metrics if "objective/kl" in r]
     assert its == [1, 2], its  # one line per iteration (rank 1 wrote nothing)
     sizes = next(r for r in metrics if "sizes/processes" in r)
-    assert sizes["sizes/processes"] == 2 and sizes["sizes/rollouts_per_process"] == 4
+    assert sizes["sizes/processes"] == 2 and sizes["sizes/batch_per_process"] == 4
     assert all(r["rollout/rows"] == 8 for r in metrics if "rollout/rows" in r)  # global batch
     samples = rows_of(out / "samples.jsonl")
     per_eval = [sum(s["iteration"] == i for s in samples) for i in (0, 1, 2)]
@@ -134,6 +134,22 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     assert (out / "best" / "model.safetensors").exists()
     assert load_causal_lm(out / "final") is not None
     assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
+
+
+@pytest.mark.slow
+def test_cli_ddp_group_estimator_keeps_each_group_on_one_process(task, tmp_path):
+    """GRPO under torchrun: 2 prompts x G = 4 responses, one prompt's whole group per process (the group
+    statistics need no collective); no critic anywhere. One prompt for two processes is refused at launch."""
+    out = tmp_path / "grpo"
+    args = ("distributed.strategy=ddp", "advantage_estimator=grpo", "group_size=4", "eval.every=0")
+    torchrun_ppo(*cli_args(task, out, *args, "iterations=2"))
+    metrics = rows_of(out / "metrics.jsonl")
+    assert [r["rollout/rows"] for r in metrics if "rollout/rows" in r] == [8, 8]
+    assert all("loss/value" not in r for r in metrics) and not (out / "critic").exists()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "shifu", "ppo", *cli_args(task, tmp_path / "one", *args, "group_size=8")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "stays on one process" in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -160,18 +176,29 @@ def test_cli_fsdp2_sharded_checkpoint_resume_equals_uninterrupted(task, tmp_path
 # ------------------------------------------------------------------------------------ inside the trainer
 
 
-def _trainer(task, *extra: str, ref: bool = True, lora: bool = False) -> PPOTrainer:
-    cfg = load_config(Config, overrides=cli_args(task, Path("/tmp/unused"), "ppo_epochs=1", *extra))
-    tok = load_tokenizer(task["model"])
-    tok.padding_side = "left"
-    actor = load_causal_lm(task["model"], dropout=False)
-    if lora:
-        from shifu.lora import wrap_lora
+class _Run:
+    """PPO's four models placed by the one-process strategy (no torchrun needed)."""
 
-        actor = wrap_lora(actor, cfg.lora)
-    critic = ScalarModel.from_backbone(task["model"], seed=0)
-    r = load_causal_lm(task["model"], dropout=False) if ref else None
-    return PPOTrainer(actor, critic, r, RewardSource(function=ppo_task.frac_a), tok, cfg)
+    def __init__(self, task, *extra: str, ref: bool = True, lora: bool = False):
+        self.cfg = load_config(Config, overrides=cli_args(task, Path("/tmp/unused"), "ppo_epochs=1", *extra))
+        self.tok = load_tokenizer(task["model"])
+        self.tok.padding_side = "left"
+        actor = load_causal_lm(task["model"], dropout=False)
+        if lora:
+            from shifu.lora import wrap_lora
+
+            actor = wrap_lora(actor, self.cfg.lora)
+        critic = ScalarModel.from_backbone(task["model"], seed=0)
+        r = load_causal_lm(task["model"], dropout=False) if ref else None
+        strategy = build_strategy(self.cfg.distributed)
+        strategy.launch("cpu")
+        reward = RewardSource(function=ppo_task.frac_a)
+        self.m = ppo_models.place(actor, critic, None, r, reward, self.tok, self.cfg, strategy)
+        self.s = ppo_models.PPOState.new(self.cfg, strategy)
+
+    def rollout(self, pids, pmask, rows):
+        params = ppo.sampling_params(self.cfg)
+        return ppo_rollout.collect_rollout(self.m, self.cfg, pids, pmask, rows, params, self.s.sample_gen)[0]
 
 
 def _prompts(tok, n=8):
@@ -184,37 +211,33 @@ def test_lora_reference_in_the_trainer_equals_a_frozen_copy(task):
     """With lora.enabled the trainer loads no reference: its reference log-probs (actor with adapters off)
     equal a real frozen SFT copy's, also after PPO updates moved the adapters."""
     pytest.importorskip("peft")
-    t = _trainer(task, "lora.enabled=true", "lora.r=4", "lora.target_modules=[c_attn]", "optim.lr=5e-2",
-                 ref=False, lora=True)  # fmt: skip
+    t = _Run(task, "lora.enabled=true", "lora.r=4", "lora.target_modules=[c_attn]", "optim.lr=5e-2",
+             ref=False, lora=True)  # fmt: skip
     # the trainer runs GPT-2 with the fused tanh-GELU; the frozen copy must use the same kernel to be bit-equal
     frozen = fuse_tanh_gelu(load_causal_lm(task["model"], dropout=False).eval())
     pids, pmask, rows = _prompts(t.tok)
     for _ in range(2):
-        exp = t.rollout(pids, pmask, rows)
-        t.advantages(exp)
-        t.update(exp)
+        ppo.learn(t.m, t.s, t.cfg, t.rollout(pids, pmask, rows))
     exp = t.rollout(pids, pmask, rows)
     with torch.no_grad():
-        want = policy_forward(frozen, exp["input_ids"], exp["attention_mask"], exp["prompt_len"])[0]
-    assert torch.equal(exp["ref_log_probs"], want.float())
-    moved = (exp["old_log_probs"] - exp["ref_log_probs"]).abs().max().item()
+        want = policy_forward(frozen, exp.input_ids, exp.attention_mask, exp.prompt_len)[0]
+    assert torch.equal(exp.ref_log_probs, want.float())
+    moved = (exp.old_log_probs - exp.ref_log_probs).abs().max().item()
     assert moved > 1e-4, "the adapters did not change the actor: the check above would be vacuous"
 
 
 def test_gradient_checkpointing_in_the_trainer_gives_the_same_update(task):
-    a = _trainer(task)
-    b = _trainer(task, "distributed.gradient_checkpointing=true")
-    assert b.actor.is_gradient_checkpointing and not a.actor.is_gradient_checkpointing
+    a = _Run(task)
+    b = _Run(task, "distributed.gradient_checkpointing=true")
+    assert b.m.actor.is_gradient_checkpointing and not a.m.actor.is_gradient_checkpointing
     pids, pmask, rows = _prompts(a.tok)
     exp = a.rollout(pids, pmask, rows)
-    a.advantages(exp)
-    exp_b = copy.deepcopy(exp)
-    a.update(exp)
-    b.update(exp_b)
-    for (k, p), q in zip(a.actor.named_parameters(), b.actor.parameters()):
+    ppo.learn(a.m, a.s, a.cfg, exp)
+    ppo.learn(b.m, b.s, b.cfg, exp)
+    for (k, p), q in zip(a.m.actor.named_parameters(), b.m.actor.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=k)
     assert any(
-        (p - q).abs().max() > 0 for p, q in zip(a.actor.parameters(), _trainer(task).actor.parameters())
+        (p - q).abs().max() > 0 for p, q in zip(a.m.actor.parameters(), _Run(task).m.actor.parameters())
     )
 
 

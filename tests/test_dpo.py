@@ -39,7 +39,7 @@ def config(tmp_path: Path, model_dir: Path, out: str, **over) -> dpo.Config:
     held = write_jsonl(tmp_path / "eval.jsonl", preference_rows(32, 1))
     base = {
         "out_dir": str(tmp_path / out),
-        "policy_path": str(model_dir),
+        "model": {"path": str(model_dir)},
         "beta": 0.1,
         "data": {"train": str(train), "eval": str(held), "max_len": 48, "max_prompt_len": 16},
         "optim": {"lr": 3e-3, "schedule": "constant"},
@@ -97,7 +97,7 @@ def test_bad_preference_data_exits_2_naming_file_line_field(tmp_path, tiny_model
     del rows[2]["rejected"]
     bad = write_jsonl(tmp_path / "bad.jsonl", rows)
     code = cli_main(
-        ["dpo", "--out", str(tmp_path / "out"), f"policy_path={tiny_model_dir}", f"data.train={bad}"]
+        ["dpo", "--out", str(tmp_path / "out"), f"model.path={tiny_model_dir}", f"data.train={bad}"]
     )
     err = capsys.readouterr().err
     assert code == 2

@@ -169,7 +169,9 @@ def test_sft_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monke
     state = torch.load(
         ckpt.latest_checkpoint(tmp_path / "run") / "state.pt", weights_only=True, map_location="cpu"
     )
-    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {5}  # 6 steps, 1 skipped
+    assert {int(s["step"]) for s in state["policy"]["optimizer"]["state"].values()} == {
+        5
+    }  # 6 steps, 1 skipped
     final = sft.load_causal_lm(tmp_path / "run" / "final")
     assert all(torch.isfinite(p).all() for p in final.parameters())
 
@@ -211,7 +213,8 @@ def _nan_loss_at(monkeypatch, module, name: str, steps_with_nan) -> None:
 def _checkpoint_steps(run: Path) -> set[int]:
     """The Adam step counts in the latest checkpoint of ``run``."""
     state = torch.load(ckpt.latest_checkpoint(run) / "state.pt", weights_only=True, map_location="cpu")
-    return {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    (trained,) = state.values()  # one optimiser: the reward model's or the DPO policy's
+    return {int(s["step"]) for s in trained["optimizer"]["state"].values()}
 
 
 def _window_rows(run: Path, name: str) -> list[dict]:
@@ -268,7 +271,7 @@ def test_dpo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
     _nan_loss_at(monkeypatch, dpo, "dpo_loss", lambda k: k >= 5)
     argv = ["dpo", "--out", str(tmp_path / "run"), "max_steps=10", "save_every=2", "max_nonfinite_steps=3"]
     cfg = dpo_cfg(tmp_path, tiny_model_dir, "run", max_steps=10, save_every=2, max_nonfinite_steps=3)
-    argv += [f"policy_path={cfg.policy_path}", f"data.train={cfg.data.train}", f"data.eval={cfg.data.eval}"]
+    argv += [f"model.path={cfg.model.path}", f"data.train={cfg.data.train}", f"data.eval={cfg.data.eval}"]
     argv += ["data.max_len=48", "data.max_prompt_len=16", "optim.lr=3e-3", "optim.schedule=constant"]
     argv += ["batch_size=16", "log_every=5", "progress=false", "tensorboard=false", "device=cpu"]
     assert cli.main(argv) == 2
@@ -319,7 +322,7 @@ def test_rm_under_torchrun_skips_a_step_that_is_nan_on_one_rank_only(tiny_model_
     script = tmp_path / "rm_rank_nan.py"
     script.write_text(_RM_RANK_NAN)
     cfg = rm_cfg(tiny_model_dir, tmp_path)  # writes the data files
-    args = [f"model.backbone={tiny_model_dir}", f"data.train={cfg.data.train}", f"data.eval={cfg.data.eval}"]
+    args = [f"model.path={tiny_model_dir}", f"data.train={cfg.data.train}", f"data.eval={cfg.data.eval}"]
     args += ["batch_size=4", "max_steps=3", "log_every=1", "optim.schedule=constant", "optim.eps=1.0"]
     args += ["progress=false", "tensorboard=false", "distributed.timeout_s=60"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHIFU_THREADS": "1"}
@@ -356,8 +359,8 @@ def task(tmp_path_factory):
 def ppo_cfg(task, out, *extra):
     base = [
         f"out_dir={out}",
-        f"actor_path={task['model']}",
-        f"data.prompts={task['prompts']}",
+        f"model.path={task['model']}",
+        f"data.train={task['prompts']}",
         "reward.function=ppo_task:frac_a",
         "critic.init=sft",
         "iterations=3",
@@ -396,7 +399,7 @@ def test_ppo_drops_nan_scores_and_skips_a_nan_loss_step(task, tmp_path, monkeypa
         loss, st = real(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 3 else loss), st
 
-    monkeypatch.setattr(core, "ppo_policy_loss", loss_nan_once)
+    monkeypatch.setitem(core.POLICY_LOSSES, "ppo", loss_nan_once)
     out = tmp_path / "run"
     summary = ppo.train(ppo_cfg(task, out, "reward.function=ppo_task:nan_some"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "optim/skipped_steps" in r]
@@ -417,10 +420,10 @@ def test_ppo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
         loss, st = real(*args, **kwargs)
         return (loss * float("nan") if calls["n"] > 4 else loss), st
 
-    monkeypatch.setattr(core, "ppo_policy_loss", nan_from_iteration_3)
+    monkeypatch.setitem(core.POLICY_LOSSES, "ppo", nan_from_iteration_3)
     out = tmp_path / "run"
     cfg = ppo_cfg(task, out, "iterations=10", "max_nonfinite_steps=4")
-    with pytest.raises(ShifuError, match=r"iteration 4: 4 consecutive .*step-00000003"):
+    with pytest.raises(ShifuError, match=r"4 consecutive steps \(up to iteration 4\).*step-00000003"):
         ppo.train(cfg)
     # iteration 3's two steps were skipped: its checkpoint holds iteration 2's weights, and nothing later
     # was written (iteration 4 ended the run before its checkpoint)
@@ -477,7 +480,7 @@ def test_remote_code_is_off_unless_asked_and_hub_is_offline():
     assert hub_loads >= 3
     assert sft.Config().model.trust_remote_code is False
     assert reward.Config().model.trust_remote_code is False
-    assert ppo.Config().trust_remote_code is False and dpo.Config().trust_remote_code is False
+    assert ppo.Config().model.trust_remote_code is False and dpo.Config().model.trust_remote_code is False
     # `import shifu` (run before any shifu module can import transformers) switches the hub off
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     code = "import shifu, huggingface_hub.constants as c, json; print(json.dumps(c.HF_HUB_OFFLINE))"

@@ -108,3 +108,87 @@ def test_reference_prefers_a_given_model_and_errors_clearly():
         lora.wrap_lora(plain, lora.LoraConfig(enabled=True, target_modules=["no_such_layer"]))
     summary = lora.trainable_summary(lora.wrap_lora(tiny.tiny_model(tok), lora.LoraConfig(enabled=True, r=2)))
     assert summary.startswith("trainable ") and "(0.00%)" not in summary
+
+
+def test_lora_critic_starts_equal_trains_adapters_and_head_and_merges_into_a_plain_critic(tmp_path):
+    from shifu.models import ScalarModel
+
+    tok = tiny.char_tokenizer()
+    b = tiny.batch(tok, tiny.TEXTS)
+    critic = ScalarModel(tiny.tiny_model(tok).transformer, tok, seed=0)
+    with torch.no_grad():
+        before = critic(b["input_ids"], b["attention_mask"])
+    lora.wrap_lora_critic(critic, lora.LoraConfig(enabled=True, r=4, alpha=8.0))
+    assert lora.is_lora_critic(critic) and not lora.is_lora(critic)
+    with torch.no_grad():
+        assert torch.equal(critic(b["input_ids"], b["attention_mask"]), before)  # B = 0: same values
+    trainable = {k for k, p in critic.named_parameters() if p.requires_grad}
+    assert {"head.weight", "head.bias"} <= trainable
+    assert all("lora_" in k or k.startswith("head.") for k in trainable)
+    opt = torch.optim.SGD([p for p in critic.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(3):
+        (critic(b["input_ids"], b["attention_mask"]) - 1.0).pow(2).mean().backward()
+        opt.step(), opt.zero_grad()
+    with torch.no_grad():
+        trained = critic(b["input_ids"], b["attention_mask"])
+    assert (trained - before).abs().max() > 1e-2
+    merged = lora.merged_copy(critic)
+    assert not lora.is_lora_critic(merged) and lora.is_lora_critic(critic)  # the critic keeps its adapters
+    merged.save_pretrained(tmp_path / "critic")
+    reloaded = ScalarModel.from_pretrained(tmp_path / "critic").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(b["input_ids"], b["attention_mask"]), trained, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_checkpoint_of_lora_modules_holds_only_what_trains_and_restores_it_exactly(tmp_path):
+    from safetensors import safe_open
+
+    from shifu import checkpoint as ckpt
+
+    tok = tiny.char_tokenizer()
+    cfg = lora.LoraConfig(enabled=True, r=4, alpha=8.0)
+
+    def fresh(seed):
+        torch.manual_seed(seed)  # a different adapter initialisation each time
+        return lora.wrap_lora(tiny.tiny_model(tok), cfg)
+
+    actor = fresh(1)
+    with torch.no_grad():
+        for k, p in actor.named_parameters():
+            if "lora_B" in k:
+                p.normal_(0, 0.1)  # "trained" adapters
+    path = ckpt.save_checkpoint(tmp_path, 3, {"actor": actor}, {}, {})
+    with safe_open(str(path / "model-actor.safetensors"), "pt") as st:
+        keys = list(st.keys())
+    assert keys and all("lora_" in k for k in keys)
+    base_bytes = sum(p.numel() * 4 for k, p in actor.named_parameters() if "lora_" not in k)
+    assert (path / "model-actor.safetensors").stat().st_size < base_bytes / 5
+    other = fresh(2)
+    ckpt.load_checkpoint(path, {"actor": other})
+    for (k, p), (_, q) in zip(actor.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(p, q), k
+    # a checkpoint missing a trained tensor is refused (frozen ones may be absent, trained ones not)
+    plain = tiny.tiny_model(tok)  # every parameter trains: it must all be there
+    with pytest.raises(ShifuError, match="does not match"):
+        ckpt.load_checkpoint(path, {"actor": plain})
+    full = ckpt.save_checkpoint(tmp_path / "full", 1, {"actor": tiny.tiny_model(tok)}, {}, {})
+    with safe_open(str(full / "model-actor.safetensors"), "pt") as st:
+        assert not any("lora_" in k for k in st.keys()) and len(list(st.keys())) > 10
+
+
+def test_lora_critic_is_refused_where_there_is_no_critic_of_its_own():
+    from shifu.config import load_config
+    from shifu.schema import PPOConfig
+
+    base = ["out_dir=x", "model.path=m", "data.train=p.jsonl", "reward.function=a:b", "lora.critic=true"]
+    cfg = load_config(PPOConfig, None, [*base, "critic.init=sft"])
+    assert cfg.lora.critic and not cfg.lora.enabled  # a LoRA critic next to a fully trained actor is allowed
+    for extra in (
+        ["critic.init=shared"],
+        ["algo=reinforce", "ppo_epochs=1"],
+        ["lora.r=0", "critic.init=sft"],
+    ):
+        with pytest.raises(ConfigError, match="lora"):
+            load_config(PPOConfig, None, [*base, *extra])

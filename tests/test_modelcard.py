@@ -43,15 +43,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     argvs = {
         "sft": [f"model.path={base}", f"data.train={sft}", "max_steps=10", "batch_size=8", *QUIET],
         "rm": [
-            f"model.backbone={out['sft'] / 'final'}",
+            f"model.path={out['sft'] / 'final'}",
             f"data.train={pairs}",
             "max_steps=10",
             "batch_size=8",
             *QUIET,
         ],
         "ppo": [
-            f"actor_path={out['sft'] / 'final'}",
-            f"data.prompts={prompts}",
+            f"model.path={out['sft'] / 'final'}",
+            f"data.train={prompts}",
             f"reward.model_path={out['rm'] / 'final'}",
             "eval.gold_function=ppo_task:frac_a",
             "critic.init=sft",
@@ -65,7 +65,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "save_every=0",
         ],
         "dpo": [
-            f"policy_path={out['sft'] / 'final'}",
+            f"model.path={out['sft'] / 'final'}",
             f"data.train={pairs}",
             "max_steps=6",
             "batch_size=8",

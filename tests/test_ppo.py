@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,11 +10,13 @@ import torch
 from ppo_task import build_char_model, write_prompts
 from safetensors.torch import load_file
 
+from shifu import core
 from shifu.config import load_config
-from shifu.models import load_tokenizer
+from shifu.models import load_tokenizer, pad_left
 from shifu.rollout import policy_forward
-from shifu.trainers import ppo
-from shifu.trainers.ppo_loop import build_trainer
+from shifu.strategy import build_strategy
+from shifu.trainers import ppo, ppo_models, ppo_rollout
+from shifu.trainers.ppo_update import minibatch_loss
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +32,8 @@ def task(tmp_path_factory):
 def make_cfg(task, out, *extra, model="model"):
     base = [
         f"out_dir={out}",
-        f"actor_path={task[model]}",
-        f"data.prompts={task['prompts']}",
+        f"model.path={task[model]}",
+        f"data.train={task['prompts']}",
         "reward.function=ppo_task:frac_a",
         "eval.gold_function=ppo_task:frac_a",
         "critic.init=sft",
@@ -103,27 +106,48 @@ def test_ppo_variants_learn(task, tmp_path, extra):
         assert any(r["objective/kl_coef"] != rows[0]["objective/kl_coef"] for r in rows)
 
 
-def _trainer(task, tmp_path, *extra, model="model"):
-    cfg = make_cfg(task, tmp_path / "x", *extra, model=model)
-    tok = load_tokenizer(cfg.actor_path)
-    trainer, _ = build_trainer(cfg, tok, torch.device("cpu"))
-    rows = [{"prompt": p} for p in ["abc", "defgh", "kl"] * 4]
-    from shifu.models import pad_left
+class Run:
+    """The four models, their state and a batch of prompts, built as ``shifu ppo`` builds them."""
 
-    b = pad_left([tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows], tok.pad_token_id)
-    return trainer, tok, b, rows
+    def __init__(self, task, tmp_path, *extra, model="model"):
+        self.cfg = make_cfg(task, tmp_path / "x", *extra, model=model)
+        self.tok = load_tokenizer(self.cfg.model.path)
+        strategy = build_strategy(self.cfg.distributed)
+        strategy.launch("cpu")
+        self.m = ppo_models.build(self.cfg, self.tok, strategy)
+        self.s = ppo_models.PPOState.new(self.cfg, strategy)
+        self.rows = [{"prompt": p} for p in ["abc", "defgh", "kl"] * 4]
+        ids = [self.tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in self.rows]
+        self.batch = pad_left(ids, self.tok.pad_token_id)
+
+    def rollout(self):
+        b, params = self.batch, ppo.sampling_params(self.cfg)
+        rollout, _ = ppo_rollout.collect_rollout(
+            self.m, self.cfg, b["input_ids"], b["attention_mask"], self.rows, params, self.s.sample_gen
+        )
+        return rollout
+
+    def iteration(self) -> dict:
+        b = self.batch
+        return ppo.iteration(
+            self.m,
+            self.s,
+            self.cfg,
+            b["input_ids"],
+            b["attention_mask"],
+            self.rows,
+            ppo.sampling_params(self.cfg),
+        )
 
 
 def test_ratio_is_one_before_first_step(task, tmp_path):
-    trainer, tok, b, rows = _trainer(task, tmp_path)
-    exp = trainer.rollout(b["input_ids"], b["attention_mask"], rows)
-    trainer.actor.train()
+    run = Run(task, tmp_path)
+    exp = run.rollout()
+    run.m.actor.train()
     idx = torch.tensor([5, 0, 7, 2])  # a minibatch of other rows in another order: same log-probs
-    lp = policy_forward(trainer.actor, exp["input_ids"][idx], exp["attention_mask"][idx], exp["prompt_len"])[
-        0
-    ]
-    m = exp["response_mask"][idx]
-    torch.testing.assert_close(lp[m], exp["old_log_probs"][idx][m], atol=1e-5, rtol=0)
+    lp = policy_forward(run.m.actor, exp.input_ids[idx], exp.attention_mask[idx], exp.prompt_len)[0]
+    m = exp.response_mask[idx]
+    torch.testing.assert_close(lp[m], exp.old_log_probs[idx][m], atol=1e-5, rtol=0)
 
 
 def test_fp32_rollout_takes_old_log_probs_from_the_decode_steps(task, tmp_path):
@@ -132,81 +156,81 @@ def test_fp32_rollout_takes_old_log_probs_from_the_decode_steps(task, tmp_path):
     calls = []
     results = {}
     for reuse in ("true", "false"):
-        trainer, tok, b, rows = _trainer(task, tmp_path / reuse, f"reuse_generation_log_probs={reuse}")
-        hook = trainer.actor.register_forward_hook(lambda *a, r=reuse: calls.append(r))
-        trainer.sample_gen.manual_seed(0)
-        results[reuse] = trainer.rollout(b["input_ids"], b["attention_mask"], rows)
+        run = Run(task, tmp_path / reuse, f"reuse_generation_log_probs={reuse}")
+        hook = run.m.actor.register_forward_hook(lambda *a, r=reuse: calls.append(r))
+        run.s.sample_gen.manual_seed(0)
+        results[reuse] = run.rollout()
         hook.remove()
     assert calls.count("true") == 0 and calls.count("false") >= 1
     a, c = results["true"], results["false"]
-    assert torch.equal(a["input_ids"], c["input_ids"])
-    m = a["response_mask"]
-    torch.testing.assert_close(a["old_log_probs"][m], c["old_log_probs"][m], atol=1e-5, rtol=0)
-    torch.testing.assert_close(a["entropy"][m], c["entropy"][m], atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.input_ids, c.input_ids)
+    m = a.response_mask
+    torch.testing.assert_close(a.old_log_probs[m], c.old_log_probs[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.entropy[m], c.entropy[m], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model", ["model", "model_pad_eos"])
 def test_score_lands_on_last_real_token(task, tmp_path, model):
-    trainer, tok, b, rows = _trainer(task, tmp_path, model=model)
-    exp = trainer.rollout(b["input_ids"], b["attention_mask"], rows)
-    R = exp["response_mask"].shape[1]
+    run = Run(task, tmp_path, "ent_coef=0.01", model=model)
+    tok, rows, exp = run.tok, run.rows, run.rollout()
+    R = exp.response_mask.shape[1]
     # rewrite three responses: EOS at t=1; truncated without EOS; EOS at the last position
-    mask = torch.zeros_like(exp["response_mask"])
+    mask = torch.zeros_like(exp.response_mask)
     mask[0, :2], mask[1, :], mask[2, :] = True, True, True
-    ids = exp["input_ids"].clone()
-    P = exp["prompt_len"]
+    ids = exp.input_ids.clone()
+    P = exp.prompt_len
     a = tok.convert_tokens_to_ids("a")
     ids[0, P:], ids[1, P:], ids[2, P:] = tok.pad_token_id, a, a
     ids[0, P + 1], ids[2, P + R - 1] = tok.eos_token_id, tok.eos_token_id
     for k in range(3, len(rows)):
         mask[k, :3] = True
-    exp.update(response_mask=mask, input_ids=ids, scores=torch.arange(len(rows), dtype=torch.float) + 1.0)
-    exp["eos_found"] = torch.tensor([True, False, True] + [False] * (len(rows) - 3))
-    exp["ref_log_probs"] = exp["old_log_probs"] - 0.1  # k1 = 0.1 per real token
-    trainer.cfg.whiten_advantages = False
-    trainer.advantages(exp)
-    beta = trainer.kl_ctl.value
+    exp = dataclasses.replace(
+        exp,
+        response_mask=mask,
+        input_ids=ids,
+        scores=torch.arange(len(rows), dtype=torch.float) + 1.0,
+        eos_found=torch.tensor([True, False, True] + [False] * (len(rows) - 3)),
+        ref_log_probs=exp.old_log_probs - 0.1,  # k1 = 0.1 per real token
+    )
+    # phases 3-4 of ppo.iteration (without whitening): shaped rewards, GAE
+    beta = run.s.kl_ctl.value
+    kl = core.kl_estimate(exp.old_log_probs, exp.ref_log_probs, run.cfg.kl.estimator) * mask
+    shaped = core.shape_rewards(exp.scores, kl, mask, beta)
+    advantages, returns = core.gae(shaped, exp.values, mask, run.cfg.gamma, run.cfg.lam)
+    exp = dataclasses.replace(exp, advantages=advantages, returns=returns)
     # reward = -beta*kl on every real token, plus the score on the last real one; 0 on padding
-    rewards = exp["returns"] - exp["values"]  # gamma=1: not a reward; check via shaped rewards instead
-    from shifu import core
-
-    kl = core.kl_estimate(exp["old_log_probs"], exp["ref_log_probs"]) * mask
-    shaped = core.shape_rewards(exp["scores"], kl, mask, beta)
     assert shaped[0, 1] == pytest.approx(1.0 - beta * 0.1, abs=1e-6) and (shaped[0, 2:] == 0).all()
     assert shaped[1, R - 1] == pytest.approx(2.0 - beta * 0.1, abs=1e-6)
     assert shaped[2, R - 1] == pytest.approx(3.0 - beta * 0.1, abs=1e-6)
-    assert (exp["advantages"][~mask] == 0).all() and (exp["returns"][~mask] == 0).all()
-    del rewards
+    assert (exp.advantages[~mask] == 0).all() and (exp.returns[~mask] == 0).all()
     # everything after EOS is masked in every loss: garbage in padded positions changes nothing
-    trainer.cfg.ent_coef = 0.01
-    micro = torch.arange(len(rows))
     n = mask.sum()
-    loss_a, _ = trainer._loss(exp, micro, P, n, 1.0)
-    junk = dict(exp)
-    for key in ("advantages", "old_log_probs", "returns", "values"):
-        junk[key] = torch.where(mask, exp[key], torch.full_like(exp[key], 1e6))
-    loss_b, _ = trainer._loss(junk, micro, P, n, 1.0)
-    torch.testing.assert_close(loss_a, loss_b)
+    parts_a, _ = minibatch_loss(run.m, run.s, run.cfg, exp, n, 1.0)
+    junk = {k: torch.where(mask, getattr(exp, k), torch.full_like(getattr(exp, k), 1e6))
+            for k in ("advantages", "old_log_probs", "returns", "values")}  # fmt: skip
+    parts_b, _ = minibatch_loss(run.m, run.s, run.cfg, dataclasses.replace(exp, **junk), n, 1.0)
+    for (_, loss_a), (_, loss_b) in zip(parts_a, parts_b):
+        torch.testing.assert_close(loss_a, loss_b)
 
 
 def test_frozen_models_never_change(task, tmp_path):
-    trainer, tok, b, rows = _trainer(task, tmp_path, "iterations=2")
-    before = {k: v.clone() for k, v in trainer.ref.state_dict().items()}
-    actor_before = {k: v.clone() for k, v in trainer.actor.state_dict().items()}
+    run = Run(task, tmp_path, "iterations=2")
+    before = {k: v.clone() for k, v in run.m.ref.state_dict().items()}
+    actor_before = {k: v.clone() for k, v in run.m.actor.state_dict().items()}
     for _ in range(2):
-        trainer.step(b["input_ids"], b["attention_mask"], rows)
-    assert all(p.grad is None and not p.requires_grad for p in trainer.ref.parameters())
-    assert all(torch.equal(before[k], v) for k, v in trainer.ref.state_dict().items())
-    assert any(not torch.equal(actor_before[k], v) for k, v in trainer.actor.state_dict().items())
+        run.iteration()
+    assert all(p.grad is None and not p.requires_grad for p in run.m.ref.parameters())
+    assert all(torch.equal(before[k], v) for k, v in run.m.ref.state_dict().items())
+    assert any(not torch.equal(actor_before[k], v) for k, v in run.m.actor.state_dict().items())
 
 
 def test_nonfinite_scores_are_dropped_not_propagated(task, tmp_path):
-    trainer, tok, b, rows = _trainer(task, tmp_path, "reward.function=ppo_task:nan_some")
+    run = Run(task, tmp_path, "reward.function=ppo_task:nan_some")
     dropped = 0
     for _ in range(3):
-        m = trainer.step(b["input_ids"], b["attention_mask"], rows)
+        m = run.iteration()
         dropped += m["rollout/dropped_nonfinite"]
-        assert all(torch.isfinite(p).all() for p in trainer.actor.parameters())
+        assert all(torch.isfinite(p).all() for p in run.m.actor.parameters())
         assert torch.isfinite(torch.tensor(m["loss/policy"]))
     assert dropped > 0
 
@@ -239,3 +263,67 @@ def test_ptx_term_is_trained(task, tmp_path):
     ppo.train(make_cfg(task, out, f"data.ptx={sft}", "ptx_coef=1.0", "iterations=6", "eval.every=0"))
     ptx = [r["loss/ptx"] for r in rows_of(out / "metrics.jsonl") if "loss/ptx" in r]
     assert len(ptx) == 6 and ptx[-1] < 0.5 * ptx[0], ptx  # the SFT NLL of the demonstrations fell
+
+
+def test_a_failed_start_writes_nothing(task, tmp_path):
+    """A reward function that does not import, or a reward model directory that does not exist, stops the
+    run before the output directory exists: the corrected command then starts without --overwrite."""
+    from shifu.cli import main as cli_main
+
+    out = tmp_path / "run"
+    base = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={task['model']}",
+        f"data.train={task['prompts']}",
+        "critic.init=sft",
+    ]
+    assert cli_main(base + ["reward.function=no_such_module:fn"]) == 2
+    assert cli_main(base + [f"reward.model_path={tmp_path / 'missing'}"]) == 2
+    assert not out.exists()
+    assert (
+        cli_main(base + ["reward.function=ppo_task:frac_a", "iterations=1", "batch_size=8", "eval.every=0"])
+        == 0
+    )
+    assert (out / "final" / "config.json").exists()
+
+
+def test_almost_all_empty_responses_are_named_with_the_likely_reason(tmp_path, capsys):
+    """A policy that answers EOS at once (as an instruct model does to an untemplated prompt) trains on
+    nothing: the run says so once, naming the chat-template setting."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_char_model(tmp_path / "eos_model")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = load_tokenizer(path)
+    with torch.no_grad():  # a constant final hidden state h, and EOS's logit h . w_eos far above the rest
+        h = torch.nn.functional.normalize(
+            torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(0)), dim=0
+        )
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(h)
+        model.transformer.wte.weight[tok.eos_token_id] += 40 * h
+    model.save_pretrained(path)
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    argv = [
+        "ppo",
+        "--out",
+        str(tmp_path / "run"),
+        f"model.path={path}",
+        f"data.train={prompts}",
+        "critic.init=sft",
+    ]
+    argv += [
+        "reward.function=ppo_task:frac_a",
+        "iterations=2",
+        "batch_size=8",
+        "minibatch_size=8",
+        "eval.every=0",
+    ]
+    from shifu.cli import main as cli_main
+
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("responses are 1.00 tokens long on average") == 1
+    assert "data.chat_template=true and the tokenizer has no chat template" in err

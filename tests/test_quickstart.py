@@ -39,7 +39,8 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     for stage in ("data", "sft", "ppo"):
         assert (out / stage / "DONE").exists(), stage
     assert (out / "ppo" / "metrics.jsonl").exists()
-    assert "before" in capsys.readouterr().out
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]  # the closing line: figures, where outputs are
+    assert "before" in last and last.endswith(f"outputs in {out} (summary.json, report.html; policy in ppo/final)")  # fmt: skip
 
     # a rerun continues: every stage is cached, only the evaluation runs again (same samples, same figures)
     mtime = (out / "ppo" / "final").stat().st_mtime
@@ -72,7 +73,8 @@ def test_imdb_quickstart_smoke(tmp_path, monkeypatch):
     assert s["task"] == "imdb" and s["eval_prompts"] >= 256
     assert -1 <= s["gold_before"] <= 1 and -1 <= s["gold_after"] <= 1
     assert 0 <= s["rm_accuracy"] <= 1
-    assert s["kl"] >= -1e-3  # k1 on the policy's own samples: mean is >= 0 up to noise
+    assert s["kl"] >= 0  # the headline is the k3 estimate: never negative (k1 can be)
+    assert "kl_k1" in s and s["gold_gain_se"] >= 0 and s["gold_before_se"] > 0
     assert set(s["seconds"]) >= {"prepare", "sft", "pairs", "rm", "ppo", "eval"}
     assert set(s["cpu_seconds"]) == set(s["seconds"]) and all(v > 0 for v in s["cpu_seconds"].values())
     pairs = _read(out / "pairs" / "pairs_train.jsonl")
@@ -88,7 +90,7 @@ def test_imdb_quickstart_smoke(tmp_path, monkeypatch):
 
 
 def test_quickstart_rejects_bad_input(tmp_path, capsys):
-    assert cli_main(["quickstart", "--task", "arith", "--preset", "smollm2", "--out", str(tmp_path)]) == 2
+    assert cli_main(["quickstart", "--task", "arith", "--preset", "small", "--out", str(tmp_path)]) == 2
     assert "no quickstart plan" in capsys.readouterr().err
     assert cli_main(["quickstart", "--task", "arith", "--out", str(tmp_path), "--set", "iterations=3"]) == 2
     assert "stage.key=value" in capsys.readouterr().err
@@ -109,3 +111,21 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     small = PLANS[("imdb", "small")]
     assert small["pairs"]["num_prompts"] == 3000 and small["pairs"]["drop_ties"] is True
     assert small["rm"]["epochs"] == 1.0
+
+
+def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp_path):
+    """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
+    exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
+    from shifu.quickstart import evaluate, standard_error
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev = {"temperature": 1.0, "max_new_tokens": 4}
+    s = evaluate("imdb", tiny_model_dir, tiny_model_dir, str(path), ev, 0, tmp_path)
+    assert s["gold_gain"] == 0.0 and s["gold_gain_se"] == 0.0 and s["gold_before"] == s["gold_after"]
+    assert s["kl"] == 0.0 and s["kl_k1"] == 0.0
+    assert s["gold_before_se"] == s["gold_after_se"] > 0  # VADER differs between the sampled responses
+    after = _read(tmp_path / "samples_after.jsonl")
+    assert all(r["kl"] == 0.0 and r["kl_k1"] == 0.0 for r in after)
+    assert standard_error([1.0, 3.0]) == pytest.approx(1.0) and standard_error([2.0]) == 0.0

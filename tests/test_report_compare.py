@@ -41,7 +41,12 @@ def make_runs(tmp_path: Path) -> list[Path]:
         row = {"objective/score": 0.1 * it, "objective/kl": 0.5 * it, "objective/kl_coef": 0.1}
         t.log(it, row | ({"eval/kl": 0.5 * it, "gold/score": 0.05 * it} if it % 5 == 0 else {}))
     t.close()
-    config = {"actor_path": "sft/final", "seed": 0, "kl": {"init_coef": 0.1, "target": 6.0}}
+    config = {
+        "model": {"path": "sft/final"},
+        "iterations": 10,
+        "seed": 0,
+        "kl": {"init_coef": 0.1, "target": 6.0},
+    }
     (c / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     return [a, b, c]
 
@@ -100,7 +105,7 @@ def test_compare_page_overlays_runs_and_summarises_them(tmp_path: Path):
     # the config keys that differ, per run; equal keys and out_dir are left out
     diff = re.search(r"<h2>Config differences</h2>\n<table>(.*?)</table>", page, flags=re.S).group(1)
     assert '<th>ppo:kl.init_coef</th><td class="text">0.05</td><td class="text">0.2</td>' in diff
-    assert '<th>ppo:actor_path</th><td class="text">—</td><td class="text">—</td>' in diff
+    assert '<th>ppo:model.path</th><td class="text">—</td><td class="text">—</td>' in diff
     assert "kl.target" not in diff and "seed" not in diff and "out_dir" not in diff
     # what a run lacks is named, not silently dropped
     assert "entropy: no objective/entropy in ppo-only" in html.unescape(page)

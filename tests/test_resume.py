@@ -243,7 +243,7 @@ def sft_argv(model, data, out) -> list[str]:
         "grad_accum=2",
         "max_steps=14",
         "log_every=3",  # log windows straddle checkpoints: the window must be checkpointed too
-        "eval_every=4",
+        "eval.every=4",
         "save_every=4",  # a SIGTERM between scheduled checkpoints writes its own
         "keep_last=2",
         "progress=false",
@@ -256,14 +256,14 @@ def rm_argv(model, data, out) -> list[str]:
         "rm",
         "--out",
         str(out),
-        f"model.backbone={model}",
+        f"model.path={model}",
         f"data.train={data['pref_train']}",
         f"data.eval={data['pref_eval']}",
         "optim.lr=1e-3",
         "batch_size=8",
         "max_steps=14",
         "log_every=3",
-        "eval_every=4",
+        "eval.every=4",
         "save_every=4",
         "progress=false",
         "tensorboard=false",
@@ -275,14 +275,14 @@ def dpo_argv(model, data, out) -> list[str]:
         "dpo",
         "--out",
         str(out),
-        f"policy_path={model}",
+        f"model.path={model}",
         f"data.train={data['pref_train']}",
         f"data.eval={data['pref_eval']}",
         "optim.lr=1e-3",
         "batch_size=8",
         "max_steps=12",
         "log_every=3",
-        "eval_every=4",
+        "eval.every=4",
         "save_every=2",
         "progress=false",
         "tensorboard=false",
@@ -294,8 +294,8 @@ def ppo_argv(data, out) -> list[str]:
         "ppo",
         "--out",
         str(out),
-        f"actor_path={data['char']}",
-        f"data.prompts={data['prompts']}",
+        f"model.path={data['char']}",
+        f"data.train={data['prompts']}",
         "reward.function=ppo_task:frac_a",
         "eval.gold_function=ppo_task:frac_a",
         "critic.init=sft",
@@ -360,6 +360,32 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
     r = Run([*ppo_argv(data, resumed), "iterations=14", "--resume"], tmp_path / "more.log")
     assert r.wait() == 0, r.output()
     assert max(x["step"] for x in metric_rows(resumed)) == 14
+
+
+@pytest.mark.slow
+def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_checkpoints(data, tmp_path):
+    """LoRA actor and LoRA critic: a checkpoint holds the adapters, the critic's value head and the Adam
+    state of those alone (not the frozen base, reloaded from model.path on resume), and the interrupted
+    chain still ends bit-identical to the uninterrupted run (final/ and critic/ are merged full models)."""
+    lora = ["lora.enabled=true", "lora.critic=true", "lora.r=4", "lora.alpha=8"]
+    resumed = _clean_and_chain(
+        lambda out: [*ppo_argv(data, out), *lora], tmp_path, 6, True, "final", "critic"
+    )
+    step = ckpt.latest_checkpoint(resumed)
+    for name, allowed in (("actor", ("lora_",)), ("critic", ("lora_", "head.", "gain", "bias"))):
+        with safe_open(str(step / f"model-{name}.safetensors"), "pt") as st:
+            keys = list(st.keys())
+        assert keys and all(any(a in k for a in allowed) for k in keys), (name, keys[:5])
+    import torch
+
+    state = torch.load(step / "state.pt", weights_only=True)
+    n_moments = sum(v["exp_avg"].numel() for t in state.values() for v in t["optimizer"]["state"].values())
+    assert 0 < n_moments < 5000  # adapters (2 x 1024) and the value head (33), not the 29k-parameter base
+    full = tmp_path / "clean" / "final"  # ...while final/ and critic/ load as plain models
+    from shifu.models import ScalarModel, load_causal_lm
+
+    assert sum(p.numel() for p in load_causal_lm(full).parameters()) > 25_000
+    ScalarModel.from_pretrained(tmp_path / "clean" / "critic")
 
 
 @pytest.mark.slow

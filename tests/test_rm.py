@@ -58,7 +58,7 @@ def make_cfg(backbone, tmp_path: Path, **over) -> reward.Config:
     write_jsonl(tmp_path / "eval.jsonl", pref_rows(60, seed=1))
     base = {
         "out_dir": str(tmp_path / "run"),
-        "model": {"backbone": str(backbone)},
+        "model": {"path": str(backbone)},
         "data": {"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
         "optim": {"lr": 1e-3},
         "batch_size": 16,
@@ -175,7 +175,7 @@ def test_bad_input_exits_2_in_process(case, tiny_model_dir, tmp_path, capsys):
             "rm",
             "--out",
             str(out),
-            f"model.backbone={tiny_model_dir}",
+            f"model.path={tiny_model_dir}",
             f"data.train={tmp_path / 'bad.jsonl'}",
             "data.eval_fraction=0.5",
         ]
@@ -211,7 +211,7 @@ def test_bad_input_exits_2_through_the_real_cli(tiny_model_dir, tmp_path):
             (tmp_path / name).write_bytes(content)
         out = tmp_path / f"out-{name}"
         proc = run_cli(
-            "rm", "--out", str(out), f"model.backbone={tiny_model_dir}", f"data.train={tmp_path / name}"
+            "rm", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={tmp_path / name}"
         )
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -230,7 +230,7 @@ def test_skip_bad_reports_counts_and_trains(tiny_model_dir, tmp_path, capsys):
             "rm",
             "--out",
             str(tmp_path / "out"),
-            f"model.backbone={tiny_model_dir}",
+            f"model.path={tiny_model_dir}",
             f"data.train={tmp_path / 'mixed.jsonl'}",
             "data.skip_bad=true",
             "data.eval_fraction=0.2",

@@ -3,6 +3,8 @@ log-probs, a python loop for the EOS/padding convention, and the sampling suppor
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
@@ -14,13 +16,13 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from shifu.decode import decoder
 from shifu.models import ScalarModel, position_ids_from_mask
 from shifu.rollout import (
+    Rollout,
     SamplingParams,
-    _decoder,
     critic_forward,
     generate,
-    in_micro_batches,
     policy_forward,
     sample,
     sample_next,
@@ -146,7 +148,7 @@ def test_fast_decoder_log_probs_equal_full_forward(arch):
     resp, resp_mask = generate(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(3))
     B, P = ids.shape
     R = resp.shape[1]
-    dec = _decoder(model, B, P + R, ids, "fast")
+    dec = decoder(model, B, P + R, ids, "fast")
     dec.key_mask[:, :P] = mask.bool()
     pos = position_ids_from_mask(mask)
     with torch.no_grad():
@@ -227,20 +229,33 @@ def test_critic_forward_reads_values_at_positions_predicting_the_response():
     torch.testing.assert_close(values, critic(full_ids, full_mask)[:, P - 1 : -1])
 
 
-def test_in_micro_batches_equals_one_batch():
-    model = tiny_gpt2()
-    ids, mask = left_padded_prompts((4, 2, 3, 4, 1))
-    resp = torch.randint(3, V, (5, 4))
-    full_ids, full_mask = torch.cat([ids, resp], 1), torch.cat([mask, torch.ones_like(resp)], 1)
-    P = ids.shape[1]
-    with torch.no_grad():
-        whole = policy_forward(model, full_ids, full_mask, P, with_entropy=True)
-    parts = in_micro_batches(
-        lambda i, m: policy_forward(model, i, m, P, with_entropy=True), 2, full_ids, full_mask
+def test_rollout_select_keeps_rows_together_and_is_frozen():
+    B, P, R = 4, 3, 5
+    g = torch.Generator().manual_seed(0)
+    per_token = {
+        k: torch.randn(B, R, generator=g) for k in ("old_log_probs", "ref_log_probs", "values", "entropy")
+    }
+    rollout = Rollout(
+        input_ids=torch.arange(B * (P + R)).view(B, P + R),
+        attention_mask=torch.ones(B, P + R, dtype=torch.long),
+        response_mask=torch.rand(B, R, generator=g) > 0.3,
+        prompt_len=P,
+        scores=torch.arange(B, dtype=torch.float),
+        eos_found=torch.tensor([True, False, True, False]),
+        prompts=[f"p{i}" for i in range(B)],
+        responses=[f"r{i}" for i in range(B)],
+        rows=[{"i": i} for i in range(B)],
+        **per_token,
     )
-    torch.testing.assert_close(parts[0], whole[0])
-    torch.testing.assert_close(parts[1], whole[1])
-    assert parts[2] is None
+    assert len(rollout) == B
+    idx = torch.tensor([3, 1])
+    sub = rollout.select(idx)
+    assert len(sub) == 2 and sub.prompt_len == P and sub.advantages is None
+    assert sub.prompts == ["p3", "p1"] and sub.rows == [{"i": 3}, {"i": 1}]
+    for name in ("input_ids", "response_mask", "scores", "eos_found", *per_token):
+        assert torch.equal(getattr(sub, name), getattr(rollout, name)[idx]), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rollout.scores = torch.zeros(B)
 
 
 def expected_after_eos(raw: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'
 from shifu import cli  # noqa: E402
 from shifu.ensemble import load_reward, write_manifest  # noqa: E402
 from shifu.errors import ConfigError  # noqa: E402
-from shifu.models import ScalarModel, load_tokenizer, pad_left, pad_right  # noqa: E402
+from shifu.models import ScalarModel, fuse_tanh_gelu, load_tokenizer, pad_left, pad_right  # noqa: E402
 from shifu.remote import (  # noqa: E402
     RemoteReward,
     RewardServiceError,
@@ -139,6 +139,11 @@ def rollout_ids(tok, prompts, responses):
     )
 
 
+def trainer_scored(path):
+    """A reward model as a trainer holds it in process (shifu ppo fuses the tanh-GELU, as the server does)."""
+    return fuse_tanh_gelu(load_reward(path))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,7 +210,7 @@ def guarded_url(rm_dir):
 
 # -------------------------------------------------------------------------------- equal to in process
 def test_text_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir):
-    local = RewardSource(model=load_reward(rm_dir), micro_batch=4)
+    local = RewardSource(model=trainer_scored(rm_dir), micro_batch=4)
     with RemoteReward(rm_url, batch_size=4) as remote:
         assert not remote.token_path  # no policy tokenizer given: text
         got = remote(PROMPTS, RESPONSES, ROWS)
@@ -217,7 +222,7 @@ def test_text_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir):
 
 def test_token_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir, policy_tok):
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
-    local = RewardSource(model=load_reward(rm_dir), policy_tokenizer=policy_tok, micro_batch=3)
+    local = RewardSource(model=trainer_scored(rm_dir), policy_tokenizer=policy_tok, micro_batch=3)
     assert local.token_path
     with RemoteReward(rm_url, policy_tokenizer=policy_tok, batch_size=3) as remote:
         assert remote.token_path
@@ -230,7 +235,7 @@ def test_token_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir, policy_t
 
 def test_concurrent_clients_get_their_own_scores(merged_url, rm_dir, policy_tok):
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
-    local = RewardSource(model=load_reward(rm_dir), policy_tokenizer=policy_tok, micro_batch=2)
+    local = RewardSource(model=trainer_scored(rm_dir), policy_tokenizer=policy_tok, micro_batch=2)
     want_tok = local(PROMPTS, RESPONSES, ROWS, ids, mask)
     want_text = RewardSource(model=local.model, micro_batch=2)(PROMPTS, RESPONSES, ROWS)
     remote_tok = RemoteReward(merged_url, policy_tokenizer=policy_tok, batch_size=2)
@@ -254,7 +259,7 @@ def test_concurrent_clients_get_their_own_scores(merged_url, rm_dir, policy_tok)
 
 
 def test_ensemble_served_equals_in_process(ensemble_dir, policy_tok):
-    local_model = load_reward(ensemble_dir)
+    local_model = trainer_scored(ensemble_dir)
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
     with running(create_app(load_served(str(ensemble_dir)), exact=True)) as url:
         text = RemoteReward(url, batch_size=5)
@@ -406,7 +411,9 @@ def test_a_slow_client_gets_408_while_others_are_served(guarded_url, rm_dir):
     slow.sendall(head.encode() + b'{"prompts": [')  # ... and nothing more
     with RemoteReward(guarded_url, token=TOKEN, batch_size=4) as remote:
         got = remote(PROMPTS, RESPONSES, ROWS)  # served while the slow body is still pending
-    assert_merged_close(got, RewardSource(model=load_reward(rm_dir), micro_batch=4)(PROMPTS, RESPONSES, ROWS))
+    assert_merged_close(
+        got, RewardSource(model=trainer_scored(rm_dir), micro_batch=4)(PROMPTS, RESPONSES, ROWS)
+    )
     answer = b""
     while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
         chunk = slow.recv(4096)
@@ -611,7 +618,7 @@ def test_shifu_serve_command_end_to_end(rm_dir, monkeypatch):
         with RemoteReward(url, batch_size=4) as remote:
             got = remote(PROMPTS, RESPONSES, ROWS)
         assert torch.equal(
-            got, RewardSource(model=load_reward(rm_dir), micro_batch=4)(PROMPTS, RESPONSES, ROWS)
+            got, RewardSource(model=trainer_scored(rm_dir), micro_batch=4)(PROMPTS, RESPONSES, ROWS)
         )
     finally:
         proc.send_signal(signal.SIGTERM)

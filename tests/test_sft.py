@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -112,7 +113,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     shutil.rmtree(cut / CKPT_DIR / "step-00000008")
     (cut / CKPT_DIR / "latest").write_text("step-00000004")
     resumed_cfg = make_cfg(tiny_model_dir, tmp_path, max_steps=8, save_every=4, keep_last=3, grad_accum=2)
-    resumed_cfg.out_dir = str(cut)
+    resumed_cfg = dataclasses.replace(resumed_cfg, out_dir=str(cut))
     sft.train(resumed_cfg, resume=True)
     a, b = _state(full / "final"), _state(cut / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -123,7 +124,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     assert drop_perf(read_metrics(cut / "metrics.jsonl")) == drop_perf(read_metrics(full / "metrics.jsonl"))
     # a changed learning rate is refused by name; changing max_steps is allowed
     changed = make_cfg(tiny_model_dir, tmp_path, max_steps=8, save_every=4, grad_accum=2, optim={"lr": 1e-2})
-    changed.out_dir = str(cut)
+    changed = dataclasses.replace(changed, out_dir=str(cut))
     with pytest.raises(ConfigError, match=r"optim\.lr"):
         sft.train(changed, resume=True)
 

@@ -239,3 +239,39 @@ def test_mlflow_tracking_uri_and_new_run_after_overwrite(tmp_path, offline_env):
     t = Tracker(run, tensorboard=False, trackers=["mlflow"], tracking_uri=store)
     assert t.run_ids["mlflow"] != first
     t.close()
+
+
+def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
+    tmp_path, offline_env, tiny_model_dir
+):
+    """`shifu sft ... trackers=[wandb,mlflow]`: every logged row reaches W&B and MLflow with the run's config,
+    and the trained model gets its model card."""
+    from mlflow.tracking import MlflowClient
+
+    from shifu import cli
+    from shifu.modelcard import read_card_metadata
+
+    rows = [{"prompt": f"say {i}:", "response": " the movie was good"} for i in range(24)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    argv = ["sft", "--out", str(run), f"model.path={tiny_model_dir}", f"data.train={data}", "max_steps=4"]
+    argv += ["log_every=2", "progress=false", "tensorboard=false", "trackers=[wandb,mlflow]", "optim.lr=1e-3"]
+    assert cli.main(argv) == 0
+    logged = [r for r in read_metrics(run / "metrics.jsonl") if "sft/loss" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    (wb,) = wandb_runs(run)
+    assert wb["history"][4]["sft/loss"] == pytest.approx(logged[-1]["sft/loss"])
+    assert wb["config"]["max_steps"] == 4 and wb["config"]["model"]["path"] == str(tiny_model_dir)
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    mrun = client.get_run(read_ids(run)["mlflow"]["run_id"])
+    history = client.get_metric_history(mrun.info.run_id, "sft/loss")
+    assert sorted(m.step for m in history) == [2, 4] and mrun.data.params["optim.lr"] == "0.001"
+    assert read_card_metadata(run / "final" / "README.md")["base_model"] == str(tiny_model_dir)
+
+
+def test_an_unknown_tracker_in_the_config_is_named_before_anything_is_written(tmp_path):
+    from shifu import cli
+
+    argv = ["sft", "--out", str(tmp_path / "run"), "model.path=m", "data.train=d.jsonl", "trackers=[neptune]"]
+    assert cli.main(argv) == 2 and not (tmp_path / "run").exists()

@@ -1,16 +1,24 @@
-"""PPO policy / value / penalty losses, and the Bradley-Terry and DPO preference losses.
+"""PPO policy / value / penalty losses, REINFORCE, GSPO, the KL-to-reference loss term, and the
+Bradley-Terry and DPO preference losses.
 
 Every loss returns ``(loss, stats)``: a 0-dim tensor to minimise and a dict of detached 0-dim tensors.
 Per-token losses are masked with ``torch.where``, so masked tokens get exactly zero gradient, and are
-aggregated in one of two ways:
+aggregated in one of three ways:
 
 - ``"token_mean"`` (default): sum over the real tokens of the batch divided by their count, or by
   ``num_tokens`` when given (the token count of the whole optimiser step across micro-batches and
   ranks, so that summing the micro-batch losses gives the token-mean of the whole step);
-- ``"seq_mean"``: mean over each row's real tokens, then mean over the rows that have a real token.
+- ``"seq_mean"``: mean over each row's real tokens, then mean over the rows that have a real token;
+- ``"token_sum_norm"``: sum over the real tokens divided by a constant, ``rows * L_max`` (Dr. GRPO,
+  Liu et al. 2025: every token weighs the same whatever its response's length, and the
+  constant keeps the scale of the gradient independent of the lengths sampled). The divisor is
+  ``num_tokens`` when given (pass ``rows of the whole step * max_new_tokens``: the constant is the
+  generation limit, not the longest response), else ``B * R``, the padded width of this tensor.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +27,7 @@ from torch import Tensor
 from .kl import kl_estimate
 from .masked import masked_mean, masked_sum
 
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean", "token_sum_norm")
 
 
 def _check_same(mask: Tensor, **tensors: Tensor) -> Tensor:
@@ -34,14 +42,20 @@ def _check_same(mask: Tensor, **tensors: Tensor) -> Tensor:
 def aggregate(
     per_token: Tensor, mask: Tensor, aggregation: str = "token_mean", num_tokens: float | Tensor | None = None
 ) -> Tensor:
-    """Reduce a per-token loss ``(B, R)`` to a scalar by ``aggregation`` (see the module docstring)."""
+    """Reduce a per-token loss ``(B, R)`` to a scalar by ``aggregation`` (see the module docstring).
+
+    ``num_tokens`` is the divisor of the sum-based aggregations: the real-token count of the whole step
+    for ``token_mean``, ``rows * L_max`` for ``token_sum_norm``; ``seq_mean`` takes none.
+    """
     if aggregation == "token_mean":
         if num_tokens is None:
             return masked_mean(per_token, mask)
         return masked_sum(per_token, mask) / num_tokens
+    if aggregation == "token_sum_norm":
+        return masked_sum(per_token, mask) / (mask.numel() if num_tokens is None else num_tokens)
     if aggregation == "seq_mean":
         if num_tokens is not None:
-            raise ValueError("num_tokens only applies to aggregation='token_mean'")
+            raise ValueError("num_tokens only applies to aggregation='token_mean' or 'token_sum_norm'")
         per_row = masked_mean(per_token, mask, dim=-1)  # (B,), 0 for a row without tokens
         rows = mask.any(dim=-1)
         return masked_mean(per_row, rows)
@@ -154,8 +168,125 @@ def ppo_penalty_loss(
     per_token = -(torch.where(mask, advantages, zero) * ratio - beta * kl)
     loss = aggregate(per_token, mask, aggregation, num_tokens)
     with torch.no_grad():
-        stats = {"kl": masked_mean(kl, mask), "ratio_mean": masked_mean(ratio, mask)}
+        stats = {"kl": masked_mean(kl, mask), **_unclipped_stats(log_probs, old_log_probs, mask)}
     return loss, stats
+
+
+def _unclipped_stats(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """PPO's policy statistics for a loss that clips nothing: ``approx_kl`` (k3 of KL(pi_old || pi)),
+    ``clipfrac`` (0), ``ratio_mean``; over real tokens, no gradient."""
+    with torch.no_grad():
+        return {
+            "approx_kl": masked_mean(kl_estimate(old_log_probs, log_probs, "k3"), mask),
+            "clipfrac": torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
+            "ratio_mean": masked_mean(torch.exp(log_probs - old_log_probs), mask),
+        }
+
+
+def reinforce_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    aggregation: str = "token_mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """REINFORCE (Williams 1992), the score-function gradient: per token ``-A * log pi(a_t | s_t)``,
+    inputs (B, R); ``A`` is the (baselined) whole-sequence return on every token of its row
+    (:func:`shifu.core.sequence_advantages`). On-policy: ``old_log_probs`` only feed the statistics,
+    which carry PPO's keys (``approx_kl``, ``clipfrac`` = 0, ``ratio_mean``) so every policy loss logs
+    the same metrics."""
+    mask = _check_same(response_mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    per_token = -torch.where(mask, advantages, zero) * log_probs
+    loss = aggregate(per_token, mask, aggregation, num_tokens)
+    return loss, _unclipped_stats(log_probs, old_log_probs, mask)
+
+
+def gspo_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    aggregation: str = "token_mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group sequence policy optimization"): PPO's clip on a sequence-level
+    importance ratio, negated to be minimised. All inputs (B, R).
+
+    ``s_i = exp(1/|y_i| * sum_t (log pi(y_t) - log pi_old(y_t)))`` over the real tokens of response ``i``
+    (the length-normalised sequence likelihood ratio), clipped as a whole:
+    ``-min(s_i A, clip(s_i, 1 - clip_low, 1 + clip_high) A)``. Written per token as the paper's GSPO-token:
+    ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, equal to ``s_i`` in value, so a per-token advantage
+    is allowed; when ``A`` is constant over a row (group advantages) the gradient is GSPO's
+    ``s_i A * 1/|y_i| sum_t grad log pi(y_t)`` and ``aggregation="seq_mean"`` gives GSPO's objective
+    exactly (other aggregations weigh the rows differently). The defaults are the paper's clip range (3e-4, 4e-4): the
+    ratio of a whole sequence moves far less than a token's. Stats: ``clipfrac`` (fraction of real tokens
+    whose sequence is clipped), ``approx_kl`` (k3 of KL(pi_old || pi) per token, as PPO's),
+    ``ratio_mean`` (mean of ``s_i`` over the rows that have a real token).
+    """
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    mask = _check_same(response_mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    new = torch.where(mask, log_probs, zero)
+    seq_log_ratio = masked_mean(new - old_log_probs, mask, dim=-1)  # (B,); 0 for a row without tokens
+    # GSPO-token: value s_i on every token, gradient s_i * grad log pi(y_t)
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + new - new.detach()
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(mask, advantages, zero)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token, mask, aggregation, num_tokens)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), mask),
+            "approx_kl": masked_mean(kl_estimate(old_log_probs, log_probs, "k3"), mask),
+            "ratio_mean": masked_mean(torch.exp(seq_log_ratio), mask.any(dim=-1)),
+        }
+    return loss, stats
+
+
+def kl_loss(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    aggregation: str = "token_mean",
+    *,
+    estimator: str = "k3",
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The KL to the reference as a loss term (GRPO, Shao et al. 2024), inputs (B, R): per token
+    ``k3 = pi_ref/pi - log(pi_ref/pi) - 1`` at the sampled tokens, aggregated like the policy loss; the
+    caller adds ``kl_coef * loss`` to the policy loss (and leaves the KL out of the rewards).
+
+    The gradient flows through ``log_probs`` (``d k3 / d log pi = 1 - pi_ref/pi``); the tokens are the
+    rollout's, so it is an estimate of KL(pi || pi_ref) while pi is still near the rollout policy.
+    ``estimator`` is any of :func:`shifu.core.kl_estimate`'s (``k1``, ``k2``, ``k3``). Stats: ``kl``
+    (mean estimate over real tokens, nats per token).
+    """
+    mask = _check_same(response_mask, log_probs=log_probs, ref_log_probs=ref_log_probs)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    kl = kl_estimate(torch.where(mask, log_probs, zero), torch.where(mask, ref_log_probs, zero), estimator)
+    loss = aggregate(kl, mask, aggregation, num_tokens)
+    return loss, {"kl": masked_mean(kl, mask).detach()}
+
+
+# The policy losses by name (the PPO trainer's ``algo``): each takes ``(log_probs, old_log_probs,
+# advantages, response_mask, aggregation, *, num_tokens, **options)`` and returns ``(loss, stats)`` with at
+# least ``approx_kl``, ``clipfrac`` and ``ratio_mean``. Options: ppo ``clip_low``, ``clip_high``,
+# ``dual_clip``; ppo_penalty ``beta``; reinforce none; gspo ``clip_low``, ``clip_high``.
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "ppo": ppo_policy_loss,
+    "ppo_penalty": ppo_penalty_loss,
+    "reinforce": reinforce_loss,
+    "gspo": gspo_policy_loss,
+}
 
 
 def bradley_terry_loss(

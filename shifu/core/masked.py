@@ -7,6 +7,8 @@ positions may hold anything (huge numbers, inf, NaN) without reaching a result. 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -55,20 +57,41 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return centered.pow(2).sum() / denom.to(x.dtype)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    *,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the real elements (unbiased variance); padded positions are 0.
 
     ``shift_mean=False`` only rescales: the result keeps the original mean on the real elements
     (``(x - mean) / std + mean``). Raises ``ValueError`` when fewer than 2 elements are real.
+
+    ``reduce`` turns a local sum into the sum over every process (a batch split across ranks is whitened
+    with the statistics of the whole batch): the count, the sum and the sum of squared deviations each go
+    through it once, so parallelism reaches this formula as numbers. ``None``: one process.
     """
+    reduce = reduce or _identity
     mask = _as_bool(mask, x)
-    if bool(mask.sum() < 2):
+    count = reduce(mask.sum())
+    if bool(count < 2):
         raise ValueError(
-            f"masked_whiten needs at least 2 real elements to estimate a std, got {int(mask.sum())}; "
+            f"masked_whiten needs at least 2 real elements to estimate a std, got {int(count)}; "
             "use a larger batch or skip whitening"
         )
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask, unbiased=True) + eps)
+    total = reduce(masked_sum(x, mask))
+    mean = (total / count.clamp(min=1).to(total.dtype)).to(x.dtype)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    squares = reduce(torch.where(mask, x - mean, zero).pow(2).sum())
+    var = (squares / (count - 1).to(squares.dtype)).to(x.dtype)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask, whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(mask, whitened, zero)

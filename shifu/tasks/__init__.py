@@ -7,7 +7,9 @@ Helpers here work on any local causal LM and its tokenizer (left-padded prompts,
 conventions):
 
 - :func:`sample_responses`: decoded responses (text after the prompt, up to but excluding EOS);
-- :func:`evaluate_policy`: responses, their token ids and masks, and per-response sums of log-probs.
+- :func:`evaluate_policy`: responses, their token ids and masks, and per-response sums of log-probs;
+- :func:`link_pretrained`: a task's ``base/`` and ``tokenizer/`` for a converted pretrained model, without
+  copying its weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,34 @@ from __future__ import annotations
 import torch
 
 TASKS = ("imdb", "arith")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".index.json")
+
+
+def link_pretrained(src, out) -> None:
+    """``out/base`` as a symbolic link to the model directory ``src`` (the cached conversion: its weights
+    exist once on disk, whatever the number of runs), ``out/tokenizer`` a copy of its tokenizer files
+    only (no weights). Nothing ever writes into ``base/``; deleting a run (``rm -r``, ``--overwrite``, a
+    stage that starts again) removes the link, never the cache it points to. Where links cannot be made
+    (some filesystems), the directory is copied as before."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    src, out = Path(src).resolve(), Path(out)
+    base, tok = out / "base", out / "tokenizer"
+    for p in (base, tok):
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.exists():
+            shutil.rmtree(p)
+    try:
+        os.symlink(src, base, target_is_directory=True)
+    except OSError:
+        shutil.copytree(src, base)
+    tok.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, tok / f.name)
 
 
 def encode_prompts(
@@ -25,9 +55,14 @@ def encode_prompts(
     ``max_prompt_len`` keeps each prompt's last tokens (the trainers' ``truncate_left``), so prompt +
     response fits the model's positions exactly as in training.
     """
+    from shifu.data import prompt_text
     from shifu.models import pad_left
 
-    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    # as the trainers prompt: a user message through the chat template when the tokenizer has one
+    rows = [
+        tokenizer(prompt_text(tokenizer, {"prompt": p}), add_special_tokens=False)["input_ids"]
+        for p in prompts
+    ]
     if max_prompt_len:
         rows = [r[-max_prompt_len:] for r in rows]
     return pad_left(rows, tokenizer.pad_token_id)
@@ -101,24 +136,25 @@ def sample_responses(
 
 
 @torch.no_grad()
-def response_log_prob_sums(
-    models: list,
+def response_kl(
+    model,
+    ref,
     enc: dict[str, torch.Tensor],
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
-    temperature: float,
-) -> list[torch.Tensor]:
-    """For each model: (B,) sum over real response tokens of log pi(a_t | s_t), logits divided by T."""
+    T: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,), (B,): the k1 and k3 estimates of KL(pi || pi_ref) per response (nats), summed over its real
+    tokens, with both models' logits divided by T; k3 = (r - 1) - log r >= 0, r = pi_ref / pi per token."""
+    from shifu.core import kl_estimate, masked_sum
     from shifu.rollout import policy_forward
 
     input_ids = torch.cat([enc["input_ids"], response_ids], dim=1)
     attn = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
     P = enc["input_ids"].shape[1]
-    sums = []
-    for m in models:
-        log_probs, _, _ = policy_forward(m, input_ids, attn, P, temperature=temperature)  # (B, R)
-        sums.append((log_probs * response_mask).sum(dim=1))
-    return sums
+    lp, lp_ref = (policy_forward(m, input_ids, attn, P, temperature=T)[0] for m in (model, ref))  # (B, R)
+    k1 = masked_sum(kl_estimate(lp, lp_ref, "k1"), response_mask, dim=1)
+    return k1, masked_sum(kl_estimate(lp, lp_ref, "k3"), response_mask, dim=1)
 
 
 def evaluate_policy(
@@ -136,8 +172,9 @@ def evaluate_policy(
 
     Returns ``responses`` (decoded), ``kl`` (list, nats per response: sum over the response's real
     tokens of ``log pi(a_t|s_t) - log pi_ref(a_t|s_t)``, both at temperature T, on the policy's own
-    samples, i.e. the k1 estimate of KL(pi || pi_ref) per response) and ``lengths`` (real tokens,
-    EOS included). ``kl`` is None without a reference. ``max_prompt_len`` keeps each prompt's last tokens.
+    samples, i.e. the k1 estimate of KL(pi || pi_ref) per response), ``kl_k3`` (the k3 estimate, never
+    negative: :func:`response_kl`) and ``lengths`` (real tokens, EOS included). ``kl`` and ``kl_k3`` are
+    None without a reference. ``max_prompt_len`` keeps each prompt's last tokens.
     """
     from shifu.models import load_causal_lm, load_tokenizer
 
@@ -147,6 +184,7 @@ def evaluate_policy(
     gen = torch.Generator().manual_seed(seed)
     responses: list[str] = []
     kl: list[float] = []
+    kl_k3: list[float] = []
     lengths: list[int] = []
     for enc, ids, mask in generate_batches(
         model, tok, prompts, max_new_tokens, temperature, gen, batch_size, greedy, max_prompt_len
@@ -154,8 +192,10 @@ def evaluate_policy(
         responses.extend(decode_responses(tok, ids, mask))
         lengths.extend(mask.sum(1).tolist())
         if ref is not None and ids.shape[1] > 0:
-            lp, lp_ref = response_log_prob_sums([model, ref], enc, ids, mask, temperature)
-            kl.extend((lp - lp_ref).tolist())
+            k1, k3 = response_kl(model, ref, enc, ids, mask, temperature)
+            kl.extend(k1.tolist()), kl_k3.extend(k3.tolist())
         elif ref is not None:
-            kl.extend([0.0] * ids.shape[0])
-    return {"responses": responses, "kl": kl if ref is not None else None, "lengths": lengths}
+            kl.extend([0.0] * ids.shape[0]), kl_k3.extend([0.0] * ids.shape[0])
+    with_ref = ref is not None
+    return {"responses": responses, "kl": kl if with_ref else None, "kl_k3": kl_k3 if with_ref else None,
+            "lengths": lengths}  # fmt: skip

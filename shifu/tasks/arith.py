@@ -15,6 +15,10 @@ and cut into three disjoint sets:
   prompts (``prompts_train.jsonl``, all of them).
 
 Prompt rows carry ``answer`` (the reward function reads it).
+
+Preset ``smollm2`` asks SmolLM2-135M-Instruct in its chat format (``"What is 37+48? Answer with only the
+number."``, rendered with the chat template) and is judged by :func:`shifu.tasks.judges.final_number_match`
+(the last number of the reply must equal the sum exactly: the model answers ``"37 + 48 = 85"``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class ArithPreset:
     n_layer: int
     n_embd: int
     n_head: int
+    # "smollm2": SmolLM2-135M-Instruct (its own tokenizer) asked in a chat turn, judged on its final number
+    pretrained: str | None = None
+    prompt_template: str = "{a}+{b}="
 
 
 PRESETS: dict[str, ArithPreset] = {
@@ -59,6 +66,17 @@ PRESETS: dict[str, ArithPreset] = {
     "small": ArithPreset(
         max_operand=999, n_heldout=512, n_sft_eval=512, n_sft=50000, n_layer=4, n_embd=128, n_head=4
     ),
+    "smollm2": ArithPreset(
+        max_operand=99,
+        n_heldout=512,
+        n_sft_eval=128,
+        n_sft=2000,
+        n_layer=0,
+        n_embd=0,
+        n_head=0,
+        pretrained="smollm2",
+        prompt_template="What is {a}+{b}? Answer with only the number.",
+    ),  # fmt: skip
 }
 
 
@@ -137,10 +155,10 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     sft_pairs = rng.sample(splits["train"], min(p.n_sft, len(splits["train"])))
 
     def prompt_row(a: int, b: int) -> dict:
-        return {"prompt": prompt_of(a, b), "answer": str(a + b)}
+        return {"prompt": p.prompt_template.format(a=a, b=b), "answer": str(a + b)}
 
     def sft_row(a: int, b: int) -> dict:
-        return {"prompt": prompt_of(a, b), "response": str(a + b)}
+        return {"prompt": p.prompt_template.format(a=a, b=b), "response": str(a + b)}
 
     _write_jsonl(out / "sft_train.jsonl", [sft_row(a, b) for a, b in sft_pairs])
     _write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
@@ -149,10 +167,16 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
     _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
 
-    tok = build_tokenizer(out / "tokenizer")
-    model = build_model(tok, p, seed)
-    model.save_pretrained(str(out / "base"))
-    tok.save_pretrained(str(out / "base"))
+    if p.pretrained == "smollm2":
+        from shifu.tasks import link_pretrained
+        from shifu.tasks.imdb import converted_smollm2
+
+        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
+    else:
+        tok = build_tokenizer(out / "tokenizer")
+        model = build_model(tok, p, seed)
+        model.save_pretrained(str(out / "base"))
+        tok.save_pretrained(str(out / "base"))
     names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
     paths = {n: str(out / f"{n}.jsonl") for n in names}
     paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))

@@ -57,6 +57,8 @@ class ImdbPreset:
     n_head: int
     n_positions: int
     pretrained: str | None = None  # "smollm2": start from SmolLM2-135M-Instruct instead of a random GPT-2
+    # how a prompt's first words are asked (an instruct model is asked to continue them in a chat turn)
+    prompt_template: str = "{text}"
 
 
 PRESETS: dict[str, ImdbPreset] = {
@@ -93,8 +95,8 @@ PRESETS: dict[str, ImdbPreset] = {
         tokenizer_reviews=0,
         n_sft=4000,
         n_sft_eval=128,
-        n_pairs=1000,
-        n_heldout=256,
+        n_pairs=500,  # 1000 took 512 of a seed's 1824 CPU seconds for the same reward model accuracy class
+        n_heldout=512,
         prompt_words=8,
         response_words=24,
         n_layer=0,
@@ -102,6 +104,7 @@ PRESETS: dict[str, ImdbPreset] = {
         n_head=0,
         n_positions=0,
         pretrained="smollm2",
+        prompt_template="Continue this movie review: {text}",
     ),
 }
 
@@ -242,7 +245,9 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     Files: ``sft_train.jsonl``/``sft_eval.jsonl`` (prompt, response), ``prompts_pairs.jsonl`` (prompts for
     preference sampling), ``prompts_train.jsonl`` (PPO), ``prompts_val.jsonl`` (PPO's periodic
     evaluation), ``prompts_eval.jsonl`` (held-out gold prompts),
-    ``tokenizer/`` and ``base/`` (untrained GPT-2, or the converted SmolLM2 for preset ``smollm2``).
+    ``tokenizer/`` and ``base/`` (untrained GPT-2; for preset ``smollm2`` a link to the cached converted
+    SmolLM2 and a copy of its tokenizer files, see :func:`shifu.tasks.link_pretrained`). Prompts are the
+    preset's ``prompt_template`` around a review's first words.
     """
     p = get_preset(preset)
     out = Path(out_dir)
@@ -259,7 +264,12 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     random.Random(seed).shuffle(train)  # which training reviews a run uses depends on its seed
 
     def usable(reviews: list[str]) -> list[tuple[str, str]]:
-        return [(a, b) for a, b in _pairs(reviews, p) if a not in held_texts]
+        return [(ask(a), b) for a, b in _pairs(reviews, p) if a not in held_texts]
+
+    def ask(text: str) -> str:
+        return p.prompt_template.format(text=text)
+
+    heldout = [ask(a) for a in heldout]
 
     sft = usable(train[: p.n_sft])
     _write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
@@ -274,9 +284,9 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     _write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a in heldout])
 
     if p.pretrained == "smollm2":
-        src = converted_smollm2()
-        shutil.copytree(src, out / "base", dirs_exist_ok=True)
-        shutil.copytree(src, out / "tokenizer", dirs_exist_ok=True)
+        from shifu.tasks import link_pretrained
+
+        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
     else:
         from shifu.models import build_tiny_gpt2, load_tokenizer
 

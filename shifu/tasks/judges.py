@@ -5,6 +5,7 @@ Every function here has the reward-function signature of the trainers
 config as ``"shifu.tasks.judges:NAME"`` either as the PPO reward or as the held-out gold judge.
 
 - :func:`exact_match` (task ``arith``): 1.0 when the stripped response equals the answer, else 0.0.
+- :func:`final_number_match` (task ``arith``, preset ``smollm2``): the reply's last number equals the answer.
 - :func:`digit_credit` (task ``arith``, optional shaped reward): fraction of answer digits right.
 - :func:`vader_compound` (task ``imdb``): VADER compound sentiment of the response, in [-1, 1].
 
@@ -40,6 +41,22 @@ def _answers(prompts: list[str], rows: list[dict] | None) -> list[str]:
 def exact_match(prompts: list[str], responses: list[str], rows: list[dict] | None = None) -> list[float]:
     """1.0 when ``response.strip()`` equals the answer exactly, else 0.0 (the ``arith`` gold and reward)."""
     return [float(r.strip() == a) for r, a in zip(responses, _answers(prompts, rows))]
+
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def final_number_match(
+    prompts: list[str], responses: list[str], rows: list[dict] | None = None
+) -> list[float]:
+    """1.0 when the last integer in the response equals the answer exactly, else 0.0 (task ``arith`` asked
+    in chat form: an instruct model replies ``"37 + 48 = 85."``; the final-answer exact match of maths
+    benchmarks). A reply without a number scores 0."""
+    out = []
+    for r, a in zip(responses, _answers(prompts, rows)):
+        numbers = _NUMBER.findall(r)
+        out.append(float(bool(numbers) and numbers[-1] == a))
+    return out
 
 
 def digit_credit(prompts: list[str], responses: list[str], rows: list[dict] | None = None) -> list[float]:

@@ -1,8 +1,8 @@
-"""Pieces every trainer shares: optimiser and schedule configs, seeding, run set-up."""
+"""What every trainer's run shares: seeding, autocast, signals, the run directory, skipped-step accounting."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import os
 import random
@@ -10,79 +10,15 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 import torch
 import yaml
 
 from shifu import checkpoint as ckpt
-from shifu.config import opt, to_dict
+from shifu.config import to_dict
 from shifu.errors import ConfigError, ShifuError
-
-
-@dataclasses.dataclass
-class OptimConfig:
-    lr: float = opt(1e-4, "peak learning rate")
-    weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
-    betas: list[float] = opt([0.9, 0.95], "AdamW betas")
-    eps: float = opt(1e-5, "AdamW epsilon (1e-5 is published PPO practice; 1e-8 is torch's default)")
-    warmup_steps: int = opt(0, "linear warm-up optimiser steps from 0 to lr")
-    schedule: Literal["constant", "linear", "cosine"] = opt(
-        "cosine", "decay after warm-up, to min_lr_ratio*lr"
-    )
-    min_lr_ratio: float = opt(0.0, "final learning rate as a fraction of lr (linear/cosine)")
-    max_grad_norm: float | None = opt(1.0, "gradient-norm clipping; null disables")
-
-    def validate(self, prefix: str = "optim") -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"{prefix}.lr must be > 0 (got {self.lr})")
-        if self.eps <= 0:
-            raise ConfigError(f"{prefix}.eps must be > 0 (got {self.eps})")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1) (got {self.betas})")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"{prefix}.warmup_steps must be >= 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"{prefix}.min_lr_ratio must be in [0, 1]")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"{prefix}.max_grad_norm must be > 0 or null")
-
-
-def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused (one kernel for the whole update) where torch has it: plain float tensors on CPU/CUDA; else
-    # foreach. The per-parameter loop dominated small models' optimiser time in the PPO benchmark.
-    fused = all(
-        not hasattr(p, "to_local")
-        and p.device.type in ("cpu", "cuda")
-        and p.dtype in (torch.float32, torch.bfloat16)
-        for p in params
-    )
-    kind = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """Linear warm-up to lr, then constant / linear / cosine decay to ``min_lr_ratio * lr``."""
-    total = max(1, total_steps)
-
-    def factor(step: int) -> float:
-        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        if cfg.schedule == "linear":
-            shape = 1.0 - progress
-        else:
-            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def seed_everything(seed: int) -> None:
@@ -100,6 +36,59 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
 def write_config(run_dir: str | Path, cfg) -> None:
     """The resolved config next to the results (``config.yaml``)."""
     Path(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def prepare_run(cfg, strategy, resume: bool, overwrite: bool) -> Path:
+    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written."""
+    run_dir = strategy.on_main(lambda: ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite))
+    if strategy.is_main:
+        write_config(run_dir, cfg)
+    return run_dir
+
+
+def finish_run(run_dir: Path, summary: dict[str, Any], strategy, kind: str, line: str) -> dict[str, Any]:
+    """``summary.json``, the model card ``final/README.md`` (from the run's own files) and the run's closing
+    line on stderr (rank 0), once every rank got here."""
+    if strategy.is_main:
+        from shifu.modelcard import write_model_card
+
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        write_model_card(run_dir / "final", run_dir, kind)
+        print(line, file=sys.stderr)
+    strategy.barrier()
+    return summary
+
+
+def tracker(cfg, run_dir: Path, strategy, resume_step: int | None = None):
+    """The run's metric sinks (rank 0 writes): metrics.jsonl, TensorBoard, and ``cfg.trackers``, which
+    receive the config too; ``resume_step`` continues a resumed run's logs (see :class:`Tracker`)."""
+    from shifu.config import to_dict
+    from shifu.tracking import Tracker
+
+    return Tracker(run_dir, enabled=strategy.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step,
+                   trackers=cfg.trackers, config=to_dict(cfg))  # fmt: skip
+
+
+def save_policy(strategy, model, fresh, tokenizer, path: Path) -> None:
+    """A trained causal LM as an HF directory (rank 0 writes; sharded weights are gathered into
+    ``fresh()`` first; a LoRA model is saved with its adapters merged)."""
+    from shifu import lora
+
+    plain = strategy.full_model(model, fresh)
+    if strategy.is_main:
+        ckpt.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
+    strategy.barrier()
+
+
+def check_resume_config(saved: dict[str, Any], cfg, safe: set[str] | tuple[str, ...], run_dir) -> None:
+    """ConfigError naming the keys whose values differ from the checkpoint's config, outside ``safe`` (the
+    keys a resumed run may change: they do not alter what the finished steps computed)."""
+    changed = [k for k in ckpt.config_diff(saved, to_dict(cfg)) if k not in safe and k != "out_dir"]
+    if changed:
+        raise ConfigError(
+            f"cannot resume '{run_dir}' with a changed config: {', '.join(changed)} differ from the checkpoint. "
+            f"Only {', '.join(sorted(safe))} may change; restore the others or start a new run"
+        )
 
 
 class GracefulStop:
@@ -146,84 +135,49 @@ def announce_stop(cmd: str, where: str, out_dir) -> None:
     )
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is available; use device=cpu or auto")
-    return torch.device(name)
+class SkippedSteps:
+    """Optimiser steps skipped for a NaN/Inf loss or gradient: in total and in a row (both checkpointed).
 
+    :meth:`record` books one step; :meth:`check` raises the error that ends the run once ``limit`` steps in a
+    row were skipped, naming the last good checkpoint."""
 
-# ---------------------------------------------------------------- non-finite steps (sft, rm, dpo)
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 DTensor (the tensor itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    def __init__(self, limit: int, state: list[int] | None = None):
+        self.limit = limit
+        self.total, self.in_a_row = state or (0, 0)
 
+    def state(self) -> list[int]:
+        return [self.total, self.in_a_row]
 
-def grads_finite(model: torch.nn.Module, loss: float) -> bool:
-    """True when ``loss`` and every gradient of ``model`` (this rank's shard under FSDP2) are finite; one
-    device-to-host read."""
-    grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
-    return math.isfinite(loss) and (
-        not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-    )
+    def record(self, taken: bool) -> None:
+        self.total += not taken
+        self.in_a_row = 0 if taken else self.in_a_row + 1
 
-
-def count_nonfinite(
-    nonfinite: list[int], finite: bool, name: str, step: int, limit: int, run_dir: Path, say: bool = True
-) -> ShifuError | None:
-    """Book optimiser step ``step`` (1-based) in ``nonfinite`` = [skipped in total, skipped in a row]. A
-    skipped step is announced on stderr (when ``say``); after ``limit`` skipped steps in a row the error
-    that ends the run is returned (the caller closes its sinks and raises)."""
-    if finite:
-        nonfinite[1] = 0
-        return None
-    nonfinite[0] += 1
-    nonfinite[1] += 1
-    if say:
-        print(f"shifu {name}: step {step}: non-finite loss or gradient, step skipped", file=sys.stderr)
-    if nonfinite[1] < limit:
-        return None
-    last = ckpt.latest_checkpoint(run_dir)
-    return ShifuError(
-        f"{nonfinite[1]} consecutive steps (up to step {step}) had a NaN/Inf loss or gradient; "
-        f"stopping (max_nonfinite_steps={limit}). "
-        + (
-            f"The last good checkpoint is {last}; lower optim.lr or check the data, then --resume"
-            if last
-            else "No checkpoint was written; lower optim.lr or check the data"
+    def check(self, where: str, run_dir: Path, hint: str) -> None:
+        if self.in_a_row < self.limit:
+            return
+        last = ckpt.latest_checkpoint(run_dir)
+        raise ShifuError(
+            f"{self.in_a_row} consecutive steps (up to {where}) had a NaN/Inf loss or gradient; stopping "
+            f"(max_nonfinite_steps={self.limit}). "
+            + (
+                f"The last good checkpoint is {last}; lower optim.lr or {hint}, then --resume"
+                if last
+                else f"No checkpoint was written; lower optim.lr or {hint}"
+            )
         )
-    )
 
 
-def require_positive(cfg, keys: tuple[str, ...]) -> None:
-    """ConfigError naming the first of ``keys`` whose value on ``cfg`` is below 1."""
-    for key in keys:
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key} must be >= 1 (got {getattr(cfg, key)})")
+def report_counts(path: str, counts: dict[str, int], main: bool = True) -> None:
+    """Tell the user about dropped/truncated rows (never silent; once, from rank 0, under torchrun)."""
+    if counts and main:
+        print(
+            f"shifu: {path}: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items()),
+            file=sys.stderr,
+        )
 
 
-def validate_loop_fields(cfg) -> None:
-    """The training-loop fields sft, rm and dpo Configs share: counts >= 1, step counts >= 0 (0 = off or
-    derived), and some length of training (``epochs`` or ``max_steps``)."""
-    require_positive(
-        cfg, ("batch_size", "grad_accum", "eval_batch_size", "keep_last", "log_every", "max_nonfinite_steps")
-    )
-    for key in ("max_steps", "eval_every", "save_every"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0 (got {getattr(cfg, key)}); 0 means off/derived")
-    if cfg.max_steps == 0 and cfg.epochs <= 0:
-        raise ConfigError("set epochs > 0 or max_steps > 0")
-
-
-def apply_step(
-    model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float | None, finite: bool
-) -> None:
-    """Clip and take the optimiser step unless the step's loss or gradients were not finite (then the weights
-    and Adam moments stay untouched); the schedule advances and the gradients are cleared either way."""
-    if finite:
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+def total_steps(n_batches_per_epoch: int, grad_accum: int, epochs: float, max_steps: int) -> int:
+    """Optimiser steps of the run: ``max_steps``, else ``ceil(epochs * batches_per_epoch / grad_accum)``."""
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(epochs * n_batches_per_epoch / grad_accum))

@@ -5,96 +5,40 @@ Loss (Rafailov et al. 2023, eq. 7; :func:`shifu.core.dpo_loss`)::
     -log sigmoid(beta * ((log pi(y_c|x) - log pi_ref(y_c|x)) - (log pi(y_r|x) - log pi_ref(y_r|x))))
 
 with ``log pi(y|x)`` the **sum** over the response tokens (EOS included, as SFT appends it) of the
-token log-probs at temperature 1. ``beta * (log pi - log pi_ref)`` is the implicit reward; its held-out
-accuracy (chosen > rejected) and margin are the quality signals (``eval/dpo/accuracy``,
-``eval/dpo/margin``). Token layout is the rollout's: left-padded prompt + right-padded response, log-probs
-read by :func:`shifu.rollout.policy_forward`, so DPO, PPO and the gold/KL evaluation see the same numbers.
+token log-probs at temperature 1; the step's loss is the mean over its pairs. ``beta * (log pi - log
+pi_ref)`` is the implicit reward; its held-out accuracy (chosen > rejected) and margin are the quality
+signals (``eval/dpo/accuracy``, ``eval/dpo/margin``). Token layout is the rollout's: left-padded prompt +
+right-padded response, log-probs read by :func:`shifu.rollout.policy_forward`, so DPO, PPO and the
+gold/KL evaluation see the same numbers.
 
-The reference is a frozen copy (``ref_path``, default ``policy_path``) loaded separately; its log-probs are
-computed once, before training, for every pair. Dropout is disabled in both models, so the implicit reward
-is exactly 0 before the first step. Output: ``OUT/final/`` (HF model + tokenizer), ``summary.json``,
-``metrics.jsonl``; ``save_every`` writes checkpoints that ``--resume`` continues exactly. A step whose loss
-or gradient is NaN/Inf is skipped and counted (``dpo/skipped_steps``); ``max_nonfinite_steps`` of them in a
-row stop the run, as in ``shifu sft``.
+The reference is a frozen copy (``model.ref_path``, default ``model.path``) loaded separately; its
+log-probs are computed once, before training, for every pair. Dropout is disabled in both models, so the
+implicit reward is exactly 0 before the first step. Output: ``OUT/final/`` (HF model + tokenizer),
+``summary.json``, ``metrics.jsonl``. The loop (resume, signals, cadence, skipped steps, torchrun) is
+:mod:`shifu.trainers.loop`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import sys
-import time
 from collections import Counter
 
 import torch
 
-from shifu import checkpoint as ckpt
-from shifu.config import opt, to_dict
 from shifu.core import dpo_loss, masked_sum
-from shifu.data import BatchStream, DataConfig, encode_sft, load_train_eval
+from shifu.data import encode_sft, load_train_eval, prompt_text
 from shifu.errors import ConfigError
-from shifu.models import load_causal_lm, load_tokenizer, pad_left, pad_right
+from shifu.models import check_vocab, load_causal_lm, load_tokenizer, pad_left, pad_right
 from shifu.rollout import policy_forward
-from shifu.tracking import Tracker, progress
-from shifu.trainers.common import (
-    GracefulStop,
-    OptimConfig,
-    announce_stop,
-    apply_step,
-    autocast,
-    build_optimizer,
-    build_scheduler,
-    count_nonfinite,
-    grads_finite,
-    seed_everything,
-    validate_loop_fields,
-    write_config,
-)
-from shifu.trainers.sft import report_counts, resolve_device, restore, total_steps
+from shifu.schema import DPOConfig, TextDataConfig, check_world_size
+from shifu.strategy import Strategy, build_strategy
+from shifu.trainers import common, loop
+from shifu.trainers.common import autocast, report_counts, seed_everything
 
-STAT_KEYS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
+Config = DPOConfig
+STATS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 
 
-@dataclasses.dataclass
-class Config:
-    out_dir: str = opt("", "run directory: metrics.jsonl, tb/, checkpoints/, final/ (the DPO policy)")
-    seed: int = opt(0, "seed of shuffling")
-    policy_path: str = opt("", "policy to train: a local HF causal LM directory (usually the SFT output)")
-    ref_path: str = opt("", "frozen reference model directory; empty: a copy of policy_path")
-    trust_remote_code: bool = opt(False, "allow custom model code shipped in the model directories")
-    beta: float = opt(0.1, "beta of DPO: implicit reward = beta * (log pi - log pi_ref), summed over tokens")
-    data: DataConfig = opt(DataConfig(), "preference pairs (prompt, chosen, rejected), as for shifu rm")
-    optim: OptimConfig = opt(OptimConfig(lr=1e-5), "AdamW and learning-rate schedule")
-    batch_size: int = opt(8, "pairs per micro-batch (one forward over 2x as many sequences)")
-    grad_accum: int = opt(1, "micro-batches per optimiser step")
-    epochs: float = opt(1.0, "passes over the training pairs (used when max_steps is 0)")
-    max_steps: int = opt(0, "optimiser steps; 0: derived from epochs")
-    eval_every: int = opt(0, "held-out report every N steps; 0: only at the start and the end")
-    eval_batch_size: int = opt(32, "pairs per held-out forward")
-    save_every: int = opt(0, "checkpoint every N steps (for --resume); 0: none")
-    keep_last: int = opt(2, "checkpoints kept")
-    log_every: int = opt(10, "training metrics averaged and logged every N steps")
-    bf16: bool = opt(False, "bf16 autocast for forward passes (weights and optimiser stay fp32)")
-    max_nonfinite_steps: int = opt(
-        5, "stop after this many consecutive steps with a NaN/Inf loss or gradient (each one is skipped)"
-    )
-    device: str = opt("auto", "cpu, cuda, cuda:N, or auto")
-    progress: bool = opt(True, "show a progress bar on stderr")
-    tensorboard: bool = opt(True, "also write TensorBoard scalars to OUT/tb")
-
-    def validate(self) -> None:
-        if not self.out_dir:
-            raise ConfigError("out_dir is required: pass --out DIR or out_dir=DIR")
-        if not self.policy_path:
-            raise ConfigError("policy_path is required: a local HF causal LM directory (e.g. the SFT output)")
-        if self.beta <= 0:
-            raise ConfigError(f"beta must be > 0 (got {self.beta}); typical values are 0.01 .. 0.5")
-        self.data.validate()
-        self.optim.validate()
-        validate_loop_fields(self)
-
-
-def encode_pairs(tokenizer, rows: list[dict], d: DataConfig) -> tuple[list[dict], Counter]:
+def encode_pairs(tokenizer, rows: list[dict], d: TextDataConfig) -> tuple[list[dict], Counter]:
     """Preference rows -> ([{"prompt_ids", "chosen_ids", "rejected_ids"}], counts), SFT tokenisation.
 
     Each side is tokenised like an SFT example (:func:`shifu.data.encode_sft`: prompt and response
@@ -104,8 +48,9 @@ def encode_pairs(tokenizer, rows: list[dict], d: DataConfig) -> tuple[list[dict]
     sides = {}
     counts: Counter = Counter()
     for side in ("chosen", "rejected"):
-        sft_rows = [{"prompt": r["prompt"], "response": r[side]} for r in rows]
-        sides[side], c = encode_sft(tokenizer, sft_rows, d.max_prompt_len, d.max_len, d.prompt_policy)
+        # the prompt as the policy is prompted (prompt_text: a chat template, messages), then the response
+        sft_rows = [{"prompt": prompt_text(tokenizer, r, d.chat_template), "response": r[side]} for r in rows]
+        sides[side], c = encode_sft(tokenizer, sft_rows, d.max_prompt_len, d.max_len, d.prompt_policy, False)
         counts["truncated_responses"] += c.pop("truncated_responses", 0)
         if side == "chosen":
             counts.update(c)
@@ -162,154 +107,84 @@ def pair_loss(model, pairs: list[dict], ref_lp: list, pad_id: int, beta: float, 
 
 
 @torch.no_grad()
-def evaluate(model, pairs, ref_lp, pad_id: int, beta: float, batch_size: int, device, bf16) -> dict:
-    """Held-out ``eval/dpo/{loss, accuracy, margin, chosen_reward, rejected_reward}`` (pair means)."""
+def evaluate(model, pairs, ref_lp, pad: int, cfg: DPOConfig, strategy: Strategy) -> dict:
+    """Held-out ``eval/dpo/{loss, accuracy, margin, chosen_reward, rejected_reward}`` (pair means). Each rank
+    scores its share of every ``eval.batch_size`` chunk; the pair-weighted sums are added over ranks."""
     model.eval()
-    totals = dict.fromkeys(STAT_KEYS, 0.0)
-    for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i : i + batch_size]
-        loss, stats = pair_loss(model, chunk, ref_lp[i : i + batch_size], pad_id, beta, device, bf16)
+    totals = dict.fromkeys(STATS, 0.0)
+    for i in range(0, len(pairs), cfg.eval.batch_size):
+        idx, real = strategy.share(list(range(i, min(i + cfg.eval.batch_size, len(pairs)))))
+        chunk, refs = [pairs[j] for j in idx], [ref_lp[j] for j in idx]
+        loss, stats = pair_loss(model, chunk, refs, pad, cfg.beta, strategy.device, cfg.bf16)
         for k, v in {"loss": loss, **stats}.items():
-            totals[k] += float(v) * len(chunk)
+            totals[k] += float(v) * len(chunk) * real
     model.train()
+    totals = strategy.batch_sums(totals)
     return {f"eval/dpo/{k}": v / len(pairs) for k, v in totals.items()}
 
 
-def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
+def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
     """Run DPO as ``cfg`` says; returns the final metrics (``dpo/*`` of the last window, ``eval/dpo/*``)."""
+    strategy = build_strategy(cfg.distributed)
     # 1. data: read and validate every pair before the output directory is touched
     train_rows, eval_rows = load_train_eval(cfg.data, "preference")
-    tokenizer = load_tokenizer(cfg.policy_path, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     train_pairs, counts = encode_pairs(tokenizer, train_rows, cfg.data)
     eval_pairs, eval_counts = encode_pairs(tokenizer, eval_rows, cfg.data)
-    report_counts(cfg.data.train, counts)
-    report_counts(cfg.data.eval or cfg.data.train + " (held out)", eval_counts)
     if not train_pairs or not eval_pairs:
         raise ConfigError("no preference pairs left after the prompt policy; raise data.max_prompt_len")
 
     # 2. policy (trained) and reference (frozen, its log-probs computed once), optimiser, schedule
     seed_everything(cfg.seed)
-    device, pad_id = resolve_device(cfg.device), tokenizer.pad_token_id
-    model = load_causal_lm(cfg.policy_path, trust_remote_code=cfg.trust_remote_code, dropout=False)
-    ref = load_causal_lm(
-        cfg.ref_path or cfg.policy_path, trust_remote_code=cfg.trust_remote_code, dropout=False
-    )
+    device, pad = strategy.launch(cfg.device), tokenizer.pad_token_id
+    check_world_size(cfg, strategy.world)
+    report_counts(cfg.data.train, counts, strategy.is_main)
+    report_counts(cfg.data.eval or cfg.data.train + " (held out)", eval_counts, strategy.is_main)
+    trust = cfg.model.trust_remote_code
+    model = load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False)
+    ref = load_causal_lm(cfg.model.ref_path or cfg.model.path, trust_remote_code=trust, dropout=False)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
         ref.resize_token_embeddings(len(tokenizer))
+    if cfg.model.ref_path:  # another model family would crash mid-run or give meaningless log-ratios
+        check_vocab(tokenizer, ref, cfg.model.ref_path, "model.ref_path")
     model.to(device).train()
-    ref.to(device).eval().requires_grad_(False)
-    train_ref = reference_log_probs(ref, train_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16)
-    eval_ref = reference_log_probs(ref, eval_pairs, pad_id, cfg.eval_batch_size, device, cfg.bf16)
-    del ref
-    stream = BatchStream(len(train_pairs), cfg.batch_size, cfg.seed)
-    n_steps = total_steps(stream.batches_per_epoch(), cfg.grad_accum, cfg.epochs, cfg.max_steps)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, n_steps)
+    ref = strategy.frozen(ref)
+    with strategy.offloaded(ref) as r:
+        train_ref = reference_log_probs(r, train_pairs, pad, cfg.eval.batch_size, device, cfg.bf16)
+        eval_ref = reference_log_probs(r, eval_pairs, pad, cfg.eval.batch_size, device, cfg.bf16)
+    del ref, r
+    model = strategy.wrap(model)  # before the optimiser (FSDP2 shards the parameters)
+    trained = strategy.optimize(model, model.parameters(), cfg.optim, loop.steps_of(cfg, len(train_pairs)))
 
-    # 3. run directory; resume from its latest checkpoint
-    run_dir = ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite)
-    state = restore(run_dir, cfg, {"policy": model}, optimizer, scheduler) if resume else None
-    step = state["step"] if state else 0
-    if state:
-        stream = BatchStream(len(train_pairs), cfg.batch_size, cfg.seed, **state["data"])
-    write_config(run_dir, cfg)
-    tracker = Tracker(
-        run_dir, tensorboard=cfg.tensorboard, resume_step=step if state else (-1 if resume else None)
-    )  # -1: --resume without a checkpoint starts over and drops old lines
+    def loss(rows: list[int], divisor: torch.Tensor):
+        pairs, refs = [train_pairs[i] for i in rows], [train_ref[i] for i in rows]
+        loss, stats = pair_loss(model, pairs, refs, pad, cfg.beta, device, cfg.bf16)
+        w = len(rows) / float(divisor)  # this micro-batch's share of the step's pairs
+        return loss * w, {k: w * float(v) for k, v in {"loss": loss.detach(), **stats}.items()}, len(rows)
 
-    def held_out() -> dict[str, float]:
-        return evaluate(model, eval_pairs, eval_ref, pad_id, cfg.beta, cfg.eval_batch_size, device, cfg.bf16)
-
-    # 4. the loop: each step = grad_accum micro-batches, each weighted by its share of the step's pairs
-    summary: dict[str, float] = {}
-    if step == 0:
-        tracker.log(0, held_out())  # policy == reference: implicit rewards 0, loss log 2
-    bar = progress(n_steps, "dpo", enabled=cfg.progress, initial=step)
-    # metrics accumulated since the last log line (checkpointed, so a resumed run logs the same numbers)
-    # (n_window counts the steps taken; a skipped step adds nothing to the window)
-    window, n_window = state["window"] if state and "window" in state else (dict.fromkeys(STAT_KEYS, 0.0), 0)
-    # steps skipped for a NaN/Inf loss or gradient: in total, and in a row (both checkpointed)
-    nonfinite = state.get("nonfinite", [0, 0]) if state else [0, 0]
-
-    def save() -> None:
-        ckpt.save_checkpoint(
-            run_dir,
-            step,
-            {"policy": model},
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-            {
-                "data": stream.state(),
-                "window": [window, n_window],
-                "nonfinite": nonfinite,
-                "rng": ckpt.rng_state(),
-                "config": to_dict(cfg),
-            },
-            keep_last=cfg.keep_last,
-        )
-
-    t0, t0_step = time.perf_counter(), step
-    with GracefulStop() as stop:
-        while step < n_steps:
-            batches = [stream.next() for _ in range(cfg.grad_accum)]
-            n_pairs = sum(len(b) for b in batches)
-            step_stats = dict.fromkeys(STAT_KEYS, 0.0)
-            for idx in batches:
-                pairs, ref_lp = [train_pairs[i] for i in idx], [train_ref[i] for i in idx]
-                loss, stats = pair_loss(model, pairs, ref_lp, pad_id, cfg.beta, device, cfg.bf16)
-                w = len(idx) / n_pairs
-                (loss * w).backward()
-                for k, v in {"loss": loss.detach(), **stats}.items():
-                    step_stats[k] += w * float(v)
-            finite = grads_finite(model, step_stats["loss"])
-            apply_step(model, optimizer, scheduler, cfg.optim.max_grad_norm, finite)
-            if finite:
-                for k in STAT_KEYS:
-                    window[k] += step_stats[k]
-                n_window += 1
-            step += 1
-            bar.update(1)
-            error = count_nonfinite(nonfinite, finite, "dpo", step, cfg.max_nonfinite_steps, run_dir)
-            if error:
-                bar.close(), tracker.close()
-                raise error
-
-            if step % cfg.log_every == 0 or step == n_steps:
-                last = {f"dpo/{k}": v / n_window if n_window else float("nan") for k, v in window.items()}
-                pairs_done = (step - t0_step) * cfg.batch_size * cfg.grad_accum
-                tracker.log(
-                    step,
-                    {
-                        **last,
-                        "dpo/lr": scheduler.get_last_lr()[0],
-                        "dpo/skipped_steps": nonfinite[0],
-                        "perf/pairs_per_s": pairs_done / max(time.perf_counter() - t0, 1e-9),
-                    },
-                )
-                summary.update(last)
-                bar.set_postfix(acc=f"{last['dpo/accuracy']:.2f}", margin=f"{last['dpo/margin']:.2f}")
-                window, n_window = dict.fromkeys(STAT_KEYS, 0.0), 0
-                t0, t0_step = time.perf_counter(), step
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == n_steps:
-                metrics = held_out()
-                tracker.log(step, metrics)
-                summary.update(metrics)
-            if (cfg.save_every and (step % cfg.save_every == 0 or step == n_steps)) or stop.requested:
-                save()
-            if stop.requested and step < n_steps:
-                bar.close(), tracker.close()
-                announce_stop("dpo", f"step {step}", run_dir)
-                return {"stopped": True, "step": step}
-    bar.close()
-    tracker.close()
-
-    # 5. the DPO policy, loadable by transformers
-    ckpt.save_hf_dir(model, tokenizer, run_dir / "final")
-    (run_dir / "summary.json").write_text(json.dumps({"step": step, **summary}, indent=2), encoding="utf-8")
-    print(
-        f"shifu dpo: {step} steps, held-out implicit-reward accuracy "
-        f"{summary.get('eval/dpo/accuracy', float('nan')):.3f}, margin "
-        f"{summary.get('eval/dpo/margin', float('nan')):.3f}; model in {run_dir / 'final'}",
-        file=sys.stderr,
+    job = loop.Job(
+        name="dpo",
+        trained=trained,
+        modules={"policy": strategy.unwrap(model)},
+        n_rows=len(train_pairs),
+        stat_keys=STATS,
+        count=len,
+        loss=loss,
+        evaluate=lambda: evaluate(model, eval_pairs, eval_ref, pad, cfg, strategy),
+        unit="pairs",
+        seed=cfg.seed,
     )
-    return summary
+
+    # 3. the loop, in the run directory (--resume continues its latest checkpoint)
+    run_dir = common.prepare_run(cfg, strategy, resume, overwrite)
+    summary = loop.run(job, cfg, strategy, run_dir, resume)
+    if summary.get("stopped"):
+        return summary
+
+    # 4. the DPO policy, loadable by transformers (rank 0 writes; sharded weights gathered first)
+    common.save_policy(strategy, model, lambda: load_causal_lm(cfg.model.path, trust_remote_code=trust), tokenizer,
+                run_dir / "final")  # fmt: skip
+    acc, margin = (summary.get(f"eval/dpo/{k}", float("nan")) for k in ("accuracy", "margin"))
+    line = f"shifu dpo: {summary['step']} steps, held-out implicit-reward accuracy {acc:.3f}, margin {margin:.3f}"
+    return common.finish_run(run_dir, summary, strategy, "dpo", line + f"; model in {run_dir / 'final'}")

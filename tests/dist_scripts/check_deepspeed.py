@@ -9,8 +9,10 @@ rank equals the 1-process step on the whole batch; AdamW steps from an ``OptimCo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,7 +24,8 @@ import check_dist as C  # noqa: E402
 import tiny  # noqa: E402
 
 from shifu import distributed as D  # noqa: E402
-from shifu.trainers.common import OptimConfig  # noqa: E402
+from shifu.schema import DistributedConfig, OptimConfig  # noqa: E402
+from shifu.strategy import DeepSpeedStrategy, Trained  # noqa: E402
 
 
 def gathered(engine) -> dict[str, torch.Tensor]:
@@ -45,16 +48,14 @@ def check_equals_single(tok, full, stage: int) -> str:
     ref = {k: p.detach().clone() for k, p in ref_model.named_parameters()}
 
     optim = OptimConfig(max_grad_norm=None)
-    engine, opt = D.wrap_deepspeed(
-        model,
-        optim,
-        {"zero_optimization": {"stage": stage}},
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-    )
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, opt = D.wrap_deepspeed(model, optim, {"zero_optimization": {"stage": stage}}, optimizer=sgd)
+    run = strategy_for(stage)
+    trained = Trained(engine, opt, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0), None, [])
     mine = C.local_rows(full)
     s, _ = tiny.nll_sum_and_count(engine, mine)
-    D.backward(engine, s / D.token_mean_divisor(mine["attention_mask"][:, 1:].sum()))
-    D.optimizer_step(engine, opt, None)
+    run.backward([(trained, s / run.token_mean_divisor(mine["attention_mask"][:, 1:].sum()))])
+    assert run.optimizer_step([trained])
     got = gathered(engine)
     err = C.rel_diff(got, ref, base)
     worst = sorted(got, key=lambda k: -(got[k] - ref[k]).abs().max().item())[:3]
@@ -62,18 +63,32 @@ def check_equals_single(tok, full, stage: int) -> str:
     return f"update rel. diff vs 1 process = {err:.2e}"
 
 
+def strategy_for(stage: int) -> DeepSpeedStrategy:
+    """The trainers' DeepSpeed strategy with a ZeRO-``stage`` config, in this torchrun job."""
+    fd, path = tempfile.mkstemp(suffix=".json")  # this rank's own copy of the JSON config
+    os.write(fd, json.dumps({"zero_optimization": {"stage": stage}}).encode())
+    os.close(fd)
+    run = DeepSpeedStrategy(DistributedConfig(strategy="deepspeed", deepspeed_config=path))
+    run.device = D.local_device()
+    return run
+
+
 def check_learns(tok, full, stage: int) -> str:
-    optim = OptimConfig(lr=1e-2, max_grad_norm=1.0)
-    engine, opt = D.wrap_deepspeed(tiny.tiny_model(tok), optim, {"zero_optimization": {"stage": stage}})
+    run = strategy_for(stage)
+    model = run.wrap(tiny.tiny_model(tok))
+    trained = run.optimize(
+        model, model.parameters(), OptimConfig(lr=1e-2, max_grad_norm=1.0, schedule="constant"), 6
+    )
+    engine = trained.model
     mine = C.local_rows(full)
-    divisor = D.token_mean_divisor(mine["attention_mask"][:, 1:].sum())
+    divisor = run.token_mean_divisor(mine["attention_mask"][:, 1:].sum())
     losses = []
     for _ in range(6):
         s, _ = tiny.nll_sum_and_count(engine, mine)
         loss = s / divisor
         losses.append(D.reduce_metrics({"loss": loss})["loss"])
-        D.backward(engine, loss)
-        D.optimizer_step(engine, opt, optim.max_grad_norm)
+        run.backward([(trained, loss)])
+        assert run.optimizer_step([trained])
     assert losses[-1] < losses[0] - 0.3, f"loss did not fall: {losses}"
     return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
 

@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tiny  # noqa: E402
 
 from shifu import distributed as D  # noqa: E402
+from shifu.schema import DistributedConfig  # noqa: E402
+from shifu.strategy import DistributedStrategy, Trained  # noqa: E402
 
 RESULTS: dict[str, dict] = {}
 
@@ -37,7 +39,8 @@ RESULTS: dict[str, dict] = {}
 def record(out: Path, name: str, ok: bool, detail: str) -> None:
     RESULTS[name] = {"ok": ok, "detail": detail}
     (out / f"rank{D.rank()}.json").write_text(json.dumps(RESULTS, indent=1))
-    D.print0(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}")
+    if D.is_main():
+        print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}", flush=True)
 
 
 ONLY: list[str] = []
@@ -113,19 +116,31 @@ def dist_step(tok, full, strategy, opt_cls, lr, normalise="global", micro: int =
     model = tiny.tiny_model(tok)
     if grad_ckpt:
         model.train()
-        D.enable_gradient_checkpointing(model)
-    model = D.wrap_trainable(model, strategy)
-    opt = opt_cls(model.parameters(), lr=lr)
+    run = strategy_for(strategy, gradient_checkpointing=grad_ckpt)
+    model = run.wrap(model)
+    trained = constant_lr(model, opt_cls(model.parameters(), lr=lr))
     mine = to_dev(local_rows(full))
     parts = [{k: v[i::micro] for k, v in mine.items()} for i in range(micro)]
-    divisor = D.token_mean_divisor(mine["attention_mask"][:, 1:].sum())
+    divisor = run.token_mean_divisor(mine["attention_mask"][:, 1:].sum())
     for i, part in enumerate(parts):
-        with D.grad_sync(model, enabled=i == micro - 1):
+        with run.accumulating([trained], sync=i == micro - 1):  # gradients reduced once, after the last
             s, n = tiny.nll_sum_and_count(model, part)
-            loss = s / divisor if normalise == "global" else s / n
-            loss.backward()
-    D.optimizer_step(model, opt, None)
+            run.backward([(trained, s / divisor if normalise == "global" else s / n)])
+    assert run.optimizer_step([trained])
     return params(model)
+
+
+def strategy_for(name: str, **cfg) -> DistributedStrategy:
+    """The trainers' strategy for ``name`` (ddp, fsdp2) in this torchrun job."""
+    run = DistributedStrategy(DistributedConfig(strategy=name, **cfg))
+    run.device = D.local_device()
+    return run
+
+
+def constant_lr(model, opt, max_grad_norm: float | None = None) -> Trained:
+    """A model and its optimiser as the strategy steps them (constant learning rate)."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    return Trained(model, opt, sched, max_grad_norm, list(model.parameters()))
 
 
 def check_collectives() -> str:
@@ -135,7 +150,7 @@ def check_collectives() -> str:
     assert m == {"a/y": mean_r, "b/x": 2 * mean_r, "c/one": 1.0}, m
     s = D.reduce_metrics({"n": r + 1}, op="sum")
     assert s["n"] == W * (W + 1) / 2, s
-    n = D.global_count(torch.tensor(10 + r))
+    n = D.all_reduce_sum(torch.tensor(10 + r))  # a global count
     assert n.item() == sum(10 + i for i in range(W)), n
     assert D.any_true(r == 0) is True and D.all_true(r == 0) is (W == 1)
     assert D.all_true(True) is True and D.any_true(False) is False
@@ -254,16 +269,18 @@ def check_lora_fsdp2(tok, full) -> str:
 def check_bf16(tok, full) -> str:
     """FSDP2 with bf16 compute (fp32 reduce): a few AdamW steps lower the loss."""
     model = D.wrap_trainable(tiny.tiny_model(tok), "fsdp2", bf16=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = strategy_for("fsdp2")
+    trained = constant_lr(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=1.0)
     mine = to_dev(local_rows(full))
-    divisor = D.token_mean_divisor(mine["attention_mask"][:, 1:].sum())
+    divisor = run.token_mean_divisor(mine["attention_mask"][:, 1:].sum())
     losses = []
     for _ in range(8):
         s, _ = tiny.nll_sum_and_count(model, mine)
         loss = s / divisor
         losses.append(D.reduce_metrics({"loss": loss})["loss"])
-        loss.backward()
-        norm = D.optimizer_step(model, opt, max_grad_norm=1.0)  # clips over all ranks' DTensor shards
+        run.backward([(trained, loss)])
+        assert run.optimizer_step([trained])  # clips over all ranks' DTensor shards
+        norm = run.grad_norm
         assert isinstance(norm, float) and norm > 0, norm
     assert losses[-1] < losses[0] - 0.3, f"bf16 loss did not fall: {losses}"
     return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, last grad norm {norm:.3f}"

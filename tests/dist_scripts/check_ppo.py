@@ -5,9 +5,9 @@
 Same protocol as ``check_dist.py`` (``DIR/rank<r>.json``, one entry per check, every check in one launch).
 
 ``ppo_<strategy>_equals_single``: one PPO iteration (``ppo_epochs=1``, one minibatch = the whole local
-batch) on a fixed global experience. Rank 0 samples it with a 1-process trainer and broadcasts it; the
-reference trainer (pretending ``world == 1``) updates on all of it, the distributed trainer on this rank's
-contiguous half (rank 0 the longer responses: different token counts per rank). Actor and critic weights
+batch) on a fixed global rollout. Rank 0 samples it with one-process models and broadcasts it; the
+reference (the one-process ``Strategy``, inside the torchrun job) learns from all of it, the distributed
+strategy's models from this rank's contiguous half (rank 0 the longer responses: different token counts per rank). Actor and critic weights
 after the update must agree to float tolerance. With ``--deepspeed``: ZeRO-2 and ZeRO-3 PPO updates lower
 the clipped PPO loss on a fixed experience.
 """
@@ -15,6 +15,7 @@ the clipped PPO loss on a fixed experience.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -29,12 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import check_dist as C  # noqa: E402
 import ppo_task  # noqa: E402
 
+from shifu import core  # noqa: E402
 from shifu import distributed as D  # noqa: E402
-from shifu.config import from_dict, load_config, parse_overrides  # noqa: E402
+from shifu.config import load_config  # noqa: E402
 from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left  # noqa: E402
 from shifu.rewards import RewardSource  # noqa: E402
-from shifu.trainers.ppo import PPOTrainer  # noqa: E402
-from shifu.trainers.ppo_config import Config  # noqa: E402
+from shifu.rollout import Rollout  # noqa: E402
+from shifu.schema import PPOConfig as Config  # noqa: E402
+from shifu.strategy import Strategy, build_strategy  # noqa: E402
+from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
+from shifu.trainers.ppo_update import minibatch_loss  # noqa: E402
 
 B = 8  # global rollouts
 
@@ -42,8 +47,8 @@ B = 8  # global rollouts
 def make_cfg(out: Path, model: Path, *extra: str) -> Config:
     base = [
         f"out_dir={out}",
-        f"actor_path={model}",
-        f"data.prompts={out / 'p.jsonl'}",
+        f"model.path={model}",
+        f"data.train={out / 'p.jsonl'}",
         "reward.function=ppo_task:frac_a",
         "critic.init=sft",
         f"batch_size={B}",
@@ -54,23 +59,22 @@ def make_cfg(out: Path, model: Path, *extra: str) -> Config:
         "optim.lr=1e-2",
         "critic.optim.lr=1e-2",
     ]
-    if not any(e.startswith("distributed.strategy=") for e in extra):
-        # the 1-process reference inside a 2-process job: validate() would (rightly) refuse strategy=none
-        return from_dict(Config, parse_overrides(base + list(extra)))
     return load_config(Config, overrides=base + list(extra))
 
 
-def trainer_for(cfg: Config, model: Path, world_one: bool = False) -> PPOTrainer:
+def models_for(cfg: Config, model: Path, world_one: bool = False):
+    """(models, state) as ``shifu ppo`` places them; ``world_one``: the one-process strategy inside the
+    torchrun job (the reference update)."""
+    strategy = Strategy(cfg.distributed) if world_one else build_strategy(cfg.distributed)
+    strategy.device = D.local_device()
     tok = load_tokenizer(model)
     tok.padding_side = "left"
-    actor = load_causal_lm(model, dropout=False)
-    ref = load_causal_lm(model, dropout=False)
-    critic = ScalarModel.from_backbone(model, seed=cfg.seed)
+    actor = load_causal_lm(model, dropout=False).to(strategy.device)
+    ref = load_causal_lm(model, dropout=False).to(strategy.device)
+    critic = ScalarModel.from_backbone(model, seed=cfg.seed).to(strategy.device)
     reward = RewardSource(function=ppo_task.frac_a, micro_batch=cfg.micro_batch_size)
-    t = PPOTrainer(actor, critic, ref, reward, tok, cfg, device=D.local_device())
-    if world_one:
-        t.world = 1  # a 1-process trainer inside the torchrun job: the reference update
-    return t
+    m = ppo_models.place(actor, critic, None, ref, reward, tok, cfg, strategy)
+    return m, ppo_models.PPOState.new(cfg, strategy)
 
 
 def prompts(tok, n: int):
@@ -82,54 +86,50 @@ def prompts(tok, n: int):
     return b["input_ids"], b["attention_mask"], rows
 
 
-def fixed_experience(cfg: Config, model: Path) -> dict:
-    """A global rollout sampled on rank 0 by a plain trainer and broadcast: identical on every rank."""
-    exp = None
+def moved(rollout: Rollout, device) -> Rollout:
+    return Rollout(**{f.name: (v.to(device) if isinstance(v := getattr(rollout, f.name), torch.Tensor) else v)
+                      for f in dataclasses.fields(rollout)})  # fmt: skip
+
+
+def fixed_rollout(cfg: Config, model: Path) -> Rollout:
+    """A global rollout sampled on rank 0 by one-process models and broadcast: identical on every rank."""
+    rollout = None
     if D.is_main():
-        t = trainer_for(cfg, model, world_one=True)
-        pids, pmask, rows = prompts(t.tok, B)
-        exp = t.rollout(pids, pmask, rows)
-        exp = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in exp.items()}
-    return D.broadcast_object(exp)
+        m, s = models_for(cfg, model, world_one=True)
+        pids, pmask, rows = prompts(m.tokenizer, B)
+        dev = m.strategy.device
+        rollout, _ = ppo_rollout.collect_rollout(
+            m, cfg, pids.to(dev), pmask.to(dev), rows, ppo.sampling_params(cfg), s.sample_gen
+        )
+        rollout = moved(rollout, "cpu")
+    return D.broadcast_object(rollout)
 
 
-def local_half(exp: dict) -> dict:
+def local_half(rollout: Rollout) -> tuple[Rollout, Rollout]:
     """Rows of this rank (contiguous halves), responses sorted longest first: rank 0 has more tokens."""
-    order = exp["response_mask"].sum(1).argsort(descending=True, stable=True)
+    order = rollout.response_mask.sum(1).argsort(descending=True, stable=True)
     n = B // D.world_size()
     mine = order[D.rank() * n : (D.rank() + 1) * n]
-    return select(exp, mine), select(exp, order)
-
-
-def select(exp: dict, idx: torch.Tensor) -> dict:
-    out = {}
-    for k, v in exp.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            out[k] = v[idx].to(D.local_device())
-        elif isinstance(v, list):
-            out[k] = [v[i] for i in idx.tolist()]
-        else:
-            out[k] = v
-    return out
+    return moved(rollout.select(mine), D.local_device()), moved(rollout.select(order), D.local_device())
 
 
 def check_equals_single(out: Path, model: Path, strategy: str) -> str:
     cfg_single = make_cfg(out, model)
     cfg_dist = make_cfg(out, model, f"distributed.strategy={strategy}")
-    exp = fixed_experience(cfg_single, model)
-    mine, everything = local_half(exp)
-    n_tok = [int(x) for x in D.gather_object(int(mine["response_mask"].sum()))]
-    single = trainer_for(cfg_single, model, world_one=True)
+    rollout = fixed_rollout(cfg_single, model)
+    mine, everything = local_half(rollout)
+    n_tok = [int(x) for x in D.gather_object(int(mine.response_mask.sum()))]
+    single, s_single = models_for(cfg_single, model, world_one=True)
     base_actor = C.params(single.actor)
-    single.advantages(everything)
-    m_single = single.update(everything)
-    dist = trainer_for(cfg_dist, model)
-    dist.advantages(mine)
-    m_dist = dist.update(mine)
+    m_single = ppo.learn(single, s_single, cfg_single, everything)
+    dist, s_dist = models_for(cfg_dist, model)
+    m_dist = ppo.learn(dist, s_dist, cfg_dist, mine)
     errs = {
         "actor": C.rel_diff(C.params(dist.actor), C.params(single.actor), base_actor),
         "critic": C.rel_diff(
-            C.params(dist.critic), C.params(single.critic), C.params(trainer_for(cfg_single, model).critic)
+            C.params(dist.critic),
+            C.params(single.critic),
+            C.params(models_for(cfg_single, model, True)[0].critic),
         ),
     }
     lv, ls = m_dist["loss/value"], m_single["loss/value"]
@@ -140,9 +140,8 @@ def check_equals_single(out: Path, model: Path, strategy: str) -> str:
     divisor = D.token_mean_divisor
     D.token_mean_divisor = lambda n: n.clamp(min=1).float()
     try:
-        wrong = trainer_for(cfg_dist, model)
-        wrong.advantages(mine)
-        wrong.update(mine)
+        wrong, s_wrong = models_for(cfg_dist, model)
+        ppo.learn(wrong, s_wrong, cfg_dist, mine)
     finally:
         D.token_mean_divisor = divisor
     err_wrong = C.rel_diff(C.params(wrong.actor), C.params(single.actor), base_actor)
@@ -164,20 +163,23 @@ def check_deepspeed_learns(out: Path, model: Path, stage: int) -> str:
         out, model, "distributed.strategy=deepspeed", f"distributed.deepspeed_config={ds}", "ppo_epochs=4",
         "optim.lr=3e-3", "critic.optim.lr=3e-3",
     )  # fmt: skip
-    exp = fixed_experience(make_cfg(out, model), model)
-    mine, _ = local_half(exp)
-    t = trainer_for(cfg, model)
-    t.advantages(mine)
+    mine, _ = local_half(fixed_rollout(make_cfg(out, model), model))
+    m, s = models_for(cfg, model)
+    # phases 3-4 of ppo.learn on this rank's rows (score = frac_a, beta = kl.init_coef), for the loss below
+    mask, beta = mine.response_mask, s.kl_ctl.value
+    kl = core.kl_estimate(mine.old_log_probs, mine.ref_log_probs) * mask
+    advantages, returns = core.gae(core.shape_rewards(mine.scores, kl, mask, beta), mine.values, mask)
+    advantages = core.masked_whiten(advantages, mask, reduce=m.strategy.all_reduce_sum)
+    scored = dataclasses.replace(mine, advantages=advantages, returns=returns)
 
     def loss() -> float:
-        idx = torch.arange(mine["input_ids"].shape[0])
         with torch.no_grad():
-            n = D.token_mean_divisor(mine["response_mask"].sum())
-            value, _ = t._loss(mine, idx, mine["prompt_len"], n, 1.0)
-        return D.reduce_metrics({"l": value})["l"]
+            n = D.token_mean_divisor(mask.sum())
+            parts, _ = minibatch_loss(m, s, cfg, scored, n, 1.0)
+        return D.reduce_metrics({"l": sum(value for _, value in parts)})["l"]
 
     before = loss()
-    t.update(mine)
+    ppo.learn(m, s, cfg, mine)
     after = loss()
     assert after < before - 1e-3, f"ZeRO-{stage}: PPO loss did not fall: {before:.4f} -> {after:.4f}"
     return f"ZeRO-{stage}: PPO loss (policy + value) {before:.4f} -> {after:.4f} after 4 epochs"

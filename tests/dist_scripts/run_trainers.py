@@ -1,9 +1,9 @@
-"""Run several ``shifu sft`` / ``shifu rm`` trainings in ONE torchrun launch (start-up costs seconds),
+"""Run several ``shifu sft`` / ``shifu rm`` / ``shifu dpo`` trainings in ONE torchrun launch (start-up costs seconds),
 for ``tests/test_distributed_sft_rm.py``::
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/run_trainers.py --runs RUNS.json
 
-``RUNS.json``: a list of ``{"cmd": "sft" | "rm", "overrides": ["key=value", ...], "resume": bool,
+``RUNS.json``: a list of ``{"cmd": "sft" | "rm" | "dpo", "overrides": ["key=value", ...], "resume": bool,
 "copy_final": DIR | null}``, run in order on every rank exactly as the CLI would (``load_config`` +
 ``train``). ``copy_final``: rank 0 copies ``OUT/final`` there afterwards (a snapshot before a later run
 resumes into the same directory). The checks themselves are in the test, against 1-process runs.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from shifu import distributed as D
 from shifu.config import load_config
-from shifu.trainers import reward, sft
+from shifu.trainers import dpo, reward, sft
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--runs", required=True)
     runs = json.loads(Path(ap.parse_args().runs).read_text())
     for run in runs:
-        module = sft if run["cmd"] == "sft" else reward
+        module = {"sft": sft, "rm": reward, "dpo": dpo}[run["cmd"]]
         cfg = load_config(module.Config, overrides=run["overrides"])
         module.train(cfg, resume=run.get("resume", False))
         if run.get("copy_final") and D.is_main():

@@ -19,18 +19,21 @@ def install_hooks() -> None:
     if crash_step:
         from shifu import checkpoint
 
-        real_save_model = checkpoint.save_model
         marker = f".tmp-step-{int(crash_step):08d}"
 
-        def save_model_then_crash(module, filename, *args, **kwargs):
-            real_save_model(module, filename, *args, **kwargs)
-            if marker in str(filename):
-                size = os.path.getsize(filename)
-                with open(filename, "r+b") as f:
-                    f.truncate(size // 2)
-                os._exit(137)
+        def then_crash(real_save):  # save_model (whole modules) or save_file (LoRA: what trains)
+            def save_then_crash(what, filename, *args, **kwargs):
+                real_save(what, filename, *args, **kwargs)
+                if marker in str(filename):
+                    size = os.path.getsize(filename)
+                    with open(filename, "r+b") as f:
+                        f.truncate(size // 2)
+                    os._exit(137)
 
-        checkpoint.save_model = save_model_then_crash
+            return save_then_crash
+
+        checkpoint.save_model = then_crash(checkpoint.save_model)
+        checkpoint.save_file = then_crash(checkpoint.save_file)
 
     nan_at = os.environ.get("SHIFU_TEST_NAN_LOSS_AT")
     if nan_at:

@@ -1,0 +1,94 @@
+"""Critic-free advantages from a group of ``G`` responses per prompt, and DAPO's dynamic sampling.
+
+Layout: rows are **group-contiguous**, row ``i`` of a ``(B,)`` tensor belongs to prompt ``i // G``, so
+``B = num_prompts * G`` and ``x.view(-1, G)`` has one prompt per row. A group must live on one process
+(the caller splits batches at group boundaries). Every function raises ``ValueError`` when ``B`` is not
+a multiple of ``G`` or ``G < 2`` (one response has no group to compare with); the checks read shapes
+only, nothing from the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def _grouped(x: Tensor, group_size: int, name: str = "rewards") -> Tensor:
+    """``x`` (B,) viewed as (B // G, G), one prompt per row, after checking the layout."""
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (B,), one number per response; got shape {tuple(x.shape)}")
+    if group_size < 2:
+        raise ValueError(
+            f"group_size must be >= 2 responses per prompt for a group baseline, got {group_size}; "
+            "sample more responses per prompt"
+        )
+    if x.shape[0] == 0 or x.shape[0] % group_size:
+        raise ValueError(
+            f"{name} has {x.shape[0]} rows, not a positive multiple of group_size {group_size}; rows must "
+            "be whole groups, laid out group-contiguously (row i belongs to prompt i // group_size)"
+        )
+    return x.view(-1, group_size)
+
+
+def subtract_group_mean(scores: Tensor, group_size: int) -> Tensor:
+    """``s_i - mean_{j in group(i)} s_j`` (B,): each score minus the mean score of its prompt's group.
+
+    The group-mean baseline of Dr. GRPO's advantage and of REINFORCE++-baseline's scores (Hu 2025,
+    "REINFORCE++", the baseline variant subtracts the group mean before the KL shaping and the global
+    whitening). Equal scores in a group give 0.
+    """
+    grouped = _grouped(scores, group_size, "scores")
+    return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+
+
+def group_advantages(rewards: Tensor, group_size: int, method: str, eps: float = 1e-6) -> Tensor:
+    """One advantage per response (B,) from the rewards (B,) of its group of ``G = group_size``.
+
+    With ``mean`` and ``std`` over the group of response ``i`` (``std`` unbiased, ``n - 1``, as
+    ``torch.std``):
+
+    - ``"grpo"``: ``A_i = (r_i - mean) / (std + eps)`` (Shao et al. 2024, "DeepSeekMath", GRPO with
+      outcome supervision);
+    - ``"dr_grpo"``: ``A_i = r_i - mean``, without the std that up-weights easy and hard prompts
+      (Liu et al. 2025, "Understanding R1-Zero-like training: a critical perspective");
+    - ``"rloo"``: ``A_i = r_i - 1/(G-1) * sum_{j != i} r_j``, the leave-one-out baseline, unbiased
+      because it does not depend on ``r_i`` (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline
+      for free!"; Ahmadian et al. 2024, "Back to basics: revisiting REINFORCE style optimization").
+      Equals ``G/(G-1) * (r_i - mean)``.
+
+    A group of equal rewards gets advantage exactly 0 (never NaN). Spread over a response's tokens with
+    :func:`shifu.core.sequence_advantages` (baseline 0).
+    """
+    grouped = _grouped(rewards, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    if method == "grpo":
+        std = grouped.std(dim=1, keepdim=True)  # unbiased; G >= 2 is checked above
+        adv = (grouped - mean) / (std + eps)
+    elif method == "dr_grpo":
+        adv = grouped - mean
+    elif method == "rloo":
+        others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+        adv = grouped - others
+    else:
+        raise ValueError(f"unknown group advantage method '{method}'; valid: {', '.join(GROUP_ESTIMATORS)}")
+    # a tied group is exactly 0, even where the rounded mean differs from the common value in the last bit
+    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(tied, torch.zeros((), dtype=adv.dtype, device=adv.device), adv).reshape(-1)
+
+
+def dynamic_sampling_mask(rewards: Tensor, group_size: int, atol: float = 0.0) -> tuple[Tensor, Tensor]:
+    """DAPO's dynamic sampling filter (Yu et al. 2025, "DAPO", its constraint
+    ``0 < |{correct}| < G``): keep the groups whose rewards are not all equal.
+
+    A group with ``max - min <= atol`` (all correct, all wrong, or all tied) has zero group advantage and
+    gives no gradient, so it only dilutes the batch. Returns ``(keep, num_dropped)``: ``keep`` (B,) bool,
+    True on every row of a kept group (index the rollout with it), and the number of dropped **groups**
+    as a 0-dim long tensor. Pass the rewards the advantages will be computed from.
+    """
+    grouped = _grouped(rewards, group_size)
+    spread = grouped.amax(dim=1) - grouped.amin(dim=1)  # (B // G,)
+    informative = spread > atol
+    keep = informative.repeat_interleave(group_size)
+    return keep, (~informative).sum()

@@ -1,0 +1,224 @@
+"""What ``shifu quickstart`` and ``shifu study`` share: prepare -> SFT -> preference pairs -> reward model.
+
+:class:`Stages` runs each stage in its own directory under one root::
+
+    ROOT/data/   task files: sft_*.jsonl, prompts_*.jsonl, tokenizer/, base/ (untrained or converted model)
+    ROOT/sft/    shifu sft run: final/ (the SFT policy: where every later stage starts, and the reference)
+    ROOT/pairs/  preference pairs sampled from the SFT policy
+    ROOT/rm/     imdb: shifu rm run on those pairs: final/ (the reward model)
+
+A finished stage leaves ``DONE`` in its directory: JSON with the wall-clock ``seconds``, the process
+``cpu_seconds`` and what the stage reports (e.g. ``rm_accuracy``). A rerun skips finished stages; a trainer
+stage that was interrupted resumes from its checkpoint, or starts again when it has none.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` laid on top, section by section (neither is changed)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def log(who: str, msg: str) -> None:
+    print(f"[{who}] {msg}", file=sys.stderr, flush=True)
+
+
+def clock() -> tuple[float, float]:
+    """(wall-clock, process CPU) time now: the start that :func:`elapsed` measures from."""
+    return time.time(), time.process_time()
+
+
+def elapsed(t0: tuple[float, float]) -> dict[str, float]:
+    """Wall-clock ``seconds`` and process ``cpu_seconds`` since ``t0`` (a :func:`clock`).
+
+    CPU time (all threads of this process) is the figure to compare on a shared machine: with one torch
+    thread it is what the stage takes on an idle core.
+    """
+    return {"seconds": round(time.time() - t0[0], 2), "cpu_seconds": round(time.process_time() - t0[1], 2)}
+
+
+def done(stage_dir: Path) -> dict | None:
+    """The stage's ``DONE`` marker, or None when it has not finished."""
+    marker = stage_dir / "DONE"
+    return json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else None
+
+
+def mark_done(stage_dir: Path, t0: tuple[float, float], **extra: Any) -> None:
+    """Write ``DONE``: the time since ``t0`` (:func:`elapsed`) and ``extra``."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / "DONE").write_text(json.dumps({**elapsed(t0), **extra}), encoding="utf-8")
+
+
+def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
+    """Run a trainer (``Config`` + ``train``) in ``stage_dir``; resume from its checkpoint if it has one."""
+    import importlib
+
+    from shifu import checkpoint as ckpt
+    from shifu.config import load_config
+
+    module = importlib.import_module(module_name)
+    cfg = load_config(module.Config, None, merge(overrides, {"out_dir": str(stage_dir)}))
+    resume = ckpt.latest_checkpoint(stage_dir) is not None
+    if not resume and stage_dir.exists():
+        shutil.rmtree(stage_dir)  # an unfinished stage without a checkpoint starts again
+    result = module.train(cfg, resume=resume, overwrite=False) or {}
+    if result.get("stopped"):  # SIGINT/SIGTERM: the stage checkpointed; the same command again resumes it
+        raise SystemExit(0)
+    return result
+
+
+def ppo_overrides(plan: dict, sft_final: str | Path, files: dict[str, str], reward: dict, seed: int) -> dict:
+    """A PPO (or REINFORCE) run's config: ``plan`` from the SFT policy (the actor's start and the
+    reference), on the task's training prompts with its validation prompts held out, rewarded by
+    ``reward`` (``model_path``, ``function`` or a service's ``url``)."""
+    over = merge(
+        plan,
+        {
+            "seed": seed,
+            "model": {"path": str(sft_final)},
+            "reward": dict(reward),
+            "data": {"train": files["prompts_train"], "eval": files["prompts_val"]},
+        },
+    )
+    if "function" not in reward:  # a reward model or service replaces the plan's reward function
+        over["reward"].pop("function", None)
+    return over
+
+
+# -------------------------------------------------------------------------------------------- stages
+
+
+class Stages:
+    """The shared stages of one run, in ``root``; ``seed`` seeds every one of them, ``who`` prefixes logs.
+
+    Each stage's ``DONE`` marker is kept in ``markers`` (stage name -> marker, in the order they ran).
+    """
+
+    def __init__(self, root: Path, seed: int, who: str):
+        self.root, self.seed, self.who = root, seed, who
+        self.markers: dict[str, dict[str, Any]] = {}
+
+    def log(self, msg: str) -> None:
+        log(self.who, msg)
+
+    def run(self, name: str, stage_dir: Path, note: str, work: Callable[[Path], dict | None]) -> dict:
+        """Stage ``name``: ``work(stage_dir)`` unless ``stage_dir`` is DONE; its marker holds what
+        ``work`` returns. Returns the marker."""
+        if (marker := done(stage_dir)) is None:
+            self.log(note)
+            t0 = clock()
+            mark_done(stage_dir, t0, **(work(stage_dir) or {}))
+            marker = done(stage_dir)
+        self.markers[name] = marker
+        return marker
+
+    def train(self, name: str, module_name: str, overrides: dict) -> dict:
+        """A trainer stage in ``root/name`` (:func:`train_stage`); returns its marker."""
+
+        def work(stage_dir: Path) -> None:
+            train_stage(module_name, stage_dir, overrides)
+
+        return self.run(name, self.root / name, f"stage {name}", work)
+
+    def seconds(self) -> dict[str, float]:
+        return {name: m["seconds"] for name, m in self.markers.items()}
+
+    def cpu_seconds(self) -> dict[str, float | None]:
+        """Per stage; None for a stage finished by a version that did not measure CPU time."""
+        return {name: m.get("cpu_seconds") for name, m in self.markers.items()}
+
+    def prepare(self, task: str, preset: str) -> dict[str, str]:
+        """Task files, tokenizer and base model in ``root/data``; returns the files (stem -> path)."""
+        data_dir = self.root / "data"
+
+        def work(stage_dir: Path) -> None:
+            from shifu.tasks import arith, imdb
+
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            (arith if task == "arith" else imdb).prepare(stage_dir, preset, self.seed)
+
+        base = data_dir / "base"
+        if base.is_symlink() and not base.exists() and (data_dir / "DONE").exists():
+            (data_dir / "DONE").unlink()  # the cached model it links to was deleted: prepare again
+        self.run("prepare", data_dir, f"prepare task {task} (preset {preset}) in {data_dir}", work)
+        return {p.stem: str(p) for p in data_dir.glob("*.jsonl")}
+
+    def sft(self, plan: dict, files: dict[str, str]) -> Path:
+        """SFT of the base model on the task's demonstrations; returns the policy (``root/sft/final``)."""
+        over = {
+            "seed": self.seed,
+            "model": {"path": str(self.root / "data" / "base")},
+            "data": {"train": files["sft_train"], "eval": files["sft_eval"]},
+        }
+        self.train("sft", "shifu.trainers.sft", merge(plan, over))
+        return self.root / "sft" / "final"
+
+    def imdb_pairs(self, sft_final: Path, prompts: list[str], plan: dict) -> dict:
+        """Two SFT samples per prompt, labelled by the noisy VADER judge (:func:`shifu.tasks.imdb.
+        make_preference_pairs`); the marker holds its label statistics."""
+
+        def work(pairs_dir: Path) -> dict:
+            from shifu.tasks import imdb
+
+            info = imdb.make_preference_pairs(
+                sft_final,
+                prompts,
+                pairs_dir,
+                max_new_tokens=plan["max_new_tokens"],
+                tau=plan["tau"],
+                seed=self.seed,
+                temperature=plan["temperature"],
+                drop_ties=plan.get("drop_ties", False),
+            )
+            return {k: v for k, v in info.items() if not k.startswith("pairs_")}
+
+        note = "stage pairs: two SFT samples per prompt, noisy VADER preference"
+        return self.run("pairs", self.root / "pairs", note, work)
+
+    def rm(self, plan: dict, sft_final: Path) -> dict:
+        """The reward model on ``root/pairs`` (``model.path`` sft or unset: on the SFT policy); the marker
+        holds its held-out ``rm_accuracy``. Returns the marker."""
+        pairs_dir = self.root / "pairs"
+        over = merge(
+            plan,
+            {
+                "seed": self.seed,
+                "data": {
+                    "train": str(pairs_dir / "pairs_train.jsonl"),
+                    "eval": str(pairs_dir / "pairs_eval.jsonl"),
+                },
+                # SFT-policy samples on training prompts get RM scores of mean 0, std 1
+                "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl")},
+            },
+        )
+        if over.get("model", {}).get("path", "sft") == "sft":
+            over = merge(over, {"model": {"path": str(sft_final)}})
+
+        def work(rm_dir: Path) -> dict:
+            result = train_stage("shifu.trainers.reward", rm_dir, over)
+            return {"rm_accuracy": result.get("eval/rm/accuracy")}
+
+        return self.run("rm", self.root / "rm", "stage rm", work)

@@ -1,0 +1,109 @@
+"""Phase 4 of a PPO iteration: the advantages, by the estimator's name (``advantage_estimator``).
+
+Each estimator takes the iteration's :class:`Signals` and returns ``(advantages, returns)`` (B, R); every
+formula is a named function of ``shifu.core`` (docs/core.md has the table of how they compose):
+
+- ``gae``: per-token rewards (``-beta * kl_t``, the score on the last token, process rewards on their
+  tokens) -> GAE on the critic's values -> whitened over the global batch (``whiten_advantages``);
+- ``reinforce`` (algo=reinforce): the whole-sequence return ``score - beta * sum_t kl_t`` on every token,
+  minus the batch mean (``reinforce_baseline``); process rewards count in the sequence's score;
+- ``grpo``, ``dr_grpo``, ``rloo``: the group's comparison of ``score - beta * sum_t kl_t`` (just the score
+  when the KL is a loss term), on every token of the response; one number per response, so process
+  rewards are refused;
+- ``reinforce_pp``, ``reinforce_pp_baseline``: the discounted reward-to-go of the per-token rewards,
+  whitened over the global batch; the baseline variant first subtracts each group's mean score.
+
+The critic-free estimators ignore ``values`` (no critic is built for them) and return the advantages as
+the returns (nothing fits them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import Tensor
+
+from shifu import core
+from shifu.errors import ShifuError
+from shifu.schema import PPOConfig
+from shifu.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    """What an estimator reads, this rank's rows (group-contiguous: row i answers prompt i // G)."""
+
+    scores: Tensor  # (B,) processed scores (2. score processing)
+    token_rewards: Tensor | None  # (B, R) process rewards on the tokens that end a step, or None
+    kl: Tensor  # (B, R) per-token KL estimate to the reference, 0 on padding
+    beta: float  # its coefficient in the reward (0 when the KL is a loss term: kl.penalty=loss)
+    mask: Tensor  # (B, R) bool, the response tokens that train (a dynamic-sampling drop clears a row)
+    values: Tensor  # (B, R) the critic's values (zeros without a critic)
+
+
+def totals(scores: Tensor, rollout) -> Tensor:
+    """(B,) each response's processed score plus its process rewards (what dynamic sampling compares)."""
+    if rollout.token_rewards is None:
+        return scores
+    return scores + core.masked_sum(rollout.token_rewards, rollout.response_mask, dim=1)
+
+
+def _token_rewards(x: Signals, scores: Tensor) -> Tensor:
+    rewards = core.shape_rewards(scores, x.kl, x.mask, x.beta)
+    return rewards if x.token_rewards is None else rewards + x.token_rewards * x.mask
+
+
+def gae(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, Tensor]:
+    advantages, returns = core.gae(_token_rewards(x, x.scores), x.values, x.mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = core.masked_whiten(advantages, x.mask, reduce=strategy.all_reduce_sum)
+    return advantages, returns
+
+
+def reinforce(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, Tensor]:
+    scores = (
+        x.scores if x.token_rewards is None else x.scores + core.masked_sum(x.token_rewards, x.mask, dim=1)
+    )
+    returns = core.sequence_returns(scores, x.kl, x.mask, x.beta)
+    baseline = strategy.mean(returns) if cfg.reinforce_baseline else 0.0
+    advantages = core.sequence_advantages(returns, x.mask, baseline)
+    return advantages, advantages
+
+
+def group(method: str) -> Callable[[Signals, PPOConfig, Strategy], tuple[Tensor, Tensor]]:
+    def estimator(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, Tensor]:
+        if x.token_rewards is not None:
+            raise ShifuError(
+                f"the reward function returned process rewards (steps), but advantage_estimator={method} "
+                "compares one number per response: use gae, reinforce_pp or reinforce_pp_baseline"
+            )
+        rewards = core.sequence_returns(x.scores, x.kl, x.mask, x.beta)  # (B,) score - beta * KL
+        advantages = core.sequence_advantages(core.group_advantages(rewards, cfg.group_size, method), x.mask)
+        return advantages, advantages
+
+    estimator.__name__ = method
+    return estimator
+
+
+def reinforce_pp(baseline: bool) -> Callable[[Signals, PPOConfig, Strategy], tuple[Tensor, Tensor]]:
+    def estimator(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, Tensor]:
+        scores = core.subtract_group_mean(x.scores, cfg.group_size) if baseline else x.scores
+        returns = core.discounted_returns(_token_rewards(x, scores), x.mask, cfg.gamma)
+        if cfg.whiten_advantages:
+            return core.masked_whiten(returns, x.mask, reduce=strategy.all_reduce_sum), returns
+        return returns, returns
+
+    estimator.__name__ = "reinforce_pp_baseline" if baseline else "reinforce_pp"
+    return estimator
+
+
+ESTIMATORS: dict[str, Callable[[Signals, PPOConfig, Strategy], tuple[Tensor, Tensor]]] = {
+    "gae": gae,
+    "reinforce": reinforce,
+    "grpo": group("grpo"),
+    "dr_grpo": group("dr_grpo"),
+    "rloo": group("rloo"),
+    "reinforce_pp": reinforce_pp(baseline=False),
+    "reinforce_pp_baseline": reinforce_pp(baseline=True),
+}

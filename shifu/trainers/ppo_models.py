@@ -1,0 +1,296 @@
+"""The four models of ``shifu ppo`` and the state a checkpoint keeps besides their weights.
+
+:func:`build` loads the actor, the frozen reference, the reward (a model or a function) and the critic
+(:func:`load`), places them with the strategy and builds the optimisers (:func:`place`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from shifu import core
+from shifu import lora as L
+from shifu import precision as bf16
+from shifu.errors import ShifuError
+from shifu.models import (
+    ScalarModel,
+    check_vocab,
+    disable_dropout,
+    fuse_tanh_gelu,
+    load_causal_lm,
+    new_value_head,
+)
+from shifu.rewards import RewardSource, load_function, load_reward_model, same_tokenizer
+from shifu.schema import PPOConfig
+from shifu.strategy import Strategy, Trained, decay_groups
+from shifu.trainers.common import SkippedSteps
+
+
+@dataclasses.dataclass
+class PPOModels:
+    """The actor (trained), the critic (trained: a ScalarModel, or ``value_head`` on the actor's trunk, or
+    neither for REINFORCE and the critic-free estimators), the frozen reference (``None`` with LoRA: the actor with its adapters disabled)
+    and the frozen reward, each as the strategy placed it; ``optimizers`` "actor" (with the value head, and
+    the critic under ``joint_optimizer``) and "critic"; ``plain`` the modules a checkpoint saves."""
+
+    actor: nn.Module
+    critic: nn.Module | None
+    value_head: nn.Module | None
+    ref: nn.Module | None
+    reward: RewardSource  # (or a shifu.remote.RemoteReward: the same call)
+    tokenizer: Any
+    strategy: Strategy
+    optimizers: dict[str, Trained]
+    plain: dict[str, nn.Module]
+    # config keys that could not run as written -> the value that ran (config.yaml records it; see `load`)
+    used: dict[str, Any] = dataclasses.field(default_factory=dict)
+    precision: bf16.Precision = bf16.FP32  # which phases run in bf16 (bf16=true: measured, shifu.precision)
+    decode_copy: nn.Module | None = None  # the actor's bf16 copy that generation reads (precision.decode)
+
+    @property
+    def actor_module(self) -> nn.Module:
+        """The actor for no-grad forwards and generation (inside any wrapper: no gradient sync)."""
+        return self.strategy.unwrap(self.actor)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference for a no-grad forward: the frozen copy, or the LoRA actor with adapters disabled."""
+        if self.ref is None:
+            with L.reference(self.actor_module, None) as ref:
+                yield ref
+            return
+        with self.strategy.offloaded(self.ref) as ref:
+            yield ref
+
+    def reuses_decode_log_probs(self, cfg: PPOConfig, bf16_autocast: bool) -> bool:
+        """Whether the decode steps' log-probs stand in for a second actor forward: fp32 only, since bf16
+        (autocast, a bf16 decode copy, bf16/fp16 weights) makes decode and full-sequence kernels round
+        differently."""
+        fp32 = not bf16_autocast and next(self.actor_module.parameters()).dtype == torch.float32
+        return cfg.reuse_generation_log_probs and fp32
+
+    def decoder(self) -> nn.Module:
+        """The model generation reads: the actor, or its bf16 copy refreshed from the actor's current
+        weights (called once per rollout, so the copy is never older than the last update)."""
+        if self.decode_copy is None:
+            return self.actor_module
+        bf16.refresh(self.decode_copy, self.actor_module)
+        return self.decode_copy
+
+
+@dataclasses.dataclass
+class PPOState:
+    """What a checkpoint keeps besides weights and optimisers: beta's controller (and the penalty
+    variant's), the running score statistics, this rank's sampling generator and the shuffling generator,
+    the skipped-step counts."""
+
+    kl_ctl: Any
+    penalty_ctl: Any
+    score_moments: core.RunningMoments
+    sample_gen: torch.Generator
+    shuffle_gen: torch.Generator
+    skipped: SkippedSteps
+
+    @classmethod
+    def new(cls, cfg: PPOConfig, strategy: Strategy) -> PPOState:
+        kl = cfg.kl
+        return cls(
+            kl_ctl=core.build_kl_controller(kl.controller, kl.init_coef, kl.target, kl.horizon),
+            penalty_ctl=(
+                core.PenaltyKLController(cfg.penalty_init, cfg.penalty_target)
+                if cfg.algo == "ppo_penalty"
+                else None
+            ),
+            score_moments=core.RunningMoments(),
+            sample_gen=torch.Generator().manual_seed(strategy.rank_seed(cfg.seed)),  # own stream per rank
+            shuffle_gen=torch.Generator().manual_seed(cfg.seed + 1),
+            skipped=SkippedSteps(cfg.max_nonfinite_steps),
+        )
+
+    def state_dict(self, strategy: Strategy) -> dict[str, Any]:
+        """JSON state (call on every rank: the per-rank sampling generators are gathered)."""
+        return {
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "penalty_ctl": self.penalty_ctl.state_dict() if self.penalty_ctl else None,
+            "score_moments": self.score_moments.state_dict(),
+            "sample_gen_ranks": strategy.gather(self.sample_gen.get_state().tolist()),
+            "shuffle_gen": self.shuffle_gen.get_state().tolist(),
+            "skipped": self.skipped.state(),
+        }
+
+    def load_state_dict(self, js: dict[str, Any], strategy: Strategy) -> None:
+        self.kl_ctl.load_state_dict(js["kl_ctl"])
+        if self.penalty_ctl is not None:
+            self.penalty_ctl.load_state_dict(js["penalty_ctl"])
+        self.score_moments.load_state_dict(js["score_moments"])
+        self.sample_gen.set_state(torch.tensor(js["sample_gen_ranks"][strategy.rank], dtype=torch.uint8))
+        self.shuffle_gen.set_state(torch.tensor(js["shuffle_gen"], dtype=torch.uint8))
+        self.skipped.total, self.skipped.in_a_row = js["skipped"]
+
+
+def load(cfg: PPOConfig, tok, strategy: Strategy):
+    """``(actor, critic, value_head, ref, reward, used)`` as loaded from ``cfg``, on this device, not yet placed
+    by the strategy. The critic starts from the reward model (``critic.init=reward``; when it cannot value
+    tokens, from the SFT model), the SFT model's trunk with a new head (``sft``), or is a value head on the
+    actor's trunk (``shared``); the critic-free estimators (and REINFORCE) have none. Also returns ``used``:
+    each config key that could not run as written, with the value that ran (critic.init=reward falls back to
+    sft, said on stderr; critic.init=shared always trains in one optimiser, joint_optimizer=true)."""
+    trust, device = cfg.model.trust_remote_code, strategy.device
+
+    def load_actor():
+        actor = load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False)
+        if cfg.lora.enabled:
+            actor = L.wrap_lora(actor, cfg.lora)
+            if strategy.is_main:
+                print(
+                    f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled",
+                    flush=True,
+                )
+        return actor.to(device)
+
+    zero3 = getattr(strategy, "zero3_init", None)  # ZeRO-3 builds trained HF models straight into shards
+    actor = load_actor() if zero3 is None else None
+    ref = None
+    if not cfg.lora.enabled:
+        ref = load_causal_lm(cfg.model.ref_path or cfg.model.path, trust_remote_code=trust, dropout=False).to(
+            device
+        )
+        if cfg.model.ref_path:  # another model family would crash mid-run or give a meaningless KL
+            check_vocab(tok, ref, cfg.model.ref_path, "model.ref_path")
+    if cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.remote)
+        from shifu.remote import RemoteReward
+
+        r = cfg.reward
+        reward = RemoteReward(
+            r.url, tok, batch_size=cfg.micro_batch_size, timeout_s=r.timeout_s, retries=r.retries
+        )
+    elif cfg.reward.function:
+        reward = RewardSource(function=load_function(cfg.reward.function), micro_batch=cfg.micro_batch_size)
+    else:
+        rm = load_reward_model(cfg.reward.model_path)
+        if isinstance(rm, nn.Module):
+            rm = rm.to(device)
+        reward = RewardSource(
+            model=rm,
+            policy_tokenizer=tok,
+            micro_batch=cfg.micro_batch_size,
+            chat_template=cfg.data.chat_template,
+        )
+    sharded_init = zero3() if zero3 is not None else None  # (frozen models load before and after it)
+    if zero3 is not None:
+        actor = load_actor()
+    critic, value_head, init, used = None, None, cfg.critic.init, {}
+    if cfg.uses_critic:  # GAE; every other estimator (and algo=reinforce) runs without a critic
+        if init == "reward":
+            why = "it needs a causal trunk with the policy's tokenizer to value each token"
+            try:
+                critic = ScalarModel.from_pretrained(
+                    cfg.critic.path or cfg.reward.model_path, trust_remote_code=trust
+                )
+            except ShifuError as e:
+                critic, why = None, str(e)
+            if critic is None or not critic.is_causal or not same_tokenizer(critic.tokenizer, tok):
+                print(
+                    f"shifu ppo: critic.init=reward fell back to critic.init=sft: the reward model cannot be a "
+                    f"critic ({why}); config.yaml records critic.init: sft",
+                    file=sys.stderr,
+                )
+                init, critic, used["critic.init"] = "sft", None, "sft"
+            else:
+                critic.gain.fill_(1.0), critic.bias.fill_(0.0)
+        if init == "sft":
+            critic = ScalarModel.from_backbone(
+                cfg.critic.path or cfg.model.path, seed=cfg.seed, trust_remote_code=trust
+            )
+        if critic is not None and cfg.critic.path:
+            check_vocab(tok, critic, cfg.critic.path, "critic.path")
+        if init == "shared":
+            value_head = new_value_head(actor.config.get_text_config().hidden_size, cfg.seed).to(device)
+            if not cfg.joint_optimizer:  # the value head trains in the actor's optimiser (see `place`)
+                used["joint_optimizer"] = True
+    if critic is not None:
+        critic = disable_dropout(critic)
+        if cfg.lora.critic:  # adapters on the frozen trunk; the value head trains fully
+            critic = L.wrap_lora_critic(critic, cfg.lora)
+            shared = L.share_frozen_trunk(actor, critic) if actor is not None else 0  # one copy of the base
+            if strategy.is_main:
+                print(f"shifu ppo: LoRA critic, {L.trainable_summary(critic)}"
+                      + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""), flush=True)  # fmt: skip
+        critic = critic.to(device)
+    del sharded_init
+    return actor, critic, value_head, ref, reward, used
+
+
+def place(
+    actor, critic, value_head, ref, reward: RewardSource, tok, cfg: PPOConfig, strategy: Strategy
+) -> PPOModels:
+    """The models placed by the strategy (trained ones wrapped, frozen ones frozen) and their optimisers."""
+    plain = {"actor": actor} | ({"critic": critic} if critic is not None else {})
+    plain |= {"value_head": value_head} if value_head is not None else {}
+    reward_model = reward.model if isinstance(reward.model, nn.Module) else None
+    for m in (actor, critic, ref, reward_model):
+        if m is not None:
+            fuse_tanh_gelu(m)  # same function, one fused kernel
+    ref = strategy.frozen(ref) if ref is not None else None
+    if reward_model is not None:
+        strategy.frozen(reward_model)
+    actor = strategy.wrap(actor)
+    critic = strategy.wrap(critic) if critic is not None else None
+    steps = cfg.batch_size // cfg.minibatch_size * cfg.ppo_epochs  # optimiser steps per iteration
+    total = steps * cfg.iterations  # (the actor sits out the critic warm-up)
+    params = list(actor.parameters()) + (list(value_head.parameters()) if value_head is not None else [])
+    separate_critic = critic is not None and not cfg.joint_optimizer
+    if critic is not None and not separate_critic:
+        params += list(critic.parameters())
+    # (the gradient norm is summed in the optimiser's group order: matrices, then vectors)
+    optimizers = {
+        "actor": strategy.optimize(
+            actor, _grouped(params), cfg.optim, max(1, total - steps * cfg.critic_warmup)
+        )
+    }
+    if separate_critic:
+        optimizers["critic"] = strategy.optimize(
+            critic, _grouped(critic.parameters()), cfg.critic.optim, total
+        )
+    actor = optimizers["actor"].model  # a DeepSpeed engine, else the wrapped model
+    critic = optimizers["critic"].model if separate_critic else critic
+    m = PPOModels(actor, critic, value_head, ref, reward, tok, strategy, optimizers, plain)
+    return with_precision(m, cfg, reward_model) if cfg.bf16 else m
+
+
+def with_precision(m: PPOModels, cfg: PPOConfig, reward_model: nn.Module | None) -> PPOModels:
+    """``bf16=true``: what the GEMM probe at the actor's shapes measured faster (:mod:`shifu.precision`),
+    said on stderr: bf16 copies of the frozen reference and reward model (cast once), a bf16 decode copy of
+    the actor, bf16 autocast in the update (master weights and optimiser state fp32)."""
+    actor, strategy, g, rows = m.actor_module, m.strategy, cfg.generation, cfg.batch_size // m.strategy.world
+    work = bf16.Workload(*bf16.linear_shapes(actor), rows, min(cfg.micro_batch_size, rows),
+                         cfg.minibatch_size // strategy.world // cfg.grad_accum,
+                         cfg.data.max_prompt_len + g.max_new_tokens, g.max_new_tokens)  # fmt: skip
+    probe, reuse = bf16.Probe(strategy.device), m.reuses_decode_log_probs(cfg, False) and cfg.tis_cap is None
+    plain = not strategy.sharded and not L.is_lora(actor)  # a whole, plain actor can have a bf16 copy
+    precision = bf16.choose(work, probe, reuse, decode_possible=plain)
+    probe.save()
+    for frozen in (m.ref, reward_model) if precision.frozen and cfg.distributed.frozen == "replicate" else ():
+        if frozen is not None:
+            bf16.cast_parameters(frozen)
+    if strategy.is_main:
+        print(f"shifu ppo: {precision.reason}", file=sys.stderr, flush=True)
+    decode_copy = bf16.bf16_copy(actor) if precision.decode else None
+    return dataclasses.replace(m, precision=precision, decode_copy=decode_copy)
+
+
+def _grouped(params) -> list:
+    decay, no_decay = decay_groups([p for p in params if p.requires_grad])
+    return decay + no_decay
+
+
+def build(cfg: PPOConfig, tok, strategy: Strategy) -> PPOModels:
+    """The four models from ``cfg``, placed, with their optimisers (``used``: see :func:`load`)."""
+    *models, used = load(cfg, tok, strategy)
+    return dataclasses.replace(place(*models, tok, cfg, strategy), used=used)

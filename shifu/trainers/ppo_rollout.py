@@ -1,0 +1,160 @@
+"""Phase 1 of a PPO iteration, the rollout: sample responses from the actor, then the old and reference
+log-probs, the entropy, the values and the scores, all without gradients, as a :class:`shifu.rollout.Rollout`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from shifu import core
+from shifu.rollout import Rollout, SamplingParams, critic_forward, policy_forward, sample
+from shifu.schema import PPOConfig
+from shifu.trainers.common import autocast
+from shifu.trainers.ppo_models import PPOModels
+
+
+@torch.no_grad()
+def collect_rollout(
+    models: PPOModels,
+    cfg: PPOConfig,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    rows: list[dict],
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[Rollout, dict[str, float]]:
+    """Phase 1: sample a response to each left-padded prompt (B, P), then the rollout's old and reference
+    log-probs (logits / T), entropy, values and scores. A response whose score is NaN/Inf is dropped
+    (counted). Returns the rollout and ``{"time/generation_s", "time/rollout_s",
+    "rollout/dropped_nonfinite"}``."""
+    tok, T, strategy = models.tokenizer, cfg.generation.temperature, models.strategy
+    t0 = time.perf_counter()
+    models.actor.eval()
+    actor = models.actor_module
+    # sample responses (B, R), right-padded; everything after the first EOS is pad (mask False). In fp32 the
+    # decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's old_log_probs: the
+    # same logits as a second forward up to float rounding, one forward pass fewer.
+    # With truncated importance sampling (tis_cap) the decode's log-probs are kept apart as the rollout
+    # engine's (rollout_log_probs) and the trainer's forward computes old_log_probs.
+    # With bf16 decode (shifu.precision) generation reads the actor's bf16 copy; the trainer's forward then
+    # computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*).
+    tis, prec, dev = cfg.tis_cap is not None, models.precision, strategy.device
+    reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not tis
+    keep_decode = tis or prec.decode  # the decode's own log-probs, kept apart as rollout_log_probs
+    sampled = sample(
+        models.decoder(),
+        prompt_ids,
+        prompt_mask,
+        params,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        generator=generator,
+        with_log_probs=reuse or keep_decode,
+        value_head=models.value_head if reuse else None,
+        **strategy.generation_kwargs(),
+    )
+    response_ids, response_mask = sampled.response_ids, sampled.response_mask
+    t_gen = time.perf_counter() - t0
+    P = prompt_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    # old / reference log-probs, entropy, values: batched no-grad forwards; the trained models in the
+    # update's precision, the frozen reference as it is held (a bf16 copy or fp32)
+    old_lp, entropy, old_values, ref_lp = [], [], [], []
+    if reuse:
+        old_lp, entropy = [sampled.log_probs], [sampled.entropy]
+        if sampled.values is not None:
+            old_values.append(sampled.values)
+    mb = cfg.micro_batch_size
+    critic = strategy.unwrap(models.critic) if models.critic is not None else None
+    for i in range(0, input_ids.shape[0], mb):
+        ids, am = input_ids[i : i + mb], attention_mask[i : i + mb]
+        if not reuse:
+            with autocast(prec.update, dev):
+                lp, ent, v = policy_forward(
+                    actor, ids, am, P, T, with_entropy=True, value_head=models.value_head
+                )
+            old_lp.append(lp.float()), entropy.append(ent.float())
+            if v is not None:
+                old_values.append(v.float())
+        with models.reference() as ref:
+            ref_lp.append(policy_forward(ref, ids, am, P, T)[0].float())
+        if critic is not None:
+            with autocast(prec.update, dev):
+                old_values.append(critic_forward(critic, ids, am, P).float())
+    old_log_probs, ref_log_probs, entropy = torch.cat(old_lp), torch.cat(ref_lp), torch.cat(entropy)
+    values = torch.cat(old_values) if old_values else torch.zeros_like(old_log_probs)
+    # scores of prompt + response from the reward model(s) or function
+    prompts = [r["prompt"] for r in rows]
+    responses = [
+        tok.decode(response_ids[i][response_mask[i]], skip_special_tokens=True) for i in range(len(rows))
+    ]
+    reward_model = models.reward.model if isinstance(models.reward.model, nn.Module) else None
+    with strategy.offloaded(reward_model):
+        scores, steps = models.reward.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
+    scores = scores.to(old_log_probs.device)
+    token_rewards = None if steps is None else step_rewards(tok, response_ids, response_mask, steps)
+    last = (response_mask.long().cumsum(1) == response_mask.sum(1, keepdim=True)) & response_mask
+    rollout = Rollout(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        prompt_len=P,
+        old_log_probs=old_log_probs,
+        ref_log_probs=ref_log_probs,
+        values=values,
+        entropy=entropy,
+        scores=scores,
+        eos_found=(response_ids == tok.eos_token_id).logical_and(last).any(1),
+        prompts=prompts,
+        responses=responses,
+        rows=rows,
+        rollout_log_probs=sampled.log_probs.float() if keep_decode else None,
+        token_rewards=token_rewards,
+    )
+    # a NaN/Inf score drops that response (its whole group when G > 1) instead of poisoning the batch
+    finite = torch.isfinite(scores)
+    if token_rewards is not None:
+        finite &= torch.isfinite(token_rewards).all(1)
+    G = cfg.group_size
+    finite = finite.view(-1, G).all(1).repeat_interleave(G)
+    if not finite.all():
+        rollout = rollout.select(finite.nonzero().squeeze(1))
+    info = {
+        "time/generation_s": t_gen,
+        "time/rollout_s": time.perf_counter() - t0,
+        "rollout/dropped_nonfinite": int((~finite).sum()),
+    }
+    if cfg.bf16:  # what the probe chose; the bf16 decode's mismatch (with tis_cap, learn() logs it)
+        info |= prec.metrics()
+        if prec.decode and not tis:
+            r = rollout
+            stats = core.rollout_mismatch(r.old_log_probs, r.rollout_log_probs, r.response_mask)
+            info |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
+    return rollout, info
+
+
+def step_rewards(tok, response_ids: torch.Tensor, response_mask: torch.Tensor, steps: list) -> torch.Tensor:
+    """Process rewards (B, R): response i's step ``(end, reward)`` (``end`` a character offset into its decoded
+    text, :mod:`shifu.rewards`) lands on the first token whose decoded prefix reaches ``end`` characters,
+    the token that completes the step (:func:`shifu.core.place_step_rewards`)."""
+    S = max(1, max(len(x) for x in steps))
+    ends = torch.full((len(steps), S), -1, dtype=torch.long)
+    values = torch.zeros(len(steps), S)
+    for i, row in enumerate(steps):
+        ids, j = response_ids[i][response_mask[i]].tolist(), -1
+        for end, reward in row:
+            lo, hi = 0, len(ids) - 1  # binary search on the prefix length (decoding is monotone in tokens)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if len(tok.decode(ids[: mid + 1], skip_special_tokens=True)) >= end:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if j < 0 or ends[i, j] != lo:  # two steps completed by one token share it: their rewards add
+                j += 1
+            ends[i, j], values[i, j] = lo, values[i, j] + reward
+    dev = response_mask.device
+    return core.place_step_rewards(values.to(dev), ends.to(dev), response_mask)

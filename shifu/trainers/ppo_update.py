@@ -1,0 +1,217 @@
+"""Phase 5 of a PPO iteration: ``ppo_epochs`` passes over the rollout in shuffled minibatches, each one
+optimiser step on :func:`minibatch_loss` (the PPO objective ``L_policy + c1 L_value - c2 H (+ ptx)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from shifu import core
+from shifu.rollout import Rollout, critic_forward, policy_forward
+from shifu.schema import PPOConfig
+from shifu.trainers.common import autocast
+from shifu.trainers.ppo_models import PPOModels, PPOState
+
+
+def update(
+    m: PPOModels, s: PPOState, cfg: PPOConfig, rollout: Rollout, ptx=None, actor=True
+) -> dict[str, float]:
+    """``ppo_epochs`` passes over the rollout in shuffled minibatches, each one optimiser step of
+    ``grad_accum`` micro-batches; stops the epochs early when ``approx_kl`` passes 1.5 x its target.
+    ``actor=False`` (critic warm-up): only the critic's value loss and optimiser."""
+    strategy = m.strategy
+    trained = list(m.optimizers.values()) if actor else [m.optimizers["critic"]]
+    first = "loss/policy" if actor else "loss/value"  # a non-finite loss skips the step
+    B, mbs, mask = len(rollout), cfg.minibatch_size // strategy.world, rollout.response_mask
+    sums: dict[str, float] = {}
+    n_steps = 0
+    m.actor.train()
+    if m.critic is not None:
+        m.critic.train()
+    for epoch in range(cfg.ppo_epochs):
+        perm = torch.randperm(B, generator=s.shuffle_gen)
+        epoch_kl, epoch_n = 0.0, 0
+        for start in range(0, B, mbs):
+            idx = perm[start : start + mbs]
+            n_tokens = strategy.token_mean_divisor(mask[idx].sum())  # the minibatch's, over every rank
+            if cfg.loss_aggregation == "token_sum_norm":  # Dr. GRPO's constant: rows x max_new_tokens
+                n_tokens = strategy.token_mean_divisor(mask[idx].any(1).sum() * cfg.generation.max_new_tokens)
+            stats: dict[str, float] = {}
+            if cfg.micro_batch_tokens is None:
+                micros = idx.chunk(max(1, min(cfg.grad_accum, len(idx))))
+            else:  # by a token budget: similar lengths together, then their shared padding trimmed
+                micros = token_budget_split(idx, rollout, cfg.micro_batch_tokens, strategy)
+            for j, micro in enumerate(micros):
+                with strategy.accumulating(trained, sync=j == len(micros) - 1):
+                    mb = rollout.select(micro)
+                    if cfg.micro_batch_tokens is not None:
+                        mb = trim_padding(mb)
+                    parts, st = minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / len(idx), ptx, actor)
+                    strategy.backward([(m.optimizers[name], loss) for name, loss in parts])
+                share = len(micro) / len(idx)  # token-budget micro-batches: their share of the tokens
+                if cfg.micro_batch_tokens is not None:
+                    share = float(mb.response_mask.sum() / mask[idx].sum().clamp(min=1))
+                for k, v in st.items():  # loss/* are partial sums; the rest are micro-batch means
+                    wk = 1.0 if k.startswith("loss/") else share
+                    stats[k] = stats.get(k, 0.0) + float(v) * wk
+            s.skipped.record(strategy.optimizer_step(trained, finite=math.isfinite(stats[first])))
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            n_steps += 1
+            epoch_kl, epoch_n = epoch_kl + stats.get("policy/approx_kl", 0.0), epoch_n + 1
+        # stop the remaining epochs when the policy moved too far from the rollout policy (every rank alike)
+        epoch_kl = strategy.mean_over_ranks({"kl": epoch_kl})["kl"]
+        if cfg.target_approx_kl is not None and epoch_kl / epoch_n > 1.5 * cfg.target_approx_kl:
+            sums["policy/early_stop_epoch"] = epoch + 1
+            break
+    out = {k: v / max(1, n_steps) for k, v in sums.items() if k != "policy/early_stop_epoch"}
+    out["policy/early_stop_epoch"] = sums.get("policy/early_stop_epoch", 0)
+    out = strategy.mean_over_ranks(out)
+    return out | {"optim/lr": trained[0].scheduler.get_last_lr()[0], "optim/skipped_steps": s.skipped.total}
+
+
+def token_budget_split(idx: torch.Tensor, rollout: Rollout, budget: int, strategy) -> list[torch.Tensor]:
+    """The rows ``idx`` of a minibatch as micro-batches of at most ``budget`` tokens each, counting a
+    micro-batch as rows x (longest prompt + longest response) among its rows, i.e. its size after
+    :func:`trim_padding`. Rows go longest response first, greedily (a row over the budget alone is a
+    micro-batch). Every rank gets as many micro-batches as the rank that needs the most (the largest are
+    halved), since sharded and synced backward passes must match in number across ranks.
+
+    The minibatch's loss is unchanged up to float rounding: the token-mean divisor is the minibatch's
+    (``n_tokens``), seq_mean weighs each micro-batch by its share of rows, and causal attention with
+    position ids from the mask makes a trimmed row's log-probs and values those of the padded row."""
+    P = rollout.prompt_len
+    resp = rollout.response_mask[idx].sum(1)
+    prompt = rollout.attention_mask[idx, :P].sum(1)
+    order = torch.argsort(resp, descending=True, stable=True)
+    micros, cur, p_max, r_max = [], [], 0, 0
+    for i in order.tolist():
+        p, r = max(p_max, int(prompt[i])), max(r_max, int(resp[i]))
+        if cur and (len(cur) + 1) * (p + r) > budget:
+            micros.append(cur)
+            cur, p, r = [], int(prompt[i]), int(resp[i])
+        cur.append(i)
+        p_max, r_max = p, r
+    micros.append(cur)
+    target = max(strategy.gather(len(micros)))
+    while len(micros) < target:  # split the micro-batch with the most rows in two
+        k = max(range(len(micros)), key=lambda j: len(micros[j]))
+        half = len(micros[k]) // 2
+        micros[k : k + 1] = [micros[k][:half], micros[k][half:]]
+    return [idx[torch.tensor(mb, dtype=torch.long)] for mb in micros]
+
+
+def trim_padding(mb: Rollout) -> Rollout:
+    """``mb`` without the prompt columns every row left-pads and the response columns every row
+    right-pads (``prompt_len`` adjusted): the same real tokens at the same positions, a shorter forward."""
+    P, R = mb.prompt_len, mb.response_mask.shape[1]
+    keep_p = max(1, int(mb.attention_mask[:, :P].sum(1).max()))
+    keep_r = max(1, int(mb.response_mask.sum(1).max()))
+    lo, hi = P - keep_p, P + keep_r
+    per_token = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
+    out = {k: v[:, :keep_r] for k, v in per_token.items() if isinstance(v, torch.Tensor) and v.dim() == 2
+           and v.shape[1] == R and k not in ("input_ids", "attention_mask")}  # fmt: skip
+    return dataclasses.replace(mb, input_ids=mb.input_ids[:, lo:hi], attention_mask=mb.attention_mask[:, lo:hi],
+                               prompt_len=keep_p, **out)  # fmt: skip
+
+
+def minibatch_loss(
+    m: PPOModels, s: PPOState, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float, ptx=None, actor=True
+):
+    """The loss of one micro-batch ``mb`` of the rollout -> ``([(optimiser name, loss)], stats)``.
+
+    ``L = L_policy + c1 * L_value - c2 * H (+ beta * L_kl) (+ ptx_coef * L_ptx)``, scaled so that the
+    micro-batches of a minibatch *sum* to its loss: token_mean (token_sum_norm) divides each term's sum over
+    real tokens by ``n_tokens`` (the minibatch's token count, or rows x max_new_tokens, over every rank);
+    seq_mean weighs the micro-batch's mean by its share ``frac`` of the rows. With a separate critic
+    optimiser the critic's part ``c1 * L_value`` is its own loss; ``actor=False`` (critic warm-up) computes
+    only that. ``L_kl`` (kl.penalty=loss) is the k3 KL to the reference. Stats ``loss/*`` are such partial
+    sums; the others are means over the micro-batch.
+    """
+    if not actor:
+        return critic_loss(m, cfg, mb, n_tokens, frac)
+    mask, P = mb.response_mask, mb.prompt_len
+    num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
+    w = 1.0 if num is not None else frac
+    denom = num if num is not None else mask.sum().clamp(min=1)
+    kw = {"num_tokens": num} if num is not None else {}
+    with autocast(m.precision.update, m.strategy.device):
+        log_probs, entropy, values = policy_forward(
+            m.actor, mb.input_ids, mb.attention_mask, P, cfg.generation.temperature,
+            with_entropy=True, value_head=m.value_head, entropy_grad=bool(cfg.ent_coef),
+        )  # fmt: skip
+        if m.critic is not None:
+            values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, P)
+    log_probs, entropy = log_probs.float(), entropy.float()
+    options = {"ppo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip": cfg.dual_clip},
+               "ppo_penalty": {"beta": s.penalty_ctl.value if s.penalty_ctl else None}, "reinforce": {},
+               "gspo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}}  # fmt: skip
+    pg_loss, st = core.POLICY_LOSSES[cfg.algo](
+        log_probs,
+        mb.old_log_probs,
+        mb.advantages,
+        mask,
+        aggregation=cfg.loss_aggregation,
+        **kw,
+        **options[cfg.algo],
+    )
+    pg_loss = pg_loss * w
+    stats = {"loss/policy": pg_loss.detach()} | {
+        f"policy/{k}": st[k] for k in ("approx_kl", "clipfrac", "ratio_mean")
+    }
+    if cfg.kl.penalty == "loss":  # GRPO: beta * k3 KL to the reference as its own term, not in the reward
+        kl_part, kst = core.kl_loss(log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, **kw)
+        pg_loss = pg_loss + s.kl_ctl.value * kl_part * w
+        stats["loss/kl"] = (kl_part * w).detach()
+    value_part = None
+    if values is not None and cfg.algo != "reinforce":
+        value_part, vstats = value_loss(values, mb, cfg, kw, w)
+        stats |= vstats
+    ent = core.masked_sum(entropy, mask) / denom * w
+    stats["loss/entropy"] = ent.detach()
+    ptx_part = None
+    if cfg.ptx_coef > 0 and ptx is not None:  # PPO-ptx: SFT NLL on a batch of demonstrations
+        b = next(ptx)
+        logits = m.actor(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        nll = -core.masked_mean(
+            core.log_probs_from_logits(logits, b["input_ids"][:, 1:]), b["loss_mask"][:, 1:].bool()
+        )
+        stats["loss/ptx"] = (nll * frac).detach()
+        ptx_part = cfg.ptx_coef * (nll * frac)
+    separate = "critic" in m.optimizers  # the critic's part goes to its own optimiser
+    loss = pg_loss if separate or value_part is None else pg_loss + value_part
+    if cfg.ent_coef:  # 0 * H would still backpropagate through a (B, R, V) softmax
+        loss = loss - cfg.ent_coef * ent
+    if ptx_part is not None:
+        loss = loss + ptx_part
+    return [("actor", loss)] + ([("critic", value_part)] if separate else []), stats
+
+
+def value_loss(values, mb: Rollout, cfg: PPOConfig, kw: dict, w: float):
+    """``c1 * L_value`` of a micro-batch (aggregated and weighted as the policy loss) and its stats."""
+    mask = mb.response_mask
+    vf_loss, vst = core.ppo_value_loss(
+        values.float(),
+        mb.values,
+        mb.returns,
+        mask,
+        clip=cfg.value_clip,
+        aggregation=cfg.loss_aggregation,
+        **kw,
+    )
+    vf_loss = vf_loss * w
+    stats = {"loss/value": vf_loss.detach(), "value/clipfrac": vst["clipfrac"],
+             "value/explained_var": core.explained_variance(mb.values, mb.returns, mask)}  # fmt: skip
+    return cfg.vf_coef * vf_loss, stats
+
+
+def critic_loss(m: PPOModels, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float):
+    """The critic warm-up's micro-batch loss: the value loss alone, for the critic's optimiser."""
+    num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
+    kw, w = ({"num_tokens": num}, 1.0) if num is not None else ({}, frac)
+    with autocast(m.precision.update, m.strategy.device):
+        values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, mb.prompt_len)
+    part, stats = value_loss(values, mb, cfg, kw, w)
+    return [("critic", part)], stats

@@ -1,0 +1,167 @@
+"""bf16 decided by measurement (shifu.precision): the probe's cache, the decisions it drives, and what
+``bf16=true`` then holds in bf16 (frozen copies, the decode copy) and in fp32 (master weights, optimiser).
+
+No test depends on how fast this machine's bf16 is: the decisions are driven through ``measure`` (the one
+function that reads a clock), and the fallback path is the same code on a CPU without native bf16."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ppo_task import build_char_model, write_prompts
+
+from shifu import precision
+from shifu.config import load_config
+from shifu.models import ScalarModel, load_tokenizer, pad_left
+from shifu.strategy import build_strategy
+from shifu.trainers import ppo, ppo_models, ppo_rollout
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("precision_task")
+    model = build_char_model(d / "model")
+    rm = ScalarModel.from_backbone(model, seed=3)  # a reward model on the policy's tokenizer
+    rm.save_pretrained(d / "rm")
+    return {"model": model, "rm": d / "rm", "prompts": write_prompts(d / "prompts.jsonl")}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHIFU_CACHE", str(tmp_path / "cache"))
+
+
+def fake_timings(infer: float, train: float):
+    """A ``measure`` whose bf16 takes ``infer`` / ``train`` x fp32's time, fp32 linear in the GEMM's size."""
+
+    def measure(kind, m, k, n, device, repeats=3):
+        t32 = m * k * n * 1e-12
+        return t32, t32 * (infer if kind == "infer" else train)
+
+    return measure
+
+
+WORK = precision.Workload(trunk=((16, 48, 2), (16, 16, 2)), head=(16, 100), decode_rows=8, score_rows=8,
+                          train_rows=4, T=20, R=10)  # fmt: skip
+
+
+def test_probe_measures_each_shape_once_then_reads_the_cache(tmp_path):
+    probe = precision.Probe(torch.device("cpu"))
+    first = probe.time("infer", 8, 16, 48)
+    probe.time("train", 4, 16, 48)
+    assert (probe.measured, probe.cached) == (2, 0) and all(t > 0 for t in first)
+    probe.save()
+    table = json.loads((tmp_path / "cache" / "bf16_probe.json").read_text())
+    (key,) = table
+    assert (
+        torch.__version__ in key
+        and "threads 1" in key
+        and set(table[key]) == {"infer 8x16x48", "train 4x16x48"}
+    )
+    again = precision.Probe(torch.device("cpu"))
+    assert again.time("infer", 8, 16, 48) == first and (again.measured, again.cached) == (0, 1)
+    # rows past PROBE_ROWS are timed at PROBE_ROWS and scaled (linear in rows)
+    big = again.time("infer", 4 * precision.PROBE_ROWS, 16, 48)
+    base = again.time("infer", precision.PROBE_ROWS, 16, 48)
+    assert big == pytest.approx((4 * base[0], 4 * base[1]))
+
+
+def test_linear_shapes_of_a_gpt2_keep_the_output_embedding_apart(task):
+    from shifu.models import load_causal_lm
+
+    model = load_causal_lm(task["model"])
+    trunk, head = precision.linear_shapes(model)
+    d, V, L = model.config.n_embd, model.config.vocab_size, model.config.n_layer
+    assert head == (d, V)
+    assert dict(((k, n), c) for k, n, c in trunk) == {(d, 3 * d): L, (d, d): L, (d, 4 * d): L, (4 * d, d): L}
+
+
+@pytest.mark.parametrize(
+    ("infer", "train", "reuse", "expected"),
+    [
+        (0.5, 0.5, True, (True, True, True)),  # bf16 twice as fast everywhere
+        (2.0, 2.0, True, (False, False, False)),  # emulated bf16 (no avx512_bf16/AMX): fp32 everywhere
+        (0.95, 0.95, False, (False, False, False)),  # within the margin: fp32 (exact) wins
+        # bf16 GEMMs faster, but the fp32 update: a bf16 decode would cost the free old log-probs' forward,
+        # which is worth more than the decode time it saves at these shapes
+        (0.5, 1.5, True, (False, True, False)),
+        (0.5, 1.5, False, (True, True, False)),  # no reuse (e.g. tis_cap): nothing to lose
+    ],
+)
+def test_choice_follows_the_measurement(monkeypatch, infer, train, reuse, expected):
+    monkeypatch.setattr(precision, "measure", fake_timings(infer, train))
+    chosen = precision.choose(WORK, precision.Probe(torch.device("cpu")), reuse)
+    assert (chosen.decode, chosen.frozen, chosen.update) == expected
+    assert "bf16 probe" in chosen.reason and "measured now" in chosen.reason
+    assert not precision.choose(
+        WORK, precision.Probe(torch.device("cpu")), reuse, decode_possible=False
+    ).decode
+
+
+def make_run(task, tmp_path, *extra):
+    cfg = load_config(ppo.Config, None, [
+        f"out_dir={tmp_path / 'x'}", f"model.path={task['model']}", f"data.train={task['prompts']}",
+        f"reward.model_path={task['rm']}", "critic.init=sft", "batch_size=8", "minibatch_size=4",
+        "generation.max_new_tokens=6", "optim.lr=1e-2", "critic.optim.lr=1e-2", *extra,
+    ])  # fmt: skip
+    tok = load_tokenizer(cfg.model.path)
+    strategy = build_strategy(cfg.distributed)
+    strategy.launch("cpu")
+    m = ppo_models.build(cfg, tok, strategy)
+    s = ppo_models.PPOState.new(cfg, strategy)
+    rows = [{"prompt": p} for p in ["abc", "defgh", "kl", "mnop"] * 2]
+    b = pad_left([tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows], tok.pad_token_id)
+    return cfg, m, s, rows, b
+
+
+def dtypes(module):
+    return {p.dtype for p in module.parameters()}
+
+
+def test_bf16_where_faster_casts_frozen_models_once_and_keeps_fp32_masters(
+    task, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(precision, "measure", fake_timings(0.5, 0.5))
+    cfg, m, s, rows, b = make_run(task, tmp_path, "bf16=true")
+    assert (m.precision.decode, m.precision.frozen, m.precision.update) == (True, True, True)
+    assert "shifu ppo: bf16 probe" in capsys.readouterr().err  # the choice and why, said once
+    reward = m.reward.model
+    assert dtypes(m.ref) == {torch.bfloat16} and dtypes(reward) == {torch.bfloat16}
+    assert reward.gain.dtype == torch.float32  # buffers (the normalisation) untouched
+    assert dtypes(m.actor) == {torch.float32} and dtypes(m.critic) == {torch.float32}
+    assert dtypes(m.decode_copy) == {torch.bfloat16}
+    metrics = ppo.iteration(m, s, cfg, b["input_ids"], b["attention_mask"], rows, ppo.sampling_params(cfg))
+    # master weights and optimiser state stay fp32; the frozen copies were not cast back or again
+    assert dtypes(m.actor) == {torch.float32} and dtypes(m.ref) == {torch.bfloat16}
+    opt_state = m.optimizers["actor"].optimizer.state
+    assert opt_state and all(v.dtype == torch.float32 for st in opt_state.values() for k, v in st.items()
+                             if k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
+    assert metrics["precision/bf16_decode"] == 1.0 and metrics["precision/bf16_update"] == 1.0
+    # the decode copy and the trainer disagree by bf16 rounding only, and it is logged without tis_cap
+    assert 0.0 < metrics["rollout/mismatch_abs_log_ratio"] < 0.1, metrics
+    assert metrics["rollout/mismatch_k3"] >= 0.0
+    # the decode copy is refreshed from the updated actor at the next rollout: equal to its bf16 cast
+    stale = [p.clone() for p in m.decode_copy.parameters()]
+    fresh = m.decoder()
+    assert any(not torch.equal(a, b_) for a, b_ in zip(stale, fresh.parameters()))
+    for a, b_ in zip(fresh.parameters(), m.actor_module.parameters(), strict=True):
+        assert torch.equal(a, b_.detach().to(torch.bfloat16))
+
+
+def test_bf16_that_measures_slower_falls_back_to_the_fp32_path(task, tmp_path, monkeypatch):
+    """Where bf16 is emulated (no avx512_bf16/AMX) the probe measures it slower: ``bf16=true`` then runs
+    exactly the fp32 code, so the rollout equals a ``bf16=false`` run's bit for bit."""
+    monkeypatch.setattr(precision, "measure", fake_timings(2.0, 2.0))
+    out = {}
+    for flag in ("true", "false"):
+        cfg, m, s, rows, b = make_run(task, tmp_path / flag, f"bf16={flag}")
+        assert dtypes(m.ref) == {torch.float32} and m.decode_copy is None and not m.precision.any
+        out[flag] = ppo_rollout.collect_rollout(
+            m, cfg, b["input_ids"], b["attention_mask"], rows, ppo.sampling_params(cfg), s.sample_gen
+        )
+    (a, info), (c, _) = out["true"], out["false"]
+    assert info["precision/bf16_decode"] == 0.0 and "rollout/mismatch_k3" not in info
+    for name in ("input_ids", "old_log_probs", "ref_log_probs", "values", "scores"):
+        assert torch.equal(getattr(a, name), getattr(c, name)), name

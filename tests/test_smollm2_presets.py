@@ -1,0 +1,126 @@
+"""The plumbing of the SmolLM2 presets (``--preset smollm2`` of tasks arith and imdb), on a tiny stand-in.
+
+The real presets start from the cached conversion of SmolLM2-135M-Instruct; here ``converted_smollm2`` is
+replaced by a tiny GPT-2 directory with a chat template, so every step runs in seconds: the task data in
+chat form, ``base/`` a link to the cached model (never a copy), no SFT stage, LoRA actor (and LoRA critic
+for imdb) whose checkpoints hold only adapters, and the summary with the paired gain and its error.
+The figures of the real recipe come from ``benchmarks/smollm2_recipe.py``, never from CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shifu.cli import main as cli_main
+from shifu.tasks import arith, imdb
+from shifu.tasks.judges import final_number_match
+
+torch.set_num_threads(1)
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture()
+def cached_model(tiny_model_dir, tmp_path, monkeypatch):
+    """A stand-in for the cached conversion: a tiny model directory whose tokenizer has a chat template."""
+    from shifu.models import load_tokenizer
+
+    where = {"dir": tmp_path / "cache" / "smollm2-135m-instruct"}
+    shutil.copytree(tiny_model_dir, where["dir"])
+    tok = load_tokenizer(where["dir"])
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(where["dir"]))
+    monkeypatch.setattr(imdb, "converted_smollm2", lambda: where["dir"])
+    return where
+
+
+def _files_under(d: Path) -> list[Path]:
+    """Every file under ``d``, without following links to directories."""
+    return [Path(root) / f for root, _, files in os.walk(d) for f in files]
+
+
+@pytest.mark.parametrize("task", [arith, imdb])
+def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cached_model, tmp_path):
+    out = tmp_path / "data"
+    files = task.prepare(out, "smollm2", seed=0)
+    base = Path(files["base"])
+    assert base.is_symlink() and base.resolve() == cached_model["dir"].resolve()
+    weights = [f for f in _files_under(out) if f.suffix in (".safetensors", ".bin")]
+    assert weights == [], weights  # the run's directory holds no copy of the weights
+    from shifu.models import load_tokenizer
+
+    tok = load_tokenizer(files["tokenizer"])
+    assert tok.get_vocab() == load_tokenizer(cached_model["dir"]).get_vocab()
+    assert tok.chat_template == TEMPLATE
+    held = [json.loads(x) for x in Path(files["prompts_eval"]).read_text().splitlines()]
+    assert len(held) == 512
+    if task is arith:
+        assert held[0]["prompt"].startswith("What is ") and held[0]["prompt"].endswith("only the number.")
+        a, b = (int(x) for x in held[0]["prompt"][len("What is ") :].split("?")[0].split("+"))
+        assert held[0]["answer"] == str(a + b)
+        assert final_number_match([held[0]["prompt"]], [f"{a} + {b} = {a + b}."], held[:1]) == [1.0]
+    else:
+        assert all(r["prompt"].startswith("Continue this movie review: ") for r in held)
+    shutil.rmtree(out)  # deleting a run's data never touches the cache the link points to
+    assert (cached_model["dir"] / "model.safetensors").is_file()
+
+
+def test_prepare_runs_again_when_the_cached_model_it_links_to_is_gone(cached_model, tmp_path):
+    from shifu.pipeline import Stages
+
+    stages = Stages(tmp_path / "run", seed=0, who="test")
+    stages.prepare("arith", "smollm2")
+    moved = tmp_path / "cache2"
+    cached_model["dir"].rename(moved)  # the cache was cleared; a new conversion lives elsewhere
+    cached_model["dir"] = moved
+    stages.prepare("arith", "smollm2")
+    assert (tmp_path / "run" / "data" / "base").resolve() == moved.resolve()
+
+
+def _adapter_only(run: Path, name: str) -> bool:
+    step = max((run / "checkpoints").glob("step-*"))
+    with safe_open(str(step / f"model-{name}.safetensors"), "pt") as st:
+        return all("lora_" in k or k.startswith(("head.", "gain", "bias")) for k in st.keys())
+
+
+@pytest.mark.slow
+def test_arith_smollm2_quickstart_without_sft_lora_rloo(cached_model, tmp_path):
+    out = tmp_path / "run"
+    sets = ["ppo.iterations=2", "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.grad_accum=1"]
+    argv = ["quickstart", "--task", "arith", "--preset", "smollm2", "--out", str(out)]
+    assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_judge"] == "shifu.tasks.judges:final_number_match" and s["eval_prompts"] == 512
+    assert "gold_greedy_before" not in s  # the plan skips the greedy pass
+    assert not (out / "sft").exists() and "sft" not in s["seconds"]  # the instruct model is the SFT policy
+    assert (out / "data" / "base").is_symlink()
+    assert s["gold_gain_se"] >= 0 and s["kl"] >= 0
+    assert _adapter_only(out / "ppo", "actor") and not (out / "ppo" / "critic").exists()  # RLOO: no critic
+    cfg = (out / "ppo" / "config.yaml").read_text()
+    assert "rloo" in cfg and str(out / "data" / "base") in cfg
+
+
+@pytest.mark.slow
+def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
+    out = tmp_path / "run"
+    sets = ["pairs.num_prompts=40", "rm.max_steps=4", "ppo.iterations=2", "ppo.batch_size=8",
+            "ppo.minibatch_size=8", "ppo.grad_accum=2", "eval.max_new_tokens=8"]  # fmt: skip
+    argv = ["quickstart", "--task", "imdb", "--preset", "smollm2", "--out", str(out)]
+    assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["seconds"]) == {"prepare", "pairs", "rm", "ppo", "eval"}
+    assert -1 <= s["gold_gain"] <= 2 and s["gold_gain_se"] >= 0
+    assert _adapter_only(out / "ppo", "actor") and _adapter_only(out / "ppo", "critic")
+    from shifu.models import ScalarModel, load_causal_lm
+
+    load_causal_lm(out / "ppo" / "final")  # final/ and critic/ are plain, merged models
+    ScalarModel.from_pretrained(out / "ppo" / "critic")
