@@ -89,9 +89,10 @@ def percentile(values: list[float], q: float) -> float:
 def reward_source(model_dir: Path, rows: int):
     """The trainer's in-process scorer of the same model (token path, micro-batches of ``rows``)."""
     from shifu.ensemble import load_reward
+    from shifu.models import fuse_tanh_gelu
     from shifu.rewards import RewardSource
 
-    model = load_reward(model_dir)
+    model = fuse_tanh_gelu(load_reward(model_dir))  # as the server and the PPO trainer hold it
     return RewardSource(model=model, policy_tokenizer=model.tokenizer, micro_batch=rows)
 
 

@@ -42,20 +42,7 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
     Wrap *before* :func:`shifu.distributed.wrap_trainable` (DDP/FSDP2 then see only adapter gradients).
     """
-    peft = _peft()
-    cfg.validate()
-    lcfg = peft.LoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules,
-        task_type="CAUSAL_LM",
-        bias="none",
-    )
-    try:
-        return peft.get_peft_model(model, lcfg)
-    except ValueError as e:  # unknown architecture without target_modules, or names that match nothing
-        raise ConfigError(f"lora.target_modules: {e} — name the linear layers to adapt") from None
+    return _adapted(model, cfg, task_type="CAUSAL_LM")
 
 
 def wrap_lora_critic(critic: nn.Module, cfg: LoraConfig) -> nn.Module:
@@ -64,20 +51,21 @@ def wrap_lora_critic(critic: nn.Module, cfg: LoraConfig) -> nn.Module:
 
     The adapters start at ``B = 0``, so the wrapped critic starts with exactly the values of the unwrapped
     one; the layers adapted are ``cfg.target_modules`` (peft's default for the architecture when null)."""
+    # (no task type: the trunk is called with input ids, mask and positions as it is)
+    critic.backbone = _adapted(critic.backbone, cfg)
+    return critic
+
+
+def _adapted(model: nn.Module, cfg: LoraConfig, **task) -> nn.Module:
+    """``model`` as a ``peft.PeftModel`` with ``cfg``'s adapters (``task``: peft's ``task_type``, if any)."""
     peft = _peft()
     cfg.validate()
-    lcfg = peft.LoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules,
-        bias="none",
-    )  # (no task type: the trunk is called with input ids, mask and positions as it is)
+    lcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=cfg.target_modules, bias="none", **task)  # fmt: skip
     try:
-        critic.backbone = peft.get_peft_model(critic.backbone, lcfg)
-    except ValueError as e:
+        return peft.get_peft_model(model, lcfg)
+    except ValueError as e:  # unknown architecture without target_modules, or names that match nothing
         raise ConfigError(f"lora.target_modules: {e} — name the linear layers to adapt") from None
-    return critic
 
 
 def share_frozen_trunk(actor: nn.Module, critic: nn.Module) -> int:

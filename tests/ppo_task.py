@@ -69,6 +69,22 @@ def frac_a_then_dies(prompts, responses, rows):
     return frac_a(prompts, responses, rows)
 
 
+def frac_a_dies_in_eval(prompts, responses, rows):
+    """frac_a, served: the process dies during its 5th scoring request (with eval.every=3, iteration 3's
+    held-out evaluation: requests 1-4 are the evaluation at 0 and the rollouts of iterations 1-3)."""
+    import os
+
+    _CALLS["n"] += 1
+    if _CALLS["n"] == 5:
+        os._exit(1)
+    return frac_a(prompts, responses, rows)
+
+
+def tied_half(prompts, responses, rows):
+    """frac_a, but a constant for the prompts of even length: their groups are tied, the others are not."""
+    return [0.5 if len(p) % 2 == 0 else frac_a([p], [r], rows)[0] for p, r in zip(prompts, responses)]
+
+
 def constant(prompts, responses, rows):
     """The same score for every response: every group is tied."""
     return [0.5] * len(responses)

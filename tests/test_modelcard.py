@@ -94,7 +94,9 @@ def test_every_stage_gets_a_card_with_metadata_and_results(runs):
     }
     tags = {"sft": "sft", "rm": "reward-model", "ppo": "ppo", "dpo": "dpo"}
     for kind in ("sft", "rm", "ppo", "dpo"):
+        written = (runs[kind] / "final" / "README.md").read_text(encoding="utf-8")  # by the run itself
         path = write_model_card(runs[kind] / "final", runs[kind], kind)
+        assert path.read_text(encoding="utf-8") == written  # the same card, written again from its files
         assert path == runs[kind] / "final" / "README.md"
         meta = ModelCard.load(path).data.to_dict()  # the Hub's own parser
         assert meta == read_card_metadata(path)

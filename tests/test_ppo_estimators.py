@@ -91,6 +91,33 @@ def test_dynamic_sampling_drops_tied_groups_from_the_update(task, tmp_path):
     assert gold_curve(out2)[-1] > 0.25
 
 
+@pytest.mark.parametrize(
+    "method",
+    [["critic.init=sft"], ["advantage_estimator=reinforce_pp"], ["advantage_estimator=reinforce_pp_baseline"],
+     ["algo=reinforce", "ppo_epochs=1"]],
+    ids=["gae", "reinforce_pp", "reinforce_pp_baseline", "reinforce"],
+)  # fmt: skip
+def test_dynamic_sampling_with_per_token_and_batch_estimators(task, tmp_path, method):
+    """Estimators that shape per-token rewards or whiten over the batch take the dropped rows out: some
+    groups tied -> dropped and counted, the update still runs on the rest; every group tied -> no update."""
+    out = tmp_path / "some"
+    ppo.train(make_cfg(task, out, *method, "group_size=4", "dynamic_sampling=true", "iterations=3",
+                       "eval.every=0", "reward.function=ppo_task:tied_half", *QUIET))  # fmt: skip
+    rows = [r for r in rows_of(out / "metrics.jsonl") if "rollout/groups_dropped" in r]
+    dropped = [r["rollout/groups_dropped"] for r in rows]
+    assert len(rows) == 3 and sum(dropped) > 0 and min(dropped) < 4, dropped
+    assert all(torch.isfinite(torch.tensor(r["loss/policy"])) for r in rows)
+    start, moved = weights(task["model"]), weights(out / "final")
+    assert any(not torch.equal(start[k], moved[k]) for k in start)
+    out2 = tmp_path / "all"
+    ppo.train(make_cfg(task, out2, *method, "group_size=4", "dynamic_sampling=true", "iterations=2",
+                       "eval.every=0", "reward.function=ppo_task:constant", *QUIET))  # fmt: skip
+    rows = [r for r in rows_of(out2 / "metrics.jsonl") if "rollout/groups_dropped" in r]
+    assert [r["rollout/groups_dropped"] for r in rows] == [4, 4]
+    final = weights(out2 / "final")
+    assert all(torch.equal(start[k], final[k]) for k in start)
+
+
 def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path):
     kls = {}
     for beta in (0.02, 1.0):
@@ -177,7 +204,7 @@ def test_process_rewards_credit_the_tokens_up_to_their_step():
 
     mask = torch.ones(1, 6, dtype=torch.bool)
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, -0.5]])
-    x = Signals(torch.zeros(1), token_rewards, torch.zeros(1, 6), 0.0, mask, torch.zeros(1, 6))
+    x = Signals(torch.zeros(1), token_rewards, torch.zeros(1, 6), 0.0, mask, torch.zeros(1, 6), mask)
     cfg = PPOConfig(whiten_advantages=False, gamma=1.0, lam=1.0)
     expected = torch.tensor([[0.5, 0.5, 0.5, -0.5, -0.5, -0.5]])
     for name in ("reinforce_pp", "gae"):

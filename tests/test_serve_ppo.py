@@ -103,6 +103,33 @@ def test_a_service_that_dies_stops_the_run_with_a_checkpoint_and_resume_continue
     same_run(tmp_path / "whole", run)
 
 
+def test_a_service_that_dies_in_an_evaluation_stops_with_a_checkpoint_and_resume_continues(task, tmp_path):
+    """Iteration 3 has trained when its evaluation loses the service: the checkpoint holds iteration 3 and
+    its unlogged metrics; --resume evaluates it again, and the run ends as an uninterrupted one."""
+    every = "eval.every=3"
+    ppo.train(cfg(task, tmp_path / "whole", "reward.function=ppo_task:frac_a", every))
+    port, run = free_port(), tmp_path / "run"
+    url = f"http://127.0.0.1:{port}"
+    service = serve("ppo_task:frac_a_dies_in_eval", port)
+    try:
+        with pytest.raises(ShifuError, match=rf"{url}.*checkpoint of iteration 3 is in .*--resume"):
+            ppo.train(cfg(task, run, f"reward.url={url}", every))
+        assert service.wait(timeout=30) == 1
+    finally:
+        service.kill()
+    assert ckpt.latest_checkpoint(run).name == "step-00000003" and not (run / "final").exists()
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(logged) == 2  # iteration 3 trained, but is logged only with its evaluation
+    service = serve("ppo_task:frac_a", port)
+    try:
+        ppo.train(cfg(task, run, f"reward.url={url}", every), resume=True)
+    finally:
+        service.kill()
+    same_run(tmp_path / "whole", run)
+    samples = lambda r: (r / "samples.jsonl").read_text()  # noqa: E731
+    assert samples(tmp_path / "whole") == samples(run)
+
+
 def test_the_study_hands_a_reward_service_to_its_ppo_runs(task):
     """`shifu study frontier --reward-url URL`: a PPO/REINFORCE run's config takes the service in place of
     the plan's reward function, and it validates."""

@@ -45,6 +45,7 @@ SAFE_RESUME_KEYS = {
     "progress",
     "tensorboard",
     "max_nonfinite_steps",
+    "trackers",
 }
 
 # (this rank's rows of a micro-batch, the step's divisor) -> (the loss to back-propagate, its statistics

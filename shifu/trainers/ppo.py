@@ -24,11 +24,10 @@ from shifu import checkpoint as ckpt
 from shifu import core
 from shifu.config import to_dict, with_values
 from shifu.data import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
-from shifu.errors import ShifuError
 from shifu.models import load_tokenizer, pad_left
 from shifu.remote import RewardServiceUnavailable
 from shifu.rewards import load_function
-from shifu.rollout import Rollout, SamplingParams, check_positions
+from shifu.rollout import Rollout, check_positions
 from shifu.schema import PPOConfig, check_world_size, derived_sizes
 from shifu.strategy import build_strategy
 from shifu.tracking import progress
@@ -43,14 +42,14 @@ from shifu.trainers.common import (
 )
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
-from shifu.trainers.ppo_rollout import collect_rollout
+from shifu.trainers.ppo_rollout import collect_rollout, sampling_params
 from shifu.trainers.ppo_update import update
 
 Config = PPOConfig
 # keys a resumed run may change: they do not alter what the finished iterations computed
 SAFE_RESUME_KEYS = {"iterations", "save_every", "keep_last", "eval.every", "eval.num_prompts", "guard.kl_ceiling",
                     "guard.divergence_patience", "max_nonfinite_steps", "progress", "tensorboard",
-                    "distributed.timeout_s"}  # fmt: skip
+                    "distributed.timeout_s", "trackers", "reward.url", "reward.timeout_s", "reward.retries"}  # fmt: skip
 
 
 def iteration(m: PPOModels, s: PPOState, cfg: PPOConfig, prompt_ids, prompt_mask, rows, params, ptx=None,
@@ -113,8 +112,9 @@ def learn(
         train = mask & keep.unsqueeze(1)
         extra["rollout/groups_dropped"] = strategy.batch_sums({"n": n_dropped})["n"]
     signals = Signals(scores, rollout.token_rewards, kl, beta if cfg.kl.penalty == "reward" else 0.0, train,
-                      rollout.values)  # fmt: skip
-    advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy)
+                      rollout.values, mask)  # fmt: skip
+    learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
+    advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else (kl * 0, kl * 0)
     if cfg.tis_cap is not None:  # truncated IS: the decode's log-probs against the trainer's old ones
         advantages = advantages * core.truncated_is_weights(
             rollout.old_log_probs, rollout.rollout_log_probs, train, cfg.tis_cap
@@ -138,7 +138,7 @@ def learn(
         metrics |= strategy.batch_means({"objective/process_reward": (rollout.token_rewards.sum(1), None)})
     # 5. epochs x minibatches of the clipped policy loss (or the variant's), value loss, entropy, ptx; in the
     # critic warm-up only the value loss. Nothing when dynamic sampling dropped every group.
-    if extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size:
+    if learns:
         metrics |= update(m, s, cfg, rollout, ptx, actor=not warmup)
     if warmup:  # the actor has not moved: the controllers wait for it
         return metrics | {"time/update_s": time.perf_counter() - t0}
@@ -148,12 +148,6 @@ def learn(
     # 6. KL controller: beta from the measured KL to the reference (nats per response, every rank's mean)
     s.kl_ctl.update(metrics["objective/kl"], n_rows)
     return metrics | {"time/update_s": time.perf_counter() - t0}
-
-
-def sampling_params(cfg: PPOConfig) -> SamplingParams:
-    """How rollouts are sampled (``generation.*``)."""
-    g = cfg.generation
-    return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p)
 
 
 def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -237,30 +231,35 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         tracker.log(0, evaluate(0))
     bar = progress(cfg.iterations, "ppo", initial=loop["iteration"], enabled=main and cfg.progress)
     with GracefulStop() as stop:
-        while loop["iteration"] < cfg.iterations:
-            before = stream.state(), s.sample_gen.get_state(), ckpt.rng_state()
-            mine, _ = strategy.share(stream.next())  # this rank's batch_size / G / W prompts, G rows each
-            mine = [i for i in mine for _ in range(G)]
-            b = pad_left([ids[i] for i in mine], tok.pad_token_id)
-            try:
+        while loop["iteration"] < cfg.iterations or loop.get("pending") is not None:
+            # a run stopped by its reward service in an evaluation resumes with that iteration's metrics
+            metrics = loop.pop("pending", None)
+            if metrics is None:
+                before = stream.state(), s.sample_gen.get_state(), ckpt.rng_state()
+                mine, _ = strategy.share(stream.next())  # this rank's batch_size / G / W prompts, G rows each
+                mine = [i for i in mine for _ in range(G)]
+                b = pad_left([ids[i] for i in mine], tok.pad_token_id)
                 warmup = loop["iteration"] < cfg.critic_warmup  # the first critic_warmup: critic only
-                batch = (b["input_ids"], b["attention_mask"], [rows[i] for i in mine], params, ptx, warmup)
-                metrics = iteration(m, s, cfg, *batch)
-            except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
-                # yet, so checkpoint the state before this iteration; --resume redoes it
-                stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
-                s.sample_gen.set_state(before[1])
-                ckpt.set_rng_state(before[2])
-                save(loop["iteration"])
-                bar.close(), tracker.close()
-                raise ShifuError(
-                    f"{e}. A checkpoint of iteration {loop['iteration']} is in {out}: start the service again, "
-                    f"then continue with: shifu ppo --config <same config> --out {out} --resume"
-                ) from None
+                try:
+                    metrics = iteration(m, s, cfg, b["input_ids"], b["attention_mask"], [rows[i] for i in mine],
+                                        params, ptx, warmup)  # fmt: skip
+                except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
+                    # yet, so checkpoint the state before this iteration; --resume redoes it
+                    stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
+                    s.sample_gen.set_state(before[1])
+                    ckpt.set_rng_state(before[2])
+                    save(loop["iteration"]), bar.close(), tracker.close()
+                    raise ppo_eval.service_stopped(e, loop["iteration"], out) from None
+                loop["iteration"] += 1
             # 7. log, evaluate, guard, save
-            loop["iteration"] = it = loop["iteration"] + 1
+            it = loop["iteration"]
             if (cfg.eval.every > 0 and it % cfg.eval.every == 0) or it == cfg.iterations:
-                metrics |= evaluate(it)
+                try:
+                    metrics |= evaluate(it)
+                except RewardServiceUnavailable as e:  # trained but not logged: --resume evaluates it again
+                    loop["pending"] = metrics
+                    save(it), bar.close(), tracker.close()
+                    raise ppo_eval.service_stopped(e, it, out) from None
             tracker.log(it, metrics)
             if main and not warned_empty and metrics.get("rollout/response_len", 2.0) < 1.5:
                 warned_empty = ppo_eval.warn_empty_responses(it, metrics, tok, cfg)

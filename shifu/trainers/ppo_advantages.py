@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from shifu import core
@@ -40,6 +41,7 @@ class Signals:
     beta: float  # its coefficient in the reward (0 when the KL is a loss term: kl.penalty=loss)
     mask: Tensor  # (B, R) bool, the response tokens that train (a dynamic-sampling drop clears a row)
     values: Tensor  # (B, R) the critic's values (zeros without a critic)
+    real: Tensor  # (B, R) bool, every real response token (a dropped row's too: its score has a place)
 
 
 def totals(scores: Tensor, rollout) -> Tensor:
@@ -50,7 +52,8 @@ def totals(scores: Tensor, rollout) -> Tensor:
 
 
 def _token_rewards(x: Signals, scores: Tensor) -> Tensor:
-    rewards = core.shape_rewards(scores, x.kl, x.mask, x.beta)
+    """Per-token rewards on the rows that train (0 on a row dynamic sampling dropped)."""
+    rewards = core.shape_rewards(scores, x.kl, x.real, x.beta) * x.mask
     return rewards if x.token_rewards is None else rewards + x.token_rewards * x.mask
 
 
@@ -67,6 +70,10 @@ def reinforce(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, T
     )
     returns = core.sequence_returns(scores, x.kl, x.mask, x.beta)
     baseline = strategy.mean(returns) if cfg.reinforce_baseline else 0.0
+    if cfg.reinforce_baseline and cfg.dynamic_sampling:  # the mean return of the rows that train
+        kept = x.mask.any(1)
+        t = strategy.batch_sums({"sum": (returns * kept).sum(), "n": kept.sum()})
+        baseline = torch.tensor(t["sum"] / max(t["n"], 1.0), dtype=returns.dtype)
     advantages = core.sequence_advantages(returns, x.mask, baseline)
     return advantages, advantages
 

@@ -13,6 +13,7 @@ import torch
 from shifu import checkpoint as ckpt
 from shifu import lora as L
 from shifu.core import kl_estimate, masked_sum
+from shifu.errors import ShifuError
 from shifu.models import ScalarModel, load_causal_lm, pad_left
 from shifu.rollout import SamplingParams, policy_forward, sample
 from shifu.schema import PPOConfig
@@ -182,3 +183,9 @@ def trim_samples(path: Path, last_iteration: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines()
     kept = [x for x in lines if x.strip() and json.loads(x)["iteration"] <= last_iteration]
     path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+
+
+def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
+    """The error of a run whose reward service went away, after the checkpoint of iteration ``it``."""
+    return ShifuError(f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
+                      f"with: shifu ppo --config <same config> --out {out} --resume")  # fmt: skip

@@ -158,3 +158,9 @@ def step_rewards(tok, response_ids: torch.Tensor, response_mask: torch.Tensor, s
             ends[i, j], values[i, j] = lo, values[i, j] + reward
     dev = response_mask.device
     return core.place_step_rewards(values.to(dev), ends.to(dev), response_mask)
+
+
+def sampling_params(cfg: PPOConfig) -> SamplingParams:
+    """How rollouts are sampled (``generation.*``)."""
+    g = cfg.generation
+    return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p)
