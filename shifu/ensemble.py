@@ -111,7 +111,13 @@ def load_reward(
         manifest = read_json_file(
             p / ENSEMBLE_FILE, "ensemble manifest", "train the ensemble again or restore a copy"
         )
-        members = [ScalarModel.from_pretrained(p / m) for m in manifest["members"]]
+        names = manifest.get("members") if isinstance(manifest, dict) else None
+        if not (isinstance(names, list) and names and all(isinstance(m, str) for m in names)):
+            raise ShifuError(
+                f"ensemble manifest '{p / ENSEMBLE_FILE}': 'members' must be a non-empty list of member "
+                "directory names; train the ensemble again or restore a copy"
+            )
+        members = [ScalarModel.from_pretrained(p / m) for m in names]
         how = aggregate_how or manifest.get("aggregate", "mean")
         k = std_coef if std_coef is not None else manifest.get("std_coef", 1.0)
         return RewardEnsemble(members, how, k).eval()

@@ -94,7 +94,7 @@ def check_safetensors(path: str | Path, hint: str = "") -> None:
         raise ShifuError(f"'{p}' has {size - expected} bytes after its last tensor (a damaged file); {hint}")
 
 
-def _require_dir(path: str | Path, what: str, trust_remote_code: bool = False) -> Path:
+def require_model_dir(path: str | Path, what: str, trust_remote_code: bool = False) -> Path:
     """``path`` as a model directory: it exists, holds a readable ``config.json`` with a ``model_type``
     transformers knows, and complete weight files; else a ShifuError naming what is wrong and where."""
     p = Path(path)
@@ -251,6 +251,37 @@ def check_vocab(tokenizer, model: nn.Module, path: str | Path, key: str) -> None
             )
 
 
+def check_own_tokenizer(tokenizer, model: nn.Module, path: str | Path, key: str) -> None:
+    """ShifuError when ``tokenizer`` (the one a stage reads ``path`` with) has ids that ``model``'s embedding
+    has no row for, beyond the one pad token :func:`load_tokenizer` may add (the trainers resize for it): a
+    tokenizer file from another model, which would crash mid-run with an index error or silently grow the
+    embedding by thousands of untrained rows."""
+    trunk = getattr(model, "backbone", model)
+    rows = trunk.get_input_embeddings().num_embeddings
+    extra = len(tokenizer) - rows
+    if extra > 1 or (extra == 1 and tokenizer.pad_token_id != len(tokenizer) - 1):
+        raise ShifuError(
+            f"{key}={path}: the tokenizer has {len(tokenizer)} token ids, but the model embeds only {rows}: the "
+            "tokenizer belongs to another model; save the model's own tokenizer with it (`save_pretrained`)"
+        )
+
+
+def check_length(model: nn.Module, longest: int, path: str | Path) -> None:
+    """ShifuError when the longest encoded example (``longest`` tokens, from data file ``path``) runs past a
+    model with learned positions (GPT-2's ``n_positions``, a BERT-style encoder's absolute positions); the
+    trainers of sft, rm and dpo call it before writing anything."""
+    trunk = getattr(model, "backbone", model)
+    config = getattr(trunk, "config", None)
+    n = getattr(config, "n_positions", None)
+    if n is None and getattr(config, "position_embedding_type", None) == "absolute":
+        n = getattr(config, "max_position_embeddings", None)
+    if isinstance(n, int) and longest > n:
+        raise ShifuError(
+            f"{path}: the longest example is {longest} tokens, but the model has {n} positions: set "
+            f"data.max_len to at most {n} (and data.max_prompt_len below it)"
+        )
+
+
 def disable_dropout(model: nn.Module) -> nn.Module:
     """Set every dropout probability to 0 (PPO: ratios must be 1 before the first step)."""
     for m in model.modules():
@@ -279,7 +310,7 @@ def load_causal_lm(
     """AutoModelForCausalLM from a local HF directory (any architecture)."""
     from transformers import AutoModelForCausalLM
 
-    p = _require_dir(path, "model", trust_remote_code)
+    p = require_model_dir(path, "model", trust_remote_code)
     with _loading("model", p):
         model, info = AutoModelForCausalLM.from_pretrained(
             str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
@@ -350,7 +381,7 @@ class ScalarModel(nn.Module):
         """A fresh scalar head on the backbone of any local HF model (causal LM or encoder)."""
         from transformers import AutoModel
 
-        p = _require_dir(path, "backbone", trust_remote_code)
+        p = require_model_dir(path, "backbone", trust_remote_code)
         with _loading("backbone", p):
             backbone, info = AutoModel.from_pretrained(
                 str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
@@ -358,6 +389,7 @@ class ScalarModel(nn.Module):
             )  # fmt: skip
         _check_loaded(backbone, info, "backbone", p)
         tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
+        check_own_tokenizer(tok, backbone, p, "backbone")
         return cls(backbone, tok, seed=seed)
 
     @classmethod

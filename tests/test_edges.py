@@ -404,6 +404,89 @@ def test_check_vocab_names_a_model_of_another_tokenizer(tiny_model_dir, tmp_path
         )
 
 
+@pytest.fixture(scope="module")
+def foreign(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Directories whose tokenizer belongs to another model: the 15-token character model with the tiny
+    GPT-2's tokenizer files (~400 tokens) beside its weights, as a policy and as a reward model."""
+    from ppo_task import build_char_model
+
+    root = tmp_path_factory.mktemp("foreign")
+    policy = build_char_model(root / "policy")
+    ScalarModel.from_backbone(policy, seed=0).save_pretrained(root / "rm")
+    for d in (policy, root / "rm"):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_model_dir / f, d / f)
+    return {"policy": policy, "rm": root / "rm"}
+
+
+@pytest.mark.parametrize("cmd", ["sft", "rm", "dpo", "ppo"])
+def test_a_model_directory_with_another_models_tokenizer_is_refused(cmd, foreign, files, tmp_path, capsys):
+    """Its ids run past the embedding: ppo/rm would crash with an index error in the first batch, sft/dpo
+    would silently grow the embedding by hundreds of untrained rows. Named, exit 2, nothing written."""
+    out = tmp_path / "run"
+    data = {"sft": files["sft"], "ppo": files["prompts"]}.get(cmd, files["pref"])
+    argv = [cmd, "--out", str(out), f"model.path={foreign['policy']}", f"data.train={data}", "progress=false",
+            "tensorboard=false"] + (["reward.function=ppo_task:frac_a", "critic.init=sft"] if cmd == "ppo" else [])  # fmt: skip
+    code, err = run_cli(argv, capsys)
+    line = _one_error_line(err, cmd)
+    assert code == 2 and not out.exists(), err
+    assert str(foreign["policy"]) in line and "the tokenizer belongs to another model" in line, line
+
+
+def test_a_reward_model_with_another_models_tokenizer_and_a_damaged_ensemble(
+    foreign, tiny_model_dir, files, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    argv = ["ppo", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={files['prompts']}",
+            "critic.init=sft", "progress=false", "tensorboard=false"]  # fmt: skip
+    code, err = run_cli(argv + [f"reward.model_path={foreign['rm']}"], capsys)
+    assert code == 2 and not out.exists() and "the tokenizer belongs to another model" in err, err
+    ens = tmp_path / "ensemble"
+    ens.mkdir()
+    for manifest in ({"aggregate": "mean"}, ["member-0"], {"members": []}, {"members": [3]}):
+        (ens / "ensemble.json").write_text(json.dumps(manifest))
+        code, err = run_cli(argv + [f"reward.model_path={ens}"], capsys)
+        line = _one_error_line(err, "ppo")
+        assert code == 2 and not out.exists(), err
+        assert f"'{ens / 'ensemble.json'}'" in line and "'members' must be a non-empty list" in line, line
+
+
+@pytest.mark.parametrize("cmd", ["sft", "rm", "dpo"])
+def test_examples_longer_than_the_models_positions_are_refused_before_training(cmd, tmp_path, capsys):
+    """The character model has 64 learned positions; 80-character rows (data.max_len 256) would crash with an
+    index error in the first step. sft, rm and dpo check the longest encoded example before writing."""
+    from ppo_task import build_char_model
+
+    model = build_char_model(tmp_path / "model")
+    long = "abcdefghijkl" * 7  # 84 characters = 84 tokens
+    rows = ([{"prompt": "ab", "response": long}] if cmd == "sft"
+            else [{"prompt": "ab", "chosen": long, "rejected": "cd"}]) * 8  # fmt: skip
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    out = tmp_path / "run"
+    argv = [cmd, "--out", str(out), f"model.path={model}", f"data.train={data}", "max_steps=1", "batch_size=4",
+            "progress=false", "tensorboard=false"]  # fmt: skip
+    code, err = run_cli(argv, capsys)
+    line = _one_error_line(err, cmd)
+    assert code == 2 and not out.exists(), err
+    assert (
+        f"{data}: the longest example is" in line and "64 positions: set data.max_len to at most 64" in line
+    )
+    code, err = run_cli(argv + ["data.max_len=64", "data.max_prompt_len=16"], capsys)
+    assert code == 0 and (out / "final").is_dir(), err
+
+
+def test_a_normalisation_policy_with_damaged_weights_stops_rm_before_training(
+    tiny_model_dir, broken, files, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    argv = ["rm", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={files['pref']}",
+            "max_steps=1", "progress=false", "tensorboard=false",
+            f"normalize.policy={broken['truncated_weights']}"]  # fmt: skip
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and not out.exists(), err
+    assert f"'{broken['truncated_weights']}/model.safetensors' is truncated" in err
+
+
 # ------------------------------------------------------------------ a run that fails after it started
 def test_a_run_that_fails_after_it_started_can_be_resumed_or_overwritten(tmp_path, capsys):
     """Prompt + max_new_tokens past the model's positions is found before anything is written. A mistake

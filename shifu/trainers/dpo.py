@@ -27,7 +27,15 @@ import torch
 from shifu.core import dpo_loss, masked_sum
 from shifu.data import encode_sft, load_train_eval, prompt_text
 from shifu.errors import ConfigError
-from shifu.models import check_vocab, load_causal_lm, load_tokenizer, pad_left, pad_right
+from shifu.models import (
+    check_length,
+    check_own_tokenizer,
+    check_vocab,
+    load_causal_lm,
+    load_tokenizer,
+    pad_left,
+    pad_right,
+)
 from shifu.rollout import policy_forward
 from shifu.schema import DPOConfig, TextDataConfig, check_world_size
 from shifu.strategy import Strategy, build_strategy
@@ -143,6 +151,10 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     trust = cfg.model.trust_remote_code
     model = load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False)
     ref = load_causal_lm(cfg.model.ref_path or cfg.model.path, trust_remote_code=trust, dropout=False)
+    check_own_tokenizer(tokenizer, model, cfg.model.path, "model.path")
+    longest = max(len(x["prompt_ids"]) + max(len(x["chosen_ids"]), len(x["rejected_ids"]))
+                  for x in train_pairs + eval_pairs)  # fmt: skip
+    check_length(model, longest, cfg.data.train)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
         ref.resize_token_embeddings(len(tokenizer))

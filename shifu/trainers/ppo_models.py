@@ -20,6 +20,7 @@ from shifu import precision as bf16
 from shifu.errors import ShifuError
 from shifu.models import (
     ScalarModel,
+    check_own_tokenizer,
     check_vocab,
     disable_dropout,
     fuse_tanh_gelu,
@@ -145,6 +146,7 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
 
     def load_actor():
         actor = load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False)
+        check_own_tokenizer(tok, actor, cfg.model.path, "model.path")
         if cfg.lora.enabled:
             actor = L.wrap_lora(actor, cfg.lora)
             if strategy.is_main:

@@ -26,7 +26,15 @@ from shifu.core import bradley_terry_loss
 from shifu.data import encode_reward_pairs, load_rows, load_train_eval, prompt_text, sft_texts
 from shifu.ensemble import RewardEnsemble, write_manifest
 from shifu.errors import ConfigError
-from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left, pad_right
+from shifu.models import (
+    ScalarModel,
+    check_length,
+    load_causal_lm,
+    load_tokenizer,
+    pad_left,
+    pad_right,
+    require_model_dir,
+)
 from shifu.schema import RMConfig, check_world_size
 from shifu.strategy import Strategy, build_strategy
 from shifu.trainers import common, loop
@@ -187,8 +195,9 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
         load_rows(cfg.normalize.responses, "sft", cfg.data.skip_bad) if cfg.normalize.responses else []
     )
     backbone, k = resolve_backbone(cfg.model.path), cfg.ensemble.k
-    if cfg.normalize.policy:
-        load_tokenizer(cfg.normalize.policy)  # fails now, not after training, on a bad path
+    if cfg.normalize.policy:  # fails now, not after training, on a bad path or damaged weights
+        load_tokenizer(cfg.normalize.policy)
+        require_model_dir(cfg.normalize.policy, "normalize.policy")
 
     def fresh(member: int) -> ScalarModel:
         return ScalarModel.from_backbone(
@@ -202,6 +211,8 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     eval_pairs, eval_counts = encode_reward_pairs(first, eval_rows, *encode)
     if not train_pairs or not eval_pairs:
         raise ConfigError("no preference pairs left after the prompt policy; raise data.max_prompt_len")
+    longest = max(len(x[side]) for x in train_pairs + eval_pairs for side in ("chosen", "rejected"))
+    check_length(first, longest, d.train)
 
     # 2. train each member in its own run directory (the top one when k == 1); rank 0 writes
     device = strategy.launch(cfg.device)

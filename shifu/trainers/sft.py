@@ -13,7 +13,7 @@ import torch
 from shifu.core import log_probs_from_logits, masked_sum
 from shifu.data import collate_sft, encode_sft, load_train_eval
 from shifu.errors import ConfigError
-from shifu.models import load_causal_lm, load_tokenizer
+from shifu.models import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
 from shifu.schema import SFTConfig, check_world_size
 from shifu.strategy import Strategy, build_strategy
 from shifu.trainers import common, loop
@@ -69,6 +69,11 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     report_counts(d.train, counts, strategy.is_main)
     report_counts(d.eval or d.train + " (held out)", eval_counts, strategy.is_main)
     model = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code).to(device)
+    check_own_tokenizer(tokenizer, model, cfg.model.tokenizer or cfg.model.path,
+                        "model.tokenizer" if cfg.model.tokenizer else "model.path")  # fmt: skip
+    check_length(
+        model, max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in train_ex + eval_ex), d.train
+    )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
     model.train()
