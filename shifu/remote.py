@@ -169,19 +169,46 @@ class RemoteReward:
         answers = self._score(prompts, responses, rows, input_ids, attention_mask)
         out = []
         for start, answer in answers:
-            if "scores" not in answer and "token_scores" in answer:
-                raise RewardServiceError(
-                    f"reward service {self.url} serves per-token (process) rewards; use "
-                    "RemoteReward.token_scores, or serve a reward that returns one score per response"
-                )
+            self._refuse_token_scores(answer)
             n = min(self.batch_size, len(prompts) - start)
-            out.append(self._floats(answer, "scores", n, start))
+            scores = self._floats(answer, "scores", n, start)
+            steps = answer.get("steps")
+            if isinstance(steps, list):  # a process reward's total: the sum of its steps (as in process)
+                scores = scores + torch.tensor([sum(r if r is not None else math.nan for _, r in row)
+                                                for row in steps], dtype=torch.float32)  # fmt: skip
+            out.append(scores)
         return torch.cat(out) if out else torch.zeros(0)
 
     def score_with_steps(self, prompts, responses, rows, input_ids=None, attention_mask=None):
-        """``(scores, None)``: :meth:`shifu.rewards.RewardSource.score_with_steps`'s call (a service sends
-        one score per response to a trainer; process rewards stay in process)."""
-        return self(prompts, responses, rows, input_ids, attention_mask), None
+        """``(scores, steps)`` as :meth:`shifu.rewards.RewardSource.score_with_steps` returns them: ``steps``
+        None unless the service sent process-reward steps (``[[end, reward], ...]`` per response, checked as
+        in process) for some response; then ``scores`` holds 0 for a stepped response."""
+        from shifu.rewards import check_steps
+
+        scores, steps = [], []
+        for start, answer in self._score(prompts, responses, rows, input_ids, attention_mask):
+            n = min(self.batch_size, len(prompts) - start)
+            self._refuse_token_scores(answer)
+            scores.append(self._floats(answer, "scores", n, start))
+            got = answer.get("steps", [[]] * n)
+            if not isinstance(got, list) or len(got) != n:
+                raise RewardServiceError(f"reward service {self.url} answered 'steps' for rows {start}.."
+                                         f"{start + n - 1} that is not a list of {n}")  # fmt: skip
+            for i, row in enumerate(got):
+                try:  # a non-finite reward (null) travels as NaN: the trainer drops that response
+                    row = [(e, math.nan if r is None else r) for e, r in row]
+                    steps.append(check_steps(row, start + i, len(responses[start + i])))
+                except (TypeError, ValueError, ShifuError) as e:
+                    raise RewardServiceError(f"reward service {self.url}: {e}") from None
+        out = torch.cat(scores) if scores else torch.zeros(0)
+        return out, (steps if any(steps) else None)
+
+    def _refuse_token_scores(self, answer: dict) -> None:
+        if "scores" not in answer and "token_scores" in answer:
+            raise RewardServiceError(
+                f"reward service {self.url} serves per-token (process) rewards; use "
+                "RemoteReward.token_scores, or serve a reward that returns one score per response"
+            )
 
     def token_scores(self, prompts: list[str], responses: list[str], rows: list[dict]) -> list[torch.Tensor]:
         """Per-token (process) rewards: one float32 tensor per response, as long as the function made it."""

@@ -114,7 +114,8 @@ class RewardSource:
         if not any(isinstance(x, (list, tuple)) for x in out):
             return torch.tensor([float(x) for x in out], dtype=torch.float32), None
         steps = [
-            _steps(x, i, len(responses[i])) if isinstance(x, (list, tuple)) else [] for i, x in enumerate(out)
+            check_steps(x, i, len(responses[i])) if isinstance(x, (list, tuple)) else []
+            for i, x in enumerate(out)
         ]
         scores = [0.0 if isinstance(x, (list, tuple)) else float(x) for x in out]
         return torch.tensor(scores, dtype=torch.float32), steps
@@ -135,7 +136,7 @@ class RewardSource:
         return self.model.score_texts(prompts, responses, batch_size=self.micro_batch).float()
 
 
-def _steps(x, i: int, length: int) -> list[tuple[int, float]]:
+def check_steps(x, i: int, length: int) -> list[tuple[int, float]]:
     """Response ``i``'s process reward ``[[end, reward], ...]`` checked: ends are increasing character
     offsets in ``1..length``."""
     out, last = [], 0

@@ -8,7 +8,8 @@ a rule reward ``package.module:function`` (:func:`shifu.rewards.load_function`).
     GET  /health        {"status": "ok", "kind", "requests", "forwards", "rows", "pending"}  (no token)
     GET  /v1/metadata   kind, source, tokenizer fingerprint, normalisation, ensemble, limits, version
     POST /v1/score      {"prompts", "responses", "rows"?} or {"input_ids", "attention_mask"}
-                        -> {"scores": [...]} (or {"token_scores": [[...], ...]} from a process reward)
+                        -> {"scores": [...]}; from a process reward {"scores", "steps": [[[end, r], ...], ...]}
+                        (shifu's steps format) or {"token_scores": [[...], ...]} (one value per element)
 
 **Batching.** One asyncio task (:class:`Batcher`) runs the scoring on one thread, one forward at a time,
 while the event loop keeps accepting requests; the requests that arrived during a forward are merged
@@ -236,9 +237,16 @@ def shares_one_tokenizer(model) -> bool:
     )
 
 
-def function_scores(out, n: int) -> tuple[list[float] | None, list[list[float]] | None]:
-    """A reward function's return value -> (scores, None) for one number per response, or (None,
-    token_scores) for one list per response (a process reward); ScoringError when it is neither."""
+def _is_steps(x) -> bool:
+    """A response's process reward in shifu's steps format: ``[[end, reward], ...]`` (possibly empty)."""
+    return isinstance(x, (list, tuple)) and all(isinstance(s, (list, tuple)) for s in x)
+
+
+def function_scores(out, n: int) -> dict[str, list]:
+    """A reward function's return value -> the answer: ``{"scores"}`` for one number per response;
+    ``{"scores", "steps"}`` when some responses get shifu's process-reward steps ``[[end, reward], ...]``
+    (:mod:`shifu.rewards`; the others a number, their steps empty, a stepped response's score 0);
+    ``{"token_scores"}`` for one list of numbers per response. ScoringError when it is none of these."""
     try:
         items = list(out)
     except TypeError:
@@ -248,9 +256,15 @@ def function_scores(out, n: int) -> tuple[list[float] | None, list[list[float]] 
     if len(items) != n:
         raise ScoringError(f"reward function returned {len(items)} scores for {n} responses")
     try:
+        if any(isinstance(x, (list, tuple)) and x and _is_steps(x) for x in items):
+            steps = [
+                [[int(e), float(r)] for e, r in x] if isinstance(x, (list, tuple)) else [] for x in items
+            ]
+            scores = [0.0 if isinstance(x, (list, tuple)) else float(x) for x in items]
+            return {"scores": scores, "steps": steps}
         if items and all(isinstance(x, (list, tuple)) for x in items):
-            return None, [[float(v) for v in x] for x in items]
-        return [float(x) for x in items], None
+            return {"token_scores": [[float(v) for v in x] for x in items]}
+        return {"scores": [float(x) for x in items]}
     except (TypeError, ValueError) as e:
         raise ScoringError(f"reward function returned something that is not a number ({e})") from None
 
@@ -354,9 +368,9 @@ class Served:
     def call(self, req: ScoreRequest) -> tuple[list[float] | None, list[list[float]] | None]:
         """Score a request in one call: a reward function, or an ensemble whose members' tokenizers differ."""
         if self.function is None:
-            return self.model.score_texts(
+            return {"scores": self.model.score_texts(
                 self.prompts(req), req.responses, max(1, req.size), MAX_LENGTH
-            ).tolist(), None
+            ).tolist()}  # fmt: skip
         rows = req.rows if req.rows is not None else [{} for _ in req.prompts]
         try:
             out = self.function(req.prompts, req.responses, rows)
@@ -629,10 +643,13 @@ def create_app(
         blocks = await asyncio.get_running_loop().run_in_executor(state["encoder"], served.blocks, req)
         b = state["batcher"]
         if blocks is None:
-            scores, token_scores = await b.run_alone(lambda: served.call(req))
-            if token_scores is not None:
-                return JSONResponse({"token_scores": [_finite(r) for r in token_scores]})
-            return JSONResponse({"scores": _finite(scores)})
+            answer = await b.run_alone(lambda: served.call(req))
+            if "token_scores" in answer:
+                return JSONResponse({"token_scores": [_finite(r) for r in answer["token_scores"]]})
+            if "steps" in answer:  # each step's reward as its score is sent: null when not finite
+                steps = [[[e, _finite([r])[0]] for e, r in row] for row in answer["steps"]]
+                return JSONResponse({"scores": _finite(answer["scores"]), "steps": steps})
+            return JSONResponse({"scores": _finite(answer["scores"])})
         return JSONResponse({"scores": _finite((await b.score_blocks(blocks)).tolist())})
 
     async def on_request_error(request, exc: RequestError):

@@ -93,6 +93,21 @@ def per_char_reward(prompts, responses, rows):
     return [[1.0 if c == "a" else 0.0 for c in r] for r in responses]
 
 
+def step_reward(prompts, responses, rows):
+    """A process reward in shifu's steps format (a step at each 'e') for responses with an 'a', a number
+    for the others (the choice depends on the row alone: requests split the rows anywhere)."""
+    out: list = []
+    for r in responses:
+        steps = [[j + 1, 0.5] for j, c in enumerate(r) if c == "e"] or [[len(r), -1.0]]
+        out.append(steps if "a" in r else float(len(r)))
+    return out
+
+
+def bad_step_reward(prompts, responses, rows):
+    """Steps whose end runs past the response."""
+    return [[[99, 1.0]] for _ in responses]
+
+
 def broken_reward(prompts, responses, rows):
     raise ValueError("no judge today")
 
@@ -296,6 +311,23 @@ def test_process_reward_returns_per_token_scores():
         assert [t.tolist() for t in per_token] == per_char_reward(PROMPTS, RESPONSES, ROWS)
         with pytest.raises(RewardServiceError, match="per-token"):
             remote(PROMPTS, RESPONSES, ROWS)
+
+
+def test_process_reward_steps_travel_as_in_process(policy_tok):
+    """A function returning shifu's steps ([[end, reward], ...]) for some responses and a number for others:
+    the client gets the same (scores, steps) as RewardSource in process, and a total per response."""
+    from shifu.rewards import RewardSource
+
+    local = RewardSource(function=step_reward)
+    with running(create_app(load_served("test_serve:step_reward"))) as url:
+        remote = RemoteReward(url, batch_size=3)
+        got_scores, got_steps = remote.score_with_steps(PROMPTS, RESPONSES, ROWS)
+        want_scores, want_steps = local.score_with_steps(PROMPTS, RESPONSES, ROWS)
+        assert torch.equal(got_scores, want_scores) and got_steps == want_steps and any(want_steps)
+        assert torch.equal(remote(PROMPTS, RESPONSES, ROWS), local(PROMPTS, RESPONSES, ROWS))
+    with running(create_app(load_served("test_serve:bad_step_reward"))) as url:
+        with pytest.raises(RewardServiceError, match=rf"{url}.*response 0, step 0: end 99 must be"):
+            RemoteReward(url, retries=0).score_with_steps(PROMPTS, RESPONSES, ROWS)
 
 
 def test_a_failing_reward_function_is_a_clear_500_and_the_server_lives_on():

@@ -130,6 +130,17 @@ def test_a_service_that_dies_in_an_evaluation_stops_with_a_checkpoint_and_resume
     assert samples(tmp_path / "whole") == samples(run)
 
 
+def test_a_served_process_reward_trains_exactly_like_the_in_process_one(task, tmp_path):
+    """A reward function returning process-reward steps ([[end, reward], ...]), served: the steps travel to
+    the trainer, land on the same tokens, and the run equals the in-process one bit for bit."""
+    ppo.train(cfg(task, tmp_path / "local", "reward.function=ppo_task:a_steps"))
+    with running(create_app(load_served("ppo_task:a_steps"))) as url:
+        ppo.train(cfg(task, tmp_path / "remote", f"reward.url={url}"))
+    same_run(tmp_path / "local", tmp_path / "remote")
+    rows = [json.loads(x) for x in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
+    assert any("objective/process_reward" in r for r in rows)
+
+
 def test_the_study_hands_a_reward_service_to_its_ppo_runs(task):
     """`shifu study frontier --reward-url URL`: a PPO/REINFORCE run's config takes the service in place of
     the plan's reward function, and it validates."""
