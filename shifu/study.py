@@ -614,6 +614,27 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
     return {"kl_grid": grid, "methods": table, "vs_ppo": vs_ppo}
 
 
+def vs_ppo_pairwise(methods: dict[str, Any], grid_points: int = 3, min_seeds: int = 2) -> dict[str, Any]:
+    """Each method against PPO on the KL range *the two of them* share (:func:`matched_kl` on the pair):
+    with many methods the range every one covers is often empty, while each still overlaps PPO. Per
+    method: the grid KLs, PPO's and its gold (mean over seeds) and PPO minus it with its standard error."""
+    out: dict[str, Any] = {}
+    if "ppo" not in methods:
+        return out
+    for method, m in methods.items():
+        mk = (
+            None
+            if method == "ppo"
+            else matched_kl({"ppo": methods["ppo"], method: m}, grid_points, min_seeds)
+        )
+        if mk and mk["vs_ppo"].get(method):
+            ppo_rows = {r["kl"]: r for r in mk["methods"]["ppo"]}
+            other = {r["kl"]: r for r in mk["methods"][method]}
+            out[method] = [d | {"ppo": ppo_rows[d["kl"]]["gold_mean"], method: other[d["kl"]]["gold_mean"]}
+                           for d in mk["vs_ppo"][method]]  # fmt: skip
+    return out
+
+
 def gold_per_cpu(methods: dict[str, Any], sft_gold: float) -> dict[str, list[dict[str, Any]]]:
     """Per method and point: the gold gained over the SFT policy per CPU-minute of training (each seed's
     ``(gold - sft_gold) / train_cpu_seconds * 60``; mean and standard error over seeds), with the CPU
@@ -782,6 +803,7 @@ def frontier(
         "shared_seconds": shared["seconds"],
         "methods": methods_report,
         "matched_kl": matched_kl(methods_report),
+        "vs_ppo_pairwise": vs_ppo_pairwise(methods_report),
         "gold_per_cpu": gold_per_cpu(methods_report, base["gold"]),
         "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
         "seconds_total": round(time.time() - t_start, 1),
@@ -833,6 +855,12 @@ def _table(report: dict[str, Any]) -> str:
                 f"ppo - {method}: "
                 + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.1f}" for d in diffs)
             )
+    pairs = report.get("vs_ppo_pairwise") or {}
+    if pairs:
+        lines.append("PPO against each method on the KL range the two share (gold, PPO minus it ± s.e.):")
+    for method, diffs in pairs.items():
+        lines.append(f"ppo - {method}: " + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.2f}"
+                                                      for d in diffs))  # fmt: skip
     lines.append("gold gained over SFT per CPU-minute of training (mean±s.e. over seeds; CPU s/run):")
     for method, rows in report.get("gold_per_cpu", {}).items():
         lines.append(f"{method:14s} " + ", ".join(

@@ -106,6 +106,29 @@ def test_matched_kl_needs_two_methods_with_overlapping_ranges():
     assert study._gold_at([(1.0, 0.1), (4.0, 0.3)], 5.0) is None  # never extrapolated
 
 
+def test_each_method_meets_ppo_on_the_range_the_two_share():
+    """Two methods whose KL ranges miss each other but each overlap PPO's: no common grid, but each is
+    still compared with PPO where the two of them overlap (gold = a + ln KL: the difference is known)."""
+    import math
+
+    def line(a, kls):
+        return [(k, a + math.log(k)) for k in kls]
+
+    results = _runs("ppo", {0: line(0.10, [1.0, 10.0]), 1: line(0.20, [1.0, 10.0])})
+    results += _runs("dpo", {s: line(0.0, [1.0, 2.0]) for s in (0, 1)})
+    results += _runs("grpo", {s: line(0.05 * s, [5.0, 10.0]) for s in (0, 1)})
+    order = {m: ["p0", "p1"] for m in ("ppo", "dpo", "grpo")}
+    methods = study.aggregate(results, order)
+    assert study.matched_kl(methods)["kl_grid"] == []
+    pairs = study.vs_ppo_pairwise(methods)
+    assert [d["kl"] for d in pairs["dpo"]] == pytest.approx([1.0, math.sqrt(2.0), 2.0])
+    assert [d["kl"] for d in pairs["grpo"]] == pytest.approx([5.0, math.sqrt(50.0), 10.0])
+    for d in pairs["dpo"]:
+        assert d["ppo_minus"] == pytest.approx(0.15) and d["dpo"] == pytest.approx(math.log(d["kl"]))
+        assert d["se"] == pytest.approx(math.sqrt(0.1**2 / 2 / 2))
+    assert all(d["ppo_minus"] == pytest.approx(0.125) for d in pairs["grpo"])
+
+
 def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, capsys):
     plan = study.BUDGETS[("arith", "ci")]
     assert study._select(plan, ["reinforce:beta=0.01", "ppo:beta=0.3"]) == {
