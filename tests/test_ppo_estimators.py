@@ -175,6 +175,23 @@ def test_critic_warmup_keeps_the_actor_still_and_resumes_exactly(task, tmp_path)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), d
 
 
+def test_a_group_run_resumes_exactly(task, tmp_path):
+    """G = 4 responses per prompt: the prompt stream counts prompts (batch_size / G a step) and the checkpoint
+    carries it, so 2 iterations + --resume to 5 equal 5 uninterrupted iterations (metrics and weights)."""
+    common = [*METHODS["rloo"], *QUIET, "save_every=1", "eval.every=0", "optim.schedule=constant"]
+    clean, resumed = tmp_path / "clean", tmp_path / "resumed"
+    ppo.train(make_cfg(task, clean, "iterations=5", *common))
+    ppo.train(make_cfg(task, resumed, "iterations=2", *common))
+    ppo.train(make_cfg(task, resumed, "iterations=5", *common), resume=True)
+    # the first run planned 2 iterations (sizes/) and evaluated at its end, iteration 2 (eval/, gold/)
+    drop = ("time/", "perf/", "sizes/", "eval/", "gold/")
+    a, b = ([{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows_of(d / "metrics.jsonl")]
+            for d in (clean, resumed))  # fmt: skip
+    assert a == b
+    x, y = weights(clean / "final"), weights(resumed / "final")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
 def test_step_rewards_land_on_the_token_that_completes_the_step(tiny_model_dir):
     """A step ending at character ``end`` earns its reward on the first token whose decoded prefix reaches
     ``end`` characters; two steps completed by one token add up there."""

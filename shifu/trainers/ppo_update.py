@@ -31,6 +31,8 @@ def update(
     if m.critic is not None:
         m.critic.train()
     for epoch in range(cfg.ppo_epochs):
+        # rows, not groups, are shuffled: a group's comparison is already in its advantages (phase 4), and
+        # every loss term is a function of its own row (GSPO's ratio too), so groups may split freely
         perm = torch.randperm(B, generator=s.shuffle_gen)
         epoch_kl, epoch_n = 0.0, 0
         for start in range(0, B, mbs):
