@@ -289,6 +289,19 @@ def test_a_failed_start_writes_nothing(task, tmp_path):
     assert (out / "final" / "config.json").exists()
 
 
+def test_eval_every_zero_evaluates_once_at_the_end(task, tmp_path):
+    """eval.every=0 means "only at the end" (the docs' promise): one evaluation, at the last iteration,
+    logged with the gold judge, its samples written and summarised."""
+    out = tmp_path / "run"
+    ppo.train(make_cfg(task, out, "iterations=3", "eval.every=0", "progress=false", "tensorboard=false"))
+    evaluated = [r["step"] for r in rows_of(out / "metrics.jsonl") if "eval/score" in r]
+    assert evaluated == [3] and gold_curve(out) and len(gold_curve(out)) == 1
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and {s["iteration"] for s in samples} == {3}
+    summary = json.loads((out / "summary.json").read_text())
+    assert [e["iteration"] for e in summary["evals"]] == [3]
+
+
 def test_almost_all_empty_responses_are_named_with_the_likely_reason(tmp_path, capsys):
     """A policy that answers EOS at once (as an instruct model does to an untemplated prompt) trains on
     nothing: the run says so once, naming the chat-template setting."""
