@@ -304,19 +304,25 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def _load_checked(auto_cls, path: str | Path, what: str, trust_remote_code: bool, dtype) -> nn.Module:
+    """``auto_cls.from_pretrained`` of a checked local directory (offline), its loading report checked."""
+    p = require_model_dir(path, what, trust_remote_code)
+    with _loading(what, p):
+        model, info = auto_cls.from_pretrained(
+            str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
+            output_loading_info=True, ignore_mismatched_sizes=True,
+        )  # fmt: skip
+    _check_loaded(model, info, what, p)
+    return model
+
+
 def load_causal_lm(
     path: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False, dropout: bool = True
 ):
     """AutoModelForCausalLM from a local HF directory (any architecture)."""
     from transformers import AutoModelForCausalLM
 
-    p = require_model_dir(path, "model", trust_remote_code)
-    with _loading("model", p):
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
-            output_loading_info=True, ignore_mismatched_sizes=True,
-        )  # fmt: skip
-    _check_loaded(model, info, "model", p)
+    model = _load_checked(AutoModelForCausalLM, path, "model", trust_remote_code, dtype)
     if not dropout:
         disable_dropout(model)
     return model
@@ -381,13 +387,8 @@ class ScalarModel(nn.Module):
         """A fresh scalar head on the backbone of any local HF model (causal LM or encoder)."""
         from transformers import AutoModel
 
-        p = require_model_dir(path, "backbone", trust_remote_code)
-        with _loading("backbone", p):
-            backbone, info = AutoModel.from_pretrained(
-                str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
-                output_loading_info=True, ignore_mismatched_sizes=True,
-            )  # fmt: skip
-        _check_loaded(backbone, info, "backbone", p)
+        backbone = _load_checked(AutoModel, path, "backbone", trust_remote_code, dtype)
+        p = Path(path)
         tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
         check_own_tokenizer(tok, backbone, p, "backbone")
         return cls(backbone, tok, seed=seed)

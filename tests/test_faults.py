@@ -473,7 +473,8 @@ def test_remote_code_is_off_unless_asked_and_hub_is_offline():
     hub_loads = 0
     for path, text in _sources():
         assert "trust_remote_code=True" not in text, path
-        for m in re.finditer(r"(Auto\w+)\.from_pretrained\(", text):  # transformers loaders: local only
+        # transformers loaders (an Auto class, or the one passed to models._load_checked): local only
+        for m in re.finditer(r"(Auto\w+|auto_cls)\.from_pretrained\(", text):
             args = _calls(text[m.start() :], m.group(1) + ".from_pretrained")[0]
             hub_loads += 1
             assert "local_files_only=True" in args, f"{path}: {m.group(1)}.from_pretrained({args})"
