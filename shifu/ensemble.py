@@ -103,6 +103,11 @@ def load_reward(
     mode; both types offer ``score_texts``, ``score``, ``encode`` and ``tokenizer``.
     """
     p = Path(path)
+    if not p.exists():
+        raise ShifuError(
+            f"reward model directory '{path}' does not exist; give a `shifu rm` run directory, its final/, "
+            "or an ensemble directory (shifu never downloads from a hub)"
+        )
     if not (p / ENSEMBLE_FILE).exists() and not (p / META_FILE).exists() and (p / "final").is_dir():
         p = p / "final"
     if (p / ENSEMBLE_FILE).exists():

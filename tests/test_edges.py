@@ -439,6 +439,12 @@ def test_a_reward_model_with_another_models_tokenizer_and_a_damaged_ensemble(
     out = tmp_path / "run"
     argv = ["ppo", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={files['prompts']}",
             "critic.init=sft", "progress=false", "tensorboard=false"]  # fmt: skip
+    code, err = run_cli(argv + [f"reward.model_path={tmp_path / 'nope'}"], capsys)
+    assert (
+        code == 2
+        and not out.exists()
+        and f"reward model directory '{tmp_path / 'nope'}' does not exist" in err
+    )
     code, err = run_cli(argv + [f"reward.model_path={foreign['rm']}"], capsys)
     assert code == 2 and not out.exists() and "the tokenizer belongs to another model" in err, err
     ens = tmp_path / "ensemble"
