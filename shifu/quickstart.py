@@ -269,7 +269,9 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     # 5. final evaluation on the held-out prompts: SFT policy vs final policy, gold judge, KL
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
-    ev = {"max_prompt_len": plan["ppo"].get("data", {}).get("max_prompt_len"), **plan["eval"]}
+    data = plan["ppo"].get("data", {})  # the held-out prompts are cut and rendered as PPO's were
+    ev = {"max_prompt_len": data.get("max_prompt_len"), "chat_template": data.get("chat_template", True),
+          **plan["eval"]}  # fmt: skip
     summary = evaluate(task, sft_final, out / "ppo" / "final", files["prompts_eval"], ev, seed, out, gold)
     took = elapsed(t0)
     seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
@@ -317,9 +319,10 @@ def evaluate(
     T, R = ev["temperature"], ev["max_new_tokens"]
     # prompts cut to PPO's data.max_prompt_len (keeping their last tokens) as in training: an untruncated
     # long prompt + R new tokens can run past the model's positions (imdb small: 64)
-    L = ev.get("max_prompt_len")
-    before = evaluate_policy(str(sft_dir), None, prompts, R, T, seed + 777, max_prompt_len=L)
-    after = evaluate_policy(str(final_dir), str(sft_dir), prompts, R, T, seed + 777, max_prompt_len=L)
+    L, C = ev.get("max_prompt_len"), ev.get("chat_template", True)
+    before = evaluate_policy(str(sft_dir), None, prompts, R, T, seed + 777, max_prompt_len=L, chat_template=C)
+    after = evaluate_policy(str(final_dir), str(sft_dir), prompts, R, T, seed + 777, max_prompt_len=L,
+                            chat_template=C)  # fmt: skip
     g_before = [float(x) for x in gold_fn(prompts, before["responses"], rows)]
     g_after = [float(x) for x in gold_fn(prompts, after["responses"], rows)]
     write_jsonl(
@@ -351,8 +354,11 @@ def evaluate(
         "gold_judge": gold,
     }
     if task == "arith" and ev.get("greedy", True):  # greedy decoding as well: the policy at its mode
-        gb = evaluate_policy(str(sft_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L)
-        ga = evaluate_policy(str(final_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L)
+        gb = evaluate_policy(
+            str(sft_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L, chat_template=C
+        )
+        ga = evaluate_policy(str(final_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L,
+                             chat_template=C)  # fmt: skip
         gb, ga = gb["responses"], ga["responses"]
         summary["gold_greedy_before"] = sum(gold_fn(prompts, gb, rows)) / n
         summary["gold_greedy_after"] = sum(gold_fn(prompts, ga, rows)) / n

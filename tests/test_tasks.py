@@ -159,3 +159,18 @@ def test_imdb_bpe_tokenizer_round_trips(reviews, tmp_path):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == text  # byte-level: any text round-trips
     assert tok.eos_token_id != tok.pad_token_id
+
+
+def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
+    """The quickstart's before/after evaluation encodes prompts with the run's data.chat_template: the
+    tokenizer's template when on (the default), the bare string when a run switched it off."""
+    from shifu.models import load_tokenizer
+    from shifu.tasks import encode_prompts
+
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = "{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}assistant:"
+    plain = tok("the movie was", add_special_tokens=False)["input_ids"]
+    templated = tok("user: the movie was\nassistant:", add_special_tokens=False)["input_ids"]
+    on = encode_prompts(tok, ["the movie was"])["input_ids"][0].tolist()
+    off = encode_prompts(tok, ["the movie was"], chat_template=False)["input_ids"][0].tolist()
+    assert on == templated and off == plain and on != off

@@ -48,7 +48,7 @@ def link_pretrained(src, out) -> None:
 
 
 def encode_prompts(
-    tokenizer, prompts: list[str], max_prompt_len: int | None = None
+    tokenizer, prompts: list[str], max_prompt_len: int | None = None, chat_template: bool = True
 ) -> dict[str, torch.Tensor]:
     """Left-padded prompt ids (B, P) without special tokens (the SFT convention: prompt ids + response ids).
 
@@ -58,9 +58,10 @@ def encode_prompts(
     from shifu.data import prompt_text
     from shifu.models import pad_left
 
-    # as the trainers prompt: a user message through the chat template when the tokenizer has one
+    # as the trainers prompt: a user message through the chat template when the tokenizer has one (and the
+    # run's data.chat_template is on)
     rows = [
-        tokenizer(prompt_text(tokenizer, {"prompt": p}), add_special_tokens=False)["input_ids"]
+        tokenizer(prompt_text(tokenizer, {"prompt": p}, chat_template), add_special_tokens=False)["input_ids"]
         for p in prompts
     ]
     if max_prompt_len:
@@ -90,6 +91,7 @@ def generate_batches(
     batch_size: int = 64,
     greedy: bool = False,
     max_prompt_len: int | None = None,
+    chat_template: bool = True,
 ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
     """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R))."""
     from shifu.rollout import SamplingParams, generate
@@ -102,7 +104,7 @@ def generate_batches(
         max_prompt_len = room if max_prompt_len is None else min(max_prompt_len, room)
     out = []
     for i in range(0, len(prompts), batch_size):
-        enc = encode_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_len)
+        enc = encode_prompts(tokenizer, prompts[i : i + batch_size], max_prompt_len, chat_template)
         ids, mask = generate(
             model,
             enc["input_ids"],
@@ -167,6 +169,7 @@ def evaluate_policy(
     batch_size: int = 64,
     greedy: bool = False,
     max_prompt_len: int | None = None,
+    chat_template: bool = True,
 ) -> dict:
     """Sample one response per prompt from ``policy_dir`` and measure the KL to ``reference_dir``.
 
@@ -174,7 +177,8 @@ def evaluate_policy(
     tokens of ``log pi(a_t|s_t) - log pi_ref(a_t|s_t)``, both at temperature T, on the policy's own
     samples, i.e. the k1 estimate of KL(pi || pi_ref) per response), ``kl_k3`` (the k3 estimate, never
     negative: :func:`response_kl`) and ``lengths`` (real tokens, EOS included). ``kl`` and ``kl_k3`` are
-    None without a reference. ``max_prompt_len`` keeps each prompt's last tokens.
+    None without a reference. ``max_prompt_len`` keeps each prompt's last tokens; ``chat_template`` as
+    the run's ``data.chat_template`` (prompts rendered as PPO rendered them).
     """
     from shifu.models import load_causal_lm, load_tokenizer
 
@@ -187,7 +191,16 @@ def evaluate_policy(
     kl_k3: list[float] = []
     lengths: list[int] = []
     for enc, ids, mask in generate_batches(
-        model, tok, prompts, max_new_tokens, temperature, gen, batch_size, greedy, max_prompt_len
+        model,
+        tok,
+        prompts,
+        max_new_tokens,
+        temperature,
+        gen,
+        batch_size,
+        greedy,
+        max_prompt_len,
+        chat_template,
     ):
         responses.extend(decode_responses(tok, ids, mask))
         lengths.extend(mask.sum(1).tolist())
