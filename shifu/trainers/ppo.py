@@ -114,7 +114,8 @@ def learn(
     signals = Signals(scores, rollout.token_rewards, kl, beta if cfg.kl.penalty == "reward" else 0.0, train,
                       rollout.values, mask)  # fmt: skip
     learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
-    advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else (kl * 0, kl * 0)
+    nothing = (torch.zeros_like(kl), torch.zeros_like(kl))  # every group dropped: no advantage to estimate
+    advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else nothing
     if cfg.tis_cap is not None:  # truncated IS: the decode's log-probs against the trainer's old ones
         advantages = advantages * core.truncated_is_weights(
             rollout.old_log_probs, rollout.rollout_log_probs, train, cfg.tis_cap
