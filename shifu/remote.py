@@ -165,19 +165,11 @@ class RemoteReward:
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B,) float32 scores on CPU, one per response; non-finite scores come back as NaN."""
-        answers = self._score(prompts, responses, rows, input_ids, attention_mask)
-        out = []
-        for start, answer in answers:
-            self._refuse_token_scores(answer)
-            n = min(self.batch_size, len(prompts) - start)
-            scores = self._floats(answer, "scores", n, start)
-            steps = answer.get("steps")
-            if isinstance(steps, list):  # a process reward's total: the sum of its steps (as in process)
-                scores = scores + torch.tensor([sum(r if r is not None else math.nan for _, r in row)
-                                                for row in steps], dtype=torch.float32)  # fmt: skip
-            out.append(scores)
-        return torch.cat(out) if out else torch.zeros(0)
+        """(B,) float32 scores on CPU, one per response (a process reward's: the sum of its steps, as in
+        process); non-finite scores come back as NaN."""
+        from shifu.rewards import step_totals
+
+        return step_totals(*self.score_with_steps(prompts, responses, rows, input_ids, attention_mask))
 
     def score_with_steps(self, prompts, responses, rows, input_ids=None, attention_mask=None):
         """``(scores, steps)`` as :meth:`shifu.rewards.RewardSource.score_with_steps` returns them: ``steps``

@@ -86,10 +86,7 @@ class RewardSource:
     ) -> torch.Tensor:
         """(B,) float32 scores on CPU (a process reward's: the sum of its steps). Non-finite values are
         passed through (the trainer drops them)."""
-        scores, steps = self.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
-        if steps is None:
-            return scores
-        return scores + torch.tensor([sum(r for _, r in row) for row in steps], dtype=torch.float32)
+        return step_totals(*self.score_with_steps(prompts, responses, rows, input_ids, attention_mask))
 
     @torch.no_grad()
     def score_with_steps(
@@ -134,6 +131,14 @@ class RewardSource:
             prompts = [prompt_text(self.model.tokenizer, {"prompt": p} | r, self.chat_template)
                        for p, r in zip(prompts, rows)]  # fmt: skip
         return self.model.score_texts(prompts, responses, batch_size=self.micro_batch).float()
+
+
+def step_totals(scores: torch.Tensor, steps: list[list[tuple[int, float]]] | None) -> torch.Tensor:
+    """(B,) each response's total: its score plus the sum of its process-reward steps (``steps`` as
+    :meth:`RewardSource.score_with_steps` returns them; None: the scores as they are)."""
+    if steps is None:
+        return scores
+    return scores + torch.tensor([sum(r for _, r in row) for row in steps], dtype=torch.float32)
 
 
 def check_steps(x, i: int, length: int) -> list[tuple[int, float]]:
