@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 from ppo_task import build_char_model, write_prompts
+from test_ppo import built
 
 from shifu.config import load_config
 from shifu.errors import ConfigError
-from shifu.models import load_tokenizer, pad_left
-from shifu.strategy import build_strategy
-from shifu.trainers import ppo, ppo_models, ppo_rollout
+from shifu.models import pad_left
+from shifu.trainers import ppo, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss, token_budget_split, trim_padding, update
 
 
@@ -29,12 +29,7 @@ def make_run(task, out, *extra):
         "reward.function=ppo_task:frac_a", "critic.init=sft", "batch_size=8", "minibatch_size=8",
         "ppo_epochs=1", "generation.max_new_tokens=8", "optim.lr=1e-2", "critic.optim.lr=1e-2", *extra,
     ])  # fmt: skip
-    tok = load_tokenizer(cfg.model.path)
-    strategy = build_strategy(cfg.distributed)
-    strategy.launch("cpu")
-    m = ppo_models.build(cfg, tok, strategy)
-    s = ppo_models.PPOState.new(cfg, strategy)
-    return cfg, tok, m, s
+    return cfg, *built(cfg)
 
 
 def varied_rollout(task, tmp_path):

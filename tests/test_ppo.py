@@ -106,16 +106,20 @@ def test_ppo_variants_learn(task, tmp_path, extra):
         assert any(r["objective/kl_coef"] != rows[0]["objective/kl_coef"] for r in rows)
 
 
+def built(cfg):
+    """(tokenizer, the four models, their state) as ``shifu ppo`` builds them, in one CPU process."""
+    tok = load_tokenizer(cfg.model.path)
+    strategy = build_strategy(cfg.distributed)
+    strategy.launch("cpu")
+    return tok, ppo_models.build(cfg, tok, strategy), ppo_models.PPOState.new(cfg, strategy)
+
+
 class Run:
     """The four models, their state and a batch of prompts, built as ``shifu ppo`` builds them."""
 
     def __init__(self, task, tmp_path, *extra, model="model"):
         self.cfg = make_cfg(task, tmp_path / "x", *extra, model=model)
-        self.tok = load_tokenizer(self.cfg.model.path)
-        strategy = build_strategy(self.cfg.distributed)
-        strategy.launch("cpu")
-        self.m = ppo_models.build(self.cfg, self.tok, strategy)
-        self.s = ppo_models.PPOState.new(self.cfg, strategy)
+        self.tok, self.m, self.s = built(self.cfg)
         self.rows = [{"prompt": p} for p in ["abc", "defgh", "kl"] * 4]
         ids = [self.tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in self.rows]
         self.batch = pad_left(ids, self.tok.pad_token_id)

@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 from ppo_task import build_char_model, write_prompts
+from test_ppo import built
 
 from shifu import precision
 from shifu.config import load_config
-from shifu.models import ScalarModel, load_tokenizer, pad_left
-from shifu.strategy import build_strategy
-from shifu.trainers import ppo, ppo_models, ppo_rollout
+from shifu.models import ScalarModel, pad_left
+from shifu.trainers import ppo, ppo_rollout
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,7 @@ def make_run(task, tmp_path, *extra):
         f"reward.model_path={task['rm']}", "critic.init=sft", "batch_size=8", "minibatch_size=4",
         "generation.max_new_tokens=6", "optim.lr=1e-2", "critic.optim.lr=1e-2", *extra,
     ])  # fmt: skip
-    tok = load_tokenizer(cfg.model.path)
-    strategy = build_strategy(cfg.distributed)
-    strategy.launch("cpu")
-    m = ppo_models.build(cfg, tok, strategy)
-    s = ppo_models.PPOState.new(cfg, strategy)
+    tok, m, s = built(cfg)
     rows = [{"prompt": p} for p in ["abc", "defgh", "kl", "mnop"] * 2]
     b = pad_left([tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows], tok.pad_token_id)
     return cfg, m, s, rows, b
