@@ -236,6 +236,9 @@ def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra:
 
 # ----------------------------------------------------------------------------------------- shifu
 def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
+    from shifu.cli import keep_freed_memory
+
+    malloc = keep_freed_memory()  # as the shifu command does before any command (SHIFU_MALLOC=system: not)
     from shifu.models import ScalarModel, new_value_head
     from shifu.rewards import RewardSource
     from shifu.schema import GenerationConfig, OptimConfig, PPOConfig
@@ -285,6 +288,7 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
         + (f", micro_batch_tokens={S.micro_batch_tokens}" if S.micro_batch_tokens else ""),
         "bf16": {"decode": p.decode, "frozen": p.frozen, "update": p.update, "reason": p.reason},
         "mean_response_len": statistics.mean(lengths),
+        "malloc": malloc,
     }
     return summarise("shifu", iters, (peak_before, matmul_peak_gflops()), extra)
 
@@ -299,10 +303,14 @@ def _scalar_model(seed: int, tok, cls):
 
 
 def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-scale says)
-    """Generation tokens/s of shifu's engine and of HF ``generate`` (sampling, no EOS), alternating."""
+    """Generation tokens/s of shifu's engine and of HF ``generate`` (sampling, no EOS), alternating; and of
+    shifu's engine on the bf16 decode copy that the fast defaults generate with where the probe picks it
+    (``shifu.precision.bf16_copy``: weights cast once), against the same fp32 HF ``generate``."""
+    from shifu.precision import bf16_copy
     from shifu.rollout import SamplingParams, generate
 
     model = build_policy()
+    model16 = bf16_copy(model)
     prompts = build_prompts(1)
     mask = torch.ones_like(prompts)
     params = SamplingParams(max_new_tokens=S.new_tokens, stop_at_eos=False)
@@ -310,15 +318,18 @@ def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-s
     def ours():
         generate(model, prompts, mask, params, eos_token_id=1, pad_token_id=0)
 
+    def ours16():
+        generate(model16, prompts, mask, params, eos_token_id=1, pad_token_id=0)
+
     def hf():
         with torch.no_grad():
             model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                            max_new_tokens=S.new_tokens, min_new_tokens=S.new_tokens, pad_token_id=0)  # fmt: skip
 
-    times: dict[str, list[float]] = {"shifu": [], "hf": []}
-    ours(), hf()
+    times: dict[str, list[float]] = {"shifu": [], "hf": [], "shifu_bf16": []}
+    ours(), hf(), ours16()
     for _ in range(rounds):
-        for name, fn in (("shifu", ours), ("hf", hf)):
+        for name, fn in (("shifu", ours), ("hf", hf), ("shifu_bf16", ours16)):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -327,6 +338,8 @@ def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-s
         "generation_tokens_per_s_shifu": tps["shifu"],
         "generation_tokens_per_s_hf_generate": tps["hf"],
         "generation_speedup_vs_hf": tps["shifu"] / tps["hf"],
+        "generation_tokens_per_s_shifu_bf16_decode": tps["shifu_bf16"],
+        "generation_speedup_bf16_decode_vs_hf": tps["shifu_bf16"] / tps["hf"],
     }
 
 
@@ -430,10 +443,18 @@ def setup_args() -> list[str]:
     return out + (["--micro-batch-tokens", str(S.micro_batch_tokens)] if S.micro_batch_tokens else [])
 
 
-def subprocess_run(python: str, system: str, n_iters: int, warmup: int, fast: bool = False) -> dict:
+# glibc's malloc set as shifu sets it (shifu.cli.keep_freed_memory), for a peer run given the same allocator
+KEPT_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"}
+
+
+def subprocess_run(
+    python: str, system: str, n_iters: int, warmup: int, fast: bool = False, env_extra=None
+) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--system", system, "--iters", str(n_iters),
            "--warmup", str(warmup), *setup_args()] + (["--fast"] if fast else [])  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {})
+    )
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode != 0 or not lines:
@@ -466,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="shifu's micro_batch_tokens")
     ap.add_argument("--budget-ab", type=int, default=None,
                     help="alternate shifu fp32 runs without / with micro_batch_tokens=N (no TRL)")  # fmt: skip
+    ap.add_argument("--peer-malloc", action="store_true",
+                    help="with --vs-trl: also run TRL with glibc malloc set as shifu sets it")  # fmt: skip
     ap.add_argument("--system", choices=["shifu", "trl"], default="shifu", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     S = Setup(shape=args.shape, **SHAPES[args.shape], batch=args.batch, new_tokens=args.response_len,
@@ -504,6 +527,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"run": "trl", **runs["trl"][-1]}), flush=True)
         runs["shifu_fast"].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup, fast=True))
         print(json.dumps({"run": "shifu_fast", **runs["shifu_fast"][-1]}), flush=True)
+        if args.peer_malloc:  # TRL given shifu's malloc setting too: how much of the ratio is the allocator
+            runs.setdefault("trl_kept_malloc", []).append(
+                subprocess_run(trl_py, "trl", args.iters, args.warmup, env_extra=KEPT_MALLOC_ENV)
+            )
+            print(json.dumps({"run": "trl_kept_malloc", **runs["trl_kept_malloc"][-1]}), flush=True)
 
     def med(name):
         return statistics.median(r["median_s_per_iter"] for r in runs[name])
@@ -518,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_fast_over_fp32": med("shifu") / med("shifu_fast"),
         "peak_rss_mib": {k: max(r["peak_rss_mib"] for r in v) for k, v in runs.items()},
     }
+    if args.peer_malloc:
+        summary["trl_kept_malloc_median_s_per_iter"] = med("trl_kept_malloc")
+        summary["ratio_shifu_over_trl_kept_malloc"] = med("shifu") / med("trl_kept_malloc")
     if not args.no_gen_check:
         summary.update(generation_vs_hf(args.gen_rounds))
     print(json.dumps(summary), flush=True)

@@ -45,8 +45,10 @@ from shifu.errors import ShifuError
 from shifu.pipeline import Stages, log, ppo_overrides, read_jsonl, train_stage, write_jsonl
 from shifu.pipeline import merge as _merge  # a budget's keys on top of quickstart's plan (private here)
 
-METHODS = ("ppo", "dpo", "reinforce", "grpo", "rloo", "reinforce_pp")
-COLOURS = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
+METHODS = ("ppo", "dpo", "reinforce", "grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline",
+           "gspo")  # fmt: skip
+COLOURS = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                             "tab:pink", "tab:olive", "tab:cyan")))  # fmt: skip
 
 
 def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[str, Any]:
@@ -55,7 +57,10 @@ def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[st
 
     - ``grpo``: PPO's clipped loss and epochs, group-normalised advantages, the KL as a k3 loss term;
     - ``rloo``: REINFORCE's one on-policy pass and lr, leave-one-out baseline, the KL in the reward;
-    - ``reinforce_pp``: PPO's clipped loss and epochs, REINFORCE++ (whitened reward-to-go, no critic).
+    - ``reinforce_pp``: PPO's clipped loss and epochs, REINFORCE++ (whitened reward-to-go, no critic);
+    - ``dr_grpo``: as ``grpo`` with Dr. GRPO's advantages (no std division) and constant loss normaliser;
+    - ``reinforce_pp_baseline``: as ``reinforce_pp`` with the group mean subtracted first (G = 4);
+    - ``gspo``: as ``grpo`` with GSPO's sequence-level ratio and clip (the paper's 3e-4 / 4e-4).
 
     Each method's points are fixed betas, like PPO's (the KL each reaches is measured, not assumed)."""
     fixed = {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in betas}
@@ -66,8 +71,13 @@ def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[st
             {"advantage_estimator": "rloo", "group_size": 4},
         ),
         "reinforce_pp": _merge(ppo, {"advantage_estimator": "reinforce_pp"}),
-        "points": {"grpo": fixed, "rloo": fixed, "reinforce_pp": fixed},
-    }
+        "dr_grpo": _merge(ppo, {"advantage_estimator": "dr_grpo", "group_size": 4, "kl": {"penalty": "loss"},
+                                "loss_aggregation": "token_sum_norm"}),
+        "reinforce_pp_baseline": _merge(ppo, {"advantage_estimator": "reinforce_pp_baseline", "group_size": 4}),
+        "gspo": _merge(ppo, {"algo": "gspo", "advantage_estimator": "grpo", "group_size": 4, "kl": {"penalty": "loss"},
+                             "clip_low": 3e-4, "clip_high": 4e-4}),
+        "points": {m: fixed for m in ("grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline", "gspo")},
+    }  # fmt: skip
 
 
 def with_critic_free(budget: dict[str, Any], betas: tuple[float, ...]) -> dict[str, Any]:

@@ -65,3 +65,38 @@ def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
     assert "override 'iterations' must look like key.sub=value" in r.stderr
     assert "unrecognized arguments" not in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+# a process that frees 64 MiB tensors and allocates three more of the same size: their minor page faults
+_REUSE = """
+import resource, sys, torch
+from shifu.cli import keep_freed_memory
+print(keep_freed_memory(), file=sys.stderr)
+for _ in range(24):  # 64 MiB, freed at once: the heap grows until a freed block fits (<= 14 seen), then stops
+    torch.empty(16 << 20).fill_(1.0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    torch.empty(16 << 20).fill_(1.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_shifu_keeps_freed_memory_for_reuse_unless_told_not_to():
+    """What the ``shifu`` command sets before any command: a freed large block is reused without the kernel
+    zero-filling its pages again (glibc alone unmaps it: every page of every new 64 MiB tensor faults in)."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+
+    def faults(**env):
+        r = subprocess.run([sys.executable, "-c", _REUSE], capture_output=True, text=True, timeout=120,
+                           env={**base, **env})  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return r.stderr.split()[-1], int(r.stdout.split()[-1])
+
+    mode, kept = faults()
+    assert mode == "kept" and kept < 1000, (mode, kept)
+    mode, system = faults(SHIFU_MALLOC="system")
+    assert mode == "system" and system > 3 * 16000 * 0.9, (mode, system)  # 3 x 16384 pages of 4 KiB
+    assert faults(MALLOC_ARENA_MAX="2")[0] == "system"  # the user's own malloc setting is left alone

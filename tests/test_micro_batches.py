@@ -79,10 +79,9 @@ def test_token_budget_micro_batches_trim_padding_and_keep_the_minibatch_loss(tas
         for micro in split:
             mb = rollout.select(micro)
             mb = trim_padding(mb) if len(split) > 1 else mb
-            parts, _ = minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / 8)
-            loss = sum(p for _, p in parts)
-            loss.backward()
-            total += float(loss.detach())
+            for _, loss, _ in minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / 8):
+                loss.backward()  # (the actor's part, then the critic's)
+                total += float(loss.detach())
         params = [*m.actor.parameters(), *m.critic.parameters()]
         return total, [p.grad.clone() for p in params]
 

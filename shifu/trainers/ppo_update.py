@@ -50,8 +50,11 @@ def update(
                     mb = rollout.select(micro)
                     if cfg.micro_batch_tokens is not None:
                         mb = trim_padding(mb)
-                    parts, st = minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / len(idx), ptx, actor)
-                    strategy.backward([(m.optimizers[name], loss) for name, loss in parts])
+                    st = {}
+                    for name, loss, part_stats in minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / len(idx),
+                                                                 ptx, actor):  # fmt: skip
+                        strategy.backward([(m.optimizers[name], loss)])
+                        st |= part_stats
                 share = len(micro) / len(idx)  # token-budget micro-batches: their share of the tokens
                 if cfg.micro_batch_tokens is not None:
                     share = float(mb.response_mask.sum() / mask[idx].sum().clamp(min=1))
@@ -122,7 +125,10 @@ def trim_padding(mb: Rollout) -> Rollout:
 def minibatch_loss(
     m: PPOModels, s: PPOState, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float, ptx=None, actor=True
 ):
-    """The loss of one micro-batch ``mb`` of the rollout -> ``([(optimiser name, loss)], stats)``.
+    """The loss of one micro-batch ``mb`` of the rollout, as ``(optimiser name, loss, stats)`` parts in the
+    order they are back-propagated. A generator: a separate critic's forward runs only once the actor's part
+    was back-propagated, so one model's activations are held at a time (the two graphs share nothing: the
+    gradients are those of one backward through the sum).
 
     ``L = L_policy + c1 * L_value - c2 * H (+ beta * L_kl) (+ ptx_coef * L_ptx)``, scaled so that the
     micro-batches of a minibatch *sum* to its loss: token_mean (token_sum_norm) divides each term's sum over
@@ -132,8 +138,19 @@ def minibatch_loss(
     only that. ``L_kl`` (kl.penalty=loss) is the k3 KL to the reference. Stats ``loss/*`` are such partial
     sums; the others are means over the micro-batch.
     """
-    if not actor:
-        return critic_loss(m, cfg, mb, n_tokens, frac)
+    separate = "critic" in m.optimizers  # the critic's part goes to its own optimiser
+    if actor:
+        loss, stats = actor_loss(m, s, cfg, mb, n_tokens, frac, ptx, with_critic=not separate)
+        yield "actor", loss, stats
+    if separate and (not actor or cfg.algo != "reinforce"):
+        yield "critic", *critic_loss(m, cfg, mb, n_tokens, frac)
+
+
+def actor_loss(
+    m: PPOModels, s: PPOState, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float, ptx, with_critic: bool
+):
+    """The actor's part of :func:`minibatch_loss` (with the value loss of a critic that shares its
+    optimiser, ``with_critic``) -> ``(loss, stats)``."""
     mask, P = mb.response_mask, mb.prompt_len
     num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
     w = 1.0 if num is not None else frac
@@ -144,7 +161,7 @@ def minibatch_loss(
             m.actor, mb.input_ids, mb.attention_mask, P, cfg.generation.temperature,
             with_entropy=True, value_head=m.value_head, entropy_grad=bool(cfg.ent_coef),
         )  # fmt: skip
-        if m.critic is not None:
+        if m.critic is not None and with_critic:
             values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, P)
     log_probs, entropy = log_probs.float(), entropy.float()
     options = {"ppo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip": cfg.dual_clip},
@@ -167,9 +184,9 @@ def minibatch_loss(
         kl_part, kst = core.kl_loss(log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, **kw)
         pg_loss = pg_loss + s.kl_ctl.value * kl_part * w
         stats["loss/kl"] = (kl_part * w).detach()
-    value_part = None
     if values is not None and cfg.algo != "reinforce":
         value_part, vstats = value_loss(values, mb, cfg, kw, w)
+        pg_loss = pg_loss + value_part
         stats |= vstats
     ent = core.masked_sum(entropy, mask) / denom * w
     stats["loss/entropy"] = ent.detach()
@@ -182,13 +199,12 @@ def minibatch_loss(
         )
         stats["loss/ptx"] = (nll * frac).detach()
         ptx_part = cfg.ptx_coef * (nll * frac)
-    separate = "critic" in m.optimizers  # the critic's part goes to its own optimiser
-    loss = pg_loss if separate or value_part is None else pg_loss + value_part
+    loss = pg_loss
     if cfg.ent_coef:  # 0 * H would still backpropagate through a (B, R, V) softmax
         loss = loss - cfg.ent_coef * ent
     if ptx_part is not None:
         loss = loss + ptx_part
-    return [("actor", loss)] + ([("critic", value_part)] if separate else []), stats
+    return loss, stats
 
 
 def value_loss(values, mb: Rollout, cfg: PPOConfig, kw: dict, w: float):
@@ -210,10 +226,9 @@ def value_loss(values, mb: Rollout, cfg: PPOConfig, kw: dict, w: float):
 
 
 def critic_loss(m: PPOModels, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float):
-    """The critic warm-up's micro-batch loss: the value loss alone, for the critic's optimiser."""
+    """A separate critic's part of a micro-batch's loss (alone in the critic warm-up) -> ``(loss, stats)``."""
     num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
     kw, w = ({"num_tokens": num}, 1.0) if num is not None else ({}, frac)
     with autocast(m.precision.update, m.strategy.device):
         values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, mb.prompt_len)
-    part, stats = value_loss(values, mb, cfg, kw, w)
-    return [("critic", part)], stats
+    return value_loss(values, mb, cfg, kw, w)

@@ -175,8 +175,8 @@ def check_deepspeed_learns(out: Path, model: Path, stage: int) -> str:
     def loss() -> float:
         with torch.no_grad():
             n = D.token_mean_divisor(mask.sum())
-            parts, _ = minibatch_loss(m, s, cfg, scored, n, 1.0)
-        return D.reduce_metrics({"l": sum(value for _, value in parts)})["l"]
+            parts = [loss for _, loss, _ in minibatch_loss(m, s, cfg, scored, n, 1.0)]
+        return D.reduce_metrics({"l": sum(parts)})["l"]
 
     before = loss()
     ppo.learn(m, s, cfg, mine)

@@ -1,0 +1,129 @@
+"""The critic-free methods on the built-in quickstart tasks (issue 16): gold gain over the SFT policy, KL and
+time per method and seed, as ``shifu quickstart`` runs them.
+
+    python benchmarks/quickstart_methods.py --task arith --seeds 0,1,2 --out runs/qs-methods
+    python benchmarks/quickstart_methods.py --task imdb --methods grpo --seeds 0,1,2 \\
+        --set ppo.kl.init_coef=0.3 --out runs/qs-imdb-grpo
+
+Each seed's first run does the whole pipeline (prepare, SFT, and for imdb the pairs and the reward model);
+every other method of that seed starts from a copy of those finished stages (a quickstart directory skips
+finished stages), so the methods of one seed share the same SFT policy, reward model and held-out prompts,
+and each summary still counts the copied stages' recorded seconds. One JSON line per run (the quickstart's
+``summary.json`` plus ``method`` and ``sets``), then one per method: mean gain, its standard error over the
+seeds, the seeds meeting ``--bar`` and the worst seed. ``--set`` applies to every method (after its own).
+
+Methods (their ``ppo.*`` settings on top of the quickstart plan, which stays PPO's for ``ppo``):
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+GROUP = ["ppo.group_size=4"]
+METHODS: dict[str, list[str]] = {
+    "ppo": [],  # the quickstart plan as it is: GAE with a critic
+    "grpo": ["ppo.advantage_estimator=grpo", *GROUP, "ppo.kl.penalty=loss"],
+    "dr_grpo": [
+        "ppo.advantage_estimator=dr_grpo",
+        *GROUP,
+        "ppo.kl.penalty=loss",
+        "ppo.loss_aggregation=token_sum_norm",
+    ],
+    "rloo": ["ppo.advantage_estimator=rloo", *GROUP],
+    "reinforce_pp": ["ppo.advantage_estimator=reinforce_pp"],
+    "reinforce_pp_baseline": ["ppo.advantage_estimator=reinforce_pp_baseline", *GROUP],
+    "gspo": [
+        "ppo.algo=gspo",
+        "ppo.advantage_estimator=grpo",
+        *GROUP,
+        "ppo.kl.penalty=loss",
+        "ppo.clip_low=3e-4",
+        "ppo.clip_high=4e-4",
+    ],  # fmt: skip
+}
+__doc__ += "\n".join(f"    {k:22s} {' '.join(v) or '(none)'}" for k, v in METHODS.items()) + "\n"
+SHARED = {"arith": ("data", "sft"), "imdb": ("data", "sft", "pairs", "rm")}
+
+
+def method_sets(task: str, method: str, same_prompts: bool) -> list[str]:
+    """``method``'s settings; with ``same_prompts`` a group method (G = 4) also samples G x the plan's
+    ``batch_size`` and ``minibatch_size`` responses, i.e. as many prompts per iteration and optimiser steps
+    per iteration as the plan's PPO (measured on arith: at the plan's batch, 32 prompts x 4, GRPO gained
+    +0.05-0.10 where 128 x 4 gained +0.27)."""
+    from shifu.quickstart import DEFAULT_PRESET, PLANS
+
+    sets = list(METHODS[method])
+    if same_prompts and GROUP[0] in sets:
+        ppo = PLANS[(task, DEFAULT_PRESET[task])]["ppo"]
+        sets += [f"ppo.batch_size={4 * ppo['batch_size']}", f"ppo.minibatch_size={4 * ppo['minibatch_size']}"]
+    return sets
+
+
+def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threads: int) -> dict:
+    cmd = [sys.executable, "-m", "shifu.cli", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
+           "--threads", str(threads)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+        raise SystemExit(f"{method} seed {seed} failed (exit {done.returncode}); its directory: {out}")
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return {"method": method, "sets": sets, **summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=sorted(SHARED), default="arith")
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if m != "ppo"))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="for every method")
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="group methods: G x the plan's batch and minibatch (the plan's prompts per iteration)")  # fmt: skip
+    ap.add_argument("--bar", type=float, default=0.15, help="gold gain a seed must reach (default 0.15)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    root = Path(args.out)
+    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        first: Path | None = None
+        for method in methods:
+            out = root / f"{method}-s{seed}"
+            sets = method_sets(args.task, method, args.same_prompts) + args.set
+            if not (out / "summary.json").exists():
+                if first is not None and not out.exists():  # the seed's finished shared stages
+                    for stage in SHARED[args.task]:
+                        shutil.copytree(first / stage, out / stage)
+                row = run_one(args.task, method, seed, out, sets, args.threads)
+            else:  # a rerun keeps finished runs
+                row = {"method": method, "sets": sets,
+                       **json.loads((out / "summary.json").read_text(encoding="utf-8"))}  # fmt: skip
+            first = first or out
+            rows[method].append(row)
+            keep = ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "seconds_total")
+            print(json.dumps({"method": method, "seed": seed, **{k: row[k] for k in keep}}), flush=True)
+    for method, rs in rows.items():
+        gains = [r["gold_gain"] for r in rs]
+        se = statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else float("nan")
+        print(json.dumps({
+            "method": method, "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
+            "seeds_meeting_bar": sum(g >= args.bar for g in gains), "bar": args.bar, "worst_gain": min(gains),
+            "kl_mean": statistics.mean(r["kl"] for r in rs), "kl_max": max(r["kl"] for r in rs),
+            "seconds_max": max(r["seconds_total"] for r in rs), "gains": gains,
+        }), flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
