@@ -454,7 +454,8 @@ class PPOConfig(RunConfig):
         opt(None, "advantages by name: gae (critic), grpo, dr_grpo, rloo (group_size >= 2), reinforce_pp, "
             "reinforce_pp_baseline (critic-free); null: gae, or algo=reinforce's sequence return")
     )  # fmt: skip
-    group_size: int = opt(1, "G responses sampled per prompt, kept together (batch_size counts responses)")
+    group_size: int = opt(1, "G responses sampled per prompt, kept together (batch_size counts responses: "
+                             "G x the prompts wanted per rollout)")  # fmt: skip
     dynamic_sampling: bool = opt(False, "DAPO: drop the groups whose scores are all equal (from the update)")
     tis_cap: float | None = opt(
         None, "truncated importance sampling: weigh each token by min(pi_old / pi_rollout, cap); null: off"
