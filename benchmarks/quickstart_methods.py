@@ -25,7 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-GROUP = ["ppo.group_size=4"]
+from shifu.quickstart import DEFAULT_PRESET, PLANS, standard_error
+
+G = 4  # responses per prompt of the group methods
+GROUP = [f"ppo.group_size={G}"]
 METHODS: dict[str, list[str]] = {
     "ppo": [],  # the quickstart plan as it is: GAE with a critic
     "grpo": ["ppo.advantage_estimator=grpo", *GROUP, "ppo.kl.penalty=loss"],
@@ -56,16 +59,14 @@ def method_sets(task: str, method: str, same_prompts: bool) -> list[str]:
     ``batch_size`` and ``minibatch_size`` responses, i.e. as many prompts per iteration and optimiser steps
     per iteration as the plan's PPO (measured on arith: at the plan's batch, 32 prompts x 4, GRPO gained
     +0.05-0.10 where 128 x 4 gained +0.27)."""
-    from shifu.quickstart import DEFAULT_PRESET, PLANS
-
     sets = list(METHODS[method])
     if same_prompts and GROUP[0] in sets:
         ppo = PLANS[(task, DEFAULT_PRESET[task])]["ppo"]
-        sets += [f"ppo.batch_size={4 * ppo['batch_size']}", f"ppo.minibatch_size={4 * ppo['minibatch_size']}"]
+        sets += [f"ppo.batch_size={G * ppo['batch_size']}", f"ppo.minibatch_size={G * ppo['minibatch_size']}"]
     return sets
 
 
-def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threads: int) -> dict:
+def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threads: int) -> None:
     cmd = [sys.executable, "-m", "shifu.cli", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
            "--threads", str(threads)]  # fmt: skip
     for s in sets:
@@ -74,8 +75,6 @@ def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threa
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise SystemExit(f"{method} seed {seed} failed (exit {done.returncode}); its directory: {out}")
-    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    return {"method": method, "sets": sets, **summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,17 +104,19 @@ def main(argv: list[str] | None = None) -> int:
                 if first is not None and not out.exists():  # the seed's finished shared stages
                     for stage in SHARED[args.task]:
                         shutil.copytree(first / stage, out / stage)
-                row = run_one(args.task, method, seed, out, sets, args.threads)
-            else:  # a rerun keeps finished runs
-                row = {"method": method, "sets": sets,
-                       **json.loads((out / "summary.json").read_text(encoding="utf-8"))}  # fmt: skip
+                run_one(args.task, method, seed, out, sets, args.threads)  # (a rerun keeps finished runs)
+            row = {
+                "method": method,
+                "sets": sets,
+                **json.loads((out / "summary.json").read_text(encoding="utf-8")),
+            }
             first = first or out
             rows[method].append(row)
             keep = ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "seconds_total")
             print(json.dumps({"method": method, "seed": seed, **{k: row[k] for k in keep}}), flush=True)
     for method, rs in rows.items():
         gains = [r["gold_gain"] for r in rs]
-        se = statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else float("nan")
+        se = standard_error(gains) if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
         print(json.dumps({
             "method": method, "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
             "seeds_meeting_bar": sum(g >= args.bar for g in gains), "bar": args.bar, "worst_gain": min(gains),

@@ -142,8 +142,16 @@ def minibatch_loss(
     if actor:
         loss, stats = actor_loss(m, s, cfg, mb, n_tokens, frac, ptx, with_critic=not separate)
         yield "actor", loss, stats
-    if separate and (not actor or cfg.algo != "reinforce"):
+    if separate:
         yield "critic", *critic_loss(m, cfg, mb, n_tokens, frac)
+
+
+def _aggregation(cfg: PPOConfig, n_tokens, frac: float):
+    """``(num, kw, w)`` of a micro-batch's loss terms: token_mean / token_sum_norm divide by ``num`` (the
+    minibatch's divisor, passed as ``kw``) with weight 1; seq_mean has no ``num`` and weighs the
+    micro-batch's mean by its share ``frac`` of the rows."""
+    num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
+    return (num, {"num_tokens": num}, 1.0) if num is not None else (None, {}, frac)
 
 
 def actor_loss(
@@ -152,10 +160,8 @@ def actor_loss(
     """The actor's part of :func:`minibatch_loss` (with the value loss of a critic that shares its
     optimiser, ``with_critic``) -> ``(loss, stats)``."""
     mask, P = mb.response_mask, mb.prompt_len
-    num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
-    w = 1.0 if num is not None else frac
+    num, kw, w = _aggregation(cfg, n_tokens, frac)
     denom = num if num is not None else mask.sum().clamp(min=1)
-    kw = {"num_tokens": num} if num is not None else {}
     with autocast(m.precision.update, m.strategy.device):
         log_probs, entropy, values = policy_forward(
             m.actor, mb.input_ids, mb.attention_mask, P, cfg.generation.temperature,
@@ -184,9 +190,9 @@ def actor_loss(
         kl_part, kst = core.kl_loss(log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, **kw)
         pg_loss = pg_loss + s.kl_ctl.value * kl_part * w
         stats["loss/kl"] = (kl_part * w).detach()
+    value_part = None
     if values is not None and cfg.algo != "reinforce":
         value_part, vstats = value_loss(values, mb, cfg, kw, w)
-        pg_loss = pg_loss + value_part
         stats |= vstats
     ent = core.masked_sum(entropy, mask) / denom * w
     stats["loss/entropy"] = ent.detach()
@@ -199,7 +205,7 @@ def actor_loss(
         )
         stats["loss/ptx"] = (nll * frac).detach()
         ptx_part = cfg.ptx_coef * (nll * frac)
-    loss = pg_loss
+    loss = pg_loss if value_part is None else pg_loss + value_part
     if cfg.ent_coef:  # 0 * H would still backpropagate through a (B, R, V) softmax
         loss = loss - cfg.ent_coef * ent
     if ptx_part is not None:
@@ -227,8 +233,7 @@ def value_loss(values, mb: Rollout, cfg: PPOConfig, kw: dict, w: float):
 
 def critic_loss(m: PPOModels, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float):
     """A separate critic's part of a micro-batch's loss (alone in the critic warm-up) -> ``(loss, stats)``."""
-    num = n_tokens if cfg.loss_aggregation != "seq_mean" else None
-    kw, w = ({"num_tokens": num}, 1.0) if num is not None else ({}, frac)
+    _, kw, w = _aggregation(cfg, n_tokens, frac)
     with autocast(m.precision.update, m.strategy.device):
         values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, mb.prompt_len)
     return value_loss(values, mb, cfg, kw, w)
