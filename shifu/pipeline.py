@@ -210,8 +210,9 @@ class Stages:
                     "train": str(pairs_dir / "pairs_train.jsonl"),
                     "eval": str(pairs_dir / "pairs_eval.jsonl"),
                 },
-                # SFT-policy samples on training prompts get RM scores of mean 0, std 1
-                "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl")},
+                # SFT-policy samples on training prompts get RM scores of mean 0, std 1; 1024 of them
+                # (of ~6000) fit the mean and std as well and cost 13 s instead of 78 s of one core
+                "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl"), "max_rows": 1024},
             },
         )
         if over.get("model", {}).get("path", "sft") == "sft":

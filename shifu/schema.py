@@ -272,7 +272,12 @@ class KLConfig:
     estimator: Literal["k1", "k2", "k3"] = opt("k1", "per-token KL estimator for the reward penalty")
     penalty: Literal["reward", "loss"] = opt(
         "reward",
-        "where beta * KL goes: in the per-token reward (k1 by kl.estimator), or a k3 loss term (GRPO)",
+        "where beta * KL goes: in the per-token reward (k1 by kl.estimator), or a loss term (GRPO)",
+    )
+    loss_estimator: Literal["k2", "k3"] = opt(
+        "k3",
+        "kl.penalty=loss: the loss term's estimator; k3 (GRPO's) has the gradient of KL(pi_ref || pi), "
+        "k2 = 1/2 (log pi/pi_ref)^2 that of KL(pi || pi_ref), the KL the reward penalty and the evaluation use",
     )
 
 
@@ -297,6 +302,7 @@ class EnsembleConfig:
 @frozen
 class NormalizeConfig:
     responses: str = opt("", "JSONL/Parquet of prompt+response rows whose scores get mean 0, std 1")
+    max_rows: int = opt(0, "fit on this many rows of `responses`, drawn with the run's seed (0: all of them)")
     policy: str = opt(
         "", "or: a policy dir sampled on training prompts for the same fit (e.g. the SFT output)"
     )

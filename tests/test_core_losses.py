@@ -303,3 +303,26 @@ def test_kl_loss_hand_computed_value_and_gradient():
     assert zero.item() == 0.0
     k1, _ = kl_loss(lp, ref, mask, estimator="k1")
     assert k1.item() == pytest.approx(L(2.0))
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_kl_loss_expected_gradient_is_the_gradient_of_which_kl(estimator):
+    """Over a categorical pi = softmax(theta), the expected gradient of the loss term at tokens sampled from
+    pi (pi held fixed in the sampling) is: k2's, the gradient of KL(pi || pi_ref) (the KL the evaluation and
+    the reward penalty measure); k3's, the gradient of KL(pi_ref || pi) (Zhang et al. 2025)."""
+    theta = torch.tensor([0.3, -1.0, 0.8, 0.1], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 0.0], dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    p = logp.exp().detach()
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    expected = sum(
+        p[a] * torch.autograd.grad(kl_loss(logp[a].view(1, 1), ref[a].view(1, 1), mask,
+                                           estimator=estimator)[0], theta, retain_graph=True)[0]
+        for a in range(4)
+    )  # fmt: skip
+    if estimator == "k2":
+        kl = (logp.exp() * (logp - ref)).sum()  # KL(pi || pi_ref)
+    else:
+        kl = (ref.exp() * (ref - logp)).sum()  # KL(pi_ref || pi)
+    (true,) = torch.autograd.grad(kl, theta)
+    torch.testing.assert_close(expected, true)

@@ -38,6 +38,12 @@ METHODS = {
         "loss_aggregation=seq_mean",
     ],  # fmt: skip
     "grpo_kl_loss": ["advantage_estimator=grpo", "group_size=4", "kl.penalty=loss"],
+    "grpo_kl_loss_k2": [
+        "advantage_estimator=grpo",
+        "group_size=4",
+        "kl.penalty=loss",
+        "kl.loss_estimator=k2",
+    ],
     "process_reinforce_pp": ["advantage_estimator=reinforce_pp", "reward.function=ppo_task:a_steps"],
 }
 

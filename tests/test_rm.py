@@ -20,6 +20,7 @@ from shifu.ensemble import RewardEnsemble, aggregate, load_reward
 from shifu.models import ScalarModel, load_tokenizer
 from shifu.tracking import read_metrics
 from shifu.trainers import reward
+from shifu.trainers.reward import normalisation_rows
 
 WORDS = [
     "the",
@@ -143,6 +144,28 @@ def test_ensemble_trains_k_members_normalised_and_reloads(tiny_model_dir, tmp_pa
     )
     assert isinstance(load_reward(run / "member-1" / "final"), ScalarModel)
     assert load_reward(run, aggregate_how="mean").how == "mean"
+
+
+def test_normalisation_fits_a_seeded_subset_of_the_responses(tiny_model_dir, tmp_path):
+    """normalize.max_rows: the fit uses that many rows drawn with the seed (in file order); those get mean 0,
+    std 1, and max_rows 0 (or more rows than there are) keeps all of them."""
+    norm = [{"prompt": f"review {i}:", "response": r["chosen"]} for i, r in enumerate(pref_rows(40, seed=6))]
+    assert normalisation_rows(norm, 0, 0) == norm and normalisation_rows(norm, 99, 0) == norm
+    sub = normalisation_rows(norm, 12, 3)
+    assert len(sub) == 12 and len({r["prompt"] for r in sub}) == 12
+    assert [norm.index(r) for r in sub] == sorted(norm.index(r) for r in sub)
+    assert sub == normalisation_rows(norm, 12, 3) and sub != normalisation_rows(norm, 12, 4)
+    write_jsonl(tmp_path / "norm.jsonl", norm)
+    cfg = make_cfg(tiny_model_dir, tmp_path, max_steps=10, seed=3,
+                   normalize={"responses": str(tmp_path / "norm.jsonl"), "max_rows": 12})  # fmt: skip
+    reward.train(cfg)
+    model = load_reward(tmp_path / "run" / "final")
+    s = model.score_texts([r["prompt"] for r in sub], [r["response"] for r in sub])
+    assert abs(s.mean().item()) < 1e-4 and s.std().item() == pytest.approx(1.0, abs=1e-4)
+    rest = [r for r in norm if r not in sub]
+    assert model.score_texts([r["prompt"] for r in rest], [r["response"] for r in rest]).std().item() != (
+        pytest.approx(1.0, abs=1e-4)
+    )
 
 
 BAD_CASES = {

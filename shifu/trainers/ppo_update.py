@@ -186,8 +186,10 @@ def actor_loss(
     stats = {"loss/policy": pg_loss.detach()} | {
         f"policy/{k}": st[k] for k in ("approx_kl", "clipfrac", "ratio_mean")
     }
-    if cfg.kl.penalty == "loss":  # GRPO: beta * k3 KL to the reference as its own term, not in the reward
-        kl_part, kst = core.kl_loss(log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, **kw)
+    if cfg.kl.penalty == "loss":  # GRPO: beta * KL to the reference (k3) as its own term, not in the reward
+        kl_part, kst = core.kl_loss(
+            log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, estimator=cfg.kl.loss_estimator, **kw
+        )
         pg_loss = pg_loss + s.kl_ctl.value * kl_part * w
         stats["loss/kl"] = (kl_part * w).detach()
     value_part = None

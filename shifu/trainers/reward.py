@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -186,6 +187,15 @@ def sample_policy(cfg: RMConfig, rows: list[dict], device) -> list[str]:
     return out
 
 
+def normalisation_rows(rows: list[dict], max_rows: int, seed: int) -> list[dict]:
+    """``max_rows`` of ``rows`` drawn without replacement with ``seed``, in file order (all for 0 or more
+    than there are). A mean and a std need ~1000 scores (the std to ~2 %), not every sample of a file."""
+    if max_rows <= 0 or max_rows >= len(rows):
+        return rows
+    keep = sorted(random.Random(seed).sample(range(len(rows)), max_rows))
+    return [rows[i] for i in keep]
+
+
 def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
     """Train ``ensemble.k`` reward models; returns ``rm/*`` (train) and ``eval/rm/*`` (held-out) metrics."""
     strategy = build_strategy(cfg.distributed)
@@ -194,6 +204,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     norm_rows = (
         load_rows(cfg.normalize.responses, "sft", cfg.data.skip_bad) if cfg.normalize.responses else []
     )
+    norm_rows = normalisation_rows(norm_rows, cfg.normalize.max_rows, cfg.seed)
     backbone, k = resolve_backbone(cfg.model.path), cfg.ensemble.k
     if cfg.normalize.policy:  # fails now, not after training, on a bad path or damaged weights
         load_tokenizer(cfg.normalize.policy)
