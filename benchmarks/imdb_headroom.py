@@ -1,0 +1,144 @@
+"""How far the imdb quickstart's RL is from what its SFT policy and reward model allow (diagnostics for the
+"+0.6 gold at KL <= 6 nats" bar of issue 16). Each mode reads a finished quickstart run directory ``RUN``
+(``shifu quickstart --task imdb --seed S --out RUN``: data/, sft/, rm/) and prints JSON:
+
+    python benchmarks/imdb_headroom.py best-of-n RUN --n 64 --prompts 64
+        best of n SFT samples per held-out prompt, chosen by the reward model and by the gold judge, for
+        n = 1, 2, 4, ... (the KL of best-of-n to the SFT policy is at most log n - (n - 1) / n nats)
+    python benchmarks/imdb_headroom.py gold-reward RUN --out DIR [--set ppo.key=value ...]
+        the quickstart's RL stage (its plan plus --set) rewarded by the gold judge itself instead of the
+        reward model: what a perfect reward model would give at the same settings
+    python benchmarks/imdb_headroom.py raft RUN --out DIR --n 16 --prompts 512 --lr 1e-3 --epochs 8
+        offline rejection-sampling fine-tuning (RAFT, Dong et al. 2023): SFT of the SFT policy on the best (by
+        the reward model) of n samples for the first training prompts
+
+gold-reward and raft end with the quickstart's held-out evaluation (gain paired over the 256 held-out prompts,
+k3 KL per response) in DIR. One thread (``SHIFU_THREADS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from shifu import quickstart as qs
+from shifu.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.rewards import load_function, load_reward_model
+from shifu.tasks import evaluate_policy
+
+PRESET = "small"
+
+
+def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> dict:
+    """The quickstart's final evaluation of ``policy`` against run's SFT policy (samples in ``out``)."""
+    data = plan["ppo"].get("data", {})
+    ev = {"max_prompt_len": data.get("max_prompt_len"), "chat_template": data.get("chat_template", True),
+          **plan["eval"]}  # fmt: skip
+    s = qs.evaluate(
+        "imdb", run / "sft" / "final", policy, str(run / "data" / "prompts_eval.jsonl"), ev, seed, out
+    )
+    return {k: s[k] for k in ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "kl_k1")}
+
+
+def sample(run: Path, prompts: list[str], n: int, plan: dict, seed: int) -> list[str]:
+    """n responses per prompt from run's SFT policy (prompt-major: response j of prompt i at i * n + j)."""
+    R, T = plan["eval"]["max_new_tokens"], plan["eval"]["temperature"]
+    L = plan["ppo"].get("data", {}).get("max_prompt_len")
+    rep = [p for p in prompts for _ in range(n)]
+    return evaluate_policy(str(run / "sft" / "final"), None, rep, R, T, seed, max_prompt_len=L)["responses"]
+
+
+def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> list[dict]:
+    prompts = [r["prompt"] for r in read_jsonl(run / "data" / "prompts_eval.jsonl")][:num_prompts]
+    responses = sample(run, prompts, n, plan, seed + 777)
+    rep = [p for p in prompts for _ in range(n)]
+    gold = torch.tensor(load_function(qs.GOLD["imdb"], "gold judge")(rep, responses, None)).view(-1, n)
+    score = load_reward_model(run / "rm" / "final").score_texts(rep, responses).view(-1, n)
+    rows, k = [], 1
+    while k <= n:
+        g, s = gold[:, :k], score[:, :k]
+        rows.append({
+            "n": k, "kl_bound": round(math.log(k) - (k - 1) / k, 3), "prompts": len(prompts),
+            "gold_chosen_by_rm": round(g.gather(1, s.argmax(1, keepdim=True)).mean().item(), 4),
+            "gold_chosen_by_gold": round(g.max(1).values.mean().item(), 4),
+        })  # fmt: skip
+        k *= 2
+    return rows
+
+
+def gold_reward(run: Path, out: Path, plan: dict, seed: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in ("data", "sft"):  # the run's finished stages; the RL stage starts here
+        if not (out / stage).exists():
+            shutil.copytree(run / stage, out / stage, symlinks=True)
+    stages = Stages(out, seed, "headroom")
+    files = stages.prepare("imdb", PRESET)
+    sft_final = stages.sft(plan["sft"], files)
+    reward = {"function": qs.GOLD["imdb"]}
+    stages.train("ppo", "shifu.trainers.ppo", ppo_overrides(plan["ppo"], sft_final, files, reward, seed))
+    return held_out_eval(out, out / "ppo" / "final", out, plan, seed) | {"cpu_seconds": stages.cpu_seconds()}
+
+
+def raft(
+    run: Path, out: Path, n: int, num_prompts: int, lr: float, epochs: float, plan: dict, seed: int
+) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.process_time()
+    prompts = [r["prompt"] for r in read_jsonl(run / "data" / "prompts_train.jsonl")][:num_prompts]
+    responses = sample(run, prompts, n, plan, seed + 1)
+    rep = [p for p in prompts for _ in range(n)]
+    best = load_reward_model(run / "rm" / "final").score_texts(rep, responses).view(-1, n).argmax(1)
+    write_jsonl(out / "best.jsonl", [{"prompt": p, "response": responses[i * n + int(best[i])]}
+                                     for i, p in enumerate(prompts)])  # fmt: skip
+    t1 = time.process_time()
+    sft_data = {k: plan["sft"]["data"][k] for k in ("max_prompt_len", "max_len")}
+    over = {
+        "seed": seed, "model": {"path": str(run / "sft" / "final")},
+        "data": {"train": str(out / "best.jsonl"), "eval": str(run / "data" / "sft_eval.jsonl"), **sft_data},
+        "batch_size": 32, "epochs": epochs, "max_steps": 0, "optim": {"lr": lr, "warmup_steps": 5},
+        "eval": {"every": 0}, "progress": False, "tensorboard": False,
+    }  # fmt: skip
+    train_stage("shifu.trainers.sft", out / "raft", over)
+    t2 = time.process_time()
+    result = held_out_eval(run, out / "raft" / "final", out, plan, seed)
+    return result | {"n": n, "prompts": num_prompts, "lr": lr, "epochs": epochs,
+                     "cpu_seconds": {"sample_and_score": round(t1 - t0, 1), "sft": round(t2 - t1, 1)}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["best-of-n", "gold-reward", "raft"])
+    ap.add_argument("run", type=Path, help="a finished imdb quickstart run directory")
+    ap.add_argument("--out", type=Path, help="gold-reward / raft: where the new run goes")
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
+    ap.add_argument("--n", type=int, default=64, help="samples per prompt")
+    ap.add_argument(
+        "--prompts", type=int, default=64, help="prompts (held-out for best-of-n, training for raft)"
+    )
+    ap.add_argument("--lr", type=float, default=1e-3, help="raft: SFT learning rate")
+    ap.add_argument("--epochs", type=float, default=8.0, help="raft: SFT epochs over the chosen samples")
+    ap.add_argument("--set", action="append", default=[], help="gold-reward: stage.key=value on the plan")
+    args = ap.parse_args(argv)
+    plan = qs._plan("imdb", PRESET, args.set)
+    if args.mode != "best-of-n" and args.out is None:
+        ap.error(f"{args.mode} needs --out")
+    if args.mode == "best-of-n":
+        for row in best_of_n(args.run, args.n, args.prompts, plan, args.seed):
+            print(json.dumps(row))
+    elif args.mode == "gold-reward":
+        print(json.dumps(gold_reward(args.run, args.out, plan, args.seed)))
+    else:
+        print(
+            json.dumps(raft(args.run, args.out, args.n, args.prompts, args.lr, args.epochs, plan, args.seed))
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
