@@ -68,11 +68,12 @@ def test_critic_free_methods_raise_the_true_reward_without_a_critic(task, tmp_pa
     assert not any("critic" in str(k) for k in state), list(state)
 
 
-def test_groups_stay_together_and_the_prompt_stream_counts_prompts(task, tmp_path):
+def test_groups_stay_together_and_the_prompt_stream_counts_prompts(task, tmp_path, capsys):
     SEEN.clear()
     cfg = make_cfg(task, tmp_path / "run", *METHODS["grpo"], "iterations=2", "eval.every=0",
                    "reward.function=ppo_task:frac_a_seen", *QUIET)  # fmt: skip
     ppo.train(cfg)
+    assert "4 prompts x 4 responses per iteration (batch_size 16 counts responses)" in capsys.readouterr().err
     for rows in SEEN[:2]:  # the two rollouts (evaluation scores with the gold judge)
         assert len(rows) == 16  # batch_size counts responses: 4 prompts x G = 4
         groups = [rows[i : i + 4] for i in range(0, 16, 4)]

@@ -185,11 +185,11 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     loop: dict[str, Any] = {"iteration": 0, "best": None, "best_iteration": None, "evals": []}
     # the output directory, once every input is loaded (a failed start leaves nothing behind)
     out = prepare_run(cfg, strategy, resume, overwrite)
+    if G > 1 and main:  # batch_size counts responses: a group method sees G times fewer prompts
+        print(f"shifu ppo: {cfg.batch_size // G} prompts x {G} responses per iteration (batch_size {cfg.batch_size} counts responses)", file=sys.stderr)  # fmt: skip
     latest = ckpt.latest_checkpoint(out) if resume else None
     if resume and latest is None and main:
-        print(
-            f"shifu ppo: --resume: no checkpoint in '{out}' yet; starting from the beginning", file=sys.stderr
-        )
+        print(f"shifu ppo: --resume: no checkpoint in '{out}' yet; starting from the beginning", file=sys.stderr)  # fmt: skip
     if latest is not None:
         check_resume_config(ckpt.read_state(latest)["config"], cfg, SAFE_RESUME_KEYS, out)
         js = strategy.load_checkpoint(latest, m.optimizers, m.plain)
