@@ -192,3 +192,38 @@ def test_lora_critic_is_refused_where_there_is_no_critic_of_its_own():
     ):
         with pytest.raises(ConfigError, match="lora"):
             load_config(PPOConfig, None, [*base, *extra])
+
+
+def test_a_lora_actor_samples_from_its_adapted_policy(setup):
+    """Rollouts of a LoRA actor come from the adapted policy, not the base model: the hand-written GPT-2
+    decoder (engine auto's choice for a plain model) reads each layer's own weight and would skip the
+    adapters, so a peft model decodes through its HF forward. The log-probs read off the decode steps equal
+    the adapted actor's full forward at the sampled tokens, and differ from the base model's."""
+    from shifu.decode import _GPT2Decoder, decoder
+    from shifu.models import pad_left
+    from shifu.rollout import SamplingParams, policy_forward, sample
+
+    tok, frozen, actor, _ = setup
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    enc = pad_left(
+        [tok(t, add_special_tokens=False)["input_ids"] for t in ("abc", "ab", "cab")], tok.pad_token_id
+    )
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    params = SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    w = next(frozen.parameters())
+    assert isinstance(decoder(frozen, 3, 9, w, "auto"), _GPT2Decoder)  # a plain GPT-2: the fast decoder
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        decoder(actor, 3, 9, w, "fast")
+    with torch.no_grad():
+        s = sample(actor, ids, mask, params, tok.eos_token_id, tok.pad_token_id,
+                   torch.Generator().manual_seed(1), with_log_probs=True)  # fmt: skip
+        full = torch.cat([ids, s.response_ids], 1)
+        attn = torch.cat([mask, s.response_mask.long()], 1)
+        adapted = policy_forward(actor, full, attn, ids.shape[1])[0]
+        base = policy_forward(frozen, full, attn, ids.shape[1])[0]
+    torch.testing.assert_close(s.log_probs, adapted.float(), rtol=1e-4, atol=1e-4)
+    assert (s.log_probs - base).abs().max() > 0.1, "the adapters should change the sampled log-probs"
