@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from shifu.lora import is_lora
+
 
 def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
     """The fastest decoder that supports ``model`` (``engine``: "auto", "fast" (must be supported), "hf").
@@ -23,20 +25,16 @@ def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hid
     decoders read each layer's own weight and would sample from the base model without the adapters."""
     if engine not in ("auto", "fast", "hf"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'hf', not {engine!r}")
-    if engine == "fast" and has_adapters(model):
+    adapted = is_lora(model)
+    if engine == "fast" and adapted:
         raise ValueError("no fast decoder for a model with LoRA adapters (it would skip them); use 'hf'")
-    if engine != "hf" and not has_adapters(model):
+    if engine != "hf" and not adapted:
         for cls in (_GPT2Decoder, _LlamaDecoder):
             if cls.supports(model):
                 return cls(model, batch, max_len)
         if engine == "fast":
             raise ValueError(f"no fast decoder for model type {model.config.model_type!r}")
     return _HFDecoder(model, batch, max_len, like, want_hidden)
-
-
-def has_adapters(model) -> bool:
-    """Whether any layer of ``model`` is a peft adapter layer (LoRA): the layer's output is not its weight's."""
-    return any(type(m).__module__.startswith("peft.") for m in model.modules())
 
 
 class _HFDecoder:
