@@ -37,9 +37,7 @@ PRESET = "small"
 
 def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> dict:
     """The quickstart's final evaluation of ``policy`` against run's SFT policy (samples in ``out``)."""
-    data = plan["ppo"].get("data", {})
-    ev = {"max_prompt_len": data.get("max_prompt_len"), "chat_template": data.get("chat_template", True),
-          **plan["eval"]}  # fmt: skip
+    ev = qs.eval_settings(plan)
     s = qs.evaluate(
         "imdb", run / "sft" / "final", policy, str(run / "data" / "prompts_eval.jsonl"), ev, seed, out
     )
@@ -48,10 +46,10 @@ def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> 
 
 def sample(run: Path, prompts: list[str], n: int, plan: dict, seed: int) -> list[str]:
     """n responses per prompt from run's SFT policy (prompt-major: response j of prompt i at i * n + j)."""
-    R, T = plan["eval"]["max_new_tokens"], plan["eval"]["temperature"]
-    L = plan["ppo"].get("data", {}).get("max_prompt_len")
+    ev = qs.eval_settings(plan)
     rep = [p for p in prompts for _ in range(n)]
-    return evaluate_policy(str(run / "sft" / "final"), None, rep, R, T, seed, max_prompt_len=L)["responses"]
+    return evaluate_policy(str(run / "sft" / "final"), None, rep, ev["max_new_tokens"], ev["temperature"], seed,
+                           max_prompt_len=ev["max_prompt_len"], chat_template=ev["chat_template"])["responses"]  # fmt: skip
 
 
 def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> list[dict]:

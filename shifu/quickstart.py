@@ -270,9 +270,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     # 5. final evaluation on the held-out prompts: SFT policy vs final policy, gold judge, KL
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
-    data = plan["ppo"].get("data", {})  # the held-out prompts are cut and rendered as PPO's were
-    ev = {"max_prompt_len": data.get("max_prompt_len"), "chat_template": data.get("chat_template", True),
-          **plan["eval"]}  # fmt: skip
+    ev = eval_settings(plan)
     summary = evaluate(task, sft_final, out / "ppo" / "final", files["prompts_eval"], ev, seed, out, gold)
     took = elapsed(t0)
     seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
@@ -286,6 +284,14 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
 
     write_model_card(out / "ppo" / "final", out / "ppo", "ppo")  # now with gold before/after, held out
     return summary
+
+
+def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
+    """The final evaluation's settings (:func:`evaluate`'s ``ev``): the plan's ``eval`` keys, with the
+    held-out prompts cut and rendered as PPO's were (``ppo.data.max_prompt_len``, ``chat_template``)."""
+    data = plan["ppo"].get("data", {})
+    return {"max_prompt_len": data.get("max_prompt_len"), "chat_template": data.get("chat_template", True),
+            **plan["eval"]}  # fmt: skip
 
 
 def standard_error(xs: list[float]) -> float:
