@@ -487,19 +487,34 @@ class BatchStream:
     Epoch e's order is ``randperm(n)`` from a dedicated generator seeded with ``seed + e``, so the data
     position is fully described by ``(epoch, index)`` (index = examples of epoch e already served). The
     last batch of an epoch may be smaller; the next batch starts the next epoch.
+
+    With ``lengths`` (each example's padded length), batches are of similar length (:func:`length_grouped`):
+    the same examples per epoch, a different order, still a function of ``(seed, epoch)``.
     """
 
     def __init__(
-        self, n: int, batch_size: int, seed: int, epoch: int = 0, index: int = 0, shuffle: bool = True
+        self,
+        n: int,
+        batch_size: int,
+        seed: int,
+        epoch: int = 0,
+        index: int = 0,
+        shuffle: bool = True,
+        lengths: list[int] | None = None,
     ):
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        if lengths is not None and len(lengths) != n:
+            raise ValueError(f"lengths has {len(lengths)} entries for {n} examples")
+        self.lengths = lengths
         self.epoch, self.index = epoch, index
         self._perm = self._order(epoch)
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        return perm if self.lengths is None else length_grouped(perm, self.lengths, self.batch_size, g)
 
     def next(self) -> list[int]:
         if self.index >= self.n:
@@ -514,6 +529,27 @@ class BatchStream:
 
     def batches_per_epoch(self) -> int:
         return math.ceil(self.n / self.batch_size)
+
+
+LENGTH_GROUP_BATCHES = 50  # batches per length-sorted chunk of the shuffled order
+
+
+def length_grouped(perm: list[int], lengths: list[int], batch_size: int, g: torch.Generator) -> list[int]:
+    """``perm`` reordered so that each batch holds examples of similar length, the batches in random order.
+
+    The shuffled order is cut into chunks of ``LENGTH_GROUP_BATCHES * batch_size`` examples; each chunk is
+    sorted by length (longest first) and cut into batches; all full batches are then shuffled with ``g``
+    (the short last batch, if any, stays last). As in Hugging Face's length-grouped sampler, the randomness
+    of which examples meet in a batch is kept within a chunk, and padding nearly vanishes.
+    """
+    chunk = LENGTH_GROUP_BATCHES * batch_size
+    batches = []
+    for i in range(0, len(perm), chunk):
+        part = sorted(perm[i : i + chunk], key=lambda j: -lengths[j])  # stable: ties keep shuffled order
+        batches += [part[k : k + batch_size] for k in range(0, len(part), batch_size)]
+    tail = [batches.pop()] if batches and len(batches[-1]) < batch_size else []
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [j for b in [batches[o] for o in order] + tail for j in b]
 
 
 class PromptStream:

@@ -340,6 +340,40 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def freeze_lower_layers(backbone: nn.Module, n: int) -> tuple[int, int]:
+    """Freeze the embeddings and the lowest ``n`` transformer blocks of an HF backbone, in place.
+
+    The blocks are the backbone's ``nn.ModuleList`` of ``config.num_hidden_layers`` modules; "the
+    embeddings" are every parameter registered before the first block (HF models register token and
+    position embeddings first). ``n`` may equal the number of blocks (only what follows them, the final
+    norm, trains; with a scalar head on top that is a linear probe). Returns (frozen, total) parameter
+    counts; the optimiser then holds only what still requires a gradient.
+    """
+    depth = getattr(backbone.config, "num_hidden_layers", None)
+    lists = [m for m in backbone.modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    if not lists:
+        raise ShifuError(
+            f"freeze_layers: cannot find the {depth} transformer blocks of a {backbone.config.model_type} "
+            "backbone (no nn.ModuleList of config.num_hidden_layers modules); set freeze_layers: 0"
+        )
+    blocks = lists[0]
+    if not 0 <= n <= len(blocks):
+        raise ShifuError(f"freeze_layers must be in [0, {len(blocks)}] for this backbone (got {n})")
+    total = sum(p.numel() for p in backbone.parameters())
+    if n == 0:
+        return 0, total
+    first = {id(p) for p in blocks[0].parameters()}
+    frozen: list[nn.Parameter] = []
+    for p in backbone.parameters():  # registration order: the embeddings come before block 0
+        if id(p) in first:
+            break
+        frozen.append(p)
+    frozen += [p for b in blocks[:n] for p in b.parameters()]
+    for p in frozen:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen), total
+
+
 def _is_causal_backbone(config) -> bool:
     return not getattr(config, "is_encoder_decoder", False) and config.model_type not in {
         "bert",
@@ -383,14 +417,17 @@ class ScalarModel(nn.Module):
         seed: int | None = None,
         trust_remote_code: bool = False,
         dtype: torch.dtype | None = None,
+        freeze_layers: int = 0,
     ) -> ScalarModel:
-        """A fresh scalar head on the backbone of any local HF model (causal LM or encoder)."""
+        """A fresh scalar head on the backbone of any local HF model (causal LM or encoder); ``freeze_layers``
+        > 0: its embeddings and lowest blocks frozen (:func:`freeze_lower_layers`)."""
         from transformers import AutoModel
 
         backbone = _load_checked(AutoModel, path, "backbone", trust_remote_code, dtype)
         p = Path(path)
         tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
         check_own_tokenizer(tok, backbone, p, "backbone")
+        freeze_lower_layers(backbone, freeze_layers)
         return cls(backbone, tok, seed=seed)
 
     @classmethod

@@ -267,6 +267,8 @@ def rm_argv(model, data, out) -> list[str]:
         "save_every=4",
         "progress=false",
         "tensorboard=false",
+        "data.group_by_length=true",  # the length-grouped data order must continue where it was
+        "freeze_layers=1",  # and an optimiser over part of the model
     ]
 
 

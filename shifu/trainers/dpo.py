@@ -186,6 +186,9 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         evaluate=lambda: evaluate(model, eval_pairs, eval_ref, pad, cfg, strategy),
         unit="pairs",
         seed=cfg.seed,
+        lengths=[
+            len(x["prompt_ids"]) + max(len(x["chosen_ids"]), len(x["rejected_ids"])) for x in train_pairs
+        ],
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)

@@ -69,6 +69,7 @@ class Job:
     seed: int = 0  # data order
     desc: str = ""  # progress bar and messages (default: name)
     eval_at_end: bool = True  # evaluate after the last step (rm reports after its normalisation instead)
+    lengths: list[int] | None = None  # per training row, the tokens its forward pads to (group_by_length)
 
 
 class Window:
@@ -100,14 +101,15 @@ def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resu
     main, desc = strategy.is_main, job.desc or job.name
     trained = {next(iter(job.modules)): job.trained}  # checkpoints name the optimiser after its model
     n_steps = steps_of(cfg, job.n_rows)
-    stream = BatchStream(job.n_rows, cfg.batch_size, job.seed)
+    lengths = job.lengths if cfg.data.group_by_length else None
+    stream = BatchStream(job.n_rows, cfg.batch_size, job.seed, lengths=lengths)
     step, state = 0, {}
     latest = ckpt.latest_checkpoint(run_dir) if resume else None
     if latest is not None:
         check_resume_config(ckpt.read_state(latest)["config"], cfg, SAFE_RESUME_KEYS, run_dir)
         state = strategy.load_checkpoint(latest, trained, job.modules)
         step = state["step"]
-        stream = BatchStream(job.n_rows, cfg.batch_size, job.seed, **state["data"])
+        stream = BatchStream(job.n_rows, cfg.batch_size, job.seed, **state["data"], lengths=lengths)
     # resuming drops what the interrupted run logged after its checkpoint (-1: no checkpoint, start over)
     resume_step = step if latest is not None else (-1 if resume else None)
     tracker = common.tracker(cfg, run_dir, strategy, resume_step)

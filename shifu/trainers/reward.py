@@ -149,6 +149,7 @@ def train_member(
         seed=seed,
         desc="rm" if cfg.ensemble.k == 1 else f"rm member {member}",
         eval_at_end=False,  # the final report comes after the normalisation fit
+        lengths=[max(len(p["chosen"]), len(p["rejected"])) for p in pairs],
     )
     stats = loop.run(job, cfg, strategy, run_dir, resume)
     stats = {k: v for k, v in stats.items() if k in ("step", "stopped") or k.startswith("rm/")}
@@ -211,9 +212,8 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
         require_model_dir(cfg.normalize.policy, "normalize.policy")
 
     def fresh(member: int) -> ScalarModel:
-        return ScalarModel.from_backbone(
-            backbone, seed=cfg.seed + member, trust_remote_code=cfg.model.trust_remote_code
-        )
+        return ScalarModel.from_backbone(backbone, seed=cfg.seed + member, freeze_layers=cfg.freeze_layers,
+                                         trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
 
     first = fresh(0)
     d = cfg.data

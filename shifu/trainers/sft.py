@@ -101,6 +101,7 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
         loss=loss,
         evaluate=lambda: {"eval/sft/loss": evaluate(model, eval_ex, pad, cfg, strategy)},
         seed=cfg.seed,
+        lengths=[len(x["prompt_ids"]) + len(x["response_ids"]) for x in train_ex],
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
