@@ -340,6 +340,36 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _blocks(backbone: nn.Module, key: str) -> nn.ModuleList:
+    """The backbone's ``nn.ModuleList`` of ``config.num_hidden_layers`` transformer blocks."""
+    depth = getattr(backbone.config, "num_hidden_layers", None)
+    lists = [m for m in backbone.modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+    if not lists:
+        raise ShifuError(
+            f"{key}: cannot find the {depth} transformer blocks of a {backbone.config.model_type} "
+            f"backbone (no nn.ModuleList of config.num_hidden_layers modules); set {key}: 0"
+        )
+    return lists[0]
+
+
+def keep_lower_layers(backbone: nn.Module, n: int) -> None:
+    """Keep only the lowest ``n`` transformer blocks of an HF backbone (in place; 0 keeps all): the upper
+    blocks are dropped and ``config.num_hidden_layers`` (with a per-layer ``layer_types`` list) says ``n``,
+    so the model saves and reloads as an ``n``-block model. A cheaper backbone to train and to score with."""
+    if n == 0:
+        return
+    blocks = _blocks(backbone, "keep_layers")
+    if not 1 <= n <= len(blocks):
+        raise ShifuError(
+            f"keep_layers must be in [1, {len(blocks)}] for this backbone, or 0 for all (got {n})"
+        )
+    del blocks[n:]
+    cfg = backbone.config
+    cfg.num_hidden_layers = n
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:n]
+
+
 def freeze_lower_layers(backbone: nn.Module, n: int) -> tuple[int, int]:
     """Freeze the embeddings and the lowest ``n`` transformer blocks of an HF backbone, in place.
 
@@ -349,14 +379,7 @@ def freeze_lower_layers(backbone: nn.Module, n: int) -> tuple[int, int]:
     norm, trains; with a scalar head on top that is a linear probe). Returns (frozen, total) parameter
     counts; the optimiser then holds only what still requires a gradient.
     """
-    depth = getattr(backbone.config, "num_hidden_layers", None)
-    lists = [m for m in backbone.modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
-    if not lists:
-        raise ShifuError(
-            f"freeze_layers: cannot find the {depth} transformer blocks of a {backbone.config.model_type} "
-            "backbone (no nn.ModuleList of config.num_hidden_layers modules); set freeze_layers: 0"
-        )
-    blocks = lists[0]
+    blocks = _blocks(backbone, "freeze_layers")
     if not 0 <= n <= len(blocks):
         raise ShifuError(f"freeze_layers must be in [0, {len(blocks)}] for this backbone (got {n})")
     total = sum(p.numel() for p in backbone.parameters())
@@ -418,15 +441,18 @@ class ScalarModel(nn.Module):
         trust_remote_code: bool = False,
         dtype: torch.dtype | None = None,
         freeze_layers: int = 0,
+        keep_layers: int = 0,
     ) -> ScalarModel:
-        """A fresh scalar head on the backbone of any local HF model (causal LM or encoder); ``freeze_layers``
-        > 0: its embeddings and lowest blocks frozen (:func:`freeze_lower_layers`)."""
+        """A fresh scalar head on the backbone of any local HF model (causal LM or encoder); ``keep_layers``
+        > 0: only its lowest blocks kept (:func:`keep_lower_layers`); ``freeze_layers`` > 0: its embeddings
+        and lowest blocks frozen (:func:`freeze_lower_layers`)."""
         from transformers import AutoModel
 
         backbone = _load_checked(AutoModel, path, "backbone", trust_remote_code, dtype)
         p = Path(path)
         tok = load_tokenizer(p, trust_remote_code=trust_remote_code)
         check_own_tokenizer(tok, backbone, p, "backbone")
+        keep_lower_layers(backbone, keep_layers)
         freeze_lower_layers(backbone, freeze_layers)
         return cls(backbone, tok, seed=seed)
 

@@ -412,12 +412,17 @@ class RMConfig(SupervisedConfig):
         0, "freeze the backbone's embeddings and its lowest N transformer blocks (0: train everything); "
         "the backward pass and the optimiser then cover only the upper blocks and the head"
     )  # fmt: skip
+    keep_layers: int = opt(
+        0, "keep only the backbone's lowest N transformer blocks (0: all): a cheaper reward model to train "
+        "and to score with (saved as an N-block model)"
+    )  # fmt: skip
 
     def validate(self) -> None:
         super().validate()
         require_positive(self.ensemble, ("k",), "ensemble.")
-        if self.freeze_layers < 0:
-            raise ConfigError(f"freeze_layers must be >= 0 (got {self.freeze_layers}); 0 trains every layer")
+        if self.freeze_layers < 0 or self.keep_layers < 0:
+            raise ConfigError(f"freeze_layers and keep_layers must be >= 0 (got {self.freeze_layers}, "
+                              f"{self.keep_layers}); 0 trains / keeps every layer")  # fmt: skip
         if self.normalize.responses and self.normalize.policy:
             raise ConfigError("set only one of normalize.responses and normalize.policy")
 

@@ -222,6 +222,49 @@ def test_freeze_lower_layers_finds_the_blocks_of_encoders_and_llamas():
         freeze_lower_layers(LlamaModel(llama.config), 4)
 
 
+def test_keep_layers_trains_saves_and_reloads_a_shallower_reward_model(tiny_model_dir, tmp_path):
+    """keep_layers=1 on the 2-block tiny GPT-2: the reward model has one block, its saved config says so, it
+    reloads and scores as the run reported, and it still learns the preference."""
+    summary = reward.train(
+        make_cfg(tiny_model_dir, tmp_path, keep_layers=1, max_steps=40, optim={"lr": 3e-3})
+    )
+    rm = load_reward(tmp_path / "run")
+    assert rm.config.num_hidden_layers == 1 and len(rm.backbone.h) == 1
+    assert not any(k.startswith("backbone.h.1.") for k in rm.state_dict())
+    held = pref_rows(60, seed=1)
+    chosen = rm.score_texts([r["prompt"] for r in held], [r["chosen"] for r in held])
+    rejected = rm.score_texts([r["prompt"] for r in held], [r["rejected"] for r in held])
+    assert (chosen > rejected).float().mean().item() == pytest.approx(summary["eval/rm/accuracy"])
+    assert summary["eval/rm/accuracy"] >= 0.8
+
+
+def test_keep_lower_layers_truncates_encoders_and_llamas_that_still_save_and_reload(tmp_path):
+    from transformers import AutoModel, BertConfig, BertModel, LlamaConfig, LlamaModel
+
+    from shifu.errors import ShifuError
+    from shifu.models import keep_lower_layers
+
+    bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                intermediate_size=32, max_position_embeddings=32))  # fmt: skip
+    llama = LlamaModel(LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=32))  # fmt: skip
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for name, model, blocks in (
+        ("bert", bert, lambda m: m.encoder.layer),
+        ("llama", llama, lambda m: m.layers),
+    ):
+        first = blocks(model)[0]
+        keep_lower_layers(model, 2)
+        assert len(blocks(model)) == 2 and blocks(model)[0] is first and model.config.num_hidden_layers == 2
+        want = model.eval()(input_ids=ids).last_hidden_state
+        model.save_pretrained(tmp_path / name)
+        again = AutoModel.from_pretrained(tmp_path / name)
+        assert len(blocks(again)) == 2
+        torch.testing.assert_close(again(input_ids=ids).last_hidden_state, want)
+    with pytest.raises(ShifuError, match=r"keep_layers must be in \[1, 2\]"):
+        keep_lower_layers(llama, 3)
+
+
 def test_freeze_layers_beyond_the_backbone_is_a_clear_error_before_any_output(
     tiny_model_dir, tmp_path, capsys
 ):

@@ -213,7 +213,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
 
     def fresh(member: int) -> ScalarModel:
         return ScalarModel.from_backbone(backbone, seed=cfg.seed + member, freeze_layers=cfg.freeze_layers,
-                                         trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
+                                         keep_layers=cfg.keep_layers, trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
 
     first = fresh(0)
     d = cfg.data
