@@ -82,7 +82,9 @@ PRESETS: dict[str, ImdbPreset] = {
         n_sft=22000,
         n_sft_eval=256,
         n_pairs=1000,
-        n_heldout=256,
+        # the whole reserved block: a paired gain's standard error ~0.014 instead of ~0.028 on 256 prompts
+        # (a seed's reading of a true +0.60 gain is then within +-0.03, not +-0.06, 19 times in 20)
+        n_heldout=1000,
         prompt_words=8,
         response_words=16,
         n_layer=4,
