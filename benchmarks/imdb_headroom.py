@@ -12,7 +12,13 @@
         offline rejection-sampling fine-tuning (RAFT, Dong et al. 2023): SFT of the SFT policy on the best (by
         the reward model) of n samples for the first training prompts
 
-gold-reward and raft end with the quickstart's held-out evaluation (gain paired over the 256 held-out prompts,
+    python benchmarks/imdb_headroom.py rm-screen RUN --out DIR --judge RUN0 RUN1 RUN2 [--set rm.key=value ...]
+        a reward-model variant (the plan's pairs and rm stages plus --set) trained on RUN's SFT policy, judged
+        against the gold judge where it matters for RL: pair accuracy and Spearman correlation on the
+        held-out samples of the SFT policy and of the *trained* policies of the --judge runs
+        (samples_before/after.jsonl), and accuracy against the noiseless judge on its own held-out pairs
+
+gold-reward and raft end with the quickstart's held-out evaluation (gain paired over the held-out prompts,
 k3 KL per response) in DIR. One thread (``SHIFU_THREADS``).
 """
 
@@ -109,9 +115,49 @@ def raft(
                      "cpu_seconds": {"sample_and_score": round(t1 - t0, 1), "sft": round(t2 - t1, 1)}}  # fmt: skip
 
 
+def agreement(scores: list[float], gold: list[float], pairs: int = 20000) -> dict:
+    """Pearson / Spearman of scores with gold, and the accuracy of score order on random pairs of unequal
+    gold (seeded)."""
+    s, g = torch.tensor(scores), torch.tensor(gold)
+    rank = lambda x: torch.argsort(torch.argsort(x)).float()  # noqa: E731
+    i, j = torch.randint(len(g), (2, pairs), generator=torch.Generator().manual_seed(0))
+    keep = g[i] != g[j]
+    right = ((s[i] > s[j]) == (g[i] > g[j]))[keep].float().mean()
+    return {"pearson": round(float(torch.corrcoef(torch.stack([s, g]))[0, 1]), 4),
+            "spearman": round(float(torch.corrcoef(torch.stack([rank(s), rank(g)]))[0, 1]), 4),
+            "pair_acc": round(float(right), 4)}  # fmt: skip
+
+
+def rm_screen(run: Path, out: Path, judge: list[Path], plan: dict, seed: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in ("data", "sft"):
+        if not (out / stage).exists():
+            shutil.copytree(run / stage, out / stage, symlinks=True)
+    stages = Stages(out, seed, "rm-screen")
+    files = stages.prepare("imdb", PRESET)
+    sft_final = stages.sft(plan["sft"], files)
+    pairs = stages.imdb_pairs(
+        sft_final, qs.preference_prompts(files, plan["pairs"].get("num_prompts")), plan["pairs"]
+    )
+    marker = stages.rm(plan["rm"], sft_final)
+    rm = load_reward_model(out / "rm" / "final")
+    result = {"rm_accuracy": marker.get("rm_accuracy"), "pairs": pairs.get("pairs"),
+              "cpu_seconds": {"pairs": pairs.get("cpu_seconds"), "rm": marker.get("cpu_seconds")}}  # fmt: skip
+    for which in ("before", "after"):
+        rows = [r for d in judge for r in read_jsonl(d / f"samples_{which}.jsonl")]
+        scores = rm.score_texts([r["prompt"] for r in rows], [r["response"] for r in rows]).tolist()
+        result[f"samples_{which}"] = agreement(scores, [r["gold"] for r in rows]) | {"n": len(rows)}
+    held = read_jsonl(out / "pairs" / "pairs_eval.jsonl")
+    margin = rm.score_texts([r["prompt"] for r in held], [r["chosen"] for r in held]) - rm.score_texts(
+        [r["prompt"] for r in held], [r["rejected"] for r in held])  # fmt: skip
+    gold = torch.tensor([r["gold_chosen"] - r["gold_rejected"] for r in held])
+    result["noiseless_accuracy"] = round(float(((margin > 0) == (gold > 0))[gold != 0].float().mean()), 4)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["best-of-n", "gold-reward", "raft"])
+    ap.add_argument("mode", choices=["best-of-n", "gold-reward", "raft", "rm-screen"])
     ap.add_argument("run", type=Path, help="a finished imdb quickstart run directory")
     ap.add_argument("--out", type=Path, help="gold-reward / raft: where the new run goes")
     ap.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
@@ -121,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--lr", type=float, default=1e-3, help="raft: SFT learning rate")
     ap.add_argument("--epochs", type=float, default=8.0, help="raft: SFT epochs over the chosen samples")
-    ap.add_argument("--set", action="append", default=[], help="gold-reward: stage.key=value on the plan")
+    ap.add_argument(
+        "--set", action="append", default=[], help="gold-reward, rm-screen: stage.key=value on the plan"
+    )
+    ap.add_argument(
+        "--judge", type=Path, nargs="*", default=[], help="rm-screen: finished runs whose samples judge"
+    )
     args = ap.parse_args(argv)
     plan = qs._plan("imdb", PRESET, args.set)
     if args.mode != "best-of-n" and args.out is None:
@@ -131,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row))
     elif args.mode == "gold-reward":
         print(json.dumps(gold_reward(args.run, args.out, plan, args.seed)))
+    elif args.mode == "rm-screen":
+        if not args.judge:
+            ap.error("rm-screen needs --judge RUN ... (finished quickstart runs)")
+        print(json.dumps(rm_screen(args.run, args.out, args.judge, plan, args.seed) | {"sets": args.set}))
     else:
         print(
             json.dumps(raft(args.run, args.out, args.n, args.prompts, args.lr, args.epochs, plan, args.seed))
