@@ -535,11 +535,15 @@ class ScalarModel(nn.Module):
 
         Causal trunks see ``prompt_ids + response_ids + [eos]`` (the SFT convention); encoders see the
         tokenizer's pair encoding (``[CLS] prompt [SEP] response [SEP]`` for BERT). Right-padded. Longer
-        than ``max_length``: tokens are dropped from the left (of the longer text, for encoders).
+        than ``max_length`` (or than the model's positions, if fewer): tokens are dropped from the left (of
+        the longer text, for encoders).
         """
         tok = self.tokenizer
         if tok is None:
             raise ShifuError("this scalar model has no tokenizer; it can only score token ids")
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and positions > 0:
+            max_length = min(max_length, positions)
         if self.is_causal:
             rows = []
             for pr, rs in zip(prompts, responses):

@@ -87,6 +87,19 @@ def test_scalar_model_save_reload_gives_identical_scores(tiny_model_dir, tmp_pat
     torch.testing.assert_close(before, raw[torch.arange(2), idx] * 2.5 - 0.75)
 
 
+@torch.no_grad()
+def test_text_longer_than_the_models_positions_keeps_its_end_instead_of_crashing(tiny_model_dir):
+    """score_texts' default max_length (512) is over the tiny GPT-2's positions: a long text is cut to them,
+    keeping its last tokens (torch's IndexError from the position embedding before)."""
+    rm = ScalarModel.from_backbone(tiny_model_dir, seed=0).eval()
+    n = rm.config.max_position_embeddings
+    long = " ".join(["the movie was good"] * n)
+    batch = rm.encode(["a prompt"], [long])
+    assert batch["input_ids"].shape[1] == n and batch["input_ids"][0, -1] == rm.tokenizer.eos_token_id
+    assert torch.isfinite(rm.score_texts(["a prompt"], [long])).all()
+    torch.testing.assert_close(rm.score_texts(["a prompt"], [long]), rm.score(**batch))
+
+
 def test_sft_policy_dir_loads_as_reward_backbone(tiny_model_dir):
     policy = load_causal_lm(tiny_model_dir)
     rm = ScalarModel.from_backbone(tiny_model_dir, seed=0)
