@@ -535,15 +535,11 @@ class ScalarModel(nn.Module):
 
         Causal trunks see ``prompt_ids + response_ids + [eos]`` (the SFT convention); encoders see the
         tokenizer's pair encoding (``[CLS] prompt [SEP] response [SEP]`` for BERT). Right-padded. Longer
-        than ``max_length`` (or than the model's positions, if fewer): tokens are dropped from the left (of
-        the longer text, for encoders).
+        than ``max_length``: tokens are dropped from the left (of the longer text, for encoders).
         """
         tok = self.tokenizer
         if tok is None:
             raise ShifuError("this scalar model has no tokenizer; it can only score token ids")
-        positions = getattr(self.config, "max_position_embeddings", None)
-        if isinstance(positions, int) and positions > 0:
-            max_length = min(max_length, positions)
         if self.is_causal:
             rows = []
             for pr, rs in zip(prompts, responses):
@@ -574,7 +570,12 @@ class ScalarModel(nn.Module):
     def score_texts(
         self, prompts: list[str], responses: list[str], batch_size: int = 32, max_length: int = 512
     ) -> torch.Tensor:
-        """(N,) scores of decoded text pairs (a reward model whose tokenizer differs from the policy's)."""
+        """(N,) scores of decoded text pairs (a reward model whose tokenizer differs from the policy's). A pair
+        longer than ``max_length`` or the model's positions keeps its end (:meth:`encode`). (Training data
+        is not cut here: ``shifu rm`` refuses examples longer than the model's positions.)"""
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and positions > 0:
+            max_length = min(max_length, positions)
         device = self.head.weight.device
         out = []
         for i in range(0, len(prompts), batch_size):

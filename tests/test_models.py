@@ -94,7 +94,8 @@ def test_text_longer_than_the_models_positions_keeps_its_end_instead_of_crashing
     rm = ScalarModel.from_backbone(tiny_model_dir, seed=0).eval()
     n = rm.config.max_position_embeddings
     long = " ".join(["the movie was good"] * n)
-    batch = rm.encode(["a prompt"], [long])
+    assert rm.encode(["a prompt"], [long])["input_ids"].shape[1] > n  # training data is refused, not cut
+    batch = rm.encode(["a prompt"], [long], max_length=n)
     assert batch["input_ids"].shape[1] == n and batch["input_ids"][0, -1] == rm.tokenizer.eos_token_id
     assert torch.isfinite(rm.score_texts(["a prompt"], [long])).all()
     torch.testing.assert_close(rm.score_texts(["a prompt"], [long]), rm.score(**batch))
