@@ -65,6 +65,10 @@ class RewardEnsemble(nn.Module):
         """Token ids for :meth:`score` (all members must share a tokenizer; otherwise use score_texts)."""
         return self.members[0].encode(prompts, responses, max_length)
 
+    def text_length(self, max_length: int) -> int:
+        """``max_length`` capped at the shortest member's positions."""
+        return min(m.text_length(max_length) for m in self.members)
+
     def member_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(K, B) each member's normalised score of the same token ids."""
         return torch.stack([m.score(input_ids, attention_mask) for m in self.members])

@@ -566,6 +566,11 @@ class ScalarModel(nn.Module):
             tok.truncation_side = side
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
+    def text_length(self, max_length: int) -> int:
+        """``max_length`` capped at the model's positions (``config.max_position_embeddings``, when set)."""
+        positions = getattr(self.config, "max_position_embeddings", None)
+        return min(max_length, positions) if isinstance(positions, int) and positions > 0 else max_length
+
     @torch.no_grad()
     def score_texts(
         self, prompts: list[str], responses: list[str], batch_size: int = 32, max_length: int = 512
@@ -573,9 +578,7 @@ class ScalarModel(nn.Module):
         """(N,) scores of decoded text pairs (a reward model whose tokenizer differs from the policy's). A pair
         longer than ``max_length`` or the model's positions keeps its end (:meth:`encode`). (Training data
         is not cut here: ``shifu rm`` refuses examples longer than the model's positions.)"""
-        positions = getattr(self.config, "max_position_embeddings", None)
-        if isinstance(positions, int) and positions > 0:
-            max_length = min(max_length, positions)
+        max_length = self.text_length(max_length)
         device = self.head.weight.device
         out = []
         for i in range(0, len(prompts), batch_size):

@@ -352,7 +352,7 @@ class Served:
             return None
         if req.size == 0:
             return []
-        enc = self.model.encode(self.prompts(req), req.responses, MAX_LENGTH)
+        enc = self.model.encode(self.prompts(req), req.responses, self.model.text_length(MAX_LENGTH))
         return [(enc["input_ids"], enc["attention_mask"])]
 
     def prompts(self, req: ScoreRequest) -> list[str]:
