@@ -370,21 +370,21 @@ def keep_lower_layers(backbone: nn.Module, n: int) -> None:
         cfg.layer_types = cfg.layer_types[:n]
 
 
-def freeze_lower_layers(backbone: nn.Module, n: int) -> tuple[int, int]:
-    """Freeze the embeddings and the lowest ``n`` transformer blocks of an HF backbone, in place.
+def freeze_lower_layers(backbone: nn.Module, n: int) -> None:
+    """Freeze the embeddings and the lowest ``n`` transformer blocks of an HF backbone (in place; 0 freezes
+    nothing and looks at nothing, so any backbone loads).
 
     The blocks are the backbone's ``nn.ModuleList`` of ``config.num_hidden_layers`` modules; "the
     embeddings" are every parameter registered before the first block (HF models register token and
     position embeddings first). ``n`` may equal the number of blocks (only what follows them, the final
-    norm, trains; with a scalar head on top that is a linear probe). Returns (frozen, total) parameter
-    counts; the optimiser then holds only what still requires a gradient.
+    norm, trains; with a scalar head on top that is a linear probe). The optimiser then holds only what
+    still requires a gradient.
     """
-    blocks = _blocks(backbone, "freeze_layers")
-    if not 0 <= n <= len(blocks):
-        raise ShifuError(f"freeze_layers must be in [0, {len(blocks)}] for this backbone (got {n})")
-    total = sum(p.numel() for p in backbone.parameters())
     if n == 0:
-        return 0, total
+        return
+    blocks = _blocks(backbone, "freeze_layers")
+    if not 1 <= n <= len(blocks):
+        raise ShifuError(f"freeze_layers must be in [0, {len(blocks)}] for this backbone (got {n})")
     first = {id(p) for p in blocks[0].parameters()}
     frozen: list[nn.Parameter] = []
     for p in backbone.parameters():  # registration order: the embeddings come before block 0
@@ -394,7 +394,6 @@ def freeze_lower_layers(backbone: nn.Module, n: int) -> tuple[int, int]:
     frozen += [p for b in blocks[:n] for p in b.parameters()]
     for p in frozen:
         p.requires_grad_(False)
-    return sum(p.numel() for p in frozen), total
 
 
 def _is_causal_backbone(config) -> bool:
