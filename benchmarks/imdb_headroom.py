@@ -76,14 +76,20 @@ def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> lis
     return rows
 
 
-def gold_reward(run: Path, out: Path, plan: dict, seed: int) -> dict:
+def from_sft_of(run: Path, out: Path, plan: dict, seed: int, name: str) -> tuple[Stages, dict, Path]:
+    """A pipeline in ``out`` that starts from ``run``'s finished data and SFT stages (copied, then skipped):
+    (its stages, the task files, the SFT policy)."""
     out.mkdir(parents=True, exist_ok=True)
-    for stage in ("data", "sft"):  # the run's finished stages; the RL stage starts here
+    for stage in ("data", "sft"):
         if not (out / stage).exists():
             shutil.copytree(run / stage, out / stage, symlinks=True)
-    stages = Stages(out, seed, "headroom")
+    stages = Stages(out, seed, name)
     files = stages.prepare("imdb", PRESET)
-    sft_final = stages.sft(plan["sft"], files)
+    return stages, files, stages.sft(plan["sft"], files)
+
+
+def gold_reward(run: Path, out: Path, plan: dict, seed: int) -> dict:
+    stages, files, sft_final = from_sft_of(run, out, plan, seed, "headroom")  # the RL stage starts here
     reward = {"function": qs.GOLD["imdb"]}
     stages.train("ppo", "shifu.trainers.ppo", ppo_overrides(plan["ppo"], sft_final, files, reward, seed))
     return held_out_eval(out, out / "ppo" / "final", out, plan, seed) | {"cpu_seconds": stages.cpu_seconds()}
@@ -129,13 +135,7 @@ def agreement(scores: list[float], gold: list[float], pairs: int = 20000) -> dic
 
 
 def rm_screen(run: Path, out: Path, judge: list[Path], plan: dict, seed: int) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    for stage in ("data", "sft"):
-        if not (out / stage).exists():
-            shutil.copytree(run / stage, out / stage, symlinks=True)
-    stages = Stages(out, seed, "rm-screen")
-    files = stages.prepare("imdb", PRESET)
-    sft_final = stages.sft(plan["sft"], files)
+    stages, files, sft_final = from_sft_of(run, out, plan, seed, "rm-screen")
     pairs = stages.imdb_pairs(
         sft_final, qs.preference_prompts(files, plan["pairs"].get("num_prompts")), plan["pairs"]
     )
