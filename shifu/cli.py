@@ -33,6 +33,7 @@ TOOLS = {
     "demo": ("shifu.demo", "toy demos: `shifu demo bandit`"),
     "bench": ("shifu.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
     "study": ("shifu.study", "studies: `shifu study frontier`"),
+    "merge": ("shifu.merge", "merge RL runs from one base policy into one (a model soup)"),
     "serve": ("shifu.serve", "serve a reward model, ensemble or rule reward over HTTP (docs/serve.md)"),
 }
 

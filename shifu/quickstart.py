@@ -11,9 +11,14 @@ Run directory layout (``--out``, default ``runs/quickstart-<task>-<preset>-s<see
                               from data/prompts_train.jsonl)
     RUN/rm/                   imdb only: shifu rm run: final/ (reward model), metrics.jsonl
     RUN/ppo/                  shifu ppo run: final/ (the aligned policy), metrics.jsonl, samples.jsonl, tb/
+    RUN/ppo-2/ ... RUN/ppo-M/ a soup plan (``soup.members`` M >= 2): the same PPO stage with seeds seed + 1000,
+                              ..., seed + 1000 (M - 1)
+    RUN/soup/final/           a soup plan's final policy: sft + soup.scale * mean of the M runs' changes
+                              (shifu merge; merge.json says what was merged)
     RUN/samples_before.jsonl  held-out prompts, SFT policy: prompt, response, gold
     RUN/samples_after.jsonl   same prompts, final policy: prompt, response, gold, kl
-    RUN/summary.json          gold_before, gold_after, kl, rm_accuracy, seconds, task, preset, seed, ...
+    RUN/summary.json          gold_before, gold_after, kl, rm_accuracy, seconds, task, preset, seed, policy
+                              (the evaluated policy's directory in RUN: ppo/final or soup/final), ...
     RUN/report.html           rendered by shifu.report (when available)
 
 Each stage directory gets a ``DONE`` marker (JSON with the seconds it took) when it finished; a rerun with
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -263,27 +269,57 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
         stages.imdb_pairs(sft_final, prompts, plan["pairs"])
         rm_accuracy = stages.rm(plan["rm"], sft_final).get("rm_accuracy")
         reward = {"model_path": str(out / "rm" / "final")}
-    # 4. PPO from the SFT policy (also the frozen reference)
+    # 4. PPO from the SFT policy (also the frozen reference); a soup plan runs it once per member (seeds
+    # seed, seed + 1000, ...) and merges the members' changes to the SFT policy (shifu.merge)
     stages.train("ppo", "shifu.trainers.ppo", ppo_overrides(plan["ppo"], sft_final, files, reward, seed))
+    policy = soup(stages, plan, sft_final, files, reward, seed)
     seconds, cpu = stages.seconds(), stages.cpu_seconds()  # cpu None: a stage finished by an older run
 
     # 5. final evaluation on the held-out prompts: SFT policy vs final policy, gold judge, KL
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
     ev = eval_settings(plan)
-    summary = evaluate(task, sft_final, out / "ppo" / "final", files["prompts_eval"], ev, seed, out, gold)
+    summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
     took = elapsed(t0)
     seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
     summary.update(
         task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
     )
+    summary["policy"] = str(policy.relative_to(out))
     summary["seconds_total"] = round(sum(seconds.values()), 2)
     summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     from shifu.modelcard import write_model_card
 
-    write_model_card(out / "ppo" / "final", out / "ppo", "ppo")  # now with gold before/after, held out
+    write_model_card(policy, out / "ppo", "ppo")  # now with gold before/after, held out
     return summary
+
+
+def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict, seed: int) -> Path:
+    """The final policy: ``ppo/final``, or with ``soup.members`` M >= 2 the merge (``soup/final``) of M PPO
+    runs from the SFT policy, ``ppo`` and ``ppo-2`` ... ``ppo-M`` (seeds ``seed + 1000 * i``), as
+    ``sft + soup.scale * mean_i(member_i - sft)`` (:func:`shifu.merge.merge_policies`)."""
+    from shifu.merge import merge_policies
+
+    out, cfg = stages.root, plan.get("soup") or {}
+    members, scale = cfg.get("members", 1), cfg.get("scale", 1.0)
+    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        raise ShifuError(f"soup.members must be a whole number >= 1 (1: no merge), got {members!r}")
+    if members == 1:
+        return out / "ppo" / "final"
+    dirs = [out / "ppo" / "final"]
+    for i in range(1, members):
+        stages.train(f"ppo-{i + 1}", "shifu.trainers.ppo",
+                     ppo_overrides(plan["ppo"], sft_final, files, reward, seed + 1000 * i))  # fmt: skip
+        dirs.append(out / f"ppo-{i + 1}" / "final")
+
+    def work(stage_dir: Path) -> None:
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(stage_dir / "final", ignore_errors=True)  # an unfinished merge (no DONE marker)
+        merge_policies(sft_final, dirs, stage_dir / "final", float(scale))
+
+    stages.run("soup", out / "soup", f"stage soup: merge {members} PPO runs (scale {scale})", work)
+    return out / "soup" / "final"
 
 
 def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
@@ -415,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         f"T={summary['eval_temperature']}) before {summary['gold_before']:.3f} -> after "
         f"{summary['gold_after']:.3f} (gain {summary['gold_gain']:+.3f} +- {summary['gold_gain_se']:.3f}, paired "
         f"standard error) at KL {summary['kl']:.2f} nats/response (k3); "
-        f"{summary['seconds_total']:.0f} s; outputs in {out} (summary.json, report.html; policy in ppo/final)"
+        f"{summary['seconds_total']:.0f} s; outputs in {out} (summary.json, report.html; policy in "
+        f"{summary['policy']})"
     )
     return 0

@@ -2,7 +2,7 @@
 a reward function, to see what the reward model thinks of what the policy says.
 
 ``MODEL`` is the run directory of any policy stage (``shifu sft|ppo|dpo --out``: its ``final/`` is used;
-a ``shifu quickstart`` run: its last policy, ``ppo/final`` then ``dpo/final`` then ``sft/final``) or any
+a ``shifu quickstart`` run: its last policy, ``soup/final``, ``ppo/final``, ``dpo/final`` then ``sft/final``) or any
 local Hugging Face causal-LM directory. Prompts come from ``--prompt`` (repeatable), ``--prompts FILE``
 (JSONL rows with ``prompt`` or ``messages``; any other file: one prompt per line) or ``--interactive``
 (one prompt per line of standard input until EOF).
@@ -29,7 +29,7 @@ import torch
 
 from shifu.errors import DataError, ShifuError
 
-POLICY_STAGES = ("ppo", "dpo", "sft")  # a quickstart run's policies, the last stage first
+POLICY_STAGES = ("soup", "ppo", "dpo", "sft")  # a quickstart run's policies, the last stage first
 REWARD_MARKERS = ("shifu_scalar.json", "ensemble.json")  # written by `shifu rm` into final/
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from shifu.cli import main as cli_main
 
@@ -47,6 +48,23 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert cli_main(["quickstart", "--task", "arith", "--out", str(out)]) == 0
     assert (out / "ppo" / "final").stat().st_mtime == mtime
     assert json.loads((out / "summary.json").read_text())["gold_after"] == s["gold_after"]
+    assert s["policy"] == "ppo/final"
+
+    # a soup plan on the same run: ppo/ is kept, a second PPO run (seed 1000) and the merge are added, and
+    # the merged policy is what is judged; it still beats SFT by the margin
+    assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", "soup.members=2"]) == 0
+    assert (out / "ppo" / "final").stat().st_mtime == mtime
+    soup = json.loads((out / "summary.json").read_text())
+    assert soup["policy"] == "soup/final" and set(soup["cpu_seconds"]) >= {"ppo", "ppo-2", "soup"}
+    assert yaml.safe_load((out / "ppo-2" / "config.yaml").read_text())["seed"] == 1000
+    merged = json.loads((out / "soup" / "final" / "merge.json").read_text())
+    assert merged["policies"] == [str(out / "ppo" / "final"), str(out / "ppo-2" / "final")]
+    assert soup["gold_before"] == s["gold_before"] and soup["gold_after"] >= soup["gold_before"] + 0.15, soup
+    assert 0 < soup["kl"] < 20, soup
+    assert "Merged (`shifu merge`)" in (out / "soup" / "final" / "README.md").read_text()
+    assert capsys.readouterr().out.rstrip().endswith("policy in soup/final)")
+    assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", "soup.members=0"]) == 2
+    assert "soup.members must be a whole number >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
