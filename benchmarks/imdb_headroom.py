@@ -18,6 +18,10 @@
         held-out samples of the SFT policy and of the *trained* policies of the --judge runs
         (samples_before/after.jsonl), and accuracy against the noiseless judge on its own held-out pairs
 
+    python benchmarks/imdb_headroom.py judge RUN --policy DIR --out DIR2 --seed S
+        the quickstart's held-out evaluation of any policy from RUN's SFT policy (e.g. a `shifu merge` of
+        several of its PPO runs: `shifu merge --base RUN/sft/final --out DIR RUN/ppo RUN/ppo-2`)
+
 gold-reward and raft end with the quickstart's held-out evaluation (gain paired over the held-out prompts,
 k3 KL per response) in DIR. One thread (``SHIFU_THREADS``).
 """
@@ -157,9 +161,10 @@ def rm_screen(run: Path, out: Path, judge: list[Path], plan: dict, seed: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["best-of-n", "gold-reward", "raft", "rm-screen"])
+    ap.add_argument("mode", choices=["best-of-n", "gold-reward", "raft", "rm-screen", "judge"])
     ap.add_argument("run", type=Path, help="a finished imdb quickstart run directory")
-    ap.add_argument("--out", type=Path, help="gold-reward / raft: where the new run goes")
+    ap.add_argument("--out", type=Path, help="gold-reward / raft: where the new run goes; judge: the samples")
+    ap.add_argument("--policy", type=Path, help="judge: the policy directory (e.g. written by shifu merge)")
     ap.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
     ap.add_argument("--n", type=int, default=64, help="samples per prompt")
     ap.add_argument(
@@ -180,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "best-of-n":
         for row in best_of_n(args.run, args.n, args.prompts, plan, args.seed):
             print(json.dumps(row))
+    elif args.mode == "judge":
+        if args.policy is None:
+            ap.error("judge needs --policy DIR")
+        result = held_out_eval(args.run, args.policy, args.out, plan, args.seed)
+        print(json.dumps({"run": str(args.run), "policy": str(args.policy)} | result))
     elif args.mode == "gold-reward":
         print(json.dumps(gold_reward(args.run, args.out, plan, args.seed)))
     elif args.mode == "rm-screen":
