@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from shifu.errors import ShifuError
-from shifu.pipeline import Stages, clock, elapsed, ppo_overrides, read_jsonl, write_jsonl
+from shifu.pipeline import Stages, clock, done, elapsed, ppo_overrides, read_jsonl, write_jsonl
 
 # ----------------------------------------------------------------------------------------- stage plans
 # Config overrides per (task, preset) for each trainer stage; data/model paths are filled in at run time.
@@ -305,6 +305,8 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
     members, scale = cfg.get("members", 1), cfg.get("scale", 1.0)
     if isinstance(members, bool) or not isinstance(members, int) or members < 1:
         raise ShifuError(f"soup.members must be a whole number >= 1 (1: no merge), got {members!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ShifuError(f"soup.scale must be a finite number (1: the plain mean), got {scale!r}")
     if members == 1:
         return out / "ppo" / "final"
     dirs = [out / "ppo" / "final"]
@@ -313,10 +315,16 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
                      ppo_overrides(plan["ppo"], sft_final, files, reward, seed + 1000 * i))  # fmt: skip
         dirs.append(out / f"ppo-{i + 1}" / "final")
 
-    def work(stage_dir: Path) -> None:
+    what = {"members": [str(d.relative_to(out)) for d in dirs], "scale": float(scale)}
+    marker = done(out / "soup")
+    if marker is not None and {k: marker.get(k) for k in what} != what:  # merged other runs or scale: redo
+        (out / "soup" / "DONE").unlink()
+
+    def work(stage_dir: Path) -> dict:
         stage_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(stage_dir / "final", ignore_errors=True)  # an unfinished merge (no DONE marker)
+        shutil.rmtree(stage_dir / "final", ignore_errors=True)  # an unfinished or outdated merge
         merge_policies(sft_final, dirs, stage_dir / "final", float(scale))
+        return what
 
     stages.run("soup", out / "soup", f"stage soup: merge {members} PPO runs (scale {scale})", work)
     return out / "soup" / "final"

@@ -63,8 +63,16 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert 0 < soup["kl"] < 20, soup
     assert "Merged (`shifu merge`)" in (out / "soup" / "final" / "README.md").read_text()
     assert capsys.readouterr().out.rstrip().endswith("policy in soup/final)")
-    assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", "soup.members=0"]) == 2
-    assert "soup.members must be a whole number >= 1" in capsys.readouterr().err
+    # another scale re-merges the same runs (the stage's marker records what it merged); nothing retrains
+    mtime2 = (out / "ppo-2" / "final").stat().st_mtime
+    half = ["--set", "soup.members=2", "--set", "soup.scale=0.5"]
+    assert cli_main(["quickstart", "--task", "arith", "--out", str(out), *half]) == 0
+    assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5
+    assert (out / "ppo-2" / "final").stat().st_mtime == mtime2
+    assert json.loads((out / "summary.json").read_text())["kl"] < soup["kl"]  # halfway back to SFT
+    for bad in ("soup.members=0", "soup.scale=abc"):
+        assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
+        assert f"{bad.split('=')[0]} must be a" in capsys.readouterr().err
 
 
 @pytest.mark.slow
