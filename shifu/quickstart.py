@@ -315,6 +315,7 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
                      ppo_overrides(plan["ppo"], sft_final, files, reward, seed + 1000 * i))  # fmt: skip
         dirs.append(out / f"ppo-{i + 1}" / "final")
 
+    same_settings(out, [d.parent for d in dirs])
     what = {"members": [str(d.relative_to(out)) for d in dirs], "scale": float(scale)}
     marker = done(out / "soup")
     if marker is not None and {k: marker.get(k) for k in what} != what:  # merged other runs or scale: redo
@@ -328,6 +329,33 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
 
     stages.run("soup", out / "soup", f"stage soup: merge {members} PPO runs (scale {scale})", work)
     return out / "soup" / "final"
+
+
+def same_settings(out: Path, runs: list[Path]) -> None:
+    """Refuse to merge PPO runs whose recorded configs (``config.yaml``) differ in anything but the seed and
+    the output directory: finished stages are kept, so a rerun with other ``ppo.*`` settings trains only the
+    members that are new and would otherwise merge them with the old ones."""
+    import yaml
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(tree, dict):
+            return {prefix[:-1]: tree}
+        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+    def settings(run: Path) -> dict[str, Any]:
+        cfg = flat(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {})
+        return {k: v for k, v in cfg.items() if k not in ("seed", "out_dir")}
+
+    first = settings(runs[0])
+    for run in runs[1:]:
+        other = settings(run)
+        if diff := sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k)):
+            k, more = diff[0], f" and {len(diff) - 1} more keys" if len(diff) > 1 else ""
+            raise ShifuError(
+                f"soup: {out / run.name} was trained with other settings than {out / runs[0].name} ({k}: "
+                f"{other.get(k)!r} against {first.get(k)!r}{more}): finished stages are kept, so a changed ppo.* "
+                f"plan trains only the new members. Use a new --out, or delete {out}/ppo* to train them all again"
+            )
 
 
 def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:

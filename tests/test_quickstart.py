@@ -70,6 +70,11 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5
     assert (out / "ppo-2" / "final").stat().st_mtime == mtime2
     assert json.loads((out / "summary.json").read_text())["kl"] < soup["kl"]  # halfway back to SFT
+    # a third member trained under another ppo.* plan is refused by name, not merged with the old two
+    mixed = ["--set", "soup.members=3", "--set", "ppo.iterations=2"]
+    assert cli_main(["quickstart", "--task", "arith", "--out", str(out), *mixed]) == 2
+    assert "ppo-3 was trained with other settings than" in capsys.readouterr().err
+    assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5  # soup untouched
     for bad in ("soup.members=0", "soup.scale=abc"):
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
         assert f"{bad.split('=')[0]} must be a" in capsys.readouterr().err
