@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ def merge_policies(base: str | Path, policies: list[str | Path], out: str | Path
     policies = [Path(p) for p in policies]
     if not policies:
         raise ShifuError("merge: give at least one policy directory to merge into the base")
-    if not (scale == scale and abs(scale) != float("inf")):  # NaN or infinite
+    if not math.isfinite(scale):
         raise ShifuError(f"merge: scale must be a finite number, got {scale}")
     inputs = {p.resolve() for p in [base, *policies]}
     if out.resolve() in inputs:

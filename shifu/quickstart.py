@@ -337,13 +337,10 @@ def same_settings(out: Path, runs: list[Path]) -> None:
     members that are new and would otherwise merge them with the old ones."""
     import yaml
 
-    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(tree, dict):
-            return {prefix[:-1]: tree}
-        return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+    from shifu.tracking import flatten_config
 
-    def settings(run: Path) -> dict[str, Any]:
-        cfg = flat(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {})
+    def settings(run: Path) -> dict[str, str]:
+        cfg = flatten_config(yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {})
         return {k: v for k, v in cfg.items() if k not in ("seed", "out_dir")}
 
     first = settings(runs[0])
@@ -353,7 +350,7 @@ def same_settings(out: Path, runs: list[Path]) -> None:
             k, more = diff[0], f" and {len(diff) - 1} more keys" if len(diff) > 1 else ""
             raise ShifuError(
                 f"soup: {out / run.name} was trained with other settings than {out / runs[0].name} ({k}: "
-                f"{other.get(k)!r} against {first.get(k)!r}{more}): finished stages are kept, so a changed ppo.* "
+                f"{other.get(k, 'not set')} against {first.get(k, 'not set')}{more}): finished stages are kept, so a changed ppo.* "
                 f"plan trains only the new members. Use a new --out, or delete {out}/ppo* to train them all again"
             )
 
