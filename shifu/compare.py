@@ -17,7 +17,6 @@ import argparse
 import base64
 import dataclasses
 import io
-import json
 import math
 import os
 from pathlib import Path
@@ -87,6 +86,7 @@ def flat_config(run: Path) -> dict[str, str]:
     ``config.yaml`` of a quickstart run, or ``RUN/config.yaml`` of a trainer's run (its stage read from its
     keys; ``run:`` when unknown). ``out_dir`` is left out (it always differs)."""
     from shifu.modelcard import infer_kind
+    from shifu.tracking import flatten_config
 
     sources = [(s, run / s / "config.yaml") for s in ("sft", "rm", "ppo", "dpo")]
     if (run / "config.yaml").is_file():
@@ -100,17 +100,7 @@ def flat_config(run: Path) -> dict[str, str]:
         except yaml.YAMLError:
             continue
         if isinstance(config, dict):
-            out.update({f"{stage}:{k}": v for k, v in _flatten(config).items() if k != "out_dir"})
-    return out
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, str) else json.dumps(v)
+            out.update({f"{stage}:{k}": v for k, v in flatten_config(config).items() if k != "out_dir"})
     return out
 
 
