@@ -103,17 +103,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SHIFU_CACHE") or Path.home() / ".cache" / "shifu")
 
 
+# /proc/cpuinfo flags that change which GEMM kernels torch can run: two VMs may report the same model name
+# ("AMD EPYC") with and without AVX-512 / native bf16, where bf16 measured ~2x faster and ~10x slower
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_name_and_isa(cpuinfo: str) -> str:
+    """``model name`` and the :data:`ISA_FLAGS` of the first processor in ``/proc/cpuinfo`` text."""
+    name, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not name:
+            name = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+        if name and flags:
+            break
+    isa = "+".join(f for f in ISA_FLAGS if f in flags) or "no isa flags"
+    return f"{name or platform.processor() or platform.machine()}|{isa}"
+
+
 def machine_key(device: torch.device) -> str:
-    """What a probe result depends on besides the shape: the processor, torch, the thread count."""
+    """What a probe result depends on besides the shape: the processor (its name and its GEMM-relevant ISA
+    flags), torch, the thread count."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = platform.processor() or platform.machine()
         with contextlib.suppress(OSError):
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
+            name = cpu_name_and_isa(Path("/proc/cpuinfo").read_text())
     return f"{device.type}|{name}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 

@@ -47,6 +47,30 @@ WORK = precision.Workload(trunk=((16, 48, 2), (16, 16, 2)), head=(16, 100), deco
                           train_rows=4, T=20, R=10)  # fmt: skip
 
 
+# two real /proc/cpuinfo heads of this project's VMs (trimmed): the same model name, one with AVX-512 and
+# native bf16 (bf16 measured ~2x faster there), one with AVX2 only (bf16 emulated, ~10x slower)
+CPUINFO_BF16 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx fma avx2 avx512f avx512dq avx512_vnni avx512_bf16 rdpid
+"""
+CPUINFO_AVX2 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx fma avx2 rdpid
+"""
+
+
+def test_probe_key_tells_apart_cpus_of_one_name_by_their_isa():
+    """A cached decision from the bf16 VM must not be reused on the AVX2 VM of the same model name."""
+    with_bf16, avx2 = precision.cpu_name_and_isa(CPUINFO_BF16), precision.cpu_name_and_isa(CPUINFO_AVX2)
+    assert with_bf16 == "AMD EPYC|avx2+fma+avx512f+avx512_vnni+avx512_bf16"
+    assert avx2 == "AMD EPYC|avx2+fma"
+    assert precision.cpu_name_and_isa("model name\t: X\n") == "X|no isa flags"
+    key = precision.machine_key(torch.device("cpu"))
+    assert key.startswith("cpu|") and key.count("|") == 4  # cpu | name | isa | torch | threads
+
+
 def test_probe_measures_each_shape_once_then_reads_the_cache(tmp_path):
     probe = precision.Probe(torch.device("cpu"))
     first = probe.time("infer", 8, 16, 48)
