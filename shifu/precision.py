@@ -130,9 +130,11 @@ def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = platform.processor() or platform.machine()
-        with contextlib.suppress(OSError):
-            name = cpu_name_and_isa(Path("/proc/cpuinfo").read_text())
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # no /proc (macOS, Windows): cpu_name_and_isa falls back to platform's name
+            cpuinfo = ""
+        name = cpu_name_and_isa(cpuinfo)
     return f"{device.type}|{name}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
