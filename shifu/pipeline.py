@@ -8,19 +8,26 @@
     ROOT/rm/     imdb: shifu rm run on those pairs: final/ (the reward model)
 
 A finished stage leaves ``DONE`` in its directory: JSON with the wall-clock ``seconds``, the process
-``cpu_seconds`` and what the stage reports (e.g. ``rm_accuracy``). A rerun skips finished stages; a trainer
-stage that was interrupted resumes from its checkpoint, or starts again when it has none.
+``cpu_seconds``, what the stage reports (e.g. ``rm_accuracy``) and the ``plan`` it ran (its settings and
+inputs, paths inside the run written ``<run>/...``). A rerun skips finished stages whose plan is this run's,
+and refuses, naming the keys, a finished stage whose plan differs (it is never kept silently, nor redone in
+place); a trainer stage that was interrupted resumes from its checkpoint, or starts again when it has none.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from shifu.errors import ShifuError
 
 # ------------------------------------------------------------------------------------------- helpers
 
@@ -58,6 +65,28 @@ def elapsed(t0: tuple[float, float]) -> dict[str, float]:
     thread it is what the stage takes on an idle core.
     """
     return {"seconds": round(time.time() - t0[0], 2), "cpu_seconds": round(time.process_time() - t0[1], 2)}
+
+
+def portable(obj: Any, root: Path) -> Any:
+    """``obj`` with every string path inside ``root`` written ``<run>/...``: a stage's plan that does not
+    change when the run directory is moved or given as another path to the same place."""
+    if isinstance(obj, dict):
+        return {k: portable(v, root) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, root) for v in obj]
+    if isinstance(obj, str) and obj.startswith(("/", ".")):
+        # abspath, not resolve: links are not followed (a linked base model in the run is the run's)
+        with contextlib.suppress(ValueError):
+            return "<run>/" + Path(os.path.abspath(obj)).relative_to(os.path.abspath(root)).as_posix()
+    return obj
+
+
+def digest(texts: list[str]) -> dict[str, Any]:
+    """A list of texts as its length and SHA-256 (a plan records which prompts, not the prompts)."""
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8") + b"\0")
+    return {"count": len(texts), "sha256": h.hexdigest()}
 
 
 def done(stage_dir: Path) -> dict | None:
@@ -124,16 +153,46 @@ class Stages:
     def log(self, msg: str) -> None:
         log(self.who, msg)
 
-    def run(self, name: str, stage_dir: Path, note: str, work: Callable[[Path], dict | None]) -> dict:
+    def run(self, name: str, stage_dir: Path, note: str, work: Callable[[Path], dict | None], plan=None):
         """Stage ``name``: ``work(stage_dir)`` unless ``stage_dir`` is DONE; its marker holds what
-        ``work`` returns. Returns the marker."""
+        ``work`` returns and ``plan`` (JSON-able: what the stage computes from), which a finished stage's
+        marker must match (:meth:`check_plan`). Returns the marker."""
+        recorded = None if plan is None else json.loads(json.dumps(portable(plan, self.root)))
         if (marker := done(stage_dir)) is None:
             self.log(note)
             t0 = clock()
-            mark_done(stage_dir, t0, **(work(stage_dir) or {}))
+            extra = work(stage_dir) or {}
+            mark_done(stage_dir, t0, **extra, **({} if recorded is None else {"plan": recorded}))
             marker = done(stage_dir)
+        elif recorded is not None:
+            self.check_plan(name, stage_dir, marker, recorded)
         self.markers[name] = marker
         return marker
+
+    def check_plan(self, name: str, stage_dir: Path, marker: dict, plan: dict) -> None:
+        """ShifuError when the finished stage ran another plan than ``plan``: its outputs are kept, and
+        every later stage would silently build on them. A marker of a shifu that did not record plans
+        is kept as it is (said in the log)."""
+        from shifu.checkpoint import config_diff
+
+        if "plan" not in marker:
+            self.log(f"stage {name}: finished by a shifu that did not record its plan; kept as it is")
+            return
+        if diff := config_diff(marker["plan"], plan):
+
+            def at(tree: dict, dotted: str) -> Any:
+                for part in dotted.split("."):
+                    tree = tree.get(part, "not set") if isinstance(tree, dict) else "not set"
+                return tree
+
+            k, others = diff[0], diff[1:6] + (["..."] if len(diff) > 6 else [])
+            more = f" (and {', '.join(others)} differ)" if others else ""
+            raise ShifuError(
+                f"stage {name} in {stage_dir} finished with another plan than this run's: {k} was "
+                f"{at(marker['plan'], k)!r}, now {at(plan, k)!r}{more}. A finished stage is kept, never redone "
+                f"in place: use a new --out for this plan, or delete {stage_dir} and the stages after it to "
+                "redo them"
+            )
 
     def train(self, name: str, module_name: str, overrides: dict) -> dict:
         """A trainer stage in ``root/name`` (:func:`train_stage`); returns its marker."""
@@ -141,7 +200,7 @@ class Stages:
         def work(stage_dir: Path) -> None:
             train_stage(module_name, stage_dir, overrides)
 
-        return self.run(name, self.root / name, f"stage {name}", work)
+        return self.run(name, self.root / name, f"stage {name}", work, plan=overrides)
 
     def seconds(self) -> dict[str, float]:
         return {name: m["seconds"] for name, m in self.markers.items()}
@@ -163,7 +222,8 @@ class Stages:
         base = data_dir / "base"
         if base.is_symlink() and not base.exists() and (data_dir / "DONE").exists():
             (data_dir / "DONE").unlink()  # the cached model it links to was deleted: prepare again
-        self.run("prepare", data_dir, f"prepare task {task} (preset {preset}) in {data_dir}", work)
+        plan = {"task": task, "preset": preset, "seed": self.seed}
+        self.run("prepare", data_dir, f"prepare task {task} (preset {preset}) in {data_dir}", work, plan)
         return {p.stem: str(p) for p in data_dir.glob("*.jsonl")}
 
     def sft(self, plan: dict, files: dict[str, str]) -> Path:
@@ -196,7 +256,8 @@ class Stages:
             return {k: v for k, v in info.items() if not k.startswith("pairs_")}
 
         note = "stage pairs: two SFT samples per prompt, noisy VADER preference"
-        return self.run("pairs", self.root / "pairs", note, work)
+        inputs = {"policy": str(sft_final), "seed": self.seed, "prompts": digest(prompts)}
+        return self.run("pairs", self.root / "pairs", note, work, {**plan, **inputs})
 
     def rm(self, plan: dict, sft_final: Path) -> dict:
         """The reward model on ``root/pairs`` (``model.path`` sft or unset: on the SFT policy); the marker
@@ -222,4 +283,4 @@ class Stages:
             result = train_stage("shifu.trainers.reward", rm_dir, over)
             return {"rm_accuracy": result.get("eval/rm/accuracy")}
 
-        return self.run("rm", self.root / "rm", "stage rm", work)
+        return self.run("rm", self.root / "rm", "stage rm", work, plan=over)

@@ -355,7 +355,8 @@ def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[
         def work(stage_dir: Path) -> dict[str, Any]:
             return arith_pairs(sft_final, read_jsonl(files["prompts_train"]), stage_dir, pp, sets_seed)
 
-        pairs = stages.run("pairs", pairs_dir, "stage pairs: SFT samples ranked by exact match", work)
+        note, inputs = "stage pairs: SFT samples ranked by exact match", {"policy": str(sft_final)}
+        pairs = stages.run("pairs", pairs_dir, note, work, plan={**pp, **inputs, "seed": sets_seed})
         info["pairs"] = {"train": str(pairs_dir / "pairs.jsonl"), "eval": ""}
         info["reward"] = {"function": "shifu.tasks.judges:exact_match"}
     else:

@@ -70,10 +70,12 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5
     assert (out / "ppo-2" / "final").stat().st_mtime == mtime2
     assert json.loads((out / "summary.json").read_text())["kl"] < soup["kl"]  # halfway back to SFT
-    # a third member trained under another ppo.* plan is refused by name, not merged with the old two
+    # another ppo.* plan is refused at the finished ppo stage, by key, before a third member trains under it
     mixed = ["--set", "soup.members=3", "--set", "ppo.iterations=2"]
     assert cli_main(["quickstart", "--task", "arith", "--out", str(out), *mixed]) == 2
-    assert "ppo-3 was trained with other settings than" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"stage ppo in {out / 'ppo'} finished with another plan than this run's: iterations was" in err
+    assert "now 2" in err and not (out / "ppo-3").exists()
     assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5  # soup untouched
     for bad in ("soup.members=0", "soup.scale=abc"):
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
@@ -160,3 +162,60 @@ def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp
     after = _read(tmp_path / "samples_after.jsonl")
     assert all(r["kl"] == 0.0 and r["kl_k1"] == 0.0 for r in after)
     assert standard_error([1.0, 3.0]) == pytest.approx(1.0) and standard_error([2.0]) == 0.0
+
+
+def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys):
+    """A rerun skips a finished stage only when its recorded plan is this run's; another plan is refused
+    by key (the stage's files untouched, nothing later runs), in a moved run directory too."""
+    import shutil
+
+    from shifu.errors import ShifuError
+    from shifu.pipeline import Stages
+
+    calls = []
+
+    def work(stage_dir):
+        calls.append(stage_dir)
+        (stage_dir / "out.txt").parent.mkdir(parents=True, exist_ok=True)
+        (stage_dir / "out.txt").write_text("made")
+        return {"score": 1.5}
+
+    root = tmp_path / "run"
+    plan = {"optim": {"lr": 1e-3}, "model": {"path": str(root / "data" / "base")}, "seed": 0}
+    marker = Stages(root, 0, "t").run("sft", root / "sft", "stage sft", work, plan)
+    assert calls == [root / "sft"] and marker["score"] == 1.5
+    assert marker["plan"]["model"]["path"] == "<run>/data/base"  # paths inside the run, as the run's
+    assert Stages(root, 0, "t").run("sft", root / "sft", "stage sft", work, plan)["score"] == 1.5
+    assert len(calls) == 1  # the same plan: kept, not run again
+    other = {**plan, "optim": {"lr": 3e-4}, "seed": 1}
+    with pytest.raises(ShifuError) as e:
+        Stages(root, 0, "t").run("sft", root / "sft", "stage sft", work, other)
+    msg = str(e.value)
+    assert f"stage sft in {root / 'sft'} finished with another plan than this run's: optim.lr was 0.001, now 0.0003" in msg  # fmt: skip
+    assert "(and seed differ)" in msg and "use a new --out" in msg
+    assert len(calls) == 1 and (root / "sft" / "out.txt").read_text() == "made"
+    # the run directory moved: its own paths are still its own, the plan matches
+    moved = tmp_path / "moved"
+    shutil.move(str(root), str(moved))
+    plan_moved = {**plan, "model": {"path": str(moved / "data" / "base")}}
+    Stages(moved, 0, "t").run("sft", moved / "sft", "stage sft", work, plan_moved)
+    assert len(calls) == 1
+    # a marker written before plans were recorded is kept as it is, and says so
+    (moved / "sft" / "DONE").write_text(json.dumps({"seconds": 1.0, "cpu_seconds": 1.0}))
+    Stages(moved, 0, "t").run("sft", moved / "sft", "stage sft", work, other)
+    assert len(calls) == 1 and "did not record its plan; kept as it is" in capsys.readouterr().err
+
+
+def test_soup_refuses_members_trained_with_other_settings(tmp_path):
+    """Members finished before stage plans were recorded are compared by their config.yaml: the seed and
+    out_dir may differ, nothing else."""
+    from shifu.errors import ShifuError
+    from shifu.quickstart import same_settings
+
+    for name, seed, lr in (("ppo", 0, 1e-3), ("ppo-2", 1000, 1e-3), ("ppo-3", 2000, 3e-4)):
+        (tmp_path / name).mkdir()
+        cfg = {"seed": seed, "out_dir": str(tmp_path / name), "optim": {"lr": lr}}
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+    same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2"])
+    with pytest.raises(ShifuError, match="ppo-3 was trained with other settings than .*optim.lr"):
+        same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2", tmp_path / "ppo-3"])
