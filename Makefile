@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch; GPU users install their own torch into .venv first and pass TORCH_SPEC=
 TORCH_SPEC ?= torch==2.13.0
 THREADS ?= 1
+# test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
+TEST_WORKERS ?= 2
 
 .PHONY: setup quickstart test lint format clean bench
 
@@ -27,7 +29,7 @@ quickstart: setup
 test: setup
 	$(VENV)/bin/ruff check shifu tests benchmarks
 	$(VENV)/bin/ruff format --check shifu tests benchmarks
-	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 format: setup
 	$(VENV)/bin/ruff format shifu tests benchmarks

@@ -78,6 +78,13 @@ def tiny_model_dir_pad_eos(tmp_path_factory) -> Path:
     return _build_dir(tmp_path_factory.mktemp("tiny_gpt2_pad_eos"), pad_equals_eos=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with a ``slow`` test first (in their usual order), the quick files after them: under ``make
+    test`` (``pytest -n 2 --dist loadfile``) the quick files then fill in while the long ones finish."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def write_jsonl(path: str | Path, rows: list) -> Path:
     """One JSON value per line (rows may be dicts or anything JSON-able, for bad-input tests)."""
     p = Path(path)
