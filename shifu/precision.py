@@ -105,23 +105,28 @@ def cache_dir() -> Path:
 
 # /proc/cpuinfo flags that change which GEMM kernels torch can run: two VMs may report the same model name
 # ("AMD EPYC") with and without AVX-512 / native bf16, where bf16 measured ~2x faster and ~10x slower
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+# per cpuinfo line: x86 ``flags``, Arm ``Features`` (Graviton 3, Neoverse V1/V2: sve, bf16, i8mm). Apart,
+# since the names overlap (x86's ``sme`` is AMD's memory encryption, Arm's the matrix extension)
+ISA_FLAGS = {
+    "flags": ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"),
+    "Features": ("asimd", "sve", "sve2", "bf16", "i8mm", "sme"),
+}
 
 
 def cpu_name_and_isa(cpuinfo: str) -> str:
-    """``model name`` and the :data:`ISA_FLAGS` of the first processor in ``/proc/cpuinfo`` text."""
-    name, flags = "", set()
+    """``model name`` and the :data:`ISA_FLAGS` (x86 ``flags``, Arm ``Features``) of the first processor in
+    ``/proc/cpuinfo`` text."""
+    name, isa = "", None
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name" and not name:
             name = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-        if name and flags:
+        elif key in ISA_FLAGS and isa is None:
+            isa = [f for f in ISA_FLAGS[key] if f in value.split()]
+        if name and isa is not None:
             break
-    isa = "+".join(f for f in ISA_FLAGS if f in flags) or "no isa flags"
-    return f"{name or platform.processor() or platform.machine()}|{isa}"
+    return f"{name or platform.processor() or platform.machine()}|{'+'.join(isa or []) or 'no isa flags'}"
 
 
 def machine_key(device: torch.device) -> str:

@@ -67,6 +67,11 @@ def test_probe_key_tells_apart_cpus_of_one_name_by_their_isa():
     assert with_bf16 == "AMD EPYC|avx2+fma+avx512f+avx512_vnni+avx512_bf16"
     assert avx2 == "AMD EPYC|avx2+fma"
     assert precision.cpu_name_and_isa("model name\t: X\n") == "X|no isa flags"
+    # Arm: no "model name" on most kernels, the ISA under "Features" (a Graviton 3 head, bf16 in hardware)
+    arm = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm sve i8mm bf16 rng\n"
+    assert precision.cpu_name_and_isa(arm).endswith("|asimd+sve+bf16+i8mm")
+    # x86's "sme" (AMD memory encryption) is not Arm's matrix extension
+    assert precision.cpu_name_and_isa("model name\t: E\nflags\t: fpu sme avx2 fma\n") == "E|avx2+fma"
     key = precision.machine_key(torch.device("cpu"))
     assert key.startswith("cpu|") and key.count("|") == 4  # cpu | name | isa | torch | threads
 
