@@ -89,6 +89,36 @@ def digest(texts: list[str]) -> dict[str, Any]:
     return {"count": len(texts), "sha256": h.hexdigest()}
 
 
+def as_recorded(plan: dict, root: Path) -> dict:
+    """``plan`` as a marker records it: :func:`portable` and through JSON (tuples are lists)."""
+    return json.loads(json.dumps(portable(plan, root)))
+
+
+def check_plan(what: str, where: Path, marker: dict, plan: dict, say: Callable[[str], None]) -> None:
+    """ShifuError when the finished ``what`` (a stage, a study run) in ``where`` ran another plan than
+    ``plan`` (:func:`as_recorded`): its outputs are kept, and all that follows would silently build on
+    them. A marker of a shifu that did not record plans is kept as it is (``say`` tells)."""
+    from shifu.checkpoint import config_diff
+
+    if "plan" not in marker:
+        say(f"{what}: finished by a shifu that did not record its plan; kept as it is")
+        return
+    if diff := config_diff(marker["plan"], plan):
+
+        def at(tree: dict, dotted: str) -> Any:
+            for part in dotted.split("."):
+                tree = tree.get(part, "not set") if isinstance(tree, dict) else "not set"
+            return tree
+
+        k, others = diff[0], diff[1:6] + (["..."] if len(diff) > 6 else [])
+        more = f" (and {', '.join(others)} differ)" if others else ""
+        raise ShifuError(
+            f"{what} in {where} finished with another plan than this run's: {k} was {at(marker['plan'], k)!r}, "
+            f"now {at(plan, k)!r}{more}. What is finished is kept, never redone in place: use a new --out for "
+            f"this plan, or delete {where} and what follows it to redo them"
+        )
+
+
 def done(stage_dir: Path) -> dict | None:
     """The stage's ``DONE`` marker, or None when it has not finished."""
     marker = stage_dir / "DONE"
@@ -156,8 +186,8 @@ class Stages:
     def run(self, name: str, stage_dir: Path, note: str, work: Callable[[Path], dict | None], plan=None):
         """Stage ``name``: ``work(stage_dir)`` unless ``stage_dir`` is DONE; its marker holds what
         ``work`` returns and ``plan`` (JSON-able: what the stage computes from), which a finished stage's
-        marker must match (:meth:`check_plan`). Returns the marker."""
-        recorded = None if plan is None else json.loads(json.dumps(portable(plan, self.root)))
+        marker must match (:func:`check_plan`). Returns the marker."""
+        recorded = None if plan is None else as_recorded(plan, self.root)
         if (marker := done(stage_dir)) is None:
             self.log(note)
             t0 = clock()
@@ -165,34 +195,9 @@ class Stages:
             mark_done(stage_dir, t0, **extra, **({} if recorded is None else {"plan": recorded}))
             marker = done(stage_dir)
         elif recorded is not None:
-            self.check_plan(name, stage_dir, marker, recorded)
+            check_plan(f"stage {name}", stage_dir, marker, recorded, self.log)
         self.markers[name] = marker
         return marker
-
-    def check_plan(self, name: str, stage_dir: Path, marker: dict, plan: dict) -> None:
-        """ShifuError when the finished stage ran another plan than ``plan``: its outputs are kept, and
-        every later stage would silently build on them. A marker of a shifu that did not record plans
-        is kept as it is (said in the log)."""
-        from shifu.checkpoint import config_diff
-
-        if "plan" not in marker:
-            self.log(f"stage {name}: finished by a shifu that did not record its plan; kept as it is")
-            return
-        if diff := config_diff(marker["plan"], plan):
-
-            def at(tree: dict, dotted: str) -> Any:
-                for part in dotted.split("."):
-                    tree = tree.get(part, "not set") if isinstance(tree, dict) else "not set"
-                return tree
-
-            k, others = diff[0], diff[1:6] + (["..."] if len(diff) > 6 else [])
-            more = f" (and {', '.join(others)} differ)" if others else ""
-            raise ShifuError(
-                f"stage {name} in {stage_dir} finished with another plan than this run's: {k} was "
-                f"{at(marker['plan'], k)!r}, now {at(plan, k)!r}{more}. A finished stage is kept, never redone "
-                f"in place: use a new --out for this plan, or delete {stage_dir} and the stages after it to "
-                "redo them"
-            )
 
     def train(self, name: str, module_name: str, overrides: dict) -> dict:
         """A trainer stage in ``root/name`` (:func:`train_stage`); returns its marker."""

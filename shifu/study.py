@@ -19,8 +19,9 @@ Run directory (``--out``, default ``runs/frontier-<task>-<budget>``)::
 (``--name NAME`` writes NAME.json / NAME.png instead; ``--only METHOD:POINT ...`` runs just those points,
 e.g. more seeds at a few points, reusing the shared stages and finished runs of the directory.)
 
-Finished stages and runs are kept (``DONE`` / ``RESULT.json`` markers): rerunning with the same ``--out``
-continues, and a run stopped with a checkpoint (Ctrl-C) resumes from it (:mod:`shifu.pipeline`). Seeds
+Finished stages and runs are kept (``DONE`` / ``RESULT.json`` markers, each with the plan it ran):
+rerunning with the same ``--out`` continues, a finished one whose plan differs is refused by key, and a run
+stopped with a checkpoint (Ctrl-C) resumes from it (:mod:`shifu.pipeline`). Seeds
 change the RL/DPO run (sampling, shuffling); the SFT policy and the pairs are shared, so the spread over
 seeds is the method's own variance.
 
@@ -42,7 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from shifu.errors import ShifuError
-from shifu.pipeline import Stages, log, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.pipeline import (
+    Stages,
+    as_recorded,
+    check_plan,
+    digest,
+    log,
+    ppo_overrides,
+    read_jsonl,
+    train_stage,
+    write_jsonl,
+)
 from shifu.pipeline import merge as _merge  # a budget's keys on top of quickstart's plan (private here)
 
 METHODS = ("ppo", "dpo", "reinforce", "grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline",
@@ -428,12 +439,17 @@ def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out:
 
     run_dir = out / "runs" / f"{method}-{label.replace('=', '')}-s{seed}"
     result_file = run_dir / "RESULT.json"
-    if result_file.exists():
-        return json.loads(result_file.read_text(encoding="utf-8"))
     name = f"{method} {label} seed {seed}"
+    over = _trainer_overrides(method, plan, plan["points"][method][label], shared, seed)
+    prompts = digest([r["prompt"] for r in ev["rows"]])  # which held-out prompts measure it
+    measured = {**{k: v for k, v in ev.items() if k != "rows"}, "prompts": prompts}
+    recorded = as_recorded({"train": over, "eval": measured}, out)
+    if result_file.exists():
+        result = json.loads(result_file.read_text(encoding="utf-8"))
+        check_plan(f"run {name}", run_dir, result, recorded, lambda msg: log("study", msg))
+        return result
     log("study", name)
     module = "shifu.trainers.dpo" if method == "dpo" else "shifu.trainers.ppo"
-    over = _trainer_overrides(method, plan, plan["points"][method][label], shared, seed)
     t0, c0 = time.time(), time.process_time()
     train_stage(module, run_dir, over)
     seconds, cpu_seconds = time.time() - t0, time.process_time() - c0
@@ -459,6 +475,7 @@ def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out:
         "train_cpu_seconds": round(cpu_seconds, 2),  # every thread of the process: the critic's cost counts
         "proxy": _proxy(method, run_dir),
         "samples": m["samples"],
+        "plan": recorded,
     }
     result_file.write_text(json.dumps(result, indent=2), encoding="utf-8")
     log("study", f"{name}: gold {m['gold']:.3f} at KL {m['kl']:.2f} nats ({seconds:.0f} s)")

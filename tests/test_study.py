@@ -181,7 +181,7 @@ def test_unknown_budget_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_arith_frontier_one_seed_two_points_per_method(tmp_path):
+def test_arith_frontier_one_seed_two_points_per_method(tmp_path, monkeypatch, capsys):
     out = tmp_path / "frontier"
     code = cli_main(
         [
@@ -214,3 +214,24 @@ def test_arith_frontier_one_seed_two_points_per_method(tmp_path):
     # a 12-iteration PPO/REINFORCE run is not (KL 1.3 vs 1.6 and 0.66 vs 0.59), so no order is asserted there.
     strong, weak = report["methods"]["dpo"]["points"]
     assert weak["kl_mean"] > strong["kl_mean"]
+
+    # a rerun reuses the finished run of its plan; under another plan (here the held-out sampling
+    # temperature) the finished run is refused by key, not reported as if measured under it
+    again = ["study", "frontier", "--task", "arith", "--budget", "ci", "--seeds", "1", "--out", str(out),
+             "--only", "ppo:beta=0.3", "--name", "again"]  # fmt: skip
+    result = out / "runs" / "ppo-beta0.3-s0" / "RESULT.json"
+    before = result.read_text()
+    assert cli_main(again) == 0
+    assert (
+        json.loads((out / "again.json").read_text())["methods"]["ppo"]["points"][0]["gold_mean"]
+        == (report["methods"]["ppo"]["points"][0]["gold_mean"])
+    )
+    plan = study.BUDGETS[("arith", "ci")]
+    monkeypatch.setitem(
+        study.BUDGETS, ("arith", "ci"), {**plan, "eval": {**plan["eval"], "temperature": 0.5}}
+    )
+    capsys.readouterr()
+    assert cli_main(again) == 2
+    err = capsys.readouterr().err
+    assert f"run ppo beta=0.3 seed 0 in {result.parent} finished with another plan" in err
+    assert "eval.temperature was 1.0, now 0.5" in err and result.read_text() == before
