@@ -183,7 +183,14 @@ class Stages:
     def log(self, msg: str) -> None:
         log(self.who, msg)
 
-    def run(self, name: str, stage_dir: Path, note: str, work: Callable[[Path], dict | None], plan=None):
+    def run(
+        self,
+        name: str,
+        stage_dir: Path,
+        note: str,
+        work: Callable[[Path], dict | None],
+        plan: dict | None = None,
+    ) -> dict:
         """Stage ``name``: ``work(stage_dir)`` unless ``stage_dir`` is DONE; its marker holds what
         ``work`` returns and ``plan`` (JSON-able: what the stage computes from), which a finished stage's
         marker must match (:func:`check_plan`). Returns the marker."""

@@ -104,9 +104,9 @@ def cache_dir() -> Path:
 
 
 # /proc/cpuinfo flags that change which GEMM kernels torch can run: two VMs may report the same model name
-# ("AMD EPYC") with and without AVX-512 / native bf16, where bf16 measured ~2x faster and ~10x slower
-# per cpuinfo line: x86 ``flags``, Arm ``Features`` (Graviton 3, Neoverse V1/V2: sve, bf16, i8mm). Apart,
-# since the names overlap (x86's ``sme`` is AMD's memory encryption, Arm's the matrix extension)
+# ("AMD EPYC") with and without AVX-512 / native bf16, where bf16 measured ~2x faster and ~10x slower.
+# Read per line, x86 ``flags`` apart from Arm ``Features`` (Graviton 3, Neoverse V1/V2: sve, bf16, i8mm):
+# the names overlap (x86's ``sme`` is AMD's memory encryption, Arm's the matrix extension)
 ISA_FLAGS = {
     "flags": ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"),
     "Features": ("asimd", "sve", "sve2", "bf16", "i8mm", "sme"),
