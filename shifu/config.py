@@ -135,6 +135,19 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     return cls(**kwargs)
 
 
+def check_key(cls: type, dotted: str, prefix: str = "") -> None:
+    """ConfigError unless ``dotted`` (``kl.init_coef``) names a field of dataclass ``cls``, section by
+    section; a key below a field that is not a config section (a mapping, an optional section) is not
+    looked into."""
+    head, _, rest = dotted.partition(".")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if head not in names:
+        raise ConfigError(f"unknown config key '{prefix}{head}'. Valid keys here: {', '.join(sorted(names))}")
+    tp = _hints(cls)[head]
+    if rest and dataclasses.is_dataclass(tp):
+        check_key(tp, rest, f"{prefix}{head}.")
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

@@ -8,10 +8,12 @@ halves; a large update GEMM is bound by arithmetic) and on how the weights are h
 weight at every op; a bf16 copy is cast once). On one 2-core AMD EPYC VM with avx512_bf16, one thread,
 bf16 ``F.linear`` at (512 x 576 x 1536) measured 0.54x fp32's speed one day and 2.1x on another.
 
-The three decisions (each bf16 only if its probe time is below ``MARGIN`` x fp32's):
+The four decisions (each bf16 only if its probe time is below ``MARGIN`` x fp32's):
 
-- ``frozen``: the reference and the reward model hold bf16 copies of their weights (no autocast); probed as
-  no-grad ``F.linear`` with bf16 weights at the scoring forwards' shapes.
+- ``frozen``: the reference holds a bf16 copy of its weights (no autocast); probed as no-grad ``F.linear``
+  with bf16 weights at the scoring forwards' shapes.
+- ``reward``: the same for the reward model, probed at *its* shapes (a MiniLM reward model's 384 x 1536
+  GEMMs can gain from bf16 where a width-128 policy's lose).
 - ``update``: bf16 autocast in the update's forwards (actor, critic) and in the rollout's recomputation of
   the old log-probs and values; master weights, gradients and optimiser state stay fp32. Probed as forward
   + backward of ``F.linear`` with an fp32 weight, plain vs under autocast.
@@ -50,14 +52,15 @@ class Precision:
     frozen: bool = False
     update: bool = False
     reason: str = "bf16=false"
+    reward: bool = False
 
     @property
     def any(self) -> bool:
-        return self.decode or self.frozen or self.update
+        return self.decode or self.frozen or self.update or self.reward
 
     def metrics(self) -> dict[str, float]:
         return {"precision/bf16_decode": float(self.decode), "precision/bf16_frozen": float(self.frozen),
-                "precision/bf16_update": float(self.update)}  # fmt: skip
+                "precision/bf16_update": float(self.update), "precision/bf16_reward": float(self.reward)}  # fmt: skip
 
 
 FP32 = Precision()
@@ -238,12 +241,19 @@ def forward_time(probe: Probe, w: Workload, kind: str, rows: int, logit_rows: in
     return t[0], t[1]
 
 
-def choose(w: Workload, probe: Probe, reuse_saves_forward: bool, decode_possible: bool = True) -> Precision:
+def choose(
+    w: Workload,
+    probe: Probe,
+    reuse_saves_forward: bool,
+    decode_possible: bool = True,
+    reward: Workload | None = None,
+) -> Precision:
     """The decisions of the module docstring from the probe's timings of the workload ``w``.
 
     ``reuse_saves_forward``: an fp32 decode would give the old log-probs for free (PPO's default), so a
     bf16 decode must also pay for the actor forward that recomputes them. ``decode_possible``: False when
-    the actor cannot have a bf16 copy (sharded, LoRA), said in the reason."""
+    the actor cannot have a bf16 copy (sharded, LoRA), said in the reason. ``reward``: the reward model's
+    scoring forward (its own linear layers, ``score_rows`` x ``T`` positions), None without a model."""
     s32, s16 = forward_time(probe, w, "infer", w.score_rows * w.T, w.score_rows * w.R)  # one forward
     u32, u16 = forward_time(probe, w, "train", w.train_rows * w.T, w.train_rows * w.R)
     d32, d16 = forward_time(probe, w, "infer", w.decode_rows, w.decode_rows)  # one decode step
@@ -267,9 +277,14 @@ def choose(w: Workload, probe: Probe, reuse_saves_forward: bool, decode_possible
         f"frozen scoring forward {ms(s32, s16)} -> {'bf16' if frozen else 'fp32'}",
         f"update forward+backward {ms(u32, u16)} -> {'bf16 autocast' if update else 'fp32'}",
     ]  # fmt: skip
+    rewarded = False
+    if reward is not None:
+        r32, r16 = forward_time(probe, reward, "infer", reward.score_rows * reward.T, 0)
+        rewarded = r16 < MARGIN * r32
+        why.append(f"reward model scoring forward {ms(r32, r16)} -> {'bf16' if rewarded else 'fp32'}")
     src = "measured now" if probe.measured else "cached"
     reason = f"bf16 probe ({probe.key}; {src}, {probe.path}): " + "; ".join(why)
-    return Precision(decode, frozen, update, reason)
+    return Precision(decode, frozen, update, reason, rewarded)
 
 
 # ----------------------------------------------------------------------------------------- weights

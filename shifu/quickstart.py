@@ -228,8 +228,33 @@ def _plan(task: str, preset: str, sets: list[str] | None) -> dict[str, Any]:
         import yaml
 
         key, raw = item.split("=", 1)
+        check_set_key(plan, key, item)
         _set(plan, key, yaml.safe_load(raw))
     return plan
+
+
+def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
+    """ShifuError for a ``--set`` key no stage reads: an unknown stage, a key its trainer's config does not
+    have, or a ``soup`` key other than ``members`` / ``scale`` (checked before any stage runs, so that a
+    misspelt key on a finished stage is not reported as a change of plan)."""
+    from shifu.config import check_key
+    from shifu.errors import ConfigError
+    from shifu.schema import PPOConfig, RMConfig, SFTConfig
+
+    stage, rest = key.split(".", 1)
+    configs = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
+    stages = sorted(set(plan) - {"gold"} | {"soup"})
+    try:
+        if stage not in stages:
+            raise ConfigError(f"no stage '{stage}' in this plan; its stages are {', '.join(stages)}")
+        if plan.get(stage, {}) is None:
+            raise ConfigError(f"this plan has no {stage} stage (it starts from an instruct model)")
+        if stage in configs:
+            check_key(configs[stage], rest, f"{stage}.")
+        elif stage == "soup" and rest not in ("members", "scale"):
+            raise ConfigError(f"unknown config key '{key}'. Valid keys here: members, scale")
+    except ConfigError as e:
+        raise ShifuError(f"--set '{item}': {e}") from None
 
 
 def preference_prompts(files: dict[str, str], num_prompts: int | None = None) -> list[str]:

@@ -129,6 +129,26 @@ def test_choice_follows_the_measurement(monkeypatch, infer, train, reuse, expect
     ).decode
 
 
+def test_the_reward_model_is_decided_at_its_own_shapes(monkeypatch):
+    """A wide reward model (a MiniLM's 384 x 1536 GEMMs) can gain from bf16 where a narrow policy loses:
+    each frozen model gets the decision its own shapes measure."""
+
+    def measure(kind, m, k, n, device, repeats=3):  # bf16 2x faster from width 64 on, 2x slower below
+        t32 = m * k * n * 1e-12
+        return t32, t32 * (0.5 if k >= 64 else 2.0)
+
+    monkeypatch.setattr(precision, "measure", measure)
+    wide = precision.Workload(trunk=((64, 256, 6), (256, 64, 6)), head=None, decode_rows=8, score_rows=8,
+                              train_rows=4, T=20, R=10)  # fmt: skip
+    chosen = precision.choose(WORK, precision.Probe(torch.device("cpu")), True, reward=wide)
+    assert (chosen.frozen, chosen.reward, chosen.update, chosen.decode) == (False, True, False, False)
+    assert "reward model scoring forward" in chosen.reason and chosen.reason.endswith("-> bf16")
+    assert chosen.any and chosen.metrics()["precision/bf16_reward"] == 1.0
+    narrow = precision.choose(WORK, precision.Probe(torch.device("cpu")), True, reward=WORK)
+    assert not narrow.reward and not narrow.any
+    assert "reward model" not in precision.choose(WORK, precision.Probe(torch.device("cpu")), True).reason
+
+
 def make_run(task, tmp_path, *extra):
     cfg = load_config(ppo.Config, None, [
         f"out_dir={tmp_path / 'x'}", f"model.path={task['model']}", f"data.train={task['prompts']}",
@@ -150,7 +170,7 @@ def test_bf16_where_faster_casts_frozen_models_once_and_keeps_fp32_masters(
 ):
     monkeypatch.setattr(precision, "measure", fake_timings(0.5, 0.5))
     cfg, m, s, rows, b = make_run(task, tmp_path, "bf16=true")
-    assert (m.precision.decode, m.precision.frozen, m.precision.update) == (True, True, True)
+    assert (m.precision.decode, m.precision.frozen, m.precision.update, m.precision.reward) == (True,) * 4
     assert "shifu ppo: bf16 probe" in capsys.readouterr().err  # the choice and why, said once
     reward = m.reward.model
     assert dtypes(m.ref) == {torch.bfloat16} and dtypes(reward) == {torch.bfloat16}

@@ -127,6 +127,20 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     assert "no quickstart plan" in capsys.readouterr().err
     assert cli_main(["quickstart", "--task", "arith", "--out", str(tmp_path), "--set", "iterations=3"]) == 2
     assert "stage.key=value" in capsys.readouterr().err
+    # a key no stage reads is refused before anything runs (on a finished run it would otherwise read as a
+    # change of plan); the message names the valid keys of the section it went wrong in
+    for bad, says in [
+        ("ppo.itrations=3", "unknown config key 'ppo.itrations'. Valid keys here: advantage_estimator,"),
+        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Valid keys here: controller,"),
+        ("sfx.max_steps=3", "no stage 'sfx' in this plan; its stages are eval, ppo, sft, soup"),
+        ("soup.member=2", "unknown config key 'soup.member'. Valid keys here: members, scale"),
+    ]:
+        out = tmp_path / "bad"
+        assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
+        assert f"--set '{bad}': {says}" in capsys.readouterr().err and not out.exists()
+    assert cli_main(["quickstart", "--task", "imdb", "--preset", "smollm2", "--out", str(out), "--set",
+                     "sft.max_steps=3"]) == 2  # fmt: skip
+    assert "this plan has no sft stage" in capsys.readouterr().err
 
 
 def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):

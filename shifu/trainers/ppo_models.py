@@ -267,7 +267,7 @@ def place(
 
 
 def with_precision(m: PPOModels, cfg: PPOConfig, reward_model: nn.Module | None) -> PPOModels:
-    """``bf16=true``: what the GEMM probe at the actor's shapes measured faster (:mod:`shifu.precision`),
+    """``bf16=true``: what the GEMM probe at the models' own shapes measured faster (:mod:`shifu.precision`),
     said on stderr: bf16 copies of the frozen reference and reward model (cast once), a bf16 decode copy of
     the actor, bf16 autocast in the update (master weights and optimiser state fp32)."""
     actor, strategy, g, rows = m.actor_module, m.strategy, cfg.generation, cfg.batch_size // m.strategy.world
@@ -276,10 +276,12 @@ def with_precision(m: PPOModels, cfg: PPOConfig, reward_model: nn.Module | None)
                          cfg.data.max_prompt_len + g.max_new_tokens, g.max_new_tokens)  # fmt: skip
     probe, reuse = bf16.Probe(strategy.device), m.reuses_decode_log_probs(cfg, False) and cfg.tis_cap is None
     plain = not strategy.sharded and not L.is_lora(actor)  # a whole, plain actor can have a bf16 copy
-    precision = bf16.choose(work, probe, reuse, decode_possible=plain)
+    scorer = None if reward_model is None else dataclasses.replace(  # the reward model at its own shapes
+        work, trunk=bf16.linear_shapes(reward_model)[0], head=None)  # fmt: skip
+    precision = bf16.choose(work, probe, reuse, decode_possible=plain, reward=scorer)
     probe.save()
-    for frozen in (m.ref, reward_model) if precision.frozen and cfg.distributed.frozen == "replicate" else ():
-        if frozen is not None:
+    for chosen, frozen in ((precision.frozen, m.ref), (precision.reward, reward_model)):
+        if chosen and frozen is not None and cfg.distributed.frozen == "replicate":
             bf16.cast_parameters(frozen)
     if strategy.is_main:
         print(f"shifu ppo: {precision.reason}", file=sys.stderr, flush=True)
