@@ -67,7 +67,8 @@ METRICS: dict[str, str] = {
     "rollout/mismatch_is_truncfrac": "tis_cap: fraction of response tokens whose importance weight was capped",
     "precision/bf16_decode": "bf16=true: 1 when generation reads a bf16 copy of the actor (the GEMM probe measured "
     "it faster; shifu.precision), else 0",
-    "precision/bf16_frozen": "bf16=true: 1 when the reference and reward model hold bf16 weights, else 0",
+    "precision/bf16_frozen": "bf16=true: 1 when the reference holds bf16 weights, else 0",
+    "precision/bf16_reward": "bf16=true: 1 when the reward model holds bf16 weights (probed at its own shapes), else 0",
     "precision/bf16_update": "bf16=true: 1 when the update's forwards run under bf16 autocast (fp32 master "
     "weights and optimiser state), else 0",
     "time/rollout_s": "seconds spent generating and scoring the rollout",

@@ -149,6 +149,29 @@ def test_the_reward_model_is_decided_at_its_own_shapes(monkeypatch):
     assert "reward model" not in precision.choose(WORK, precision.Probe(torch.device("cpu")), True).reason
 
 
+def test_bf16_autocast_on_cpu_keeps_attention_off_the_fused_flash_kernel(task):
+    """torch 2.13's CPU flash-attention backward in bf16 measured 7x its fp32 time (common.autocast): under
+    shifu's bf16 autocast attention runs as matmuls + softmax; fp32 keeps the fused kernel it always ran."""
+    from torch.profiler import profile
+
+    from shifu.models import load_causal_lm
+    from shifu.trainers.common import autocast
+
+    model = load_causal_lm(task["model"])
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def ops(bf16: bool) -> set[str]:
+        with profile() as prof:
+            with autocast(bf16, "cpu"):
+                logits = model(input_ids=ids).logits
+            logits.float().logsumexp(-1).sum().backward()
+        return {e.key for e in prof.key_averages()}
+
+    fp32, bf16 = ops(False), ops(True)
+    assert any("flash_attention" in k for k in fp32)
+    assert not any("flash_attention" in k for k in bf16) and "aten::_softmax" in bf16
+
+
 def make_run(task, tmp_path, *extra):
     cfg = load_config(ppo.Config, None, [
         f"out_dir={tmp_path / 'x'}", f"model.path={task['model']}", f"data.train={task['prompts']}",
