@@ -61,7 +61,7 @@ def table(results: list[dict]) -> str:
             system = {"shifu": "shifu fp32", "trl": "TRL 1.12 fp32", "shifu_fast": "shifu fast"}[name]
             if name == "shifu_fast":
                 b = js.get("bf16", {})
-                chosen = [k for k in ("decode", "frozen", "update") if b.get(k)]
+                chosen = [k for k in ("decode", "frozen", "update", "reward") if b.get(k)]
                 system += " (bf16: " + (", ".join(chosen) if chosen else "none") + ")"
             lines.append(
                 f"| {label(s)} | {s['batch']} / {s['minibatch']} | {system} | {f('median_s_per_iter')} | {phases} | "

@@ -286,13 +286,7 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
         "optimizer_steps_per_iter": steps[0] // (warmup + n_iters),
         "mode": ("fast (shared trunk, bf16 where measured faster)" if fast else "fp32")
         + (f", micro_batch_tokens={S.micro_batch_tokens}" if S.micro_batch_tokens else ""),
-        "bf16": {
-            "decode": p.decode,
-            "frozen": p.frozen,
-            "update": p.update,
-            "reward": p.reward,
-            "reason": p.reason,
-        },
+        "bf16": dataclasses.asdict(p),  # decode, frozen, update, reward and the probe's reason
         "mean_response_len": statistics.mean(lengths),
         "malloc": malloc,
     }

@@ -111,15 +111,18 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def unknown_key(key: str, valid) -> ConfigError:
+    """The error for a config key no section has, naming the valid keys of the section it is in."""
+    return ConfigError(f"unknown config key '{key}'. Valid keys here: {', '.join(sorted(valid))}")
+
+
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     """Build dataclass ``cls`` from a nested mapping; unknown keys are an error naming the valid ones."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(
-            f"unknown config key '{prefix}{unknown[0]}'. Valid keys here: {', '.join(sorted(names))}"
-        )
+        raise unknown_key(prefix + unknown[0], names)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
@@ -142,7 +145,7 @@ def check_key(cls: type, dotted: str, prefix: str = "") -> None:
     head, _, rest = dotted.partition(".")
     names = {f.name for f in dataclasses.fields(cls)}
     if head not in names:
-        raise ConfigError(f"unknown config key '{prefix}{head}'. Valid keys here: {', '.join(sorted(names))}")
+        raise unknown_key(prefix + head, names)
     tp = _hints(cls)[head]
     if rest and dataclasses.is_dataclass(tp):
         check_key(tp, rest, f"{prefix}{head}.")

@@ -237,7 +237,7 @@ def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
     """ShifuError for a ``--set`` key no stage reads: an unknown stage, a key its trainer's config does not
     have, or a ``soup`` key other than ``members`` / ``scale`` (checked before any stage runs, so that a
     misspelt key on a finished stage is not reported as a change of plan)."""
-    from shifu.config import check_key
+    from shifu.config import check_key, unknown_key
     from shifu.errors import ConfigError
     from shifu.schema import PPOConfig, RMConfig, SFTConfig
 
@@ -252,7 +252,7 @@ def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
         if stage in configs:
             check_key(configs[stage], rest, f"{stage}.")
         elif stage == "soup" and rest not in ("members", "scale"):
-            raise ConfigError(f"unknown config key '{key}'. Valid keys here: members, scale")
+            raise unknown_key(key, ("members", "scale"))
     except ConfigError as e:
         raise ShifuError(f"--set '{item}': {e}") from None
 

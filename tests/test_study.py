@@ -186,8 +186,8 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
     critic-free method (their hand-computed tests are in test_core_group.py and test_ppo_estimators.py; here
     each runs through the study end to end)."""
     out = tmp_path / "frontier"
-    two = [f"{m}:beta={b}" for m in ("ppo", "reinforce") for b in (0.3, 0.01)] + ["dpo:beta=1.0"]
-    two += ["dpo:beta=0.03"]
+    dpo = ["dpo:beta=1.0", "dpo:beta=0.03"]
+    two = [f"{m}:beta={b}" for m in ("ppo", "reinforce") for b in (0.3, 0.01)] + dpo
     one = [f"{m}:beta=0.01" for m in study.METHODS if m not in ("ppo", "reinforce", "dpo")]
     argv = ["study", "frontier", "--task", "arith", "--budget", "ci", "--seeds", "1", "--out", str(out)]
     assert cli_main([*argv, "--only", *two, *one]) == 0
