@@ -47,6 +47,7 @@ class Rollout:
     returns: Tensor | None = None  # (B, R) value targets
     rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
     token_rewards: Tensor | None = None  # (B, R) process rewards on the tokens that end a step, else 0
+    ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -242,14 +243,17 @@ def policy_forward(
     with_entropy: bool = False,
     value_head: nn.Module | None = None,
     entropy_grad: bool = True,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    log_softmax: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None] | tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Log-probs (B, R) of ``input_ids[:, P:]`` under ``logits / temperature``, read at positions
     ``P-1 .. P+R-2``; entropy (B, R) of the same distributions if asked (outside the autograd graph with
     ``entropy_grad=False``: a logged-only entropy costs no backward); ``value_head(last hidden state)``
     (B, R) at the same positions if a value head is given (shared-trunk critic). Differentiable.
 
     ``input_ids``/``attention_mask`` (B, P+R) = cat(left-padded prompt, right-padded response). Logits are
-    computed only at the R positions needed (``logits_to_keep`` as an index tensor).
+    computed only at the R positions needed (``logits_to_keep`` as an index tensor). With ``log_softmax``
+    a fourth output: the whole next-token log-distribution ``log_softmax(logits / T)`` (B, R, V), float32
+    (the exact KL to the reference, ``kl.loss_estimator=full``).
     """
     P = prompt_len
     T = input_ids.shape[1]
@@ -274,6 +278,8 @@ def policy_forward(
     if value_head is not None:
         hidden = out.hidden_states[-1][:, P - 1 : T - 1]  # (B, R, d), after the final norm
         values = value_head(hidden).squeeze(-1)
+    if log_softmax:
+        return log_probs, entropy, values, torch.log_softmax(logits.float() / temperature, dim=-1)
     return log_probs, entropy, values
 
 

@@ -278,10 +278,12 @@ class KLConfig:
         "reward",
         "where beta * KL goes: in the per-token reward (k1 by kl.estimator), or a loss term (GRPO)",
     )
-    loss_estimator: Literal["k2", "k3"] = opt(
+    loss_estimator: Literal["k2", "k3", "full"] = opt(
         "k3",
         "kl.penalty=loss: the loss term's estimator; k3 (GRPO's) has the gradient of KL(pi_ref || pi), "
-        "k2 = 1/2 (log pi/pi_ref)^2 that of KL(pi || pi_ref), the KL the reward penalty and the evaluation use",
+        "k2 = 1/2 (log pi/pi_ref)^2 that of KL(pi || pi_ref), the KL the reward penalty and the evaluation use; "
+        "full: no estimate, KL(pi || pi_ref) over the whole vocabulary at each position (keeps the reference's "
+        "(B, R, V) log-probs with the rollout)",
     )
 
 

@@ -9,6 +9,8 @@ from shifu.core import (
     POLICY_LOSSES,
     bradley_terry_loss,
     dpo_loss,
+    exact_kl,
+    exact_kl_loss,
     gspo_policy_loss,
     kl_loss,
     ppo_penalty_loss,
@@ -326,3 +328,22 @@ def test_kl_loss_expected_gradient_is_the_gradient_of_which_kl(estimator):
         kl = (ref.exp() * (ref - logp)).sum()  # KL(pi_ref || pi)
     (true,) = torch.autograd.grad(kl, theta)
     torch.testing.assert_close(expected, true)
+
+
+def test_exact_kl_loss_hand_computed_value_and_gradient():
+    """kl.loss_estimator=full: sum_v pi_v log(pi_v / pi_ref_v) at each real position, aggregated like the
+    policy loss; its gradient in the logits is the analytic one, pi_v (log(pi_v / pi_ref_v) - KL)."""
+    theta = torch.tensor([[[0.0, 0.0], [0.4, -0.2]]], dtype=torch.float64, requires_grad=True)  # (1, 2, V=2)
+    ref = torch.log(torch.tensor([[[0.75, 0.25], [0.5, 0.5]]], dtype=torch.float64))
+    mask = torch.tensor([[True, False]])
+    loss, stats = exact_kl_loss(torch.log_softmax(theta, -1), ref, mask)
+    hand = 0.5 * L(0.5 / 0.75) + 0.5 * L(0.5 / 0.25)  # position 0 only: pi = (1/2, 1/2)
+    assert loss.item() == pytest.approx(hand) and stats["kl"].item() == pytest.approx(hand)
+    assert exact_kl(ref, ref).abs().max().item() == 0.0
+    loss.backward()
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    log_ratio = p.log() - ref[0, 0]
+    torch.testing.assert_close(theta.grad[0, 0], p * (log_ratio - hand))
+    assert (theta.grad[0, 1] == 0).all()  # the masked position has no gradient
+    with pytest.raises(ValueError, match="log_softmax"):
+        exact_kl_loss(torch.zeros(1, 2), ref, mask)

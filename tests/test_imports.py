@@ -46,7 +46,7 @@ def test_public_names():
         "explained_variance", "penalize_missing_eos", "normalize_scores", "sequence_returns", "sequence_advantages",
         "reinforce_loss", "POLICY_LOSSES", "group_advantages", "subtract_group_mean", "dynamic_sampling_mask",
         "discounted_returns", "shape_token_rewards", "place_step_rewards", "gspo_policy_loss", "kl_loss",
-        "truncated_is_weights", "rollout_mismatch", "conjugate_gradient",
+        "exact_kl", "exact_kl_loss", "truncated_is_weights", "rollout_mismatch", "conjugate_gradient",
     }  # fmt: skip
     assert set(shifu.core.__all__) == expected
     assert all(hasattr(shifu.core, name) for name in expected)

@@ -125,11 +125,13 @@ def test_dynamic_sampling_with_per_token_and_batch_estimators(task, tmp_path, me
     assert all(torch.equal(start[k], final[k]) for k in start)
 
 
-def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path):
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path, estimator):
     kls = {}
     for beta in (0.02, 1.0):
         out = tmp_path / f"beta{beta}"
-        ppo.train(make_cfg(task, out, *METHODS["grpo_kl_loss"], f"kl.init_coef={beta}", *QUIET))
+        ppo.train(make_cfg(task, out, *METHODS["grpo_kl_loss"], f"kl.init_coef={beta}",
+                           f"kl.loss_estimator={estimator}", *QUIET))  # fmt: skip
         last = rows_of(out / "metrics.jsonl")[-1]
         assert last["loss/kl"] > 0
         kls[beta] = last["objective/kl_k3"]

@@ -28,12 +28,13 @@ from .controllers import (
     build_kl_controller,
 )
 from .group import dynamic_sampling_mask, group_advantages, subtract_group_mean
-from .kl import kl_estimate
+from .kl import exact_kl, kl_estimate
 from .logprobs import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from .losses import (
     POLICY_LOSSES,
     bradley_terry_loss,
     dpo_loss,
+    exact_kl_loss,
     gspo_policy_loss,
     kl_loss,
     ppo_penalty_loss,
@@ -61,6 +62,8 @@ __all__ = [
     "dpo_loss",
     "dynamic_sampling_mask",
     "entropy_from_logits",
+    "exact_kl",
+    "exact_kl_loss",
     "explained_variance",
     "gae",
     "group_advantages",

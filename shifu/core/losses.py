@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kl import kl_estimate
+from .kl import exact_kl, kl_estimate
 from .masked import masked_mean, masked_sum
 
 AGGREGATIONS = ("token_mean", "seq_mean", "token_sum_norm")
@@ -273,6 +273,33 @@ def kl_loss(
     mask = _check_same(response_mask, log_probs=log_probs, ref_log_probs=ref_log_probs)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     kl = kl_estimate(torch.where(mask, log_probs, zero), torch.where(mask, ref_log_probs, zero), estimator)
+    loss = aggregate(kl, mask, aggregation, num_tokens)
+    return loss, {"kl": masked_mean(kl, mask).detach()}
+
+
+def exact_kl_loss(
+    log_softmax: Tensor,
+    ref_log_softmax: Tensor,
+    response_mask: Tensor,
+    aggregation: str = "token_mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The KL to the reference as a loss term, computed exactly at each position instead of estimated at the
+    sampled token (``kl.loss_estimator=full``): per token ``KL(pi(.|s_t) || pi_ref(.|s_t))``
+    (:func:`shifu.core.exact_kl`) from the two ``(B, R, V)`` log-softmaxes, aggregated like the policy loss.
+
+    Its gradient is that of KL(pi || pi_ref) at each position over the whole vocabulary, where k3's is that of
+    KL(pi_ref || pi) through the sampled token only; like the estimators it treats the rollout's prefixes as
+    fixed. Stats: ``kl`` (mean over real tokens, nats per token).
+    """
+    if log_softmax.dim() != 3 or log_softmax.shape[:2] != response_mask.shape:
+        raise ValueError(
+            f"log_softmax {tuple(log_softmax.shape)} must be (B, R, V) with (B, R) = response_mask's "
+            f"{tuple(response_mask.shape)}"
+        )
+    mask = response_mask.bool()
+    kl = torch.where(mask, exact_kl(log_softmax, ref_log_softmax), 0.0)
     loss = aggregate(kl, mask, aggregation, num_tokens)
     return loss, {"kl": masked_mean(kl, mask).detach()}
 

@@ -62,7 +62,10 @@ def collect_rollout(
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     # old / reference log-probs, entropy, values: batched no-grad forwards; the trained models in the
     # update's precision, the frozen reference as it is held (a bf16 copy or fp32)
-    old_lp, entropy, old_values, ref_lp = [], [], [], []
+    old_lp, entropy, old_values, ref_lp, ref_full = [], [], [], [], []
+    exact = (
+        cfg.kl.penalty == "loss" and cfg.kl.loss_estimator == "full"
+    )  # the reference's whole distributions
     if reuse:
         old_lp, entropy = [sampled.log_probs], [sampled.entropy]
         if sampled.values is not None:
@@ -80,7 +83,10 @@ def collect_rollout(
             if v is not None:
                 old_values.append(v.float())
         with models.reference() as ref:
-            ref_lp.append(policy_forward(ref, ids, am, P, T)[0].float())
+            out = policy_forward(ref, ids, am, P, T, log_softmax=exact)
+        ref_lp.append(out[0].float())
+        if exact:
+            ref_full.append(out[3])
         if critic is not None:
             with autocast(prec.update, dev):
                 old_values.append(critic_forward(critic, ids, am, P).float())
@@ -113,6 +119,7 @@ def collect_rollout(
         rows=rows,
         rollout_log_probs=sampled.log_probs.float() if keep_decode else None,
         token_rewards=token_rewards,
+        ref_log_softmax=torch.cat(ref_full) if exact else None,
     )
     # a NaN/Inf score drops that response (its whole group when G > 1) instead of poisoning the batch
     finite = torch.isfinite(scores)

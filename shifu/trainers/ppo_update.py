@@ -116,7 +116,7 @@ def trim_padding(mb: Rollout) -> Rollout:
     keep_r = max(1, int(mb.response_mask.sum(1).max()))
     lo, hi = P - keep_p, P + keep_r
     per_token = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
-    out = {k: v[:, :keep_r] for k, v in per_token.items() if isinstance(v, torch.Tensor) and v.dim() == 2
+    out = {k: v[:, :keep_r] for k, v in per_token.items() if isinstance(v, torch.Tensor) and v.dim() in (2, 3)
            and v.shape[1] == R and k not in ("input_ids", "attention_mask")}  # fmt: skip
     return dataclasses.replace(mb, input_ids=mb.input_ids[:, lo:hi], attention_mask=mb.attention_mask[:, lo:hi],
                                prompt_len=keep_p, **out)  # fmt: skip
@@ -162,10 +162,11 @@ def actor_loss(
     mask, P = mb.response_mask, mb.prompt_len
     num, kw, w = _aggregation(cfg, n_tokens, frac)
     denom = num if num is not None else mask.sum().clamp(min=1)
+    exact = mb.ref_log_softmax is not None  # kl.loss_estimator=full: the actor's whole distributions too
     with autocast(m.precision.update, m.strategy.device):
-        log_probs, entropy, values = policy_forward(
+        log_probs, entropy, values, *log_softmax = policy_forward(
             m.actor, mb.input_ids, mb.attention_mask, P, cfg.generation.temperature,
-            with_entropy=True, value_head=m.value_head, entropy_grad=bool(cfg.ent_coef),
+            with_entropy=True, value_head=m.value_head, entropy_grad=bool(cfg.ent_coef), log_softmax=exact,
         )  # fmt: skip
         if m.critic is not None and with_critic:
             values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, P)
@@ -187,9 +188,14 @@ def actor_loss(
         f"policy/{k}": st[k] for k in ("approx_kl", "clipfrac", "ratio_mean")
     }
     if cfg.kl.penalty == "loss":  # GRPO: beta * KL to the reference (k3) as its own term, not in the reward
-        kl_part, kst = core.kl_loss(
-            log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, estimator=cfg.kl.loss_estimator, **kw
-        )
+        if exact:
+            kl_part, kst = core.exact_kl_loss(
+                log_softmax[0], mb.ref_log_softmax, mask, cfg.loss_aggregation, **kw
+            )
+        else:
+            kl_part, kst = core.kl_loss(
+                log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, estimator=cfg.kl.loss_estimator, **kw
+            )
         pg_loss = pg_loss + s.kl_ctl.value * kl_part * w
         stats["loss/kl"] = (kl_part * w).detach()
     value_part = None
