@@ -1,5 +1,6 @@
 """bf16 where it measures faster: a short GEMM probe at the model's own shapes (cached per machine) decides,
-phase by phase, whether PPO decodes, scores with the frozen models and runs its update in bf16; and the
+phase by phase, whether PPO decodes, scores with the frozen models and runs its update in bf16 (and, by
+:func:`training`, whether SFT, reward-model and DPO training steps run under bf16 autocast); and the
 weight copies that follow from the decision (cast once, never per op).
 
 Why measure instead of reading a CPU flag: whether bf16 pays depends on the hardware (native avx512_bf16 /
@@ -285,6 +286,24 @@ def choose(
     src = "measured now" if probe.measured else "cached"
     reason = f"bf16 probe ({probe.key}; {src}, {probe.path}): " + "; ".join(why)
     return Precision(decode, frozen, update, reason, rewarded)
+
+
+def training(model: nn.Module, rows: int, T: int, probe: Probe) -> tuple[bool, str]:
+    """``bf16=true`` of ``shifu sft`` / ``rm`` / ``dpo``: bf16 autocast for the training step only when forward +
+    backward of ``model``'s linear layers over a micro-batch of ``rows`` sequences of ``T`` tokens (its output
+    embedding, if it has one, at every position) probes below ``MARGIN`` x fp32's time. Returns ``(bf16,
+    reason)``. The same probe as PPO's ``update`` decision, at the trainer's own shapes: on a CPU without
+    native bf16 it keeps fp32 (emulated bf16 GEMMs measured ~10x slower)."""
+    trunk, head = linear_shapes(model)
+    w = Workload(trunk, head, 0, 0, rows, T, T)
+    t32, t16 = forward_time(probe, w, "train", rows * T, rows * T)
+    use = t16 < MARGIN * t32
+    src = "measured now" if probe.measured else "cached"
+    why = f"training forward+backward {t32 * 1e3:.1f} vs {t16 * 1e3:.1f} ms fp32 vs bf16"
+    return (
+        use,
+        f"bf16 probe ({probe.key}; {src}, {probe.path}): {why} -> {'bf16 autocast' if use else 'fp32'}",
+    )
 
 
 # ----------------------------------------------------------------------------------------- weights

@@ -329,7 +329,12 @@ class RunConfig:
     model: ModelConfig = opt(ModelConfig(), "the model to start from")
     seed: int = opt(0, "random seed (shuffling, sampling, new heads)")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    bf16: bool = opt(False, "bf16 autocast for forward passes (weights and optimiser stay fp32)")
+    bf16: bool = opt(
+        False,
+        "bf16 autocast for the training step where a GEMM probe at the model's shapes measures it faster (said "
+        "on stderr, logged as precision/bf16_update; cached in $SHIFU_CACHE/bf16_probe.json); weights and "
+        "optimiser stay fp32",
+    )
     save_every: int = opt(0, "checkpoint every N steps (for --resume); 0: only at the end")
     keep_last: int = opt(2, "checkpoints kept")
     max_nonfinite_steps: int = opt(

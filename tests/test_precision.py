@@ -11,11 +11,12 @@ import json
 import pytest
 import torch
 from ppo_task import build_char_model, write_prompts
+from safetensors.torch import load_file
 from test_ppo import built
 
 from shifu import precision
 from shifu.config import load_config
-from shifu.models import ScalarModel, pad_left
+from shifu.models import ScalarModel, load_causal_lm, pad_left
 from shifu.trainers import ppo, ppo_rollout
 
 
@@ -233,3 +234,54 @@ def test_bf16_that_measures_slower_falls_back_to_the_fp32_path(task, tmp_path, m
     assert info["precision/bf16_decode"] == 0.0 and "rollout/mismatch_k3" not in info
     for name in ("input_ids", "old_log_probs", "ref_log_probs", "values", "scores"):
         assert torch.equal(getattr(a, name), getattr(c, name)), name
+
+
+@pytest.mark.parametrize(("ratio", "expected"), [(0.5, True), (2.0, False), (0.95, False)])
+def test_training_steps_take_bf16_only_where_it_measures_faster(monkeypatch, task, ratio, expected):
+    """``shifu sft`` / ``rm`` / ``dpo`` with ``bf16=true``: forward + backward at the model's shapes decide."""
+    monkeypatch.setattr(precision, "measure", fake_timings(1.0, ratio))
+    model = load_causal_lm(task["model"])
+    use, reason = precision.training(model, 8, 40, precision.Probe(torch.device("cpu")))
+    assert use is expected
+    assert "training forward+backward" in reason and reason.endswith("bf16 autocast" if expected else "fp32")
+
+
+@pytest.mark.parametrize("trainer", ["sft", "rm", "dpo"])
+def test_sft_rm_and_dpo_with_bf16_that_measures_slower_run_the_fp32_steps(
+    trainer, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """Where bf16 is emulated, ``bf16=true`` must cost nothing: the run equals ``bf16=false``'s bit for bit,
+    says why on stderr and logs ``precision/bf16_update`` 0; where it measures faster, autocast runs (the
+    weights then differ from the fp32 run's) and the metric is 1. ``config.yaml`` keeps ``bf16: true``."""
+    import test_dpo
+    import test_rm
+    import test_sft
+
+    from shifu.trainers import dpo, reward, sft
+
+    def dpo_cfg(model_dir, d, **over):
+        return test_dpo.config(d, model_dir, "run", **over)
+
+    module, make = {"sft": (sft, test_sft.make_cfg), "rm": (reward, test_rm.make_cfg), "dpo": (dpo, dpo_cfg)}[
+        trainer
+    ]
+    over = {"max_steps": 6}
+    runs = {}
+    for name, flag, ratio in (("fp32", False, 2.0), ("slower", True, 2.0), ("faster", True, 0.5)):
+        monkeypatch.setattr(precision, "measure", fake_timings(1.0, ratio))
+        monkeypatch.setenv("SHIFU_CACHE", str(tmp_path / name / "cache"))  # each its own probe table
+        (tmp_path / name).mkdir()
+        cfg = make(tiny_model_dir, tmp_path / name, bf16=flag, **over)
+        summary = module.train(cfg)
+        weights = load_file(str(tmp_path / name / "run" / "final" / "model.safetensors"))
+        runs[name] = (summary, weights, capsys.readouterr().err)
+    assert "precision/bf16_update" not in runs["fp32"][0]
+    assert (
+        runs["slower"][0]["precision/bf16_update"] == 0.0
+        and runs["faster"][0]["precision/bf16_update"] == 1.0
+    )
+    assert f"shifu {trainer}: bf16 probe" in runs["slower"][2] and runs["slower"][2].count("-> fp32") == 1
+    fp32, slower, faster = (runs[k][1] for k in ("fp32", "slower", "faster"))
+    assert all(torch.equal(fp32[k], slower[k]) for k in fp32)
+    assert any(not torch.equal(fp32[k], faster[k]) for k in fp32)
+    assert "bf16: true" in (tmp_path / "slower" / "run" / "config.yaml").read_text()

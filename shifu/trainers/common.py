@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import yaml
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shifu import checkpoint as ckpt
+from shifu import precision
 from shifu.config import to_dict
 from shifu.errors import ConfigError, ShifuError
 
@@ -45,6 +47,22 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
                 yield
         else:
             yield
+
+
+def with_bf16_decision(cfg, model, lengths: list[int], strategy, name: str, pairs: bool = False):
+    """``cfg`` as the steps of sft / rm / dpo use it: with ``bf16=true``, ``bf16`` is what the GEMM probe at
+    ``model``'s shapes measures faster (:func:`shifu.precision.training`) for a micro-batch of this process
+    (twice the rows with ``pairs``: chosen and rejected go through one forward) of sequences of the mean of
+    ``lengths`` tokens, said on stderr. ``config.yaml`` keeps what the user asked for."""
+    if not cfg.bf16:
+        return cfg
+    rows = max(1, cfg.batch_size // strategy.world // cfg.grad_accum) * (2 if pairs else 1)
+    probe = precision.Probe(strategy.device)
+    use, reason = precision.training(model, rows, max(1, round(sum(lengths) / max(1, len(lengths)))), probe)
+    probe.save()
+    if strategy.is_main:
+        print(f"shifu {name}: {reason}", file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, bf16=use)
 
 
 def write_config(run_dir: str | Path, cfg) -> None:

@@ -161,17 +161,19 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     if cfg.model.ref_path:  # another model family would crash mid-run or give meaningless log-ratios
         check_vocab(tokenizer, ref, cfg.model.ref_path, "model.ref_path")
     model.to(device).train()
+    lengths = [len(x["prompt_ids"]) + max(len(x["chosen_ids"]), len(x["rejected_ids"])) for x in train_pairs]
+    run = common.with_bf16_decision(cfg, model, lengths, strategy, "dpo", pairs=True)
     ref = strategy.frozen(ref)
     with strategy.offloaded(ref) as r:
-        train_ref = reference_log_probs(r, train_pairs, pad, cfg.eval.batch_size, device, cfg.bf16)
-        eval_ref = reference_log_probs(r, eval_pairs, pad, cfg.eval.batch_size, device, cfg.bf16)
+        train_ref = reference_log_probs(r, train_pairs, pad, cfg.eval.batch_size, device, run.bf16)
+        eval_ref = reference_log_probs(r, eval_pairs, pad, cfg.eval.batch_size, device, run.bf16)
     del ref, r
     model = strategy.wrap(model)  # before the optimiser (FSDP2 shards the parameters)
     trained = strategy.optimize(model, model.parameters(), cfg.optim, loop.steps_of(cfg, len(train_pairs)))
 
     def loss(rows: list[int], divisor: torch.Tensor):
         pairs, refs = [train_pairs[i] for i in rows], [train_ref[i] for i in rows]
-        loss, stats = pair_loss(model, pairs, refs, pad, cfg.beta, device, cfg.bf16)
+        loss, stats = pair_loss(model, pairs, refs, pad, cfg.beta, device, run.bf16)
         w = len(rows) / float(divisor)  # this micro-batch's share of the step's pairs
         return loss * w, {k: w * float(v) for k, v in {"loss": loss.detach(), **stats}.items()}, len(rows)
 
@@ -183,12 +185,10 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         stat_keys=STATS,
         count=len,
         loss=loss,
-        evaluate=lambda: evaluate(model, eval_pairs, eval_ref, pad, cfg, strategy),
+        evaluate=lambda: evaluate(model, eval_pairs, eval_ref, pad, run, strategy),
         unit="pairs",
         seed=cfg.seed,
-        lengths=[
-            len(x["prompt_ids"]) + max(len(x["chosen_ids"]), len(x["rejected_ids"])) for x in train_pairs
-        ],
+        lengths=lengths,
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
@@ -196,6 +196,8 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     summary = loop.run(job, cfg, strategy, run_dir, resume)
     if summary.get("stopped"):
         return summary
+    if cfg.bf16:
+        summary["precision/bf16_update"] = float(run.bf16)
 
     # 4. the DPO policy, loadable by transformers (rank 0 writes; sharded weights gathered first)
     common.save_policy(strategy, model, lambda: load_causal_lm(cfg.model.path, trust_remote_code=trust), tokenizer,

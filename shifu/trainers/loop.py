@@ -35,6 +35,7 @@ from shifu.trainers.common import GracefulStop, SkippedSteps, announce_stop, che
 
 # config keys a resumed run may change (everything else must match the checkpoint's config)
 SAFE_RESUME_KEYS = {
+    "bf16",  # compute precision only (fp32 weights and optimiser state); the probe may decide otherwise elsewhere
     "distributed.timeout_s",
     "max_steps",
     "epochs",

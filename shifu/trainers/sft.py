@@ -77,6 +77,8 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
     model.train()
+    lengths = [len(x["prompt_ids"]) + len(x["response_ids"]) for x in train_ex]
+    run = common.with_bf16_decision(cfg, model, lengths, strategy, "sft")
     model = strategy.wrap(model)  # before the optimiser (FSDP2 shards the parameters)
     strategy.seed_per_rank(cfg.seed)  # dropout: a different stream per rank
     trained = strategy.optimize(model, model.parameters(), cfg.optim, loop.steps_of(cfg, len(train_ex)))
@@ -84,7 +86,7 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
 
     def loss(rows: list[int], divisor: torch.Tensor):
         batch = collate_sft([train_ex[i] for i in rows], pad)
-        nll_sum, _ = sft_nll_sum(model, batch, device, cfg.bf16)
+        nll_sum, _ = sft_nll_sum(model, batch, device, run.bf16)
         loss = nll_sum / divisor
         return loss, {"loss": float(loss.detach())}, int(batch["attention_mask"].sum())
 
@@ -99,9 +101,9 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
         stat_keys=("loss",),
         count=n_tokens,
         loss=loss,
-        evaluate=lambda: {"eval/sft/loss": evaluate(model, eval_ex, pad, cfg, strategy)},
+        evaluate=lambda: {"eval/sft/loss": evaluate(model, eval_ex, pad, run, strategy)},
         seed=cfg.seed,
-        lengths=[len(x["prompt_ids"]) + len(x["response_ids"]) for x in train_ex],
+        lengths=lengths,
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
@@ -109,6 +111,8 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     summary = loop.run(job, cfg, strategy, run_dir, resume)
     if summary.get("stopped"):
         return summary
+    if cfg.bf16:
+        summary["precision/bf16_update"] = float(run.bf16)
 
     # 4. the fine-tuned model, loadable by transformers (rank 0 writes; sharded weights gathered first)
     def fresh():
