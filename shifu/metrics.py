@@ -69,8 +69,8 @@ METRICS: dict[str, str] = {
     "it faster; shifu.precision), else 0",
     "precision/bf16_frozen": "bf16=true: 1 when the reference holds bf16 weights, else 0",
     "precision/bf16_reward": "bf16=true: 1 when the reward model holds bf16 weights (probed at its own shapes), else 0",
-    "precision/bf16_update": "bf16=true: 1 when the update's forwards run under bf16 autocast (fp32 master "
-    "weights and optimiser state), else 0",
+    "precision/bf16_update": "bf16=true: 1 when the update's forwards (ppo) or the training steps (sft, rm, dpo: "
+    "in summary.json) run under bf16 autocast (fp32 master weights and optimiser state), else 0",
     "time/rollout_s": "seconds spent generating and scoring the rollout",
     "time/generation_s": "seconds of the rollout spent generating responses",
     "time/scoring_s": "seconds of the rollout spent on log-probs, values and scores (rollout minus generation)",
