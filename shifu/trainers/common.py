@@ -57,9 +57,15 @@ def with_bf16_decision(cfg, model, lengths: list[int], strategy, name: str, pair
     if not cfg.bf16:
         return cfg
     rows = max(1, cfg.batch_size // strategy.world // cfg.grad_accum) * (2 if pairs else 1)
-    probe = precision.Probe(strategy.device)
-    use, reason = precision.training(model, rows, max(1, round(sum(lengths) / max(1, len(lengths)))), probe)
-    probe.save()
+    T = max(1, round(sum(lengths) / max(1, len(lengths))))
+
+    def decide():  # on rank 0, whose answer every rank takes: all ranks compute alike
+        probe = precision.Probe(strategy.device)
+        out = precision.training(model, rows, T, probe)
+        probe.save()
+        return out
+
+    use, reason = strategy.on_main(decide)
     if strategy.is_main:
         print(f"shifu {name}: {reason}", file=sys.stderr, flush=True)
     return dataclasses.replace(cfg, bf16=use)

@@ -278,7 +278,7 @@ def with_precision(m: PPOModels, cfg: PPOConfig, reward_model: nn.Module | None)
     plain = not strategy.sharded and not L.is_lora(actor)  # a whole, plain actor can have a bf16 copy
     scorer = None if reward_model is None else dataclasses.replace(  # the reward model at its own shapes
         work, trunk=bf16.linear_shapes(reward_model)[0], head=None)  # fmt: skip
-    precision = bf16.choose(work, probe, reuse, decode_possible=plain, reward=scorer)
+    precision = strategy.on_main(lambda: bf16.choose(work, probe, reuse, plain, scorer))  # rank 0's, for all
     probe.save()
     for chosen, frozen in ((precision.frozen, m.ref), (precision.reward, reward_model)):
         if chosen and frozen is not None and cfg.distributed.frozen == "replicate":
