@@ -478,8 +478,8 @@ class PPOConfig(RunConfig):
         "policy loss by name: ppo (clip), ppo_penalty (PPO paper), reinforce, gspo (sequence-level "
         "ratio and clip: set clip_low/clip_high near the paper's 3e-4/4e-4)",
     )
-    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] | None = (
-        opt(None, "advantages by name: gae (critic), grpo, dr_grpo, rloo (group_size >= 2), reinforce_pp, "
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "bon", "reinforce_pp", "reinforce_pp_baseline"] | None = (
+        opt(None, "advantages by name: gae (critic), grpo, dr_grpo, rloo, bon (best-of-G; group_size >= 2), reinforce_pp, "
             "reinforce_pp_baseline (critic-free); null: gae, or algo=reinforce's sequence return")
     )  # fmt: skip
     group_size: int = opt(1, "G responses sampled per prompt, kept together (batch_size counts responses: "
@@ -643,7 +643,7 @@ class PPOConfig(RunConfig):
         G, est = self.group_size, self.estimator
         if G < 1 or self.batch_size % G:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({G} >= 1)")
-        grouped = est in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") or self.dynamic_sampling
+        grouped = est in ("grpo", "dr_grpo", "rloo", "bon", "reinforce_pp_baseline") or self.dynamic_sampling
         if grouped and G < 2:
             what = f"advantage_estimator={est}" if est != "gae" else "dynamic_sampling=true"
             raise ConfigError(f"{what} compares the responses to one prompt: set group_size >= 2 (got {G})")

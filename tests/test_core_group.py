@@ -28,6 +28,8 @@ HAND = {
     "grpo": [-1.0, 0.0, 1.0, -1 / S3, -1 / S3, 2 / S3],  # (r - mean) / std
     "dr_grpo": [-1.0, 0.0, 1.0, -4 / 3, -4 / 3, 8 / 3],  # r - mean
     "rloo": [1 - 2.5, 2 - 2.0, 3 - 1.5, 0 - 2.0, 0 - 2.0, 4 - 0.0],  # r - mean of the other two
+    # best-of-G: w = (0, 0, 1) in both groups, mean 1/3, std 1/sqrt(3) -> sqrt(3) * (w - 1/3)
+    "bon": [-1 / S3, -1 / S3, 2 / S3, -1 / S3, -1 / S3, 2 / S3],
 }
 
 
@@ -35,11 +37,21 @@ def right_padded_mask(lengths, width):
     return torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
 
 
-@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo", "bon"])
 def test_group_advantages_hand_computed(method):
     adv = group_advantages(REWARDS, 3, method, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor(HAND[method], dtype=torch.float64))
     assert adv.shape == (6,) and adv.dtype == REWARDS.dtype
+
+
+def test_best_of_g_shares_a_tie_for_the_best_and_pushes_only_it_up():
+    # G = 4: one best (3 of 4 pushed down alike); two tied for the best (they split the push up)
+    adv = group_advantages(torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 0.0, 3.0, 1.0]), 4, "bon", eps=0.0)
+    torch.testing.assert_close(adv[:4], torch.tensor([-0.5, 1.5, -0.5, -0.5]))  # sqrt(4) * (w - 1/4)
+    torch.testing.assert_close(adv[4:], torch.tensor([0.8660254, -0.8660254, 0.8660254, -0.8660254]))
+    # only the rank of the best counts, not how far it is ahead
+    far = group_advantages(torch.tensor([0.5, 200.0, 1.0, -1.0]), 4, "bon", eps=0.0)
+    torch.testing.assert_close(far, adv[:4])
 
 
 def test_grpo_eps_is_added_to_the_std():
@@ -58,12 +70,15 @@ def reference_group_advantages(rewards, g, method, eps):
                 out.append((r - mean) / (statistics.stdev(group) + eps))
             elif method == "dr_grpo":
                 out.append(r - mean)
+            elif method == "bon":  # 1/k on the k responses tied for the best, standardised
+                w = [float(x == max(group)) / group.count(max(group)) for x in group]
+                out.append((w[i] - sum(w) / g) / (statistics.stdev(w) + eps))
             else:
                 out.append(r - sum(group[:i] + group[i + 1 :]) / (g - 1))
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo", "bon"])
 @pytest.mark.parametrize("g", [2, 4, 8])
 def test_group_advantages_match_a_reference_loop(method, g):
     rewards = torch.randn(5 * g, generator=torch.Generator().manual_seed(g), dtype=torch.float64)
@@ -75,7 +90,7 @@ def test_group_advantages_match_a_reference_loop(method, g):
         torch.testing.assert_close(adv, g / (g - 1) * group_advantages(rewards, g, "dr_grpo"))
 
 
-@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo", "bon"])
 def test_equal_rewards_give_zero_advantage_never_nan(method):
     # float32 0.1: the rounded group mean differs from 0.1 in the last bit, the result must still be 0
     rewards = torch.tensor([0.1] * 7 + [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
@@ -105,7 +120,9 @@ def test_bad_group_layout_raises(rewards, g, match):
 
 
 def test_unknown_method_raises():
-    with pytest.raises(ValueError, match="unknown group advantage method 'ppo'; valid: grpo, dr_grpo, rloo"):
+    with pytest.raises(
+        ValueError, match="unknown group advantage method 'ppo'; valid: grpo, dr_grpo, rloo, bon"
+    ):
         group_advantages(REWARDS, 3, "ppo")
 
 

@@ -26,6 +26,7 @@ METHODS = {
     "grpo": ["advantage_estimator=grpo", "group_size=4"],
     "dr_grpo": ["advantage_estimator=dr_grpo", "group_size=4", "loss_aggregation=token_sum_norm"],
     "rloo": ["advantage_estimator=rloo", "group_size=4"],
+    "bon": ["advantage_estimator=bon", "group_size=4", "kl.penalty=loss"],
     "rloo_reinforce": ["advantage_estimator=rloo", "group_size=4", "algo=reinforce", "ppo_epochs=1"],
     "reinforce_pp": ["advantage_estimator=reinforce_pp"],
     "reinforce_pp_baseline": ["advantage_estimator=reinforce_pp_baseline", "group_size=4"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "bon")
 
 
 def _grouped(x: Tensor, group_size: int, name: str = "rewards") -> Tensor:
@@ -56,7 +56,14 @@ def group_advantages(rewards: Tensor, group_size: int, method: str, eps: float =
     - ``"rloo"``: ``A_i = r_i - 1/(G-1) * sum_{j != i} r_j``, the leave-one-out baseline, unbiased
       because it does not depend on ``r_i`` (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline
       for free!"; Ahmadian et al. 2024, "Back to basics: revisiting REINFORCE style optimization").
-      Equals ``G/(G-1) * (r_i - mean)``.
+      Equals ``G/(G-1) * (r_i - mean)``;
+    - ``"bon"``: best-of-G distillation, ``w_i = 1/k`` on the ``k`` responses tied for the group's highest
+      reward and 0 elsewhere, then ``A_i = (w_i - mean(w)) / (std(w) + eps)`` (one best of G: ``sqrt(G) *
+      (1 - 1/G)`` on it, ``-1/sqrt(G)`` on the others). The best of G samples of the current policy is a
+      sample of its best-of-G distribution, so the positive part is the gradient of the forward KL to that
+      distribution (online RAFT, Dong et al. 2023; BOND's forward term with the anchor at the current
+      policy, Sessa et al. 2024); the others carry its zero-mean baseline. Iterated, best-of-G of
+      best-of-G is best-of-G^2: the policy climbs the best-of-n curve, KL <= log n - (n-1)/n per step.
 
     A group of equal rewards gets advantage exactly 0 (never NaN). Spread over a response's tokens with
     :func:`shifu.core.sequence_advantages` (baseline 0).
@@ -71,6 +78,10 @@ def group_advantages(rewards: Tensor, group_size: int, method: str, eps: float =
     elif method == "rloo":
         others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
         adv = grouped - others
+    elif method == "bon":
+        best = (grouped == grouped.amax(dim=1, keepdim=True)).to(grouped.dtype)
+        w = best / best.sum(dim=1, keepdim=True)
+        adv = (w - w.mean(dim=1, keepdim=True)) / (w.std(dim=1, keepdim=True) + eps)
     else:
         raise ValueError(f"unknown group advantage method '{method}'; valid: {', '.join(GROUP_ESTIMATORS)}")
     # a tied group is exactly 0, even where the rounded mean differs from the common value in the last bit

@@ -7,7 +7,7 @@ formula is a named function of ``shifu.core`` (docs/core.md has the table of how
   tokens) -> GAE on the critic's values -> whitened over the global batch (``whiten_advantages``);
 - ``reinforce`` (algo=reinforce): the whole-sequence return ``score - beta * sum_t kl_t`` on every token,
   minus the batch mean (``reinforce_baseline``); process rewards count in the sequence's score;
-- ``grpo``, ``dr_grpo``, ``rloo``: the group's comparison of ``score - beta * sum_t kl_t`` (just the score
+- ``grpo``, ``dr_grpo``, ``rloo``, ``bon``: the group's comparison of ``score - beta * sum_t kl_t`` (just the score
   when the KL is a loss term), on every token of the response; one number per response, so process
   rewards are refused;
 - ``reinforce_pp``, ``reinforce_pp_baseline``: the discounted reward-to-go of the per-token rewards,
@@ -111,6 +111,7 @@ ESTIMATORS: dict[str, Callable[[Signals, PPOConfig, Strategy], tuple[Tensor, Ten
     "grpo": group("grpo"),
     "dr_grpo": group("dr_grpo"),
     "rloo": group("rloo"),
+    "bon": group("bon"),
     "reinforce_pp": reinforce_pp(baseline=False),
     "reinforce_pp_baseline": reinforce_pp(baseline=True),
 }
