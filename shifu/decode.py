@@ -4,18 +4,21 @@ preallocated KV cache, and the HF forward with its own cache for every other arc
 :func:`decoder` picks one; each has ``forward(ids (B, T), positions (B, T)) -> logits (B, V)`` of the last
 position (advancing the cache), ``key_mask`` (B, P+R) over the cache and ``last_hidden`` (B, d), the final
 (normed) hidden state of the last position (for a shared-trunk value head). Both give the same logits up
-to float rounding (``tests/test_rollout.py``). Used by :func:`shifu.rollout.sample`.
+to float rounding (``tests/test_rollout.py``). The fast decoders' output embedding is read in the order a
+cached probe measured faster (:func:`head_product`). Used by :func:`shifu.rollout.sample`.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from shifu.lora import is_lora
+from shifu.precision import Probe
 
 
 def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
@@ -154,7 +157,8 @@ class _GPT2Decoder(_FastDecoder):
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         super().__init__(cfg.n_layer, batch, self.n_head, self.head_dim, max_len, tr.wte.weight)
-        self.tr, self.lm_head, self.eps = tr, model.lm_head.weight, cfg.layer_norm_epsilon
+        self.tr, self.eps = tr, cfg.layer_norm_epsilon
+        self.head = head_product(model.lm_head.weight, batch)
         self.approximate = self.ACTIVATIONS[cfg.activation_function]
         # the weights each step reads, looked up once (module attribute access costs ~2 us a time)
         self.blocks = [
@@ -184,7 +188,7 @@ class _GPT2Decoder(_FastDecoder):
         self.length += T
         last = x.view(B, T, d)[:, -1]
         self.last_hidden = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, eps)
-        return F.linear(self.last_hidden, self.lm_head)
+        return self.head(self.last_hidden)
 
 
 class _LlamaDecoder(_FastDecoder):
@@ -213,7 +217,8 @@ class _LlamaDecoder(_FastDecoder):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_head
         w = inner.embed_tokens.weight
         super().__init__(cfg.num_hidden_layers, batch, self.n_kv, self.head_dim, max_len, w)
-        self.inner, self.lm_head, self.eps = inner, model.lm_head.weight, cfg.rms_norm_eps
+        self.inner, self.eps = inner, cfg.rms_norm_eps
+        self.head = head_product(model.lm_head.weight, batch)
         self.scale = self.head_dim**-0.5
         # q/k/v and gate/up fused into one matmul each (weights change between rollouts: fuse per call)
         self.qkv, self.qkv_bias, self.gate_up = [], [], []
@@ -248,7 +253,7 @@ class _LlamaDecoder(_FastDecoder):
             x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)
         self.length += T
         self.last_hidden = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
-        return F.linear(self.last_hidden, self.lm_head)
+        return self.head(self.last_hidden)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -256,3 +261,51 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- the output embedding's product
+HEAD_MARGIN, HEAD_MIN_SAVING_S = 0.8, 1e-3
+_HEAD_LAYOUTS: dict[str, bool] = {}  # this process's answers, by probe name
+
+
+def head_product(weight: Tensor, rows: int):
+    """``h (rows, d) -> logits (rows, V)`` of a decode step, ``h @ W^T`` as ``F.linear`` or as ``(W @ h^T)^T``,
+    whichever a probe measured faster on this machine for this weight's shape, dtype and row count.
+
+    At a few rows a decode step is a matrix-vector product: its time is the time to read the weight. With
+    torch 2.13's CPU GEMM, one thread, the SmolLM2-135M head (49152 x 576, fp32) at 4 rows read 2.1-2.3x
+    faster as the left operand (7.7-8.5 ms against 16.9-18.3 ms, the AVX-512 VM; ``python
+    benchmarks/decode_weights.py``), in bf16 slower (10.2 against 7.8 ms); at 16-32 rows the plain order won.
+    The two orders round differently (~1e-6), so the choice must not flip between runs on one machine: it
+    is kept in the probe's cache (:class:`shifu.precision.Probe`, ``decode head ...`` entries) and taken
+    only when it measures below ``HEAD_MARGIN`` x the plain time *and* saves ``HEAD_MIN_SAVING_S`` per
+    step (a small head is read from cache either way; timing noise there never changes the rounding)."""
+    n, d = weight.shape
+    name = f"decode head {rows}x{d}x{n} {str(weight.dtype).removeprefix('torch.')}"
+    if name not in _HEAD_LAYOUTS:
+        probe = Probe(weight.device)
+        plain, left = probe.pair(name, lambda: _time_head(weight, rows))
+        _HEAD_LAYOUTS[name] = left < HEAD_MARGIN * plain and plain - left > HEAD_MIN_SAVING_S
+        if probe.measured:
+            probe.save()
+    if _HEAD_LAYOUTS[name]:
+        return lambda h: (weight @ h.t()).t().contiguous()
+    return lambda h: F.linear(h, weight)
+
+
+@torch.no_grad()
+def _time_head(weight: Tensor, rows: int, repeats: int = 3) -> tuple[float, float]:
+    """Best-of-``repeats`` seconds of ``F.linear(h, W)`` and of ``(W @ h^T)^T``, alternating, one warm-up."""
+    h = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+    best = [float("inf"), float("inf")]
+    for i in range(repeats + 1):
+        for j, fn in enumerate((lambda: F.linear(h, weight), lambda: (weight @ h.t()).t().contiguous())):
+            if weight.device.type == "cuda":
+                torch.cuda.synchronize(weight.device)
+            t0 = time.perf_counter()
+            fn()
+            if weight.device.type == "cuda":
+                torch.cuda.synchronize(weight.device)
+            if i:
+                best[j] = min(best[j], time.perf_counter() - t0)
+    return best[0], best[1]

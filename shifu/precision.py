@@ -195,8 +195,9 @@ def measure(kind: str, m: int, k: int, n: int, device: torch.device, repeats: in
 
 
 class Probe:
-    """Timings ``(fp32, bf16)`` per GEMM, measured once per machine and kept in ``$SHIFU_CACHE/bf16_probe.json``
-    (default ``~/.cache/shifu``) under :func:`machine_key`. ``cached`` / ``measured`` count the lookups."""
+    """Pairs of timings, measured once per machine and kept in ``$SHIFU_CACHE/bf16_probe.json`` (default
+    ``~/.cache/shifu``) under :func:`machine_key`: ``(fp32, bf16)`` per GEMM, and the decoders' two ways of
+    reading the output embedding (:func:`shifu.decode.head_product`). ``cached`` / ``measured`` count the lookups."""
 
     def __init__(self, device: torch.device, path: Path | None = None):
         self.device, self.key = device, machine_key(device)
@@ -211,14 +212,18 @@ class Probe:
     def time(self, kind: str, rows: int, k: int, n: int) -> tuple[float, float]:
         """Seconds ``(fp32, bf16)`` of a ``(rows, k) x (k, n)`` linear; timed at <= PROBE_ROWS rows, scaled."""
         m = min(rows, PROBE_ROWS)
-        name = f"{kind} {m}x{k}x{n}"
+        t32, t16 = self.pair(f"{kind} {m}x{k}x{n}", lambda: measure(kind, m, k, n, self.device))
+        return t32 * rows / m, t16 * rows / m
+
+    def pair(self, name: str, measure_now) -> tuple[float, float]:
+        """The two timings kept under ``name``; ``measure_now()`` gives them the first time on this machine."""
         if name in self.entries:
             self.cached += 1
         else:
-            self.entries[name] = list(measure(kind, m, k, n, self.device))
+            self.entries[name] = [float(t) for t in measure_now()]
             self.measured += 1
-        t32, t16 = self.entries[name]
-        return t32 * rows / m, t16 * rows / m
+        a, b = self.entries[name]
+        return a, b
 
     def save(self) -> None:
         """Write the table atomically (a read-only or missing home only costs the next run a new probe)."""

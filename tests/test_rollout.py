@@ -426,3 +426,53 @@ def test_prompt_plus_response_past_learned_positions_is_a_clear_error(tiny_model
         model, tok, ["the movie was great and the acting was good " * 3], max_new_tokens=4
     )
     assert len(texts) == 1
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_decode_head_layout_follows_the_measurement_and_is_kept_per_machine(arch, tmp_path, monkeypatch):
+    """The fast decoders read the output embedding as ``(W @ h^T)^T`` only where the probe measured it
+    faster by enough to matter; the answer is written to the probe's cache and read back (no re-timing, so
+    the rounding cannot change between runs), and that order gives the log-probs a full forward gives."""
+    import shifu.decode as dec
+
+    monkeypatch.setenv("SHIFU_CACHE", str(tmp_path))
+    timed = []
+    answers = {"fast": (0.010, 0.004), "noise": (2e-4, 1e-4)}  # (plain, left) seconds
+    monkeypatch.setattr(dec, "_time_head", lambda w, rows: timed.append(rows) or answers[mode])
+    model = MODELS[arch]()
+    ids, mask = left_padded_prompts()
+    B, P = ids.shape
+    weight = model.get_output_embeddings().weight
+    n, d = weight.shape
+
+    def key(rows):
+        return f"decode head {rows}x{d}x{n} float32"
+
+    mode = "noise"  # left twice as fast but saving 0.1 ms, under HEAD_MIN_SAVING_S: the plain order stays
+    monkeypatch.setattr(dec, "_HEAD_LAYOUTS", {})
+    dec.head_product(weight, B), dec.head_product(weight, 8)
+    assert dec._HEAD_LAYOUTS == {key(B): False, key(8): False} and timed == [B, 8]
+
+    mode = "fast"
+    (tmp_path / "bf16_probe.json").unlink()
+    monkeypatch.setattr(dec, "_HEAD_LAYOUTS", {})
+    left = dec.head_product(weight, B)
+    assert dec._HEAD_LAYOUTS == {key(B): True}
+    h = torch.randn(B, d)
+    torch.testing.assert_close(left(h), torch.nn.functional.linear(h, weight), atol=1e-5, rtol=1e-5)
+    assert left(h).is_contiguous()
+
+    mode = "noise"  # a new process (empty memo) reads the answer from the cache file, times nothing
+    monkeypatch.setattr(dec, "_HEAD_LAYOUTS", {})
+    dec.head_product(weight, B)
+    assert dec._HEAD_LAYOUTS == {key(B): True} and timed == [B, 8, B]
+
+    # the decoder built on that answer samples with the log-probs a full forward gives
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, stop_at_eos=False)
+    out = sample(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(3), engine="fast",
+                 with_log_probs=True)  # fmt: skip
+    m = out.response_mask
+    with torch.no_grad():
+        full, _, _ = policy_forward(model, torch.cat([ids, out.response_ids], 1), torch.cat([mask, m.long()], 1),
+                                    P, temperature=0.7)  # fmt: skip
+    torch.testing.assert_close(out.log_probs[m], full[m], atol=1e-5, rtol=1e-5)
