@@ -11,14 +11,13 @@ cached probe measured faster (:func:`head_product`). Used by :func:`shifu.rollou
 from __future__ import annotations
 
 import inspect
-import time
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from shifu.lora import is_lora
-from shifu.precision import Probe
+from shifu.precision import Probe, alternating_best
 
 
 def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
@@ -288,24 +287,17 @@ def head_product(weight: Tensor, rows: int):
         _HEAD_LAYOUTS[name] = left < HEAD_MARGIN * plain and plain - left > HEAD_MIN_SAVING_S
         if probe.measured:
             probe.save()
-    if _HEAD_LAYOUTS[name]:
-        return lambda h: (weight @ h.t()).t().contiguous()
-    return lambda h: F.linear(h, weight)
+    order = _weight_left if _HEAD_LAYOUTS[name] else F.linear
+    return lambda h: order(h, weight)
+
+
+def _weight_left(h: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(h, weight)`` computed as ``(weight @ h^T)^T``, contiguous."""
+    return (weight @ h.t()).t().contiguous()
 
 
 @torch.no_grad()
-def _time_head(weight: Tensor, rows: int, repeats: int = 3) -> tuple[float, float]:
-    """Best-of-``repeats`` seconds of ``F.linear(h, W)`` and of ``(W @ h^T)^T``, alternating, one warm-up."""
+def _time_head(weight: Tensor, rows: int) -> tuple[float, float]:
+    """Seconds of ``F.linear(h, W)`` and of ``(W @ h^T)^T`` at ``rows`` rows: best of three, alternating."""
     h = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
-    best = [float("inf"), float("inf")]
-    for i in range(repeats + 1):
-        for j, fn in enumerate((lambda: F.linear(h, weight), lambda: (weight @ h.t()).t().contiguous())):
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize(weight.device)
-            t0 = time.perf_counter()
-            fn()
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize(weight.device)
-            if i:
-                best[j] = min(best[j], time.perf_counter() - t0)
-    return best[0], best[1]
+    return alternating_best(lambda: F.linear(h, weight), lambda: _weight_left(h, weight), weight.device)

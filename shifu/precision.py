@@ -180,9 +180,15 @@ def measure(kind: str, m: int, k: int, n: int, device: torch.device, repeats: in
                 y = F.linear(x, w)
             y.backward(grad16)
 
+    return alternating_best(run32, run16, device, repeats)
+
+
+def alternating_best(a, b, device: torch.device, repeats: int = 3) -> tuple[float, float]:
+    """Best-of-``repeats`` seconds of calls ``a()`` and ``b()``, alternated, after one warm-up round of each
+    (CUDA synchronised around every call)."""
     best = [float("inf"), float("inf")]
     for i in range(repeats + 1):  # the first round warms up
-        for j, fn in enumerate((run32, run16)):
+        for j, fn in enumerate((a, b)):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
