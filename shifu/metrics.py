@@ -37,7 +37,7 @@ METRICS: dict[str, str] = {
     "objective/kl": "mean KL(policy || reference) of the rollout, summed over response tokens (nats per response)",
     "objective/kl_k3": "k3 estimate of the same KL, summed over response tokens (nats per response, never negative; "
     "the progress bar shows it)",
-    "objective/process_reward": "mean sum of the process (step) rewards per response, when the reward gives steps",
+    "objective/process_reward": "mean sum of the process (step) rewards per response, when the reward gives steps or is dense (reward.dense: then objective/score is 0)",
     "objective/kl_per_token": "KL(policy || reference) averaged over real response tokens (nats per token)",
     "objective/kl_coef": "beta, the KL penalty coefficient used for this rollout (set by the KL controller)",
     "objective/rlhf_reward": "mean of score - beta * KL per response: the shaped return PPO maximises",

@@ -113,6 +113,10 @@ def require_model_dir(path: str | Path, what: str, trust_remote_code: bool = Fal
         )
     from transformers import CONFIG_MAPPING
 
+    if model_type == "shifu_bag_of_tokens":  # shifu's own architecture: registered on first use
+        from shifu.bag_of_tokens import register
+
+        register()
     if model_type not in CONFIG_MAPPING and not (trust_remote_code and "auto_map" in config):
         import transformers
 
@@ -454,6 +458,20 @@ class ScalarModel(nn.Module):
         keep_lower_layers(backbone, keep_layers)
         freeze_lower_layers(backbone, freeze_layers)
         return cls(backbone, tok, seed=seed)
+
+    @classmethod
+    def bag_of_tokens(cls, tokenizer_dir: str | Path, seed: int | None = None) -> ScalarModel:
+        """A fresh bag-of-tokens reward model (:mod:`shifu.bag_of_tokens`) over the ids of the tokenizer in
+        ``tokenizer_dir`` (the policy's, so PPO scores the rollout's own ids); its head is frozen at weight 1,
+        bias 0, so a token's weight is its score (and ``l2_coef`` shrinks the weights themselves)."""
+        from shifu.bag_of_tokens import fresh
+
+        tok = load_tokenizer(tokenizer_dir)
+        model = cls(fresh(tok), tok, seed=seed)
+        with torch.no_grad():  # the head fixed at the identity: the token weights are the model
+            model.head.weight.fill_(1.0)
+        model.head.requires_grad_(False)
+        return model
 
     @classmethod
     def from_pretrained(cls, path: str | Path, trust_remote_code: bool = False) -> ScalarModel:

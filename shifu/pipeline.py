@@ -288,8 +288,11 @@ class Stages:
                 "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl"), "max_rows": 1024},
             },
         )
-        if over.get("model", {}).get("path", "sft") == "sft":
+        path = over.get("model", {}).get("path", "sft")
+        if path == "sft":
             over = merge(over, {"model": {"path": str(sft_final)}})
+        elif path == "bag-of-tokens" and not over["model"].get("tokenizer"):  # weights for the policy's ids
+            over = merge(over, {"model": {"tokenizer": str(sft_final)}})
 
         def work(rm_dir: Path) -> dict:
             result = train_stage("shifu.trainers.reward", rm_dir, over)

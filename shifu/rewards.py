@@ -9,6 +9,14 @@ the data file, so extra fields (e.g. an ``answer``) reach it. Gold judges use th
 ``response[previous end:end]``), and ``shifu ppo`` places the step's reward on the response token that holds
 character ``end - 1`` (:meth:`RewardSource.score_with_steps`). A response's score is then the sum of its
 step rewards; an outcome reward goes on a last step ending at ``len(response)``.
+
+**Dense rewards from a reward model** (``reward.dense``): a causal reward model that shares the policy's
+tokenizer gives a score for every prefix (its head at each position). Response token ``t`` then gets
+``s(<= t) - s(< t)``, the change of the prefix score it caused (:meth:`RewardSource.dense_rewards`); the sum
+over the response is the score minus the prompt's own prefix score, which every response to that prompt
+shares, so with ``gamma = 1`` the KL-regularised objective and its optimum are those of the outcome score
+(potential-based shaping, Ng et al. 1999) while each token's credit lands on it. For the bag-of-tokens model
+(:mod:`shifu.bag_of_tokens`) the change is exactly the token's own weight.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class RewardSource:
         policy_tokenizer=None,
         micro_batch: int = 32,
         chat_template: bool = True,
+        dense: bool = False,
     ):
         if (model is None) == (function is None):
             raise ConfigError("give exactly one of reward.model_path and reward.function")
@@ -74,6 +83,16 @@ class RewardSource:
             and getattr(model, "is_causal", False)
             and same_tokenizer(getattr(model, "tokenizer", None), policy_tokenizer)
         )
+        self.dense = dense
+        if dense and not (self.token_path and callable(getattr(model, "read_score", None))):
+            why = ("a reward function gives no prefix scores" if model is None else
+                   "this reward model is not one causal model with the policy's tokenizer (an encoder, an "
+                   "ensemble, or another tokenizer)")  # fmt: skip
+            raise ConfigError(
+                f"reward.dense needs the prefix scores of a causal reward model that reads the policy's token "
+                f"ids, but {why}; train one with rm.model.path=bag-of-tokens (model.tokenizer: the policy's) "
+                "or on the SFT policy's trunk, or set reward.dense=false"
+            )
 
     @torch.no_grad()
     def __call__(
@@ -99,7 +118,10 @@ class RewardSource:
     ) -> tuple[torch.Tensor, list[list[tuple[int, float]]] | None]:
         """``(scores (B,), steps)``: ``steps`` is None unless the reward function returned process rewards
         for some response; then ``steps[i]`` is response i's ``[(end, reward), ...]`` (empty for a response
-        scored by a number) and ``scores[i]`` its number (0 for a response given steps)."""
+        scored by a number) and ``scores[i]`` its number (0 for a response given steps). With ``dense`` the
+        scores are 0: the whole reward is :meth:`dense_rewards`."""
+        if self.dense:  # the score is all in :meth:`dense_rewards`, token by token
+            return torch.zeros(len(prompts)), None
         if self.function is None:
             return self._model_scores(prompts, responses, rows, input_ids, attention_mask), None
         try:
@@ -116,6 +138,24 @@ class RewardSource:
         ]
         scores = [0.0 if isinstance(x, (list, tuple)) else float(x) for x in out]
         return torch.tensor(scores, dtype=torch.float32), steps
+
+    @torch.no_grad()
+    def dense_rewards(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
+    ) -> torch.Tensor:
+        """(B, R) float32 on CPU: response token ``t`` (column ``prompt_len + t`` of the left-padded prompt +
+        right-padded response) gets ``s(<= t) - s(< t)``, ``s`` the model's normalised score of a prefix;
+        0 on padding. A row's sum is its score minus its prompt's prefix score."""
+        dev = next(self.model.parameters()).device
+        outs = []
+        for i in range(0, input_ids.shape[0], self.micro_batch):
+            ids = input_ids[i : i + self.micro_batch].to(dev)
+            mask = attention_mask[i : i + self.micro_batch].to(dev)
+            # (b, T) prefix scores; the normalisation's bias cancels in the differences
+            prefix = self.model(ids, mask).float() * self.model.gain
+            delta = prefix[:, prompt_len:] - prefix[:, prompt_len - 1 : -1]
+            outs.append((delta * mask[:, prompt_len:]).cpu())
+        return torch.cat(outs)
 
     def _model_scores(self, prompts, responses, rows, input_ids, attention_mask) -> torch.Tensor:
         if self.token_path and input_ids is not None:

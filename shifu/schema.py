@@ -149,8 +149,10 @@ class SFTModelConfig(ModelConfig):
 @frozen
 class RMModelConfig(ModelConfig):
     path: str = opt(
-        "", "backbone: a local HF model dir (the SFT output, any causal LM, or an encoder), or `minilm`"
-    )
+        "", "backbone: a local HF model dir (the SFT output, any causal LM, or an encoder), `minilm`, or "
+        "`bag-of-tokens` (one learned weight per token id of `model.tokenizer`: a linear model of token counts)"
+    )  # fmt: skip
+    tokenizer: str = opt("", "bag-of-tokens: the tokenizer directory whose ids it weighs (the policy's)")
 
 
 @frozen
@@ -248,6 +250,11 @@ class RewardConfig:
     )
     timeout_s: float = opt(60.0, "reward service: seconds one request may take")
     retries: int = opt(3, "reward service: retries (with backoff) before the run stops with a checkpoint")
+    dense: bool = opt(
+        False, "reward_model: give response token t the change of the model's prefix score, s(<=t) - s(<t), "
+        "instead of one score at the end (same objective with gamma 1, each token's credit on it); needs a "
+        "causal reward model with the policy's tokenizer, e.g. rm.model.path=bag-of-tokens"
+    )  # fmt: skip
     normalize: bool = opt(False, "running mean/std normalisation of scores")
     clip: float | None = opt(None, "clip (normalised) scores to [-clip, clip]; null disables")
     missing_eos_penalty: float | None = opt(None, "penalty for responses without EOS; null disables")
@@ -415,6 +422,11 @@ class RMConfig(SupervisedConfig):
     ensemble: EnsembleConfig = opt(EnsembleConfig(), "K reward models and their aggregation")
     normalize: NormalizeConfig = opt(NormalizeConfig(), "gain/bias fit after training (off when unset)")
     center_coef: float = opt(0.0, "c in c * mean((r_c + r_r)^2), keeps scores near 0")
+    l2_coef: float = opt(
+        0.0, "c in c * (sum of the backbone's squared trainable weights), added to each step's loss: ridge "
+        "regression, for model.path=bag-of-tokens (it shrinks the weights of rarely seen tokens; AdamW's "
+        "decoupled weight_decay does not)"
+    )  # fmt: skip
     freeze_layers: int = opt(
         0, "freeze the backbone's embeddings and its lowest N transformer blocks (0: train everything); "
         "the backward pass and the optimiser then cover only the upper blocks and the head"
@@ -427,11 +439,23 @@ class RMConfig(SupervisedConfig):
     def validate(self) -> None:
         super().validate()
         require_positive(self.ensemble, ("k",), "ensemble.")
+        if self.l2_coef < 0:
+            raise ConfigError(f"l2_coef must be >= 0 (got {self.l2_coef}); 0 turns the ridge penalty off")
         if self.freeze_layers < 0 or self.keep_layers < 0:
             raise ConfigError(f"freeze_layers and keep_layers must be >= 0 (got {self.freeze_layers}, "
                               f"{self.keep_layers}); 0 trains / keeps every layer")  # fmt: skip
         if self.normalize.responses and self.normalize.policy:
             raise ConfigError("set only one of normalize.responses and normalize.policy")
+        if self.model.path == "bag-of-tokens":
+            if not self.model.tokenizer:
+                raise ConfigError("model.path=bag-of-tokens needs model.tokenizer: the directory of the tokenizer "
+                                  "whose ids it weighs (the policy's, e.g. the SFT output)")  # fmt: skip
+            if self.freeze_layers or self.keep_layers:
+                raise ConfigError("model.path=bag-of-tokens has no transformer blocks: leave freeze_layers and "
+                                  "keep_layers at 0")  # fmt: skip
+        elif self.model.tokenizer:
+            raise ConfigError(f"model.tokenizer is read only with model.path=bag-of-tokens (got model.path="
+                              f"'{self.model.path}', whose own tokenizer is used); remove model.tokenizer")  # fmt: skip
 
 
 @frozen
@@ -555,6 +579,12 @@ class PPOConfig(RunConfig):
                 "critic.init=reward needs reward.model_path; with a reward function or service use "
                 "critic.init=sft or shared"
             )
+        if r.dense and r.model_path is None:
+            raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
+                              "reward function can return per-token steps itself), or reward.dense=false")  # fmt: skip
+        if r.dense and (r.normalize or r.clip is not None or r.missing_eos_penalty is not None):
+            raise ConfigError("reward.normalize, reward.clip and reward.missing_eos_penalty act on one score per "
+                              "response, which reward.dense does not give; unset them or set reward.dense=false")  # fmt: skip
         if r.timeout_s <= 0 or r.retries < 0:
             raise ConfigError("reward.timeout_s must be > 0 and reward.retries >= 0")
         require_positive(
@@ -647,6 +677,10 @@ class PPOConfig(RunConfig):
         if grouped and G < 2:
             what = f"advantage_estimator={est}" if est != "gae" else "dynamic_sampling=true"
             raise ConfigError(f"{what} compares the responses to one prompt: set group_size >= 2 (got {G})")
+        if self.reward.dense and est in ("grpo", "dr_grpo", "rloo", "bon"):
+            raise ConfigError(f"reward.dense gives per-token rewards, but advantage_estimator={est} compares one "
+                              "number per response: use gae, reinforce_pp or reinforce_pp_baseline, or "
+                              "reward.dense=false")  # fmt: skip
         if est == "dr_grpo" and self.loss_aggregation != "token_sum_norm":
             raise ConfigError(
                 "advantage_estimator=dr_grpo divides the loss by a constant (Dr. GRPO): set "

@@ -265,8 +265,8 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
             if main and not warned_empty and metrics.get("rollout/response_len", 2.0) < 1.5:
                 warned_empty = ppo_eval.warn_empty_responses(it, metrics, tok, cfg)
             bar.update(1)
-            bar.set_postfix(score=f"{metrics['objective/score']:.3f}", kl=f"{metrics['objective/kl_k3']:.2f}",
-                            beta=f"{metrics['objective/kl_coef']:.3g}")  # fmt: skip
+            bar.set_postfix(score=f"{metrics['objective/score'] + metrics.get('objective/process_reward', 0):.3f}",
+                            kl=f"{metrics['objective/kl_k3']:.2f}", beta=f"{metrics['objective/kl_coef']:.3g}")  # fmt: skip
             try:
                 s.skipped.check(f"iteration {it}", out, "check the reward")
             except Exception:

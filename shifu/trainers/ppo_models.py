@@ -178,12 +178,8 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         rm = load_reward_model(cfg.reward.model_path)
         if isinstance(rm, nn.Module):
             rm = rm.to(device)
-        reward = RewardSource(
-            model=rm,
-            policy_tokenizer=tok,
-            micro_batch=cfg.micro_batch_size,
-            chat_template=cfg.data.chat_template,
-        )
+        reward = RewardSource(model=rm, policy_tokenizer=tok, micro_batch=cfg.micro_batch_size,
+                              chat_template=cfg.data.chat_template, dense=cfg.reward.dense)  # fmt: skip
     sharded_init = zero3() if zero3 is not None else None  # (frozen models load before and after it)
     if zero3 is not None:
         actor = load_actor()

@@ -98,10 +98,13 @@ def collect_rollout(
         tok.decode(response_ids[i][response_mask[i]], skip_special_tokens=True) for i in range(len(rows))
     ]
     reward_model = models.reward.model if isinstance(models.reward.model, nn.Module) else None
+    dense = getattr(models.reward, "dense", False)  # reward.dense: each token's change of the prefix score
     with strategy.offloaded(reward_model):
         scores, steps = models.reward.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
+        token_rewards = models.reward.dense_rewards(input_ids, attention_mask, P) if dense else None
     scores = scores.to(old_log_probs.device)
-    token_rewards = None if steps is None else step_rewards(tok, response_ids, response_mask, steps)
+    if steps is not None:
+        token_rewards = step_rewards(tok, response_ids, response_mask, steps)
     last = (response_mask.long().cumsum(1) == response_mask.sum(1, keepdim=True)) & response_mask
     rollout = Rollout(
         input_ids=input_ids,

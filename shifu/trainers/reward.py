@@ -1,6 +1,7 @@
 """Stage 2, ``shifu rm``: a Bradley-Terry reward model on (prompt, chosen, rejected) pairs.
 
-Loss ``-log sigmoid(r_c - r_r - margin) + center_coef * mean((r_c + r_r)^2)`` (``shifu.core``), with
+Loss ``-log sigmoid(r_c - r_r - margin) + center_coef * mean((r_c + r_r)^2) + l2_coef * ||w||^2`` (``w``: the
+backbone's trainable weights; the ridge term is for the bag-of-tokens backbone), with
 ``r`` the scalar head at the last real token of ``ScalarModel.encode(prompt, response)`` (the same
 tokenisation PPO scores with); the step's loss is the mean over its pairs. Held-out report: accuracy,
 margin, chosen/rejected means, and the length-bias check (Pearson correlation of score with response length
@@ -123,12 +124,14 @@ def train_member(
     strategy.seed_per_rank(seed)  # dropout: a different stream per rank
     trained = strategy.optimize(wrapped, wrapped.parameters(), cfg.optim, loop.steps_of(cfg, len(pairs)))
     pad = model.tokenizer.pad_token_id
+    ridge = [p for p in model.backbone.parameters() if p.requires_grad] if cfg.l2_coef else []
 
     def loss(rows: list[int], divisor: torch.Tensor):
         batch = [pairs[i] for i in rows]
         chosen, rejected = pair_scores(wrapped, batch, pad, strategy.device, cfg.bf16, plain=model)
         margin = torch.tensor([p["margin"] for p in batch], device=strategy.device)
         loss, st = bradley_terry_loss(chosen, rejected, margin if margin.any() else None, cfg.center_coef)
+        loss = loss + cfg.l2_coef * sum(p.pow(2).sum() for p in ridge)  # summed shares: one per step
         w = len(batch) / float(divisor)  # this micro-batch's share of the step's pairs
         return (
             loss * len(batch) / divisor,
@@ -166,24 +169,14 @@ def sample_policy(cfg: RMConfig, rows: list[dict], device) -> list[str]:
     torch.manual_seed(cfg.seed)
     out = []
     for i in range(0, len(rows), n.batch_size):
-        ids = [
-            tok(prompt_text(tok, r, cfg.data.chat_template), add_special_tokens=False)["input_ids"][
-                -cfg.data.max_prompt_len :
-            ]
-            for r in rows[i : i + n.batch_size]
-        ]
+        texts = [prompt_text(tok, r, cfg.data.chat_template) for r in rows[i : i + n.batch_size]]
+        ids = [tok(t, add_special_tokens=False)["input_ids"][-cfg.data.max_prompt_len :] for t in texts]
         batch = pad_left(ids, tok.pad_token_id)
         gen = policy.generate(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            do_sample=True,
-            temperature=n.temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=n.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
+            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+            do_sample=True, temperature=n.temperature, top_k=0, top_p=1.0, max_new_tokens=n.max_new_tokens,
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        )  # fmt: skip
         out += tok.batch_decode(gen[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return out
 
@@ -212,6 +205,8 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
         require_model_dir(cfg.normalize.policy, "normalize.policy")
 
     def fresh(member: int) -> ScalarModel:
+        if cfg.model.path == "bag-of-tokens":  # (shifu.bag_of_tokens; l2_coef is its ridge penalty)
+            return ScalarModel.bag_of_tokens(cfg.model.tokenizer, seed=cfg.seed + member)
         return ScalarModel.from_backbone(backbone, seed=cfg.seed + member, freeze_layers=cfg.freeze_layers,
                                          keep_layers=cfg.keep_layers, trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
 
