@@ -119,17 +119,25 @@ PLANS: dict[tuple[str, str], dict[str, Any]] = {
             "optim": {"lr": 4e-3, "warmup_steps": 20},
             "data": {"max_prompt_len": 24, "max_len": 56},
         },
-        # the task's 1000 preference prompts gave 709 pairs (ties dropped) and a reward model at 0.55
-        # held-out accuracy (2 epochs); 3000 prompts (topped up from PPO's training prompts, 2058 pairs)
-        # and one epoch: 0.786 (seed 0, here and in the imdb "reduced" study, which builds on this plan)
+        # a bag-of-tokens reward model (one weight per token id; shifu.bag_of_tokens) trains in ~10 CPU s
+        # where MiniLM took ~190, so the plan spends the time on pairs: 12000 prompts (topped up from
+        # PPO's training prompts, ~8200 pairs, ties dropped) give it 0.80-0.81 held-out accuracy (3000:
+        # 0.71-0.77; MiniLM on 3000: 0.79-0.83). Ridge 1e-3 keeps rarely seen tokens near zero.
+        # docs/frontier.md, "A reward model that sees what the judge sees"
         "pairs": {
             "max_new_tokens": 24,
             "tau": 0.1,
             "temperature": 1.0,
             "drop_ties": True,
-            "num_prompts": 3000,
+            "num_prompts": 12000,
         },
-        "rm": {"model": {"path": "minilm"}, "batch_size": 16, "epochs": 1.0, "optim": {"lr": 1e-4}},
+        "rm": {
+            "model": {"path": "bag-of-tokens"},
+            "batch_size": 64,
+            "epochs": 10.0,
+            "l2_coef": 1e-3,
+            "optim": {"lr": 0.05},
+        },
         "ppo": {
             "iterations": 40,
             "batch_size": 64,
@@ -137,10 +145,12 @@ PLANS: dict[tuple[str, str], dict[str, Any]] = {
             "ppo_epochs": 4,
             "generation": {"max_new_tokens": 24, "temperature": 1.0},
             "critic": {"init": "sft", "optim": {"lr": 3e-4}},
-            # measured (seed 0, 250-step SFT, beta 0.05, horizon 10000 i.e. nearly fixed): KL 4.7 at
-            # iteration 15, 7.7 at 30, 10-11 at 40. A short horizon would first *lower* beta while KL is
-            # under target; 2000 lets beta move at most ~0.6 % per iteration, so init_coef decides
-            "kl": {"controller": "adaptive", "init_coef": 0.07, "target": 7.0, "horizon": 2000},
+            # dense rewards: token t gets s(<=t) - s(<t) of the bag-of-tokens model (its own weight). With
+            # init 0.31 the sharp reward pulled KL to ~20 nats by iteration 24 before beta brought it back;
+            # from 0.6 beta dips to ~0.38 while KL is under target and the swing stays under ~8 nats.
+            # measured, seeds 0 / 1 / 2: +0.629 / +0.631 / +0.629 gold at 5.65 / 6.08 / 5.91 nats, 325-350 CPU s
+            "reward": {"dense": True},
+            "kl": {"controller": "adaptive", "init_coef": 0.6, "target": 6.0, "horizon": 500},
             "optim": {"lr": 3e-4, "schedule": "constant"},
             "eval": {"every": 10, "num_prompts": 64, "gold_function": "shifu.tasks.judges:vader_compound"},
             "data": {"max_prompt_len": 24},

@@ -168,12 +168,12 @@ BUDGETS[("arith", "ci")] = {
     "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 256},
 }
 # imdb "reduced": the quickstart ``small`` preset's SFT (400 steps of a 4-layer GPT-2), then pairs from
-# 3000 prompts (ties dropped; the same as the preset now — stated here so the budget stays fixed if the
-# preset changes; the preset's earlier 1000 prompts gave 709 pairs and a reward model at 0.55 held-out
-# accuracy), a MiniLM reward model for one epoch, and 30-iteration fixed-beta RL runs. REINFORCE makes one
-# pass over each batch (2 optimiser steps per iteration against PPO's 8), so it gets 4x PPO's lr: at the
-# same lr it moved <= 1.9 nats in 30 iterations. ``smoke`` is the earlier, cheap setting on the ``tiny``
-# preset: its pairs were 59 % ties (both VADER 0), its reward model at chance (0.50) and every method ended
+# 3000 prompts (ties dropped; the preset's until 2026-12-03, when it moved to 12000 prompts and a
+# bag-of-tokens reward model: pinned here so the budget stays fixed; the preset's earlier 1000 prompts gave
+# 709 pairs and a reward model at 0.55 held-out accuracy), a MiniLM reward model for one epoch, and
+# 30-iteration fixed-beta RL runs. REINFORCE makes one pass over each batch (2 optimiser steps per
+# iteration against PPO's 8), so it gets 4x PPO's lr: at the same lr it moved <= 1.9 nats in 30
+# iterations. ``smoke`` is the earlier, cheap setting on the ``tiny`` preset: its pairs were 59 % ties (both VADER 0), its reward model at chance (0.50) and every method ended
 # below the SFT policy; it checks the pipeline end to end and nothing else.
 _IMDB_RL = {
     "iterations": 30,
@@ -192,7 +192,14 @@ BUDGETS[("imdb", "reduced")] = {
     "sft": {},
     # quickstart small: 24 new tokens, tau 0.1, T 1.0, ties dropped; prompts_pairs topped up to 3000
     "pairs": {"num_prompts": 3000},
-    "rm": {"epochs": 1.0},
+    # the preset's reward model until 2026-12-03 (it is a bag-of-tokens model now), pinned here
+    "rm": {
+        "model": {"path": "minilm"},
+        "batch_size": 16,
+        "epochs": 1.0,
+        "optim": {"lr": 1e-4},
+        "l2_coef": 0.0,
+    },
     "ppo": _IMDB_RL,
     "reinforce": {
         **_IMDB_RL,
