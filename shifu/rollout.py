@@ -47,6 +47,7 @@ class Rollout:
     returns: Tensor | None = None  # (B, R) value targets
     rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
     token_rewards: Tensor | None = None  # (B, R) process rewards on the tokens that end a step, else 0
+    step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
     ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
 
     def __len__(self) -> int:

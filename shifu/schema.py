@@ -677,10 +677,10 @@ class PPOConfig(RunConfig):
         if grouped and G < 2:
             what = f"advantage_estimator={est}" if est != "gae" else "dynamic_sampling=true"
             raise ConfigError(f"{what} compares the responses to one prompt: set group_size >= 2 (got {G})")
-        if self.reward.dense and est in ("grpo", "dr_grpo", "rloo", "bon"):
+        if self.reward.dense and est in ("rloo", "bon"):
             raise ConfigError(f"reward.dense gives per-token rewards, but advantage_estimator={est} compares one "
-                              "number per response: use gae, reinforce_pp or reinforce_pp_baseline, or "
-                              "reward.dense=false")  # fmt: skip
+                              "number per response: use grpo or dr_grpo (normalised per token), gae, reinforce_pp "
+                              "or reinforce_pp_baseline, or reward.dense=false")  # fmt: skip
         if est == "dr_grpo" and self.loss_aggregation != "token_sum_norm":
             raise ConfigError(
                 "advantage_estimator=dr_grpo divides the loss by a constant (Dr. GRPO): set "

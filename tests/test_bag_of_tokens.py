@@ -111,13 +111,15 @@ def test_dense_rewards_put_each_tokens_weight_on_it(task, tmp_path):
         RewardSource(function=lambda p, r, rows: [0.0] * len(r), dense=True)
 
 
-def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward(task, tmp_path):
+@pytest.mark.parametrize("estimator", [[], ["advantage_estimator=grpo", "group_size=4"]], ids=["gae", "grpo"])
+def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward(task, tmp_path, estimator):
     """The reward model weighs 'a' by 1 and nothing else, so its dense reward is the count of 'a' tokens and
-    the true reward (frac_a) must rise; the logged process reward is that count's batch mean."""
+    the true reward (frac_a) must rise, with GAE and with GRPO normalising every token as a step; the logged
+    process reward is that count's batch mean."""
     a_weighted(task["model"], tmp_path / "rm")
     out = tmp_path / "run"
     cfg = make_cfg(task, out, f"reward.model_path={tmp_path / 'rm'}", "reward.function=null", "reward.dense=true",
-                   "progress=false", "tensorboard=false")  # fmt: skip
+                   "progress=false", "tensorboard=false", *estimator)  # fmt: skip
     ppo.train(cfg)
     gold = gold_curve(out)
     assert gold[0] < 0.15 and gold[-1] > 0.25, gold
@@ -131,7 +133,7 @@ def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward
         (["reward.dense=true"], "set reward.model_path"),
         (["reward.model_path=RM", "reward.function=null", "reward.dense=true", "reward.normalize=true"],
          "one score per response"),
-        (["reward.model_path=RM", "reward.function=null", "reward.dense=true", "advantage_estimator=grpo",
+        (["reward.model_path=RM", "reward.function=null", "reward.dense=true", "advantage_estimator=rloo",
           "group_size=4"], "compares one number per response"),
     ],
 )  # fmt: skip

@@ -11,6 +11,7 @@ from shifu.core import (
     discounted_returns,
     dynamic_sampling_mask,
     group_advantages,
+    group_step_advantages,
     masked_whiten,
     place_step_rewards,
     sequence_returns,
@@ -218,3 +219,85 @@ def test_place_step_rewards_puts_each_step_on_its_last_token():
     ]:
         with pytest.raises(ValueError, match=match):
             place_step_rewards(step_rewards, torch.tensor(ends), mask)
+
+
+# process supervision (DeepSeekMath sec. 4.1.3): G = 2, response 0 has steps ending at tokens 1 and 3 (rewards
+# 0 + 1 and 0 + 2), response 1 (3 tokens) one step ending at token 2 that holds the 0.5 of its token 0.
+STEP_REWARDS = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+STEP_ENDS = torch.tensor([[False, True, False, True], [False, False, True, False]])
+STEP_MASK = right_padded_mask([4, 3], 4)
+# the group's steps 1, 2, 0.5: mean 7/6, centred -1/6, 5/6, -2/3, unbiased std sqrt(21)/6; a token's advantage
+# sums the centred steps from it on: response 0 tokens 0-1 -1/6 + 5/6, tokens 2-3 5/6; response 1 -2/3, pad 0
+STEP_DR = torch.tensor([[2 / 3, 2 / 3, 5 / 6, 5 / 6], [-2 / 3, -2 / 3, -2 / 3, 0.0]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo"])
+def test_group_step_advantages_hand_computed(method):
+    out = group_step_advantages(STEP_REWARDS, STEP_ENDS, STEP_MASK, 2, method, eps=0.0)
+    expected = STEP_DR / (math.sqrt(21) / 6) if method == "grpo" else STEP_DR
+    torch.testing.assert_close(out, expected)
+    # credit lands up to the step: the first step's below-mean reward lowers tokens 0-1 of response 0 only
+    assert out[0, 2] > out[0, 0] > 0 and (out[1, :3] < 0).all() and out[1, 3] == 0
+
+
+def _step_reference(rewards, ends, mask, g, method, eps):
+    """DeepSeekMath's process supervision written out as loops over python floats."""
+    B, R = rewards.shape
+    out = torch.zeros(B, R, dtype=torch.float64)
+    for start in range(0, B, g):
+        steps = []  # (row, end, reward)
+        for i in range(start, start + g):
+            acc = 0.0
+            for t in range(R):
+                if mask[i, t]:
+                    acc += float(rewards[i, t])
+                    if ends[i, t]:
+                        steps.append((i, t, acc))
+                        acc = 0.0
+        values = [r for _, _, r in steps]
+        if len(values) < 2 or max(values) == min(values):
+            continue
+        mean = statistics.fmean(values)
+        std = statistics.stdev(values)
+        for i, end, r in steps:
+            norm = (r - mean) / (std + eps) if method == "grpo" else r - mean
+            for t in range(end + 1):
+                out[i, t] += norm
+    return out
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo"])
+def test_group_step_advantages_match_a_reference_loop(method):
+    gen = torch.Generator().manual_seed(3)
+    B, R, g = 6, 7, 3
+    rewards = torch.randn(B, R, generator=gen, dtype=torch.float64)
+    mask = right_padded_mask([7, 5, 1, 6, 7, 3], R)
+    ends = (torch.rand(B, R, generator=gen) < 0.3) & mask
+    ends[0] = False  # a response without a step: its rewards belong to no step, its advantage is 0
+    out = group_step_advantages(rewards, ends, mask, g, method)
+    torch.testing.assert_close(out, _step_reference(rewards, ends, mask, g, method, 1e-6))
+    assert (out[0] == 0).all() and (out[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo"])
+def test_group_step_advantages_with_one_step_on_the_last_token_are_the_outcome_ones(method):
+    mask = right_padded_mask([3, 5, 2, 4, 5, 1], 5)
+    last = (mask.long().cumsum(1) == mask.sum(1, keepdim=True)) & mask
+    token_rewards = torch.where(last, REWARDS.unsqueeze(1), torch.zeros((), dtype=REWARDS.dtype))
+    out = group_step_advantages(token_rewards, last, mask, 3, method)
+    torch.testing.assert_close(out, group_advantages(REWARDS, 3, method).unsqueeze(1) * mask)
+
+
+def test_group_step_advantages_tied_steps_are_zero_and_bad_input_raises():
+    mask = right_padded_mask([4, 3], 4)
+    tied = torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]])  # every step earns 1
+    out = group_step_advantages(tied, STEP_ENDS, mask, 2, "grpo")
+    assert torch.equal(out, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="no per-step form"):
+        group_step_advantages(tied, STEP_ENDS, mask, 2, "rloo")
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_step_advantages(tied, STEP_ENDS, mask, 1, "grpo")
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_step_advantages(tied, STEP_ENDS, mask, 3, "grpo")
+    with pytest.raises(ValueError, match=r"must all be \(B, R\)"):
+        group_step_advantages(tied, STEP_ENDS[:, :3], mask, 2, "grpo")

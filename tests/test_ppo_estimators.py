@@ -46,6 +46,7 @@ METHODS = {
         "kl.loss_estimator=k2",
     ],
     "process_reinforce_pp": ["advantage_estimator=reinforce_pp", "reward.function=ppo_task:a_steps"],
+    "process_grpo": ["advantage_estimator=grpo", "group_size=4", "reward.function=ppo_task:a_steps"],
 }
 
 
@@ -213,15 +214,17 @@ def test_step_rewards_land_on_the_token_that_completes_the_step(tiny_model_dir):
     mask = torch.zeros(2, R, dtype=torch.bool)
     for i, e in enumerate(enc):
         ids[i, : len(e)], mask[i, : len(e)] = torch.tensor(e), True
-    steps = [[(5, 1.0), (11, 2.0), (20, 3.0)], [(1, 0.5), (2, 0.25)]]
-    out = step_rewards(tok, ids, mask, steps)
-    expected = torch.zeros(2, R)
+    steps = [[(5, 1.0), (11, 0.0), (20, 3.0)], [(1, 0.5), (2, 0.25)]]
+    out, ends = step_rewards(tok, ids, mask, steps)
+    expected, expected_ends = torch.zeros(2, R), torch.zeros(2, R, dtype=torch.bool)
     for i, row in enumerate(steps):
         for end, reward in row:  # the first token whose decoded prefix reaches `end` characters
             k = next(k for k in range(len(enc[i])) if len(tok.decode(enc[i][: k + 1])) >= end)
             expected[i, k] += reward
+            expected_ends[i, k] = True  # a step of reward 0 ends there too
     assert torch.equal(out, expected), (out, expected)
-    assert out[0].sum() == 6.0 and out[1].sum() == 0.75 and (out[~mask] == 0).all()
+    assert torch.equal(ends, expected_ends) and ends[0].sum() == 3, ends
+    assert out[0].sum() == 4.0 and out[1].sum() == 0.75 and (out[~mask] == 0).all()
 
 
 def test_process_rewards_credit_the_tokens_up_to_their_step():
@@ -237,8 +240,34 @@ def test_process_rewards_credit_the_tokens_up_to_their_step():
     for name in ("reinforce_pp", "gae"):
         adv, _ = ESTIMATORS[name](x, cfg, None)
         assert torch.allclose(adv, expected), (name, adv)
-    with pytest.raises(ShifuError, match="process rewards"):
-        ESTIMATORS["grpo"](x, PPOConfig(group_size=2), None)
+
+
+def test_group_estimators_normalise_process_rewards_per_step():
+    """grpo / dr_grpo with process rewards (DeepSeekMath's process supervision): the group's steps are 1 and
+    -0.5 (response 0, ending at tokens 2 and 5), 0 (a step of reward 0 ending at token 3 of response 1) and
+    response 1's score 0.25 on its last token, minus beta * KL of each step's tokens (0.1 a token, beta 0.5).
+    A token's advantage sums the normalised steps from it on; rloo and bon refuse per-token rewards."""
+    from shifu.schema import PPOConfig
+
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, -0.5], [0.0] * 6])
+    steps = torch.tensor(
+        [[False, False, True, False, False, True], [False, False, False, True, False, False]]
+    )
+    kl = torch.full((2, 6), 0.1)
+    x = Signals(torch.tensor([0.0, 0.25]), token_rewards, kl, 0.5, mask, torch.zeros(2, 6), mask, steps)
+    # steps: 1 - 0.15, -0.5 - 0.15, 0 - 0.2, 0.25 - 0.1 (the last token ends response 1's second step)
+    r = torch.tensor([0.85, -0.65, -0.2, 0.15])
+    c = r - r.mean()
+    dr = torch.tensor([[c[0] + c[1]] * 3 + [c[1]] * 3, [c[2] + c[3]] * 4 + [c[3]] * 2])
+    cfg = PPOConfig(group_size=2, advantage_estimator="dr_grpo", loss_aggregation="token_sum_norm")
+    adv, _ = ESTIMATORS["dr_grpo"](x, cfg, None)
+    torch.testing.assert_close(adv, dr)
+    adv, _ = ESTIMATORS["grpo"](x, PPOConfig(group_size=2, advantage_estimator="grpo"), None)
+    torch.testing.assert_close(adv, dr / (r.std() + 1e-6))
+    for name in ("rloo", "bon"):
+        with pytest.raises(ShifuError, match="compares one number per response"):
+            ESTIMATORS[name](x, PPOConfig(group_size=2), None)
 
 
 def test_process_reward_run_raises_the_true_reward_with_gae(task, tmp_path):

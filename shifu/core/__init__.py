@@ -27,7 +27,7 @@ from .controllers import (
     StepKLController,
     build_kl_controller,
 )
-from .group import dynamic_sampling_mask, group_advantages, subtract_group_mean
+from .group import dynamic_sampling_mask, group_advantages, group_step_advantages, subtract_group_mean
 from .kl import exact_kl, kl_estimate
 from .logprobs import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from .losses import (
@@ -67,6 +67,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "group_advantages",
+    "group_step_advantages",
     "gspo_policy_loss",
     "kl_estimate",
     "kl_loss",

@@ -103,3 +103,64 @@ def dynamic_sampling_mask(rewards: Tensor, group_size: int, atol: float = 0.0) -
     informative = spread > atol
     keep = informative.repeat_interleave(group_size)
     return keep, (~informative).sum()
+
+
+def group_step_advantages(
+    token_rewards: Tensor,
+    step_mask: Tensor,
+    response_mask: Tensor,
+    group_size: int,
+    method: str,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Token advantages (B, R) from per-token rewards with a group baseline over **steps**: GRPO with
+    process supervision (Shao et al. 2024, "DeepSeekMath", sec. 4.1.3), and its Dr. GRPO form.
+
+    A step of response ``i`` ends on each real token where ``step_mask`` is True.
+
+    1. Each real token's reward accrues to the step that holds it (the first step end at or after the
+       token): step ``k`` earns ``r_{i,k}``, the sum of its tokens' rewards. Rewards on tokens after a row's
+       last step end belong to no step and are dropped (end a step on the last token to keep them).
+    2. ``mean`` and ``std`` (unbiased, as ``torch.std``) of the rewards of *every* step of the ``G``
+       responses to the prompt: ``"grpo"``: ``r~ = (r - mean) / (std + eps)``; ``"dr_grpo"``: ``r~ = r - mean``.
+    3. ``A_{i,t} = sum_{k: end_{i,k} >= t} r~_{i,k}``: the normalised rewards of the steps from token t on.
+       0 on padding and after a row's last step.
+
+    With one step per response, on its last token, this is :func:`group_advantages` on every token (up to
+    rounding). A group whose step rewards are all equal (one step included) gets exactly 0, never NaN.
+    ``rloo`` and ``bon`` compare one number per response and have no step form: ``ValueError``.
+    """
+    if token_rewards.dim() != 2 or not token_rewards.shape == step_mask.shape == response_mask.shape:
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)}, step_mask {tuple(step_mask.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must all be (B, R)"
+        )
+    if method not in ("grpo", "dr_grpo"):
+        raise ValueError(
+            f"group step advantages: method '{method}' has no per-step form; valid: grpo, dr_grpo (rloo and "
+            "bon compare one number per response)"
+        )
+    mask = response_mask.bool()
+    _grouped(mask[:, 0], group_size, "token_rewards")  # the layout checks, on its (B,) rows
+    steps = step_mask.bool() & mask
+    zero = torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device)
+    rewards = torch.where(mask, token_rewards, zero)
+    # 1. step k of a row holds the tokens after its (k-1)-th end up to its k-th; id = ends strictly before t
+    step_id = steps.long().cumsum(1) - steps.long()
+    per_step = torch.zeros(mask.shape[0], mask.shape[1] + 1, dtype=rewards.dtype, device=rewards.device)
+    per_step = per_step.scatter_add(1, step_id, rewards)
+    at_end = torch.where(steps, per_step.gather(1, step_id), zero)  # r_{i,k} on step k's last token
+    # 2. the group's statistics over its steps: (B // G, G * R) with the step ends marked
+    r, s = at_end.view(-1, group_size * mask.shape[1]), steps.view(-1, group_size * mask.shape[1])
+    n = s.sum(1, keepdim=True).to(r.dtype)
+    mean = r.sum(1, keepdim=True) / n.clamp(min=1)
+    centred = torch.where(s, r - mean, zero)
+    if method == "grpo":
+        std = ((centred**2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centred = centred / (std + eps)
+    inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
+    tied = torch.where(s, r, -inf).amax(1, keepdim=True) <= torch.where(s, r, inf).amin(1, keepdim=True)
+    normalised = torch.where(tied, zero, centred).view(mask.shape)
+    # 3. reward-to-go over the steps (gamma = 1); only step ends carry a value, so padding sums nothing
+    to_go = normalised.flip(1).cumsum(1).flip(1)
+    return torch.where(mask, to_go, zero)

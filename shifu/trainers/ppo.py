@@ -112,7 +112,7 @@ def learn(
         train = mask & keep.unsqueeze(1)
         extra["rollout/groups_dropped"] = strategy.batch_sums({"n": n_dropped})["n"]
     signals = Signals(scores, rollout.token_rewards, kl, beta if cfg.kl.penalty == "reward" else 0.0, train,
-                      rollout.values, mask)  # fmt: skip
+                      rollout.values, mask, rollout.step_mask)  # fmt: skip
     learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
     nothing = (torch.zeros_like(kl), torch.zeros_like(kl))  # every group dropped: no advantage to estimate
     advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else nothing

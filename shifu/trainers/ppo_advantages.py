@@ -8,8 +8,11 @@ formula is a named function of ``shifu.core`` (docs/core.md has the table of how
 - ``reinforce`` (algo=reinforce): the whole-sequence return ``score - beta * sum_t kl_t`` on every token,
   minus the batch mean (``reinforce_baseline``); process rewards count in the sequence's score;
 - ``grpo``, ``dr_grpo``, ``rloo``, ``bon``: the group's comparison of ``score - beta * sum_t kl_t`` (just the score
-  when the KL is a loss term), on every token of the response; one number per response, so process
-  rewards are refused;
+  when the KL is a loss term), on every token of the response. With process rewards ``grpo`` and ``dr_grpo``
+  compare *steps* instead (DeepSeekMath's process supervision, ``core.group_step_advantages``): each step
+  earns its reward, minus ``beta`` times its tokens' KL, the last step the score too; every step of the
+  group is normalised by the group's step statistics and a token's advantage is the sum over the steps
+  from it on. ``rloo`` and ``bon`` compare one number per response and refuse process rewards;
 - ``reinforce_pp``, ``reinforce_pp_baseline``: the discounted reward-to-go of the per-token rewards,
   whitened over the global batch; the baseline variant first subtracts each group's mean score.
 
@@ -42,6 +45,7 @@ class Signals:
     mask: Tensor  # (B, R) bool, the response tokens that train (a dynamic-sampling drop clears a row)
     values: Tensor  # (B, R) the critic's values (zeros without a critic)
     real: Tensor  # (B, R) bool, every real response token (a dropped row's too: its score has a place)
+    steps: Tensor | None = None  # (B, R) bool, the tokens that end a process-reward step (with token_rewards)
 
 
 def totals(scores: Tensor, rollout) -> Tensor:
@@ -81,12 +85,25 @@ def reinforce(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, T
 def group(method: str) -> Callable[[Signals, PPOConfig, Strategy], tuple[Tensor, Tensor]]:
     def estimator(x: Signals, cfg: PPOConfig, strategy: Strategy) -> tuple[Tensor, Tensor]:
         if x.token_rewards is not None:
-            raise ShifuError(
-                f"the reward function returned process rewards (steps), but advantage_estimator={method} "
-                "compares one number per response: use gae, reinforce_pp or reinforce_pp_baseline"
-            )
+            return steps(x, cfg)
         rewards = core.sequence_returns(x.scores, x.kl, x.mask, x.beta)  # (B,) score - beta * KL
         advantages = core.sequence_advantages(core.group_advantages(rewards, cfg.group_size, method), x.mask)
+        return advantages, advantages
+
+    def steps(x: Signals, cfg: PPOConfig) -> tuple[Tensor, Tensor]:
+        if method not in ("grpo", "dr_grpo"):
+            raise ShifuError(
+                f"the rewards are per token (process rewards or reward.dense), but advantage_estimator={method} "
+                "compares one number per response: use grpo or dr_grpo (normalised per step), gae, "
+                "reinforce_pp or reinforce_pp_baseline"
+            )
+        # a step ends where the reward says so (any token with a reward when no step ends are given) and on
+        # each response's last token, which carries the score and the KL of the tokens after its last step
+        ends = x.token_rewards != 0 if x.steps is None else x.steps
+        last = (x.real.long().cumsum(1) == x.real.sum(1, keepdim=True)) & x.real
+        advantages = core.group_step_advantages(
+            _token_rewards(x, x.scores), (ends | last) & x.mask, x.mask, cfg.group_size, method
+        )
         return advantages, advantages
 
     estimator.__name__ = method

@@ -103,8 +103,9 @@ def collect_rollout(
         scores, steps = models.reward.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
         token_rewards = models.reward.dense_rewards(input_ids, attention_mask, P) if dense else None
     scores = scores.to(old_log_probs.device)
+    step_mask = response_mask if dense else None  # dense: every token is a step of its own
     if steps is not None:
-        token_rewards = step_rewards(tok, response_ids, response_mask, steps)
+        token_rewards, step_mask = step_rewards(tok, response_ids, response_mask, steps)
     last = (response_mask.long().cumsum(1) == response_mask.sum(1, keepdim=True)) & response_mask
     rollout = Rollout(
         input_ids=input_ids,
@@ -122,6 +123,7 @@ def collect_rollout(
         rows=rows,
         rollout_log_probs=sampled.log_probs.float() if keep_decode else None,
         token_rewards=token_rewards,
+        step_mask=step_mask,
         ref_log_softmax=torch.cat(ref_full) if exact else None,
     )
     # a NaN/Inf score drops that response (its whole group when G > 1) instead of poisoning the batch
@@ -146,10 +148,13 @@ def collect_rollout(
     return rollout, info
 
 
-def step_rewards(tok, response_ids: torch.Tensor, response_mask: torch.Tensor, steps: list) -> torch.Tensor:
-    """Process rewards (B, R): response i's step ``(end, reward)`` (``end`` a character offset into its decoded
-    text, :mod:`shifu.rewards`) lands on the first token whose decoded prefix reaches ``end`` characters,
-    the token that completes the step (:func:`shifu.core.place_step_rewards`)."""
+def step_rewards(
+    tok, response_ids: torch.Tensor, response_mask: torch.Tensor, steps: list
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process rewards (B, R) and the step ends (B, R) bool: response i's step ``(end, reward)`` (``end`` a
+    character offset into its decoded text, :mod:`shifu.rewards`) lands on the first token whose decoded
+    prefix reaches ``end`` characters, the token that completes the step (:func:`shifu.core.place_step_rewards`);
+    a step of reward 0 still ends there (the group estimators count it)."""
     S = max(1, max(len(x) for x in steps))
     ends = torch.full((len(steps), S), -1, dtype=torch.long)
     values = torch.zeros(len(steps), S)
@@ -167,7 +172,11 @@ def step_rewards(tok, response_ids: torch.Tensor, response_mask: torch.Tensor, s
                 j += 1
             ends[i, j], values[i, j] = lo, values[i, j] + reward
     dev = response_mask.device
-    return core.place_step_rewards(values.to(dev), ends.to(dev), response_mask)
+    ends = ends.to(dev)
+    used = ends >= 0
+    hits = torch.zeros(response_mask.shape, dtype=torch.long, device=dev)
+    step_mask = hits.scatter_add(1, torch.where(used, ends, 0), used.long()) > 0
+    return core.place_step_rewards(values.to(dev), ends, response_mask), step_mask
 
 
 def sampling_params(cfg: PPOConfig) -> SamplingParams:
