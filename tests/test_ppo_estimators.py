@@ -141,6 +141,26 @@ def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path, e
     assert kls[1.0] < kls[0.02] / 4, kls
 
 
+def test_exact_kl_that_would_not_fit_in_memory_is_refused_before_anything_is_written(
+    task, tmp_path, monkeypatch
+):
+    """The reference's (B, R, V) log-probs are sized against the memory free on the device (MemAvailable here,
+    read for real) and refused over half of it, naming the size and what to change."""
+    from shifu.trainers import ppo_models
+
+    free = ppo_models.available_memory(torch.device("cpu"))
+    assert free is not None and free > 2**20  # Linux: the kernel's MemAvailable, in bytes
+    monkeypatch.setattr(ppo_models, "available_memory", lambda device: 1000)  # a device with 1000 bytes free
+    out = tmp_path / "run"
+    cfg = make_cfg(task, out, *METHODS["grpo_kl_loss"], "kl.loss_estimator=full", *QUIET)
+    with pytest.raises(
+        ConfigError, match=r"kl.loss_estimator=full .* GiB on this process.*kl.loss_estimator=k3"
+    ):
+        ppo.train(cfg)
+    assert not out.exists()
+    ppo.train(make_cfg(task, out, *METHODS["grpo_kl_loss"], "kl.loss_estimator=k3", "iterations=1", *QUIET))
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_truncated_importance_sampling_logs_the_rollout_mismatch(task, tmp_path, bf16):
     out = tmp_path / "run"
