@@ -10,7 +10,9 @@ every other method of that seed starts from a copy of those finished stages (a q
 finished stages), so the methods of one seed share the same SFT policy, reward model and held-out prompts,
 and each summary still counts the copied stages' recorded seconds. One JSON line per run (the quickstart's
 ``summary.json`` plus ``method`` and ``sets``), then one per method: mean gain, its standard error over the
-seeds, the seeds meeting ``--bar`` and the worst seed. ``--set`` applies to every method (after its own).
+seeds, the seeds meeting ``--bar``, the worst seed, the RL stage's CPU seconds and the gain per CPU-minute of
+it. ``--set`` applies to every method (after its own); ``--plot PNG`` draws gain against KL and against the
+RL stage's CPU seconds (a rerun with the same ``--out`` reuses the finished runs, so it can add the plot).
 
 Methods (their ``ppo.*`` settings on top of the quickstart plan, which stays PPO's for ``ppo``):
 """
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bar", type=float, default=0.15, help="gold gain a seed must reach (default 0.15)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--plot", metavar="PNG", help="also draw gain against KL and against the RL stage's CPU s"
+    )
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
@@ -117,13 +122,54 @@ def main(argv: list[str] | None = None) -> int:
     for method, rs in rows.items():
         gains = [r["gold_gain"] for r in rs]
         se = standard_error(gains) if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
+        rl = [rl_cpu_seconds(r) for r in rs]
+        per_minute = [g / (c / 60) for g, c in zip(gains, rl)]
         print(json.dumps({
             "method": method, "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
             "seeds_meeting_bar": sum(g >= args.bar for g in gains), "bar": args.bar, "worst_gain": min(gains),
             "kl_mean": statistics.mean(r["kl"] for r in rs), "kl_max": max(r["kl"] for r in rs),
             "seconds_max": max(r["seconds_total"] for r in rs), "gains": gains,
+            "rl_cpu_seconds_mean": statistics.mean(rl), "gain_per_rl_cpu_minute": statistics.mean(per_minute),
         }), flush=True)  # fmt: skip
+    if args.plot:
+        plot(rows, Path(args.plot))
     return 0
+
+
+def rl_cpu_seconds(row: dict) -> float:
+    """CPU seconds of the RL stage(s) of a quickstart summary (``ppo``, and ``ppo-2``... of a soup)."""
+    return sum(v for k, v in row["cpu_seconds"].items() if k == "ppo" or k.startswith("ppo-"))
+
+
+def plot(rows: dict[str, list[dict]], path: Path) -> None:
+    """Two views of the same runs: gold gain against KL, and against the RL stage's CPU seconds; one small
+    marker per seed, the method's mean over seeds with its standard error as a large one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for i, (method, rs) in enumerate(rows.items()):
+        colour = f"C{i}"
+        gains = [r["gold_gain"] for r in rs]
+        se = standard_error(gains) if len(gains) > 1 else 0.0
+        for ax, xs in zip(axes, ([r["kl"] for r in rs], [rl_cpu_seconds(r) for r in rs])):
+            ax.scatter(xs, gains, color=colour, s=14, alpha=0.5)
+            ax.errorbar([statistics.mean(xs)], [statistics.mean(gains)], yerr=[se],
+                        xerr=[standard_error(xs) if len(xs) > 1 else 0.0], color=colour, marker="o",
+                        markersize=7, capsize=3, label=f"{method} ({len(rs)} seeds)")  # fmt: skip
+    axes[0].set_xlabel("KL to the reference, nats per response (held-out prompts)")
+    axes[1].set_xlabel("CPU seconds of the RL stage (one thread)")
+    axes[0].set_ylabel("gold gain over the SFT policy (held-out)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle("quickstart: each method's seeds (small) and mean ± s.e. over seeds (large)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
