@@ -72,6 +72,17 @@ class Strategy:
 
     world, rank, is_main = 1, 0, True  # (also inside a torchrun job: a one-process reference computation)
 
+    def free_memory(self) -> int | None:
+        """Bytes free for new tensors on this process's device: CUDA's free memory, or the kernel's
+        MemAvailable on CPU (Linux); None where neither can be read."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
+
     def rank_seed(self, seed: int) -> int:
         """A sampling seed of this rank's own (``seed`` on rank 0)."""
         return seed

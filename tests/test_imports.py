@@ -44,7 +44,7 @@ def test_public_names():
         "ppo_penalty_loss", "bradley_terry_loss", "dpo_loss", "FixedKLController", "AdaptiveKLController",
         "StepKLController", "PenaltyKLController", "build_kl_controller", "RunningMoments",
         "explained_variance", "penalize_missing_eos", "normalize_scores", "sequence_returns", "sequence_advantages",
-        "reinforce_loss", "POLICY_LOSSES", "group_advantages", "subtract_group_mean", "dynamic_sampling_mask",
+        "reinforce_loss", "POLICY_LOSSES", "group_advantages", "group_step_advantages", "subtract_group_mean", "dynamic_sampling_mask",
         "discounted_returns", "shape_token_rewards", "place_step_rewards", "gspo_policy_loss", "kl_loss",
         "exact_kl", "exact_kl_loss", "truncated_is_weights", "rollout_mismatch", "conjugate_gradient",
     }  # fmt: skip

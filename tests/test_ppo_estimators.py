@@ -146,15 +146,15 @@ def test_exact_kl_that_would_not_fit_in_memory_is_refused_before_anything_is_wri
 ):
     """The reference's (B, R, V) log-probs are sized against the memory free on the device (MemAvailable here,
     read for real) and refused over half of it, naming the size and what to change."""
-    from shifu.trainers import ppo_models
+    from shifu.strategy import Strategy
 
-    free = ppo_models.available_memory(torch.device("cpu"))
+    free = Strategy(None).free_memory()
     assert free is not None and free > 2**20  # Linux: the kernel's MemAvailable, in bytes
-    monkeypatch.setattr(ppo_models, "available_memory", lambda device: 1000)  # a device with 1000 bytes free
+    monkeypatch.setattr(Strategy, "free_memory", lambda self: 1000)  # a device with 1000 bytes free
     out = tmp_path / "run"
     cfg = make_cfg(task, out, *METHODS["grpo_kl_loss"], "kl.loss_estimator=full", *QUIET)
     with pytest.raises(
-        ConfigError, match=r"kl.loss_estimator=full .* GiB on this process.*kl.loss_estimator=k3"
+        ShifuError, match=r"kl.loss_estimator=full .* GiB on this process.*kl.loss_estimator=k3"
     ):
         ppo.train(cfg)
     assert not out.exists()

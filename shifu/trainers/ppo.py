@@ -41,7 +41,7 @@ from shifu.trainers.common import (
     seed_everything,
 )
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
-from shifu.trainers.ppo_models import PPOModels, PPOState, build, check_exact_kl_memory
+from shifu.trainers.ppo_models import PPOModels, PPOState, build
 from shifu.trainers.ppo_rollout import collect_rollout, sampling_params
 from shifu.trainers.ppo_update import update
 
@@ -176,7 +176,6 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
     check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.generation.max_new_tokens)
-    check_exact_kl_memory(cfg, m.actor_module, strategy)
     ptx = None
     if cfg.ptx_coef > 0:
         ptx = ptx_batches(tok, d.ptx, cfg.minibatch_size // cfg.grad_accum, d.max_prompt_len,

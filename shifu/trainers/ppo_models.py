@@ -17,7 +17,7 @@ from torch import nn
 from shifu import core
 from shifu import lora as L
 from shifu import precision as bf16
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ShifuError
 from shifu.models import (
     ScalarModel,
     check_own_tokenizer,
@@ -28,6 +28,7 @@ from shifu.models import (
     new_value_head,
 )
 from shifu.rewards import RewardSource, load_function, load_reward_model, same_tokenizer
+from shifu.rollout import check_exact_kl_memory
 from shifu.schema import PPOConfig
 from shifu.strategy import Strategy, Trained, decay_groups
 from shifu.trainers.common import SkippedSteps
@@ -293,39 +294,6 @@ def _grouped(params) -> list:
 def build(cfg: PPOConfig, tok, strategy: Strategy) -> PPOModels:
     """The four models from ``cfg``, placed, with their optimisers (``used``: see :func:`load`)."""
     *models, used = load(cfg, tok, strategy)
-    return dataclasses.replace(place(*models, tok, cfg, strategy), used=used)
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free for a new tensor on ``device``: CUDA's free memory, the kernel's MemAvailable on CPU (Linux),
-    None where neither can be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_exact_kl_memory(cfg: PPOConfig, actor: nn.Module, strategy: Strategy) -> None:
-    """``kl.loss_estimator=full`` keeps the reference's log-probs over the whole vocabulary for every response
-    token of the rollout, (batch per process, max_new_tokens, V) floats: 12.6 MB at imdb's 2048 tokens, but
-    ~300 MB at SmolLM2's 49152 with 64 x 24 and growing with both. Refused before anything is written when
-    that is over half the memory free on the device, with the size and what to change."""
-    if not (cfg.kl.penalty == "loss" and cfg.kl.loss_estimator == "full"):
-        return
-    vocab = actor.get_output_embeddings().weight.shape[0]
-    rows, R = cfg.batch_size // strategy.world, cfg.generation.max_new_tokens
-    need = rows * R * vocab * 4
-    free = available_memory(strategy.device)
-    if free is not None and need > free // 2:
-        raise ConfigError(
-            f"kl.loss_estimator=full keeps the reference's log-probs over the vocabulary for the whole rollout: "
-            f"{rows} responses x {R} tokens x {vocab} = {need / 2**30:.1f} GiB on this process, over half of "
-            f"the {free / 2**30:.1f} GiB free on {strategy.device}; lower batch_size or "
-            "generation.max_new_tokens, or use kl.loss_estimator=k3 (or k2)"
-        )
+    m = dataclasses.replace(place(*models, tok, cfg, strategy), used=used)
+    check_exact_kl_memory(cfg, m.actor_module, strategy)  # the rollout's (B, R, V) reference log-probs fit
+    return m
