@@ -45,7 +45,7 @@ class Signals:
     mask: Tensor  # (B, R) bool, the response tokens that train (a dynamic-sampling drop clears a row)
     values: Tensor  # (B, R) the critic's values (zeros without a critic)
     real: Tensor  # (B, R) bool, every real response token (a dropped row's too: its score has a place)
-    steps: Tensor | None = None  # (B, R) bool, the tokens that end a process-reward step (with token_rewards)
+    steps: Tensor | None = None  # (B, R) bool, the tokens that end a step; set whenever token_rewards is
 
 
 def totals(scores: Tensor, rollout) -> Tensor:
@@ -97,12 +97,11 @@ def group(method: str) -> Callable[[Signals, PPOConfig, Strategy], tuple[Tensor,
                 "compares one number per response: use grpo or dr_grpo (normalised per step), gae, "
                 "reinforce_pp or reinforce_pp_baseline"
             )
-        # a step ends where the reward says so (any token with a reward when no step ends are given) and on
-        # each response's last token, which carries the score and the KL of the tokens after its last step
-        ends = x.token_rewards != 0 if x.steps is None else x.steps
+        # a step ends where the reward says so and on each response's last token, which carries the score
+        # and the KL of the tokens after its last step
         last = (x.real.long().cumsum(1) == x.real.sum(1, keepdim=True)) & x.real
         advantages = core.group_step_advantages(
-            _token_rewards(x, x.scores), (ends | last) & x.mask, x.mask, cfg.group_size, method
+            _token_rewards(x, x.scores), (x.steps | last) & x.mask, x.mask, cfg.group_size, method
         )
         return advantages, advantages
 
