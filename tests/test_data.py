@@ -225,7 +225,7 @@ def test_prompt_and_preference_rows_accept_messages(tmp_path):
 
 
 def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
-    from shifu.config.schema import TextDataConfig
+    from shifu.config.sections import TextDataConfig
     from shifu.data.rows import encode_reward_pairs, encode_sft
     from shifu.trainers import dpo
 

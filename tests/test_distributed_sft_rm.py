@@ -24,7 +24,7 @@ from conftest import write_jsonl
 from safetensors.torch import load_file
 
 from shifu.config.loader import load_config
-from shifu.config.schema import TextDataConfig as DataConfig
+from shifu.config.sections import TextDataConfig as DataConfig
 from shifu.data.rows import BatchStream, encode_sft
 from shifu.models.loading import ScalarModel, load_tokenizer
 from shifu.trainers import dpo, reward, sft

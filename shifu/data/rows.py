@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from shifu.config.schema import DataConfig
+from shifu.config.sections import DataConfig
 from shifu.errors import ConfigError, DataError, ShifuError
 
 KINDS = ("sft", "preference", "prompt")

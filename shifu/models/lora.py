@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from shifu.config.schema import LoraConfig
+from shifu.config.sections import LoraConfig
 from shifu.errors import ConfigError, ShifuError
 
 

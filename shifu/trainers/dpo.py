@@ -24,7 +24,8 @@ from collections import Counter
 
 import torch
 
-from shifu.config.schema import DPOConfig, TextDataConfig, check_world_size
+from shifu.config.schema import DPOConfig, check_world_size
+from shifu.config.sections import TextDataConfig
 from shifu.core import dpo_loss, masked_sum
 from shifu.data.rows import encode_sft, load_train_eval, prompt_text
 from shifu.errors import ConfigError
