@@ -238,7 +238,8 @@ def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
     sft, _ = encode_sft(tok, [{"prompt": "review:", "response": " great"}], 64, 128)
     assert tok.decode(sft[0]["prompt_ids"]) == "<|user|>review:\n<|assistant|>"
 
-    from shifu.models.loading import ScalarModel, build_tiny_gpt2
+    from shifu.models.loading import build_tiny_gpt2
+    from shifu.models.scalar import ScalarModel
 
     tok.save_pretrained(str(tmp_path / "rm"))  # a real causal reward model whose tokenizer has the template
     build_tiny_gpt2(tok, n_layer=1, n_embd=32, n_head=2, n_positions=128, seed=0).save_pretrained(

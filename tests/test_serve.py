@@ -31,7 +31,9 @@ uvicorn = pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'
 
 from shifu.cli import main as cli  # noqa: E402
 from shifu.errors import ConfigError  # noqa: E402
-from shifu.models.loading import ScalarModel, fuse_tanh_gelu, load_tokenizer, pad_left, pad_right  # noqa: E402
+from shifu.models.loading import fuse_tanh_gelu, load_tokenizer  # noqa: E402
+from shifu.models.padding import pad_left, pad_right  # noqa: E402
+from shifu.models.scalar import ScalarModel  # noqa: E402
 from shifu.rewards.ensemble import load_reward, write_manifest  # noqa: E402
 from shifu.rewards.remote import (  # noqa: E402
     RemoteReward,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from shifu.config.loader import load_config
 from shifu.errors import ShifuError
-from shifu.models.loading import ScalarModel
+from shifu.models.scalar import ScalarModel
 from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo
 

@@ -637,7 +637,7 @@ def ptx_batches(
     ``attention_mask`` and ``loss_mask`` (True on response tokens and the appended EOS), shuffled by a
     generator seeded with ``seed``; prompts keep their last ``max_prompt_len`` tokens, responses their first
     ``max_new_tokens``."""
-    from shifu.models.loading import pad_right
+    from shifu.models.padding import pad_right
 
     rows = [sft_texts(tokenizer, r, chat_template) for r in load_rows(path, "sft", skip_bad=skip_bad)]
 

@@ -173,7 +173,7 @@ class Sampler:
         """One result per (row, sample): prompt, rendered prompt, response, token count, whether the
         response ended with EOS, and the score when a scorer is loaded."""
         from shifu.generation.rollout import decode_responses, generate
-        from shifu.models.loading import pad_left
+        from shifu.models.padding import pad_left
 
         rows = [r for r in rows for _ in range(self.args.num_samples)]
         out = []

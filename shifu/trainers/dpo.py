@@ -36,9 +36,8 @@ from shifu.models.loading import (
     check_vocab,
     load_causal_lm,
     load_tokenizer,
-    pad_left,
-    pad_right,
 )
+from shifu.models.padding import pad_left, pad_right
 from shifu.parallel.strategy import Strategy, build_strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything

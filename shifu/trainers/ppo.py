@@ -5,9 +5,8 @@ One iteration, top to bottom in :func:`iteration` (spec, stage 3): 1. rollout ->
 controller; :func:`train` runs iterations and 7. logs, evaluates, guards and saves. Every formula is in
 ``shifu.core``, every parallel step in the strategy (``shifu.parallel.strategy``).
 
-Run directory: ``metrics.jsonl`` and ``tb/`` (every iteration), ``samples.jsonl`` (evaluation samples),
-``checkpoints/`` (resume), ``best/`` (actor at the best ``eval.best_metric``), ``final/`` (the actor at the
-end, an HF directory), ``critic/`` (the trained critic), ``config.yaml``, ``summary.json``.
+Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
+``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from shifu.config.loader import to_dict, with_values
 from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
 from shifu.data.rows import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
 from shifu.generation.rollout import Rollout, check_positions
-from shifu.models.loading import load_tokenizer, pad_left
+from shifu.models.loading import load_tokenizer
+from shifu.models.padding import pad_left
 from shifu.parallel.strategy import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function

@@ -28,15 +28,9 @@ from shifu.config.schema import RMConfig, check_world_size
 from shifu.core import bradley_terry_loss
 from shifu.data.rows import encode_reward_pairs, load_rows, load_train_eval, prompt_text, sft_texts
 from shifu.errors import ConfigError
-from shifu.models.loading import (
-    ScalarModel,
-    check_length,
-    load_causal_lm,
-    load_tokenizer,
-    pad_left,
-    pad_right,
-    require_model_dir,
-)
+from shifu.models.loading import check_length, load_causal_lm, load_tokenizer, require_model_dir
+from shifu.models.padding import pad_left, pad_right
+from shifu.models.scalar import ScalarModel
 from shifu.parallel.strategy import Strategy, build_strategy
 from shifu.rewards.ensemble import RewardEnsemble, write_manifest
 from shifu.trainers import common, loop
