@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from shifu.config.loader import load_config
 from shifu.config.sections import TextDataConfig as DataConfig
-from shifu.data.rows import BatchStream, encode_sft
+from shifu.data.batches import BatchStream, encode_sft
 from shifu.models.loading import load_tokenizer
 from shifu.models.scalar import ScalarModel
 from shifu.trainers import dpo, reward, sft

@@ -1,9 +1,8 @@
 """Stage 3, ``shifu ppo``: PPO with four models — actor, critic, frozen reference, frozen reward model.
 
-One iteration, top to bottom in :func:`iteration` (spec, stage 3): 1. rollout -> 2. score processing ->
-3. reward shaping -> 4. advantages -> 5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL
-controller; :func:`train` runs iterations and 7. logs, evaluates, guards and saves. Every formula is in
-``shifu.core``, every parallel step in the strategy (``shifu.parallel.strategy``).
+One iteration in :func:`iteration`: 1. rollout -> 2. score processing -> 3. reward shaping -> 4. advantages ->
+5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL controller; :func:`train` loops and 7.
+logs, evaluates, guards, saves. Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
 
 Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
 ``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
@@ -22,7 +21,8 @@ import torch
 from shifu import core
 from shifu.config.loader import to_dict, with_values
 from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
-from shifu.data.rows import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
+from shifu.data.batches import PromptStream, encode_prompts, ptx_batches
+from shifu.data.rows import load_rows, split_prompts
 from shifu.generation.rollout import Rollout, check_positions
 from shifu.models.loading import load_tokenizer
 from shifu.models.padding import pad_left

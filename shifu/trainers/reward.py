@@ -26,7 +26,8 @@ import torch
 
 from shifu.config.schema import RMConfig, check_world_size
 from shifu.core import bradley_terry_loss
-from shifu.data.rows import encode_reward_pairs, load_rows, load_train_eval, prompt_text, sft_texts
+from shifu.data.batches import encode_reward_pairs
+from shifu.data.rows import load_rows, load_train_eval, prompt_text, sft_texts
 from shifu.errors import ConfigError
 from shifu.models.loading import check_length, load_causal_lm, load_tokenizer, require_model_dir
 from shifu.models.padding import pad_left, pad_right
