@@ -41,6 +41,9 @@ from torch.nn import functional as F
 
 from shifu.precision import machine_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
+
 LAYER = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 HEAD, N_LAYER = (576, 49152), 30
 
@@ -136,10 +139,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30, help="calls per timed block")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--generation", action="store_true", help="whole generations: head orders vs HF generate")
+    provenance.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for rows in args.rows:
-        print(json.dumps(generation(rows) if args.generation else step(rows, args.repeats)), flush=True)
+        out = generation(rows) if args.generation else step(rows, args.repeats)
+        print(json.dumps(out), flush=True)
+        params = {"mode": "generation" if args.generation else "step", "rows": rows, "model": "SmolLM2-135M shape",
+                  **({} if args.generation else {"repeats": args.repeats})}  # fmt: skip
+        provenance.record(args, "decode_weights", {k: v for k, v in out.items() if k != "rows"}, params=params,
+                          config=params)  # fmt: skip
 
 
 if __name__ == "__main__":
