@@ -1,7 +1,7 @@
 """How fast can one decode step read SmolLM2-135M's weights? fp32, bf16 and int8 weight-only linears.
 
-Issue 15 asks generation >= 2.5x HF ``generate`` at the 135M shape with 128-token responses; shifu's decode
-reaches 1.05-1.25x in fp32 and 1.6-1.8x with its bf16 decode copy (docs/performance.md). At a few rows per
+At the 135M shape with 128-token responses shifu's decode reaches 1.0-1.25x HF ``generate`` in fp32 and
+1.8-2.6x with its bf16 decode copy (docs/benchmarks/throughput.md). At a few rows per
 step a decode linear is a matrix-vector product that reads every weight once, so its time is set by the bytes
 it reads. This measures, one thread, each linear of one decode step at the SmolLM2-135M shape (per layer:
 fused q/k/v 576 -> 960, o 576 -> 576, fused gate/up 576 -> 3072, down 1536 -> 576; 30 layers; the tied
@@ -15,7 +15,7 @@ lm_head 576 -> 49152) with the weight held
 and prints, per row count, one JSON line: milliseconds per decode step for each (30 x the layer's linears +
 the head), the ratio to fp32, and the effective read bandwidth. Attention over the cache, norms and
 sampling are not included (they are the same for all three). Each linear is timed alone, so its weight is
-read from cache where it fits (a real step streams all 30 layers from memory: slower, see docs/performance.md).
+read from cache where it fits (a real step streams all 30 layers from memory: slower).
 
 ``--generation``: whole generations instead (the random-weight SmolLM2-135M policy of
 ``ppo_iteration.py``, 128 new tokens, sampling, fp32), alternating shifu's decoder with the output

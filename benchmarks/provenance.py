@@ -8,7 +8,7 @@ also appended as one JSON line to ``benchmarks/results/<benchmark>.jsonl``:
      "command": "python benchmarks/ppo_iteration.py --vs-trl --record",
      "config_digest": "<sha256 of the resolved config/plan>" | null,
      "cpu": {"model": "AMD EPYC", "flags": ["avx2", "fma", "avx512f", ...], "cores": 2},
-     "threads": 1, "torch": "2.13.0+cpu",
+     "threads": 1, "torch": "2.13.0+cpu", "load_average": [1-, 5-, 15-minute],
      "params": {...what identifies the run: shape, method, seed, settings...},
      "metrics": {...what was measured...}}
 
@@ -41,6 +41,7 @@ CPU_FLAGS = {
     "flags": ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"),
     "Features": ("asimd", "sve", "sve2", "bf16", "i8mm", "sme"),
 }
+MACHINE_DIRS = ("root", "work", "home", "tmp", "Users")  # no record may name a path under these
 ENV_IN_COMMAND = ("SHIFU_THREADS", "SHIFU_MALLOC")  # settings that change a measurement, shown before it
 
 
@@ -155,6 +156,9 @@ def make_record(benchmark: str, metrics: dict, *, params: dict | None = None, co
         "cpu": cpu_info(),
         "threads": torch.get_num_threads() if threads is None else threads,
         "torch": torch.__version__,
+        "load_average": [
+            round(x, 2) for x in os.getloadavg()
+        ],  # other processes on the cores inflate timings
         "params": scrub(params or {}),
         "metrics": scrub(metrics),
     }
@@ -189,7 +193,7 @@ OTHER_PATH = re.compile(r"(?<![\w.~])/(?:work|tmp)/[^\s\"',;)]*")
 
 def scrub_text(text: str) -> str:
     """``text`` with paths under the repository made relative, a home directory written ``~/`` and any other
-    machine path (``/work/...``, ``/tmp/...``) cut to ``.../<name>``."""
+    machine path (under a :data:`MACHINE_DIRS` top directory) cut to ``.../<name>``."""
     text = text.replace(str(ROOT) + "/", "")
     text = MACHINE_PATH.sub("~/", text)
     return OTHER_PATH.sub(lambda m: ".../" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
@@ -224,7 +228,7 @@ def check(rec: dict, where: str = "record") -> None:
         raise ValueError(f"{where}: metrics must be an object")
     _dt.datetime.fromisoformat(rec["date"])
     text = json.dumps(rec)
-    for prefix in ("/root/", "/work/", "/home/", "/tmp/", "/Users/"):
+    for prefix in (f"/{d}/" for d in MACHINE_DIRS):
         if prefix in text:
             raise ValueError(f"{where}: holds an absolute machine path ({prefix}...)")
 

@@ -75,7 +75,9 @@ def md(headers: list[str], rows: list[list[str]]) -> str:
 def footer(recs: list[dict], what: str = "") -> str:
     """Where the records are and the command(s) that made them."""
     files = sorted({f"benchmarks/results/{r['benchmark']}.jsonl" for r in recs})
-    series = sorted({r["series"] for r in recs if r.get("series")})
+    series = (
+        sorted({r["series"] for r in recs if r.get("series")}) if all(r.get("series") for r in recs) else []
+    )
     where = ", ".join(f"`{f}`" for f in files) + (f" (series {', '.join(series)})" if series else "")
     commands = list(dict.fromkeys(r["command"] for r in recs))
     if len(commands) <= 2:
@@ -91,6 +93,10 @@ def footer(recs: list[dict], what: str = "") -> str:
 def span(xs: list[float], spec: str) -> str:
     lo, hi = format(min(xs), spec), format(max(xs), spec)
     return lo if lo == hi else f"{lo}-{hi}"
+
+
+def none_yet(benchmark: str, command: str, what: str = "") -> str:
+    return f"No {what}record in `benchmarks/results/{benchmark}.jsonl` yet: `{command}` writes them."
 
 
 def se(xs: list[float]) -> float:
@@ -212,6 +218,20 @@ def quickstart_runs(records: list[dict]) -> str:
             for r in recs]  # fmt: skip
     return md(["task (plan)", "seed", "gold before → after", "gain ± paired s.e.", "KL (nats)",
                "held-out prompts", "time", "CPU", "commit"], rows) + footer(recs)  # fmt: skip
+
+
+@table("smollm2")
+def smollm2(records: list[dict]) -> str:
+    """The SmolLM2-135M recipe (``benchmarks/smollm2_recipe.py --record``), one row per run."""
+    recs = sorted(select(records, "quickstart", preset="smollm2"),
+                  key=lambda r: (r["params"]["task"], r["date"], r["params"]["seed"]))  # fmt: skip
+    if not recs:
+        return none_yet("quickstart", "python benchmarks/smollm2_recipe.py --jobs 2 --record", "`smollm2` ")
+    rows = [[r["params"]["task"], r["params"]["seed"], f"{metric(r, 'gold_before'):.3f} → {metric(r, 'gold_after'):.3f}",
+             pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")), fmt(metric(r, "gain_in_se"), ".1f"),
+             f"{metric(r, 'kl'):.2f}", time_cell([r]), cpu_label(r), commit_label(r)] for r in recs]  # fmt: skip
+    return md(["task", "seed", "gold before → after", "gain ± paired s.e.", "gain / s.e.", "KL (nats)", "time",
+               "CPU", "commit"], rows) + footer(recs)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- study frontier
@@ -540,7 +560,7 @@ def micro_batches(records: list[dict]) -> str:
 
 @table("decode-weights")
 def decode_weights(records: list[dict]) -> str:
-    recs = select(records, "decode_weights", mode="step")
+    recs = sorted(select(records, "decode_weights", mode="step"), key=lambda r: r["params"]["rows"])
     rows = []
     for r in recs:
         m = r["metrics"]
@@ -565,7 +585,7 @@ def decode_weights(records: list[dict]) -> str:
 
 @table("generation-head-order")
 def generation_head_order(records: list[dict]) -> str:
-    recs = select(records, "decode_weights", mode="generation")
+    recs = sorted(select(records, "decode_weights", mode="generation"), key=lambda r: r["params"]["rows"])
     rows = []
     for r in recs:
         m = r["metrics"]
@@ -615,6 +635,8 @@ def quickstart_bf16(records: list[dict]) -> str:
 @table("serve-load")
 def serve_load(records: list[dict]) -> str:
     recs = [r for r in select(records, "serve_load") if r["params"].get("mode") in ("merged", "exact")]
+    if not recs:
+        return none_yet("serve_load", "python benchmarks/serve_load.py --record")
     rows = []
     for r in recs:
         m, p = r["metrics"], r["params"]
@@ -640,6 +662,8 @@ def serve_load(records: list[dict]) -> str:
 @table("memory")
 def memory(records: list[dict]) -> str:
     recs = select(records, "memory")
+    if not recs:
+        return none_yet("memory", "python benchmarks/memory.py --record")
     rows = [[r["params"]["config"], " ".join(f"`{a}`" for a in r["params"].get("args", [])) or "-",
              fmt(r["metrics"]["peak_rss_gb"], ".2f"), fmt(r["metrics"]["checkpoint_mb"], ".0f"),
              fmt(r["metrics"]["seconds_per_iteration"], ".1f"), cpu_label(r), commit_label(r)] for r in recs]  # fmt: skip
