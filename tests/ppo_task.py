@@ -18,7 +18,7 @@ def build_char_model(path: Path, pad_equals_eos: bool = False, seed: int = 0) ->
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     specials = [EOS] if pad_equals_eos else [EOS, PAD]
     vocab = {t: i for i, t in enumerate(specials + ALPHABET + [" "])}

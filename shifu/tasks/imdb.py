@@ -290,7 +290,7 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
 
         link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
     else:
-        from shifu.models import build_tiny_gpt2, load_tokenizer
+        from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
         cached_tokenizer(train, p.vocab_size, p.tokenizer_reviews, out / "tokenizer")
         tok = load_tokenizer(out / "tokenizer")
@@ -332,7 +332,7 @@ def make_preference_pairs(
     """
     import torch
 
-    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.models.loading import load_causal_lm, load_tokenizer
     from shifu.tasks import sample_responses
 
     out = Path(out_dir)

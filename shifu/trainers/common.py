@@ -19,10 +19,10 @@ import torch
 import yaml
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shifu import checkpoint as ckpt
-from shifu import precision
-from shifu.config import to_dict
+from shifu.config.loader import to_dict
 from shifu.errors import ConfigError, ShifuError
+from shifu.parallel import precision
+from shifu.runs import checkpoint as ckpt
 
 
 def seed_everything(seed: int) -> None:
@@ -51,7 +51,7 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
 
 def with_bf16_decision(cfg, model, lengths: list[int], strategy, name: str, pairs: bool = False):
     """``cfg`` as the steps of sft / rm / dpo use it: with ``bf16=true``, ``bf16`` is what the GEMM probe at
-    ``model``'s shapes measures faster (:func:`shifu.precision.training`) for a micro-batch of this process
+    ``model``'s shapes measures faster (:func:`shifu.parallel.precision.training`) for a micro-batch of this process
     (twice the rows with ``pairs``: chosen and rejected go through one forward) of sequences of the mean of
     ``lengths`` tokens, said on stderr. ``config.yaml`` keeps what the user asked for."""
     if not cfg.bf16:
@@ -88,7 +88,7 @@ def finish_run(run_dir: Path, summary: dict[str, Any], strategy, kind: str, line
     """``summary.json``, the model card ``final/README.md`` (from the run's own files) and the run's closing
     line on stderr (rank 0), once every rank got here."""
     if strategy.is_main:
-        from shifu.modelcard import write_model_card
+        from shifu.reporting.modelcard import write_model_card
 
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
         write_model_card(run_dir / "final", run_dir, kind)
@@ -100,8 +100,8 @@ def finish_run(run_dir: Path, summary: dict[str, Any], strategy, kind: str, line
 def tracker(cfg, run_dir: Path, strategy, resume_step: int | None = None):
     """The run's metric sinks (rank 0 writes): metrics.jsonl, TensorBoard, and ``cfg.trackers``, which
     receive the config too; ``resume_step`` continues a resumed run's logs (see :class:`Tracker`)."""
-    from shifu.config import to_dict
-    from shifu.tracking import Tracker
+    from shifu.config.loader import to_dict
+    from shifu.runs.tracking import Tracker
 
     return Tracker(run_dir, enabled=strategy.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step,
                    trackers=cfg.trackers, config=to_dict(cfg))  # fmt: skip
@@ -110,7 +110,7 @@ def tracker(cfg, run_dir: Path, strategy, resume_step: int | None = None):
 def save_policy(strategy, model, fresh, tokenizer, path: Path) -> None:
     """A trained causal LM as an HF directory (rank 0 writes; sharded weights are gathered into
     ``fresh()`` first; a LoRA model is saved with its adapters merged)."""
-    from shifu import lora
+    from shifu.models import lora
 
     plain = strategy.full_model(model, fresh)
     if strategy.is_main:

@@ -3,7 +3,7 @@
 One iteration, top to bottom in :func:`iteration` (spec, stage 3): 1. rollout -> 2. score processing ->
 3. reward shaping -> 4. advantages -> 5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL
 controller; :func:`train` runs iterations and 7. logs, evaluates, guards and saves. Every formula is in
-``shifu.core``, every parallel step in the strategy (``shifu.strategy``).
+``shifu.core``, every parallel step in the strategy (``shifu.parallel.strategy``).
 
 Run directory: ``metrics.jsonl`` and ``tb/`` (every iteration), ``samples.jsonl`` (evaluation samples),
 ``checkpoints/`` (resume), ``best/`` (actor at the best ``eval.best_metric``), ``final/`` (the actor at the
@@ -20,17 +20,17 @@ from typing import Any
 
 import torch
 
-from shifu import checkpoint as ckpt
 from shifu import core
-from shifu.config import to_dict, with_values
-from shifu.data import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
-from shifu.models import load_tokenizer, pad_left
-from shifu.remote import RewardServiceUnavailable
-from shifu.rewards import load_function
-from shifu.rollout import Rollout, check_positions
-from shifu.schema import PPOConfig, check_world_size, derived_sizes
-from shifu.strategy import build_strategy
-from shifu.tracking import progress
+from shifu.config.loader import to_dict, with_values
+from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
+from shifu.data.rows import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
+from shifu.generation.rollout import Rollout, check_positions
+from shifu.models.loading import load_tokenizer, pad_left
+from shifu.parallel.strategy import build_strategy
+from shifu.rewards.remote import RewardServiceUnavailable
+from shifu.rewards.sources import load_function
+from shifu.runs import checkpoint as ckpt
+from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval
 from shifu.trainers.common import (
     GracefulStop,

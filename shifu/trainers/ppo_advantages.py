@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from shifu import core
+from shifu.config.schema import PPOConfig
 from shifu.errors import ShifuError
-from shifu.schema import PPOConfig
-from shifu.strategy import Strategy
+from shifu.parallel.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

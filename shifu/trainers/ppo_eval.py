@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from shifu import checkpoint as ckpt
-from shifu import lora as L
+from shifu.config.schema import PPOConfig
 from shifu.core import kl_estimate, masked_sum
 from shifu.errors import ShifuError
-from shifu.models import ScalarModel, load_causal_lm, pad_left
-from shifu.rollout import SamplingParams, policy_forward, sample
-from shifu.schema import PPOConfig
+from shifu.generation.rollout import SamplingParams, policy_forward, sample
+from shifu.models import lora as L
+from shifu.models.loading import ScalarModel, load_causal_lm, pad_left
+from shifu.runs import checkpoint as ckpt
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
 
