@@ -43,7 +43,7 @@ TOOLS = {
     "merge": ("shifu.models.merge", "merge RL runs from one base policy into one (a model soup)"),
     "serve": (
         "shifu.serve.server",
-        "serve a reward model, ensemble or rule reward over HTTP (docs/serve.md)",
+        "serve a reward model, ensemble or rule reward over HTTP (docs/how-to/reward-service.md)",
     ),
 }
 
