@@ -168,7 +168,7 @@ def announce_stop(cmd: str, where: str, out_dir) -> None:
     """The message of a run stopped by SIGINT/SIGTERM after its checkpoint: where it stopped, how to resume."""
     print(
         f"shifu {cmd}: stopped at {where} with a checkpoint. Resume with: shifu {cmd} "
-        f"--config <same config> --out {out_dir} --resume",
+        f"--out {out_dir} --resume",
         file=sys.stderr,
     )
 

@@ -188,4 +188,4 @@ def trim_samples(path: Path, last_iteration: int) -> None:
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
     """The error of a run whose reward service went away, after the checkpoint of iteration ``it``."""
     return ShifuError(f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
-                      f"with: shifu ppo --config <same config> --out {out} --resume")  # fmt: skip
+                      f"with: shifu ppo --out {out} --resume")  # fmt: skip

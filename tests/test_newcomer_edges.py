@@ -1,0 +1,149 @@
+"""What a newcomer runs into on their own task: config errors that say where and what was meant, ``--set`` on a
+trainer, ``--resume`` from the run's own config, reward functions next to the working directory, and a stop
+signal that still checkpoints when whatever read the console has gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import write_jsonl
+from test_sft import corpus
+
+from shifu.cli import main as cli
+from shifu.config.loader import load_config, read_yaml
+from shifu.errors import ConfigError
+from shifu.rewards.sources import load_function
+from shifu.runs import checkpoint as ckpt
+from shifu.trainers import ppo, sft
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sft_argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["sft", "--out", str(out), f"model.path={model}", f"data.train={data}", "batch_size=8",
+            "optim.schedule=constant", "progress=false", "tensorboard=false", *extra]  # fmt: skip
+
+
+def test_a_yaml_error_deep_in_a_config_file_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "ppo.yaml"
+    lines = [
+        "model:",
+        "  path: runs/sft/final",
+        "optim:",
+        "  lr: 1e-5",
+        "kl:",
+        "  init_coef: 0.05",
+        "  target: [6",
+    ]
+    path.write_text("\n".join(lines + ["iterations: 10", ""]))
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    assert f"config file '{path}', line 8" in str(e.value), str(e.value)
+
+
+def test_an_unknown_key_says_what_was_meant():
+    with pytest.raises(ConfigError, match=r"unknown config key 'iteration'\. Did you mean 'iterations'\?"):
+        load_config(ppo.Config, overrides=["iteration=3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'lr'\. 'lr' is 'optim\.lr'"):
+        load_config(sft.Config, overrides=["lr=3e-4"])
+    with pytest.raises(ConfigError, match=r"Did you mean 'kl\.init_coef'\?"):
+        load_config(ppo.Config, overrides=["kl.init_coeff=0.1"])
+
+
+def test_a_trainer_takes_set_like_the_pipelines(tiny_model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", corpus(40))
+    run = tmp_path / "run"
+    assert (
+        cli.main(_sft_argv(tiny_model_dir, data, run, "--set", "max_steps=3", "--set", "save_every=3")) == 0
+    )
+    assert ckpt.read_state(ckpt.latest_checkpoint(run))["step"] == 3
+
+
+def test_resume_reads_the_runs_own_config(tiny_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", corpus(40))
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ("max_steps=4", "save_every=1", "optim.lr=1e-3")
+    assert cli.main(_sft_argv(tiny_model_dir, data, full, *common)) == 0
+    assert cli.main(_sft_argv(tiny_model_dir, data, part, "max_steps=2", *common[1:])) == 0
+    capsys.readouterr()
+    # only the run directory and what changes: model, data and the learning rate come from part/config.yaml
+    assert cli.main(["sft", "--out", str(part), "--resume", "max_steps=4"]) == 0
+    assert ckpt.read_state(ckpt.latest_checkpoint(part))["step"] == 4
+    a = (full / "final" / "model.safetensors").read_bytes()
+    assert a == (part / "final" / "model.safetensors").read_bytes()
+    # a change that is not safe on resume is still refused, and nothing is written
+    before = sorted(p.name for p in (part / ckpt.CKPT_DIR).iterdir())
+    assert cli.main(["sft", "--out", str(part), "--resume", "max_steps=6", "optim.lr=5e-3"]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+    assert sorted(p.name for p in (part / ckpt.CKPT_DIR).iterdir()) == before
+
+
+def test_a_reward_function_next_to_the_working_directory_is_found(tmp_path, monkeypatch):
+    (tmp_path / "mytask").mkdir()
+    (tmp_path / "mytask" / "__init__.py").write_text("")
+    (tmp_path / "mytask" / "rewards.py").write_text(
+        "def fn(prompts, responses, rows):\n    return [1.0] * len(responses)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # as under the `shifu` console script: the working directory is not on sys.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), ".")])
+    monkeypatch.delitem(sys.modules, "mytask", raising=False)
+    fn = load_function("mytask.rewards:fn")
+    assert fn(["a"], ["b"], [{}]) == [1.0]
+    with pytest.raises(ConfigError, match=r"run shifu from the directory that holds nosuch/"):
+        load_function("nosuch.rewards:fn")
+
+
+def test_ctrl_c_with_the_console_reader_gone_still_checkpoints(tiny_model_dir, tmp_path):
+    """``shifu sft ... 2>&1 | tee log`` and Ctrl-C: tee dies with the same signal, shifu's next write to the
+    pipe fails; the run must still finish its step, write its checkpoint and exit 0."""
+    data = write_jsonl(tmp_path / "train.jsonl", corpus(40))
+    run = tmp_path / "run"
+    argv = _sft_argv(tiny_model_dir, data, run, "max_steps=100000", "save_every=1000", "log_every=1")
+    env = {**os.environ, "SHIFU_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shifu", *argv],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").stat().st_size == 0:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the run logged nothing"
+            time.sleep(0.05)
+        proc.stdout.close()  # the reader (tee) is gone: every later write to the pipe fails
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=240) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    latest = ckpt.latest_checkpoint(run)
+    assert latest is not None and ckpt.read_state(latest)["step"] >= 1
+
+
+def test_a_reward_function_is_a_drop_in_with_the_default_critic(tmp_path, capsys):
+    """The default critic.init=reward starts the critic from the reward model; with a reward function there is
+    none, and the run starts it from the SFT model instead (said on stderr, recorded in config.yaml)."""
+    import yaml
+    from ppo_task import build_char_model, write_prompts
+
+    model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
+    argv = ["ppo", "--out", str(tmp_path / "run"), f"model.path={model}", f"data.train={prompts}",
+            "reward.function=ppo_task:frac_a", "iterations=2", "batch_size=8", "minibatch_size=8",
+            "generation.max_new_tokens=4", "save_every=0", "progress=false", "tensorboard=false"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "critic.init=reward fell back to critic.init=sft" in capsys.readouterr().err
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert recorded["critic"]["init"] == "sft" and (tmp_path / "run" / "critic").is_dir()
