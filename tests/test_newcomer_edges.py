@@ -147,3 +147,16 @@ def test_a_reward_function_is_a_drop_in_with_the_default_critic(tmp_path, capsys
     assert "critic.init=reward fell back to critic.init=sft" in capsys.readouterr().err
     recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert recorded["critic"]["init"] == "sft" and (tmp_path / "run" / "critic").is_dir()
+
+
+def test_resume_below_the_step_reached_is_refused_and_changes_nothing(tiny_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", corpus(40))
+    run = tmp_path / "run"
+    assert cli.main(_sft_argv(tiny_model_dir, data, run, "max_steps=4", "save_every=2")) == 0
+    files = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert cli.main(["sft", "--out", str(run), "--resume", "max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "with max_steps giving 2: its checkpoint step-00000004 is already past that" in err, err
+    assert "Give max_steps of at least 4" in err
+    assert {p: p.read_bytes() for p in files} == files  # config.yaml, summary.json, final/: as they were

@@ -76,9 +76,19 @@ def write_config(run_dir: str | Path, cfg) -> None:
     Path(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
 
 
-def prepare_run(cfg, strategy, resume: bool, overwrite: bool) -> Path:
-    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written."""
+def prepare_run(cfg, strategy, resume: bool, overwrite: bool, length: tuple[str, int] | None = None) -> Path:
+    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written.
+
+    ``length``: (config key, steps or iterations it plans). Resuming a run that already went past them is
+    refused before anything is written: it would only rewrite final/ and summary.json."""
     run_dir = strategy.on_main(lambda: ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite))
+    latest = ckpt.latest_checkpoint(run_dir) if resume and length is not None else None
+    if latest is not None and (reached := int(latest.name.split("-", 1)[1])) > length[1]:
+        key, planned = length
+        raise ConfigError(
+            f"cannot resume '{run_dir}' with {key} giving {planned}: its checkpoint {latest.name} is already past "
+            f"that. Give {key} of at least {reached} to train further (nothing was changed; its final/ stays)"
+        )
     if strategy.is_main:
         write_config(run_dir, cfg)
     return run_dir

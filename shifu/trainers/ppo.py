@@ -184,7 +184,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     s, stream = PPOState.new(cfg, strategy), PromptStream(len(ids), cfg.batch_size // G, cfg.seed)
     loop: dict[str, Any] = {"iteration": 0, "best": None, "best_iteration": None, "evals": []}
     # the output directory, once every input is loaded (a failed start leaves nothing behind)
-    out = prepare_run(cfg, strategy, resume, overwrite)
+    out = prepare_run(cfg, strategy, resume, overwrite, ("iterations", cfg.iterations))
     if G > 1 and main:  # batch_size counts responses: a group method sees G times fewer prompts
         print(f"shifu ppo: {cfg.batch_size // G} prompts x {G} responses per iteration (batch_size {cfg.batch_size} counts responses)", file=sys.stderr)  # fmt: skip
     latest = ckpt.latest_checkpoint(out) if resume else None

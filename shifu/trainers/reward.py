@@ -226,7 +226,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     main = strategy.is_main
     report_counts(d.train, counts, main)
     report_counts(d.eval or d.train + " (held out)", eval_counts, main)
-    run_dir = prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, len(train_pairs)))
     lengths = [max(len(x["chosen"]), len(x["rejected"])) for x in train_pairs]
     asked, cfg = cfg, common.with_bf16_decision(cfg, first, lengths, strategy, "rm", pairs=True)
     members, member_dirs, member_stats = [], [], []
