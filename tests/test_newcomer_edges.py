@@ -4,6 +4,7 @@ signal that still checkpoints when whatever read the console has gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,3 +161,63 @@ def test_resume_below_the_step_reached_is_refused_and_changes_nothing(tiny_model
     assert "with max_steps giving 2: its checkpoint step-00000004 is already past that" in err, err
     assert "Give max_steps of at least 4" in err
     assert {p: p.read_bytes() for p in files} == files  # config.yaml, summary.json, final/: as they were
+
+
+def _hacked_ppo_argv(tmp_path, *extra: str) -> list[str]:
+    from ppo_task import build_char_model, write_prompts
+
+    model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
+    return ["ppo", "--out", str(tmp_path / "run"), f"model.path={model}", f"data.train={prompts}",
+            "reward.function=ppo_task:frac_a", "eval.gold_function=ppo_task:no_a", "critic.init=sft",
+            "iterations=12", "batch_size=16", "minibatch_size=8", "generation.max_new_tokens=6", "optim.lr=1e-2",
+            "optim.schedule=constant", "critic.optim.lr=1e-2", "kl.controller=fixed", "kl.init_coef=0.02",
+            "eval.every=2", "eval.num_prompts=32", "save_every=0", "progress=false", "tensorboard=false",
+            *extra]  # fmt: skip
+
+
+def test_a_run_whose_judge_falls_while_the_reward_rises_keeps_best_by_the_judge_and_warns(tmp_path, capsys):
+    """The reward (share of 'a') and the held-out judge (share of other characters) disagree: best/ follows
+    the judge, and the run ends with a warning naming both curves."""
+    import json
+
+    assert cli.main(_hacked_ppo_argv(tmp_path, "guard.divergence_patience=0")) == 0
+    err = capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    golds = {e["iteration"]: e["gold/score"] for e in summary["evals"]}
+    assert summary["best_iteration"] == max(golds, key=golds.get) and summary["best"] == max(golds.values())
+    assert golds[12] < max(golds.values()) - 0.05, golds  # the judge fell: the policy was hacking the reward
+    assert "warning: shifu ppo: reward hacking? held-out gold/score fell from" in err, err
+    assert f"best/ holds iteration {summary['best_iteration']}" in err
+
+
+def test_with_a_judge_the_guard_watches_it_by_default(tmp_path, capsys):
+    assert cli.main(_hacked_ppo_argv(tmp_path)) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["guard"] is not None and "gold/score fell while eval/score rose" in summary["guard"]
+    assert summary["iterations"] < 12
+    assert "restoring best/" in capsys.readouterr().err
+
+
+def test_a_reward_model_that_learned_length_is_flagged(tiny_model_dir, tmp_path, capsys):
+    """Pairs whose chosen response is always the longer one: the reward model learns length, and says so."""
+    import random
+
+    from shifu.trainers import reward
+
+    def rows(n: int, seed: int) -> list[dict]:
+        rng, words = random.Random(seed), ["the", "movie", "film", "plot", "cat", "dog", "story"]
+        out = []
+        for i in range(n):
+            short = [rng.choice(words) for _ in range(rng.randint(1, 3))]
+            out.append({"prompt": f"review {i % 7}:", "chosen": " " + " ".join(short + short + short),
+                        "rejected": " " + " ".join(short)})  # fmt: skip
+        return out
+
+    over = {"out_dir": str(tmp_path / "run"), "model": {"path": str(tiny_model_dir)},
+            "data": {"train": str(write_jsonl(tmp_path / "train.jsonl", rows(160, 0))),
+                     "eval": str(write_jsonl(tmp_path / "eval.jsonl", rows(40, 1)))},
+            "optim": {"lr": 1e-3}, "batch_size": 16, "max_steps": 30, "progress": False, "tensorboard": False}  # fmt: skip
+    summary = reward.train(load_config(reward.Config, overrides=over))
+    err = capsys.readouterr().err
+    assert summary["eval/rm/len_corr"] >= 0.5, summary
+    assert "warning: shifu rm: held-out scores correlate with response length" in err and "longer" in err

@@ -229,3 +229,18 @@ def total_steps(n_batches_per_epoch: int, grad_accum: int, epochs: float, max_st
     if max_steps > 0:
         return max_steps
     return max(1, math.ceil(epochs * n_batches_per_epoch / grad_accum))
+
+
+LENGTH_BIAS = 0.5  # |correlation| of a reward model's held-out scores with response length that is flagged
+
+
+def warn_length_bias(corr: float, strategy) -> None:
+    """Say (rank 0) when a reward model's held-out scores follow response length (|r| >= ``LENGTH_BIAS``): PPO
+    against it can raise the score by writing longer (or shorter) responses rather than better ones."""
+    if strategy.is_main and abs(corr) >= LENGTH_BIAS:
+        print(
+            f"warning: shifu rm: held-out scores correlate with response length (r = {corr:.2f}): PPO against this "
+            f"model may learn to write {'longer' if corr > 0 else 'shorter'} rather than better responses; compare "
+            "eval/rm/acc_chosen_longer with acc_chosen_shorter, or balance the lengths of chosen and rejected",
+            file=sys.stderr,
+        )

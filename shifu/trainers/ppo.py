@@ -220,7 +220,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         if main:
             with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
                 f.writelines(json.dumps({"iteration": it, **x}) + "\n" for x in samples)
-        value = metrics.get(cfg.eval.best_metric)  # the same value on every rank (global evaluation)
+        value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
         if value is not None and (loop["best"] is None or value > loop["best"]):
             loop["best"], loop["best_iteration"] = value, it
             ppo_eval.save_actor(m, cfg, out / "best")
@@ -294,7 +294,5 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
                "guard": stop_reason, "evals": loop["evals"], "skipped_steps": s.skipped.total,
                "kl_coef": s.kl_ctl.value}  # fmt: skip
     tracker.close()
-    gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
-    line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {s.kl_ctl.value:.3g}"
-    line += (f", held-out gold {gold:.3f}" if gold is not None else "") + f"; actor in {out / 'final'}"
+    line = ppo_eval.closing_line(loop, s.kl_ctl.value, out, main)
     return finish_run(out, summary, strategy, "ppo", line)
