@@ -221,3 +221,31 @@ def test_a_reward_model_that_learned_length_is_flagged(tiny_model_dir, tmp_path,
     err = capsys.readouterr().err
     assert summary["eval/rm/len_corr"] >= 0.5, summary
     assert "warning: shifu rm: held-out scores correlate with response length" in err and "longer" in err
+
+
+def test_ppo_and_dpo_take_a_run_directory_and_refuse_a_reward_model(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    from shifu.models.loading import ScalarModel
+
+    run = tmp_path / "rev-sft"  # a trainer's run directory: the policy is its final/
+    shutil.copytree(tiny_model_dir, run / "final")
+    rm = tmp_path / "rev-rm"
+    ScalarModel.from_backbone(tiny_model_dir, seed=0).save_pretrained(rm / "final")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in corpus(32)])
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl", [{"prompt": "tell me:", "chosen": " cat", "rejected": " dog"}] * 32
+    )
+    ppo_argv = ["ppo", "--out", str(tmp_path / "ppo"), f"data.train={prompts}", "reward.function=ppo_task:frac_a",
+                "critic.init=sft", "iterations=1", "batch_size=8", "minibatch_size=8", "generation.max_new_tokens=4",
+                "eval.every=0", "eval.num_prompts=8", "save_every=0", "progress=false", "tensorboard=false"]  # fmt: skip
+    dpo_argv = ["dpo", "--out", str(tmp_path / "dpo"), f"data.train={pairs}", "max_steps=1", "batch_size=8",
+                "progress=false", "tensorboard=false"]  # fmt: skip
+    for argv in (ppo_argv, dpo_argv):
+        assert cli.main([*argv, f"model.path={rm}/final"]) == 2
+        err = capsys.readouterr().err
+        assert "is a reward model (shifu rm), not a policy: pass it as reward.model_path" in err, err
+        assert not Path(argv[2]).exists()  # refused before anything was written
+        assert cli.main([*argv, f"model.path={run}"]) == 0
+        recorded = read_yaml(Path(argv[2]) / "config.yaml")
+        assert recorded["model"]["path"] == str(run / "final")

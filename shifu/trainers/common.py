@@ -19,7 +19,7 @@ import torch
 import yaml
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shifu.config.loader import to_dict
+from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
 from shifu.parallel import precision
 from shifu.runs import checkpoint as ckpt
@@ -244,3 +244,13 @@ def warn_length_bias(corr: float, strategy) -> None:
             "eval/rm/acc_chosen_longer with acc_chosen_shorter, or balance the lengths of chosen and rejected",
             file=sys.stderr,
         )
+
+
+def policy_config(cfg):
+    """``cfg`` with ``model.path`` the policy directory it names: a run directory's ``final/`` (as ``shifu
+    sample`` and ``shifu serve`` read it). A reward model given as the policy is refused, saying where it goes."""
+    given = Path(cfg.model.path)
+    if not given.is_dir():
+        return cfg  # the loaders' own errors name a missing path
+    found = ckpt.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
+    return cfg if found == given else with_values(cfg, {"model.path": str(found)})

@@ -153,6 +153,7 @@ def learn(
 
 def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run PPO as ``cfg`` says; returns the summary (also written to ``summary.json``)."""
+    cfg = common.policy_config(cfg)  # a run directory: its final/; a reward model: refused
     strategy = build_strategy(cfg.distributed)
     seed_everything(cfg.seed)  # the shared seed on every rank (init, data order); sampling uses rank_seed
     strategy.launch(cfg.device)
