@@ -249,3 +249,25 @@ def test_ppo_and_dpo_take_a_run_directory_and_refuse_a_reward_model(tiny_model_d
         assert cli.main([*argv, f"model.path={run}"]) == 0
         recorded = read_yaml(Path(argv[2]) / "config.yaml")
         assert recorded["model"]["path"] == str(run / "final")
+
+
+def test_init_model_starts_a_newcomer_on_their_own_text(tmp_path, capsys):
+    """No model at hand: ``shifu init-model`` fits a tokenizer to the user's rows and builds a small GPT-2 that
+    shifu sft then trains (its held-out loss falls)."""
+    from shifu.runs.tracking import read_metrics
+
+    rows = [{"prompt": f"Q: what does the {w} say?", "response": f" A: the {w} says {s}."}
+            for w, s in [("cow", "moo"), ("cat", "meow"), ("dog", "woof"), ("duck", "quack")] * 30]  # fmt: skip
+    data = write_jsonl(tmp_path / "mine.jsonl", rows)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    assert cli.main(["init-model", str(data), "--out", str(tmp_path / "busy")]) == 2  # never overwrites
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    assert cli.main(["init-model", str(data), "--out", str(tmp_path / "m"), "--vocab-size", "300"]) == 0
+    assert "parameters, a" in capsys.readouterr().err
+    run = tmp_path / "run"
+    argv = ["sft", "--out", str(run), f"model.path={tmp_path / 'm'}", f"data.train={data}", "max_steps=40",
+            "batch_size=16", "eval.every=10", "optim.lr=3e-3", "progress=false", "tensorboard=false"]  # fmt: skip
+    assert cli.main(argv) == 0
+    losses = [r["eval/sft/loss"] for r in read_metrics(run / "metrics.jsonl") if "eval/sft/loss" in r]
+    assert losses[-1] < 0.5 * losses[0], losses

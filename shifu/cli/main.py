@@ -41,6 +41,10 @@ TOOLS = {
     "demo": ("shifu.experiments.demo", "toy demos: `shifu demo bandit`"),
     "bench": ("shifu.experiments.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
     "study": ("shifu.experiments.study", "studies: `shifu study frontier`"),
+    "init-model": (
+        "shifu.data.starter",
+        "a small model with a tokenizer trained on your data, to start in minutes",
+    ),
     "merge": ("shifu.models.merge", "merge RL runs from one base policy into one (a model soup)"),
     "serve": (
         "shifu.serve.server",
