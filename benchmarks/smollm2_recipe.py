@@ -77,7 +77,7 @@ def main() -> None:
     for r in results:
         print(json.dumps(r), flush=True)
         if "error" not in r:
-            from shifu.quickstart import _plan
+            from shifu.experiments.quickstart import _plan
 
             params = {"task": r["task"], "preset": "smollm2", "seed": r["seed"], "sets": args.sets,
                       **({"plan": "default"} if not args.sets else {})}  # fmt: skip
