@@ -309,11 +309,6 @@ class PPOConfig(RunConfig):
         r = self.reward
         if sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
             raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
-        if self.critic.init == "reward" and r.model_path is None and self.uses_critic:
-            raise ConfigError(
-                "critic.init=reward needs reward.model_path; with a reward function or service use "
-                "critic.init=sft or shared"
-            )
         if r.dense and r.model_path is None:
             raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
                               "reward function can return per-token steps itself), or reward.dense=false")  # fmt: skip
