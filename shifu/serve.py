@@ -66,6 +66,140 @@ class ScoringError(Exception):
 
 
 # ----------------------------------------------------------------------------- request validation
+MAX_DEPTH = 64  # nesting levels of objects and arrays in a request body (the body itself is level 1)
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def json_type(value) -> str:
+    """The JSON name of a decoded value's type (``null``, ``array``, ``object`` ...), for messages."""
+    return "null" if value is None else _JSON_TYPES.get(type(value), "object")
+
+
+class _NotJson:
+    """Put by the strict decoder where the body had ``NaN``, ``Infinity``, ``-Infinity`` or a number too
+    large for a double; :func:`check_tree` then names its place."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+class _Duplicated(dict):
+    """A decoded object whose text named ``key`` twice (RFC 8259 leaves which value counts to the parser)."""
+
+    key = ""
+
+
+def _number(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _NotJson(text)
+
+
+def _object(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set = set()
+    dup = _Duplicated(obj)
+    dup.key = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return dup
+
+
+_STRICT = json.JSONDecoder(parse_constant=_NotJson, parse_float=_number, object_pairs_hook=_object)
+
+
+def field_path(path: str, key: str | int) -> str:
+    """``rows[0]`` + ``"answer"`` -> ``rows[0].answer``; indices as ``[i]``; odd keys quoted."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if not key.isidentifier():
+        return f"{path}[{json.dumps(key)}]"
+    return f"{path}.{key}" if path else key
+
+
+def _too_deep(path: str, max_depth: int) -> RequestError:
+    where = path or "body"
+    return RequestError(
+        400, where, f"{where}: nested deeper than {max_depth} levels of objects and arrays; flatten it"
+    )
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = path or "body"
+        raise RequestError(
+            400,
+            where,
+            f"{where}: holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}), which is no Unicode "
+            "character; send valid UTF-8 text",
+        ) from None
+
+
+def check_tree(value, max_depth: int = MAX_DEPTH) -> None:
+    """RequestError (400) naming the place in a decoded body that standard JSON (RFC 8259) does not
+    allow or this server does not take: ``NaN`` / ``Infinity`` / a number beyond a double, a key named
+    twice in one object, a lone UTF-16 surrogate in a string or key, nesting deeper than ``max_depth``.
+    Iterative, so no depth can exhaust the stack."""
+    stack = [(value, "", 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        kind = type(node)
+        if kind is list:
+            if depth > max_depth:
+                raise _too_deep(path, max_depth)
+            for i, v in enumerate(node):
+                if type(v) is not int:  # ids and masks: the bulk of a body, nothing to check
+                    stack.append((v, f"{path}[{i}]", depth + 1))
+        elif kind is dict or kind is _Duplicated:
+            if depth > max_depth:
+                raise _too_deep(path, max_depth)
+            if kind is _Duplicated:
+                where = field_path(path, node.key)
+                raise RequestError(
+                    400,
+                    where,
+                    f"{where}: the key {json.dumps(node.key)} appears twice in one object; "
+                    "send each key once (RFC 8259: the names within an object should be unique)",
+                )
+            for k, v in node.items():
+                if not k.isascii():
+                    _check_text(k, field_path(path, k))
+                stack.append((v, field_path(path, k), depth + 1))
+        elif kind is str:
+            if not node.isascii():
+                _check_text(node, path)
+        elif kind is _NotJson:
+            where = path or "body"
+            raise RequestError(
+                400,
+                where,
+                f"{where}: {node.text} is not a JSON number (RFC 8259 has no NaN or Infinity, and this "
+                "server takes numbers that fit a double); send a finite number or null",
+            )
+
+
+def decode_body(raw: bytes):
+    """Bytes -> a JSON value, strictly (RFC 8259): a 400 names where the body broke or what it holds that
+    JSON does not (:func:`check_tree`)."""
+    try:
+        value = _STRICT.decode(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RequestError(400, "body", f"the body is not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(
+            400, "body", f"the body is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
+    except RecursionError:
+        raise RequestError(400, "body", f"the body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise RequestError(400, "body", f"the body holds a number too long to read ({e})") from None
+    check_tree(value)
+    return value
+
+
 @dataclass
 class ScoreRequest:
     """A validated ``/v1/score`` body: text (``prompts``/``responses``/``rows``) and/or token ids (B, T)."""
@@ -88,22 +222,22 @@ def _unprocessable(name: str, message: str) -> RequestError:
 def _str_list(body: dict, name: str) -> list[str]:
     value = body[name]
     if not isinstance(value, list):
-        raise _unprocessable(name, f"expected a list of strings, got {type(value).__name__}")
+        raise _unprocessable(name, f"expected an array of strings, got {json_type(value)}")
     for i, v in enumerate(value):
         if not isinstance(v, str):
-            raise _unprocessable(f"{name}[{i}]", f"expected a string, got {type(v).__name__}")
+            raise _unprocessable(f"{name}[{i}]", f"expected a string, got {json_type(v)}")
     return value
 
 
-def _int_matrix(body: dict, name: str) -> list[list[int]]:
-    """A rectangular non-empty list of lists of ints (bools are not ints here)."""
+def _int_matrix(body: dict, name: str, low: int, high: int, what: str) -> list[list[int]]:
+    """A rectangular list of non-empty lists of ints in ``low..high - 1`` (bools are not ints here)."""
     value = body[name]
     if not isinstance(value, list):
-        raise _unprocessable(name, f"expected a list of rows of integers, got {type(value).__name__}")
+        raise _unprocessable(name, f"expected an array of rows of integers, got {json_type(value)}")
     width = None
     for i, row in enumerate(value):
         if not isinstance(row, list):
-            raise _unprocessable(f"{name}[{i}]", f"expected a list of integers, got {type(row).__name__}")
+            raise _unprocessable(f"{name}[{i}]", f"expected an array of integers, got {json_type(row)}")
         if width is None:
             width = len(row)
         if len(row) != width or width == 0:
@@ -112,19 +246,23 @@ def _int_matrix(body: dict, name: str) -> list[list[int]]:
             )
         for j, v in enumerate(row):
             if type(v) is not int:
-                raise _unprocessable(f"{name}[{i}][{j}]", f"expected an integer, got {type(v).__name__}")
+                raise _unprocessable(f"{name}[{i}][{j}]", f"expected an integer, got {json_type(v)}")
+            if not low <= v < high:
+                raise _unprocessable(f"{name}[{i}][{j}]", f"{v} is {what}")
     return value
 
 
-def parse_score_request(body) -> ScoreRequest:
+def parse_score_request(body, vocab_rows: int | None = None) -> ScoreRequest:
     """Validate a decoded ``/v1/score`` body; a :class:`RequestError` (422) names the first bad field.
 
-    Text: ``prompts`` and ``responses`` (lists of strings, equal lengths), optional ``rows`` (objects,
+    Text: ``prompts`` and ``responses`` (arrays of strings, equal lengths), optional ``rows`` (objects,
     one per response; passed to reward functions). Tokens: ``input_ids`` and ``attention_mask``, (B, T)
-    lists of ints, mask 0/1 with at least one 1 per row. A body may hold both (same B).
+    arrays of ints, ids in ``0..vocab_rows - 1`` (any int64 when ``vocab_rows`` is None), mask 0/1 with
+    at least one 1 per row. A body may hold both (same B). What depends on the model (an encoder takes
+    no ids; a row's real tokens fit the positions) is checked by :meth:`Served.blocks`.
     """
     if not isinstance(body, dict):
-        raise RequestError(422, None, f"the body must be a JSON object, got {type(body).__name__}")
+        raise RequestError(422, "body", f"the body must be a JSON object, got {json_type(body)}")
     unknown = sorted(set(body) - set(SCORE_FIELDS))
     if unknown:
         raise _unprocessable(unknown[0], f"unknown field; a score request has {', '.join(SCORE_FIELDS)}")
@@ -151,17 +289,26 @@ def parse_score_request(body) -> ScoreRequest:
         if not has_text:
             raise _unprocessable("rows", "rows come with prompts and responses")
         if not isinstance(rows, list) or len(rows) != len(req.prompts):
-            got = f"{len(rows)} items" if isinstance(rows, list) else type(rows).__name__
-            raise _unprocessable("rows", f"expected a list of {len(req.prompts)} objects, got {got}")
+            got = f"{len(rows)} items" if isinstance(rows, list) else json_type(rows)
+            raise _unprocessable("rows", f"expected an array of {len(req.prompts)} objects, got {got}")
         for i, r in enumerate(rows):
             if not isinstance(r, dict):
-                raise _unprocessable(f"rows[{i}]", f"expected an object, got {type(r).__name__}")
+                raise _unprocessable(f"rows[{i}]", f"expected an object, got {json_type(r)}")
         req.rows = rows
     if has_tokens:
         for name in ("input_ids", "attention_mask"):
             if name not in body:
                 raise _unprocessable(name, "missing: input_ids and attention_mask come together")
-        ids, mask = _int_matrix(body, "input_ids"), _int_matrix(body, "attention_mask")
+        if vocab_rows is None:
+            high, what = 2**63, "not a token id (ids are integers >= 0)"
+        else:
+            high = vocab_rows
+            what = (
+                f"outside the reward model's vocabulary 0..{vocab_rows - 1}; send text when the policy's "
+                "tokenizer differs (compare /v1/metadata tokenizer.fingerprint)"
+            )
+        ids = _int_matrix(body, "input_ids", 0, high, what)
+        mask = _int_matrix(body, "attention_mask", 0, 2, "not 0 (padding) or 1 (a real token)")
         if len(mask) != len(ids) or (ids and len(mask[0]) != len(ids[0])):
             shape = f"({len(mask)}, {len(mask[0]) if mask else 0})"
             raise _unprocessable(
@@ -169,29 +316,14 @@ def parse_score_request(body) -> ScoreRequest:
                 f"shape {shape} differs from input_ids ({len(ids)}, {len(ids[0]) if ids else 0})",
             )
         for i, row in enumerate(mask):
-            if any(v not in (0, 1) for v in row):
-                raise _unprocessable(f"attention_mask[{i}]", "values must be 0 (padding) or 1 (real token)")
             if not any(row):
                 raise _unprocessable(f"attention_mask[{i}]", "no real token (every value is 0)")
-        req.input_ids = torch.tensor(ids, dtype=torch.long).reshape(len(ids), -1)
-        req.attention_mask = torch.tensor(mask, dtype=torch.long).reshape(len(ids), -1)
+        width = len(ids[0]) if ids else 0
+        req.input_ids = torch.tensor(ids, dtype=torch.long).reshape(len(ids), width)
+        req.attention_mask = torch.tensor(mask, dtype=torch.long).reshape(len(ids), width)
         if has_text and len(req.prompts) != len(ids):
             raise _unprocessable("input_ids", f"has {len(ids)} rows, prompts has {len(req.prompts)}")
     return req
-
-
-def decode_body(raw: bytes):
-    """Bytes -> JSON value; a 400 says where the JSON broke."""
-    try:
-        return json.loads(raw)
-    except UnicodeDecodeError as e:
-        raise RequestError(400, "body", f"the body is not UTF-8 text ({e})") from None
-    except json.JSONDecodeError as e:
-        raise RequestError(
-            400, "body", f"the body is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-        ) from None
-    except RecursionError:
-        raise RequestError(400, "body", "the body's JSON is nested too deeply") from None
 
 
 def check_bearer(header: str | None, token: str | None) -> None:
@@ -278,7 +410,8 @@ class Served:
     function: Callable | None = None
     device: str = "cpu"
     one_tokenizer: bool = True
-    vocab_rows: int = 0  # ids must be < this: rows of the input embedding
+    vocab_rows: int = 0  # ids must be < this: rows of the input embedding (the smallest member's)
+    positions: int | None = None  # real tokens a row may hold: the model's positions (None: no limit)
 
     @property
     def pad_id(self) -> int:
@@ -306,7 +439,9 @@ class Served:
             "accepts": ["text", "tokens"] if self.model.is_causal else ["text"],
             "tokenizer": _tokenizer_meta(self.model.tokenizer),
             "normalisation": norm[0] if self.kind == "model" else norm,
-            "max_length": MAX_LENGTH,
+            "max_length": self.model.text_length(MAX_LENGTH),
+            "max_positions": self.positions,
+            "vocab_rows": self.vocab_rows,
         }
         if self.kind == "ensemble":
             meta["ensemble"] = {
@@ -338,15 +473,28 @@ class Served:
                     "input_ids",
                     "this reward model is an encoder with its own tokenizer; send prompts and responses",
                 )
+            if req.size == 0:
+                return []
             bad = (req.input_ids < 0) | (req.input_ids >= self.vocab_rows)
-            if bad.any():
+            if bad.any():  # parse_score_request checked this already when given vocab_rows
                 i, j = (int(x) for x in bad.nonzero()[0])
                 raise _unprocessable(
                     f"input_ids[{i}][{j}]",
-                    f"id {int(req.input_ids[i, j])} is outside the reward model's vocabulary "
+                    f"{int(req.input_ids[i, j])} is outside the reward model's vocabulary "
                     f"0..{self.vocab_rows - 1}; send text when the policy's tokenizer differs "
                     "(compare /v1/metadata tokenizer.fingerprint)",
                 )
+            if self.positions is not None:  # positions count the real tokens (position_ids_from_mask)
+                real = req.attention_mask.sum(1)
+                over = (real > self.positions).nonzero()
+                if len(over):
+                    i = int(over[0])
+                    raise _unprocessable(
+                        f"input_ids[{i}]",
+                        f"has {int(real[i])} real tokens (attention_mask 1s), more than the reward "
+                        f"model's {self.positions} positions (/v1/metadata max_positions); send shorter "
+                        "sequences, or text (which keeps the end of a pair that is too long)",
+                    )
             return [(req.input_ids, req.attention_mask)]
         if not self.one_tokenizer:
             return None
@@ -379,6 +527,14 @@ class Served:
         return function_scores(out, req.size)
 
 
+def model_positions(model) -> int | None:
+    """The most real tokens one row may hold: the smallest member's ``max_position_embeddings`` (GPT-2's
+    ``n_positions``), the limit ``text_length`` applies to text; None when the config states none."""
+    found = [getattr(m.config, "max_position_embeddings", None) for m in _members(model)]
+    found = [n for n in found if isinstance(n, int) and n > 0]
+    return min(found) if found else None
+
+
 def load_served(
     source: str, device: str = "cpu", aggregate: str | None = None, std_coef: float | None = None
 ) -> Served:
@@ -389,10 +545,15 @@ def load_served(
 
         # the kernels a trainer scores with in process (one fused tanh-GELU): the same scores, bit for bit
         model = fuse_tanh_gelu(load_reward(source, aggregate, std_coef)).to(device).eval()
-        first = _members(model)[0]
-        rows = first.backbone.get_input_embeddings().num_embeddings
+        members = _members(model)
+        rows = min(m.backbone.get_input_embeddings().num_embeddings for m in members)
         return Served(
-            source, model=model, device=device, one_tokenizer=shares_one_tokenizer(model), vocab_rows=rows
+            source,
+            model=model,
+            device=device,
+            one_tokenizer=shares_one_tokenizer(model),
+            vocab_rows=rows,
+            positions=model_positions(model),
         )
     if ":" in source and not Path(source).exists():
         from shifu.rewards import load_function
@@ -539,6 +700,32 @@ class Batcher:
 
 
 # ------------------------------------------------------------------------------------------- the app
+OPENAPI_FILE = Path(__file__).with_name("serve_openapi.json")
+
+
+def openapi_document(served: Served | None = None, limits: dict | None = None) -> dict:
+    """The API as an OpenAPI 3.1 document (``shifu/serve_openapi.json``, written by hand), with what
+    ``served`` takes filled in: the largest token id, the positions of a row, the server's limits."""
+    from shifu import __version__
+
+    doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
+    doc["info"]["x-shifu-version"] = __version__
+    if served is None:
+        return doc
+    live: dict = {"kind": served.kind, "limits": limits or {}}
+    if served.model is not None:
+        ids = doc["components"]["schemas"]["TokenIds"]
+        ids["items"]["items"]["maximum"] = served.vocab_rows - 1
+        ids["description"] += (
+            f" This server: ids 0..{served.vocab_rows - 1}, at most {served.positions} real tokens a row."
+            if served.positions is not None
+            else f" This server: ids 0..{served.vocab_rows - 1}."
+        )
+        live |= {"vocab_rows": served.vocab_rows, "max_positions": served.positions}
+    doc["info"]["x-shifu-served"] = live
+    return doc
+
+
 def _json_error(status: int, field_name: str | None, message: str, headers: dict | None = None):
     from starlette.responses import JSONResponse
 
@@ -586,6 +773,31 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
         ) from None
 
 
+def check_content_headers(headers) -> None:
+    """415 unless the body is declared ``application/json`` (charset, when given, utf-8), unencoded."""
+    ctype = headers.get("content-type", "")
+    media, *params = (p.strip().lower() for p in ctype.split(";"))
+    if media != "application/json":
+        raise RequestError(
+            415,
+            "Content-Type",
+            f"Content-Type '{ctype}' is not application/json; send JSON as application/json",
+        )
+    for p in params:
+        name, _, value = p.partition("=")
+        if name.strip() == "charset" and value.strip().strip('"') not in ("utf-8", "utf8"):
+            raise RequestError(
+                415, "Content-Type", f"Content-Type '{ctype}': JSON is UTF-8 (RFC 8259); send charset=utf-8"
+            )
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise RequestError(
+            415,
+            "Content-Encoding",
+            f"Content-Encoding '{encoding}' is not supported; send the body unencoded",
+        )
+
+
 def create_app(
     served: Served,
     token: str | None = None,
@@ -608,6 +820,7 @@ def create_app(
         "exact": exact,
     }
     metadata = served.metadata() | {"limits": limits}
+    document = openapi_document(served, limits)
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -633,13 +846,15 @@ def create_app(
         check_bearer(request.headers.get("authorization"), token)
         return JSONResponse(metadata)
 
+    async def openapi(request):
+        return JSONResponse(document)
+
     async def score(request):
         check_bearer(request.headers.get("authorization"), token)
-        ctype = request.headers.get("content-type", "")
-        if ctype.split(";")[0].strip().lower() != "application/json":
-            raise RequestError(415, "Content-Type", f"Content-Type '{ctype}' is not application/json")
+        check_content_headers(request.headers)
         raw = await read_body(request, max_body_bytes, body_timeout_s)
-        req = await run_in_threadpool(lambda: parse_score_request(decode_body(raw)))
+        ids_below = served.vocab_rows if served.model is not None else None
+        req = await run_in_threadpool(lambda: parse_score_request(decode_body(raw), ids_below))
         blocks = await asyncio.get_running_loop().run_in_executor(state["encoder"], served.blocks, req)
         b = state["batcher"]
         if blocks is None:
@@ -656,8 +871,9 @@ def create_app(
         return _json_error(exc.status, exc.field, exc.message, exc.headers)
 
     async def on_http_error(request, exc: HTTPException):
+        where = {404: "path", 405: "method"}.get(exc.status_code)
         return _json_error(
-            exc.status_code, None, f"{request.method} {request.url.path}: {exc.detail}", exc.headers
+            exc.status_code, where, f"{request.method} {request.url.path}: {exc.detail}", exc.headers
         )
 
     async def on_scoring_error(request, exc: ScoringError):
@@ -671,6 +887,7 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/v1/metadata", meta, methods=["GET"]),
             Route("/v1/score", score, methods=["POST"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
         exception_handlers={
             RequestError: on_request_error,
