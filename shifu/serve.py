@@ -265,7 +265,9 @@ def parse_score_request(body, vocab_rows: int | None = None) -> ScoreRequest:
         raise RequestError(422, "body", f"the body must be a JSON object, got {json_type(body)}")
     unknown = sorted(set(body) - set(SCORE_FIELDS))
     if unknown:
-        raise _unprocessable(unknown[0], f"unknown field; a score request has {', '.join(SCORE_FIELDS)}")
+        raise _unprocessable(
+            field_path("", unknown[0]), f"unknown field; a score request has {', '.join(SCORE_FIELDS)}"
+        )
     req = ScoreRequest()
     has_text = "prompts" in body or "responses" in body
     has_tokens = "input_ids" in body or "attention_mask" in body
