@@ -20,7 +20,7 @@ read from cache where it fits (a real step streams all 30 layers from memory: sl
 ``--generation``: whole generations instead (the random-weight SmolLM2-135M policy of
 ``ppo_iteration.py``, 128 new tokens, sampling, fp32), alternating shifu's decoder with the output
 embedding read as ``F.linear(h, W)``, shifu's decoder with it read as ``(W @ h^T)^T`` (the two orders
-:func:`shifu.decode.head_product` chooses between) and HF ``generate``; one JSON line per row count::
+:func:`shifu.generation.decode.head_product` chooses between) and HF ``generate``; one JSON line per row count::
 
     python benchmarks/decode_weights.py                 # rows 4 and 16
     python benchmarks/decode_weights.py --rows 1 4 --repeats 100
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from shifu.precision import machine_key
+from shifu.parallel.precision import machine_key
 
 LAYER = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 HEAD, N_LAYER = (576, 49152), 30
@@ -91,8 +91,8 @@ def generation(rows: int, rounds: int = 3) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ppo_iteration as pi
 
-    import shifu.decode as dec
-    from shifu.rollout import SamplingParams, generate
+    import shifu.generation.decode as dec
+    from shifu.generation.rollout import SamplingParams, generate
 
     pi.S = pi.Setup(shape="smollm2-135m", **pi.SHAPES["smollm2-135m"], batch=rows, new_tokens=128)
     model = pi.build_policy()

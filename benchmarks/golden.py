@@ -35,7 +35,7 @@ def _inputs(out: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_tokenizer, write_jsonl
 
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     d = out / "inputs"
     tok = build_tiny_tokenizer(False)

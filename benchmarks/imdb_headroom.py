@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from shifu import quickstart as qs
-from shifu.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
-from shifu.rewards import load_function, load_reward_model
+from shifu.experiments import quickstart as qs
+from shifu.experiments.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.rewards.sources import load_function, load_reward_model
 from shifu.tasks import evaluate_policy
 
 PRESET = "small"

@@ -78,7 +78,7 @@ def dir_mb(path: Path) -> float:
 
 def prepare(work: Path) -> dict[str, str]:
     """The policy (cached conversion), a MiniLM reward model directory and a prompt file, in ``work``."""
-    from shifu.models import ScalarModel
+    from shifu.models.loading import ScalarModel
     from shifu.tasks.imdb import converted_smollm2, load_reviews, prompt_and_continuation
     from shifu.trainers.reward import resolve_backbone
 
@@ -98,7 +98,7 @@ def prepare(work: Path) -> dict[str, str]:
 
 def run_one(name: str, files: dict[str, str], out: Path, iterations: int) -> dict:
     """One configuration in this process; returns its figures."""
-    from shifu import cli
+    from shifu.cli import main as cli
 
     argv = ["ppo", "--out", str(out), "--overwrite", f"model.path={files['policy']}",
             f"reward.model_path={files['rm']}", f"data.train={files['prompts']}", f"iterations={iterations}",

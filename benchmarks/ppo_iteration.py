@@ -236,13 +236,13 @@ def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra:
 
 # ----------------------------------------------------------------------------------------- shifu
 def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
-    from shifu.cli import keep_freed_memory
+    from shifu.cli.main import keep_freed_memory
 
     malloc = keep_freed_memory()  # as the shifu command does before any command (SHIFU_MALLOC=system: not)
-    from shifu.models import ScalarModel, new_value_head
-    from shifu.rewards import RewardSource
-    from shifu.schema import GenerationConfig, OptimConfig, PPOConfig
-    from shifu.strategy import build_strategy
+    from shifu.config.schema import GenerationConfig, OptimConfig, PPOConfig
+    from shifu.models.loading import ScalarModel, new_value_head
+    from shifu.parallel.strategy import build_strategy
+    from shifu.rewards.sources import RewardSource
     from shifu.trainers import ppo, ppo_models
 
     tmp = Path(tempfile.mkdtemp(prefix="shifu-bench-"))
@@ -305,9 +305,9 @@ def _scalar_model(seed: int, tok, cls):
 def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-scale says)
     """Generation tokens/s of shifu's engine and of HF ``generate`` (sampling, no EOS), alternating; and of
     shifu's engine on the bf16 decode copy that the fast defaults generate with where the probe picks it
-    (``shifu.precision.bf16_copy``: weights cast once), against the same fp32 HF ``generate``."""
-    from shifu.precision import bf16_copy
-    from shifu.rollout import SamplingParams, generate
+    (``shifu.parallel.precision.bf16_copy``: weights cast once), against the same fp32 HF ``generate``."""
+    from shifu.generation.rollout import SamplingParams, generate
+    from shifu.parallel.precision import bf16_copy
 
     model = build_policy()
     model16 = bf16_copy(model)
@@ -443,7 +443,7 @@ def setup_args() -> list[str]:
     return out + (["--micro-batch-tokens", str(S.micro_batch_tokens)] if S.micro_batch_tokens else [])
 
 
-# glibc's malloc set as shifu sets it (shifu.cli.keep_freed_memory), for a peer run given the same allocator
+# glibc's malloc set as shifu sets it (shifu.cli.main.keep_freed_memory), for a peer run given the same allocator
 KEPT_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"}
 
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shifu.quickstart import DEFAULT_PRESET, PLANS, standard_error
+from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, standard_error
 
 G = 4  # responses per prompt of the group methods
 GROUP = [f"ppo.group_size={G}"]
@@ -69,7 +69,7 @@ def method_sets(task: str, method: str, same_prompts: bool) -> list[str]:
 
 
 def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threads: int) -> None:
-    cmd = [sys.executable, "-m", "shifu.cli", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
+    cmd = [sys.executable, "-m", "shifu.cli.main", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
            "--threads", str(threads)]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]

@@ -48,7 +48,7 @@ def build_reward_model(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
-    from shifu.models import ScalarModel
+    from shifu.models.loading import ScalarModel
 
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
@@ -88,9 +88,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def reward_source(model_dir: Path, rows: int):
     """The trainer's in-process scorer of the same model (token path, micro-batches of ``rows``)."""
-    from shifu.ensemble import load_reward
-    from shifu.models import fuse_tanh_gelu
-    from shifu.rewards import RewardSource
+    from shifu.models.loading import fuse_tanh_gelu
+    from shifu.rewards.ensemble import load_reward
+    from shifu.rewards.sources import RewardSource
 
     model = fuse_tanh_gelu(load_reward(model_dir))  # as the server and the PPO trainer hold it
     return RewardSource(model=model, policy_tokenizer=model.tokenizer, micro_batch=rows)
@@ -140,7 +140,7 @@ def start_server(model_dir: Path, exact: bool) -> tuple[subprocess.Popen, str]:
 
 def served(url: str, mode: str, batches, clients: int, seconds: float, max_requests: int, reference) -> dict:
     """``clients`` threads, each with its own RemoteReward, sending batches back to back."""
-    from shifu.remote import RemoteReward
+    from shifu.rewards.remote import RemoteReward
 
     tokenizer = reference.model.tokenizer
     remotes = [

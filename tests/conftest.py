@@ -4,7 +4,7 @@ Fixtures (session-scoped, built once in a tmp dir, treat them as read-only):
 
 - ``tiny_model_dir``: an HF directory (``config.json``, weights, tokenizer) of a 2-layer, 64-wide random
   GPT-2 with a byte-level BPE tokenizer (vocab ~400). EOS ``<|endoftext|>`` and a *distinct* pad ``<pad>``.
-  Loads with ``shifu.models.load_causal_lm`` / ``load_tokenizer`` and ``AutoModelForCausalLM``.
+  Loads with ``shifu.models.loading.load_causal_lm`` / ``load_tokenizer`` and ``AutoModelForCausalLM``.
 - ``tiny_model_dir_pad_eos``: the same architecture, but the tokenizer has no pad token of its own, so
   ``load_tokenizer`` sets pad = EOS (the convention that positions must come from masks, never ids).
 
@@ -56,7 +56,7 @@ def build_tiny_tokenizer(pad_equals_eos: bool = False):
 
 
 def _build_dir(path: Path, pad_equals_eos: bool) -> Path:
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     tok = build_tiny_tokenizer(pad_equals_eos)
     tok.save_pretrained(str(path))

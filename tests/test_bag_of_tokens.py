@@ -12,11 +12,11 @@ from test_ppo import task as task  # the module's fixture: the char model and it
 from test_rm import make_cfg as rm_cfg
 from test_rm import pref_rows
 
-from shifu.config import load_config
-from shifu.ensemble import load_reward
+from shifu.config.loader import load_config
 from shifu.errors import ConfigError
-from shifu.models import ScalarModel, load_tokenizer
-from shifu.rewards import RewardSource
+from shifu.models.loading import ScalarModel, load_tokenizer
+from shifu.rewards.ensemble import load_reward
+from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, reward
 
 BOW = {"path": "bag-of-tokens"}

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from test_sft import make_cfg as sft_cfg
 
-from shifu import cli
-from shifu.tracking import read_metrics
+from shifu.cli import main as cli
+from shifu.runs.tracking import read_metrics
 
 
 @pytest.mark.parametrize("cmd", sorted(cli.TRAINERS))
@@ -30,7 +30,7 @@ def test_rm_ensemble_flag_between_overrides():
 
 
 def test_override_after_resume_is_applied(tiny_model_dir, tmp_path, capsys):
-    """A real SFT run through ``shifu.cli.main``: overrides between flags, then one after ``--resume``."""
+    """A real SFT run through ``shifu.cli.main.main``: overrides between flags, then one after ``--resume``."""
     data = sft_cfg(tiny_model_dir, tmp_path).data  # writes train/eval JSONL
     run = tmp_path / "run"
     common = [
@@ -70,7 +70,7 @@ def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
 # a process that frees 64 MiB tensors and allocates three more of the same size: their minor page faults
 _REUSE = """
 import resource, sys, torch
-from shifu.cli import keep_freed_memory
+from shifu.cli.main import keep_freed_memory
 print(keep_freed_memory(), file=sys.stderr)
 for _ in range(24):  # 64 MiB, freed at once: the heap grows until a freed block fits (<= 14 seen), then stops
     torch.empty(16 << 20).fill_(1.0)

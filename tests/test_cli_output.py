@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from test_sft import make_cfg as sft_cfg
 
-from shifu import cli, tracking
-from shifu.config import describe, load_config
+from shifu.cli import main as cli
+from shifu.config.loader import describe, load_config
 from shifu.errors import ConfigError
+from shifu.runs import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
-# `shifu ...` in a fresh process (the console script is `shifu.cli:main`), reporting afterwards whether
+# `shifu ...` in a fresh process (the console script is `shifu.cli.main:main`), reporting afterwards whether
 # DeepSpeed was imported
-RUN = "import sys; from shifu.cli import main; rc = main(sys.argv[1:]); print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)"
+RUN = "import sys; from shifu.cli.main import main; rc = main(sys.argv[1:]); print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)"
 NOISE = ("Setting accelerator to", "Loading weights", "Writing model shards", "it/s]", "Warning")
 
 
@@ -63,7 +64,7 @@ def test_verbose_shows_the_libraries_output(tiny_model_dir, tmp_path):
 
 
 def test_verbose_flag_is_taken_anywhere_and_nothing_else_is():
-    from shifu.quiet import verbose_requested
+    from shifu.cli.quiet import verbose_requested
 
     assert verbose_requested(["sft", "a=1", "--verbose", "--out", "x"]) == (
         True,

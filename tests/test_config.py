@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shifu.config import from_dict, load_config, read_yaml
+from shifu.config.loader import from_dict, load_config, read_yaml
+from shifu.config.schema import check_world_size
 from shifu.errors import ConfigError
-from shifu.schema import check_world_size
 from shifu.trainers import ppo
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""shifu.distributed: single-process behaviour here, 2-process behaviour through torchrun (gloo, CPU).
+"""shifu.parallel.distributed: single-process behaviour here, 2-process behaviour through torchrun (gloo, CPU).
 
 The 2-process checks live in ``tests/dist_scripts/check_dist.py`` and run in ONE torchrun launch (start-up
 costs seconds); each check is reported here as its own test. Process groups get a 60 s timeout, so a
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shifu import distributed as D
 from shifu.errors import ShifuError
+from shifu.parallel import distributed as D
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "dist_scripts"))

@@ -23,10 +23,10 @@ import torch
 from conftest import write_jsonl
 from safetensors.torch import load_file
 
-from shifu.config import load_config
-from shifu.data import BatchStream, encode_sft
-from shifu.models import ScalarModel, load_tokenizer
-from shifu.schema import TextDataConfig as DataConfig
+from shifu.config.loader import load_config
+from shifu.config.schema import TextDataConfig as DataConfig
+from shifu.data.rows import BatchStream, encode_sft
+from shifu.models.loading import ScalarModel, load_tokenizer
 from shifu.trainers import dpo, reward, sft
 
 HERE = Path(__file__).resolve().parent

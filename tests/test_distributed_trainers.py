@@ -26,12 +26,12 @@ import pytest
 import torch
 from test_distributed import launch
 
-from shifu.config import load_config
-from shifu.models import ScalarModel, fuse_tanh_gelu, load_causal_lm, load_tokenizer, pad_left
-from shifu.rewards import RewardSource
-from shifu.rollout import policy_forward
-from shifu.schema import PPOConfig as Config
-from shifu.strategy import build_strategy
+from shifu.config.loader import load_config
+from shifu.config.schema import PPOConfig as Config
+from shifu.generation.rollout import policy_forward
+from shifu.models.loading import ScalarModel, fuse_tanh_gelu, load_causal_lm, load_tokenizer, pad_left
+from shifu.parallel.strategy import build_strategy
+from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 
 HERE = Path(__file__).resolve().parent
@@ -185,7 +185,7 @@ class _Run:
         self.tok.padding_side = "left"
         actor = load_causal_lm(task["model"], dropout=False)
         if lora:
-            from shifu.lora import wrap_lora
+            from shifu.models.lora import wrap_lora
 
             actor = wrap_lora(actor, self.cfg.lora)
         critic = ScalarModel.from_backbone(task["model"], seed=0)

@@ -4,7 +4,7 @@ naming the file / line / field / key / path and what to do, print no traceback, 
 corrected command then runs without ``--overwrite``.
 
 The model directories are copies of the tiny GPT-2 of ``conftest.py``, each broken one way; the runs are
-``shifu.cli.main`` in this process (a traceback would fail the test as an exception), plus one real
+``shifu.cli.main.main`` in this process (a traceback would fail the test as an exception), plus one real
 ``python -m shifu`` subprocess per kind of mistake for the exit status and stderr of a real process.
 """
 
@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 from test_dpo import preference_rows
 from test_sft import corpus
 
-from shifu import cli
-from shifu.data import load_rows
+from shifu.cli import main as cli
+from shifu.data.rows import load_rows
 from shifu.errors import DataError, ShifuError
-from shifu.models import ScalarModel, check_safetensors, check_vocab, load_causal_lm, load_tokenizer
+from shifu.models.loading import ScalarModel, check_safetensors, check_vocab, load_causal_lm, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_HINT = "shifu never downloads from a hub"

@@ -21,12 +21,12 @@ from test_dpo import config as dpo_cfg
 from test_rm import make_cfg as rm_cfg
 from test_sft import make_cfg as sft_cfg
 
-from shifu import checkpoint as ckpt
-from shifu import cli
-from shifu.config import load_config
+from shifu.cli import main as cli
+from shifu.config.loader import load_config
 from shifu.errors import ShifuError
-from shifu.models import ScalarModel
-from shifu.tracking import read_metrics
+from shifu.models.loading import ScalarModel
+from shifu.runs import checkpoint as ckpt
+from shifu.runs.tracking import read_metrics
 from shifu.trainers import dpo, ppo, reward, sft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,8 +295,8 @@ def test_dpo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
 _RM_RANK_NAN = """
 import sys
 import torch
-from shifu import distributed as D
-from shifu.config import load_config
+from shifu.parallel import distributed as D
+from shifu.config.loader import load_config
 from shifu.trainers import reward
 
 real, calls = reward.bradley_terry_loss, {"n": 0}

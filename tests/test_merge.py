@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
 from shifu.errors import ShifuError
-from shifu.merge import merge_policies
-from shifu.models import build_tiny_gpt2, load_causal_lm, load_tokenizer
+from shifu.models.loading import build_tiny_gpt2, load_causal_lm, load_tokenizer
+from shifu.models.merge import merge_policies
 
 torch.set_num_threads(1)
 

@@ -10,9 +10,9 @@ import torch
 from ppo_task import build_char_model, write_prompts
 from test_ppo import built
 
-from shifu.config import load_config
+from shifu.config.loader import load_config
 from shifu.errors import ConfigError
-from shifu.models import pad_left
+from shifu.models.loading import pad_left
 from shifu.trainers import ppo, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss, token_budget_split, trim_padding, update
 

@@ -1,4 +1,4 @@
-"""shifu.models: pad tokens, masks and positions, the scalar head, save/reload, encoder backbones."""
+"""shifu.models.loading: pad tokens, masks and positions, the scalar head, save/reload, encoder backbones."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from shifu.models import (
+from shifu.models.loading import (
     ScalarModel,
     last_token_index,
     load_causal_lm,

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from test_ppo import gold_curve, make_cfg, rows_of
 from test_ppo import task as task  # the module's fixture: the char model and its prompts
 
-from shifu import checkpoint as ckpt
 from shifu.errors import ConfigError, ShifuError
-from shifu.models import load_tokenizer
+from shifu.models.loading import load_tokenizer
+from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals
 from shifu.trainers.ppo_rollout import step_rewards
@@ -146,7 +146,7 @@ def test_exact_kl_that_would_not_fit_in_memory_is_refused_before_anything_is_wri
 ):
     """The reference's (B, R, V) log-probs are sized against the memory free on the device (MemAvailable here,
     read for real) and refused over half of it, naming the size and what to change."""
-    from shifu.strategy import Strategy
+    from shifu.parallel.strategy import Strategy
 
     free = Strategy(None).free_memory()
     assert free is not None and free > 2**20  # Linux: the kernel's MemAvailable, in bytes
@@ -250,7 +250,7 @@ def test_step_rewards_land_on_the_token_that_completes_the_step(tiny_model_dir):
 def test_process_rewards_credit_the_tokens_up_to_their_step():
     """reinforce_pp and gae (gamma = lam = 1, values 0, no whitening, no KL): the advantage of a token is
     the sum of the step rewards from it on, so a reward at token 2 credits tokens 0-2 and none after."""
-    from shifu.schema import PPOConfig
+    from shifu.config.schema import PPOConfig
 
     mask = torch.ones(1, 6, dtype=torch.bool)
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, -0.5]])
@@ -267,7 +267,7 @@ def test_group_estimators_normalise_process_rewards_per_step():
     -0.5 (response 0, ending at tokens 2 and 5), 0 (a step of reward 0 ending at token 3 of response 1) and
     response 1's score 0.25 on its last token, minus beta * KL of each step's tokens (0.1 a token, beta 0.5).
     A token's advantage sums the normalised steps from it on; rloo and bon refuse per-token rewards."""
-    from shifu.schema import PPOConfig
+    from shifu.config.schema import PPOConfig
 
     mask = torch.ones(2, 6, dtype=torch.bool)
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, -0.5], [0.0] * 6])

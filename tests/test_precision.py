@@ -1,4 +1,4 @@
-"""bf16 decided by measurement (shifu.precision): the probe's cache, the decisions it drives, and what
+"""bf16 decided by measurement (shifu.parallel.precision): the probe's cache, the decisions it drives, and what
 ``bf16=true`` then holds in bf16 (frozen copies, the decode copy) and in fp32 (master weights, optimiser).
 
 No test depends on how fast this machine's bf16 is: the decisions are driven through ``measure`` (the one
@@ -14,9 +14,9 @@ from ppo_task import build_char_model, write_prompts
 from safetensors.torch import load_file
 from test_ppo import built
 
-from shifu import precision
-from shifu.config import load_config
-from shifu.models import ScalarModel, load_causal_lm, pad_left
+from shifu.config.loader import load_config
+from shifu.models.loading import ScalarModel, load_causal_lm, pad_left
+from shifu.parallel import precision
 from shifu.trainers import ppo, ppo_rollout
 
 
@@ -99,7 +99,7 @@ def test_probe_measures_each_shape_once_then_reads_the_cache(tmp_path):
 
 
 def test_linear_shapes_of_a_gpt2_keep_the_output_embedding_apart(task):
-    from shifu.models import load_causal_lm
+    from shifu.models.loading import load_causal_lm
 
     model = load_causal_lm(task["model"])
     trunk, head = precision.linear_shapes(model)
@@ -155,7 +155,7 @@ def test_bf16_autocast_on_cpu_keeps_attention_off_the_fused_flash_kernel(task):
     shifu's bf16 autocast attention runs as matmuls + softmax; fp32 keeps the fused kernel it always ran."""
     from torch.profiler import profile
 
-    from shifu.models import load_causal_lm
+    from shifu.models.loading import load_causal_lm
     from shifu.trainers.common import autocast
 
     model = load_causal_lm(task["model"])

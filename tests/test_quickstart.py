@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
 
 torch.set_num_threads(1)
 
@@ -157,7 +157,7 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
 
 
 def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
-    from shifu.quickstart import PLANS, preference_prompts
+    from shifu.experiments.quickstart import PLANS, preference_prompts
 
     files = {"prompts_pairs": str(tmp_path / "pairs.jsonl"), "prompts_train": str(tmp_path / "train.jsonl")}
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
@@ -168,7 +168,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     assert preference_prompts(files, 100) == ["p0", "p1", "p2", "t0", "t1", "t2", "t3", "t4"]
     # imdb small: 12000 prompts for its bag-of-tokens reward model (3000 gave it 0.71-0.77 held-out
     # accuracy, 12000 0.80-0.81), ties dropped; the imdb "reduced" study keeps 3000 and MiniLM, one epoch
-    from shifu.study import BUDGETS
+    from shifu.experiments.study import BUDGETS
 
     small = PLANS[("imdb", "small")]
     assert small["pairs"]["num_prompts"] == 12000 and small["pairs"]["drop_ties"] is True
@@ -181,7 +181,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
 def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp_path):
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
-    from shifu.quickstart import evaluate, standard_error
+    from shifu.experiments.quickstart import evaluate, standard_error
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
     path = tmp_path / "prompts.jsonl"
@@ -200,7 +200,7 @@ def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys
     """A rerun skips a finished stage only when its recorded plan is this run's; another plan is refused
     by key (the stage's files untouched, nothing later runs), in a moved run directory too."""
     from shifu.errors import ShifuError
-    from shifu.pipeline import Stages
+    from shifu.experiments.pipeline import Stages
 
     calls = []
 
@@ -240,7 +240,7 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     """Members finished before stage plans were recorded are compared by their config.yaml: the seed and
     out_dir may differ, nothing else."""
     from shifu.errors import ShifuError
-    from shifu.quickstart import same_settings
+    from shifu.experiments.quickstart import same_settings
 
     for name, seed, lr in (("ppo", 0, 1e-3), ("ppo-2", 1000, 1e-3), ("ppo-3", 2000, 3e-4)):
         (tmp_path / name).mkdir()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from shifu import cli
-from shifu.metrics import METRICS, markdown_table, undefined_keys
-from shifu.report import GOLD_VS_KL, PLOTS, QUICKSTART_STAGES, render_report
-from shifu.tracking import Tracker, read_metrics
+from shifu.cli import main as cli
+from shifu.reporting.report import GOLD_VS_KL, PLOTS, QUICKSTART_STAGES, render_report
+from shifu.runs.metrics import METRICS, markdown_table, undefined_keys
+from shifu.runs.tracking import Tracker, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -255,8 +255,10 @@ def test_cli_renders(tmp_path: Path, capsys):
 
 
 def test_metrics_docs_match_the_table():
-    docs = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
-    assert docs == markdown_table(), "docs/metrics.md is stale: run `python -m shifu.metrics docs/metrics.md`"
+    docs = (ROOT / "docs" / "reference" / "metrics.md").read_text(encoding="utf-8")
+    assert docs == markdown_table(), (
+        "docs/reference/metrics.md is stale: run `python -m shifu.runs.metrics docs/reference/metrics.md`"
+    )
     documented = re.findall(r"^\| `([^`]+)` \|", docs, flags=re.M)
     assert documented == list(METRICS)
 
@@ -264,7 +266,7 @@ def test_metrics_docs_match_the_table():
 def test_every_plotted_key_is_defined():
     for plot in PLOTS:
         for key in plot.keys:
-            assert key in METRICS, f"report plots {key}, which shifu/metrics.py does not define"
+            assert key in METRICS, f"report plots {key}, which shifu/runs/metrics.py does not define"
     for key in METRICS:
         assert re.fullmatch(r"[a-z]+(/[a-z][a-z0-9_]*)*(/[a-z][a-z0-9_]*|/\*)", key), key
 

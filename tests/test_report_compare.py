@@ -16,9 +16,9 @@ from pathlib import Path
 import yaml
 from test_report import CHECK_SCRIPT, Links, _chromium, png_size, write_run
 
-from shifu import cli
-from shifu.compare import GOLD_VS_KL, OVERLAYS, config_differences, render_comparison, run_labels
-from shifu.tracking import Tracker, read_metrics
+from shifu.cli import main as cli
+from shifu.reporting.compare import GOLD_VS_KL, OVERLAYS, config_differences, render_comparison, run_labels
+from shifu.runs.tracking import Tracker, read_metrics
 
 EVERY_PLOT = [p.name for p in OVERLAYS] + [GOLD_VS_KL]
 

@@ -12,7 +12,7 @@ Each trainer (sft, rm, ppo, dpo) runs once uninterrupted, then again as a chain 
 The final weights (sha256 over every safetensors tensor of ``final/``, and ``critic/`` for PPO) and every
 ``metrics.jsonl`` row (minus ``time/*`` and ``perf/*``) must equal the uninterrupted run's, bit for bit.
 
-Runs are child processes forked from the test process (``shifu.cli.main`` with the hooks of
+Runs are child processes forked from the test process (``shifu.cli.main.main`` with the hooks of
 ``resume_scripts/run_shifu.py``): real processes, really SIGKILLed, without paying the torch/transformers
 import for each of the ~15 runs. ``test_ppo_real_subprocess_sigterm_and_resume`` does the same through
 ``python -m shifu``-equivalent fresh interpreters.
@@ -36,8 +36,8 @@ from conftest import write_jsonl
 from ppo_task import build_char_model, write_prompts
 from safetensors import safe_open
 
-from shifu import checkpoint as ckpt
-from shifu import cli
+from shifu.cli import main as cli
+from shifu.runs import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "resume_scripts"))
@@ -384,7 +384,7 @@ def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_chec
     n_moments = sum(v["exp_avg"].numel() for t in state.values() for v in t["optimizer"]["state"].values())
     assert 0 < n_moments < 5000  # adapters (2 x 1024) and the value head (33), not the 29k-parameter base
     full = tmp_path / "clean" / "final"  # ...while final/ and critic/ load as plain models
-    from shifu.models import ScalarModel, load_causal_lm
+    from shifu.models.loading import ScalarModel, load_causal_lm
 
     assert sum(p.numel() for p in load_causal_lm(full).parameters()) > 25_000
     ScalarModel.from_pretrained(tmp_path / "clean" / "critic")

@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from shifu import cli
-from shifu.config import load_config
-from shifu.ensemble import RewardEnsemble, aggregate, load_reward
-from shifu.models import ScalarModel, load_tokenizer
-from shifu.tracking import read_metrics
+from shifu.cli import main as cli
+from shifu.config.loader import load_config
+from shifu.models.loading import ScalarModel, load_tokenizer
+from shifu.rewards.ensemble import RewardEnsemble, aggregate, load_reward
+from shifu.runs.tracking import read_metrics
 from shifu.trainers import reward
 from shifu.trainers.reward import normalisation_rows
 
@@ -201,7 +201,7 @@ def test_freeze_lower_layers_finds_the_blocks_of_encoders_and_llamas():
     from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
 
     from shifu.errors import ShifuError
-    from shifu.models import freeze_lower_layers
+    from shifu.models.loading import freeze_lower_layers
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=32))  # fmt: skip
@@ -243,7 +243,7 @@ def test_keep_lower_layers_truncates_encoders_and_llamas_that_still_save_and_rel
     from transformers import AutoModel, BertConfig, BertModel, LlamaConfig, LlamaModel
 
     from shifu.errors import ShifuError
-    from shifu.models import keep_lower_layers
+    from shifu.models.loading import keep_lower_layers
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=32))  # fmt: skip

@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from test_resume import metric_rows, weights_digest
 from test_sft import corpus
 
-from shifu import checkpoint as ckpt
-from shifu import cli
+from shifu.cli import main as cli
 from shifu.errors import ShifuError
+from shifu.runs import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,11 +29,11 @@ import torch
 pytest.importorskip("starlette", reason="pip install 'shifu-rlhf[serve]'")
 uvicorn = pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 
-from shifu import cli  # noqa: E402
-from shifu.ensemble import load_reward, write_manifest  # noqa: E402
+from shifu.cli import main as cli  # noqa: E402
 from shifu.errors import ConfigError  # noqa: E402
-from shifu.models import ScalarModel, fuse_tanh_gelu, load_tokenizer, pad_left, pad_right  # noqa: E402
-from shifu.remote import (  # noqa: E402
+from shifu.models.loading import ScalarModel, fuse_tanh_gelu, load_tokenizer, pad_left, pad_right  # noqa: E402
+from shifu.rewards.ensemble import load_reward, write_manifest  # noqa: E402
+from shifu.rewards.remote import (  # noqa: E402
     RemoteReward,
     RewardServiceError,
     RewardServiceUnavailable,
@@ -41,8 +41,8 @@ from shifu.remote import (  # noqa: E402
     can_send_token_ids,
     tokenizer_fingerprint,
 )
-from shifu.rewards import RewardSource, same_tokenizer  # noqa: E402
-from shifu.serve import (  # noqa: E402
+from shifu.rewards.sources import RewardSource, same_tokenizer  # noqa: E402
+from shifu.serve.server import (  # noqa: E402
     Batcher,
     bind_socket,
     create_app,
@@ -316,7 +316,7 @@ def test_process_reward_returns_per_token_scores():
 def test_process_reward_steps_travel_as_in_process(policy_tok):
     """A function returning shifu's steps ([[end, reward], ...]) for some responses and a number for others:
     the client gets the same (scores, steps) as RewardSource in process, and a total per response."""
-    from shifu.rewards import RewardSource
+    from shifu.rewards.sources import RewardSource
 
     local = RewardSource(function=step_reward)
     with running(create_app(load_served("test_serve:step_reward"))) as url:

@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_serve import VOCAB_ROWS, raw, rollout_ids, trainer_scored  # noqa: E402
 
-from shifu.models import ScalarModel, build_tiny_gpt2, load_tokenizer  # noqa: E402
-from shifu.remote import RemoteReward  # noqa: E402
-from shifu.rewards import RewardSource  # noqa: E402
-from shifu.serve import SCORE_FIELDS, create_app, load_served, openapi_document  # noqa: E402
+from shifu.models.loading import ScalarModel, build_tiny_gpt2, load_tokenizer  # noqa: E402
+from shifu.rewards.remote import RemoteReward  # noqa: E402
+from shifu.rewards.sources import RewardSource  # noqa: E402
+from shifu.serve.server import SCORE_FIELDS, create_app, load_served, openapi_document  # noqa: E402
 
 TOKEN = "fuzz-token"
 POSITIONS = 16  # the reward model's context: rows of more real tokens are refused

@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from shifu.checkpoint import CKPT_DIR
-from shifu.config import load_config
-from shifu.data import collate_sft, encode_sft
+from shifu.config.loader import load_config
+from shifu.data.rows import collate_sft, encode_sft
 from shifu.errors import ConfigError
-from shifu.models import load_causal_lm, load_tokenizer
-from shifu.tracking import read_metrics
+from shifu.models.loading import load_causal_lm, load_tokenizer
+from shifu.runs.checkpoint import CKPT_DIR
+from shifu.runs.tracking import read_metrics
 from shifu.trainers import sft
 
 ANIMALS = ["cat", "dog", "bird", "fish", "cow"]

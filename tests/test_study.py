@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from shifu import study
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
+from shifu.experiments import study
 
 torch.set_num_threads(1)
 
@@ -155,7 +155,7 @@ def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, 
 
 
 def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
-    from shifu.quickstart import PLANS
+    from shifu.experiments.quickstart import PLANS
 
     plan = study.BUDGETS[("imdb", "reduced")]
     assert plan["preset"] == "small"

@@ -58,7 +58,7 @@ def test_arith_heldout_prompts_are_never_trained_on(arith_dirs):
 
 
 def test_arith_tokenizer_round_trips_characters(arith_dirs):
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
 
     a, _, _ = arith_dirs
     tok = load_tokenizer(a["tokenizer"])
@@ -72,7 +72,7 @@ def test_arith_tokenizer_round_trips_characters(arith_dirs):
 
 
 def test_arith_model_is_sub_million(arith_dirs):
-    from shifu.models import load_causal_lm
+    from shifu.models.loading import load_causal_lm
 
     a, _, _ = arith_dirs
     n = sum(p.numel() for p in load_causal_lm(a["base"]).parameters())
@@ -149,7 +149,7 @@ def test_imdb_corpus_and_split(reviews):
 
 
 def test_imdb_bpe_tokenizer_round_trips(reviews, tmp_path):
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
     from shifu.tasks import imdb
 
     imdb.train_tokenizer(reviews[:300], 600, tmp_path)
@@ -164,7 +164,7 @@ def test_imdb_bpe_tokenizer_round_trips(reviews, tmp_path):
 def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
     """The quickstart's before/after evaluation encodes prompts with the run's data.chat_template: the
     tokenizer's template when on (the default), the bare string when a run switched it off."""
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
     from shifu.tasks import encode_prompts
 
     tok = load_tokenizer(tiny_model_dir)

@@ -26,7 +26,7 @@ import pytest
 from conftest import write_jsonl
 from test_resume import metric_rows, weights_digest
 
-from shifu import checkpoint as ckpt
+from shifu.runs import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow

@@ -1,6 +1,7 @@
-"""Tracker sinks: every metric of docs/metrics.md and the run's config reach JSONL, TensorBoard, W&B (offline,
-files under the run directory) and MLflow (a local file store), read back from what each one wrote; a
-resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are named."""
+"""Tracker sinks: every metric of docs/reference/metrics.md and the run's config reach JSONL, TensorBoard,
+W&B (offline, files under the run directory) and MLflow (a local file store), read back from what each one
+wrote; a resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are
+named."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shifu.errors import ConfigError
-from shifu.metrics import METRICS
-from shifu.tracking import IDS_FILE, Tracker, flatten_config, read_ids, read_metrics, scalars
+from shifu.runs.metrics import METRICS
+from shifu.runs.tracking import IDS_FILE, Tracker, flatten_config, read_ids, read_metrics, scalars
 
 CONFIG = {
     "seed": 3,
@@ -248,8 +249,8 @@ def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
     and the trained model gets its model card."""
     from mlflow.tracking import MlflowClient
 
-    from shifu import cli
-    from shifu.modelcard import read_card_metadata
+    from shifu.cli import main as cli
+    from shifu.reporting.modelcard import read_card_metadata
 
     rows = [{"prompt": f"say {i}:", "response": " the movie was good"} for i in range(24)]
     data = tmp_path / "sft.jsonl"
@@ -271,7 +272,7 @@ def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
 
 
 def test_an_unknown_tracker_in_the_config_is_named_before_anything_is_written(tmp_path):
-    from shifu import cli
+    from shifu.cli import main as cli
 
     argv = ["sft", "--out", str(tmp_path / "run"), "model.path=m", "data.train=d.jsonl", "trackers=[neptune]"]
     assert cli.main(argv) == 2 and not (tmp_path / "run").exists()

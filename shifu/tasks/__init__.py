@@ -55,8 +55,8 @@ def encode_prompts(
     ``max_prompt_len`` keeps each prompt's last tokens (the trainers' ``truncate_left``), so prompt +
     response fits the model's positions exactly as in training.
     """
-    from shifu.data import prompt_text
-    from shifu.models import pad_left
+    from shifu.data.rows import prompt_text
+    from shifu.models.loading import pad_left
 
     # as the trainers prompt: a user message through the chat template when the tokenizer has one (and the
     # run's data.chat_template is on)
@@ -67,17 +67,6 @@ def encode_prompts(
     if max_prompt_len:
         rows = [r[-max_prompt_len:] for r in rows]
     return pad_left(rows, tokenizer.pad_token_id)
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Text of each response: its real tokens minus a final EOS (EOS ends the response, it is not text)."""
-    out = []
-    for ids, mask in zip(response_ids.tolist(), response_mask.tolist()):
-        real = [t for t, m in zip(ids, mask) if m]
-        if real and real[-1] == tokenizer.eos_token_id:
-            real = real[:-1]
-        out.append(tokenizer.decode(real, skip_special_tokens=True))
-    return out
 
 
 @torch.no_grad()
@@ -94,7 +83,7 @@ def generate_batches(
     chat_template: bool = True,
 ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
     """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R))."""
-    from shifu.rollout import SamplingParams, generate
+    from shifu.generation.rollout import SamplingParams, generate
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
     # a model with learned positions (GPT-2: n_positions) fits prompt + response: keep the prompt's tail
@@ -129,6 +118,8 @@ def sample_responses(
     greedy: bool = False,
 ) -> list[str]:
     """Decoded sampled (or greedy) responses, one per prompt, in order."""
+    from shifu.generation.rollout import decode_responses
+
     texts: list[str] = []
     for _, ids, mask in generate_batches(
         model, tokenizer, prompts, max_new_tokens, temperature, generator, batch_size, greedy
@@ -149,7 +140,7 @@ def response_kl(
     """(B,), (B,): the k1 and k3 estimates of KL(pi || pi_ref) per response (nats), summed over its real
     tokens, with both models' logits divided by T; k3 = (r - 1) - log r >= 0, r = pi_ref / pi per token."""
     from shifu.core import kl_estimate, masked_sum
-    from shifu.rollout import policy_forward
+    from shifu.generation.rollout import policy_forward
 
     input_ids = torch.cat([enc["input_ids"], response_ids], dim=1)
     attn = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
@@ -180,7 +171,8 @@ def evaluate_policy(
     None without a reference. ``max_prompt_len`` keeps each prompt's last tokens; ``chat_template`` as
     the run's ``data.chat_template`` (prompts rendered as PPO rendered them).
     """
-    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.generation.rollout import decode_responses
+    from shifu.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(policy_dir)
     model = load_causal_lm(policy_dir, dropout=False).eval()

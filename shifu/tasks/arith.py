@@ -124,7 +124,7 @@ def build_tokenizer(out_dir: str | Path):
 
 def build_model(tokenizer, preset: ArithPreset, seed: int):
     """Untrained GPT-2 (sub-million parameters for ``tiny``) sized to the character vocabulary."""
-    from shifu.models import build_tiny_gpt2
+    from shifu.models.loading import build_tiny_gpt2
 
     n_positions = 4 * len(str(preset.max_operand)) + 8  # "a+b=" + answer + eos, with room to spare
     return build_tiny_gpt2(

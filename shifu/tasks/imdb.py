@@ -35,11 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from shifu.errors import ConfigError, ShifuError
+from shifu.models.bpe import train_tokenizer
 from shifu.tasks.judges import bradley_terry_labels, vader_compound
 
 SPLIT_SEED = 4321  # fixed: the held-out reviews do not depend on the run seed
-EOS = "<|endoftext|>"
-PAD = "<pad>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,26 +187,6 @@ def prompt_and_continuation(review: str, prompt_words: int, response_words: int)
 # -------------------------------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path):
-    """Byte-level BPE (GPT-2 style) trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(texts, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=EOS, eos_token=EOS, pad_token=PAD)
-    tok.save_pretrained(str(out_dir))
-    return tok
-
-
 def cached_tokenizer(train_reviews: list[str], vocab_size: int, n_reviews: int, out_dir: str | Path) -> None:
     """Train (or copy from the cache) the BPE of ``n_reviews`` training reviews into ``out_dir``."""
     texts = train_reviews[:n_reviews]
@@ -290,7 +269,7 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
 
         link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
     else:
-        from shifu.models import build_tiny_gpt2, load_tokenizer
+        from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
         cached_tokenizer(train, p.vocab_size, p.tokenizer_reviews, out / "tokenizer")
         tok = load_tokenizer(out / "tokenizer")
@@ -332,7 +311,7 @@ def make_preference_pairs(
     """
     import torch
 
-    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.models.loading import load_causal_lm, load_tokenizer
     from shifu.tasks import sample_responses
 
     out = Path(out_dir)

@@ -1,5 +1,5 @@
 """Phase 1 of a PPO iteration, the rollout: sample responses from the actor, then the old and reference
-log-probs, the entropy, the values and the scores, all without gradients, as a :class:`shifu.rollout.Rollout`."""
+log-probs, the entropy, the values and the scores, all without gradients, as a :class:`shifu.generation.rollout.Rollout`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from shifu import core
-from shifu.rollout import Rollout, SamplingParams, critic_forward, policy_forward, sample
-from shifu.schema import PPOConfig
+from shifu.config.schema import PPOConfig
+from shifu.generation.rollout import Rollout, SamplingParams, critic_forward, policy_forward, sample
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels
 
@@ -38,7 +38,7 @@ def collect_rollout(
     # same logits as a second forward up to float rounding, one forward pass fewer.
     # With truncated importance sampling (tis_cap) the decode's log-probs are kept apart as the rollout
     # engine's (rollout_log_probs) and the trainer's forward computes old_log_probs.
-    # With bf16 decode (shifu.precision) generation reads the actor's bf16 copy; the trainer's forward then
+    # With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward then
     # computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*).
     tis, prec, dev = cfg.tis_cap is not None, models.precision, strategy.device
     reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not tis
@@ -152,7 +152,7 @@ def step_rewards(
     tok, response_ids: torch.Tensor, response_mask: torch.Tensor, steps: list
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Process rewards (B, R) and the step ends (B, R) bool: response i's step ``(end, reward)`` (``end`` a
-    character offset into its decoded text, :mod:`shifu.rewards`) lands on the first token whose decoded
+    character offset into its decoded text, :mod:`shifu.rewards.sources`) lands on the first token whose decoded
     prefix reaches ``end`` characters, the token that completes the step (:func:`shifu.core.place_step_rewards`);
     a step of reward 0 still ends there (the group estimators count it)."""
     S = max(1, max(len(x) for x in steps))

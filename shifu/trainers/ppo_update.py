@@ -9,8 +9,8 @@ import math
 import torch
 
 from shifu import core
-from shifu.rollout import Rollout, critic_forward, policy_forward
-from shifu.schema import PPOConfig
+from shifu.config.schema import PPOConfig
+from shifu.generation.rollout import Rollout, critic_forward, policy_forward
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels, PPOState
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 checks of ``shifu.distributed.wrap_deepspeed``, launched by ``tests/test_deepspeed.py``::
+"""DeepSpeed ZeRO-2/3 checks of ``shifu.parallel.distributed.wrap_deepspeed``, launched by ``tests/test_deepspeed.py``::
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/check_deepspeed.py --out DIR
 
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import check_dist as C  # noqa: E402
 import tiny  # noqa: E402
 
-from shifu import distributed as D  # noqa: E402
-from shifu.schema import DistributedConfig, OptimConfig  # noqa: E402
-from shifu.strategy import DeepSpeedStrategy, Trained  # noqa: E402
+from shifu.config.schema import DistributedConfig, OptimConfig  # noqa: E402
+from shifu.parallel import distributed as D  # noqa: E402
+from shifu.parallel.strategy import DeepSpeedStrategy, Trained  # noqa: E402
 
 
 def gathered(engine) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Multi-process checks of ``shifu.distributed``, launched by ``tests/test_distributed.py`` (and by
+"""Multi-process checks of ``shifu.parallel.distributed``, launched by ``tests/test_distributed.py`` (and by
 ``gpu_check.sh`` on CUDA machines) as::
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/check_dist.py --out DIR [--bf16]
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tiny  # noqa: E402
 
-from shifu import distributed as D  # noqa: E402
-from shifu.schema import DistributedConfig  # noqa: E402
-from shifu.strategy import DistributedStrategy, Trained  # noqa: E402
+from shifu.config.schema import DistributedConfig  # noqa: E402
+from shifu.parallel import distributed as D  # noqa: E402
+from shifu.parallel.strategy import DistributedStrategy, Trained  # noqa: E402
 
 RESULTS: dict[str, dict] = {}
 
@@ -241,7 +241,7 @@ def check_frozen_sharded(tok, full) -> str:
 
 def check_lora_fsdp2(tok, full) -> str:
     """LoRA actor sharded with FSDP2: after an adapter step, adapters-off log-probs == a frozen copy's."""
-    from shifu import lora
+    from shifu.models import lora
 
     frozen = tiny.tiny_model(tok).eval().to(D.local_device())
     actor = lora.wrap_lora(tiny.tiny_model(tok).eval(), lora.LoraConfig(enabled=True, r=4, alpha=8.0))
