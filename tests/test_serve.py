@@ -42,17 +42,10 @@ from shifu.rewards.remote import (  # noqa: E402
     tokenizer_fingerprint,
 )
 from shifu.rewards.sources import RewardSource, same_tokenizer  # noqa: E402
-from shifu.serve.server import (  # noqa: E402
-    Batcher,
-    bind_socket,
-    create_app,
-    is_loopback,
-    load_served,
-    main,
-    socket_url,
-    split_rows,
-    stack_blocks,
-)
+from shifu.serve.app import create_app  # noqa: E402
+from shifu.serve.batcher import Batcher, split_rows, stack_blocks  # noqa: E402
+from shifu.serve.served import load_served  # noqa: E402
+from shifu.serve.server import bind_socket, is_loopback, main, socket_url  # noqa: E402
 
 TOKEN = "s3cret-token"
 PROMPTS = [

@@ -32,7 +32,9 @@ from test_serve import VOCAB_ROWS, raw, rollout_ids, trainer_scored  # noqa: E40
 from shifu.models.loading import ScalarModel, build_tiny_gpt2, load_tokenizer  # noqa: E402
 from shifu.rewards.remote import RemoteReward  # noqa: E402
 from shifu.rewards.sources import RewardSource  # noqa: E402
-from shifu.serve.server import SCORE_FIELDS, create_app, load_served, openapi_document  # noqa: E402
+from shifu.serve.app import create_app, openapi_document  # noqa: E402
+from shifu.serve.served import load_served  # noqa: E402
+from shifu.serve.validation import SCORE_FIELDS  # noqa: E402
 
 TOKEN = "fuzz-token"
 POSITIONS = 16  # the reward model's context: rows of more real tokens are refused
