@@ -249,3 +249,73 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2"])
     with pytest.raises(ShifuError, match="ppo-3 was trained with other settings than .*optim.lr"):
         same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2", tmp_path / "ppo-3"])
+
+
+def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from shifu.experiments.quickstart import PLANS
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "quickstart",
+        "--task",
+        "arith",
+        "--print-config",
+        "--set",
+        "ppo.iterations=3",
+        "--set",
+        "soup.members=2",
+    ]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# shifu quickstart plan: ") and "arith-tiny.yaml --set ppo.iterations=3" in out
+    plan = yaml.safe_load(out)
+    expected = json.loads(json.dumps(PLANS[("arith", "tiny")]))
+    expected["ppo"]["iterations"], expected["soup"] = 3, {"members": 2}
+    assert (
+        plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
+    )  # the shipped plan unchanged
+    assert cli_main(["quickstart", "--print-config"]) == 0  # imdb's default preset, small
+    assert yaml.safe_load(capsys.readouterr().out) == PLANS[("imdb", "small")]
+    # a --set value of the wrong type is refused with the plan, the section and the key
+    assert cli_main(["quickstart", "--task", "arith", "--print-config", "--set", "ppo.iterations=many"]) == 2
+    err = capsys.readouterr().err
+    assert "the arith/tiny plan with --set ppo.iterations=many, section 'ppo'" in err
+    assert "config key 'iterations': expected an integer, got 'many'" in err
+    assert list(tmp_path.iterdir()) == []  # nothing was run or written
+
+
+def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_path):
+    from shifu.config.loader import shipped
+    from shifu.errors import ConfigError
+    from shifu.experiments.quickstart import PLANS, read_plans
+
+    shutil.copytree(shipped("quickstart"), tmp_path, dirs_exist_ok=True)
+    assert read_plans(tmp_path) == PLANS  # the shipped files are what quickstart runs
+    path = tmp_path / "arith-tiny.yaml"
+    good = path.read_text()
+    for old, new, says in [
+        ("ppo_epochs: 4", "ppo_epoch: 4", "section 'ppo': unknown config key 'ppo_epoch'. Valid keys here:"),
+        (
+            "controller: fixed",
+            "controller: fixd",
+            "section 'ppo': config key 'kl.controller': 'fixd' is not one",
+        ),
+        ("max_steps: 260", "max_steps: 260.5", "section 'sft': config key 'max_steps': expected an integer"),
+        (
+            "batch_size: 128\n  minibatch_size: 64",
+            "batch_size: 128\n  minibatch_size: 100",
+            "section 'ppo': ",
+        ),
+        ("eval: {max_new_tokens: 5,", "eval: {max_new_token: 5,", "section 'eval': unknown config key"),
+        ("lr: 2.0e-4", "lr: 2e-4", "'ppo.optim.lr' is a number written as text ('2e-4')"),
+        (
+            "\nppo:",
+            "\nppp: {}\nppo:",
+            "unknown config key 'ppp'. Valid keys here: eval, gold, pairs, ppo, rm,",
+        ),
+    ]:
+        assert old in good, old
+        path.write_text(good.replace(old, new, 1))
+        with pytest.raises(ConfigError) as e:
+            read_plans(tmp_path)
+        assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)
