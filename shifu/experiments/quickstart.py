@@ -79,6 +79,12 @@ class SoupPlan:
     members: int = opt(1, "PPO runs merged (1: no merge)")
     scale: float = opt(1.0, "the merge: sft + scale * mean of the runs' changes")
 
+    def validate(self) -> None:
+        if self.members < 1:
+            raise ConfigError(f"soup.members must be a whole number >= 1 (1: no merge), got {self.members!r}")
+        if not math.isfinite(self.scale):
+            raise ConfigError(f"soup.scale must be a finite number (1: the plain mean), got {self.scale!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalPlan:
