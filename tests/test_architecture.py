@@ -1,6 +1,6 @@
-"""The layout the code promises: docs/architecture.md names every module, the package is grouped into wings
-that import only downwards, imports form no cycle, the math core and torch.distributed stay where they belong,
-and the trainers stay short and branch-free."""
+"""The layout the code promises: docs/reference/architecture.md names every module, the package is grouped
+into wings that import only downwards, imports form no cycle, the math core and torch.distributed stay where
+they belong, and the trainers stay short and branch-free."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def imports(name: str, path: Path) -> set[str]:
 
 
 def test_architecture_doc_names_every_module():
-    text = (ROOT / "docs" / "architecture.md").read_text()
+    text = (ROOT / "docs" / "reference" / "architecture.md").read_text()
     block = text.split("```")[1]
     documented, stack = set(), []
     for line in block.splitlines()[1:]:

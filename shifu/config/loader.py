@@ -120,8 +120,47 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
 
 
 def unknown_key(key: str, valid) -> ConfigError:
-    """The error for a config key no section has, naming the valid keys of the section it is in."""
-    return ConfigError(f"unknown config key '{key}'. Valid keys here: {', '.join(sorted(valid))}")
+    """The error for a config key no section has, naming the valid keys of the section it is in and, when one
+    is close in spelling, the key that was probably meant."""
+    import difflib
+
+    head = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(head, sorted(valid), n=1, cutoff=0.75)
+    prefix = key[: len(key) - len(head)]
+    hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}")
+
+
+def keys_named(cls: type, name: str, prefix: str = "") -> list[str]:
+    """Every dotted key of dataclass ``cls`` whose last part is ``name`` (``lr`` -> ``optim.lr``, ...)."""
+    found = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if f.name == name:
+            found.append(prefix + f.name)
+        if dataclasses.is_dataclass(tp):
+            found += keys_named(tp, name, f"{prefix}{f.name}.")
+    return found
+
+
+def with_key_hint(cls: type, e: ConfigError) -> ConfigError:
+    """``e`` (an unknown key error) with the keys elsewhere in the tree that carry that name, if any: a
+    key written at the top level that lives in a section (``lr`` is ``optim.lr``)."""
+    msg = str(e)
+    if not msg.startswith("unknown config key '") or "Did you mean" in msg:
+        return e
+    key = msg.split("'")[1]
+    elsewhere = [k for k in keys_named(cls, key.rsplit(".", 1)[-1]) if k != key]
+    if not elsewhere:
+        return e
+    where = " or ".join(f"'{k}'" for k in elsewhere[:4])
+    return ConfigError(
+        msg.replace(
+            f"unknown config key '{key}'.",
+            f"unknown config key '{key}'. '{key.rsplit('.', 1)[-1]}' is {where}.",
+            1,
+        )
+    )
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
@@ -202,8 +241,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{p}' does not exist")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+        raise ConfigError(f"config file '{p}'{where} is not valid YAML: {what or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{p}' must hold a mapping of keys, not {type(data).__name__}")
     return data
@@ -255,7 +299,10 @@ def load_config(
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = _merge(data, ov)
     check_renamed(cls, data)
-    cfg = from_dict(cls, data)
+    try:
+        cfg = from_dict(cls, data)
+    except ConfigError as e:
+        raise with_key_hint(cls, e) from None
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         validate()

@@ -3,7 +3,7 @@
 SOURCE is what ``shifu ppo`` takes in process: a reward model directory (one ``shifu rm`` model, an
 ensemble directory, or a run directory with ``final/``; loaded by :func:`shifu.rewards.ensemble.load_reward`) or
 a rule reward ``package.module:function`` (:func:`shifu.rewards.sources.load_function`). Endpoints, all JSON
-(schemas in docs/serve.md):
+(schemas in docs/how-to/reward-service.md):
 
     GET  /health        {"status": "ok", "kind", "requests", "forwards", "rows", "pending"}  (no token)
     GET  /v1/metadata   kind, source, tokenizer fingerprint, normalisation, ensemble, limits, version
@@ -714,7 +714,8 @@ def socket_url(sock: socket.socket) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shifu serve",
-        description="serve a reward model, an ensemble or a rule reward over HTTP (docs/serve.md)",
+        description="serve a reward model, an ensemble or a rule reward over HTTP "
+        "(docs/how-to/reward-service.md)",
     )
     p.add_argument(
         "source",

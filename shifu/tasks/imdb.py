@@ -36,11 +36,10 @@ import numpy as np
 
 from shifu.config.loader import read_shipped_table, shipped
 from shifu.errors import ConfigError, ShifuError
+from shifu.models.bpe import train_tokenizer
 from shifu.tasks.judges import bradley_terry_labels, vader_compound
 
 SPLIT_SEED = 4321  # fixed: the held-out reviews do not depend on the run seed
-EOS = "<|endoftext|>"
-PAD = "<pad>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,26 +140,6 @@ def prompt_and_continuation(review: str, prompt_words: int, response_words: int)
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path):
-    """Byte-level BPE (GPT-2 style) trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(texts, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=EOS, eos_token=EOS, pad_token=PAD)
-    tok.save_pretrained(str(out_dir))
-    return tok
 
 
 def cached_tokenizer(train_reviews: list[str], vocab_size: int, n_reviews: int, out_dir: str | Path) -> None:
