@@ -146,10 +146,16 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     # a key no stage reads is refused before anything runs (on a finished run it would otherwise read as a
     # change of plan); the message names the valid keys of the section it went wrong in
     for bad, says in [
-        ("ppo.itrations=3", "unknown config key 'ppo.itrations'. Valid keys here: advantage_estimator,"),
-        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Valid keys here: controller,"),
+        (
+            "ppo.itrations=3",
+            "unknown config key 'ppo.itrations'. Did you mean 'ppo.iterations'? Valid keys here:",
+        ),
+        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Did you mean 'ppo.kl.init_coef'?"),
         ("sfx.max_steps=3", "no stage 'sfx' in this plan; its stages are eval, ppo, sft, soup"),
-        ("soup.member=2", "unknown config key 'soup.member'. Valid keys here: members, scale"),
+        (
+            "soup.member=2",
+            "unknown config key 'soup.member'. Did you mean 'soup.members'? Valid keys here: members,",
+        ),
     ]:
         out = tmp_path / "bad"
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
@@ -297,7 +303,11 @@ def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_pat
     path = tmp_path / "arith-tiny.yaml"
     good = path.read_text()
     for old, new, says in [
-        ("ppo_epochs: 4", "ppo_epoch: 4", "section 'ppo': unknown config key 'ppo_epoch'. Valid keys here:"),
+        (
+            "ppo_epochs: 4",
+            "ppo_epoch: 4",
+            "section 'ppo': unknown config key 'ppo_epoch'. Did you mean 'ppo_epochs'?",
+        ),
         (
             "controller: fixed",
             "controller: fixd",
