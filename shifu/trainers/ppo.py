@@ -11,7 +11,6 @@ Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from shifu.parallel.strategy import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt
+from shifu.runs import jsonfile
 from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval
 from shifu.trainers.common import (
@@ -220,7 +220,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         metrics, samples = ppo_eval.evaluate(m, eval_ids, eval_rows, gold_fn, cfg)
         if main:
             with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
-                f.writelines(json.dumps({"iteration": it, **x}) + "\n" for x in samples)
+                f.writelines(jsonfile.dumps({"iteration": it, **x}) + "\n" for x in samples)
         value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
         if value is not None and (loop["best"] is None or value > loop["best"]):
             loop["best"], loop["best_iteration"] = value, it

@@ -34,6 +34,7 @@ from shifu.models.padding import pad_left, pad_right
 from shifu.models.scalar import ScalarModel
 from shifu.parallel.strategy import Strategy, build_strategy
 from shifu.rewards.ensemble import RewardEnsemble, write_manifest
+from shifu.runs import jsonfile
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, prepare_run, report_counts, seed_everything
 
@@ -241,7 +242,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
                 return stats
             if k > 1 and main:
                 model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
-                (mdir / "final" / "summary.json").write_text(json.dumps(stats), encoding="utf-8")
+                (mdir / "final" / "summary.json").write_text(jsonfile.dumps(stats), encoding="utf-8")
         members.append(model)
         member_dirs.append(mdir / "final")
         member_stats.append(stats)
