@@ -19,10 +19,30 @@ from collections import Counter
 import torch
 
 from shifu.data.rows import load_rows, prompt_text, sft_texts
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ConfigError, DataError, ShifuError
+
+UNKNOWN_SHARE = 0.05  # a larger share of the tokenizer's unknown token in training text is refused
 
 # --------------------------------------------------------------------------------------------------
 # tokenisation
+
+
+def check_unknown_share(tokenizer, id_lists: list[list[int]], path: str | None) -> None:
+    """DataError naming ``path`` when more than ``UNKNOWN_SHARE`` of the tokens of its text are the tokenizer's
+    unknown token: the tokenizer cannot spell the text (another script or language), and training on it would
+    only teach ``<unk>``. Tokenizers without an unknown token (byte-level BPE) spell everything."""
+    unk = tokenizer.unk_token_id
+    total = sum(len(x) for x in id_lists)
+    if unk is None or path is None or not total:
+        return
+    share = sum(x.count(unk) for x in id_lists) / total
+    if share > UNKNOWN_SHARE:
+        raise DataError(
+            path, None, None,
+            f"{share:.0%} of its tokens are the tokenizer's unknown token {tokenizer.unk_token!r}: the tokenizer "
+            "cannot spell this text",
+            "use a model whose tokenizer covers its language and script, or `shifu init-model` to fit one to it",
+        )  # fmt: skip
 
 
 def encode_sft(
@@ -59,6 +79,9 @@ def encode_sft(
             r_ids = r_ids[:room]
             counts["truncated_responses"] += 1
         out.append({"prompt_ids": p_ids, "response_ids": r_ids})
+    check_unknown_share(
+        tokenizer, [x["prompt_ids"] + x["response_ids"][:-1] for x in out], getattr(rows, "path", None)
+    )
     return out, counts
 
 
@@ -96,6 +119,7 @@ def encode_reward_pairs(
                     "rejected_len": len(r["rejected"]),
                 }
             )
+    check_unknown_share(tok, [x["chosen"] + x["rejected"] for x in out], getattr(rows, "path", None))
     return out, counts
 
 
@@ -239,6 +263,7 @@ def encode_prompts(
         ids.append(x), kept.append(r)
     if not ids:
         raise ShifuError(f"{path}: no prompts left after applying data.max_prompt_len={max_len} ({policy})")
+    check_unknown_share(tokenizer, ids, path)
     return ids, kept, dropped
 
 

@@ -93,6 +93,10 @@ def require_model_dir(path: str | Path, what: str, trust_remote_code: bool = Fal
             f"{transformers.__version__} knows; upgrade transformers, or set model.trust_remote_code=true if "
             "the model ships its own code (and you trust it)"
         )
+    generation = p / "generation_config.json"
+    if generation.exists():  # transformers would drop a damaged one without a word and use its defaults
+        fix = "fix it, or delete it (generation then takes its defaults from config.json)"
+        read_json_file(generation, f"{what} generation config", fix)
     _require_weights(p, what)
     return p
 
