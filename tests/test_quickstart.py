@@ -52,7 +52,7 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert s["policy"] == "ppo/final"
 
     # a soup plan (on a copy of the run's finished data and SFT stages, with short PPO members to keep CI's
-    # time: the soup's gains are measured in docs/frontier.md): two PPO runs (seeds 0 and 1000) and their
+    # time: the soup's gains are measured in docs/benchmarks/alignment.md): two PPO runs (seeds 0 and 1000) and their
     # merge, which is what is judged; a rerun asking for the soup keeps ppo/ and adds only what is new
     out_soup = tmp_path / "soup-run"
     for stage in ("data", "sft"):

@@ -10,7 +10,7 @@ of WARP, Rame et al. 2024); with M >= 2 runs of the same RL stage under differen
 of Wortsman et al. (2022) in task-vector form, the mean that WARP takes before that step. What the runs
 learned in common adds up; the parts of each run's change that the others do not share (the noise of its own
 samples and minibatches) partly cancel, so the mean spends less KL to the base for the same reward
-(docs/frontier.md measures it on the imdb quickstart: the mean of two PPO runs gains more gold than
+(docs/benchmarks/alignment.md measures it on the imdb quickstart: the mean of two PPO runs gains more gold than
 either at lower KL; the single-run LITI line is below the RL curve there).
 
 Every floating-point parameter is merged in float32 and stored in the base's dtype; tied parameters stay

@@ -39,7 +39,7 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
     flash kernel: with torch 2.13 that kernel's bf16 *backward* measured 7x its fp32 time in a PPO update
     of the imdb quickstart's GPT-2 (4 layers, head dim 32, 48 positions; 1.20 s against 0.17 s), more than
     the bf16 GEMMs saved, so bf16 made the update slower than fp32 (3.1-3.4 s against 2.5-2.8 s); with the
-    math backend it takes 1.6-1.8 s (docs/performance.md). fp32 keeps the fused kernel, faster there."""
+    math backend it takes 1.6-1.8 s (docs/benchmarks/throughput.md). fp32 keeps the fused kernel, faster there."""
     dev = torch.device(device).type
     with torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=enabled):
         if enabled and dev == "cpu":
