@@ -38,7 +38,7 @@ MERGE_FILE = "merge.json"
 def merge_policies(base: str | Path, policies: list[str | Path], out: str | Path, scale: float = 1.0) -> Path:
     """Write ``base + scale * mean_i(policy_i - base)`` to ``out`` (an HF causal-LM directory); returns it."""
     from shifu.models.loading import load_causal_lm, load_tokenizer
-    from shifu.runs.checkpoint import save_hf_dir
+    from shifu.runs.files import save_hf_dir
 
     base, out = Path(base), Path(out)
     policies = [Path(p) for p in policies]
@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shifu.runs.checkpoint import resolve_policy
+    from shifu.runs.files import resolve_policy
 
     args = parser().parse_args(argv)
     base = resolve_policy(args.base)

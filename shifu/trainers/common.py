@@ -22,7 +22,7 @@ from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
 from shifu.parallel import precision
 from shifu.runs import checkpoint as ckpt
-from shifu.runs import jsonfile
+from shifu.runs import files, jsonfile
 
 
 def seed_everything(seed: int) -> None:
@@ -124,7 +124,7 @@ def save_policy(strategy, model, fresh, tokenizer, path: Path) -> None:
 
     plain = strategy.full_model(model, fresh)
     if strategy.is_main:
-        ckpt.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
+        files.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
     strategy.barrier()
 
 
@@ -252,5 +252,5 @@ def policy_config(cfg):
     given = Path(cfg.model.path)
     if not given.is_dir():
         return cfg  # the loaders' own errors name a missing path
-    found = ckpt.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
+    found = files.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
     return cfg if found == given else with_values(cfg, {"model.path": str(found)})

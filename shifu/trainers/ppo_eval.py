@@ -18,7 +18,7 @@ from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
 from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
-from shifu.runs import checkpoint as ckpt
+from shifu.runs import files
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
 
@@ -197,7 +197,7 @@ def save_critic(models: PPOModels, cfg: PPOConfig, path: Path) -> None:
 
     plain = strategy.full_model(models.critic, fresh)
     if strategy.is_main:  # a LoRA critic: its adapters merged into a plain copy (a ScalarModel directory)
-        ckpt.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
+        files.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
     strategy.barrier()
 
 
