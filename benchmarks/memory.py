@@ -80,7 +80,7 @@ def dir_mb(path: Path) -> float:
 
 def prepare(work: Path) -> dict[str, str]:
     """The policy (cached conversion), a MiniLM reward model directory and a prompt file, in ``work``."""
-    from shifu.models.loading import ScalarModel
+    from shifu.models.scalar import ScalarModel
     from shifu.tasks.imdb import converted_smollm2, load_reviews, prompt_and_continuation
     from shifu.trainers.reward import resolve_backbone
 

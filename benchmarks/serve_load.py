@@ -49,7 +49,7 @@ def build_reward_model(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
-    from shifu.models.loading import ScalarModel
+    from shifu.models.scalar import ScalarModel
 
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))

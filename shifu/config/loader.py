@@ -7,8 +7,8 @@ The settings shifu ships (quickstart plans, study budgets, task presets) are YAM
 Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
 ``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name, a key that was
 renamed is rejected with its new name (a config class's ``RENAMED`` table), and each command's config class
-adds its own ``validate()`` for impossible combinations. The sections and commands are in
-:mod:`shifu.config.schema`.
+adds its own ``validate()`` for impossible combinations. The sections are in :mod:`shifu.config.sections`,
+the commands in :mod:`shifu.config.schema`.
 """
 
 from __future__ import annotations
