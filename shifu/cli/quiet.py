@@ -5,8 +5,9 @@ imported, and then
 
 - transformers' and huggingface_hub's progress bars ("Loading weights", "Writing model shards") are off,
   whatever ``progress`` says (that key is shifu's own bar), and so is every other library's plain ``tqdm`` bar
-  (the GGUF converter's "Converting and de-quantizing GGUF tensors"): ``TQDM_DISABLE=1`` makes ``disable``
-  default to true, and shifu's own bars (:func:`shifu.runs.tracking.progress`) pass it explicitly;
+  (the GGUF converter's "Converting and de-quantizing GGUF tensors"): tqdm is imported with ``TQDM_DISABLE=1``,
+  which makes ``disable`` default to true in this process (:func:`hide_library_bars`), and shifu's own bars
+  (:func:`shifu.runs.tracking.progress`) pass it explicitly;
 - transformers' and datasets' loggers show errors only (their warnings and load reports are not shown);
 - Python warnings raised inside transformers, huggingface_hub, datasets, accelerate, peft and deepspeed
   (deprecations, "Setting fan_in_fan_out to True", ...) are ignored: those the warning machinery attributes to
@@ -42,7 +43,6 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "TQDM_DISABLE": "1",  # read by tqdm when it is imported: bars that do not pass `disable` are off
 }
 
 
@@ -64,6 +64,7 @@ def configure(verbose: bool) -> None:
         os.environ.setdefault(key, value)
     warnings.filterwarnings("ignore", module=rf"({'|'.join(LIBRARIES)})(\.|$)")
     hide_library_warnings()
+    hide_library_bars()
     if "transformers" in sys.modules:  # imported before this call (e.g. by a caller in the same process)
         from transformers.utils import logging as hf_logging
 
@@ -103,6 +104,20 @@ def hide_library_warnings() -> None:
 
     showwarning.shifu_quiet = True  # type: ignore[attr-defined]
     warnings.showwarning = showwarning
+
+
+def hide_library_bars() -> None:
+    """Import tqdm with ``TQDM_DISABLE=1``: tqdm reads its ``TQDM_*`` variables once, at import, as the
+    defaults of its bars, so a bar that does not pass ``disable`` stays off in this process; the variable is
+    removed again (child processes and the user's own programs do not inherit it). Nothing changes when the
+    user set ``TQDM_DISABLE`` or tqdm was imported already."""
+    if "tqdm" in sys.modules or "TQDM_DISABLE" in os.environ:
+        return
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        import tqdm.auto  # noqa: F401  (tqdm.std's class, read by every tqdm front end)
+    finally:
+        del os.environ["TQDM_DISABLE"]
 
 
 def import_deepspeed_on_use() -> None:
