@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,5 +109,5 @@ def main(argv: list[str] | None = None) -> int:
     policies = [resolve_policy(p) for p in args.policies]
     out = merge_policies(base, policies, args.out, args.scale)
     print(f"shifu merge: {len(policies)} polic{'y' if len(policies) == 1 else 'ies'} onto {base} "
-          f"(scale {args.scale}) -> {out}")  # fmt: skip
+          f"(scale {args.scale}) -> {out}", file=sys.stderr)  # fmt: skip
     return 0
