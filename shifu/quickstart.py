@@ -46,7 +46,17 @@ from pathlib import Path
 from typing import Any
 
 from shifu.errors import ShifuError
-from shifu.pipeline import Stages, clock, done, elapsed, ppo_overrides, read_jsonl, write_jsonl
+from shifu.pipeline import (
+    Stages,
+    claim_run,
+    clock,
+    done,
+    elapsed,
+    ppo_overrides,
+    read_jsonl,
+    write_jsonl,
+    writing,
+)
 
 # ----------------------------------------------------------------------------------------- stage plans
 # Config overrides per (task, preset) for each trainer stage; data/model paths are filled in at run time.
@@ -286,11 +296,21 @@ def preference_prompts(files: dict[str, str], num_prompts: int | None = None) ->
 
 # --------------------------------------------------------------------------------------------- the run
 
+RESULTS = ["summary.json", "samples_before.jsonl", "samples_after.jsonl"]  # written by run(), top level
+
+
+def report_files() -> list[str]:
+    """What ``shifu.report.render_report`` writes at the top of the run directory."""
+    from shifu.report import GOLD_VS_KL, PLOTS
+
+    return ["report.html", *(f"report/{name}.png" for name in [*(p.name for p in PLOTS), GOLD_VS_KL])]
+
 
 def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = None) -> dict[str, Any]:
-    """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json)."""
+    """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json).
+    ``out`` is held for the rest of the process (:func:`shifu.pipeline.claim_run`)."""
     plan = _plan(task, preset, sets)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_run(out, "quickstart", RESULTS + report_files())
     stages = Stages(out, seed, "quickstart")
 
     # 1. prepare: data files, tokenizer, untrained (or converted) base model
@@ -317,16 +337,17 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
     ev = eval_settings(plan)
-    summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
-    took = elapsed(t0)
-    seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
-    summary.update(
-        task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
-    )
-    summary["policy"] = str(policy.relative_to(out))
-    summary["seconds_total"] = round(sum(seconds.values()), 2)
-    summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    with writing(out, RESULTS):
+        summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
+        took = elapsed(t0)
+        seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
+        summary.update(
+            task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
+        )
+        summary["policy"] = str(policy.relative_to(out))
+        summary["seconds_total"] = round(sum(seconds.values()), 2)
+        summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     from shifu.modelcard import write_model_card
 
     write_model_card(policy, out / "ppo", "ppo")  # now with gold before/after, held out
@@ -512,10 +533,15 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     preset = args.preset or DEFAULT_PRESET[args.task]
     out = Path(args.out or f"runs/quickstart-{args.task}-{preset}-s{args.seed}")
-    summary = run(args.task, preset, out, args.seed, args.sets)
+    from shifu.checkpoint import release_run_dirs
     from shifu.report import render_report
 
-    print(f"report: {render_report(out)}")
+    try:  # the run directory stays held (claim_run) until the report is written
+        summary = run(args.task, preset, out, args.seed, args.sets)
+        with writing(out, report_files()):
+            print(f"report: {render_report(out)}")
+    finally:
+        release_run_dirs()
     unit = "exact-match accuracy" if args.task == "arith" else "VADER compound"
     print(
         f"{args.task}/{preset} seed {args.seed}: gold ({unit}, {summary['eval_prompts']} held-out prompts, "

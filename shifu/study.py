@@ -47,12 +47,14 @@ from shifu.pipeline import (
     Stages,
     as_recorded,
     check_plan,
+    claim_run,
     digest,
     log,
     ppo_overrides,
     read_jsonl,
     train_stage,
     write_jsonl,
+    writing,
 )
 from shifu.pipeline import merge as _merge  # a budget's keys on top of quickstart's plan (private here)
 
@@ -787,7 +789,8 @@ def frontier(
     else:
         order = {m: _spread(list(plan["points"][m]), points) for m in methods}
     t_start = time.time()
-    out.mkdir(parents=True, exist_ok=True)
+    reports = [f"{name}.json", f"{name}.png"]
+    claim_run(out, "study", reports)  # held for the rest of the process
     shared = shared_stages(task, plan, out)
     if reward_url:  # PPO and REINFORCE scored by a reward service (DPO learns from the pairs as before)
         shared["reward"] = {"url": reward_url}
@@ -843,8 +846,9 @@ def frontier(
         "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
         "seconds_total": round(time.time() - t_start, 1),
     }
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    plot(report, out / f"{name}.png")
+    with writing(out, reports):
+        (out / f"{name}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        plot(report, out / f"{name}.png")
     return report
 
 
@@ -957,9 +961,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     budget = args.budget or DEFAULT_BUDGET[args.task]
     out = Path(args.out or f"runs/frontier-{args.task}-{budget}")
-    report = frontier(
-        args.task, budget, args.seeds, out, args.points, methods, args.only, args.name, args.reward_url
-    )
+    from shifu.checkpoint import release_run_dirs
+
+    try:
+        report = frontier(
+            args.task, budget, args.seeds, out, args.points, methods, args.only, args.name, args.reward_url
+        )
+    finally:
+        release_run_dirs()
     print(_table(report))
     print(
         f"frontier: {out / (args.name + '.json')}, plot: {out / (args.name + '.png')}; "
