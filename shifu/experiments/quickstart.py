@@ -50,7 +50,18 @@ from typing import Any
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.experiments.pipeline import Stages, clock, done, elapsed, ppo_overrides, read_jsonl, write_jsonl
+from shifu.experiments.pipeline import (
+    Stages,
+    claim_run,
+    clock,
+    done,
+    elapsed,
+    ppo_overrides,
+    read_jsonl,
+    write_jsonl,
+    writing,
+)
+from shifu.runs import jsonfile
 
 # ----------------------------------------------------------------------------------------- stage plans
 # Config overrides per (task, preset) for each stage, in shifu/configs/quickstart/<task>-<preset>.yaml; data
@@ -235,11 +246,21 @@ def preference_prompts(files: dict[str, str], num_prompts: int | None = None) ->
 
 # --------------------------------------------------------------------------------------------- the run
 
+RESULTS = ["summary.json", "samples_before.jsonl", "samples_after.jsonl"]  # written by run(), top level
+
+
+def report_files() -> list[str]:
+    """What ``shifu.reporting.report.render_report`` writes at the top of the run directory."""
+    from shifu.reporting.plots import GOLD_VS_KL, PLOTS
+
+    return ["report.html", *(f"report/{name}.png" for name in [*(p.name for p in PLOTS), GOLD_VS_KL])]
+
 
 def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = None) -> dict[str, Any]:
-    """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json)."""
+    """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json).
+    ``out`` is held for the rest of the process (:func:`shifu.experiments.pipeline.claim_run`)."""
     plan = _plan(task, preset, sets)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_run(out, "quickstart", RESULTS + report_files())
     stages = Stages(out, seed, "quickstart")
 
     # 1. prepare: data files, tokenizer, untrained (or converted) base model
@@ -266,16 +287,17 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
     ev = eval_settings(plan)
-    summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
-    took = elapsed(t0)
-    seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
-    summary.update(
-        task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
-    )
-    summary["policy"] = str(policy.relative_to(out))
-    summary["seconds_total"] = round(sum(seconds.values()), 2)
-    summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    with writing(out, RESULTS):
+        summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
+        took = elapsed(t0)
+        seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
+        summary.update(
+            task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
+        )
+        summary["policy"] = str(policy.relative_to(out))
+        summary["seconds_total"] = round(sum(seconds.values()), 2)
+        summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
+        (out / "summary.json").write_text(jsonfile.dumps(summary, indent=2), encoding="utf-8")
     from shifu.reporting.modelcard import write_model_card
 
     write_model_card(policy, out / "ppo", "ppo")  # now with gold before/after, held out
@@ -373,7 +395,7 @@ def evaluate(
     writes samples_before/after.jsonl. ``gold``: the judge (``package.module:function``; the task's own by
     default); ``ev["greedy"]`` false skips arith's greedy accuracies. One progress bar on stderr counts the
     prompts of every pass (sampled before and after, then greedy before and after)."""
-    from shifu.rewards.sources import load_function
+    from shifu.rewards.sources.sources import load_function
     from shifu.runs.tracking import progress
     from shifu.tasks import evaluate_policy
 
@@ -481,11 +503,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     out = Path(args.out or f"runs/quickstart-{args.task}-{preset}-s{args.seed}")
-    summary = run(args.task, preset, out, args.seed, args.sets)
     from shifu.reporting.report import render_report
     from shifu.reporting.summary import result_lines
+    from shifu.runs.checkpoint import release_run_dirs
 
-    print(f"report: {render_report(out)}", file=sys.stderr)
+    try:  # the run directory stays held (claim_run) until the report is written
+        summary = run(args.task, preset, out, args.seed, args.sets)
+        with writing(out, report_files()):
+            print(f"report: {render_report(out)}", file=sys.stderr)
+    finally:
+        release_run_dirs()
     for line in result_lines(summary, args.task, preset, args.seed, out):
         print(line, file=sys.stderr)
     return 0

@@ -44,6 +44,10 @@ CKPT_DIR = "checkpoints"
 MANIFEST = "manifest.json"  # in every checkpoint, written last: {relative path: size} of its files
 PREV_DIR = ".prev"  # checkpoints/.prev/step-N: step-N's files (hard links) while step-N is being replaced
 RUN_MARKER = ".shifu-run"  # written into every run directory; --overwrite deletes only such directories
+STAGE_MARKER = (
+    ".shifu-stage"  # a stage directory a pipeline made (shifu.experiments.pipeline); not content of the run
+)
+PIPELINE_MARKER = ".shifu-pipeline"  # the run directory of a pipeline (shifu quickstart / study)
 
 
 def looks_like_run(d: Path) -> bool:
@@ -63,9 +67,10 @@ def prepare_run_dir(run_dir: str | Path, resume: bool = False, overwrite: bool =
     d = Path(run_dir)
     if d.exists() and not d.is_dir():
         raise OutputDirError(f"output path '{d}' exists and is not a directory; choose another --out")
+    refuse_in_live_pipeline(d)  # a stage of a running pipeline is not restarted (or resumed) under it
     if (d / LOCK_FILE).exists():
         lock_run_dir(d)  # a live run's directory is refused before anything in it is judged or deleted
-    if d.exists() and any(p.name != LOCK_FILE for p in d.iterdir()):
+    if d.exists() and any(p.name not in (LOCK_FILE, STAGE_MARKER) for p in d.iterdir()):
         if not (resume or overwrite):
             raise OutputDirError(
                 f"output directory '{d}' is not empty. Pass --resume to continue the run there, "
@@ -77,8 +82,8 @@ def prepare_run_dir(run_dir: str | Path, resume: bool = False, overwrite: bool =
                 f"not look like a shifu run directory (no {RUN_MARKER}); choose another --out"
             )
         if not resume:
-            for p in d.iterdir():  # (the lock, held by this process, stays)
-                if p.name != LOCK_FILE:
+            for p in d.iterdir():  # (the lock, held by this process, stays; so does a stage marker)
+                if p.name not in (LOCK_FILE, STAGE_MARKER):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -117,12 +122,16 @@ def lock_run_dir(d: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = _lock_owner(fd)
+        for _ in range(40):  # taken this very moment: its owner writes who it is right after
+            if holder:
+                break
+            time.sleep(0.05)
+            holder = _lock_owner(fd)
         os.close(fd)
         pid = holder.get("pid", "?")
         raise OutputDirError(
-            f"output directory '{d}' is in use by a running shifu process (pid {pid} on {holder.get('host', '?')}, "
-            f"since {holder.get('started', '?')}: {holder.get('command', '?')}). Wait for it to end, stop it "
-            f"(kill -TERM {pid} checkpoints and exits), or choose another --out"
+            f"output directory '{d}' is in use by a running shifu process ({_who(holder)}). Wait for it to "
+            f"end, stop it (kill -TERM {pid} checkpoints and exits), or choose another --out"
         ) from None
     before = _lock_owner(fd)
     if before.get("pid") not in (None, os.getpid()):
@@ -140,6 +149,28 @@ def lock_run_dir(d: Path) -> None:
     _held[key] = (fd, os.getpid())
 
 
+def refuse_in_live_pipeline(d: Path) -> None:
+    """OutputDirError when ``d`` lies inside the run directory of a pipeline (``shifu quickstart``, ``shifu
+    study``: :data:`PIPELINE_MARKER`) whose lock another live process holds: that pipeline may be training,
+    restarting or reading the very stage ``d`` is. This process's own pipeline is no obstacle."""
+    for parent in Path(os.path.abspath(d)).parents:
+        lock = parent / LOCK_FILE
+        if not (parent / PIPELINE_MARKER).exists() or not lock.exists() or str(parent.resolve()) in _held:
+            continue
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: no pipeline runs there (closing unlocks)
+        except OSError:
+            holder = _lock_owner(fd)
+            raise OutputDirError(
+                f"output directory '{d}' is inside '{parent}', the run directory of a running shifu pipeline "
+                f"({_who(holder)}). Wait for it to end, stop it (kill -TERM {holder.get('pid', '?')}), or "
+                "choose an --out outside it"
+            ) from None
+        finally:
+            os.close(fd)
+
+
 def release_run_dirs() -> None:
     """Let go of every run directory this process locked, its lock file emptied (a run that ended, unlike
     a killed one, leaves no owner behind). The command line calls it when a run ends; so does exit."""
@@ -149,6 +180,12 @@ def release_run_dirs() -> None:
                 os.ftruncate(fd, 0)
             os.close(fd)
             del _held[key]
+
+
+def _who(holder: dict[str, Any]) -> str:
+    """A lock owner (:func:`_lock_owner`) in words: pid, host, start time and command."""
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('started', '?')}: "
+            f"{holder.get('command', '?')}")  # fmt: skip
 
 
 def _lock_owner(fd: int) -> dict[str, Any]:
