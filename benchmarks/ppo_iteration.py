@@ -241,7 +241,7 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
     malloc = keep_freed_memory()  # as the shifu command does before any command (SHIFU_MALLOC=system: not)
     from shifu.config.schema import GenerationConfig, OptimConfig, PPOConfig
     from shifu.models.loading import ScalarModel, new_value_head
-    from shifu.parallel.strategy import build_strategy
+    from shifu.parallel import build_strategy
     from shifu.rewards.sources import RewardSource
     from shifu.trainers import ppo, ppo_models
 

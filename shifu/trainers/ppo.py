@@ -26,7 +26,7 @@ from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
 from shifu.data.rows import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
 from shifu.generation.rollout import Rollout, check_positions
 from shifu.models.loading import load_tokenizer, pad_left
-from shifu.parallel.strategy import build_strategy
+from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt

@@ -37,7 +37,8 @@ from shifu.models.loading import (
     pad_right,
     require_model_dir,
 )
-from shifu.parallel.strategy import Strategy, build_strategy
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.rewards.ensemble import RewardEnsemble, write_manifest
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, prepare_run, report_counts, seed_everything

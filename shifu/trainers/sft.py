@@ -15,7 +15,8 @@ from shifu.core import log_probs_from_logits, masked_sum
 from shifu.data.rows import collate_sft, encode_sft, load_train_eval
 from shifu.errors import ConfigError
 from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
-from shifu.parallel.strategy import Strategy, build_strategy
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything
 

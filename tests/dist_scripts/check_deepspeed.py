@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 checks of ``shifu.parallel.distributed.wrap_deepspeed``, launched by ``tests/test_deepspeed.py``::
+"""DeepSpeed ZeRO-2/3 checks of ``shifu.parallel.deepspeed``, launched by ``tests/test_distributed.py``::
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/check_deepspeed.py --out DIR
 
@@ -25,7 +25,8 @@ import tiny  # noqa: E402
 
 from shifu.config.schema import DistributedConfig, OptimConfig  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
-from shifu.parallel.strategy import DeepSpeedStrategy, Trained  # noqa: E402
+from shifu.parallel.deepspeed import DeepSpeedStrategy, wrap_engine  # noqa: E402
+from shifu.parallel.strategy import Trained  # noqa: E402
 
 
 def gathered(engine) -> dict[str, torch.Tensor]:
@@ -47,9 +48,8 @@ def check_equals_single(tok, full, stage: int) -> str:
     ref_opt.step()
     ref = {k: p.detach().clone() for k, p in ref_model.named_parameters()}
 
-    optim = OptimConfig(max_grad_norm=None)
     sgd = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine, opt = D.wrap_deepspeed(model, optim, {"zero_optimization": {"stage": stage}}, optimizer=sgd)
+    engine, opt = wrap_engine(model, sgd, {"zero_optimization": {"stage": stage}}, max_grad_norm=None)
     run = strategy_for(stage)
     trained = Trained(engine, opt, torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0), None, [])
     mine = C.local_rows(full)
