@@ -112,3 +112,8 @@ def a_steps(prompts, responses, rows):
 def raises(prompts, responses, rows):
     """A broken judge: raises on every call."""
     raise ValueError("the judge is broken")
+
+
+def no_a(prompts, responses, rows):
+    """A judge that disagrees with ``frac_a``: the share of characters that are not 'a' (a hacked reward)."""
+    return [1.0 - x for x in frac_a(prompts, responses, rows)]

@@ -74,7 +74,8 @@ def test_ppo_raises_true_reward_with_bounded_kl(task, tmp_path):
     assert (out / "final" / "config.json").exists() and (out / "best" / "config.json").exists()
     from shifu.runs.metrics import undefined_keys
 
-    assert undefined_keys(rows_of(out / "metrics.jsonl")) == []  # every logged key is in docs/metrics.md
+    # every logged key is in docs/reference/metrics.md
+    assert undefined_keys(rows_of(out / "metrics.jsonl")) == []
     samples = rows_of(out / "samples.jsonl")
     assert {s["iteration"] for s in samples} == {0, 6, 12} and all("gold" in s for s in samples)
 

@@ -255,9 +255,9 @@ def test_cli_renders(tmp_path: Path, capsys):
 
 
 def test_metrics_docs_match_the_table():
-    docs = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    docs = (ROOT / "docs" / "reference" / "metrics.md").read_text(encoding="utf-8")
     assert docs == markdown_table(), (
-        "docs/metrics.md is stale: run `python -m shifu.runs.metrics docs/metrics.md`"
+        "docs/reference/metrics.md is stale: run `python -m shifu.runs.metrics docs/reference/metrics.md`"
     )
     documented = re.findall(r"^\| `([^`]+)` \|", docs, flags=re.M)
     assert documented == list(METRICS)

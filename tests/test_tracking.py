@@ -1,6 +1,7 @@
-"""Tracker sinks: every metric of docs/metrics.md and the run's config reach JSONL, TensorBoard, W&B (offline,
-files under the run directory) and MLflow (a local file store), read back from what each one wrote; a
-resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are named."""
+"""Tracker sinks: every metric of docs/reference/metrics.md and the run's config reach JSONL, TensorBoard,
+W&B (offline, files under the run directory) and MLflow (a local file store), read back from what each one
+wrote; a resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are
+named."""
 
 from __future__ import annotations
 

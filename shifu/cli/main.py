@@ -15,6 +15,7 @@ import importlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 from shifu.cli import quiet
 from shifu.parallel.threads import set_threads
@@ -40,10 +41,14 @@ TOOLS = {
     "demo": ("shifu.experiments.demo", "toy demos: `shifu demo bandit`"),
     "bench": ("shifu.experiments.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
     "study": ("shifu.experiments.study", "studies: `shifu study frontier`"),
+    "init-model": (
+        "shifu.data.starter",
+        "a small model with a tokenizer trained on your data, to start in minutes",
+    ),
     "merge": ("shifu.models.merge", "merge RL runs from one base policy into one (a model soup)"),
     "serve": (
         "shifu.serve.server",
-        "serve a reward model, ensemble or rule reward over HTTP (docs/serve.md)",
+        "serve a reward model, ensemble or rule reward over HTTP (docs/how-to/reward-service.md)",
     ),
 }
 
@@ -105,6 +110,14 @@ def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
         action="store_true",
         help="also show third-party progress bars, warnings and log messages (transformers, peft, ...)",
     )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override, the same as a bare key.sub=value (repeatable)",
+    )
     if cmd == "rm":
         p.add_argument(
             "--ensemble", type=int, metavar="K", help="train K reward models (same as ensemble.k=K)"
@@ -138,12 +151,13 @@ def run_trainer(cmd: str, argv: list[str]) -> int:
             print(f"{key:32s} {default:>14s}  {help_}")
         return 0
     set_threads(args.threads)
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + list(args.sets)
     if args.out:
         overrides.append(f"out_dir={args.out}")
     if getattr(args, "ensemble", None):
         overrides.append(f"ensemble.k={args.ensemble}")
-    cfg = load_config(module.Config, args.config, overrides)
+    base = resumed_config(args, overrides)
+    cfg = load_config(module.Config, args.config, overrides, base=base)
     from shifu.parallel import distributed
     from shifu.runs import checkpoint
 
@@ -158,6 +172,18 @@ def run_trainer(cmd: str, argv: list[str]) -> int:
         checkpoint.release_run_dirs()  # the next command in this process may use the directory
     distributed.destroy()  # under torchrun: every rank leaves the process group together (else a no-op)
     return 0
+
+
+def resumed_config(args: argparse.Namespace, overrides: list[str]) -> dict | None:
+    """With ``--resume`` and no ``--config``: the run's own ``config.yaml`` (what it was started with), for the
+    overrides to go on top of; the trainer then refuses any change that is not safe on resume. None otherwise."""
+    from shifu.config.loader import lookup, parse_overrides, read_yaml
+
+    if not args.resume or args.config is not None:
+        return None
+    out = lookup(parse_overrides(overrides), "out_dir")
+    recorded = Path(str(out), "config.yaml") if out else None
+    return read_yaml(recorded) if recorded is not None and recorded.is_file() else None
 
 
 def lost_peer_error(cmd: str, out_dir: str, why: str, argv: list[str]):
@@ -199,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd, rest = argv[0], argv[1:]
     quiet.configure(verbose)  # before transformers & co. are imported
+    quiet.tolerate_closed_console()  # a closed pipe (tee killed by the same Ctrl-C) must not end a run
     keep_freed_memory()  # before the first large tensor
     quiet.import_deepspeed_on_use()
     try:

@@ -126,3 +126,38 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+class _Tolerant:
+    """A console stream whose reader may go away (``shifu ... 2>&1 | tee log`` and Ctrl-C kills tee too):
+    once a write or flush fails with a closed pipe, further output is dropped instead of raising inside a
+    training step, so a stop signal still ends in a checkpoint."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self.closed_pipe = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_pipe:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ConnectionResetError, ValueError):  # ValueError: the file was closed
+                self.closed_pipe = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_pipe:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ConnectionResetError, ValueError):
+                self.closed_pipe = True
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def tolerate_closed_console() -> None:
+    """Keep shifu running when whatever reads its stdout/stderr exits (see :class:`_Tolerant`)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Tolerant):
+            setattr(sys, name, _Tolerant(stream))

@@ -1,5 +1,9 @@
 """The config machinery: frozen dataclasses, YAML presets, ``key.sub=value`` overrides.
 
+The settings shifu ships (quickstart plans, study budgets, task presets) are YAML files under
+``shifu/configs/`` (:func:`shipped`), each section checked by the schema of what reads it
+(:func:`check_section`, :func:`read_shipped`), so a wrong key in one is reported as in a user's config.
+
 Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
 ``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name, a key that was
 renamed is rejected with its new name (a config class's ``RENAMED`` table), and each command's config class
@@ -9,7 +13,9 @@ adds its own ``validate()`` for impossible combinations. The sections and comman
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -41,7 +47,9 @@ def _copy(x: Any) -> Any:
     return copy.deepcopy(x)
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a config class (cached: every config read resolves them again otherwise)."""
     return typing.get_type_hints(cls)
 
 
@@ -112,8 +120,47 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
 
 
 def unknown_key(key: str, valid) -> ConfigError:
-    """The error for a config key no section has, naming the valid keys of the section it is in."""
-    return ConfigError(f"unknown config key '{key}'. Valid keys here: {', '.join(sorted(valid))}")
+    """The error for a config key no section has, naming the valid keys of the section it is in and, when one
+    is close in spelling, the key that was probably meant."""
+    import difflib
+
+    head = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(head, sorted(valid), n=1, cutoff=0.75)
+    prefix = key[: len(key) - len(head)]
+    hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}")
+
+
+def keys_named(cls: type, name: str, prefix: str = "") -> list[str]:
+    """Every dotted key of dataclass ``cls`` whose last part is ``name`` (``lr`` -> ``optim.lr``, ...)."""
+    found = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if f.name == name:
+            found.append(prefix + f.name)
+        if dataclasses.is_dataclass(tp):
+            found += keys_named(tp, name, f"{prefix}{f.name}.")
+    return found
+
+
+def with_key_hint(cls: type, e: ConfigError) -> ConfigError:
+    """``e`` (an unknown key error) with the keys elsewhere in the tree that carry that name, if any: a
+    key written at the top level that lives in a section (``lr`` is ``optim.lr``)."""
+    msg = str(e)
+    if not msg.startswith("unknown config key '") or "Did you mean" in msg:
+        return e
+    key = msg.split("'")[1]
+    elsewhere = [k for k in keys_named(cls, key.rsplit(".", 1)[-1]) if k != key]
+    if not elsewhere:
+        return e
+    where = " or ".join(f"'{k}'" for k in elsewhere[:4])
+    return ConfigError(
+        msg.replace(
+            f"unknown config key '{key}'.",
+            f"unknown config key '{key}'. '{key.rsplit('.', 1)[-1]}' is {where}.",
+            1,
+        )
+    )
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
@@ -194,8 +241,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{p}' does not exist")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+        raise ConfigError(f"config file '{p}'{where} is not valid YAML: {what or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{p}' must hold a mapping of keys, not {type(data).__name__}")
     return data
@@ -247,7 +299,10 @@ def load_config(
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = _merge(data, ov)
     check_renamed(cls, data)
-    cfg = from_dict(cls, data)
+    try:
+        cfg = from_dict(cls, data)
+    except ConfigError as e:
+        raise with_key_hint(cls, e) from None
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         validate()
@@ -287,3 +342,65 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
             help_ += f" ({each}one of {', '.join(map(repr, values))})"
         rows.append((prefix + f.name, repr(default), help_))
     return rows
+
+
+# ------------------------------------------------------------------------------------ shipped settings
+SHIPPED = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped(*parts: str) -> Path:
+    """A file or folder of the settings shipped inside the package: ``shifu/configs/<parts>``."""
+    return SHIPPED.joinpath(*parts)
+
+
+def _number_as_text(tree: Any, key: str = "") -> tuple[str, str] | None:
+    """The first (key, value) whose value is text that reads as a number (YAML 1.1 reads ``1e-3`` as text)."""
+    if isinstance(tree, dict):
+        children = [(f"{key}.{k}" if key else str(k), v) for k, v in tree.items()]
+    elif isinstance(tree, list):
+        children = [(f"{key}[{i}]", v) for i, v in enumerate(tree)]
+    else:
+        if isinstance(tree, str):
+            with contextlib.suppress(ValueError):
+                float(tree)
+                return key, tree
+        return None
+    for k, v in children:
+        if found := _number_as_text(v, k):
+            return found
+    return None
+
+
+def read_shipped(path: str | Path) -> dict[str, Any]:
+    """A shipped settings file (:func:`read_yaml`) whose numbers are all numbers: ``1e-3`` (text to YAML) is
+    refused, naming the file and key, so that what a plan records is what it says."""
+    data = read_yaml(path)
+    if (found := _number_as_text(data)) is not None:
+        raise ConfigError(
+            f"config file '{path}': '{found[0]}' is a number written as text ({found[1]!r}); "
+            "write it with a decimal point, e.g. 1.0e-3"
+        )
+    return data
+
+
+def read_shipped_table(path: str | Path, cls: type[T]) -> dict[str, T]:
+    """A shipped file of named entries (``tiny: {...}``), each checked (:func:`check_section`) and built
+    as ``cls``, in the file's order."""
+    table = {}
+    for name, section in read_shipped(path).items():
+        check_section(cls, section, f"config file '{path}', entry '{name}'")
+        table[str(name)] = from_dict(cls, section)
+    return table
+
+
+def check_section(cls: type, section: Any, where: str, fill: dict[str, Any] | None = None) -> None:
+    """ConfigError, prefixed with ``where`` (the file and its section), unless ``section`` is a valid config
+    of ``cls``, as :func:`load_config` checks a user's: no unknown key, every value of its type, and the
+    class's ``validate()``. ``fill``: what a run fills in (paths), laid under the section. Nothing is kept:
+    the section is used as it is written."""
+    try:
+        if not isinstance(section, dict):
+            raise ConfigError(f"expected a mapping of {cls.__name__} keys, got {section!r}")
+        load_config(cls, base=_merge(fill or {}, section))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None

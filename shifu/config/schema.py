@@ -229,7 +229,16 @@ class PolicyEvalConfig:
     num_prompts: int = opt(64, "held-out prompts per evaluation")
     temperature: float = opt(0.7, "sampling temperature of evaluation samples (low: near the mode)")
     gold_function: str | None = opt(None, "gold judge 'package.module:function' (logged as gold/score)")
-    best_metric: str = opt("eval/score", "metric that picks best/ (higher is better), e.g. gold/score")
+    best_metric: str = opt(
+        "auto",
+        "metric that picks best/ (higher is better); auto: gold/score with a gold_function, else eval/score",
+    )
+
+    def best_key(self) -> str:
+        """The metric that picks best/: ``best_metric``, with ``auto`` resolved (the judge when there is one)."""
+        if self.best_metric != "auto":
+            return self.best_metric
+        return "gold/score" if self.gold_function else "eval/score"
 
 
 @frozen
@@ -300,7 +309,9 @@ class GuardConfig:
         None, "stop and restore best/ when objective/kl exceeds this many nats per response"
     )
     divergence_patience: int = opt(
-        0, "stop and restore best/ after N evaluations where gold falls while the score rises (0: off)"
+        3,
+        "with a gold judge (eval.gold_function): stop and restore best/ after N evaluations in a row where gold "
+        "falls while the reward model's score rises (0: off)",
     )
 
 
@@ -574,11 +585,6 @@ class PPOConfig(RunConfig):
         r = self.reward
         if sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
             raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
-        if self.critic.init == "reward" and r.model_path is None and self.uses_critic:
-            raise ConfigError(
-                "critic.init=reward needs reward.model_path; with a reward function or service use "
-                "critic.init=sft or shared"
-            )
         if r.dense and r.model_path is None:
             raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
                               "reward function can return per-token steps itself), or reward.dense=false")  # fmt: skip

@@ -1,7 +1,7 @@
 """The rollout engine: sampling responses, the batched scoring forwards of PPO, and the rollout itself.
 
-Conventions (docs/architecture.md): prompts are left-padded ``(B, P)``, responses right-padded ``(B, R)``;
-a rollout row is ``cat(prompt, response)`` with position ids ``cumsum(attention_mask) - 1``. The
+Conventions (docs/reference/architecture.md): prompts are left-padded ``(B, P)``, responses right-padded
+``(B, R)``; a rollout row is ``cat(prompt, response)`` with position ids ``cumsum(attention_mask) - 1``. The
 log-prob / value of response token ``t`` is read at sequence position ``P - 1 + t``. ``response_mask`` is
 True on real response tokens, the first EOS included; everything after it is ``pad_token_id``.
 """

@@ -5,7 +5,7 @@
 trainer can hold either. It needs only the standard library (``http.client``): the server's extra
 (``pip install 'shifu-rlhf[serve]'``) is not needed on the trainer's side.
 
-What it sends (docs/serve.md has the schemas):
+What it sends (docs/how-to/reward-service.md has the schemas):
 
 - **token ids** when the server's reward model is causal and its tokenizer is the policy's (same
   vocabulary and EOS id, checked once against ``GET /v1/metadata`` by :func:`can_send_token_ids`, the

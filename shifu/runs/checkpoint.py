@@ -570,9 +570,10 @@ POLICY_STAGES = ("soup", "ppo", "dpo", "sft")  # a quickstart run's policies, th
 REWARD_MARKERS = ("shifu_scalar.json", "ensemble.json")  # written by `shifu rm` into final/
 
 
-def resolve_policy(path: str | Path) -> Path:
+def resolve_policy(path: str | Path, reward_as: str = "--reward-model", policy_as: str = "MODEL") -> Path:
     """The HF policy directory that ``path`` names: itself, its ``final/``, or a quickstart run's last
-    policy. A reward model, or a directory with no model, is a :class:`ShifuError` that says what to pass."""
+    policy. A reward model, or a directory with no model, is a :class:`ShifuError` that says what to pass
+    (``reward_as``: where a reward model goes instead, ``policy_as``: where the policy goes)."""
     p = Path(path)
     if not p.is_dir():
         raise ShifuError(f"{p} is not a directory: pass a run directory with final/ or a local HF model dir")
@@ -580,8 +581,8 @@ def resolve_policy(path: str | Path) -> Path:
     for c in candidates:
         if any((c / m).exists() for m in REWARD_MARKERS):
             raise ShifuError(
-                f"{c} is a reward model (shifu rm), not a policy: pass it as --reward-model, and give a "
-                "policy (an sft/ppo/dpo run directory or an HF causal-LM directory) as MODEL"
+                f"{c} is a reward model (shifu rm), not a policy: pass it as {reward_as}, and give a "
+                f"policy (an sft/ppo/dpo run directory or an HF causal-LM directory) as {policy_as}"
             )
         if (c / "config.json").is_file():
             return c

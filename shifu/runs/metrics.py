@@ -1,9 +1,9 @@
 """The one table of metric keys: every key a trainer or the evaluation writes, with a one-line meaning.
 
-``docs/metrics.md`` is generated from :data:`METRICS` (``python -m shifu.runs.metrics docs/metrics.md``) and a
-test checks that the two agree, so the docs cannot drift from the code. Keys are
-``<namespace>/<name>`` in lowercase; "kl" always means against the frozen reference policy, and KL is in
-**nats per response** unless the key says ``per_token``.
+``docs/reference/metrics.md`` is generated from :data:`METRICS` (``make docs-reference``, or
+``python -m shifu.runs.metrics docs/reference/metrics.md``) and a test checks that the two agree, so the docs
+cannot drift from the code. Keys are ``<namespace>/<name>`` in lowercase; "kl" always means against the
+frozen reference policy, and KL is in **nats per response** unless the key says ``per_token``.
 """
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ def undefined_keys(rows: list[dict]) -> list[str]:
 
 
 def markdown_table(metrics: dict[str, str] = METRICS) -> str:
-    """``docs/metrics.md``: a heading, one paragraph, and the key -> meaning table."""
+    """``docs/reference/metrics.md``: a heading, one paragraph, and the key -> meaning table."""
     lines = [
         "# Metrics",
         "",
-        "Every key shifu writes to `metrics.jsonl` and TensorBoard. Generated from `shifu/runs/metrics.py`",
-        "(`python -m shifu.runs.metrics docs/metrics.md`); a test keeps the two equal. KL is always against the",
-        "frozen reference policy and in **nats per response** unless the key says `per_token`.",
+        "Every key shifu writes to `metrics.jsonl` and TensorBoard, with its meaning. Generated from the",
+        "table in `shifu/runs/metrics.py` by `make docs-reference`; a test keeps the two equal. KL is always",
+        "against the frozen reference policy and in **nats per response** unless the key says `per_token`.",
         "",
         "| key | meaning |",
         "|---|---|",

@@ -19,7 +19,7 @@ import torch
 import yaml
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shifu.config.loader import to_dict
+from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
 from shifu.parallel import precision
 from shifu.runs import checkpoint as ckpt
@@ -76,9 +76,19 @@ def write_config(run_dir: str | Path, cfg) -> None:
     Path(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
 
 
-def prepare_run(cfg, strategy, resume: bool, overwrite: bool) -> Path:
-    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written."""
+def prepare_run(cfg, strategy, resume: bool, overwrite: bool, length: tuple[str, int] | None = None) -> Path:
+    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written.
+
+    ``length``: (config key, steps or iterations it plans). Resuming a run that already went past them is
+    refused before anything is written: it would only rewrite final/ and summary.json."""
     run_dir = strategy.on_main(lambda: ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite))
+    latest = ckpt.latest_checkpoint(run_dir) if resume and length is not None else None
+    if latest is not None and (reached := int(latest.name.split("-", 1)[1])) > length[1]:
+        key, planned = length
+        raise ConfigError(
+            f"cannot resume '{run_dir}' with {key} giving {planned}: its checkpoint {latest.name} is already past "
+            f"that. Give {key} of at least {reached} to train further (nothing was changed; its final/ stays)"
+        )
     if strategy.is_main:
         write_config(run_dir, cfg)
     return run_dir
@@ -168,7 +178,7 @@ def announce_stop(cmd: str, where: str, out_dir) -> None:
     """The message of a run stopped by SIGINT/SIGTERM after its checkpoint: where it stopped, how to resume."""
     print(
         f"shifu {cmd}: stopped at {where} with a checkpoint. Resume with: shifu {cmd} "
-        f"--config <same config> --out {out_dir} --resume",
+        f"--out {out_dir} --resume",
         file=sys.stderr,
     )
 
@@ -219,3 +229,28 @@ def total_steps(n_batches_per_epoch: int, grad_accum: int, epochs: float, max_st
     if max_steps > 0:
         return max_steps
     return max(1, math.ceil(epochs * n_batches_per_epoch / grad_accum))
+
+
+LENGTH_BIAS = 0.5  # |correlation| of a reward model's held-out scores with response length that is flagged
+
+
+def warn_length_bias(corr: float, strategy) -> None:
+    """Say (rank 0) when a reward model's held-out scores follow response length (|r| >= ``LENGTH_BIAS``): PPO
+    against it can raise the score by writing longer (or shorter) responses rather than better ones."""
+    if strategy.is_main and abs(corr) >= LENGTH_BIAS:
+        print(
+            f"warning: shifu rm: held-out scores correlate with response length (r = {corr:.2f}): PPO against this "
+            f"model may learn to write {'longer' if corr > 0 else 'shorter'} rather than better responses; compare "
+            "eval/rm/acc_chosen_longer with acc_chosen_shorter, or balance the lengths of chosen and rejected",
+            file=sys.stderr,
+        )
+
+
+def policy_config(cfg):
+    """``cfg`` with ``model.path`` the policy directory it names: a run directory's ``final/`` (as ``shifu
+    sample`` and ``shifu serve`` read it). A reward model given as the policy is refused, saying where it goes."""
+    given = Path(cfg.model.path)
+    if not given.is_dir():
+        return cfg  # the loaders' own errors name a missing path
+    found = ckpt.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
+    return cfg if found == given else with_values(cfg, {"model.path": str(found)})

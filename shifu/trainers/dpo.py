@@ -134,6 +134,7 @@ def evaluate(model, pairs, ref_lp, pad: int, cfg: DPOConfig, strategy: Strategy)
 
 def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
     """Run DPO as ``cfg`` says; returns the final metrics (``dpo/*`` of the last window, ``eval/dpo/*``)."""
+    cfg = common.policy_config(cfg)  # a run directory: its final/; a reward model: refused
     strategy = build_strategy(cfg.distributed)
     # 1. data: read and validate every pair before the output directory is touched
     train_rows, eval_rows = load_train_eval(cfg.data, "preference")
@@ -193,7 +194,7 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
-    run_dir = common.prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, job.n_rows))
     summary = loop.run(job, cfg, strategy, run_dir, resume)
     if summary.get("stopped"):
         return summary

@@ -95,6 +95,11 @@ def steps_of(cfg: SupervisedConfig, n_rows: int) -> int:
     return total_steps(batches_per_epoch, cfg.grad_accum, cfg.epochs, cfg.max_steps)
 
 
+def length(cfg: SupervisedConfig, n_rows: int) -> tuple[str, int]:
+    """(the key that sets the run's length, its steps): what a resumed run must not already be past."""
+    return ("max_steps" if cfg.max_steps > 0 else "epochs", steps_of(cfg, n_rows))
+
+
 def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resume: bool) -> dict:
     """Train ``job`` in ``run_dir`` (metrics, checkpoints) for :func:`steps_of` steps. Returns ``{"step",
     <name>/<stat> of the last log line, the last evaluation}``, or ``{"stopped": True, "step"}`` after a

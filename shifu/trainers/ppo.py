@@ -153,6 +153,7 @@ def learn(
 
 def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run PPO as ``cfg`` says; returns the summary (also written to ``summary.json``)."""
+    cfg = common.policy_config(cfg)  # a run directory: its final/; a reward model: refused
     strategy = build_strategy(cfg.distributed)
     seed_everything(cfg.seed)  # the shared seed on every rank (init, data order); sampling uses rank_seed
     strategy.launch(cfg.device)
@@ -184,7 +185,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     s, stream = PPOState.new(cfg, strategy), PromptStream(len(ids), cfg.batch_size // G, cfg.seed)
     loop: dict[str, Any] = {"iteration": 0, "best": None, "best_iteration": None, "evals": []}
     # the output directory, once every input is loaded (a failed start leaves nothing behind)
-    out = prepare_run(cfg, strategy, resume, overwrite)
+    out = prepare_run(cfg, strategy, resume, overwrite, ("iterations", cfg.iterations))
     if G > 1 and main:  # batch_size counts responses: a group method sees G times fewer prompts
         print(f"shifu ppo: {cfg.batch_size // G} prompts x {G} responses per iteration (batch_size {cfg.batch_size} counts responses)", file=sys.stderr)  # fmt: skip
     latest = ckpt.latest_checkpoint(out) if resume else None
@@ -220,7 +221,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         if main:
             with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
                 f.writelines(json.dumps({"iteration": it, **x}) + "\n" for x in samples)
-        value = metrics.get(cfg.eval.best_metric)  # the same value on every rank (global evaluation)
+        value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
         if value is not None and (loop["best"] is None or value > loop["best"]):
             loop["best"], loop["best_iteration"] = value, it
             ppo_eval.save_actor(m, cfg, out / "best")
@@ -294,7 +295,5 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
                "guard": stop_reason, "evals": loop["evals"], "skipped_steps": s.skipped.total,
                "kl_coef": s.kl_ctl.value}  # fmt: skip
     tracker.close()
-    gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
-    line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {s.kl_ctl.value:.3g}"
-    line += (f", held-out gold {gold:.3f}" if gold is not None else "") + f"; actor in {out / 'final'}"
+    line = ppo_eval.closing_line(loop, s.kl_ctl.value, out, main)
     return finish_run(out, summary, strategy, "ppo", line)

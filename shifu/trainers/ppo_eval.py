@@ -119,6 +119,29 @@ def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]
     return None
 
 
+HACKED_DROP = 0.05  # gold below its best by more than this at the end, while the score rose: a warning
+
+
+def closing_line(loop: dict[str, Any], kl_coef: float, out: Path, main: bool) -> str:
+    """The run's last line on stderr; before it (rank 0), a warning when the held-out judge's gold/score ended
+    more than ``HACKED_DROP`` below its best while the reward model's eval/score rose past that point: the
+    policy learned to please the reward model, not the judge (best/ keeps the judge's best iteration)."""
+    evals = [e for e in loop["evals"] if "gold/score" in e and "eval/score" in e]
+    gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
+    if main and evals:
+        top, last = max(evals, key=lambda e: e["gold/score"]), evals[-1]
+        if last["gold/score"] < top["gold/score"] - HACKED_DROP and last["eval/score"] > top["eval/score"]:
+            print(
+                f"warning: shifu ppo: reward hacking? held-out gold/score fell from {top['gold/score']:.3f} "
+                f"(iteration {top['iteration']}) to {last['gold/score']:.3f} (iteration {last['iteration']}) while "
+                f"the reward model's eval/score rose from {top['eval/score']:.3f} to {last['eval/score']:.3f}. "
+                f"final/ is the last iteration; best/ holds iteration {loop['best_iteration']}",
+                file=sys.stderr,
+            )
+    line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {kl_coef:.3g}"
+    return line + (f", held-out gold {gold:.3f}" if gold is not None else "") + f"; actor in {out / 'final'}"
+
+
 def warn_empty_responses(it: int, metrics: dict, tok, cfg: PPOConfig) -> bool:
     """Say once that the responses are (almost) all empty, and the likely reason (an untemplated prompt)."""
     template = "has a chat template" if getattr(tok, "chat_template", None) else "has no chat template"
@@ -188,4 +211,4 @@ def trim_samples(path: Path, last_iteration: int) -> None:
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
     """The error of a run whose reward service went away, after the checkpoint of iteration ``it``."""
     return ShifuError(f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
-                      f"with: shifu ppo --config <same config> --out {out} --resume")  # fmt: skip
+                      f"with: shifu ppo --out {out} --resume")  # fmt: skip

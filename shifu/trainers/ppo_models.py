@@ -189,9 +189,9 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         if init == "reward":
             why = "it needs a causal trunk with the policy's tokenizer to value each token"
             try:
-                critic = ScalarModel.from_pretrained(
-                    cfg.critic.path or cfg.reward.model_path, trust_remote_code=trust
-                )
+                if not (start := cfg.critic.path or cfg.reward.model_path):
+                    raise ShifuError("the reward is a function or a service: there is no reward model")
+                critic = ScalarModel.from_pretrained(start, trust_remote_code=trust)
             except ShifuError as e:
                 critic, why = None, str(e)
             if critic is None or not critic.is_causal or not same_tokenizer(critic.tokenizer, tok):

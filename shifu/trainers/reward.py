@@ -227,7 +227,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     main = strategy.is_main
     report_counts(d.train, counts, main)
     report_counts(d.eval or d.train + " (held out)", eval_counts, main)
-    run_dir = prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, len(train_pairs)))
     lengths = [max(len(x["chosen"]), len(x["rejected"])) for x in train_pairs]
     asked, cfg = cfg, common.with_bf16_decision(cfg, first, lengths, strategy, "rm", pairs=True)
     members, member_dirs, member_stats = [], [], []
@@ -291,5 +291,6 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     summary = {f"rm/{s}": sum(m.get(f"rm/{s}", float("nan")) for m in member_stats) / k for s in STATS}
     summary.update(report | ({"precision/bf16_update": float(cfg.bf16)} if asked.bf16 else {}))
     acc, margin, corr = (report[f"eval/rm/{k}"] for k in ("accuracy", "margin", "len_corr"))
+    common.warn_length_bias(corr, strategy)
     line = f"shifu rm: held-out accuracy {acc:.3f}, margin {margin:.3f}, length corr {corr:.3f}"
     return common.finish_run(run_dir, summary, strategy, "rm", line + f"; model in {run_dir / 'final'}")

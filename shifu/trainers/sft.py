@@ -108,7 +108,7 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
-    run_dir = common.prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, job.n_rows))
     summary = loop.run(job, cfg, strategy, run_dir, resume)
     if summary.get("stopped"):
         return summary
