@@ -92,10 +92,19 @@ def test_two_ranks(two_rank_results, check):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "check", ["zero2_equals_single", "zero2_learns", "zero3_equals_single", "zero3_learns"]
+    "check",
+    [
+        "zero2_equals_single",
+        "zero2_learns",
+        "zero2_offload_one_optimizer",
+        "zero3_equals_single",
+        "zero3_learns",
+        "zero3_offload_one_optimizer",
+    ],
 )
 def test_deepspeed_two_ranks(deepspeed_results, check):
-    """ZeRO-2/3 (gloo, CPU): the update equals 1 process on the same global batch; AdamW lowers the loss."""
+    """ZeRO-2/3 (gloo, CPU): the update equals 1 process on the same global batch; AdamW lowers the loss;
+    with optimizer offload one optimiser is built, and the checkpoint holds the state of the one that steps."""
     results, log = deepspeed_results
     assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
     assert results[check]["ok"], results[check]["detail"]
