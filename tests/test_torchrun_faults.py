@@ -216,3 +216,13 @@ def test_sigterm_to_the_launcher_checkpoints_and_ddp_resume_is_bit_identical(tin
     assert weights_digest(part / "final") == weights_digest(full / "final")
     assert metric_rows(part) == metric_rows(full)
     print(f"ddp: SIGTERM at step {stopped}, resumed to 30: final weights and metrics bit-identical")
+
+
+def test_shifu_launch_exits_with_the_status_of_a_failed_process(tiny_model_dir, data, tmp_path):
+    """A refused config fails every process with status 2; ``shifu launch`` exits 2 with them (torchrun: 1)."""
+    out = tmp_path / "run"
+    run = Launch(tmp_path, "refused", *sft_argv(tiny_model_dir, data, out, "optim.lr=-1"), launcher="shifu")
+    code = run.wait(240)
+    log = run.output()
+    assert run.exit_codes() == {0: 2, 1: 2}, log[-3000:]
+    assert code == 2 and "shifu launch: process" in log and "exited with status 2" in log, (code, log[-3000:])
