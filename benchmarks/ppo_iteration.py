@@ -245,7 +245,7 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
     from shifu.config.schema import PPOConfig
     from shifu.config.sections import GenerationConfig, OptimConfig
     from shifu.models.scalar import ScalarModel, new_value_head
-    from shifu.parallel.strategy import build_strategy
+    from shifu.parallel import build_strategy
     from shifu.rewards.sources import RewardSource
     from shifu.trainers import ppo, ppo_models
 

@@ -32,7 +32,7 @@ from shifu.generation.rollout import policy_forward
 from shifu.models.loading import fuse_tanh_gelu, load_causal_lm, load_tokenizer
 from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
-from shifu.parallel.strategy import build_strategy
+from shifu.parallel import build_strategy
 from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 

@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 
 from shifu.errors import ConfigError, ShifuError  # noqa: E402
 from shifu.models import lora  # noqa: E402
-from shifu.parallel import distributed as D  # noqa: E402
+from shifu.parallel.strategy import enable_gradient_checkpointing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
 import tiny  # noqa: E402
@@ -82,7 +82,7 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients(setup
             if "lora_B" in k:
                 p.normal_(0, 0.1)
     other = copy.deepcopy(actor)
-    D.enable_gradient_checkpointing(other)
+    enable_gradient_checkpointing(other)
     grads = []
     for m in (actor, other):
         m.train()

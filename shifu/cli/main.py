@@ -50,6 +50,10 @@ TOOLS = {
         "shifu.serve.server",
         "serve a reward model, ensemble or rule reward over HTTP (docs/how-to/reward-service.md)",
     ),
+    "launch": (
+        "shifu.parallel.launch",
+        "torchrun for shifu: a command on several processes; SIGTERM checkpoints and exits 143",
+    ),
 }
 
 

@@ -21,7 +21,7 @@ Independently of ``--verbose``, :func:`import_deepspeed_on_use` keeps DeepSpeed 
 not use it: ``transformers``' ``save_pretrained`` unwraps the model through ``accelerate``, which imports
 DeepSpeed whenever it is installed, only to test ``isinstance(model, DeepSpeedEngine)``; the import costs
 seconds and prints "Setting accelerator to CPU". A model can only be a ``DeepSpeedEngine`` once DeepSpeed was
-imported (``shifu.parallel.distributed`` does that for ``distributed.strategy=deepspeed``), so the test is skipped while
+imported (``shifu.parallel.deepspeed`` does that for ``distributed.strategy=deepspeed``), so the test is skipped while
 it is not.
 """
 

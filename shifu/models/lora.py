@@ -40,7 +40,7 @@ def _peft():
 def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """The causal LM wrapped in a ``peft.PeftModel``: base weights frozen, adapters trainable.
 
-    Wrap *before* :func:`shifu.parallel.distributed.wrap_trainable` (DDP/FSDP2 then see only adapter gradients).
+    Wrap *before* :func:`shifu.parallel.torchrun.wrap_trainable` (DDP/FSDP2 then see only adapter gradients).
     """
     return _adapted(model, cfg, task_type="CAUSAL_LM")
 

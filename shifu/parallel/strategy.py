@@ -1,12 +1,12 @@
-"""Parallelism behind one object: one process, DDP, FSDP2 or DeepSpeed ZeRO.
+"""The Strategy interface, and its one-process backend: what a trainer asks of the processes it runs on.
 
 The trainers never branch on the number of processes or the backend; they ask the strategy (built once by
-:func:`build_strategy`) for every step that differs between them:
+:func:`shifu.parallel.build_strategy`) for every step that differs between backends:
 
 - **models**: :meth:`Strategy.wrap` a trained model (DDP wrapper, ``fully_shard``, or as is),
   :meth:`~Strategy.frozen` a reference / reward model (replicated or sharded, optionally kept on the CPU),
-  :meth:`~Strategy.optimize` builds the optimiser and schedule of trained models (a DeepSpeed engine owns
-  its optimiser);
+  :meth:`~Strategy.optimize` builds the optimiser and schedule of trained models: for every backend with
+  :func:`build_optimizer` (a DeepSpeed engine then wraps that one optimiser);
 - **the step**: :meth:`~Strategy.backward` (gradient sync suppressed on all but the last micro-batch),
   :meth:`~Strategy.optimizer_step` (clip, skip a non-finite step on every rank alike, schedule);
 - **numbers**: global sums, means and token counts (:meth:`~Strategy.token_mean_divisor`,
@@ -15,9 +15,10 @@ The trainers never branch on the number of processes or the backend; they ask th
 - **files**: complete checkpoints (plain weights, or every rank's shards) and the full weights of a
   trained model for ``final/``.
 
-In one process every collective returns its input. Only :mod:`shifu.parallel.distributed` touches
-``torch.distributed``; this module composes its functions. The conventions (global token-mean, synced
-generation loops, per-rank sampling seeds, rank 0 writes) are documented there.
+:class:`Strategy` is one process: models stay as they are and every collective returns its input (also
+inside a torchrun job, as the one-process reference of a test). The torchrun backends override what
+differs (:mod:`shifu.parallel.torchrun` for DDP/FSDP2, :mod:`shifu.parallel.deepspeed` for ZeRO) through
+the hooks ``_place_trained``, ``_place_frozen`` and ``_attach``; the rest of each public method is shared.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from torch import nn
 from shifu import core
 from shifu.config.schema import DistributedConfig, OptimConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.parallel import distributed as D
 from shifu.runs import checkpoint as ckpt
 
 T = TypeVar("T")
@@ -100,16 +100,27 @@ class Strategy:
 
     # ------------------------------------------------------------------------------------ models
     def wrap(self, model: nn.Module) -> nn.Module:
-        """A trained model ready for training forwards on this rank's device (call before :meth:`optimize`)."""
+        """A trained model ready for training forwards on this rank's device (call before :meth:`optimize`),
+        with gradient checkpointing when the config asks for it."""
         if self.cfg.gradient_checkpointing:
-            D.enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model)
+        return self._place_trained(model)
+
+    def _place_trained(self, model: nn.Module) -> nn.Module:
+        """The backend's placement of a trained model: here moved to this device."""
         return model.to(self.device)
 
     def frozen(self, model: nn.Module) -> nn.Module:
-        """A frozen model (reference, reward model): eval mode, no gradients, on this device (on the CPU
-        between forwards with ``offload_frozen``: see :meth:`offloaded`)."""
+        """A frozen model (reference, reward model): eval mode, no gradients, placed by the backend (on the
+        CPU between forwards with ``offload_frozen``: see :meth:`offloaded`)."""
         model.eval().requires_grad_(False)
-        return model.to("cpu" if self.cfg.offload_frozen else self.device)
+        if self.cfg.offload_frozen:  # (always a whole copy: the config refuses it with frozen=fsdp2)
+            return model.to("cpu")
+        return self._place_frozen(model)
+
+    def _place_frozen(self, model: nn.Module) -> nn.Module:
+        """The backend's placement of a frozen model: here moved to this device."""
+        return model.to(self.device)
 
     @contextlib.contextmanager
     def offloaded(self, model: nn.Module | None) -> Iterator[nn.Module | None]:
@@ -117,19 +128,25 @@ class Strategy:
         if model is None or not self.cfg.offload_frozen:
             yield model
             return
-        with D.offload_frozen(model, self.device) as m:
+        with offload_frozen(model, self.device) as m:
             yield m
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's model inside a wrapper (for no-grad forwards, generation and plain weights)."""
-        return D.unwrap(model)
+        """The user's model inside a backend's wrapper (for no-grad forwards, generation and plain weights);
+        one process wraps nothing."""
+        return model
 
     def optimize(self, model: nn.Module, params, optim: OptimConfig, total_steps: int) -> Trained:
-        """AdamW over ``params`` (the wrapped ``model``'s and any extra module's) and its schedule."""
+        """AdamW over ``params`` (the wrapped ``model``'s and any extra module's) and its schedule: the one
+        place an optimiser is built, for every backend (:meth:`_attach` hands it to the backend)."""
         params = [p for p in params if p.requires_grad]
         optimizer = build_optimizer(params, optim)
         scheduler = build_scheduler(optimizer, optim, total_steps)
-        return Trained(model, optimizer, scheduler, optim.max_grad_norm, params)
+        return self._attach(Trained(model, optimizer, scheduler, optim.max_grad_norm, params))
+
+    def _attach(self, trained: Trained) -> Trained:
+        """What the backend makes of a model and its optimiser (a DeepSpeed engine); here nothing."""
+        return trained
 
     def generation_kwargs(self) -> dict[str, Any]:
         """Extra arguments of :func:`shifu.generation.rollout.sample` (synced loops under torchrun)."""
@@ -144,12 +161,9 @@ class Strategy:
     @contextlib.contextmanager
     def accumulating(self, trained: list[Trained], sync: bool) -> Iterator[None]:
         """Around one micro-batch's forward and backward: ``sync=False`` (every micro-batch of a step but
-        the last) keeps its gradients local; the last micro-batch's backward reduces them over ranks."""
-        with contextlib.ExitStack() as stack:
-            if not sync:
-                for t in trained:
-                    stack.enter_context(D.grad_sync(t.model, False))
-            yield
+        the last) keeps its gradients local; the last micro-batch's backward reduces them over ranks.
+        One process has nothing to reduce."""
+        yield
 
     def backward(self, parts: list[tuple[Trained, torch.Tensor]]) -> None:
         """Back-propagate one micro-batch's losses: ``parts`` = (optimiser, the loss of what it trains),
@@ -270,227 +284,7 @@ class Strategy:
         self.unwrap(model).load_state_dict(state_dict)
 
 
-class DistributedStrategy(Strategy):
-    """DDP (``strategy=ddp``) or FSDP2 (``fsdp2``) under torchrun, gloo on CPU, NCCL on GPU."""
-
-    @property
-    def world(self) -> int:
-        return D.world_size()
-
-    @property
-    def rank(self) -> int:
-        return D.rank()
-
-    @property
-    def is_main(self) -> bool:
-        return D.is_main()
-
-    def rank_seed(self, seed: int) -> int:
-        return D.rank_seed(seed)
-
-    def any_true(self, flag: bool) -> bool:
-        return D.any_true(flag)
-
-    def barrier(self) -> None:
-        D.barrier()
-
-    def gather(self, obj: Any) -> list[Any]:
-        return D.gather_object(obj)
-
-    def broadcast(self, obj: Any) -> Any:
-        return D.broadcast_object(obj)
-
-    def mean_over_ranks(self, values: dict[str, float | torch.Tensor]) -> dict[str, float]:
-        return D.reduce_metrics(values, op="mean")
-
-    def batch_sums(self, terms: dict[str, float | torch.Tensor]) -> dict[str, float]:
-        return D.reduce_metrics(terms, op="sum")
-
-    def launch(self, device: str) -> torch.device:
-        self.device = D.init(timeout_s=self.cfg.timeout_s)
-        return self.device
-
-    def on_main(self, fn: Callable[[], T]) -> T:
-        answer: Any = None
-        if self.is_main:
-            try:
-                answer = fn()
-            except ShifuError as e:
-                answer = e
-        answer = self.broadcast(answer)
-        if isinstance(answer, ShifuError):
-            raise answer
-        return answer
-
-    def close(self) -> None:
-        D.destroy()
-
-    def seed_per_rank(self, seed: int) -> None:
-        torch.manual_seed(D.rank_seed(seed))
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.cfg.gradient_checkpointing:
-            D.enable_gradient_checkpointing(model)
-        return D.wrap_trainable(model, self.cfg.strategy)
-
-    def frozen(self, model: nn.Module) -> nn.Module:
-        model = D.prepare_frozen(model, self.cfg.frozen)
-        return model.to("cpu") if self.cfg.offload_frozen else model
-
-    def generation_kwargs(self) -> dict[str, Any]:
-        # ranks keep stepping until every rank's responses ended (sharded forwards never deadlock); the
-        # fast decoder reads whole weights, so sharded models generate through HF forwards
-        return {"all_done": D.all_true, "engine": "hf" if self.cfg.strategy != "ddp" else "auto"}
-
-    @property
-    def sharded(self) -> bool:
-        return self.cfg.strategy != "ddp"
-
-    def clip_grad_norm(self, t: Trained) -> torch.Tensor:
-        # clip_grad_norm_ reduces the norm of sharded / replicated gradients over the ranks itself
-        params = [p for p in t.params if p.grad is not None]
-        limit = t.max_grad_norm if t.max_grad_norm is not None else math.inf
-        return torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return D.all_reduce_sum(t.double())
-
-    def token_mean_divisor(self, n_local: torch.Tensor) -> torch.Tensor:
-        # N_global / W: DDP, FSDP2 and ZeRO average gradients over the W ranks (shifu.parallel.distributed)
-        return D.token_mean_divisor(n_local)
-
-    def mean(self, x: torch.Tensor) -> torch.Tensor:
-        s = D.all_reduce_sum(torch.stack([x.sum().double(), torch.tensor(x.numel(), dtype=torch.float64)]))
-        return (s[0] / s[1]).to(x.dtype)
-
-    def batch_means(self, terms: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, float]:
-        sums: dict[str, float | torch.Tensor] = {}
-        for k, (x, m) in terms.items():
-            sums[k] = x.sum() if m is None else core.masked_sum(x, m)
-            sums[k + "#n"] = float(x.numel()) if m is None else m.sum()
-        total = D.reduce_metrics(sums, op="sum")
-        return {k: total[k] / max(total[k + "#n"], 1.0) for k in terms}
-
-    def share(self, items: list[T]) -> tuple[list[T], bool]:
-        # the strided slice items[rank::W]; a rank left without items (a short last batch) runs the
-        # first item with weight 0, so every rank runs the same forwards and collectives
-        mine = items[self.rank :: self.world]
-        return (mine, True) if mine else (items[:1], False)
-
-    def save_checkpoint(self, run_dir, step, trained, modules, json_state, keep_last) -> None:
-        json_state = {**json_state, "rng_ranks": self.gather(ckpt.rng_state())}
-        if not self.sharded:
-            if self.is_main:
-                super().save_checkpoint(run_dir, step, trained, modules, json_state, keep_last)
-            self.barrier()
-            return
-        # every rank writes its shards of weights and optimiser state; rank 0 adopts them as sharded/
-        shards = Path(run_dir) / ckpt.CKPT_DIR / f".shards-step-{step:08d}"
-        for name, t in trained.items():
-            self._save_shards(shards / name, t)
-        self.barrier()
-        if self.is_main:
-            tensors = {name: {"scheduler": t.scheduler.state_dict()} for name, t in trained.items()}
-            json_state = {**json_state, "rng": ckpt.rng_state()}
-            ckpt.save_checkpoint(run_dir, step, {}, tensors, json_state, keep_last=keep_last, shards=shards)
-        self.barrier()
-
-    def _save_shards(self, path: Path, t: Trained) -> None:
-        D.save_sharded(path, t.model, t.optimizer)
-
-    def _load_shards(self, path: Path, t: Trained) -> None:
-        D.load_sharded(path, t.model, t.optimizer)
-
-    def load_checkpoint(self, path, trained, modules) -> dict[str, Any]:
-        if not self.sharded:
-            js = super().load_checkpoint(path, trained, {k: self.unwrap(m) for k, m in modules.items()})
-        else:
-            tensors, js = ckpt.load_checkpoint(path, {})
-            for name, t in trained.items():
-                if not (path / "sharded" / name).is_dir():
-                    raise ShifuError(
-                        f"checkpoint '{path}' has no sharded weights for '{name}': it was written with another "
-                        f"distributed.strategy than {self.cfg.strategy}; resume it with the strategy it was "
-                        "written with"
-                    )
-                self._load_shards(path / "sharded" / name, t)
-                t.scheduler.load_state_dict(tensors[name]["scheduler"])
-        ranks = js.get("rng_ranks")
-        ckpt.set_rng_state(ranks[self.rank] if ranks and len(ranks) == self.world else js["rng"])
-        return js
-
-    def full_model(self, model, fresh, everywhere=False):
-        if not self.sharded:
-            return self.unwrap(model)
-        sd = D.full_state_dict(model, rank0_only=not everywhere)
-        if not (everywhere or self.is_main):
-            return None
-        plain = fresh()
-        plain.load_state_dict(sd)
-        return plain
-
-    def load_full_state_dict(self, model, state_dict) -> None:
-        D.load_full_state_dict(model, state_dict)
-
-
-class DeepSpeedStrategy(DistributedStrategy):
-    """DeepSpeed ZeRO-2/3 (``strategy=deepspeed``): engines own the partitioned optimisers and do the
-    backward and the step; the schedules stay shifu's (set on the torch optimisers the engines wrap)."""
-
-    def launch(self, device: str) -> torch.device:
-        self.device = D.init(timeout_s=self.cfg.timeout_s)
-        return self.device
-
-    def zero3_init(self):
-        """Keep the returned object alive while trained HF models are built: under ZeRO-3 their weights are
-        created directly as shards."""
-        return D.deepspeed_zero3_init(self.cfg.deepspeed_config)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.cfg.gradient_checkpointing:
-            D.enable_gradient_checkpointing(model)
-        return model.to(self.device)  # the engine is built by optimize()
-
-    def optimize(self, model, params, optim, total_steps) -> Trained:
-        t = super().optimize(model, params, optim, total_steps)
-        engine, ds_optimizer = D.wrap_deepspeed(
-            model, optim, self.cfg.deepspeed_config, optimizer=t.optimizer
-        )
-        return dataclasses.replace(t, model=engine, optimizer=ds_optimizer)
-
-    def generation_kwargs(self) -> dict[str, Any]:
-        return {"all_done": D.all_true, "engine": "hf"}
-
-    @property
-    def sharded(self) -> bool:
-        return True
-
-    @contextlib.contextmanager
-    def accumulating(self, trained: list[Trained], sync: bool) -> Iterator[None]:
-        yield  # each engine accumulates until its step (gradient_accumulation_steps stays 1)
-
-    def backward(self, parts) -> None:
-        for trained, loss in parts:  # each engine back-propagates its own (disjoint) part
-            trained.model.backward(loss)
-
-    def optimizer_step(self, trained, finite=True) -> bool:
-        # the engines clip (gradient_clipping from optim.max_grad_norm) and step; a NaN/Inf loss on any
-        # rank drops the accumulated gradients instead
-        finite = not self.any_true(not finite)
-        for t in trained:
-            if finite:
-                t.model.step()
-                self.grad_norm = float(trained[0].model.get_global_grad_norm() or float("nan"))
-            else:
-                t.optimizer.zero_grad()
-            t.scheduler.step()
-        return finite
-
-    def _save_shards(self, path: Path, t: Trained) -> None:
-        t.model.save_checkpoint(str(path), tag="shards")
-
-    def _load_shards(self, path: Path, t: Trained) -> None:
-        t.model.load_checkpoint(str(path), tag="shards")
+# ------------------------------------------------------------------------------------------------ optimiser
 
 
 def decay_groups(params: list) -> tuple[list, list]:
@@ -499,7 +293,10 @@ def decay_groups(params: list) -> tuple[list, list]:
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (:func:`decay_groups`)."""
+    """AdamW with weight decay on matrices only (:func:`decay_groups`): the optimiser of every backend.
+
+    Under DeepSpeed the engine wraps this optimiser (its partitions become the parameters it steps); with
+    ZeRO's optimiser offload it steps the partitions' CPU copies, fused on the CPU."""
     params = [p for p in params if p.requires_grad]
     decay, no_decay = decay_groups(params)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -534,13 +331,44 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_strategy(cfg: DistributedConfig) -> Strategy:
-    """The strategy for ``cfg`` and the processes ``torchrun`` started (one process: :class:`Strategy`)."""
-    if cfg.strategy == "deepspeed":
-        return DeepSpeedStrategy(cfg)
-    if D.planned_world_size() > 1:
-        return DistributedStrategy(cfg)
-    return Strategy(cfg)
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each block's activations in the backward pass instead of storing them.
+
+    Uses the HF API with non-reentrant checkpoints (correct with frozen inputs, e.g. LoRA, and with
+    FSDP2). Works on an HF model, a ``ScalarModel`` (its backbone) and a peft model, before any backend
+    wraps it (:meth:`Strategy.wrap` calls it first). Gradients are equal to those without it (tested); HF
+    checkpoints only in ``train()`` mode.
+    """
+    for m in (model, getattr(model, "backbone", None), getattr(model, "base_model", None)):
+        if m is not None and hasattr(m, "gradient_checkpointing_enable"):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
+    raise ShifuError(
+        f"gradient checkpointing: {type(model).__name__} has no gradient_checkpointing_enable(); "
+        "use a Hugging Face model or set gradient_checkpointing=false"
+    )
+
+
+@contextlib.contextmanager
+def offload_frozen(model: nn.Module, device: torch.device | str) -> Iterator[nn.Module]:
+    """Keep a frozen model on the CPU; move it to ``device`` for the block.
+
+    ``with offload_frozen(ref, device) as m: ref_logits = m(...)`` — the model goes back to the CPU on
+    exit, so between its forwards it costs no accelerator memory (at the price of two host-device copies).
+    A no-op when the device is the CPU.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        yield model
+        return
+    model.to(device, non_blocking=True)
+    try:
+        yield model
+    finally:
+        model.to("cpu")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -43,6 +43,7 @@ from shifu.runs.files import fsync_tree as _fsync_tree
 CKPT_DIR = "checkpoints"
 MANIFEST = "manifest.json"  # in every checkpoint, written last: {relative path: size} of its files
 PREV_DIR = ".prev"  # checkpoints/.prev/step-N: step-N's files (hard links) while step-N is being replaced
+SHARDED_DIR = "sharded"  # in a checkpoint of sharded training: every rank's shards, in the backend's format
 RUN_MARKER = ".shifu-run"  # written into every run directory; --overwrite deletes only such directories
 STAGE_MARKER = (
     ".shifu-stage"  # a stage directory a pipeline made (shifu.experiments.pipeline); not content of the run
@@ -257,9 +258,10 @@ def save_checkpoint(
     ``modules``: name -> module whose ``state_dict`` is saved as safetensors (shared tensors handled).
     ``tensor_state``: optimiser/scheduler state dicts (torch.save; reloaded with ``weights_only=True``).
     ``json_state``: everything else, JSON-serialisable (counters, controllers, RNG, data position, config).
-    ``shards``: sharded training (FSDP2 / DeepSpeed), rank 0 only: a directory every rank already wrote its
-    shards into (``shifu.parallel.distributed.save_sharded``) before a barrier. It is moved in as ``sharded/``, so the
-    shards, the weights and the state appear together when the directory is renamed and ``latest`` updated.
+    ``shards``: sharded training (FSDP2 / DeepSpeed), rank 0 only: the :func:`shards_staging_dir` every rank
+    already wrote its shards into (in its backend's format, which this module never reads) before a barrier.
+    It is moved in as ``sharded/``, so the shards, the weights and the state appear together when the
+    directory is renamed and ``latest`` updated.
 
     Writing a step that already exists (PPO's closing save after a scheduled one, a resumed finished run)
     replaces it without a moment where ``latest`` names a missing directory (see :func:`_replace`).
@@ -275,7 +277,7 @@ def save_checkpoint(
         _clear_leftovers(root, keep=Path(shards) if shards is not None else None)
         tmp.mkdir()
         if shards is not None:
-            os.replace(shards, tmp / "sharded")
+            os.replace(shards, tmp / SHARDED_DIR)
         for mname, module in modules.items():
             trained = trained_state_dict(module)
             if trained is None:
@@ -306,6 +308,12 @@ def save_checkpoint(
     for old in done[: max(0, len(done) - keep_last)]:
         _remove(old)
     return final
+
+
+def shards_staging_dir(run_dir: str | Path, step: int) -> Path:
+    """Where every rank writes its shards of step ``step`` before rank 0 calls :func:`save_checkpoint` with
+    it (a crash's leftover is removed by the next checkpoint)."""
+    return Path(run_dir) / CKPT_DIR / f".shards-step-{step:08d}"
 
 
 def _point(root: Path, name: str) -> None:

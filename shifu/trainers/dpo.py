@@ -39,7 +39,8 @@ from shifu.models.loading import (
     load_tokenizer,
 )
 from shifu.models.padding import pad_left, pad_right
-from shifu.parallel.strategy import Strategy, build_strategy
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything
 

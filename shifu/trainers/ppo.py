@@ -25,7 +25,7 @@ from shifu.data.rows import load_rows, split_prompts
 from shifu.generation.rollout import Rollout, check_positions
 from shifu.models.loading import load_tokenizer
 from shifu.models.padding import pad_left
-from shifu.parallel.strategy import build_strategy
+from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt

@@ -32,7 +32,8 @@ from shifu.errors import ConfigError
 from shifu.models.loading import check_length, load_causal_lm, load_tokenizer, require_model_dir
 from shifu.models.padding import pad_left, pad_right
 from shifu.models.scalar import ScalarModel
-from shifu.parallel.strategy import Strategy, build_strategy
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.rewards.ensemble import RewardEnsemble, write_manifest
 from shifu.runs import jsonfile
 from shifu.trainers import common, loop

@@ -16,7 +16,8 @@ from shifu.data.batches import collate_sft, encode_sft
 from shifu.data.rows import load_train_eval
 from shifu.errors import ConfigError
 from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
-from shifu.parallel.strategy import Strategy, build_strategy
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything
 

@@ -37,8 +37,9 @@ from shifu.generation.rollout import Rollout  # noqa: E402
 from shifu.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from shifu.models.padding import pad_left  # noqa: E402
 from shifu.models.scalar import ScalarModel  # noqa: E402
+from shifu.parallel import build_strategy  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
-from shifu.parallel.strategy import Strategy, build_strategy  # noqa: E402
+from shifu.parallel.strategy import Strategy  # noqa: E402
 from shifu.rewards.sources import RewardSource  # noqa: E402
 from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
 from shifu.trainers.ppo_update import minibatch_loss  # noqa: E402
