@@ -38,6 +38,7 @@ from pathlib import Path
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 import torch
 
+from shifu.experiments import evaluation as ev_mod
 from shifu.experiments import quickstart as qs
 from shifu.experiments.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
 from shifu.rewards.sources import load_function, load_reward_model
@@ -48,8 +49,8 @@ PRESET = "small"
 
 def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> dict:
     """The quickstart's final evaluation of ``policy`` against run's SFT policy (samples in ``out``)."""
-    ev = qs.eval_settings(plan)
-    s = qs.evaluate(
+    ev = ev_mod.eval_settings(plan)
+    s = ev_mod.evaluate(
         "imdb", run / "sft" / "final", policy, str(run / "data" / "prompts_eval.jsonl"), ev, seed, out
     )
     return {k: s[k] for k in ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "kl_k1")}
@@ -57,7 +58,7 @@ def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> 
 
 def sample(run: Path, prompts: list[str], n: int, plan: dict, seed: int) -> list[str]:
     """n responses per prompt from run's SFT policy (prompt-major: response j of prompt i at i * n + j)."""
-    ev = qs.eval_settings(plan)
+    ev = ev_mod.eval_settings(plan)
     rep = [p for p in prompts for _ in range(n)]
     return evaluate_policy(str(run / "sft" / "final"), None, rep, ev["max_new_tokens"], ev["temperature"], seed,
                            max_prompt_len=ev["max_prompt_len"], chat_template=ev["chat_template"])["responses"]  # fmt: skip

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 
-from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, _plan, standard_error
+from shifu.experiments.evaluation import standard_error
+from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, _plan
 
 G = 4  # responses per prompt of the group methods
 GROUP = [f"ppo.group_size={G}"]

@@ -182,7 +182,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     assert preference_prompts(files, 100) == ["p0", "p1", "p2", "t0", "t1", "t2", "t3", "t4"]
     # imdb small: 12000 prompts for its bag-of-tokens reward model (3000 gave it 0.71-0.77 held-out
     # accuracy, 12000 0.80-0.81), ties dropped; the imdb "reduced" study keeps 3000 and MiniLM, one epoch
-    from shifu.experiments.study import BUDGETS
+    from shifu.experiments.budgets import BUDGETS
 
     small = PLANS[("imdb", "small")]
     assert small["pairs"]["num_prompts"] == 12000 and small["pairs"]["drop_ties"] is True
@@ -195,7 +195,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
 def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp_path):
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
-    from shifu.experiments.quickstart import evaluate, standard_error
+    from shifu.experiments.evaluation import evaluate, standard_error
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
     path = tmp_path / "prompts.jsonl"

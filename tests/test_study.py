@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shifu.cli.main import main as cli_main
-from shifu.experiments import study
+from shifu.experiments import analysis, budgets, study
 
 torch.set_num_threads(1)
 
@@ -36,7 +36,7 @@ def test_aggregate_means_and_sample_std_over_seeds():
         }
         for s, g, k in [(0, 0.2, 1.0), (1, 0.4, 3.0)]
     ]
-    agg = study.aggregate(results, {"ppo": ["beta=0.1"], "dpo": []})
+    agg = analysis.aggregate(results, {"ppo": ["beta=0.1"], "dpo": []})
     p = agg["ppo"]["points"][0]
     assert p["gold_mean"] == pytest.approx(0.3) and p["kl_mean"] == pytest.approx(2.0)
     assert p["gold_std"] == pytest.approx(0.1414, abs=1e-4)  # sample std (n - 1)
@@ -47,13 +47,13 @@ def test_aggregate_means_and_sample_std_over_seeds():
 def test_std_at_kl_removes_the_part_of_the_seed_spread_that_kl_explains():
     # every seed on one line gold = 0.5 - 0.1 * kl: seeds differ only in how far they drifted
     on_line = [[(k, 0.5 - 0.1 * k) for k in (1.0, 2.0, 3.0)], [(k, 0.5 - 0.1 * k) for k in (5.0, 7.0)]]
-    assert study._resid_std(on_line) == pytest.approx(0.0, abs=1e-12)
+    assert analysis._resid_std(on_line) == pytest.approx(0.0, abs=1e-12)
     same_kl = [[(1.0, 0.6), (1.0, 0.4)], [(2.0, 0.3), (2.0, 0.1)]]
-    assert study._resid_std(same_kl) is None  # no KL spread within points: no slope to fit
+    assert analysis._resid_std(same_kl) is None  # no KL spread within points: no slope to fit
     scattered = [[(1.0, 0.6), (2.0, 0.4), (3.0, 0.6)], [(1.0, 0.3), (3.0, 0.3)]]
     # slope 0; deviations from the point means 0.067, -0.133, 0.067, 0, 0: SS 0.0267 over 5 - 2 - 1
-    assert study._resid_std(scattered) == pytest.approx(0.1155, abs=1e-4)
-    assert study._resid_std([[(1.0, 0.2)], [(2.0, 0.3)]]) is None  # one seed per point
+    assert analysis._resid_std(scattered) == pytest.approx(0.1155, abs=1e-4)
+    assert analysis._resid_std([[(1.0, 0.2)], [(2.0, 0.3)]]) is None  # one seed per point
 
 
 def _runs(method: str, curves: dict[int, list[tuple[float, float]]]) -> list[dict]:
@@ -78,7 +78,7 @@ def test_matched_kl_reads_every_seed_along_its_own_frontier():
         "dpo", {0: line(0.05, [4.0, 9.0]), 1: line(0.07, [3.0, 20.0]), 2: line(0.09, [5.0, 8.0])}
     )
     order = {"ppo": ["p0", "p1", "p2"], "dpo": ["p0", "p1"]}
-    mk = study.matched_kl(study.aggregate(results, order), grid_points=3)
+    mk = analysis.matched_kl(analysis.aggregate(results, order), grid_points=3)
     # range: PPO's 2nd-lowest start 2.0 .. 2nd-highest end 12; DPO's 4.0 .. 9.0 -> grid 4 .. 9 (in ln KL)
     assert mk["kl_grid"][0] == pytest.approx(4.0) and mk["kl_grid"][-1] == pytest.approx(9.0)
     assert mk["kl_grid"][1] == pytest.approx(6.0)  # geometric middle
@@ -94,16 +94,16 @@ def test_matched_kl_reads_every_seed_along_its_own_frontier():
 
 
 def test_matched_kl_needs_two_methods_with_overlapping_ranges():
-    one = study.aggregate(
+    one = analysis.aggregate(
         _runs("ppo", {0: [(1.0, 0.1), (2.0, 0.2)], 1: [(1.0, 0.1), (3.0, 0.3)]}), {"ppo": ["p0", "p1"]}
     )
-    assert study.matched_kl(one) is None
+    assert analysis.matched_kl(one) is None
     apart = _runs("ppo", {s: [(1.0, 0.1), (2.0, 0.2)] for s in (0, 1)})
     apart += _runs("dpo", {s: [(5.0, 0.1), (9.0, 0.2)] for s in (0, 1)})
-    mk = study.matched_kl(study.aggregate(apart, {"ppo": ["p0", "p1"], "dpo": ["p0", "p1"]}))
+    mk = analysis.matched_kl(analysis.aggregate(apart, {"ppo": ["p0", "p1"], "dpo": ["p0", "p1"]}))
     assert mk["kl_grid"] == [] and "do not overlap" in mk["note"]
-    assert study._gold_at([(1.0, 0.1), (4.0, 0.3)], 2.0) == pytest.approx(0.2)  # halfway in ln KL
-    assert study._gold_at([(1.0, 0.1), (4.0, 0.3)], 5.0) is None  # never extrapolated
+    assert analysis._gold_at([(1.0, 0.1), (4.0, 0.3)], 2.0) == pytest.approx(0.2)  # halfway in ln KL
+    assert analysis._gold_at([(1.0, 0.1), (4.0, 0.3)], 5.0) is None  # never extrapolated
 
 
 def test_each_method_meets_ppo_on_the_range_the_two_share():
@@ -118,9 +118,9 @@ def test_each_method_meets_ppo_on_the_range_the_two_share():
     results += _runs("dpo", {s: line(0.0, [1.0, 2.0]) for s in (0, 1)})
     results += _runs("grpo", {s: line(0.05 * s, [5.0, 10.0]) for s in (0, 1)})
     order = {m: ["p0", "p1"] for m in ("ppo", "dpo", "grpo")}
-    methods = study.aggregate(results, order)
-    assert study.matched_kl(methods)["kl_grid"] == []
-    pairs = study.vs_ppo_pairwise(methods)
+    methods = analysis.aggregate(results, order)
+    assert analysis.matched_kl(methods)["kl_grid"] == []
+    pairs = analysis.vs_ppo_pairwise(methods)
     assert [d["kl"] for d in pairs["dpo"]] == pytest.approx([1.0, math.sqrt(2.0), 2.0])
     assert [d["kl"] for d in pairs["grpo"]] == pytest.approx([5.0, math.sqrt(50.0), 10.0])
     for d in pairs["dpo"]:
@@ -130,8 +130,8 @@ def test_each_method_meets_ppo_on_the_range_the_two_share():
 
 
 def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, capsys):
-    plan = study.BUDGETS[("arith", "ci")]
-    assert study._select(plan, ["reinforce:beta=0.01", "ppo:beta=0.3"]) == {
+    plan = budgets.BUDGETS[("arith", "ci")]
+    assert budgets.select_points(plan, ["reinforce:beta=0.01", "ppo:beta=0.3"]) == {
         "ppo": ["beta=0.3"],
         "reinforce": ["beta=0.01"],
     }
@@ -157,7 +157,7 @@ def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, 
 def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
     from shifu.experiments.quickstart import PLANS
 
-    plan = study.BUDGETS[("imdb", "reduced")]
+    plan = budgets.BUDGETS[("imdb", "reduced")]
     assert plan["preset"] == "small"
     pairs = study._merge(PLANS[("imdb", "small")]["pairs"], plan["pairs"])
     assert pairs["drop_ties"] is True and pairs["num_prompts"] == 3000
@@ -188,13 +188,13 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
     out = tmp_path / "frontier"
     dpo = ["dpo:beta=1.0", "dpo:beta=0.03"]
     two = [f"{m}:beta={b}" for m in ("ppo", "reinforce") for b in (0.3, 0.01)] + dpo
-    one = [f"{m}:beta=0.01" for m in study.METHODS if m not in ("ppo", "reinforce", "dpo")]
+    one = [f"{m}:beta=0.01" for m in budgets.METHODS if m not in ("ppo", "reinforce", "dpo")]
     argv = ["study", "frontier", "--task", "arith", "--budget", "ci", "--seeds", "1", "--out", str(out)]
     assert cli_main([*argv, "--only", *two, *one]) == 0
     report = json.loads((out / "frontier.json").read_text())
     assert (out / "frontier.png").stat().st_size > 10_000
     assert report["eval"]["prompts"] == 256 and report["sft"]["kl"] == pytest.approx(0.0, abs=1e-6)
-    for method in study.METHODS:
+    for method in budgets.METHODS:
         m = report["methods"][method]
         assert len(m["points"]) == (2 if method in ("ppo", "reinforce", "dpo") else 1), method
         assert m["train_seconds_per_run"] > 0
@@ -217,9 +217,9 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
         json.loads((out / "again.json").read_text())["methods"]["ppo"]["points"][0]["gold_mean"]
         == (report["methods"]["ppo"]["points"][0]["gold_mean"])
     )
-    plan = study.BUDGETS[("arith", "ci")]
+    plan = budgets.BUDGETS[("arith", "ci")]
     monkeypatch.setitem(
-        study.BUDGETS, ("arith", "ci"), {**plan, "eval": {**plan["eval"], "temperature": 0.5}}
+        budgets.BUDGETS, ("arith", "ci"), {**plan, "eval": {**plan["eval"], "temperature": 0.5}}
     )
     capsys.readouterr()
     assert cli_main(again) == 2
@@ -237,12 +237,12 @@ def test_print_config_prints_the_budget_as_the_study_runs_it(tmp_path, monkeypat
     assert cli_main(["study", "frontier", "--task", "imdb", "--print-config"]) == 0  # budget reduced
     out = capsys.readouterr().out
     assert out.startswith("# shifu study frontier budget: ") and "imdb-reduced.yaml" in out
-    plan, budget, small = yaml.safe_load(out), study.BUDGETS[("imdb", "reduced")], PLANS[("imdb", "small")]
+    plan, budget, small = yaml.safe_load(out), budgets.BUDGETS[("imdb", "reduced")], PLANS[("imdb", "small")]
     # the shared stages as they run: the budget's keys over the quickstart small plan's
     assert plan["sft"] == small["sft"] and plan["pairs"] == {**small["pairs"], "num_prompts": 3000}
     assert plan["rm"]["model"] == {"path": "minilm"} and plan["rm"]["l2_coef"] == 0.0
     # every method's settings and points, the critic-free ones included
-    assert {k: plan[k] for k in study.METHODS} == {k: budget[k] for k in study.METHODS}
+    assert {k: plan[k] for k in budgets.METHODS} == {k: budget[k] for k in budgets.METHODS}
     assert plan["points"] == budget["points"] and list(plan["points"]["grpo"]) == list(
         budget["points"]["ppo"]
     )
@@ -258,7 +258,7 @@ def test_a_mistake_in_a_budget_file_names_the_file_and_the_key(tmp_path):
     from shifu.errors import ConfigError
 
     shutil.copytree(shipped("study"), tmp_path, dirs_exist_ok=True)
-    assert study.read_budgets(tmp_path) == study.BUDGETS  # the shipped files are what the study runs
+    assert budgets.read_budgets(tmp_path) == budgets.BUDGETS  # the shipped files are what the study runs
     path = tmp_path / "arith-ci.yaml"
     good = path.read_text()
     for old, new, says in [
@@ -274,5 +274,5 @@ def test_a_mistake_in_a_budget_file_names_the_file_and_the_key(tmp_path):
         assert old in good, old
         path.write_text(good.replace(old, new, 1))
         with pytest.raises(ConfigError) as e:
-            study.read_budgets(tmp_path)
+            budgets.read_budgets(tmp_path)
         assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)

@@ -37,6 +37,7 @@ from shifu import core
 from shifu.config.schema import DistributedConfig, OptimConfig
 from shifu.errors import ConfigError, ShifuError
 from shifu.runs import checkpoint as ckpt
+from shifu.runs import rng
 
 T = TypeVar("T")
 
@@ -258,7 +259,7 @@ class Strategy:
         and schedule's state (``trained``), ``json_state`` plus every RNG state; rank 0 writes."""
         tensors = {name: {"optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict()}
                    for name, t in trained.items()}  # fmt: skip
-        json_state = {**json_state, "rng": ckpt.rng_state()}
+        json_state = {**json_state, "rng": rng.rng_state()}
         ckpt.save_checkpoint(run_dir, step, modules, tensors, json_state, keep_last=keep_last)
 
     def load_checkpoint(
@@ -270,7 +271,7 @@ class Strategy:
         for name, t in trained.items():
             t.optimizer.load_state_dict(tensors[name]["optimizer"])
             t.scheduler.load_state_dict(tensors[name]["scheduler"])
-        ckpt.set_rng_state(js["rng"])
+        rng.set_rng_state(js["rng"])
         return js
 
     def full_model(self, model: nn.Module, fresh: Callable[[], nn.Module], everywhere: bool = False):

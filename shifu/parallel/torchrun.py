@@ -31,6 +31,7 @@ from shifu import core
 from shifu.errors import ShifuError
 from shifu.parallel.strategy import Strategy, T, Trained
 from shifu.runs import checkpoint as ckpt
+from shifu.runs import rng
 
 TrainStrategy = Literal["none", "ddp", "fsdp2"]
 FrozenStrategy = Literal["replicate", "fsdp2"]
@@ -157,7 +158,7 @@ class DistributedStrategy(Strategy):
 
     # ------------------------------------------------------------------------------------ files
     def save_checkpoint(self, run_dir, step, trained, modules, json_state, keep_last) -> None:
-        json_state = {**json_state, "rng_ranks": self.gather(ckpt.rng_state())}
+        json_state = {**json_state, "rng_ranks": self.gather(rng.rng_state())}
         if not self.sharded:  # every rank holds whole models: rank 0 writes the one-process checkpoint
             if self.is_main:
                 super().save_checkpoint(run_dir, step, trained, modules, json_state, keep_last)
@@ -170,7 +171,7 @@ class DistributedStrategy(Strategy):
         self.barrier()
         if self.is_main:
             tensors = {name: {"scheduler": t.scheduler.state_dict()} for name, t in trained.items()}
-            json_state = {**json_state, "rng": ckpt.rng_state()}
+            json_state = {**json_state, "rng": rng.rng_state()}
             ckpt.save_checkpoint(run_dir, step, {}, tensors, json_state, keep_last=keep_last, shards=shards)
         self.barrier()
 
@@ -190,7 +191,7 @@ class DistributedStrategy(Strategy):
                 self._load_shards(shards, t)
                 t.scheduler.load_state_dict(tensors[name]["scheduler"])
         ranks = js.get("rng_ranks")
-        ckpt.set_rng_state(ranks[self.rank] if ranks and len(ranks) == self.world else js["rng"])
+        rng.set_rng_state(ranks[self.rank] if ranks and len(ranks) == self.world else js["rng"])
         return js
 
     def _save_shards(self, path: Path, t: Trained) -> None:

@@ -29,7 +29,7 @@ from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt
-from shifu.runs import jsonfile
+from shifu.runs import jsonfile, rng
 from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval
 from shifu.trainers.common import (
@@ -237,7 +237,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
             # a run stopped by its reward service in an evaluation resumes with that iteration's metrics
             metrics = loop.pop("pending", None)
             if metrics is None:
-                before = stream.state(), s.sample_gen.get_state(), ckpt.rng_state()
+                before = stream.state(), s.sample_gen.get_state(), rng.rng_state()
                 mine, _ = strategy.share(stream.next())  # this rank's batch_size / G / W prompts, G rows each
                 mine = [i for i in mine for _ in range(G)]
                 b = pad_left([ids[i] for i in mine], tok.pad_token_id)
@@ -249,7 +249,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
                     # yet, so checkpoint the state before this iteration; --resume redoes it
                     stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
                     s.sample_gen.set_state(before[1])
-                    ckpt.set_rng_state(before[2])
+                    rng.set_rng_state(before[2])
                     save(loop["iteration"]), bar.close(), tracker.close()
                     raise ppo_eval.service_stopped(e, loop["iteration"], out) from None
                 loop["iteration"] += 1
