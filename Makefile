@@ -9,7 +9,7 @@ THREADS ?= 1
 # test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
 TEST_WORKERS ?= 2
 
-.PHONY: setup quickstart test lint format clean bench docs-reference docs-tables
+.PHONY: setup quickstart test test-fast lint format clean bench docs-reference docs-tables
 
 setup: $(STAMP)
 
@@ -29,7 +29,11 @@ quickstart: setup
 test: setup
 	$(VENV)/bin/ruff check shifu tests benchmarks
 	$(VENV)/bin/ruff format --check shifu tests benchmarks
-	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+
+# the unit lane (pure functions and tiny models, no trainer run or subprocess): about a minute on two cores
+test-fast: setup
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m unit
 
 format: setup
 	$(VENV)/bin/ruff format shifu tests benchmarks

@@ -8,6 +8,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "shifu"
 # The wings of shifu/, lowest first (docs/reference/architecture.md): a module imports only from its own wing and

@@ -22,6 +22,8 @@ from shifu.reporting.report import render_report
 from shifu.reporting.run_data import load_run
 from shifu.runs.tracking import Tracker
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -94,6 +96,7 @@ def test_eval_num_prompts_is_honoured_and_checked(tiny_model_dir, tmp_path, caps
 LEGACY_REWARD = """
 import transformers
 from tqdm.auto import tqdm
+
 
 
 def score(prompts, responses, rows):

@@ -11,6 +11,8 @@ from shifu.data.rows import load_rows, render_messages, split_rows
 from shifu.errors import DataError
 from shifu.models.loading import load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 PAIR = {"prompt": "p", "chosen": "good", "rejected": "bad"}
 
 

@@ -81,6 +81,7 @@ def deepspeed_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
     return launch("check_deepspeed.py", tmp_path_factory.mktemp("ds"), timeout=400)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_ranks(two_rank_results, check):
@@ -90,6 +91,7 @@ def test_two_ranks(two_rank_results, check):
     assert results[check]["ok"], results[check]["detail"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "check",
@@ -113,6 +115,7 @@ def test_deepspeed_two_ranks(deepspeed_results, check):
 # ------------------------------------------------------------------------------------------------ 1 process
 
 
+@pytest.mark.unit
 def test_single_process_is_a_no_op():
     assert "WORLD_SIZE" not in os.environ
     assert D.init().type in ("cpu", "cuda")
@@ -129,6 +132,7 @@ def test_single_process_is_a_no_op():
     assert T.wrap_trainable(model, "fsdp2") is model  # nothing to shard across one process
 
 
+@pytest.mark.unit
 def test_bad_strategy_and_bad_checkpoint_are_clear_errors(tmp_path):
     with pytest.raises(ShifuError, match="use none, ddp or fsdp2"):
         T.wrap_trainable(torch.nn.Linear(2, 2), "zero9")
@@ -138,6 +142,7 @@ def test_bad_strategy_and_bad_checkpoint_are_clear_errors(tmp_path):
         T.load_sharded(tmp_path, torch.nn.Linear(2, 2))
 
 
+@pytest.mark.unit
 def test_sharded_checkpoint_round_trip_single_process(tmp_path):
     """save_sharded/load_sharded also work without a process group (model and AdamW state)."""
     torch.manual_seed(0)
@@ -157,6 +162,7 @@ def test_sharded_checkpoint_round_trip_single_process(tmp_path):
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
 
 
+@pytest.mark.unit
 def test_gradient_checkpointing_gives_the_same_gradients():
     tok = tiny.char_tokenizer()
     b = tiny.batch(tok, tiny.TEXTS)
@@ -172,6 +178,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-7, msg=k)
 
 
+@pytest.mark.unit
 def test_gradient_checkpointing_refuses_a_plain_module():
     with pytest.raises(ShifuError, match="gradient_checkpointing"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2))

@@ -11,7 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import shifu.core
+
+pytestmark = pytest.mark.integration
+
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -18,6 +18,8 @@ from shifu.config.loader import load_config
 from shifu.models.loading import load_causal_lm, load_tokenizer
 from shifu.trainers import dpo
 
+pytestmark = pytest.mark.integration
+
 torch.set_num_threads(1)
 
 GOOD = ["the movie was great", "the acting was good", "a great film, good story", "good and great"]

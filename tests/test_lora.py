@@ -18,6 +18,8 @@ from shifu.parallel.strategy import enable_gradient_checkpointing  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
 import tiny  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -13,6 +13,8 @@ from shifu.errors import ShifuError
 from shifu.models.loading import build_tiny_gpt2, load_causal_lm, load_tokenizer
 from shifu.models.merge import merge_policies
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -18,6 +18,8 @@ from shifu.cli import main as cli
 from shifu.reporting.modelcard import main as card_main
 from shifu.reporting.modelcard import read_card_metadata, write_model_card
 
+pytestmark = pytest.mark.integration
+
 QUIET = ["progress=false", "tensorboard=false"]
 
 

@@ -11,6 +11,8 @@ from shifu.models.loading import load_causal_lm, load_tokenizer
 from shifu.models.padding import last_token_index, pad_left, pad_right, position_ids_from_mask
 from shifu.models.scalar import ScalarModel
 
+pytestmark = pytest.mark.unit
+
 
 def test_pad_token_is_eos_when_the_tokenizer_has_none(tiny_model_dir, tiny_model_dir_pad_eos):
     assert (

@@ -27,6 +27,9 @@ from shifu.cli.main import main as cli_main
 from shifu.errors import ShifuError
 from shifu.runs import checkpoint as ckpt
 
+pytestmark = pytest.mark.integration
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # arith tiny cut short (a whole run takes ~20 s of one core); later --set of a key wins
 TINY = ["sft.max_steps=20", "sft.progress=false", "ppo.progress=false", "ppo.iterations=2",

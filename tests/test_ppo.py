@@ -19,6 +19,8 @@ from shifu.parallel import build_strategy
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):

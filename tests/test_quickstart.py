@@ -19,6 +19,7 @@ def _read(path) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     out = tmp_path / "run"
@@ -103,6 +104,7 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
         assert says in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_imdb_quickstart_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("SHIFU_CACHE", str(tmp_path / "cache"))
@@ -143,6 +145,7 @@ def test_imdb_quickstart_smoke(tmp_path, monkeypatch):
     assert (out / "rm" / "metrics.jsonl").exists() and (out / "ppo" / "metrics.jsonl").exists()
 
 
+@pytest.mark.unit
 def test_quickstart_rejects_bad_input(tmp_path, capsys):
     assert cli_main(["quickstart", "--task", "arith", "--preset", "small", "--out", str(tmp_path)]) == 2
     assert "no quickstart plan" in capsys.readouterr().err
@@ -170,6 +173,7 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     assert "this plan has no sft stage" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     from shifu.experiments.quickstart import PLANS, preference_prompts
 
@@ -192,6 +196,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     assert reduced["rm"]["epochs"] == 1.0
 
 
+@pytest.mark.unit
 def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp_path):
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
@@ -210,6 +215,7 @@ def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp
     assert standard_error([1.0, 3.0]) == pytest.approx(1.0) and standard_error([2.0]) == 0.0
 
 
+@pytest.mark.unit
 def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys):
     """A rerun skips a finished stage only when its recorded plan is this run's; another plan is refused
     by key (the stage's files untouched, nothing later runs), in a moved run directory too."""
@@ -250,6 +256,7 @@ def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys
     assert len(calls) == 1 and "did not record its plan; kept as it is" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     """Members finished before stage plans were recorded are compared by their config.yaml: the seed and
     out_dir may differ, nothing else."""
@@ -265,6 +272,7 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
         same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2", tmp_path / "ppo-3"])
 
 
+@pytest.mark.integration
 def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
     from shifu.experiments.quickstart import PLANS
 
@@ -298,6 +306,7 @@ def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monk
     assert list(tmp_path.iterdir()) == []  # nothing was run or written
 
 
+@pytest.mark.unit
 def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_path):
     from shifu.config.loader import shipped
     from shifu.errors import ConfigError

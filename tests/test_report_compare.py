@@ -13,6 +13,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from test_report import CHECK_SCRIPT, Links, _chromium, png_size, write_run
 
@@ -67,6 +68,7 @@ def cells(page: str, label: str) -> list[str]:
     return re.findall(r'<td class="([^"]*)">(.*?)</td>', row.group(1))
 
 
+@pytest.mark.unit
 def test_compare_page_overlays_runs_and_summarises_them(tmp_path: Path):
     a, b, c = make_runs(tmp_path)
     out = render_comparison([a, b, c], tmp_path / "out" / "compare.html")
@@ -112,6 +114,7 @@ def test_compare_page_overlays_runs_and_summarises_them(tmp_path: Path):
     assert "response_len: no rollout/response_len in ppo-only" in html.unescape(page)
 
 
+@pytest.mark.unit
 def test_labels_and_config_differences():
     assert run_labels([Path("/x/a/s0"), Path("/x/b/s0"), Path("/x/b/s1")]) == ["a/s0", "b/s0", "s1"][:2] + [
         "b/s1"
@@ -122,6 +125,7 @@ def test_labels_and_config_differences():
     assert config_differences([a, b]) == [("ppo:b", ["2", "3"]), ("ppo:c", ["—", "x"])]
 
 
+@pytest.mark.unit
 def test_cli_compare_and_its_errors(tmp_path: Path, capsys, monkeypatch):
     a, b, _ = make_runs(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -137,6 +141,7 @@ def test_cli_compare_and_its_errors(tmp_path: Path, capsys, monkeypatch):
     assert "--out and --labels are for comparisons of several runs" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_compare_page_loads_in_headless_chromium(tmp_path: Path):
     browser = _chromium()
     out = render_comparison(make_runs(tmp_path), tmp_path / "compare.html")

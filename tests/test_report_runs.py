@@ -22,6 +22,8 @@ from shifu.cli import main as cli
 from shifu.reporting.report import PLOTS, render_report
 from shifu.runs.tracking import read_metrics
 
+pytestmark = pytest.mark.integration
+
 COMMON = ["progress=false", "tensorboard=false", "--threads", "1"]
 
 

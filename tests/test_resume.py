@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "resume_scripts"))
 import run_shifu  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT = 300  # seconds any single run may take on a very busy machine
 
 

@@ -29,6 +29,8 @@ from shifu.generation.rollout import (
 from shifu.models.padding import position_ids_from_mask
 from shifu.models.scalar import ScalarModel
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 V, EOS, PAD = 61, 2, 0
 

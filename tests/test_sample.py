@@ -21,6 +21,8 @@ from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
 from shifu.runs.files import resolve_policy
 
+pytestmark = pytest.mark.unit
+
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -219,6 +219,7 @@ def guarded_url(rm_dir):
 
 
 # -------------------------------------------------------------------------------- equal to in process
+@pytest.mark.integration
 def test_text_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir):
     local = RewardSource(model=trainer_scored(rm_dir), micro_batch=4)
     with RemoteReward(rm_url, batch_size=4) as remote:
@@ -230,6 +231,7 @@ def test_text_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir):
     assert got.std() > 0  # the model tells the responses apart: equality is not 0 == 0
 
 
+@pytest.mark.integration
 def test_token_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir, policy_tok):
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
     local = RewardSource(model=trainer_scored(rm_dir), policy_tokenizer=policy_tok, micro_batch=3)
@@ -243,6 +245,7 @@ def test_token_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir, policy_t
     assert not torch.equal(got, local.model.score_texts(PROMPTS, RESPONSES, batch_size=3))
 
 
+@pytest.mark.integration
 def test_concurrent_clients_get_their_own_scores(merged_url, rm_dir, policy_tok):
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
     local = RewardSource(model=trainer_scored(rm_dir), policy_tokenizer=policy_tok, micro_batch=2)
@@ -268,6 +271,7 @@ def test_concurrent_clients_get_their_own_scores(merged_url, rm_dir, policy_tok)
     remote_text.close()
 
 
+@pytest.mark.integration
 def test_ensemble_served_equals_in_process(ensemble_dir, policy_tok):
     local_model = trainer_scored(ensemble_dir)
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
@@ -290,6 +294,7 @@ def test_ensemble_served_equals_in_process(ensemble_dir, policy_tok):
     assert torch.equal(got_tok, local_tok(PROMPTS, RESPONSES, ROWS, ids, mask))
 
 
+@pytest.mark.integration
 def test_rule_reward_gets_rows_and_equals_in_process():
     with running(create_app(load_served("test_serve:keyword_reward"))) as url:
         remote = RemoteReward(url, batch_size=4)
@@ -299,6 +304,7 @@ def test_rule_reward_gets_rows_and_equals_in_process():
     assert torch.equal(got, want) and want[-3] > want[-4]  # 'great great' + its bonus
 
 
+@pytest.mark.integration
 def test_process_reward_returns_per_token_scores():
     with running(create_app(load_served("test_serve:per_char_reward"))) as url:
         remote = RemoteReward(url, batch_size=3)
@@ -308,6 +314,7 @@ def test_process_reward_returns_per_token_scores():
             remote(PROMPTS, RESPONSES, ROWS)
 
 
+@pytest.mark.integration
 def test_process_reward_steps_travel_as_in_process(policy_tok):
     """A function returning shifu's steps ([[end, reward], ...]) for some responses and a number for others:
     the client gets the same (scores, steps) as RewardSource in process, and a total per response."""
@@ -325,6 +332,7 @@ def test_process_reward_steps_travel_as_in_process(policy_tok):
             RemoteReward(url, retries=0).score_with_steps(PROMPTS, RESPONSES, ROWS)
 
 
+@pytest.mark.integration
 def test_a_failing_reward_function_is_a_clear_500_and_the_server_lives_on():
     with running(create_app(load_served("test_serve:broken_reward"))) as url:
         remote = RemoteReward(url, retries=0)
@@ -334,6 +342,7 @@ def test_a_failing_reward_function_is_a_clear_500_and_the_server_lives_on():
         assert remote.health()["status"] == "ok"
 
 
+@pytest.mark.integration
 def test_metadata_fingerprint_decides_the_token_path(rm_url, policy_tok, tiny_model_dir_pad_eos):
     with RemoteReward(rm_url) as remote:
         meta = remote.metadata
@@ -355,6 +364,7 @@ def test_metadata_fingerprint_decides_the_token_path(rm_url, policy_tok, tiny_mo
 
 
 # ------------------------------------------------------------------------------ refused requests
+@pytest.mark.integration
 def test_token_is_required_and_checked(guarded_url):
     assert raw(guarded_url, "GET", "/health")[0] == 200  # health needs no token
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
@@ -501,6 +511,7 @@ BAD = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case,body,headers,status,field", BAD, ids=[b[0] for b in BAD])
 def test_bad_requests_get_a_clear_4xx(guarded_url, case, body, headers, status, field):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -513,12 +524,14 @@ def test_bad_requests_get_a_clear_4xx(guarded_url, case, body, headers, status, 
     assert raw(guarded_url, "GET", "/health")[0] == 200  # and the server lives on
 
 
+@pytest.mark.integration
 def test_empty_requests_get_no_scores(guarded_url):
     auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     for body in ({"prompts": [], "responses": []}, {"input_ids": [], "attention_mask": []}):
         assert raw(guarded_url, "POST", "/v1/score", json.dumps(body), auth) == (200, {"scores": []})
 
 
+@pytest.mark.integration
 def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
     auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     chunks = iter([b'{"prompts": ["', b"x" * 40_000, b"x" * 40_000, b'"], "responses": ["b"]}'])
@@ -533,6 +546,7 @@ def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
     assert raw(guarded_url, "GET", "/health")[0] == 200
 
 
+@pytest.mark.integration
 def test_token_ids_to_a_reward_function_are_refused():
     with running(create_app(load_served("test_serve:keyword_reward"))) as url:
         body = json.dumps({"input_ids": [[1, 2]], "attention_mask": [[1, 1]]})
@@ -540,6 +554,7 @@ def test_token_ids_to_a_reward_function_are_refused():
     assert status == 422 and answer["error"]["field"] == "prompts" and "text" in answer["error"]["message"]
 
 
+@pytest.mark.integration
 def test_a_slow_client_gets_408_while_others_are_served(guarded_url, rm_dir):
     host, port = urlsplit(guarded_url).hostname, urlsplit(guarded_url).port
     slow = socket.create_connection((host, port), timeout=30)
@@ -566,11 +581,13 @@ def test_a_slow_client_gets_408_while_others_are_served(guarded_url, rm_dir):
 
 
 # --------------------------------------------------------------------------------- client failures
+@pytest.mark.unit
 def test_backoff_schedule_is_bounded():
     assert backoff_delays(5, 0.5, 3.0) == [0.5, 1.0, 2.0, 3.0, 3.0]
     assert backoff_delays(0, 0.5, 3.0) == []
 
 
+@pytest.mark.unit
 def test_service_down_is_a_clear_error_after_bounded_retries():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RewardServiceUnavailable, match="after 3 attempts") as e:
@@ -629,6 +646,7 @@ def broken_service(mode):
         server.server_close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "mode,match", [("html", "not a JSON object"), ("short", "1 items"), ("strings", "2 numbers")]
 )
@@ -640,6 +658,7 @@ def test_garbage_answers_name_the_url(mode, match):
     assert url in str(e.value) and server.calls == 1  # garbage is not retried
 
 
+@pytest.mark.integration
 def test_busy_answers_are_retried_and_nulls_are_nan():
     with broken_service("busy_twice") as (server, url):
         got = RemoteReward(url, retries=2, backoff_s=0.01)(["a", "b"], ["c", "d"], [{}, {}])
@@ -650,6 +669,7 @@ def test_busy_answers_are_retried_and_nulls_are_nan():
             RemoteReward(url, retries=1, backoff_s=0.01)(["a", "b"], ["c", "d"], [{}, {}])
 
 
+@pytest.mark.integration
 def test_a_service_that_speaks_no_http_is_named():
     class Hello(socketserver.BaseRequestHandler):
         def handle(self):
@@ -669,6 +689,7 @@ def test_a_service_that_speaks_no_http_is_named():
         server.server_close()
 
 
+@pytest.mark.integration
 def test_service_that_dies_mid_run_stops_the_client_and_serves_again_once_back(rm_dir):
     served = load_served(str(rm_dir))
     port = free_port()
@@ -683,6 +704,7 @@ def test_service_that_dies_mid_run_stops_the_client_and_serves_again_once_back(r
 
 
 # ------------------------------------------------------------------------------------------ batching
+@pytest.mark.unit
 def test_batcher_merges_pending_requests_within_the_token_budget(rm_dir):
     served = load_served(str(rm_dir))
     enc = [served.model.encode(PROMPTS[i : i + 2], RESPONSES[i : i + 2]) for i in range(0, 10, 2)]
@@ -711,6 +733,7 @@ def test_batcher_merges_pending_requests_within_the_token_budget(rm_dir):
     assert stats["forwards"] == 5 and all(torch.equal(o, a) for o, a in zip(out, alone))
 
 
+@pytest.mark.unit
 def test_split_rows_and_stack_blocks():
     ids = torch.arange(12).reshape(4, 3)
     parts = split_rows(ids, ids, 7)  # 7 tokens: 2 rows of width 3
@@ -723,6 +746,7 @@ def test_split_rows_and_stack_blocks():
 
 
 # ------------------------------------------------------------------------------------------ the CLI
+@pytest.mark.integration
 def test_cli_refuses_an_open_address_without_token_and_an_unknown_source(rm_dir, capsys):
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.org")
@@ -732,6 +756,7 @@ def test_cli_refuses_an_open_address_without_token_and_an_unknown_source(rm_dir,
     assert "neither a reward model directory nor a reward function" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_shifu_serve_command_end_to_end(rm_dir, monkeypatch):
     """The real command in its own process: prints its URL, scores like in process, stops on SIGTERM."""
     monkeypatch.setenv("SHIFU_SERVE_TOKEN", TOKEN)  # read by the server and by the client

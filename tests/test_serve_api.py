@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("starlette", reason="pip install 'shifu-rlhf[serve]'")
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 hypothesis = pytest.importorskip("hypothesis", reason="pip install 'shifu-rlhf[dev]'")

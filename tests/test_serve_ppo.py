@@ -27,6 +27,8 @@ from test_serve import free_port, running  # noqa: E402
 from shifu.serve.app import create_app  # noqa: E402
 from shifu.serve.served import load_served  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 HERE = Path(__file__).resolve().parent
 IGNORED = ("time/", "perf/")
 

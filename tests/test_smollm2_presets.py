@@ -48,6 +48,7 @@ def _files_under(d: Path) -> list[Path]:
     return [Path(root) / f for root, _, files in os.walk(d) for f in files]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("task", [arith, imdb])
 def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cached_model, tmp_path):
     out = tmp_path / "data"
@@ -74,6 +75,7 @@ def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cac
     assert (cached_model["dir"] / "model.safetensors").is_file()
 
 
+@pytest.mark.unit
 def test_prepare_runs_again_when_the_cached_model_it_links_to_is_gone(cached_model, tmp_path):
     from shifu.experiments.pipeline import Stages
 
@@ -92,6 +94,7 @@ def _adapter_only(run: Path, name: str) -> bool:
         return all("lora_" in k or k.startswith(("head.", "gain", "bias")) for k in st.keys())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_arith_smollm2_quickstart_without_sft_lora_rloo(cached_model, tmp_path):
     out = tmp_path / "run"
@@ -109,6 +112,7 @@ def test_arith_smollm2_quickstart_without_sft_lora_rloo(cached_model, tmp_path):
     assert "rloo" in cfg and str(out / "data" / "base") in cfg
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
     out = tmp_path / "run"

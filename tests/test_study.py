@@ -14,6 +14,7 @@ from shifu.experiments import analysis, budgets, study
 torch.set_num_threads(1)
 
 
+@pytest.mark.unit
 def test_spread_keeps_first_and_last_points():
     labels = ["a", "b", "c", "d"]
     assert study._spread(labels, 2) == ["a", "d"]
@@ -22,6 +23,7 @@ def test_spread_keeps_first_and_last_points():
     assert study._spread(labels, 9) == labels
 
 
+@pytest.mark.unit
 def test_aggregate_means_and_sample_std_over_seeds():
     results = [
         {
@@ -44,6 +46,7 @@ def test_aggregate_means_and_sample_std_over_seeds():
     assert agg["dpo"]["points"] == []
 
 
+@pytest.mark.unit
 def test_std_at_kl_removes_the_part_of_the_seed_spread_that_kl_explains():
     # every seed on one line gold = 0.5 - 0.1 * kl: seeds differ only in how far they drifted
     on_line = [[(k, 0.5 - 0.1 * k) for k in (1.0, 2.0, 3.0)], [(k, 0.5 - 0.1 * k) for k in (5.0, 7.0)]]
@@ -65,6 +68,7 @@ def _runs(method: str, curves: dict[int, list[tuple[float, float]]]) -> list[dic
     ]  # fmt: skip
 
 
+@pytest.mark.unit
 def test_matched_kl_reads_every_seed_along_its_own_frontier():
     import math
 
@@ -93,6 +97,7 @@ def test_matched_kl_reads_every_seed_along_its_own_frontier():
     assert diff["se"] == pytest.approx(math.sqrt(0.04**2 / 2 / 2 + 0.02**2 / 3))
 
 
+@pytest.mark.unit
 def test_matched_kl_needs_two_methods_with_overlapping_ranges():
     one = analysis.aggregate(
         _runs("ppo", {0: [(1.0, 0.1), (2.0, 0.2)], 1: [(1.0, 0.1), (3.0, 0.3)]}), {"ppo": ["p0", "p1"]}
@@ -106,6 +111,7 @@ def test_matched_kl_needs_two_methods_with_overlapping_ranges():
     assert analysis._gold_at([(1.0, 0.1), (4.0, 0.3)], 5.0) is None  # never extrapolated
 
 
+@pytest.mark.unit
 def test_each_method_meets_ppo_on_the_range_the_two_share():
     """Two methods whose KL ranges miss each other but each overlap PPO's: no common grid, but each is
     still compared with PPO where the two of them overlap (gold = a + ln KL: the difference is known)."""
@@ -129,6 +135,7 @@ def test_each_method_meets_ppo_on_the_range_the_two_share():
     assert all(d["ppo_minus"] == pytest.approx(0.125) for d in pairs["grpo"])
 
 
+@pytest.mark.unit
 def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, capsys):
     plan = budgets.BUDGETS[("arith", "ci")]
     assert budgets.select_points(plan, ["reinforce:beta=0.01", "ppo:beta=0.3"]) == {
@@ -154,6 +161,7 @@ def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, 
     assert not any(tmp_path.iterdir())  # refused before any stage ran
 
 
+@pytest.mark.unit
 def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
     from shifu.experiments.quickstart import PLANS
 
@@ -165,6 +173,7 @@ def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
     assert plan["eval"]["max_prompt_len"] == plan["ppo"]["data"]["max_prompt_len"]
 
 
+@pytest.mark.unit
 def test_measure_of_the_reference_itself_has_zero_kl(tiny_model_dir):
     rows = [{"prompt": p} for p in ("the movie", "hello there", "tell me a story")]
     m = study.measure(
@@ -174,12 +183,14 @@ def test_measure_of_the_reference_itself_has_zero_kl(tiny_model_dir):
     assert m["gold"] > 0  # the judge saw the sampled text
 
 
+@pytest.mark.unit
 def test_unknown_budget_exits_2(tmp_path, capsys):
     code = cli_main(["study", "frontier", "--task", "arith", "--budget", "huge", "--out", str(tmp_path)])
     assert code == 2
     assert "no frontier budget 'huge'" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
     """The ``ci`` budget, one seed: both points of PPO, REINFORCE and DPO, the weak-KL point of each
@@ -228,6 +239,7 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
     assert "eval.temperature was 1.0, now 0.5" in err and result.read_text() == before
 
 
+@pytest.mark.integration
 def test_print_config_prints_the_budget_as_the_study_runs_it(tmp_path, monkeypatch, capsys):
     import yaml
 
@@ -251,6 +263,7 @@ def test_print_config_prints_the_budget_as_the_study_runs_it(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []  # nothing was run or written
 
 
+@pytest.mark.unit
 def test_a_mistake_in_a_budget_file_names_the_file_and_the_key(tmp_path):
     import shutil
 

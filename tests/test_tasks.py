@@ -11,6 +11,8 @@ import torch
 
 from shifu.tasks import arith, judges
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -30,7 +30,7 @@ from test_resume import metric_rows, weights_digest
 from shifu.runs import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"]
 
 

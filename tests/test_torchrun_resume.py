@@ -15,7 +15,7 @@ from test_torchrun_faults import data, preempted_and_resumed, sft_argv  # noqa: 
 
 from shifu.runs import checkpoint as ckpt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_fsdp2_sigterm_and_resume_is_bit_identical(tiny_model_dir, data, tmp_path):  # noqa: F811

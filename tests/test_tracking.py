@@ -114,6 +114,7 @@ def wandb_runs(run_dir: Path) -> list[dict]:
 # ----------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.unit
 def test_flatten_config_and_scalars():
     assert flatten_config(CONFIG) == {
         "seed": "3",
@@ -127,6 +128,7 @@ def test_flatten_config_and_scalars():
     assert list(scalars(row)) == ["a", "b"] and math.isnan(scalars(row)["b"])
 
 
+@pytest.mark.integration
 def test_every_sink_at_once_then_resume_continues_the_same_runs(tmp_path, offline_env):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -196,6 +198,7 @@ def test_every_sink_at_once_then_resume_continues_the_same_runs(tmp_path, offlin
     assert json.loads(config_file.read_text()) == CONFIG | {"seed": 4}  # the latest start's config
 
 
+@pytest.mark.unit
 def test_disabled_rank_writes_nothing(tmp_path, offline_env):
     run = tmp_path / "rank1"
     t = Tracker(run, enabled=False, trackers=["wandb", "mlflow"], config=CONFIG)
@@ -204,6 +207,7 @@ def test_disabled_rank_writes_nothing(tmp_path, offline_env):
     assert t.run_ids == {} and not run.exists()
 
 
+@pytest.mark.unit
 def test_missing_extra_names_the_pip_install(tmp_path, monkeypatch):
     for name in ("wandb", "mlflow"):
         with monkeypatch.context() as m:
@@ -217,6 +221,7 @@ def test_missing_extra_names_the_pip_install(tmp_path, monkeypatch):
         Tracker(tmp_path / "run", trackers=["wandbb"])
 
 
+@pytest.mark.integration
 def test_mlflow_tracking_uri_and_new_run_after_overwrite(tmp_path, offline_env):
     """An explicit store (here another local directory) is used and remembered; an emptied run directory
     (what --overwrite does) starts a new tracker run."""
@@ -242,6 +247,7 @@ def test_mlflow_tracking_uri_and_new_run_after_overwrite(tmp_path, offline_env):
     t.close()
 
 
+@pytest.mark.integration
 def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
     tmp_path, offline_env, tiny_model_dir
 ):
@@ -271,6 +277,7 @@ def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
     assert read_card_metadata(run / "final" / "README.md")["base_model"] == str(tiny_model_dir)
 
 
+@pytest.mark.integration
 def test_an_unknown_tracker_in_the_config_is_named_before_anything_is_written(tmp_path):
     from shifu.cli import main as cli
 
