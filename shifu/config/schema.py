@@ -316,6 +316,50 @@ class GuardConfig:
 
 
 @frozen
+class EnvConfig:
+    factory: str | None = opt(
+        None, "an environment 'package.module:Name' (a class, or a factory of ppo.env.kwargs): rollouts, validation "
+        "and the held-out evaluation become multi-turn episodes rewarded by it, instead of reward.* (docs/how-to/"
+        "multi-turn.md); null: one response per prompt"
+    )  # fmt: skip
+    kwargs: dict = opt({}, "keyword arguments of the factory, one fresh instance per episode")
+    max_turns: int = opt(
+        3, "turns (policy replies) per episode; an episode still going after them is truncated"
+    )
+    max_tokens_per_turn: int = opt(
+        32, "tokens the policy samples in one turn; a turn cut here truncates the episode"
+    )
+    max_total_tokens: int = opt(
+        128,
+        "sampled plus observation tokens per episode, after its first input; reaching it truncates the episode",
+    )
+    stop: list[str] = opt(
+        [], 'strings that end a turn besides EOS (the string is part of the turn), e.g. ["]"]'
+    )
+    step_timeout_s: float | None = opt(
+        60.0, "seconds one reset() or step() may take (a fault past it); null: no limit"
+    )
+    on_error: Literal["raise", "end_episode"] = opt(
+        "raise", "an environment fault (exception, wrong return type, timeout, observation over budget): stop the "
+        "run with an error naming the environment, row and turn, or end that episode with reward 0 (env/errors)"
+    )  # fmt: skip
+
+    def validate(self) -> None:
+        if self.factory is None:
+            return
+        require_positive(self, ("max_turns", "max_tokens_per_turn", "max_total_tokens"), "ppo.env.")
+        if self.max_total_tokens < self.max_tokens_per_turn:
+            raise ConfigError(f"ppo.env.max_total_tokens ({self.max_total_tokens}) must be >= "
+                              f"ppo.env.max_tokens_per_turn ({self.max_tokens_per_turn})")  # fmt: skip
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"ppo.env.stop must be a list of non-empty strings (got {self.stop!r})")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ConfigError(
+                f"ppo.env.step_timeout_s must be > 0 (got {self.step_timeout_s}); null: no limit"
+            )
+
+
+@frozen
 class EnsembleConfig:
     k: int = opt(1, "number of reward models trained (seeds seed, seed+1, ...)")
     shard: bool = opt(False, "train member m on rows m, m+k, m+2k, ... instead of all rows")
@@ -578,12 +622,15 @@ class PPOConfig(RunConfig):
     lora: LoraConfig = opt(
         LoraConfig(), "LoRA actor (the reference is then the actor with adapters disabled) and critic"
     )
+    env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment or tools (factory null: off)")
 
     def validate(self) -> None:
         super().validate()
         self.data.validate()
         r = self.reward
-        if sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
+        if self.env.factory is not None:
+            self._validate_env()
+        elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
             raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
         if r.dense and r.model_path is None:
             raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
@@ -664,11 +711,31 @@ class PPOConfig(RunConfig):
         if d.strategy == "deepspeed" and self.joint_optimizer:
             raise ConfigError("joint_optimizer=true with distributed.strategy=deepspeed is not supported")
 
+    def _validate_env(self) -> None:
+        self.env.validate()
+        r = self.reward
+        if r.model_path is not None or r.function is not None or r.url is not None or r.dense:
+            raise ConfigError("ppo.env.factory rewards the episodes: unset reward.model_path, reward.function, "
+                              "reward.url and reward.dense (or unset ppo.env.factory)")  # fmt: skip
+        if self.eval.gold_function is not None:
+            raise ConfigError("with ppo.env.factory the held-out gold is the mean episode return of the "
+                              "environment: unset eval.gold_function")  # fmt: skip
+        if self.distributed.strategy != "none":
+            raise ConfigError(
+                "ppo.env.factory runs its episodes in one process: set distributed.strategy=none"
+            )
+
     @property
     def estimator(self) -> str:
         """The advantage estimator that runs: ``advantage_estimator``, else ``gae``, or ``reinforce`` (the
         batch-baselined sequence return) for algo=reinforce."""
         return self.advantage_estimator or ("reinforce" if self.algo == "reinforce" else "gae")
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most tokens a rollout row holds after its prompt: ``generation.max_new_tokens``, or with an
+        environment ``ppo.env.max_total_tokens`` (sampled and observation tokens of an episode)."""
+        return self.env.max_total_tokens if self.env.factory is not None else self.generation.max_new_tokens
 
     @property
     def uses_critic(self) -> bool:
