@@ -11,7 +11,7 @@ observation; an answer ends the episode with ``reward(row, answer)``. Two call f
   comes back as a ``{"role": "tool", "content": "10063"}`` message;
 - ``format="bracket"`` (plain tokenizers, one tool of one argument): ``[347*29]`` calls the tool on the text
   between the brackets; the turn ends at ``]`` (``ppo.env.stop: ["]"]``), the result comes back as the text
-  ``{10063}`` (an exception as ``{error: ...}``).
+  ``{10063}`` (an exception as ``{error: MESSAGE}``, its message without the type: short for a small model).
 
 ``Step.info`` counts ``tool_calls`` and ``tool_errors`` (a call that could not be parsed, named an unknown
 tool, or raised).
@@ -84,7 +84,7 @@ class ToolEnv:
                         info={"tool_calls": 0, "tool_errors": 0})  # fmt: skip
         result, error = self._run(*call)
         if self.format == "bracket":
-            observation: str | list[dict] = "{" + (f"error: {result}" if error else result) + "}"
+            observation: str | list[dict] = "{" + (f"error: {result.split(': ', 1)[-1]}" if error else result) + "}"
         else:
             observation = [{"role": "tool", "content": result}]
         return Step(observation=observation, info={"tool_calls": 1, "tool_errors": int(error)})
@@ -94,7 +94,7 @@ class ToolEnv:
         if self.format == "bracket":
             m = re.search(r"\[([^\[\]]*)\]\s*$", action)
             if m is None:
-                return None if "[" not in action else (None, "a call is written [argument]")
+                return None if "[" not in action else (None, "expected [argument]")
             return next(iter(self.tools)), m.group(1)
         m = CALL.search(action)
         if m is None:

@@ -218,7 +218,40 @@ PLANS: dict[tuple[str, str], dict[str, Any]] = {
         "eval": {"max_new_tokens": 16, "temperature": 0.7, "greedy": False},
     },
 }
-DEFAULT_PRESET = {"imdb": "small", "arith": "tiny"}
+# arith_tool: products the tiny model cannot compute, a calculator it learns to call (shifu.tasks.arith_tool);
+# the environment rewards the episodes, and the held-out gold is their exact-match accuracy through it
+PLANS[("arith_tool", "tiny")] = {
+    "sft": {
+        "batch_size": 128,
+        "max_steps": 300,
+        "eval": {"every": 0},
+        "log_every": 20,
+        "optim": {"lr": 3e-3, "warmup_steps": 20, "schedule": "constant"},
+        "data": {"max_prompt_len": 16, "max_len": 32},
+    },
+    "ppo": {
+        "iterations": 30,
+        "batch_size": 128,
+        "minibatch_size": 64,
+        "ppo_epochs": 4,
+        "generation": {"temperature": 1.0},
+        "env": {
+            "factory": "shifu.tasks.arith_tool:calculator_env",
+            "max_turns": 3,
+            "max_tokens_per_turn": 10,
+            "max_total_tokens": 40,
+            "stop": ["]"],
+        },  # fmt: skip
+        "critic": {"init": "sft", "optim": {"lr": 1e-3}},
+        "kl": {"controller": "fixed", "init_coef": 0.01},
+        "optim": {"lr": 2e-4, "schedule": "constant"},
+        "eval": {"every": 10, "num_prompts": 128},
+        "data": {"max_prompt_len": 16},
+        "save_every": 0,
+    },
+    "eval": {"temperature": 1.0},
+}
+DEFAULT_PRESET = {"imdb": "small", "arith": "tiny", "arith_tool": "tiny"}
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}
 
 
@@ -299,8 +332,10 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     sft_final = stages.sft(plan["sft"], files) if plan["sft"] is not None else out / "data" / "base"
     # 3. imdb: preference pairs from the SFT policy, labelled by the noisy judge; then the reward model
     # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
-    gold = plan.get("gold", GOLD[task])
+    gold = plan.get("gold", GOLD.get(task))
     reward: dict[str, Any] = {"function": plan["ppo"].get("reward", {}).get("function", gold)}
+    if plan["ppo"].get("env"):  # an environment rewards its episodes (ppo.env)
+        reward = {}
     rm_accuracy = None
     if task == "imdb":
         prompts = preference_prompts(files, plan["pairs"].get("num_prompts"))
@@ -317,7 +352,12 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
     ev = eval_settings(plan)
-    summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
+    if plan["ppo"].get("env"):  # held-out episodes through the environment: gold = the mean episode return
+        summary = evaluate_episodes(
+            plan["ppo"]["env"], sft_final, policy, files["prompts_eval"], ev, seed, out
+        )
+    else:
+        summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
     took = elapsed(t0)
     seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
     summary.update(
@@ -410,6 +450,17 @@ def standard_error(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
 
 
+def evaluate_episodes(env: dict, sft_dir: Path, final_dir: Path, prompts_path: str, ev: dict, seed: int,
+                      out: Path) -> dict[str, Any]:  # fmt: skip
+    """:func:`evaluate` for a plan with ``ppo.env``: :func:`shifu.tasks.episodes.compare` (gold and tool use
+    before/after, KL; ``samples_before/after.jsonl`` with the transcripts)."""
+    from shifu.config.loader import from_dict
+    from shifu.config.schema import EnvConfig
+    from shifu.tasks.episodes import compare
+
+    return compare(sft_dir, final_dir, read_jsonl(prompts_path), from_dict(EnvConfig, env), ev, seed, out)
+
+
 def evaluate(
     task: str,
     sft_dir: Path,
@@ -488,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a built-in task end to end: prepare -> SFT -> (pairs -> RM) -> PPO -> evaluation "
         "-> report. Finished stages are kept; rerunning with the same --out continues.",
     )
-    ap.add_argument("--task", choices=["imdb", "arith"], default="imdb", help="built-in task (default imdb)")
+    ap.add_argument(
+        "--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)"
+    )
     ap.add_argument(
         "--preset",
         choices=["tiny", "small", "smollm2"],
@@ -516,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     from shifu.reporting.report import render_report
 
     print(f"report: {render_report(out)}")
-    unit = "exact-match accuracy" if args.task == "arith" else "VADER compound"
+    unit = "exact-match accuracy" if args.task.startswith("arith") else "VADER compound"
+    if "tool_use_after" in summary:
+        unit += f"; tool use {summary['tool_use_before']:.2f} -> {summary['tool_use_after']:.2f}"
     print(
         f"{args.task}/{preset} seed {args.seed}: gold ({unit}, {summary['eval_prompts']} held-out prompts, "
         f"T={summary['eval_temperature']}) before {summary['gold_before']:.3f} -> after "

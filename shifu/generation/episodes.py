@@ -156,36 +156,64 @@ def run_episodes(
                              f"1 to data.max_prompt_len={max_prompt_len}")  # fmt: skip
         ep.spans.append(("input", tok.decode(ep.prompt)))
     positions = getattr(getattr(model, "config", None), "n_positions", None)  # GPT-2's learned positions
+    positions = positions if isinstance(positions, int) else None
     device = next(model.parameters()).device
     for turn in range(env.max_turns):
-        running = [ep for ep in eps if not ep.over]
-        if not running:
-            break
-        contexts = [ep.prompt + ep.ids for ep in running]
-        limits = [min(env.max_tokens_per_turn, env.max_total_tokens - len(ep.ids)) for ep in running]
-        if isinstance(positions, int):  # the batch's longest context bounds the turn
-            room = positions - max(map(len, contexts))
-            limits = [max(1, min(x, room)) for x in limits]
-        b = pad_left(contexts, tok.pad_token_id)
-        out = sampler(
-            model,
-            b["input_ids"].to(device),
-            b["attention_mask"].to(device),
-            dataclasses.replace(params, max_new_tokens=max(limits)),
-            tok.eos_token_id,
-            tok.pad_token_id,
-            generator=generator,
-            with_log_probs=with_log_probs,
-            value_head=value_head,
-            stop=_Stops(tok, env.stop, limits),
-            **sample_kwargs,
-        )
-        for j, ep in enumerate(running):
-            _take_turn(env, tok, ep, turn, out, j)
+        for group in _batches([ep for ep in eps if not ep.over], env, positions):
+            contexts = [ep.prompt + ep.ids for ep in group]
+            limits = [_budget(env, ep, positions) for ep in group]
+            b = pad_left(contexts, tok.pad_token_id)
+            out = sampler(
+                model,
+                b["input_ids"].to(device),
+                b["attention_mask"].to(device),
+                dataclasses.replace(params, max_new_tokens=max(limits)),
+                tok.eos_token_id,
+                tok.pad_token_id,
+                generator=generator,
+                with_log_probs=with_log_probs,
+                value_head=value_head,
+                stop=_Stops(tok, env.stop, limits),
+                **sample_kwargs,
+            )
+            for j, ep in enumerate(group):
+                _take_turn(env, tok, ep, turn, out, j)
     for ep in eps:
         if not ep.over:  # still going after max_turns
             ep.end(truncated=True)
     return _rows(eps, tok, with_log_probs, value_head is not None)
+
+
+def _budget(env: Environment, ep: _Episode, positions: int | None) -> int:
+    """The tokens ``ep`` may sample this turn: the turn's budget, what is left of the episode's, and of the
+    model's learned positions (GPT-2's ``n_positions``), if it has them."""
+    left = min(env.max_tokens_per_turn, env.max_total_tokens - len(ep.ids))
+    return left if positions is None else min(left, positions - len(ep.prompt) - len(ep.ids))
+
+
+def _batches(running: list[_Episode], env: Environment, positions: int | None) -> list[list[_Episode]]:
+    """The running episodes as sampler batches: all of them, unless the longest context plus the largest turn
+    budget passes a model's learned positions; then by context length, longest first, each batch as large as
+    its longest context allows. An episode with no position left ends here, truncated."""
+    for ep in running:
+        if _budget(env, ep, positions) < 1:
+            ep.end(truncated=True)
+    running = [ep for ep in running if not ep.over]
+    if positions is None or not running:
+        return [running] if running else []
+
+    def size(ep: _Episode) -> int:
+        return len(ep.prompt) + len(ep.ids)
+
+    if max(map(size, running)) + max(_budget(env, ep, positions) for ep in running) <= positions:
+        return [running]
+    batches: list[list[_Episode]] = []
+    for ep in sorted(running, key=size, reverse=True):
+        if batches and size(batches[-1][0]) + max(_budget(env, ep, positions), 0) <= positions:
+            batches[-1].append(ep)
+        else:
+            batches.append([ep])
+    return batches
 
 
 def _fault(env: Environment, ep: _Episode, e: EnvFault) -> None:
