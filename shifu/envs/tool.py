@@ -54,10 +54,10 @@ class ToolEnv:
             raise ValueError(f"ToolEnv format must be one of {FORMATS}, not {format!r}")
         if not tools or not all(callable(t) for t in tools):
             raise ValueError("ToolEnv needs a non-empty list of functions as tools")
-        self.schemas = [get_json_schema(t) for t in tools]  # (raises on a missing type hint or docstring)
-        self.tools = {s["function"]["name"]: t for s, t in zip(self.schemas, tools)}
         if format == "bracket" and (len(tools) != 1 or len(inspect.signature(tools[0]).parameters) != 1):
             raise ValueError("ToolEnv format='bracket' takes exactly one tool of exactly one argument")
+        self.schemas = [get_json_schema(t) for t in tools]  # (raises on a missing type hint or docstring)
+        self.tools = {s["function"]["name"]: t for s, t in zip(self.schemas, tools)}
         self.reward, self.format, self.prompt_key = reward, format, prompt_key
         self.system = system if system is not None else self.describe()
         self.row: dict = {}
@@ -84,7 +84,9 @@ class ToolEnv:
                         info={"tool_calls": 0, "tool_errors": 0})  # fmt: skip
         result, error = self._run(*call)
         if self.format == "bracket":
-            observation: str | list[dict] = "{" + (f"error: {result.split(': ', 1)[-1]}" if error else result) + "}"
+            observation: str | list[dict] = (
+                "{" + (f"error: {result.split(': ', 1)[-1]}" if error else result) + "}"
+            )
         else:
             observation = [{"role": "tool", "content": result}]
         return Step(observation=observation, info={"tool_calls": 1, "tool_errors": int(error)})

@@ -84,8 +84,8 @@ class ChatTurns:
             )
         eos = self.tok.eos_token_id
         k = max((i for i, t in enumerate(a) if t == eos), default=-1)
-        content = action.strip()
-        if k < 0 or (content and not self.tok.decode(a[:k]).rstrip().endswith(content)):
+        content = "".join(action.split())  # (compared without whitespace: decoders differ in spacing)
+        if k < 0 or not "".join(self.tok.decode(a[:k]).split()).endswith(content):
             raise TemplateError(
                 f"the chat template does not close an assistant message with EOS ({self.tok.eos_token!r}) right "
                 "after its content, so the end of a turn cannot be found in it; use a template that does (ChatML: "
