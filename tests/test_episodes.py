@@ -231,4 +231,4 @@ def test_samples_and_metrics_are_json(char):
     assert set(m) == {f"env/{k}" for k in ("turns", "tool_calls", "tool_errors", "observation_tokens", "tool_use",
                                            "truncated", "errors", "return")}  # fmt: skip
     json.dumps(m)
-    assert all(t.startswith("[[") for t in eps.transcripts())
+    assert all(t.startswith("\u27e6") and "\u27e7" in t for t in eps.transcripts())

@@ -51,7 +51,7 @@ def test_a_third_party_environment_trains(data, tmp_path):
     # only sampled tokens count: a response is ~2 turns of a few letters, never the observations
     assert all(0 < r["rollout/response_len"] < 2 * 6 for r in rows)
     sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
-    assert sample["response"].startswith("[[") and sample["turns"] == 2
+    assert sample["response"].startswith("\u27e6") and sample["turns"] == 2  # the policy's turns marked
     summary = json.loads((out / "summary.json").read_text())
     assert summary["evals"][-1]["gold/score"] == evals[-1]["gold/score"]
 

@@ -36,6 +36,7 @@ from shifu.generation.rollout import Sample, SamplingParams, sample
 from shifu.models.loading import pad_left
 
 COUNTS = ("turns", "tool_calls", "tool_errors", "observation_tokens")
+MARKS = ("\u27e6", "\u27e7")  # around a policy turn in a transcript (the report highlights it)
 
 
 @dataclasses.dataclass
@@ -80,8 +81,11 @@ class Episodes:
         return torch.where(self.started, final, nan), self.rewards * ~last, self.turn_ends
 
     def transcripts(self) -> list[str]:
-        """Each episode after its first input as text, policy turns marked ``[[...]]`` (what trains)."""
-        return ["".join(f"[[{t}]]" if k == "policy" else t for k, t in s if k != "input") for s in self.spans]
+        """Each episode after its first input as text, the policy's turns (what trains) between ``MARKS``."""
+        return [
+            "".join(MARKS[0] + t + MARKS[1] if k == "policy" else t for k, t in s if k != "input")
+            for s in self.spans
+        ]
 
 
 class _Episode:

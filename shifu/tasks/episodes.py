@@ -31,7 +31,7 @@ def evaluate_episodes(
     batch_size: int = 64,
 ) -> dict[str, list]:
     """One episode per row: ``returns``, ``tool_use`` (1 when the episode called a tool), ``turns``,
-    ``truncated``, ``transcripts`` (policy turns marked ``[[...]]``), and with a reference ``kl`` (k3) and
+    ``truncated``, ``transcripts`` (policy turns between ``shifu.generation.episodes.MARKS``), and with a reference ``kl`` (k3) and
     ``kl_k1`` (nats per episode, over its sampled tokens, both models at ``temperature``)."""
     from shifu.core import kl_estimate, masked_sum
     from shifu.envs.base import Environment

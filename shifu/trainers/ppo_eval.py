@@ -113,7 +113,7 @@ def evaluate_episodes(
     """:func:`evaluate` with an environment: one episode per held-out row at the evaluation temperature. The
     gold (``gold/score``, also ``eval/score``) is the mean episode return, the environment's own count;
     ``eval/kl`` and ``eval/kl_k3`` sum over the sampled tokens; ``eval/env/*`` as the rollout's ``env/*``.
-    Samples hold each transcript after the first input, the policy's turns marked ``[[...]]``."""
+    Samples hold each transcript after the first input, the policy's turns marked (``episodes.MARKS``)."""
     tok, T, dev, env = models.tokenizer, cfg.eval.temperature, models.strategy.device, models.reward
     params = SamplingParams(cfg.env.max_tokens_per_turn, T, cfg.generation.top_k, cfg.generation.top_p)
     models.actor.eval()
