@@ -9,7 +9,7 @@ THREADS ?= 1
 # test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
 TEST_WORKERS ?= 2
 
-.PHONY: setup quickstart test lint format clean bench docs-reference
+.PHONY: setup quickstart test lint format clean bench docs-reference docs-tables
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench: setup
 # docs/reference/configuration.md (from --help-config) and metrics.md (from shifu/runs/metrics.py)
 docs-reference: setup
 	$(PY) docs/gen_reference.py
+
+# the results tables of README.md and docs/benchmarks/ from the records in benchmarks/results/
+docs-tables: setup
+	$(PY) benchmarks/tables.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

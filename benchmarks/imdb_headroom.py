@@ -35,6 +35,7 @@ import shutil
 import time
 from pathlib import Path
 
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 import torch
 
 from shifu.experiments import quickstart as qs
@@ -178,28 +179,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--judge", type=Path, nargs="*", default=[], help="rm-screen: finished runs whose samples judge"
     )
+    provenance.add_arguments(ap)
     args = ap.parse_args(argv)
     plan = qs._plan("imdb", PRESET, args.set)
     if args.mode != "best-of-n" and args.out is None:
         ap.error(f"{args.mode} needs --out")
     if args.mode == "best-of-n":
-        for row in best_of_n(args.run, args.n, args.prompts, plan, args.seed):
-            print(json.dumps(row))
+        results = best_of_n(args.run, args.n, args.prompts, plan, args.seed)
     elif args.mode == "judge":
         if args.policy is None:
             ap.error("judge needs --policy DIR")
-        result = held_out_eval(args.run, args.policy, args.out, plan, args.seed)
-        print(json.dumps({"run": str(args.run), "policy": str(args.policy)} | result))
+        results = [
+            {"run": str(args.run), "policy": str(args.policy)}
+            | held_out_eval(args.run, args.policy, args.out, plan, args.seed)
+        ]
     elif args.mode == "gold-reward":
-        print(json.dumps(gold_reward(args.run, args.out, plan, args.seed)))
+        results = [gold_reward(args.run, args.out, plan, args.seed)]
     elif args.mode == "rm-screen":
         if not args.judge:
             ap.error("rm-screen needs --judge RUN ... (finished quickstart runs)")
-        print(json.dumps(rm_screen(args.run, args.out, args.judge, plan, args.seed) | {"sets": args.set}))
+        results = [rm_screen(args.run, args.out, args.judge, plan, args.seed) | {"sets": args.set}]
     else:
-        print(
-            json.dumps(raft(args.run, args.out, args.n, args.prompts, args.lr, args.epochs, plan, args.seed))
-        )
+        results = [raft(args.run, args.out, args.n, args.prompts, args.lr, args.epochs, plan, args.seed)]
+    params = {"mode": args.mode, "run": args.run, "seed": args.seed, "sets": args.set}
+    params |= {"n": args.n, "prompts": args.prompts} if args.mode in ("best-of-n", "raft") else {}
+    params |= {"lr": args.lr, "epochs": args.epochs} if args.mode == "raft" else {}
+    params |= {"policy": args.policy} if args.mode == "judge" else {}
+    for row in results:
+        print(json.dumps(row), flush=True)
+        provenance.record(args, "imdb_headroom", row, params=params | ({"n": row["n"]} if "n" in row else {}),
+                          config=plan)  # fmt: skip
     return 0
 
 

@@ -27,7 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, standard_error
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
+
+from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, _plan, standard_error
 
 G = 4  # responses per prompt of the group methods
 GROUP = [f"ppo.group_size={G}"]
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plot", metavar="PNG", help="also draw gain against KL and against the RL stage's CPU s"
     )
+    provenance.add_arguments(ap)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
@@ -119,18 +122,29 @@ def main(argv: list[str] | None = None) -> int:
             rows[method].append(row)
             keep = ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "seconds_total")
             print(json.dumps({"method": method, "seed": seed, **{k: row[k] for k in keep}}), flush=True)
+            preset = DEFAULT_PRESET[args.task]
+            params = {"task": args.task, "preset": preset, "seed": seed, "method": method, "sets": sets,
+                      "same_prompts": args.same_prompts, **({"plan": "default"} if not sets else {})}  # fmt: skip
+            metrics = {k: v for k, v in row.items() if k not in ("method", "sets", "task", "preset", "seed")}
+            provenance.record(args, "quickstart", metrics, params=params, config=_plan(args.task, preset, sets),
+                              threads=args.threads)  # fmt: skip
     for method, rs in rows.items():
         gains = [r["gold_gain"] for r in rs]
         se = standard_error(gains) if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
         rl = [rl_cpu_seconds(r) for r in rs]
         per_minute = [g / (c / 60) for g, c in zip(gains, rl)]
-        print(json.dumps({
-            "method": method, "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
+        summary = {
+            "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
             "seeds_meeting_bar": sum(g >= args.bar for g in gains), "bar": args.bar, "worst_gain": min(gains),
             "kl_mean": statistics.mean(r["kl"] for r in rs), "kl_max": max(r["kl"] for r in rs),
             "seconds_max": max(r["seconds_total"] for r in rs), "gains": gains,
             "rl_cpu_seconds_mean": statistics.mean(rl), "gain_per_rl_cpu_minute": statistics.mean(per_minute),
-        }), flush=True)  # fmt: skip
+        }  # fmt: skip
+        print(json.dumps({"method": method, **summary}), flush=True)
+        params = {"task": args.task, "preset": DEFAULT_PRESET[args.task], "method": method,
+                  "sets": method_sets(args.task, method, args.same_prompts) + args.set,
+                  "same_prompts": args.same_prompts}  # fmt: skip
+        provenance.record(args, "quickstart_methods", summary, params=params, threads=args.threads)
     if args.plot:
         plot(rows, Path(args.plot))
     return 0

@@ -17,7 +17,10 @@ WINGS = [
     "reporting", "trainers", "experiments", "serve", "cli",
 ]  # fmt: skip
 FLAT = {"__init__.py", "__main__.py", "errors.py"}
+DATA = {"configs"}  # folders of shipped settings (YAML), not code
 MAX_LINES = 500
+# numeric literals in one module-level assignment: more make a table of settings, which goes to shifu/configs
+MAX_NUMBERS = 10
 
 
 def modules() -> dict[str, Path]:
@@ -137,7 +140,12 @@ def test_every_module_lives_in_a_wing_and_flat_ones_are_few():
     flat = {p.name for p in PKG.glob("*.py")}
     assert flat == FLAT, f"modules left flat in shifu/: {sorted(flat - FLAT)} (put them in a wing)"
     folders = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == set(WINGS), f"sub-packages that are not wings: {sorted(folders ^ set(WINGS))}"
+    assert folders == set(WINGS) | DATA, (
+        f"sub-packages that are not wings: {sorted(folders ^ (set(WINGS) | DATA))}"
+    )
+    for data in DATA:
+        code = [str(p.relative_to(ROOT)) for p in (PKG / data).rglob("*") if p.suffix in (".py", ".pyc")]
+        assert not code, f"shifu/{data}/ holds settings, not code: {code}"
     for wing in WINGS:
         init = PKG / wing / "__init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text()))
@@ -167,3 +175,43 @@ def test_no_module_is_over_the_size_cap():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them inside their wing): {long}"
+
+
+def numbers_in(node: ast.AST) -> int:
+    """The numeric literals (not booleans) anywhere under ``node``."""
+    return sum(
+        isinstance(n, ast.Constant)
+        and isinstance(n.value, (int, float, complex))
+        and not isinstance(n.value, bool)
+        for n in ast.walk(node)
+    )
+
+
+def test_no_module_level_constant_holds_more_than_ten_numbers():
+    """Settings (plans, budgets, presets) live in shifu/configs/*.yaml, checked by the config schema; a
+    module-level assignment with more than MAX_NUMBERS numeric literals is a table of settings in code."""
+
+    def top_level(body: list[ast.stmt]):
+        for stmt in body:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                yield stmt
+            elif isinstance(stmt, (ast.If, ast.Try, ast.With)):  # blocks still at module level
+                for block in ("body", "orelse", "finalbody"):
+                    yield from top_level(getattr(stmt, block, []))
+                for handler in getattr(stmt, "handlers", []):
+                    yield from top_level(handler.body)
+
+    big = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for stmt in top_level(ast.parse(path.read_text()).body):
+            if (n := numbers_in(stmt)) > MAX_NUMBERS:
+                big[f"{path.relative_to(ROOT)}:{stmt.lineno}"] = n
+    assert not big, (
+        f"module-level constants with more than {MAX_NUMBERS} numbers (move them to shifu/configs): {big}"
+    )
+
+
+def test_the_number_count_sees_a_table_of_settings():
+    table = ast.parse("PLANS = {'a': {'lr': 1e-3, 'steps': [1, 2, 3, 4, 5]}, 'b': (6, 7, 8, -9.5, 10, 11)}")
+    assert numbers_in(table.body[0]) == 12
+    assert numbers_in(ast.parse("FLAGS = (True, False, None, 'x', 3)").body[0]) == 1

@@ -14,7 +14,8 @@ from test_rm import pref_rows
 
 from shifu.config.loader import load_config
 from shifu.errors import ConfigError
-from shifu.models.loading import ScalarModel, load_tokenizer
+from shifu.models.loading import load_tokenizer
+from shifu.models.scalar import ScalarModel
 from shifu.rewards.ensemble import load_reward
 from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, reward

@@ -1,12 +1,13 @@
-"""shifu.data.rows: loading from every format, validation messages (file, line, field), skip_bad, splits,
-SFT tokenisation conventions, and the resumable batch stream."""
+"""shifu.data.rows and .batches: loading from every format, validation messages (file, line, field),
+skip_bad, splits, SFT tokenisation conventions, and the resumable batch stream."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import write_jsonl
 
-from shifu.data.rows import BatchStream, collate_sft, encode_sft, load_rows, render_messages, split_rows
+from shifu.data.batches import BatchStream, collate_sft, encode_sft
+from shifu.data.rows import load_rows, render_messages, split_rows
 from shifu.errors import DataError
 from shifu.models.loading import load_tokenizer
 
@@ -200,7 +201,8 @@ def chat_tokenizer(template: bool = True):
 
 
 def test_prompt_strings_are_rendered_with_the_chat_template_unless_switched_off():
-    from shifu.data.rows import encode_prompts, prompt_text
+    from shifu.data.batches import encode_prompts
+    from shifu.data.rows import prompt_text
 
     tok, row = chat_tokenizer(), {"prompt": "What is 23+45?"}
     assert prompt_text(tok, row) == "<|user|>What is 23+45?\n<|assistant|>"
@@ -225,8 +227,8 @@ def test_prompt_and_preference_rows_accept_messages(tmp_path):
 
 
 def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
-    from shifu.config.schema import TextDataConfig
-    from shifu.data.rows import encode_reward_pairs, encode_sft
+    from shifu.config.sections import TextDataConfig
+    from shifu.data.batches import encode_reward_pairs, encode_sft
     from shifu.trainers import dpo
 
     tok = chat_tokenizer()
@@ -238,7 +240,8 @@ def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
     sft, _ = encode_sft(tok, [{"prompt": "review:", "response": " great"}], 64, 128)
     assert tok.decode(sft[0]["prompt_ids"]) == "<|user|>review:\n<|assistant|>"
 
-    from shifu.models.loading import ScalarModel, build_tiny_gpt2
+    from shifu.models.loading import build_tiny_gpt2
+    from shifu.models.scalar import ScalarModel
 
     tok.save_pretrained(str(tmp_path / "rm"))  # a real causal reward model whose tokenizer has the template
     build_tiny_gpt2(tok, n_layer=1, n_embd=32, n_head=2, n_positions=128, seed=0).save_pretrained(

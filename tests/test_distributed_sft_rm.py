@@ -24,9 +24,10 @@ from conftest import write_jsonl
 from safetensors.torch import load_file
 
 from shifu.config.loader import load_config
-from shifu.config.schema import TextDataConfig as DataConfig
-from shifu.data.rows import BatchStream, encode_sft
-from shifu.models.loading import ScalarModel, load_tokenizer
+from shifu.config.sections import TextDataConfig as DataConfig
+from shifu.data.batches import BatchStream, encode_sft
+from shifu.models.loading import load_tokenizer
+from shifu.models.scalar import ScalarModel
 from shifu.trainers import dpo, reward, sft
 
 HERE = Path(__file__).resolve().parent

@@ -29,7 +29,9 @@ from test_distributed import launch
 from shifu.config.loader import load_config
 from shifu.config.schema import PPOConfig as Config
 from shifu.generation.rollout import policy_forward
-from shifu.models.loading import ScalarModel, fuse_tanh_gelu, load_causal_lm, load_tokenizer, pad_left
+from shifu.models.loading import fuse_tanh_gelu, load_causal_lm, load_tokenizer
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
 from shifu.parallel.strategy import build_strategy
 from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, ppo_models, ppo_rollout

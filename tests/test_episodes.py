@@ -208,7 +208,7 @@ def test_no_gradient_reaches_the_logits_of_observation_positions(char):
     P, mask = eps.prompt_ids.shape[1], eps.sample.response_mask
     ids = torch.cat([eps.prompt_ids, eps.sample.response_ids], 1)
     am = torch.cat([eps.prompt_mask, eps.attention.long()], 1)
-    from shifu.models.loading import position_ids_from_mask
+    from shifu.models.padding import position_ids_from_mask
 
     logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
     logits = logits[:, P - 1 : -1]

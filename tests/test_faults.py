@@ -24,7 +24,7 @@ from test_sft import make_cfg as sft_cfg
 from shifu.cli import main as cli
 from shifu.config.loader import load_config
 from shifu.errors import ShifuError
-from shifu.models.loading import ScalarModel
+from shifu.models.scalar import ScalarModel
 from shifu.runs import checkpoint as ckpt
 from shifu.runs.tracking import read_metrics
 from shifu.trainers import dpo, ppo, reward, sft

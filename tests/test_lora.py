@@ -111,7 +111,7 @@ def test_reference_prefers_a_given_model_and_errors_clearly():
 
 
 def test_lora_critic_starts_equal_trains_adapters_and_head_and_merges_into_a_plain_critic(tmp_path):
-    from shifu.models.loading import ScalarModel
+    from shifu.models.scalar import ScalarModel
 
     tok = tiny.char_tokenizer()
     b = tiny.batch(tok, tiny.TEXTS)
@@ -201,7 +201,7 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     the adapted actor's full forward at the sampled tokens, and differ from the base model's."""
     from shifu.generation.decode import _GPT2Decoder, decoder
     from shifu.generation.rollout import SamplingParams, policy_forward, sample
-    from shifu.models.loading import pad_left
+    from shifu.models.padding import pad_left
 
     tok, frozen, actor, _ = setup
     g = torch.Generator().manual_seed(0)

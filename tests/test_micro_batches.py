@@ -12,7 +12,7 @@ from test_ppo import built
 
 from shifu.config.loader import load_config
 from shifu.errors import ConfigError
-from shifu.models.loading import pad_left
+from shifu.models.padding import pad_left
 from shifu.trainers import ppo, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss, token_budget_split, trim_padding, update
 

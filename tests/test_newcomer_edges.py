@@ -226,7 +226,7 @@ def test_a_reward_model_that_learned_length_is_flagged(tiny_model_dir, tmp_path,
 def test_ppo_and_dpo_take_a_run_directory_and_refuse_a_reward_model(tiny_model_dir, tmp_path, capsys):
     import shutil
 
-    from shifu.models.loading import ScalarModel
+    from shifu.models.scalar import ScalarModel
 
     run = tmp_path / "rev-sft"  # a trainer's run directory: the policy is its final/
     shutil.copytree(tiny_model_dir, run / "final")

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from shifu import core
 from shifu.config.loader import load_config
 from shifu.generation.rollout import policy_forward
-from shifu.models.loading import load_tokenizer, pad_left
+from shifu.models.loading import load_tokenizer
+from shifu.models.padding import pad_left
 from shifu.parallel.strategy import build_strategy
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss

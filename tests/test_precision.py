@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 from test_ppo import built
 
 from shifu.config.loader import load_config
-from shifu.models.loading import ScalarModel, load_causal_lm, pad_left
+from shifu.models.loading import load_causal_lm
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
 from shifu.parallel import precision
 from shifu.trainers import ppo, ppo_rollout
 

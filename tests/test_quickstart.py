@@ -90,9 +90,12 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert f"stage ppo in {out / 'ppo'} finished with another plan than this run's: iterations was" in err
     assert "now 2" in err and not (out / "ppo-3").exists()
     assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5  # soup untouched
-    for bad in ("soup.members=0", "soup.scale=abc"):
+    for bad, says in [
+        ("soup.members=0", "soup.members must be a whole number >= 1"),
+        ("soup.scale=abc", "section 'soup': config key 'scale': expected a number, got 'abc'"),
+    ]:  # refused with the plan before anything runs
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), *short, "--set", bad]) == 2
-        assert f"{bad.split('=')[0]} must be a" in capsys.readouterr().err
+        assert says in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -143,10 +146,16 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     # a key no stage reads is refused before anything runs (on a finished run it would otherwise read as a
     # change of plan); the message names the valid keys of the section it went wrong in
     for bad, says in [
-        ("ppo.itrations=3", "unknown config key 'ppo.itrations'. Valid keys here: advantage_estimator,"),
-        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Valid keys here: controller,"),
+        (
+            "ppo.itrations=3",
+            "unknown config key 'ppo.itrations'. Did you mean 'ppo.iterations'? Valid keys here:",
+        ),
+        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Did you mean 'ppo.kl.init_coef'?"),
         ("sfx.max_steps=3", "no stage 'sfx' in this plan; its stages are eval, ppo, sft, soup"),
-        ("soup.member=2", "unknown config key 'soup.member'. Valid keys here: members, scale"),
+        (
+            "soup.member=2",
+            "unknown config key 'soup.member'. Did you mean 'soup.members'? Valid keys here: members,",
+        ),
     ]:
         out = tmp_path / "bad"
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
@@ -249,3 +258,77 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2"])
     with pytest.raises(ShifuError, match="ppo-3 was trained with other settings than .*optim.lr"):
         same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2", tmp_path / "ppo-3"])
+
+
+def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from shifu.experiments.quickstart import PLANS
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "quickstart",
+        "--task",
+        "arith",
+        "--print-config",
+        "--set",
+        "ppo.iterations=3",
+        "--set",
+        "soup.members=2",
+    ]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# shifu quickstart plan: ") and "arith-tiny.yaml --set ppo.iterations=3" in out
+    plan = yaml.safe_load(out)
+    expected = json.loads(json.dumps(PLANS[("arith", "tiny")]))
+    expected["ppo"]["iterations"], expected["soup"] = 3, {"members": 2}
+    assert (
+        plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
+    )  # the shipped plan unchanged
+    assert cli_main(["quickstart", "--print-config"]) == 0  # imdb's default preset, small
+    assert yaml.safe_load(capsys.readouterr().out) == PLANS[("imdb", "small")]
+    # a --set value of the wrong type is refused with the plan, the section and the key
+    assert cli_main(["quickstart", "--task", "arith", "--print-config", "--set", "ppo.iterations=many"]) == 2
+    err = capsys.readouterr().err
+    assert "the arith/tiny plan with --set ppo.iterations=many, section 'ppo'" in err
+    assert "config key 'iterations': expected an integer, got 'many'" in err
+    assert list(tmp_path.iterdir()) == []  # nothing was run or written
+
+
+def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_path):
+    from shifu.config.loader import shipped
+    from shifu.errors import ConfigError
+    from shifu.experiments.quickstart import PLANS, read_plans
+
+    shutil.copytree(shipped("quickstart"), tmp_path, dirs_exist_ok=True)
+    assert read_plans(tmp_path) == PLANS  # the shipped files are what quickstart runs
+    path = tmp_path / "arith-tiny.yaml"
+    good = path.read_text()
+    for old, new, says in [
+        (
+            "ppo_epochs: 4",
+            "ppo_epoch: 4",
+            "section 'ppo': unknown config key 'ppo_epoch'. Did you mean 'ppo_epochs'?",
+        ),
+        (
+            "controller: fixed",
+            "controller: fixd",
+            "section 'ppo': config key 'kl.controller': 'fixd' is not one",
+        ),
+        ("max_steps: 260", "max_steps: 260.5", "section 'sft': config key 'max_steps': expected an integer"),
+        (
+            "batch_size: 128\n  minibatch_size: 64",
+            "batch_size: 128\n  minibatch_size: 100",
+            "section 'ppo': ",
+        ),
+        ("eval: {max_new_tokens: 5,", "eval: {max_new_token: 5,", "section 'eval': unknown config key"),
+        ("lr: 2.0e-4", "lr: 2e-4", "'ppo.optim.lr' is a number written as text ('2e-4')"),
+        (
+            "\nppo:",
+            "\nppp: {}\nppo:",
+            "unknown config key 'ppp'. Valid keys here: eval, gold, pairs, ppo, rm,",
+        ),
+    ]:
+        assert old in good, old
+        path.write_text(good.replace(old, new, 1))
+        with pytest.raises(ConfigError) as e:
+            read_plans(tmp_path)
+        assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)

@@ -401,7 +401,8 @@ def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_chec
     n_moments = sum(v["exp_avg"].numel() for t in state.values() for v in t["optimizer"]["state"].values())
     assert 0 < n_moments < 5000  # adapters (2 x 1024) and the value head (33), not the 29k-parameter base
     full = tmp_path / "clean" / "final"  # ...while final/ and critic/ load as plain models
-    from shifu.models.loading import ScalarModel, load_causal_lm
+    from shifu.models.loading import load_causal_lm
+    from shifu.models.scalar import ScalarModel
 
     assert sum(p.numel() for p in load_causal_lm(full).parameters()) > 25_000
     ScalarModel.from_pretrained(tmp_path / "clean" / "critic")

@@ -16,7 +16,8 @@ from conftest import write_jsonl
 
 from shifu.cli import main as cli
 from shifu.config.loader import load_config
-from shifu.models.loading import ScalarModel, load_tokenizer
+from shifu.models.loading import load_tokenizer
+from shifu.models.scalar import ScalarModel
 from shifu.rewards.ensemble import RewardEnsemble, aggregate, load_reward
 from shifu.runs.tracking import read_metrics
 from shifu.trainers import reward
@@ -201,7 +202,7 @@ def test_freeze_lower_layers_finds_the_blocks_of_encoders_and_llamas():
     from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
 
     from shifu.errors import ShifuError
-    from shifu.models.loading import freeze_lower_layers
+    from shifu.models.scalar import freeze_lower_layers
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=32))  # fmt: skip
@@ -243,7 +244,7 @@ def test_keep_lower_layers_truncates_encoders_and_llamas_that_still_save_and_rel
     from transformers import AutoModel, BertConfig, BertModel, LlamaConfig, LlamaModel
 
     from shifu.errors import ShifuError
-    from shifu.models.loading import keep_lower_layers
+    from shifu.models.scalar import keep_lower_layers
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=32))  # fmt: skip

@@ -26,7 +26,8 @@ from shifu.generation.rollout import (
     sample,
     sample_next,
 )
-from shifu.models.loading import ScalarModel, position_ids_from_mask
+from shifu.models.padding import position_ids_from_mask
+from shifu.models.scalar import ScalarModel
 
 torch.set_num_threads(1)
 V, EOS, PAD = 61, 2, 0

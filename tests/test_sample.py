@@ -16,7 +16,9 @@ from conftest import write_jsonl
 from shifu.cli import main as cli
 from shifu.generation.rollout import SamplingParams, generate
 from shifu.generation.sample import read_prompts, render_prompt
-from shifu.models.loading import ScalarModel, load_causal_lm, load_tokenizer, pad_left
+from shifu.models.loading import load_causal_lm, load_tokenizer
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
 from shifu.runs.checkpoint import resolve_policy
 
 TEMPLATE = (

@@ -31,7 +31,9 @@ uvicorn = pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'
 
 from shifu.cli import main as cli  # noqa: E402
 from shifu.errors import ConfigError  # noqa: E402
-from shifu.models.loading import ScalarModel, fuse_tanh_gelu, load_tokenizer, pad_left, pad_right  # noqa: E402
+from shifu.models.loading import fuse_tanh_gelu, load_tokenizer  # noqa: E402
+from shifu.models.padding import pad_left, pad_right  # noqa: E402
+from shifu.models.scalar import ScalarModel  # noqa: E402
 from shifu.rewards.ensemble import load_reward, write_manifest  # noqa: E402
 from shifu.rewards.remote import (  # noqa: E402
     RemoteReward,
@@ -42,17 +44,10 @@ from shifu.rewards.remote import (  # noqa: E402
     tokenizer_fingerprint,
 )
 from shifu.rewards.sources import RewardSource, same_tokenizer  # noqa: E402
-from shifu.serve.server import (  # noqa: E402
-    Batcher,
-    bind_socket,
-    create_app,
-    is_loopback,
-    load_served,
-    main,
-    socket_url,
-    split_rows,
-    stack_blocks,
-)
+from shifu.serve.app import create_app  # noqa: E402
+from shifu.serve.batcher import Batcher, split_rows, stack_blocks  # noqa: E402
+from shifu.serve.served import load_served  # noqa: E402
+from shifu.serve.server import bind_socket, is_loopback, main, socket_url  # noqa: E402
 
 TOKEN = "s3cret-token"
 PROMPTS = [
@@ -351,6 +346,8 @@ def test_metadata_fingerprint_decides_the_token_path(rm_url, policy_tok, tiny_mo
     assert meta["normalisation"] == {"gain": pytest.approx(1.7), "bias": pytest.approx(-0.3)}
     assert meta["tokenizer"]["fingerprint"] == tokenizer_fingerprint(policy_tok)
     assert meta["limits"]["max_batch_tokens"] == 16384 and "shifu_version" in meta
+    # the tiny GPT-2 trunk has 256 positions: token rows hold at most 256 real tokens, text pairs too
+    assert (meta["max_length"], meta["max_positions"], meta["vocab_rows"]) == (256, 256, VOCAB_ROWS)
     other = load_tokenizer(tiny_model_dir_pad_eos)  # same merges, no <pad>: another vocabulary
     assert not same_tokenizer(other, policy_tok) and not can_send_token_ids(meta, other)
     assert can_send_token_ids(meta, policy_tok) and not can_send_token_ids(meta, None)
@@ -372,11 +369,19 @@ def test_token_is_required_and_checked(guarded_url):
     assert RemoteReward(guarded_url, token=TOKEN)(PROMPTS[:2], RESPONSES[:2], ROWS[:2]).shape == (2,)
 
 
+VOCAB_ROWS = 378  # the tiny tokenizer of conftest.py: rows of the reward model's input embedding
+DEEP = 1
+for _ in range(70):
+    DEEP = [DEEP]
+DEEP_FIELD = "rows[0].x" + "[0]" * 61  # body 1, rows 2, rows[0] 3, x 4: level 65 is one too deep
+
 BAD = [
     # (case, body, extra headers, status, field)
     ("malformed JSON", b'{"prompts": ["a"', {}, 400, "body"),
     ("not UTF-8", b'{"prompts": ["\xff"]}', {}, 400, "body"),
-    ("not an object", b"[1, 2]", {}, 422, None),
+    ("not an object", b"[1, 2]", {}, 422, "body"),
+    ("a string body", b'"score me"', {}, 422, "body"),
+    ("empty body", b"", {}, 400, "body"),
     ("nothing to score", {}, {}, 422, "prompts"),
     ("missing field", {"prompts": ["a"]}, {}, 422, "responses"),
     ("unknown field", {"prompts": ["a"], "responses": ["b"], "response": ["b"]}, {}, 422, "response"),
@@ -389,7 +394,7 @@ BAD = [
     ("bool id", {"input_ids": [[1, True]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][1]"),
     ("id outside vocab", {"input_ids": [[1, 99999]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][1]"),
     ("mask shape", {"input_ids": [[1, 2]], "attention_mask": [[1]]}, {}, 422, "attention_mask"),
-    ("mask not 0/1", {"input_ids": [[1, 2]], "attention_mask": [[1, 2]]}, {}, 422, "attention_mask[0]"),
+    ("mask not 0/1", {"input_ids": [[1, 2]], "attention_mask": [[1, 2]]}, {}, 422, "attention_mask[0][1]"),
     ("mask without token", {"input_ids": [[1, 2]], "attention_mask": [[0, 0]]}, {}, 422, "attention_mask[0]"),
     ("ids without mask", {"input_ids": [[1, 2]]}, {}, 422, "attention_mask"),
     (
@@ -400,6 +405,99 @@ BAD = [
         "Content-Type",
     ),
     ("oversized body", {"prompts": ["x" * 100_000], "responses": ["b"]}, {}, 413, "body"),
+    # out-of-range ids: 10**30 overflowed int64 (a 500), a negative id, one past the embedding's rows
+    ("id beyond int64", {"input_ids": [[1, 10**30]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][1]"),
+    ("negative id", {"input_ids": [[-1, 2]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][0]"),
+    (
+        "id = vocab rows",
+        {"input_ids": [[1, VOCAB_ROWS]], "attention_mask": [[1, 1]]},
+        {},
+        422,
+        "input_ids[0][1]",
+    ),
+    (
+        "a 5000-digit id",
+        b'{"input_ids": [[1' + b"0" * 5000 + b']], "attention_mask": [[1]]}',
+        {},
+        400,
+        "body",
+    ),
+    # not JSON by RFC 8259 (Python's json module reads these by default)
+    ("NaN", b'{"prompts": ["a"], "responses": ["b"], "rows": [{"x": NaN}]}', {}, 400, "rows[0].x"),
+    (
+        "Infinity",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"x": [Infinity]}]}',
+        {},
+        400,
+        "rows[0].x[0]",
+    ),
+    ("-Infinity", b'{"prompts": [-Infinity], "responses": ["b"]}', {}, 400, "prompts[0]"),
+    (
+        "number beyond a double",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"x": 1e999}]}',
+        {},
+        400,
+        "rows[0].x",
+    ),
+    ("duplicate key", b'{"prompts": ["a"], "responses": ["b"], "prompts": ["c"]}', {}, 400, "prompts"),
+    (
+        "duplicate nested key",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"k": 1, "k": 2}]}',
+        {},
+        400,
+        "rows[0].k",
+    ),
+    ("lone surrogate", b'{"prompts": ["\\ud800"], "responses": ["b"]}', {}, 400, "prompts[0]"),
+    (
+        "surrogate key",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"\\udfff": 1}]}',
+        {},
+        400,
+        'rows[0]["\\udfff"]',
+    ),
+    ("nested too deep", {"prompts": ["a"], "responses": ["b"], "rows": [{"x": DEEP}]}, {}, 400, DEEP_FIELD),
+    ("nested past the parser", b"[" * 30_000 + b"]" * 30_000, {}, 400, "body"),
+    # content types and encodings
+    ("no content type", {"prompts": ["a"], "responses": ["b"]}, {"Content-Type": ""}, 415, "Content-Type"),
+    (
+        "form data",
+        b"prompts=a&responses=b",
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        415,
+        "Content-Type",
+    ),
+    (
+        "not UTF-8 charset",
+        {"prompts": ["a"], "responses": ["b"]},
+        {"Content-Type": "application/json; charset=latin-1"},
+        415,
+        "Content-Type",
+    ),
+    (
+        "gzip body",
+        {"prompts": ["a"], "responses": ["b"]},
+        {"Content-Encoding": "gzip"},
+        415,
+        "Content-Encoding",
+    ),
+    # wrong types at every field
+    ("null prompts", {"prompts": None, "responses": ["b"]}, {}, 422, "prompts"),
+    ("responses item", {"prompts": ["a", "b"], "responses": ["c", ["d"]]}, {}, 422, "responses[1]"),
+    ("rows an object", {"prompts": ["a"], "responses": ["b"], "rows": {"x": 1}}, {}, 422, "rows"),
+    ("rows with ids", {"input_ids": [[1]], "attention_mask": [[1]], "rows": [{}]}, {}, 422, "rows"),
+    ("ids a string", {"input_ids": "1 2", "attention_mask": [[1, 1]]}, {}, 422, "input_ids"),
+    ("ids row a number", {"input_ids": [5], "attention_mask": [[1]]}, {}, 422, "input_ids[0]"),
+    ("empty ids row", {"input_ids": [[]], "attention_mask": [[]]}, {}, 422, "input_ids[0]"),
+    ("mask row an object", {"input_ids": [[1]], "attention_mask": [{"0": 1}]}, {}, 422, "attention_mask[0]"),
+    ("float mask", {"input_ids": [[1]], "attention_mask": [[1.0]]}, {}, 422, "attention_mask[0][0]"),
+    ("mask rows", {"input_ids": [[1], [2]], "attention_mask": [[1]]}, {}, 422, "attention_mask"),
+    (
+        "ids and prompts rows",
+        {"prompts": ["a"], "responses": ["b"], "input_ids": [[1], [2]], "attention_mask": [[1], [1]]},
+        {},
+        422,
+        "input_ids",
+    ),
 ]
 
 
@@ -407,11 +505,18 @@ BAD = [
 def test_bad_requests_get_a_clear_4xx(guarded_url, case, body, headers, status, field):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     all_headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"} | headers
+    all_headers = {k: v for k, v in all_headers.items() if v}
     got, answer = raw(guarded_url, "POST", "/v1/score", data, all_headers)
     err = answer["error"]
     assert (got, err["status"], err["field"]) == (status, status, field), err
-    assert field is None or field.split("[")[0] in err["message"]  # the message names the field too
+    assert field.split("[")[0].split(".")[0] in err["message"]  # the message names the field too
     assert raw(guarded_url, "GET", "/health")[0] == 200  # and the server lives on
+
+
+def test_empty_requests_get_no_scores(guarded_url):
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    for body in ({"prompts": [], "responses": []}, {"input_ids": [], "attention_mask": []}):
+        assert raw(guarded_url, "POST", "/v1/score", json.dumps(body), auth) == (200, {"scores": []})
 
 
 def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
@@ -421,8 +526,10 @@ def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
     assert status == 413 and answer["error"]["field"] == "body"
     status, answer = raw(guarded_url, "GET", "/v1/nothing", headers=auth)
     assert status == 404 and "/v1/nothing" in answer["error"]["message"]
+    assert answer["error"]["field"] == "path"
     status, answer = raw(guarded_url, "GET", "/v1/score", headers=auth)
     assert status == 405 and "GET /v1/score" in answer["error"]["message"]
+    assert answer["error"]["field"] == "method"
     assert raw(guarded_url, "GET", "/health")[0] == 200
 
 

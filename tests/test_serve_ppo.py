@@ -17,14 +17,15 @@ from safetensors.torch import load_file
 
 from shifu.config.loader import load_config
 from shifu.errors import ShifuError
-from shifu.models.loading import ScalarModel
+from shifu.models.scalar import ScalarModel
 from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo
 
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 from test_serve import free_port, running  # noqa: E402
 
-from shifu.serve.server import create_app, load_served  # noqa: E402
+from shifu.serve.app import create_app  # noqa: E402
+from shifu.serve.served import load_served  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 IGNORED = ("time/", "perf/")

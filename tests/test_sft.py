@@ -15,7 +15,7 @@ import torch
 from conftest import write_jsonl
 
 from shifu.config.loader import load_config
-from shifu.data.rows import collate_sft, encode_sft
+from shifu.data.batches import collate_sft, encode_sft
 from shifu.errors import ConfigError
 from shifu.models.loading import load_causal_lm, load_tokenizer
 from shifu.runs.checkpoint import CKPT_DIR

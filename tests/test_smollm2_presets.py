@@ -120,7 +120,8 @@ def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
     assert set(s["seconds"]) == {"prepare", "pairs", "rm", "ppo", "eval"}
     assert -1 <= s["gold_gain"] <= 2 and s["gold_gain_se"] >= 0
     assert _adapter_only(out / "ppo", "actor") and _adapter_only(out / "ppo", "critic")
-    from shifu.models.loading import ScalarModel, load_causal_lm
+    from shifu.models.loading import load_causal_lm
+    from shifu.models.scalar import ScalarModel
 
     load_causal_lm(out / "ppo" / "final")  # final/ and critic/ are plain, merged models
     ScalarModel.from_pretrained(out / "ppo" / "critic")

@@ -226,3 +226,53 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert f"run ppo beta=0.3 seed 0 in {result.parent} finished with another plan" in err
     assert "eval.temperature was 1.0, now 0.5" in err and result.read_text() == before
+
+
+def test_print_config_prints_the_budget_as_the_study_runs_it(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from shifu.experiments.quickstart import PLANS
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["study", "frontier", "--task", "imdb", "--print-config"]) == 0  # budget reduced
+    out = capsys.readouterr().out
+    assert out.startswith("# shifu study frontier budget: ") and "imdb-reduced.yaml" in out
+    plan, budget, small = yaml.safe_load(out), study.BUDGETS[("imdb", "reduced")], PLANS[("imdb", "small")]
+    # the shared stages as they run: the budget's keys over the quickstart small plan's
+    assert plan["sft"] == small["sft"] and plan["pairs"] == {**small["pairs"], "num_prompts": 3000}
+    assert plan["rm"]["model"] == {"path": "minilm"} and plan["rm"]["l2_coef"] == 0.0
+    # every method's settings and points, the critic-free ones included
+    assert {k: plan[k] for k in study.METHODS} == {k: budget[k] for k in study.METHODS}
+    assert plan["points"] == budget["points"] and list(plan["points"]["grpo"]) == list(
+        budget["points"]["ppo"]
+    )
+    assert cli_main(["study", "frontier", "--task", "arith", "--budget", "huge", "--print-config"]) == 2
+    assert "no frontier budget 'huge'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing was run or written
+
+
+def test_a_mistake_in_a_budget_file_names_the_file_and_the_key(tmp_path):
+    import shutil
+
+    from shifu.config.loader import shipped
+    from shifu.errors import ConfigError
+
+    shutil.copytree(shipped("study"), tmp_path, dirs_exist_ok=True)
+    assert study.read_budgets(tmp_path) == study.BUDGETS  # the shipped files are what the study runs
+    path = tmp_path / "arith-ci.yaml"
+    good = path.read_text()
+    for old, new, says in [
+        ("beta=0.01: {kl: {controller: fixed, init_coef: 0.01}}\n  reinforce",
+         "beta=0.01: {kl: {controler: fixed, init_coef: 0.01}}\n  reinforce",
+         "point 'beta=0.01' of ppo (over its section): unknown config key 'kl.controler'"),
+        ("ppo_epochs: 1,", "ppo_epochs: 2,", "section 'reinforce': algo=reinforce is on-policy: set ppo_epochs=1"),
+        ("samples_per_prompt: 4", "samples_per_promt: 4", "section 'pairs' (over the quickstart plan's): unknown"),
+        ("num_prompts: 256}", "num_prompts: 256, seed: 1}", "section 'eval': unknown config key 'seed'"),
+        ("preset: tiny", "preset: huge", "preset 'huge' is no quickstart plan of task arith"),
+        ("critic_free_betas: [0.3, 0.01]", "critic_free_betas: 0.3", "critic_free_betas must be a list of numbers"),
+    ]:  # fmt: skip
+        assert old in good, old
+        path.write_text(good.replace(old, new, 1))
+        with pytest.raises(ConfigError) as e:
+            study.read_budgets(tmp_path)
+        assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)

@@ -174,3 +174,22 @@ def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
     on = encode_prompts(tok, ["the movie was"])["input_ids"][0].tolist()
     off = encode_prompts(tok, ["the movie was"], chat_template=False)["input_ids"][0].tolist()
     assert on == templated and off == plain and on != off
+
+
+def test_task_presets_are_read_from_their_yaml_and_checked(tmp_path):
+    from shifu.config.loader import read_shipped_table, shipped
+    from shifu.errors import ConfigError
+
+    assert read_shipped_table(shipped("tasks", "arith.yaml"), arith.ArithPreset) == arith.PRESETS
+    assert arith.PRESETS["tiny"] == arith.ArithPreset(99, 512, 256, 4000, 2, 128, 4)
+    assert list(arith.PRESETS) == ["tiny", "small", "smollm2"]
+    path = tmp_path / "arith.yaml"
+    for text, says in [
+        ("tiny: {max_operand: 99, n_heldout: 512, n_sft_eval: 256, n_sft: 4000, n_layer: 2, n_embd: 128, n_heads: 4}",
+         "entry 'tiny': unknown config key 'n_heads'. Did you mean 'n_head'? Valid keys here: max_operand,"),
+        ("tiny: {max_operand: lots}", "entry 'tiny': config key 'max_operand': expected an integer, got 'lots'"),
+    ]:  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            read_shipped_table(path, arith.ArithPreset)
+        assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)

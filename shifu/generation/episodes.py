@@ -33,7 +33,7 @@ from shifu.envs.base import EnvFault, Environment
 from shifu.errors import ShifuError
 from shifu.generation.observations import turn_encoder
 from shifu.generation.rollout import Sample, SamplingParams, sample
-from shifu.models.loading import pad_left
+from shifu.models.padding import pad_left
 
 COUNTS = ("turns", "tool_calls", "tool_errors", "observation_tokens")
 MARKS = ("\u27e6", "\u27e7")  # around a policy turn in a transcript (the report highlights it)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from shifu.core import log_probs_and_entropy, log_probs_from_logits
 from shifu.errors import ShifuError
 from shifu.generation.decode import decoder
-from shifu.models.loading import position_ids_from_mask
+from shifu.models.padding import position_ids_from_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +311,7 @@ def policy_forward(
 
 
 def critic_forward(critic, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-    """(B, R) values of a :class:`shifu.models.loading.ScalarModel` critic at positions ``P-1 .. P+R-2``."""
+    """(B, R) values of a :class:`shifu.models.scalar.ScalarModel` critic at positions ``P-1 .. P+R-2``."""
     T = input_ids.shape[1]
     values = critic(input_ids, attention_mask, position_ids=position_ids_from_mask(attention_mask))
     return values[:, prompt_len - 1 : T - 1]

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import torch
 
 from shifu.errors import DataError, ShifuError
+from shifu.runs import jsonfile
 from shifu.runs.checkpoint import resolve_policy
 
 
@@ -173,7 +174,7 @@ class Sampler:
         """One result per (row, sample): prompt, rendered prompt, response, token count, whether the
         response ended with EOS, and the score when a scorer is loaded."""
         from shifu.generation.rollout import decode_responses, generate
-        from shifu.models.loading import pad_left
+        from shifu.models.padding import pad_left
 
         rows = [r for r in rows for _ in range(self.args.num_samples)]
         out = []
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 n += 1
                 print(format_result(n, r), flush=True)
                 if out is not None:
-                    out.write(json.dumps(r, ensure_ascii=False) + "\n")
+                    out.write(jsonfile.dumps(r, ensure_ascii=False) + "\n")
                     out.flush()
     finally:
         if out is not None:

@@ -1,6 +1,6 @@
 """The bag-of-tokens reward backbone (``rm.model.path=bag-of-tokens``): one learned weight per token id.
 
-A :class:`shifu.models.loading.ScalarModel` on this backbone scores a sequence as the sum of its tokens' weights
+A :class:`shifu.models.scalar.ScalarModel` on this backbone scores a sequence as the sum of its tokens' weights
 (times the scalar head's weight, plus its bias): the linear Bradley-Terry model over token counts, the
 classic bag-of-words sentiment classifier (Maas et al. 2011 report it as the IMDB baseline) trained on
 preference pairs. It has no positions and no attention, costs microseconds to train and to score, and its

@@ -7,7 +7,7 @@ without a second copy of the weights (one model fewer in memory). Its log-probs 
 exactly, before and after training (tested in ``tests/test_lora.py``).
 
 The critic can be trained the same way (``lora.critic``): :func:`wrap_lora_critic` adapts the trunk of a
-:class:`~shifu.models.loading.ScalarModel` and keeps its value head fully trained. A checkpoint then holds only
+:class:`~shifu.models.scalar.ScalarModel` and keeps its value head fully trained. A checkpoint then holds only
 what trains (adapters, the value head; :func:`shifu.runs.checkpoint.trained_state_dict`), never the frozen base.
 
 Outputs stay plain Hugging Face directories: :func:`merged_copy` folds ``B A`` into ``W`` for
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from shifu.config.schema import LoraConfig
+from shifu.config.sections import LoraConfig
 from shifu.errors import ConfigError, ShifuError
 
 
@@ -46,7 +46,7 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
 
 def wrap_lora_critic(critic: nn.Module, cfg: LoraConfig) -> nn.Module:
-    """A :class:`~shifu.models.loading.ScalarModel` critic whose trunk (``critic.backbone``) carries LoRA adapters:
+    """A :class:`~shifu.models.scalar.ScalarModel` critic whose trunk (``critic.backbone``) carries LoRA adapters:
     trunk weights frozen, adapters and the scalar head trained. In place; returns ``critic``.
 
     The adapters start at ``B = 0``, so the wrapped critic starts with exactly the values of the unwrapped

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shifu.errors import ConfigError, ShifuError
-from shifu.models.loading import META_FILE, ScalarModel
+from shifu.models.scalar import META_FILE, ScalarModel
 
 ENSEMBLE_FILE = "ensemble.json"
 AGGREGATIONS = ("mean", "median", "min", "mean_minus_std")

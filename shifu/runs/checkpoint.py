@@ -487,8 +487,25 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
     return out
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``): a reader finds one or the other
+    under each name, never neither. False where the system or file system cannot (then nothing happened)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _atomic_dir(path: str | Path, write) -> Path:
-    """Write a directory through ``write(tmp_dir)``, then swap it into place (the old one stays until then)."""
+    """Write a directory through ``write(tmp_dir)``, then swap it into place. A reader (``shifu sample``,
+    ``from_pretrained``, another process) always finds a complete directory under ``path``: the old one until
+    the swap, the new one after it (one ``RENAME_EXCHANGE``; where the system has none, two renames leave a
+    moment with no directory, and ``.old-NAME`` holds the previous one during it)."""
     final = Path(path)
     tmp = final.with_name(f".tmp-{final.name}")
     old = final.with_name(f".old-{final.name}")
@@ -497,6 +514,10 @@ def _atomic_dir(path: str | Path, write) -> Path:
         tmp.mkdir(parents=True)
         write(tmp)
         _fsync_tree(tmp)
+        if final.exists() and _exchange(tmp, final):  # tmp now holds the old directory
+            _fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)

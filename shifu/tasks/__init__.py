@@ -56,7 +56,7 @@ def encode_prompts(
     response fits the model's positions exactly as in training.
     """
     from shifu.data.rows import prompt_text
-    from shifu.models.loading import pad_left
+    from shifu.models.padding import pad_left
 
     # as the trainers prompt: a user message through the chat template when the tokenizer has one (and the
     # run's data.chat_template is on)

@@ -26,6 +26,8 @@ import operator
 import random
 from pathlib import Path
 
+from shifu.config.loader import read_shipped_table, shipped
+
 SPLIT_SEED = 4321  # fixed: the held-out set does not depend on the run seed
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # digits and the call syntax, plus what a calculator error reads like ("{error: ZeroDivisionError: ...}")
@@ -43,11 +45,8 @@ class ArithToolPreset:
     n_head: int
 
 
-PRESETS: dict[str, ArithToolPreset] = {
-    "tiny": ArithToolPreset(
-        n_heldout=512, n_sft_eval=256, n_sft=6000, call_fraction=0.25, n_layer=2, n_embd=128, n_head=4
-    ),
-}
+# the presets: shifu/configs/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
+PRESETS: dict[str, ArithToolPreset] = read_shipped_table(shipped("tasks", "arith_tool.yaml"), ArithToolPreset)
 
 
 def get_preset(name: str) -> ArithToolPreset:

@@ -74,11 +74,16 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 def compare(
-    sft_dir: Path, final_dir: Path, rows: list[dict], env_cfg: Any, ev: dict, seed: int, out: Path
+    sft_dir: Path, final_dir: Path, rows: list[dict], env: dict, ev: dict, seed: int, out: Path
 ) -> dict[str, Any]:
-    """Held-out episodes of the SFT policy and of the final policy (same rows, same sampling seed): the
-    quickstart summary's gold before/after (mean return, standard errors, the paired gain), tool use
-    before/after, KL to the SFT policy; writes ``out/samples_before.jsonl`` and ``samples_after.jsonl``."""
+    """Held-out episodes of the SFT policy and of the final policy (same rows, same sampling seed) with the
+    environment ``env`` (a plan's ``ppo.env`` section): the quickstart summary's gold before/after (mean return,
+    standard errors, the paired gain), tool use before/after, KL to the SFT policy; writes
+    ``out/samples_before.jsonl`` and ``samples_after.jsonl``. ``ev``: the plan's final evaluation settings."""
+    from shifu.config.loader import from_dict
+    from shifu.config.sections import EnvConfig
+
+    env_cfg = from_dict(EnvConfig, env)
     T, L, C = ev["temperature"], ev.get("max_prompt_len"), ev.get("chat_template", True)
     before = evaluate_episodes(sft_dir, None, rows, env_cfg, T, seed + 777, C, L)
     after = evaluate_episodes(final_dir, sft_dir, rows, env_cfg, T, seed + 777, C, L)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shifu.config.loader import read_shipped_table, shipped
 from shifu.errors import ConfigError, ShifuError
 from shifu.models.bpe import train_tokenizer
 from shifu.tasks.judges import bradley_terry_labels, vader_compound
@@ -60,54 +61,8 @@ class ImdbPreset:
     prompt_template: str = "{text}"
 
 
-PRESETS: dict[str, ImdbPreset] = {
-    "tiny": ImdbPreset(
-        vocab_size=1024,
-        tokenizer_reviews=1500,
-        n_sft=1500,
-        n_sft_eval=64,
-        n_pairs=160,
-        n_heldout=256,
-        prompt_words=6,
-        response_words=16,
-        n_layer=2,
-        n_embd=64,
-        n_head=2,
-        n_positions=64,
-    ),
-    "small": ImdbPreset(
-        vocab_size=2048,
-        tokenizer_reviews=8000,
-        n_sft=22000,
-        n_sft_eval=256,
-        n_pairs=1000,
-        # the whole reserved block: a paired gain's standard error ~0.014 instead of ~0.028 on 256 prompts
-        # (a seed's reading of a true +0.60 gain is then within +-0.03, not +-0.06, 19 times in 20)
-        n_heldout=1000,
-        prompt_words=8,
-        response_words=16,
-        n_layer=4,
-        n_embd=128,
-        n_head=4,
-        n_positions=64,
-    ),
-    "smollm2": ImdbPreset(
-        vocab_size=0,
-        tokenizer_reviews=0,
-        n_sft=4000,
-        n_sft_eval=128,
-        n_pairs=500,  # 1000 took 512 of a seed's 1824 CPU seconds for the same reward model accuracy class
-        n_heldout=512,
-        prompt_words=8,
-        response_words=24,
-        n_layer=0,
-        n_embd=0,
-        n_head=0,
-        n_positions=0,
-        pretrained="smollm2",
-        prompt_template="Continue this movie review: {text}",
-    ),
-}
+# the presets: shifu/configs/tasks/imdb.yaml, each checked against ImdbPreset's fields
+PRESETS: dict[str, ImdbPreset] = read_shipped_table(shipped("tasks", "imdb.yaml"), ImdbPreset)
 
 
 def get_preset(name: str) -> ImdbPreset:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
@@ -23,6 +22,7 @@ from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
 from shifu.parallel import precision
 from shifu.runs import checkpoint as ckpt
+from shifu.runs import jsonfile
 
 
 def seed_everything(seed: int) -> None:
@@ -100,7 +100,7 @@ def finish_run(run_dir: Path, summary: dict[str, Any], strategy, kind: str, line
     if strategy.is_main:
         from shifu.reporting.modelcard import write_model_card
 
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        (run_dir / "summary.json").write_text(jsonfile.dumps(summary, indent=2), encoding="utf-8")
         write_model_card(run_dir / "final", run_dir, kind)
         print(line, file=sys.stderr)
     strategy.barrier()

@@ -24,9 +24,11 @@ from collections import Counter
 
 import torch
 
-from shifu.config.schema import DPOConfig, TextDataConfig, check_world_size
+from shifu.config.schema import DPOConfig, check_world_size
+from shifu.config.sections import TextDataConfig
 from shifu.core import dpo_loss, masked_sum
-from shifu.data.rows import encode_sft, load_train_eval, prompt_text
+from shifu.data.batches import encode_sft
+from shifu.data.rows import load_train_eval, prompt_text
 from shifu.errors import ConfigError
 from shifu.generation.rollout import policy_forward
 from shifu.models.loading import (
@@ -35,9 +37,8 @@ from shifu.models.loading import (
     check_vocab,
     load_causal_lm,
     load_tokenizer,
-    pad_left,
-    pad_right,
 )
+from shifu.models.padding import pad_left, pad_right
 from shifu.parallel.strategy import Strategy, build_strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything
@@ -49,7 +50,7 @@ STATS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 def encode_pairs(tokenizer, rows: list[dict], d: TextDataConfig) -> tuple[list[dict], Counter]:
     """Preference rows -> ([{"prompt_ids", "chosen_ids", "rejected_ids"}], counts), SFT tokenisation.
 
-    Each side is tokenised like an SFT example (:func:`shifu.data.rows.encode_sft`: prompt and response
+    Each side is tokenised like an SFT example (:func:`shifu.data.batches.encode_sft`: prompt and response
     separately, EOS appended, long prompts cut or dropped by ``d.prompt_policy``). Dropping depends only on
     the prompt, so both sides keep the same rows.
     """

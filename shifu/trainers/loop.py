@@ -1,14 +1,14 @@
 """The training loop of ``shifu sft``, ``shifu rm`` and ``shifu dpo``: one skeleton; each trainer gives only
 its micro-batch loss and its evaluation (a :class:`Job`).
 
-A step is ``grad_accum`` global micro-batches of ``batch_size`` rows from a :class:`~shifu.data.rows.BatchStream`;
-each process takes its share (``strategy.share``). The step's loss is the mean over all its rows (rm, dpo)
-or response tokens (sft): a micro-batch's loss *sum* is divided by the step's count over every process
-(``strategy.token_mean_divisor``), so micro-batches and ranks add up to the one-process mean. Around the
-step, in order: skip a non-finite step (counted; ``max_nonfinite_steps`` in a row end the run), log the
-window's means every ``log_every`` steps, evaluate every ``eval.every`` steps, checkpoint every
-``save_every`` steps or on SIGINT/SIGTERM (then stop, exit 0). ``--resume`` restores the weights, the
-optimiser, the data position, the logging window, the skipped-step counts and every RNG state.
+A step is ``grad_accum`` global micro-batches of ``batch_size`` rows from a
+:class:`~shifu.data.batches.BatchStream`; each process takes its share (``strategy.share``). The step's loss
+is the mean over all its rows (rm, dpo) or response tokens (sft): a micro-batch's loss *sum* is divided by the
+step's count over every process (``strategy.token_mean_divisor``), so micro-batches and ranks add up to the
+one-process mean. Around the step, in order: skip a non-finite step (counted; ``max_nonfinite_steps`` in a row
+end the run), log the window's means every ``log_every`` steps, evaluate every ``eval.every`` steps,
+checkpoint every ``save_every`` steps or on SIGINT/SIGTERM (then stop, exit 0). ``--resume`` restores the
+weights, the optimiser, the data position, the logging window, the skipped-step counts and every RNG state.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from shifu.config.loader import to_dict
 from shifu.config.schema import SupervisedConfig, derived_sizes
-from shifu.data.rows import BatchStream
+from shifu.data.batches import BatchStream
 from shifu.errors import ShifuError
 from shifu.parallel.strategy import Strategy, Trained
 from shifu.runs import checkpoint as ckpt

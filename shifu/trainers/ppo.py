@@ -1,19 +1,16 @@
 """Stage 3, ``shifu ppo``: PPO with four models — actor, critic, frozen reference, frozen reward model.
 
-One iteration, top to bottom in :func:`iteration` (spec, stage 3): 1. rollout -> 2. score processing ->
-3. reward shaping -> 4. advantages -> 5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL
-controller; :func:`train` runs iterations and 7. logs, evaluates, guards and saves. Every formula is in
-``shifu.core``, every parallel step in the strategy (``shifu.parallel.strategy``).
+One iteration in :func:`iteration`: 1. rollout -> 2. score processing -> 3. reward shaping -> 4. advantages ->
+5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL controller; :func:`train` loops and 7.
+logs, evaluates, guards, saves. Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
 
-Run directory: ``metrics.jsonl`` and ``tb/`` (every iteration), ``samples.jsonl`` (evaluation samples),
-``checkpoints/`` (resume), ``best/`` (actor at the best ``eval.best_metric``), ``final/`` (the actor at the
-end, an HF directory), ``critic/`` (the trained critic), ``config.yaml``, ``summary.json``.
+Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
+``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from typing import Any
@@ -23,13 +20,16 @@ import torch
 from shifu import core
 from shifu.config.loader import to_dict, with_values
 from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
-from shifu.data.rows import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
+from shifu.data.batches import PromptStream, encode_prompts, ptx_batches
+from shifu.data.rows import load_rows, split_prompts
 from shifu.generation.rollout import Rollout, check_positions
-from shifu.models.loading import load_tokenizer, pad_left
+from shifu.models.loading import load_tokenizer
+from shifu.models.padding import pad_left
 from shifu.parallel.strategy import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt
+from shifu.runs import jsonfile
 from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval
 from shifu.trainers.common import (
@@ -220,7 +220,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         metrics, samples = ppo_eval.evaluate(m, eval_ids, eval_rows, gold_fn, cfg)
         if main:
             with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
-                f.writelines(json.dumps({"iteration": it, **x}) + "\n" for x in samples)
+                f.writelines(jsonfile.dumps({"iteration": it, **x}) + "\n" for x in samples)
         value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
         if value is not None and (loop["best"] is None or value > loop["best"]):
             loop["best"], loop["best_iteration"] = value, it

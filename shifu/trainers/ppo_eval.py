@@ -17,7 +17,9 @@ from shifu.errors import ShifuError
 from shifu.generation.episodes import run_episodes
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.models import lora as L
-from shifu.models.loading import ScalarModel, load_causal_lm, pad_left
+from shifu.models.loading import load_causal_lm
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
 from shifu.runs import checkpoint as ckpt
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels

@@ -21,14 +21,13 @@ from shifu.errors import ShifuError
 from shifu.generation.rollout import check_exact_kl_memory
 from shifu.models import lora as L
 from shifu.models.loading import (
-    ScalarModel,
     check_own_tokenizer,
     check_vocab,
     disable_dropout,
     fuse_tanh_gelu,
     load_causal_lm,
-    new_value_head,
 )
+from shifu.models.scalar import ScalarModel, new_value_head
 from shifu.parallel import precision as bf16
 from shifu.parallel.strategy import Strategy, Trained, decay_groups
 from shifu.rewards.sources import RewardSource, load_function, load_reward_model, same_tokenizer

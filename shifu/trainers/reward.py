@@ -26,19 +26,15 @@ import torch
 
 from shifu.config.schema import RMConfig, check_world_size
 from shifu.core import bradley_terry_loss
-from shifu.data.rows import encode_reward_pairs, load_rows, load_train_eval, prompt_text, sft_texts
+from shifu.data.batches import encode_reward_pairs
+from shifu.data.rows import load_rows, load_train_eval, prompt_text, sft_texts
 from shifu.errors import ConfigError
-from shifu.models.loading import (
-    ScalarModel,
-    check_length,
-    load_causal_lm,
-    load_tokenizer,
-    pad_left,
-    pad_right,
-    require_model_dir,
-)
+from shifu.models.loading import check_length, load_causal_lm, load_tokenizer, require_model_dir
+from shifu.models.padding import pad_left, pad_right
+from shifu.models.scalar import ScalarModel
 from shifu.parallel.strategy import Strategy, build_strategy
 from shifu.rewards.ensemble import RewardEnsemble, write_manifest
+from shifu.runs import jsonfile
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, prepare_run, report_counts, seed_everything
 
@@ -246,7 +242,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
                 return stats
             if k > 1 and main:
                 model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
-                (mdir / "final" / "summary.json").write_text(json.dumps(stats), encoding="utf-8")
+                (mdir / "final" / "summary.json").write_text(jsonfile.dumps(stats), encoding="utf-8")
         members.append(model)
         member_dirs.append(mdir / "final")
         member_stats.append(stats)

@@ -12,7 +12,8 @@ import torch
 
 from shifu.config.schema import SFTConfig, check_world_size
 from shifu.core import log_probs_from_logits, masked_sum
-from shifu.data.rows import collate_sft, encode_sft, load_train_eval
+from shifu.data.batches import collate_sft, encode_sft
+from shifu.data.rows import load_train_eval
 from shifu.errors import ConfigError
 from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
 from shifu.parallel.strategy import Strategy, build_strategy

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import check_dist as C  # noqa: E402
 import tiny  # noqa: E402
 
-from shifu.config.schema import DistributedConfig, OptimConfig  # noqa: E402
+from shifu.config.sections import DistributedConfig, OptimConfig  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
 from shifu.parallel.strategy import DeepSpeedStrategy, Trained  # noqa: E402
 

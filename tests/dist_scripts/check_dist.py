@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tiny  # noqa: E402
 
-from shifu.config.schema import DistributedConfig  # noqa: E402
+from shifu.config.sections import DistributedConfig  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
 from shifu.parallel.strategy import DistributedStrategy, Trained  # noqa: E402
 

@@ -34,7 +34,9 @@ from shifu import core  # noqa: E402
 from shifu.config.loader import load_config  # noqa: E402
 from shifu.config.schema import PPOConfig as Config  # noqa: E402
 from shifu.generation.rollout import Rollout  # noqa: E402
-from shifu.models.loading import ScalarModel, load_causal_lm, load_tokenizer, pad_left  # noqa: E402
+from shifu.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from shifu.models.padding import pad_left  # noqa: E402
+from shifu.models.scalar import ScalarModel  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
 from shifu.parallel.strategy import Strategy, build_strategy  # noqa: E402
 from shifu.rewards.sources import RewardSource  # noqa: E402

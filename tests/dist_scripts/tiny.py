@@ -30,7 +30,7 @@ def tiny_model(tokenizer, seed: int = 0, n_layer: int = 2):
 
 def batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``/``attention_mask`` (B, T) of ``text + <eos>``."""
-    from shifu.models.loading import pad_right
+    from shifu.models.padding import pad_right
 
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
     return pad_right(rows, tokenizer.pad_token_id)
