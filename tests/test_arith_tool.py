@@ -62,4 +62,4 @@ def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_cal
     assert not any(r.get("leaked") for r in records)
     after = _read(out / "samples_after.jsonl")
     assert sum(r["gold"] for r in after) / n == pytest.approx(s["gold_after"])
-    assert "\u27e6[" in after[0]["response"] and "tool use" in capsys.readouterr().out
+    assert "\u27e6[" in after[0]["response"] and "tool use: before" in capsys.readouterr().err

@@ -158,22 +158,43 @@ def test_algorithms_page_names_every_core_function():
     assert not missing, f"shifu.core names docs/concepts/algorithms.md does not explain: {missing}"
 
 
-# pages that speak of the product; docs/frontier.md and docs/performance.md are excluded while they exist:
-# they are the old experiment notes that docs/benchmarks/ replaces
+# README, docs, docstrings and comments speak of the product as it is; history is in git log and CHANGELOG.md
 DIARY = re.compile(r"\bsession\b|this machine|development machine|not met|we tried", re.I)
 DATED_HEADING = re.compile(r"^#+ .*\b\d{4}-\d{2}-\d{2}\b", re.M)
+# in code: the same words (pytest's scope="session" and start_new_session are not diary), dates, and pointers
+# to the experiment notes that docs/benchmarks/ replaced
+CODE_DIARY = re.compile(
+    r"(?<!scope=\")(?<!new_)\bsession\b(?!\"|-scoped)|this machine|development machine|\bnot met\b|we tried|"
+    r"later the same day|\b20\d\d-\d\d-\d\d\b|frontier\.md|performance\.md",
+    re.I,
+)
 
 
 def test_readme_and_docs_speak_of_the_product():
-    old_notes = {DOCS / "frontier.md", DOCS / "performance.md"}
     found = []
     for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
-        if page in old_notes:
-            continue
         text = page.read_text(encoding="utf-8")
         for match in [*DIARY.finditer(text), *DATED_HEADING.finditer(text)]:
             line = text.count("\n", 0, match.start()) + 1
             found.append(f"{page.relative_to(ROOT)}:{line}: {match.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+def test_code_comments_and_docstrings_speak_of_the_product():
+    found = []
+    files = [
+        *sorted((ROOT / "shifu").rglob("*.py")),
+        *sorted((ROOT / "shifu").rglob("*.yaml")),
+        *sorted((ROOT / "benchmarks").glob("*.py")),
+        *sorted((ROOT / "tests").rglob("*.py")),
+    ]
+    for path in files:
+        if path.name == "test_docs.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for match in CODE_DIARY.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
     assert not found, "\n".join(found)
 
 

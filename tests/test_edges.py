@@ -30,7 +30,7 @@ from shifu.data.rows import load_rows
 from shifu.errors import DataError, ShifuError
 from shifu.models.loading import check_vocab, load_causal_lm, load_tokenizer
 from shifu.models.scalar import ScalarModel
-from shifu.runs.checkpoint import check_safetensors
+from shifu.runs.files import check_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_HINT = "shifu never downloads from a hub"

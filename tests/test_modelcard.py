@@ -155,7 +155,7 @@ def test_quickstart_layout_and_missing_files(runs, tmp_path, capsys):
     summary = {"gold_before": 0.4375, "gold_after": 0.6875, "kl": 1.25, "rm_accuracy": 0.8, "eval_prompts": 4}
     (quick / "summary.json").write_text(json.dumps(summary))
     assert card_main([str(quick)]) == 0
-    assert capsys.readouterr().out.count("wrote ") == 3
+    assert capsys.readouterr().err.count("wrote ") == 3
     text = (quick / "ppo" / "final" / "README.md").read_text()
     assert (
         text.splitlines()[text.splitlines().index("---", 1) + 2]

@@ -1,7 +1,7 @@
 """bf16 decided by measurement (shifu.parallel.precision): the probe's cache, the decisions it drives, and what
 ``bf16=true`` then holds in bf16 (frozen copies, the decode copy) and in fp32 (master weights, optimiser).
 
-No test depends on how fast this machine's bf16 is: the decisions are driven through ``measure`` (the one
+No test depends on how fast the CPU's bf16 is: the decisions are driven through ``measure`` (the one
 function that reads a clock), and the fallback path is the same code on a CPU without native bf16."""
 
 from __future__ import annotations

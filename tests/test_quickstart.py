@@ -41,8 +41,10 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     for stage in ("data", "sft", "ppo"):
         assert (out / stage / "DONE").exists(), stage
     assert (out / "ppo" / "metrics.jsonl").exists()
-    last = capsys.readouterr().out.rstrip().splitlines()[-1]  # the closing line: figures, where outputs are
-    assert "before" in last and last.endswith(f"outputs in {out} (summary.json, report.html; policy in ppo/final)")  # fmt: skip
+    printed = capsys.readouterr()
+    lines = printed.err.rstrip().splitlines()  # shifu's own lines: stderr, nothing on stdout
+    assert printed.out == "" and lines[-3].startswith("  sampled at T=1: before") and "greedy" in lines[-2]
+    assert lines[-1].endswith(f"outputs in {out} (summary.json, report.html; policy in ppo/final)")
 
     # a rerun continues: every stage is cached, only the evaluation runs again (same samples, same figures)
     mtime = (out / "ppo" / "final").stat().st_mtime
@@ -52,7 +54,7 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert s["policy"] == "ppo/final"
 
     # a soup plan (on a copy of the run's finished data and SFT stages, with short PPO members to keep CI's
-    # time: the soup's gains are measured in docs/frontier.md): two PPO runs (seeds 0 and 1000) and their
+    # time: the soup's gains are measured in docs/benchmarks/alignment.md): two PPO runs (seeds 0 and 1000) and their
     # merge, which is what is judged; a rerun asking for the soup keeps ppo/ and adds only what is new
     out_soup = tmp_path / "soup-run"
     for stage in ("data", "sft"):
@@ -75,7 +77,10 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert soup["gold_before"] == s["gold_before"] == one["gold_before"], soup  # the copied SFT policy
     assert 0 < soup["kl"] < one["kl"], (soup, one)  # two runs' own noise partly cancels in their mean
     assert "Merged (`shifu merge`)" in (out / "soup" / "final" / "README.md").read_text()
-    assert capsys.readouterr().out.rstrip().endswith("policy in soup/final)")
+    printed = capsys.readouterr()
+    assert (
+        printed.err.rstrip().endswith("policy in soup/final)") and printed.out == ""
+    )  # shifu's lines: stderr
     # another scale re-merges the same runs (the stage's marker records what it merged); nothing retrains
     mtime2 = (out / "ppo-2" / "final").stat().st_mtime
     half = [*short, "--set", "soup.members=2", "--set", "soup.scale=0.5"]

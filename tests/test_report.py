@@ -246,7 +246,8 @@ def test_cli_renders(tmp_path: Path, capsys):
     run = tmp_path / "run"
     write_run(run)
     assert cli.main(["report", str(run), "--max-samples", "2"]) == 0
-    assert f"wrote {run / 'report.html'} ({len(EVERY_PLOT)} plots)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert f"wrote {run / 'report.html'} ({len(EVERY_PLOT)} plots)" in printed.err and printed.out == ""
     page = (run / "report.html").read_text(encoding="utf-8")
     assert "First 2 of 3 held-out prompts." in page and "I &amp; my" not in page
 

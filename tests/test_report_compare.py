@@ -126,7 +126,7 @@ def test_cli_compare_and_its_errors(tmp_path: Path, capsys, monkeypatch):
     a, b, _ = make_runs(tmp_path)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["report", str(a), str(b), "--labels", "low beta, high beta"]) == 0
-    assert "wrote compare.html (2 runs)" in capsys.readouterr().out
+    assert "wrote compare.html (2 runs)" in capsys.readouterr().err
     page = (tmp_path / "compare.html").read_text(encoding="utf-8")
     assert "shifu run comparison: low beta, high beta" in page
     assert cli.main(["report", str(a), str(tmp_path / "nope"), "--out", "x.html"]) == 2

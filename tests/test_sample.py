@@ -19,7 +19,7 @@ from shifu.generation.sample import read_prompts, render_prompt
 from shifu.models.loading import load_causal_lm, load_tokenizer
 from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
-from shifu.runs.checkpoint import resolve_policy
+from shifu.runs.files import resolve_policy
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

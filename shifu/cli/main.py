@@ -64,10 +64,10 @@ def keep_freed_memory() -> str:
     kernel. Training allocates such tensors several times a step (a (V, d) gradient of SmolLM2's 49152 x 576
     embedding is 113 MB; so are the logits of a few long rows). With ``M_MMAP_MAX = 0`` every block comes
     from the heap and with ``M_TRIM_THRESHOLD`` at 2 GiB the heap is not shrunk after each free, so a step
-    reuses the last step's pages. PPO at the SmolLM2-135M shape on a 2-core VM: 38.9 -> 20.1 s per iteration
-    while its page faults were slow (kernel CPU 51 -> 13.6 s), 20.3-22.1 -> 18.6-19.4 s later the same day
-    (kernel 8-10 -> 2.8 s); peak RSS not higher (docs/performance.md). The price: freed memory stays with the process until it exits, and glibc's heap
-    may hold more than the live tensors need (a loop of one 64 MiB tensor settles at ~0.9 GB).
+    reuses the last step's pages: a PPO iteration at the SmolLM2-135M shape spends far less kernel CPU on page
+    faults, with no higher peak RSS (docs/benchmarks/throughput.md). The price: freed memory stays with the
+    process until it exits, and glibc's heap may hold more than the live tensors need (a loop of one 64 MiB
+    tensor settles at ~0.9 GB).
 
     Called once by ``shifu`` before any command. ``SHIFU_MALLOC=system``, or any ``MALLOC_*`` /
     ``GLIBC_TUNABLES`` setting or preloaded malloc of your own, leaves malloc as it is.

@@ -4,10 +4,16 @@ Without ``--verbose`` (or ``SHIFU_VERBOSE=1``) the command line calls :func:`con
 imported, and then
 
 - transformers' and huggingface_hub's progress bars ("Loading weights", "Writing model shards") are off,
-  whatever ``progress`` says (that key is shifu's own bar);
+  whatever ``progress`` says (that key is shifu's own bar), and so is every other library's plain ``tqdm`` bar
+  (the GGUF converter's "Converting and de-quantizing GGUF tensors"): tqdm is imported with ``TQDM_DISABLE=1``,
+  which makes ``disable`` default to true in this process (:func:`hide_library_bars`), and shifu's own bars
+  (:func:`shifu.runs.tracking.progress`) pass it explicitly;
 - transformers' and datasets' loggers show errors only (their warnings and load reports are not shown);
 - Python warnings raised inside transformers, huggingface_hub, datasets, accelerate, peft and deepspeed
-  (deprecations, "Setting fan_in_fan_out to True", ...) are ignored.
+  (deprecations, "Setting fan_in_fan_out to True", ...) are ignored: those the warning machinery attributes to
+  one of these libraries (a filter), and those raised by their code but attributed to the caller with
+  ``stacklevel=2`` (a transformers ``FutureWarning`` about an argument): :func:`showwarning` looks at the frame
+  that called ``warnings.warn``.
 
 Environment variables the user set (``TRANSFORMERS_VERBOSITY``, ``HF_HUB_DISABLE_PROGRESS_BARS``, ...) win.
 
@@ -57,6 +63,8 @@ def configure(verbose: bool) -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     warnings.filterwarnings("ignore", module=rf"({'|'.join(LIBRARIES)})(\.|$)")
+    hide_library_warnings()
+    hide_library_bars()
     if "transformers" in sys.modules:  # imported before this call (e.g. by a caller in the same process)
         from transformers.utils import logging as hf_logging
 
@@ -71,6 +79,45 @@ def configure(verbose: bool) -> None:
 
         datasets.utils.logging.set_verbosity_error()
         datasets.disable_progress_bars()
+
+
+def raised_by_library(frame) -> bool:
+    """Whether the code that called ``warnings.warn`` (the first frame outside the ``warnings`` module, from
+    ``frame`` outwards) belongs to one of :data:`LIBRARIES`."""
+    while frame is not None and frame.f_globals.get("__name__") in ("warnings", __name__):
+        frame = frame.f_back
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name.split(".", 1)[0] in LIBRARIES
+
+
+def hide_library_warnings() -> None:
+    """Wrap ``warnings.showwarning`` so that a warning raised by the code of one of :data:`LIBRARIES` is not
+    shown, whichever module it is attributed to (``stacklevel``). Idempotent."""
+    shown = warnings.showwarning
+    if getattr(shown, "shifu_quiet", False):
+        return
+
+    @functools.wraps(shown)
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not raised_by_library(sys._getframe(1)):
+            shown(message, category, filename, lineno, file, line)
+
+    showwarning.shifu_quiet = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
+
+
+def hide_library_bars() -> None:
+    """Import tqdm with ``TQDM_DISABLE=1``: tqdm reads its ``TQDM_*`` variables once, at import, as the
+    defaults of its bars, so a bar that does not pass ``disable`` stays off in this process; the variable is
+    removed again (child processes and the user's own programs do not inherit it). Nothing changes when the
+    user set ``TQDM_DISABLE`` or tqdm was imported already."""
+    if "tqdm" in sys.modules or "TQDM_DISABLE" in os.environ:
+        return
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        import tqdm.auto  # noqa: F401  (tqdm.std's class, read by every tqdm front end)
+    finally:
+        del os.environ["TQDM_DISABLE"]
 
 
 def import_deepspeed_on_use() -> None:

@@ -26,7 +26,7 @@ the same ``--out`` skips finished stages and continues from the first missing on
 checkpoint resumes from it).
 
 Evaluation (``summary.json``): one sample per held-out prompt (``data/prompts_eval.jsonl``, >= 256, never
-trained on by any stage) at the PPO sampling temperature (``generation.temperature``, 1.0 in every preset),
+trained on by any stage; the plan's ``eval.num_prompts`` keeps the first N) at the PPO sampling temperature (``generation.temperature``, 1.0 in every preset),
 from the SFT policy (``gold_before``) and the final policy (``gold_after``), scored by the task's gold judge
 (exact match for arith, VADER compound for imdb); each mean with its standard error (``*_se``), the gain
 paired over prompts (before and after share prompts and the sampling seed, so an unchanged policy gains
@@ -43,13 +43,25 @@ import dataclasses
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.experiments.pipeline import Stages, clock, done, elapsed, ppo_overrides, read_jsonl, write_jsonl
+from shifu.experiments.pipeline import (
+    Stages,
+    claim_run,
+    clock,
+    done,
+    elapsed,
+    ppo_overrides,
+    read_jsonl,
+    write_jsonl,
+    writing,
+)
+from shifu.runs import jsonfile
 
 # ----------------------------------------------------------------------------------------- stage plans
 # Config overrides per (task, preset) for each stage, in shifu/configs/quickstart/<task>-<preset>.yaml; data
@@ -92,6 +104,8 @@ class EvalPlan:
 
     max_new_tokens: int | None = opt(None, "tokens per sampled response (required; ppo.env: its budgets)")
     temperature: float | None = opt(None, "sampling temperature (required)")
+    num_prompts: int | None = opt(None, "held-out prompts evaluated: the first N of data/prompts_eval.jsonl "
+                                  "(default: all of them)")  # fmt: skip
     greedy: bool = opt(True, "arith: greedy accuracies as well")
     max_prompt_len: int | None = opt(None, "prompts cut to their last tokens (default: ppo.data's)")
     chat_template: bool | None = opt(None, "render prompts with the chat template (default ppo.data's)")
@@ -99,6 +113,10 @@ class EvalPlan:
     def validate(self) -> None:
         if self.temperature is None:
             raise ConfigError("eval needs max_new_tokens and temperature")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ConfigError(
+                f"eval.num_prompts must be >= 1 (or unset: every held-out prompt), got {self.num_prompts}"
+            )
 
 
 SECTIONS = {"pairs": PairsPlan, "soup": SoupPlan, "eval": EvalPlan}
@@ -233,11 +251,21 @@ def preference_prompts(files: dict[str, str], num_prompts: int | None = None) ->
 
 # --------------------------------------------------------------------------------------------- the run
 
+RESULTS = ["summary.json", "samples_before.jsonl", "samples_after.jsonl"]  # written by run(), top level
+
+
+def report_files() -> list[str]:
+    """What ``shifu.reporting.report.render_report`` writes at the top of the run directory."""
+    from shifu.reporting.plots import GOLD_VS_KL, PLOTS
+
+    return ["report.html", *(f"report/{name}.png" for name in [*(p.name for p in PLOTS), GOLD_VS_KL])]
+
 
 def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = None) -> dict[str, Any]:
-    """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json)."""
+    """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json).
+    ``out`` is held for the rest of the process (:func:`shifu.experiments.pipeline.claim_run`)."""
     plan = _plan(task, preset, sets)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_run(out, "quickstart", RESULTS + report_files())
     stages = Stages(out, seed, "quickstart")
 
     # 1. prepare: data files, tokenizer, untrained (or converted) base model
@@ -266,21 +294,25 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     stages.log("final evaluation on held-out prompts")
     t0 = clock()
     ev = eval_settings(plan)
-    if plan["ppo"].get("env"):  # held-out episodes through the environment: gold = the mean episode return
-        from shifu.tasks.episodes import compare
+    with writing(out, RESULTS):
+        if plan["ppo"].get(
+            "env"
+        ):  # held-out episodes through the environment: gold = the mean episode return
+            from shifu.tasks.episodes import compare
 
-        summary = compare(sft_final, policy, read_jsonl(files["prompts_eval"]), plan["ppo"]["env"], ev, seed, out)  # fmt: skip
-    else:
-        summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
-    took = elapsed(t0)
-    seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
-    summary.update(
-        task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
-    )
-    summary["policy"] = str(policy.relative_to(out))
-    summary["seconds_total"] = round(sum(seconds.values()), 2)
-    summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+            rows = read_jsonl(files["prompts_eval"])[: ev.get("num_prompts")]
+            summary = compare(sft_final, policy, rows, plan["ppo"]["env"], ev, seed, out)
+        else:
+            summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
+        took = elapsed(t0)
+        seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
+        summary.update(
+            task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
+        )
+        summary["policy"] = str(policy.relative_to(out))
+        summary["seconds_total"] = round(sum(seconds.values()), 2)
+        summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
+        (out / "summary.json").write_text(jsonfile.dumps(summary, indent=2), encoding="utf-8")
     from shifu.reporting.modelcard import write_model_card
 
     write_model_card(policy, out / "ppo", "ppo")  # now with gold before/after, held out
@@ -374,13 +406,15 @@ def evaluate(
     out: Path,
     gold: str | None = None,
 ) -> dict[str, Any]:
-    """Gold before/after and KL on the held-out prompts; writes samples_before/after.jsonl. ``gold``: the
-    judge (``package.module:function``; the task's own by default); ``ev["greedy"]`` false skips arith's
-    greedy accuracies."""
-    from shifu.rewards.sources import load_function
+    """Gold before/after and KL on the held-out prompts (the first ``ev["num_prompts"]``, all by default);
+    writes samples_before/after.jsonl. ``gold``: the judge (``package.module:function``; the task's own by
+    default); ``ev["greedy"]`` false skips arith's greedy accuracies. One progress bar on stderr counts the
+    prompts of every pass (sampled before and after, then greedy before and after)."""
+    from shifu.rewards.sources.sources import load_function
+    from shifu.runs.tracking import progress
     from shifu.tasks import evaluate_policy
 
-    rows = read_jsonl(prompts_path)
+    rows = read_jsonl(prompts_path)[: ev.get("num_prompts")]
     prompts = [r["prompt"] for r in rows]
     gold = gold or GOLD[task]
     gold_fn = load_function(gold, "gold judge")
@@ -388,9 +422,19 @@ def evaluate(
     # prompts cut to PPO's data.max_prompt_len (keeping their last tokens) as in training: an untruncated
     # long prompt + R new tokens can run past the model's positions (imdb small: 64)
     L, C = ev.get("max_prompt_len"), ev.get("chat_template", True)
-    before = evaluate_policy(str(sft_dir), None, prompts, R, T, seed + 777, max_prompt_len=L, chat_template=C)
-    after = evaluate_policy(str(final_dir), str(sft_dir), prompts, R, T, seed + 777, max_prompt_len=L,
-                            chat_template=C)  # fmt: skip
+    greedy = task == "arith" and ev.get("greedy", True)  # greedy decoding as well: the policy at its mode
+    n = len(prompts)
+    bar = progress(n * (4 if greedy else 2), "final evaluation")
+    kw = {"max_prompt_len": L, "chat_template": C, "on_batch": bar.update}
+
+    def run(what: str, policy: Path, ref: Path | None, sample_seed: int, is_greedy: bool = False) -> dict:
+        bar.set_postfix_str(what, refresh=True)
+        return evaluate_policy(
+            str(policy), ref and str(ref), prompts, R, T, sample_seed, greedy=is_greedy, **kw
+        )
+
+    before = run(f"SFT policy, sampled T={T:g}", sft_dir, None, seed + 777)
+    after = run(f"final policy, sampled T={T:g}", final_dir, sft_dir, seed + 777)
     g_before = [float(x) for x in gold_fn(prompts, before["responses"], rows)]
     g_after = [float(x) for x in gold_fn(prompts, after["responses"], rows)]
     write_jsonl(
@@ -404,7 +448,6 @@ def evaluate(
             for p, y, g, k3, k1 in zip(prompts, after["responses"], g_after, after["kl_k3"], after["kl"])
         ],
     )
-    n = len(prompts)
     gains = [a - b for a, b in zip(g_after, g_before)]  # paired: the same prompts and sampling seed
     summary: dict[str, Any] = {
         "gold_before": sum(g_before) / n,
@@ -421,15 +464,12 @@ def evaluate(
         "response_len_after": sum(after["lengths"]) / n,
         "gold_judge": gold,
     }
-    if task == "arith" and ev.get("greedy", True):  # greedy decoding as well: the policy at its mode
-        gb = evaluate_policy(
-            str(sft_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L, chat_template=C
-        )
-        ga = evaluate_policy(str(final_dir), None, prompts, R, T, seed, greedy=True, max_prompt_len=L,
-                             chat_template=C)  # fmt: skip
-        gb, ga = gb["responses"], ga["responses"]
+    if greedy:
+        gb = run("SFT policy, greedy", sft_dir, None, seed, True)["responses"]
+        ga = run("final policy, greedy", final_dir, None, seed, True)["responses"]
         summary["gold_greedy_before"] = sum(gold_fn(prompts, gb, rows)) / n
         summary["gold_greedy_after"] = sum(gold_fn(prompts, ga, rows)) / n
+    bar.close()
     return summary
 
 
@@ -478,19 +518,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     out = Path(args.out or f"runs/quickstart-{args.task}-{preset}-s{args.seed}")
-    summary = run(args.task, preset, out, args.seed, args.sets)
     from shifu.reporting.report import render_report
+    from shifu.reporting.summary import result_lines
+    from shifu.runs.checkpoint import release_run_dirs
 
-    print(f"report: {render_report(out)}")
-    unit = "exact-match accuracy" if args.task.startswith("arith") else "VADER compound"
-    if "tool_use_after" in summary:
-        unit += f"; tool use {summary['tool_use_before']:.2f} -> {summary['tool_use_after']:.2f}"
-    print(
-        f"{args.task}/{preset} seed {args.seed}: gold ({unit}, {summary['eval_prompts']} held-out prompts, "
-        f"T={summary['eval_temperature']}) before {summary['gold_before']:.3f} -> after "
-        f"{summary['gold_after']:.3f} (gain {summary['gold_gain']:+.3f} +- {summary['gold_gain_se']:.3f}, paired "
-        f"standard error) at KL {summary['kl']:.2f} nats/response (k3); "
-        f"{summary['seconds_total']:.0f} s; outputs in {out} (summary.json, report.html; policy in "
-        f"{summary['policy']})"
-    )
+    try:  # the run directory stays held (claim_run) until the report is written
+        summary = run(args.task, preset, out, args.seed, args.sets)
+        with writing(out, report_files()):
+            print(f"report: {render_report(out)}", file=sys.stderr)
+    finally:
+        release_run_dirs()
+    for line in result_lines(summary, args.task, preset, args.seed, out):
+        print(line, file=sys.stderr)
     return 0

@@ -50,12 +50,14 @@ from shifu.experiments.pipeline import (
     Stages,
     as_recorded,
     check_plan,
+    claim_run,
     digest,
     log,
     ppo_overrides,
     read_jsonl,
     train_stage,
     write_jsonl,
+    writing,
 )
 from shifu.experiments.pipeline import (
     merge as _merge,  # a budget's keys on top of quickstart's plan (private here)
@@ -354,7 +356,7 @@ def rm_gold_accuracy(rm_path: Path, pairs: list[dict]) -> dict[str, Any]:
     trainer is against the noisy (Bradley-Terry) labels it was trained to predict."""
     import torch
 
-    from shifu.rewards.sources import load_reward_model
+    from shifu.rewards.sources.sources import load_reward_model
 
     decided = [r for r in pairs if r["gold_chosen"] != r["gold_rejected"]]
     if not decided:
@@ -394,7 +396,7 @@ def _trainer_overrides(method: str, plan: dict, point: dict, shared: dict, seed:
 
 def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out: Path, ev: dict) -> dict:
     """Train one (method, point, seed) from the SFT policy and measure it; cached in RESULT.json."""
-    from shifu.rewards.sources import load_function
+    from shifu.rewards.sources.sources import load_function
 
     run_dir = out / "runs" / f"{method}-{label.replace('=', '')}-s{seed}"
     result_file = run_dir / "RESULT.json"
@@ -739,7 +741,8 @@ def frontier(
     else:
         order = {m: _spread(list(plan["points"][m]), points) for m in methods}
     t_start = time.time()
-    out.mkdir(parents=True, exist_ok=True)
+    reports = [f"{name}.json", f"{name}.png"]
+    claim_run(out, "study", reports)  # held for the rest of the process
     shared = shared_stages(task, plan, out)
     if reward_url:  # PPO and REINFORCE scored by a reward service (DPO learns from the pairs as before)
         shared["reward"] = {"url": reward_url}
@@ -752,7 +755,7 @@ def frontier(
         "seed": 777,
         "max_prompt_len": e.get("max_prompt_len"),
     }
-    from shifu.rewards.sources import load_function
+    from shifu.rewards.sources.sources import load_function
 
     base = measure(
         shared["sft"],
@@ -795,8 +798,9 @@ def frontier(
         "settings": {m: {label: plan["points"][m][label] for label in order[m]} for m in methods},
         "seconds_total": round(time.time() - t_start, 1),
     }
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    plot(report, out / f"{name}.png")
+    with writing(out, reports):
+        (out / f"{name}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+        plot(report, out / f"{name}.png")
     return report
 
 
@@ -921,9 +925,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     out = Path(args.out or f"runs/frontier-{args.task}-{budget}")
-    report = frontier(
-        args.task, budget, args.seeds, out, args.points, methods, args.only, args.name, args.reward_url
-    )
+    from shifu.runs.checkpoint import release_run_dirs
+
+    try:
+        report = frontier(
+            args.task, budget, args.seeds, out, args.points, methods, args.only, args.name, args.reward_url
+        )
+    finally:
+        release_run_dirs()
     print(_table(report))
     print(
         f"frontier: {out / (args.name + '.json')}, plot: {out / (args.name + '.png')}; "

@@ -269,7 +269,7 @@ _HEAD_LAYOUTS: dict[str, bool] = {}  # this process's answers, by probe name
 
 def head_product(weight: Tensor, rows: int):
     """``h (rows, d) -> logits (rows, V)`` of a decode step, ``h @ W^T`` as ``F.linear`` or as ``(W @ h^T)^T``,
-    whichever a probe measured faster on this machine for this weight's shape, dtype and row count.
+    whichever a probe measured faster on the CPU it runs on for this weight's shape, dtype and row count.
 
     At a few rows a decode step is a matrix-vector product: its time is the time to read the weight. With
     torch 2.13's CPU GEMM, one thread, the SmolLM2-135M head (49152 x 576, fp32) at 4 rows read 2.1-2.3x

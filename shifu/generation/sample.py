@@ -29,7 +29,7 @@ import torch
 
 from shifu.errors import DataError, ShifuError
 from shifu.runs import jsonfile
-from shifu.runs.checkpoint import resolve_policy
+from shifu.runs.files import resolve_policy
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from shifu.errors import ShifuError
-from shifu.runs.checkpoint import check_safetensors
+from shifu.runs.files import check_safetensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -10,7 +10,7 @@ of WARP, Rame et al. 2024); with M >= 2 runs of the same RL stage under differen
 of Wortsman et al. (2022) in task-vector form, the mean that WARP takes before that step. What the runs
 learned in common adds up; the parts of each run's change that the others do not share (the noise of its own
 samples and minibatches) partly cancel, so the mean spends less KL to the base for the same reward
-(docs/frontier.md measures it on the imdb quickstart: the mean of two PPO runs gains more gold than
+(docs/benchmarks/alignment.md measures it on the imdb quickstart: the mean of two PPO runs gains more gold than
 either at lower KL; the single-run LITI line is below the RL curve there).
 
 Every floating-point parameter is merged in float32 and stored in the base's dtype; tied parameters stay
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ MERGE_FILE = "merge.json"
 def merge_policies(base: str | Path, policies: list[str | Path], out: str | Path, scale: float = 1.0) -> Path:
     """Write ``base + scale * mean_i(policy_i - base)`` to ``out`` (an HF causal-LM directory); returns it."""
     from shifu.models.loading import load_causal_lm, load_tokenizer
-    from shifu.runs.checkpoint import save_hf_dir
+    from shifu.runs.files import save_hf_dir
 
     base, out = Path(base), Path(out)
     policies = [Path(p) for p in policies]
@@ -101,12 +102,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shifu.runs.checkpoint import resolve_policy
+    from shifu.runs.files import resolve_policy
 
     args = parser().parse_args(argv)
     base = resolve_policy(args.base)
     policies = [resolve_policy(p) for p in args.policies]
     out = merge_policies(base, policies, args.out, args.scale)
     print(f"shifu merge: {len(policies)} polic{'y' if len(policies) == 1 else 'ies'} onto {base} "
-          f"(scale {args.scale}) -> {out}")  # fmt: skip
+          f"(scale {args.scale}) -> {out}", file=sys.stderr)  # fmt: skip
     return 0

@@ -23,7 +23,7 @@ from torch import nn
 from shifu.errors import ShifuError
 from shifu.models.loading import _load_checked, check_own_tokenizer, load_tokenizer, read_json_file
 from shifu.models.padding import last_token_index, pad_right, position_ids_from_mask
-from shifu.runs.checkpoint import check_safetensors
+from shifu.runs.files import check_safetensors
 
 HEAD_FILE = "scalar_head.safetensors"
 META_FILE = "shifu_scalar.json"

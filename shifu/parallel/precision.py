@@ -222,7 +222,7 @@ class Probe:
         return t32 * rows / m, t16 * rows / m
 
     def pair(self, name: str, measure_now) -> tuple[float, float]:
-        """The two timings kept under ``name``; ``measure_now()`` gives them the first time on this machine."""
+        """The two timings kept under ``name``; ``measure_now()`` gives them the first time on a CPU."""
         if name in self.entries:
             self.cached += 1
         else:

@@ -19,6 +19,7 @@ import dataclasses
 import io
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,9 @@ import yaml
 from shifu.errors import ShifuError
 from shifu.reporting import report
 from shifu.reporting.modelcard import gold_comparison
-from shifu.reporting.report import _CSS, RunData, _e, _figure, _num, _series, load_run
+from shifu.reporting.plots import figure, series
+from shifu.reporting.report import CSS, esc
+from shifu.reporting.run_data import RunData, load_run, num, reward_source
 
 LAST = 5  # end-of-run values are the mean of the last LAST finite points (single iterations are noisy)
 
@@ -43,7 +46,7 @@ class Overlay:
 
 
 OVERLAYS: tuple[Overlay, ...] = (
-    Overlay("score", "Reward-model score (rollouts)", "score", "objective/score"),
+    Overlay("score", "Reward score (rollouts)", "score", "objective/score"),
     Overlay("gold", "Gold judge on held-out prompts", "gold score", "gold/score"),
     Overlay("kl", "KL to the reference policy", "nats per response", "objective/kl"),
     Overlay("beta", "KL coefficient beta", "beta", "objective/kl_coef"),
@@ -72,12 +75,12 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 
 def tail_mean(rows: list[dict[str, Any]], key: str, n: int = LAST) -> float | None:
     """Mean of the last ``n`` finite values of ``key`` (None when there are none)."""
-    values = [y for y in _series(rows, key)[1] if math.isfinite(y)]
+    values = [y for y in series(rows, key)[1] if math.isfinite(y)]
     return sum(values[-n:]) / len(values[-n:]) if values else None
 
 
 def last_value(rows: list[dict[str, Any]], key: str) -> float | None:
-    values = [y for y in _series(rows, key)[1] if math.isfinite(y)]
+    values = [y for y in series(rows, key)[1] if math.isfinite(y)]
     return values[-1] if values else None
 
 
@@ -143,46 +146,56 @@ def draw_overlay(
     plot: Overlay, runs: list[RunData], labels: list[str], colors: list
 ) -> tuple[str | None, list]:
     """The data URI of one overlay plot (None when no run has the key) and the labels of runs without it."""
-    fig, ax = _figure()
+    fig, ax = figure()
     missing = []
     for data, label, color in zip(runs, labels, colors):
-        xs, ys, _ = _series(data.stages.get("ppo", []), plot.key)
+        xs, ys, _ = series(data.stages.get("ppo", []), plot.key)
         if not any(math.isfinite(y) for y in ys):
             missing.append(label)
             continue
         ax.plot(xs, ys, color=color, label=label, marker="o" if len(xs) <= 40 else None, markersize=3)
         if plot.key == "gold/score" and data.summary is not None:  # the run's starting gold, dashed
-            before = _num(data.summary.get("gold_before"))
+            before = num(data.summary.get("gold_before"))
             if before is not None and math.isfinite(before):
                 ax.axhline(before, color=color, linestyle="--", linewidth=1)
     if len(missing) == len(runs):
         return None, missing
-    ax.set_title(plot.title)
+    ax.set_title(overlay_title(plot, runs))
     ax.set_xlabel("PPO iteration")
     ax.set_ylabel(plot.ylabel)
     ax.legend(fontsize=8)
     return _png_data_uri(fig), missing
 
 
+def overlay_title(plot: Overlay, runs: list[RunData]) -> str:
+    """``plot``'s title; the reward plot named by the runs' reward when they all have the same kind."""
+    if plot.name != "score":
+        return plot.title
+    kinds = {reward_source(data.ppo_config)[0] for data in runs}
+    return f"{kinds.pop()} (rollouts)" if len(kinds) == 1 else plot.title
+
+
 def draw_gold_vs_kl(runs: list[RunData], labels: list[str], colors: list) -> str | None:
-    """Gold against KL, one line per run through its evaluations (the frontier the runs trace)."""
-    fig, ax = _figure()
+    """Gold against KL, one line per run through its evaluations in order of KL (the frontier the runs
+    trace; in iteration order the line would zig-zag wherever KL fell between evaluations)."""
+    fig, ax = figure()
     drawn = 0
     for data, label, color in zip(runs, labels, colors):
-        pts = [(_num(r.get("eval/kl")), _num(r.get("gold/score"))) for r in data.stages.get("ppo", [])]
+        pts = [(num(r.get("eval/kl")), num(r.get("gold/score"))) for r in data.stages.get("ppo", [])]
         pts = [
             (k, g)
             for k, g in pts
             if k is not None and g is not None and math.isfinite(k) and math.isfinite(g)
         ]
         if pts:
+            pts.sort()
             ax.plot(
                 [p[0] for p in pts], [p[1] for p in pts], color=color, marker="o", markersize=3, label=label
             )
             drawn += 1
     if not drawn:
         return None
-    ax.set_title("Gold score against KL (one point per evaluation)")
+    ax.set_title("Gold score against KL (one point per evaluation, in order of KL)")
     ax.set_xlabel("KL to the reference (nats per response)")
     ax.set_ylabel("gold score")
     ax.legend(fontsize=8)
@@ -203,7 +216,7 @@ def summary_rows(data: RunData) -> dict[str, tuple[str, float | None]]:
     """column -> (shown text, number used to pick the best run) for one run."""
     ppo = data.stages.get("ppo", [])
     s = data.summary or {}
-    steps = [_num(r.get("step")) for r in ppo]
+    steps = [num(r.get("step")) for r in ppo]
     steps = [x for x in steps if x is not None and math.isfinite(x)]
     out: dict[str, tuple[str, float | None]] = {"iterations": (_fmt(max(steps), 0) if steps else "—", None)}
     for col, key in (
@@ -220,7 +233,7 @@ def summary_rows(data: RunData) -> dict[str, tuple[str, float | None]]:
     out["gold (last eval)"] = (_fmt(gold), gold)
     out["KL (last eval)"] = (_fmt(last_value(ppo, "eval/kl")), None)
     paired = gold_comparison(data.before or [], data.after or [])
-    before, after = _num(s.get("gold_before")), _num(s.get("gold_after"))
+    before, after = num(s.get("gold_before")), num(s.get("gold_after"))
     if paired is not None:
         (b, sb), (a, sa), (g, sg) = paired["before"], paired["after"], paired["gain"]
         out["gold before"] = (_fmt(b, se=sb), b)
@@ -231,8 +244,8 @@ def summary_rows(data: RunData) -> dict[str, tuple[str, float | None]]:
         out["gold after"] = (_fmt(after), after)
         gain = after - before if before is not None and after is not None else None
         out["gold gain"] = (_fmt(gain, signed=True), gain)
-    out["KL after (summary)"] = (_fmt(_num(s.get("kl"))), None)
-    out["RM accuracy"] = (_fmt(_num(s.get("rm_accuracy"))), _num(s.get("rm_accuracy")))
+    out["KL after (summary)"] = (_fmt(num(s.get("kl"))), None)
+    out["RM accuracy"] = (_fmt(num(s.get("rm_accuracy"))), num(s.get("rm_accuracy")))
     return out
 
 
@@ -251,17 +264,17 @@ def summary_table(runs: list[RunData], labels: list[str], colors: list) -> str:
         finite = [v for v in values if v is not None and math.isfinite(v)]
         if c in _BEST and len(runs) > 1 and len(finite) > 1 and len(set(finite)) > 1:
             best[c] = max(finite)
-    head = "<tr><th>run</th>" + "".join(f"<th>{_e(c)}</th>" for c in columns) + "</tr>"
+    head = "<tr><th>run</th>" + "".join(f"<th>{esc(c)}</th>" for c in columns) + "</tr>"
     body = []
     for r, label, color, data in zip(rows, labels, colors, runs):
         cells = []
         for c in columns:
             text, value = r.get(c, ("—", None))
             cls = "num best" if c in best and value == best[c] else "num"
-            cells.append(f'<td class="{cls}">{_e(text)}</td>')
+            cells.append(f'<td class="{cls}">{esc(text)}</td>')
         swatch = f'<span class="swatch" style="background:{_hex(color)}"></span>'
         body.append(
-            f'<tr><th title="{_e(data.run_dir.resolve())}">{swatch}{_e(label)}</th>'
+            f'<tr><th title="{esc(data.run_dir.resolve())}">{swatch}{esc(label)}</th>'
             + "".join(cells)
             + "</tr>"
         )
@@ -274,11 +287,11 @@ def differences_table(runs: list[RunData], labels: list[str]) -> str:
         return "<p>No config.yaml differences between these runs (or no config.yaml recorded).</p>"
 
     def cell(v: str) -> str:
-        return _e(v if len(v) <= 80 else v[:77] + "...")
+        return esc(v if len(v) <= 80 else v[:77] + "...")
 
-    head = "<tr><th>key</th>" + "".join(f"<th>{_e(x)}</th>" for x in labels) + "</tr>"
+    head = "<tr><th>key</th>" + "".join(f"<th>{esc(x)}</th>" for x in labels) + "</tr>"
     body = [
-        f"<tr><th>{_e(k)}</th>" + "".join(f'<td class="text">{cell(v)}</td>' for v in values) + "</tr>"
+        f"<tr><th>{esc(k)}</th>" + "".join(f'<td class="text">{cell(v)}</td>' for v in values) + "</tr>"
         for k, values in diffs
     ]
     return "<table>\n" + head + "\n" + "\n".join(body) + "\n</table>"
@@ -308,23 +321,25 @@ def render_comparison(run_dirs: list[str | Path], out: str | Path, labels: list[
         if uri is None:
             notes.append(f"{plot.name}: no run has {plot.key} in its PPO metrics")
             continue
-        figures.append((plot.name, uri, f"{plot.title}: {plot.key} per run"))
+        figures.append((plot.name, uri, f"{overlay_title(plot, runs)}: {plot.key} per run"))
         if missing:
             notes.append(f"{plot.name}: no {plot.key} in {', '.join(missing)}")
     uri = draw_gold_vs_kl(runs, labels, colors)
     if uri is None:
         notes.append(f"{GOLD_VS_KL}: no run has evaluations with both eval/kl and gold/score")
     else:
-        figures.append((GOLD_VS_KL, uri, "gold/score against eval/kl, one line per run"))
+        figures.append((GOLD_VS_KL, uri, "gold/score against eval/kl, one line per run in order of KL"))
 
     title = "shifu run comparison: " + ", ".join(labels)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{_e(title)}</title><style>{_CSS}{_EXTRA_CSS}</style></head><body>",
-        f"<h1>{_e(title)}</h1>",
-        '<p class="sub">' + "<br>".join(f"{_e(x)}: {_e(d.resolve())}" for x, d in zip(labels, dirs)) + "</p>",
+        f"<title>{esc(title)}</title><style>{CSS}{_EXTRA_CSS}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+        '<p class="sub">'
+        + "<br>".join(f"{esc(x)}: {esc(d.resolve())}" for x, d in zip(labels, dirs))
+        + "</p>",
         "<h2>Summary</h2>",
         f"<p>End-of-run values; (last {LAST}) is the mean of the last {LAST} iterations. ± is one standard "
         "error over held-out prompts (paired for the gain). The best value of a column is highlighted.</p>",
@@ -334,13 +349,13 @@ def render_comparison(run_dirs: list[str | Path], out: str | Path, labels: list[
     ]
     if notes:
         parts.append('<div class="notes"><b>Not shown or partly shown:</b><ul>')
-        parts += [f"<li>{_e(n)}</li>" for n in notes]
+        parts += [f"<li>{esc(n)}</li>" for n in notes]
         parts.append("</ul></div>")
     parts.append('<h2>Training curves</h2><div class="plots">')
     for name, uri, caption in figures:
         parts.append(
-            f'<figure><img src="{uri}" alt="{_e(name)}" width="640" height="360">'
-            f"<figcaption>{_e(caption)}</figcaption></figure>"
+            f'<figure><img src="{uri}" alt="{esc(name)}" width="640" height="360">'
+            f"<figcaption>{esc(caption)}</figcaption></figure>"
         )
     parts += ["</div>", "</body></html>"]
 
@@ -373,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.run_dir) > 1:
         labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
         path = render_comparison(args.run_dir, args.out or "compare.html", labels)
-        print(f"wrote {path} ({len(args.run_dir)} runs)")
+        print(f"wrote {path} ({len(args.run_dir)} runs)", file=sys.stderr)
         return 0
     if args.out or args.labels:
         raise ShifuError(
@@ -381,5 +396,5 @@ def main(argv: list[str] | None = None) -> int:
         )
     path = report.render_report(args.run_dir[0], max_samples=args.max_samples)
     n_png = len(list((path.parent / "report").glob("*.png")))
-    print(f"wrote {path} ({n_png} plots)")
+    print(f"wrote {path} ({n_png} plots)", file=sys.stderr)
     return 0

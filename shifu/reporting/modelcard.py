@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import yaml
 
 from shifu.config.loader import lookup
 from shifu.errors import ShifuError
-from shifu.reporting.report import read_json
+from shifu.reporting.run_data import read_json
 
 KINDS = ("sft", "rm", "ppo", "dpo")
 TITLES = {
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage_dir, kind in targets:
         if kind is None:
             raise ShifuError(f"cannot tell which stage wrote {stage_dir}; pass --kind {'|'.join(KINDS)}")
-        print(f"wrote {write_model_card(stage_dir / 'final', stage_dir, kind)}")
+        print(f"wrote {write_model_card(stage_dir / 'final', stage_dir, kind)}", file=sys.stderr)
     return 0
 
 

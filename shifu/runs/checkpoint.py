@@ -32,26 +32,27 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_model, save_file, save_model
 
 from shifu.errors import OutputDirError, ShifuError
+from shifu.runs.files import WRITE_ERRORS, check_safetensors
+from shifu.runs.files import failure_reason as _why
+from shifu.runs.files import fsync_dir as _fsync_dir
+from shifu.runs.files import fsync_tree as _fsync_tree
 
 CKPT_DIR = "checkpoints"
 MANIFEST = "manifest.json"  # in every checkpoint, written last: {relative path: size} of its files
 PREV_DIR = ".prev"  # checkpoints/.prev/step-N: step-N's files (hard links) while step-N is being replaced
 RUN_MARKER = ".shifu-run"  # written into every run directory; --overwrite deletes only such directories
-# what a failed write raises: the OS, torch.save's zip writer, the safetensors writer
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+STAGE_MARKER = (
+    ".shifu-stage"  # a stage directory a pipeline made (shifu.experiments.pipeline); not content of the run
+)
+PIPELINE_MARKER = ".shifu-pipeline"  # the run directory of a pipeline (shifu quickstart / study)
 
 
 def looks_like_run(d: Path) -> bool:
     """A directory shifu wrote: it has the run marker (or, from older runs, metrics or a checkpoint pointer)."""
     return any((d / m).exists() for m in (RUN_MARKER, "metrics.jsonl", f"{CKPT_DIR}/latest"))
-
-
-def _why(e: BaseException) -> str:
-    return getattr(e, "strerror", None) or str(e)
 
 
 def prepare_run_dir(run_dir: str | Path, resume: bool = False, overwrite: bool = False) -> Path:
@@ -66,9 +67,10 @@ def prepare_run_dir(run_dir: str | Path, resume: bool = False, overwrite: bool =
     d = Path(run_dir)
     if d.exists() and not d.is_dir():
         raise OutputDirError(f"output path '{d}' exists and is not a directory; choose another --out")
+    refuse_in_live_pipeline(d)  # a stage of a running pipeline is not restarted (or resumed) under it
     if (d / LOCK_FILE).exists():
         lock_run_dir(d)  # a live run's directory is refused before anything in it is judged or deleted
-    if d.exists() and any(p.name != LOCK_FILE for p in d.iterdir()):
+    if d.exists() and any(p.name not in (LOCK_FILE, STAGE_MARKER) for p in d.iterdir()):
         if not (resume or overwrite):
             raise OutputDirError(
                 f"output directory '{d}' is not empty. Pass --resume to continue the run there, "
@@ -80,8 +82,8 @@ def prepare_run_dir(run_dir: str | Path, resume: bool = False, overwrite: bool =
                 f"not look like a shifu run directory (no {RUN_MARKER}); choose another --out"
             )
         if not resume:
-            for p in d.iterdir():  # (the lock, held by this process, stays)
-                if p.name != LOCK_FILE:
+            for p in d.iterdir():  # (the lock, held by this process, stays; so does a stage marker)
+                if p.name not in (LOCK_FILE, STAGE_MARKER):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -120,12 +122,16 @@ def lock_run_dir(d: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = _lock_owner(fd)
+        for _ in range(40):  # taken this very moment: its owner writes who it is right after
+            if holder:
+                break
+            time.sleep(0.05)
+            holder = _lock_owner(fd)
         os.close(fd)
         pid = holder.get("pid", "?")
         raise OutputDirError(
-            f"output directory '{d}' is in use by a running shifu process (pid {pid} on {holder.get('host', '?')}, "
-            f"since {holder.get('started', '?')}: {holder.get('command', '?')}). Wait for it to end, stop it "
-            f"(kill -TERM {pid} checkpoints and exits), or choose another --out"
+            f"output directory '{d}' is in use by a running shifu process ({_who(holder)}). Wait for it to "
+            f"end, stop it (kill -TERM {pid} checkpoints and exits), or choose another --out"
         ) from None
     before = _lock_owner(fd)
     if before.get("pid") not in (None, os.getpid()):
@@ -143,6 +149,28 @@ def lock_run_dir(d: Path) -> None:
     _held[key] = (fd, os.getpid())
 
 
+def refuse_in_live_pipeline(d: Path) -> None:
+    """OutputDirError when ``d`` lies inside the run directory of a pipeline (``shifu quickstart``, ``shifu
+    study``: :data:`PIPELINE_MARKER`) whose lock another live process holds: that pipeline may be training,
+    restarting or reading the very stage ``d`` is. This process's own pipeline is no obstacle."""
+    for parent in Path(os.path.abspath(d)).parents:
+        lock = parent / LOCK_FILE
+        if not (parent / PIPELINE_MARKER).exists() or not lock.exists() or str(parent.resolve()) in _held:
+            continue
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: no pipeline runs there (closing unlocks)
+        except OSError:
+            holder = _lock_owner(fd)
+            raise OutputDirError(
+                f"output directory '{d}' is inside '{parent}', the run directory of a running shifu pipeline "
+                f"({_who(holder)}). Wait for it to end, stop it (kill -TERM {holder.get('pid', '?')}), or "
+                "choose an --out outside it"
+            ) from None
+        finally:
+            os.close(fd)
+
+
 def release_run_dirs() -> None:
     """Let go of every run directory this process locked, its lock file emptied (a run that ended, unlike
     a killed one, leaves no owner behind). The command line calls it when a run ends; so does exit."""
@@ -152,6 +180,12 @@ def release_run_dirs() -> None:
                 os.ftruncate(fd, 0)
             os.close(fd)
             del _held[key]
+
+
+def _who(holder: dict[str, Any]) -> str:
+    """A lock owner (:func:`_lock_owner`) in words: pid, host, start time and command."""
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('started', '?')}: "
+            f"{holder.get('command', '?')}")  # fmt: skip
 
 
 def _lock_owner(fd: int) -> dict[str, Any]:
@@ -196,25 +230,6 @@ def _np_state_to_json(s: tuple) -> list:
 
 def _np_state_from_json(s: list) -> tuple:
     return (s[0], np.array(s[1], dtype=np.uint32), s[2], s[3], s[4])
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
 
 
 def trained_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -485,121 +500,3 @@ def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
         elif a != b:
             out.append(prefix + k)
     return out
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``): a reader finds one or the other
-    under each name, never neither. False where the system or file system cannot (then nothing happened)."""
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _atomic_dir(path: str | Path, write) -> Path:
-    """Write a directory through ``write(tmp_dir)``, then swap it into place. A reader (``shifu sample``,
-    ``from_pretrained``, another process) always finds a complete directory under ``path``: the old one until
-    the swap, the new one after it (one ``RENAME_EXCHANGE``; where the system has none, two renames leave a
-    moment with no directory, and ``.old-NAME`` holds the previous one during it)."""
-    final = Path(path)
-    tmp = final.with_name(f".tmp-{final.name}")
-    old = final.with_name(f".old-{final.name}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write(tmp)
-        _fsync_tree(tmp)
-        if final.exists() and _exchange(tmp, final):  # tmp now holds the old directory
-            _fsync_dir(final.parent)
-            shutil.rmtree(tmp, ignore_errors=True)
-            return final
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except WRITE_ERRORS as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ShifuError(
-            f"could not write '{final}': {_why(e)}. Check free disk space and permissions"
-        ) from None
-    return final
-
-
-def save_hf_dir(model, tokenizer, path: str | Path) -> Path:
-    """An HF directory (safetensors weights, config, tokenizer) that ``from_pretrained`` loads; atomic."""
-
-    def write(tmp: Path) -> None:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-
-    return _atomic_dir(path, write)
-
-
-def save_scalar_dir(model, path: str | Path) -> Path:
-    """A shifu ScalarModel directory (reward model / critic); atomic."""
-    return _atomic_dir(path, lambda tmp: model.save_pretrained(tmp))
-
-
-def check_safetensors(path: str | Path, hint: str = "") -> None:
-    """ShifuError naming ``path`` unless it is a complete safetensors file: an 8-byte header length, a JSON
-    header, then exactly the tensor bytes the header's ``data_offsets`` cover (a truncated copy or an
-    interrupted download fails here, by name, instead of deep inside the loader)."""
-    p = Path(path)
-    hint = hint or f"the directory '{p.parent}' is damaged (an interrupted copy?): copy or save it again"
-    try:
-        size = p.stat().st_size
-        with open(p, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
-    except OSError as e:
-        raise ShifuError(f"cannot read '{p}': {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        raise ShifuError(f"'{p}' is not a safetensors file ({size} bytes, no readable header); {hint}")
-    try:
-        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"], default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise ShifuError(f"'{p}' has a damaged safetensors header; {hint}") from None
-    expected = 8 + n + end
-    if size < expected:
-        raise ShifuError(
-            f"'{p}' is truncated: it holds {size} of the {expected} bytes its header declares; {hint}"
-        )
-    if size > expected:
-        raise ShifuError(f"'{p}' has {size - expected} bytes after its last tensor (a damaged file); {hint}")
-
-
-POLICY_STAGES = ("soup", "ppo", "dpo", "sft")  # a quickstart run's policies, the last stage first
-REWARD_MARKERS = ("shifu_scalar.json", "ensemble.json")  # written by `shifu rm` into final/
-
-
-def resolve_policy(path: str | Path, reward_as: str = "--reward-model", policy_as: str = "MODEL") -> Path:
-    """The HF policy directory that ``path`` names: itself, its ``final/``, or a quickstart run's last
-    policy. A reward model, or a directory with no model, is a :class:`ShifuError` that says what to pass
-    (``reward_as``: where a reward model goes instead, ``policy_as``: where the policy goes)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ShifuError(f"{p} is not a directory: pass a run directory with final/ or a local HF model dir")
-    candidates = [p, p / "final", *(p / s / "final" for s in POLICY_STAGES)]
-    for c in candidates:
-        if any((c / m).exists() for m in REWARD_MARKERS):
-            raise ShifuError(
-                f"{c} is a reward model (shifu rm), not a policy: pass it as {reward_as}, and give a "
-                f"policy (an sft/ppo/dpo run directory or an HF causal-LM directory) as {policy_as}"
-            )
-        if (c / "config.json").is_file():
-            return c
-    raise ShifuError(
-        f"{p} holds no model: expected config.json in it, in {p / 'final'} (a trainer's run directory), "
-        f"or in {p}/{{{','.join(POLICY_STAGES)}}}/final (a quickstart run)"
-    )

@@ -14,6 +14,8 @@ conventions):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 TASKS = ("imdb", "arith", "arith_tool")
@@ -81,8 +83,10 @@ def generate_batches(
     greedy: bool = False,
     max_prompt_len: int | None = None,
     chat_template: bool = True,
+    on_batch: Callable[[int], object] | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
-    """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R))."""
+    """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R)).
+    ``on_batch(n)`` (e.g. a progress bar's ``update``) is called after each batch with its number of prompts."""
     from shifu.generation.rollout import SamplingParams, generate
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
@@ -104,6 +108,8 @@ def generate_batches(
             generator=generator,
         )
         out.append((enc, ids, mask))
+        if on_batch is not None:
+            on_batch(ids.shape[0])
     return out
 
 
@@ -116,13 +122,23 @@ def sample_responses(
     generator: torch.Generator | None = None,
     batch_size: int = 64,
     greedy: bool = False,
+    on_batch: Callable[[int], object] | None = None,
 ) -> list[str]:
-    """Decoded sampled (or greedy) responses, one per prompt, in order."""
+    """Decoded sampled (or greedy) responses, one per prompt, in order (``on_batch``: as
+    :func:`generate_batches`)."""
     from shifu.generation.rollout import decode_responses
 
     texts: list[str] = []
     for _, ids, mask in generate_batches(
-        model, tokenizer, prompts, max_new_tokens, temperature, generator, batch_size, greedy
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        temperature,
+        generator,
+        batch_size,
+        greedy,
+        on_batch=on_batch,
     ):
         texts.extend(decode_responses(tokenizer, ids, mask))
     return texts
@@ -161,6 +177,7 @@ def evaluate_policy(
     greedy: bool = False,
     max_prompt_len: int | None = None,
     chat_template: bool = True,
+    on_batch: Callable[[int], object] | None = None,
 ) -> dict:
     """Sample one response per prompt from ``policy_dir`` and measure the KL to ``reference_dir``.
 
@@ -169,7 +186,8 @@ def evaluate_policy(
     samples, i.e. the k1 estimate of KL(pi || pi_ref) per response), ``kl_k3`` (the k3 estimate, never
     negative: :func:`response_kl`) and ``lengths`` (real tokens, EOS included). ``kl`` and ``kl_k3`` are
     None without a reference. ``max_prompt_len`` keeps each prompt's last tokens; ``chat_template`` as
-    the run's ``data.chat_template`` (prompts rendered as PPO rendered them).
+    the run's ``data.chat_template`` (prompts rendered as PPO rendered them). ``on_batch(n)`` is called
+    after each batch of ``n`` prompts is sampled (a progress bar's ``update``).
     """
     from shifu.generation.rollout import decode_responses
     from shifu.models.loading import load_causal_lm, load_tokenizer
@@ -193,6 +211,7 @@ def evaluate_policy(
         greedy,
         max_prompt_len,
         chat_template,
+        on_batch,
     ):
         responses.extend(decode_responses(tok, ids, mask))
         lengths.extend(mask.sum(1).tolist())

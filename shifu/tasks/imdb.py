@@ -267,6 +267,7 @@ def make_preference_pairs(
     import torch
 
     from shifu.models.loading import load_causal_lm, load_tokenizer
+    from shifu.runs.tracking import progress
     from shifu.tasks import sample_responses
 
     out = Path(out_dir)
@@ -275,7 +276,11 @@ def make_preference_pairs(
     model = load_causal_lm(policy_dir, dropout=False).eval()
     gen = torch.Generator().manual_seed(seed)
     doubled = [p for p in prompts for _ in range(2)]  # a, b adjacent for each prompt
-    responses = sample_responses(model, tok, doubled, max_new_tokens, temperature, gen, batch_size)
+    bar = progress(len(doubled), "pairs: sampling")
+    responses = sample_responses(
+        model, tok, doubled, max_new_tokens, temperature, gen, batch_size, on_batch=bar.update
+    )
+    bar.close()
     gold = np.array(vader_compound(doubled, responses), dtype=np.float64)
     g_a, g_b = gold[0::2], gold[1::2]
     a_wins = bradley_terry_labels(g_a, g_b, tau, seed)

@@ -22,7 +22,7 @@ from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
 from shifu.parallel import precision
 from shifu.runs import checkpoint as ckpt
-from shifu.runs import jsonfile
+from shifu.runs import files, jsonfile
 
 
 def seed_everything(seed: int) -> None:
@@ -39,7 +39,7 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
     flash kernel: with torch 2.13 that kernel's bf16 *backward* measured 7x its fp32 time in a PPO update
     of the imdb quickstart's GPT-2 (4 layers, head dim 32, 48 positions; 1.20 s against 0.17 s), more than
     the bf16 GEMMs saved, so bf16 made the update slower than fp32 (3.1-3.4 s against 2.5-2.8 s); with the
-    math backend it takes 1.6-1.8 s (docs/performance.md). fp32 keeps the fused kernel, faster there."""
+    math backend it takes 1.6-1.8 s (docs/benchmarks/throughput.md). fp32 keeps the fused kernel, faster there."""
     dev = torch.device(device).type
     with torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=enabled):
         if enabled and dev == "cpu":
@@ -124,7 +124,7 @@ def save_policy(strategy, model, fresh, tokenizer, path: Path) -> None:
 
     plain = strategy.full_model(model, fresh)
     if strategy.is_main:
-        ckpt.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
+        files.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
     strategy.barrier()
 
 
@@ -252,5 +252,5 @@ def policy_config(cfg):
     given = Path(cfg.model.path)
     if not given.is_dir():
         return cfg  # the loaders' own errors name a missing path
-    found = ckpt.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
+    found = files.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
     return cfg if found == given else with_values(cfg, {"model.path": str(found)})

@@ -295,5 +295,5 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
                "guard": stop_reason, "evals": loop["evals"], "skipped_steps": s.skipped.total,
                "kl_coef": s.kl_ctl.value}  # fmt: skip
     tracker.close()
-    line = ppo_eval.closing_line(loop, s.kl_ctl.value, out, main)
+    line = ppo_eval.closing_line(loop, s.kl_ctl.value, out, main, cfg, len(eval_ids))
     return finish_run(out, summary, strategy, "ppo", line)

@@ -20,7 +20,7 @@ from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
 from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
-from shifu.runs import checkpoint as ckpt
+from shifu.runs import files
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
 
@@ -163,10 +163,14 @@ def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]
 HACKED_DROP = 0.05  # gold below its best by more than this at the end, while the score rose: a warning
 
 
-def closing_line(loop: dict[str, Any], kl_coef: float, out: Path, main: bool) -> str:
-    """The run's last line on stderr; before it (rank 0), a warning when the held-out judge's gold/score ended
-    more than ``HACKED_DROP`` below its best while the reward model's eval/score rose past that point: the
-    policy learned to please the reward model, not the judge (best/ keeps the judge's best iteration)."""
+def closing_line(
+    loop: dict[str, Any], kl_coef: float, out: Path, main: bool, cfg: PPOConfig, n_eval: int
+) -> str:
+    """The run's last line on stderr, with the last evaluation's held-out gold and how it was measured
+    (``n_eval`` prompts sampled at ``eval.temperature``); before it (rank 0), a warning when the held-out
+    judge's gold/score ended more than ``HACKED_DROP`` below its best while the reward model's eval/score
+    rose past that point: the policy learned to please the reward model, not the judge (best/ keeps the
+    judge's best iteration)."""
     evals = [e for e in loop["evals"] if "gold/score" in e and "eval/score" in e]
     gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
     if main and evals:
@@ -180,7 +184,10 @@ def closing_line(loop: dict[str, Any], kl_coef: float, out: Path, main: bool) ->
                 file=sys.stderr,
             )
     line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {kl_coef:.3g}"
-    return line + (f", held-out gold {gold:.3f}" if gold is not None else "") + f"; actor in {out / 'final'}"
+    if gold is not None:
+        how = f"last evaluation: {n_eval} prompts sampled at T={cfg.eval.temperature:g}"
+        line += f", held-out gold {gold:.3f} ({how})"
+    return line + f"; actor in {out / 'final'}"
 
 
 def warn_empty_responses(it: int, metrics: dict, tok, cfg: PPOConfig) -> bool:
@@ -236,7 +243,7 @@ def save_critic(models: PPOModels, cfg: PPOConfig, path: Path) -> None:
 
     plain = strategy.full_model(models.critic, fresh)
     if strategy.is_main:  # a LoRA critic: its adapters merged into a plain copy (a ScalarModel directory)
-        ckpt.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
+        files.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
     strategy.barrier()
 
 

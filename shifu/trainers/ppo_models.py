@@ -151,7 +151,8 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         if cfg.lora.enabled:
             actor = L.wrap_lora(actor, cfg.lora)
             if strategy.is_main:
-                print(f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled", flush=True)  # fmt: skip
+                print(f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled",
+                      file=sys.stderr, flush=True)  # fmt: skip
         return actor.to(device)
 
     zero3 = getattr(strategy, "zero3_init", None)  # ZeRO-3 builds trained HF models straight into shards
@@ -219,7 +220,8 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
             shared = L.share_frozen_trunk(actor, critic) if actor is not None else 0  # one copy of the base
             if strategy.is_main:
                 print(f"shifu ppo: LoRA critic, {L.trainable_summary(critic)}"
-                      + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""), flush=True)  # fmt: skip
+                      + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""),
+                      file=sys.stderr, flush=True)  # fmt: skip
         critic = critic.to(device)
     del sharded_init
     return actor, critic, value_head, ref, reward, used
