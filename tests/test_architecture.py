@@ -17,7 +17,7 @@ PKG = ROOT / "shifu"
 # The wings of shifu/, lowest first (docs/reference/architecture.md): a module imports only from its own wing and
 # from wings before it in this list. Nothing in shifu/ imports the CLI.
 WINGS = [
-    "core", "runs", "config", "models", "data", "parallel", "rewards", "generation", "tasks",
+    "core", "runs", "config", "models", "data", "parallel", "rewards", "envs", "generation", "tasks",
     "reporting", "trainers", "experiments", "serve", "cli",
 ]  # fmt: skip
 FLAT = {"__init__.py", "__main__.py", "errors.py"}

@@ -367,6 +367,23 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
+    """Multi-turn episodes (thirdparty_env:Echo, one fresh instance per episode): the chain of interruptions
+    ends with the weights, metrics (env/* included) and evaluation transcripts of the uninterrupted run."""
+    env = ["env.factory=thirdparty_env:Echo", "env.stop=[g,h,i,j,k,l]", "env.max_tokens_per_turn=6",
+           "env.max_total_tokens=24"]  # fmt: skip
+
+    def argv(out):
+        skip = ("reward.function", "eval.gold_function", "data.ptx", "ptx_coef")  # the environment rewards
+        return [a for a in ppo_argv(data, out) if not a.startswith(skip)] + env
+
+    resumed = _clean_and_chain(argv, tmp_path, 6, True, "final", "critic")
+    clean = tmp_path / "clean"
+    assert (clean / "samples.jsonl").read_text() == (resumed / "samples.jsonl").read_text()
+    assert any("env/return" in r for r in metric_rows(resumed))
+
+
+@pytest.mark.slow
 def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_checkpoints(data, tmp_path):
     """LoRA actor and LoRA critic: a checkpoint holds the adapters, the critic's value head and the Adam
     state of those alone (not the frozen base, reloaded from model.path on resume), and the interrupted

@@ -23,6 +23,7 @@ from shifu.config.sections import (
     CriticConfig,
     DistributedConfig,
     EnsembleConfig,
+    EnvConfig,
     EvalConfig,
     GenerationConfig,
     GuardConfig,
@@ -302,12 +303,15 @@ class PPOConfig(RunConfig):
     lora: LoraConfig = opt(
         LoraConfig(), "LoRA actor (the reference is then the actor with adapters disabled) and critic"
     )
+    env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment or tools (factory null: off)")
 
     def validate(self) -> None:
         super().validate()
         self.data.validate()
         r = self.reward
-        if sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
+        if self.env.factory is not None:  # the environment rewards the episodes
+            self.env.validate_alongside(r, self.eval.gold_function, self.distributed.strategy)
+        elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
             raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
         if r.dense and r.model_path is None:
             raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
@@ -393,6 +397,12 @@ class PPOConfig(RunConfig):
         """The advantage estimator that runs: ``advantage_estimator``, else ``gae``, or ``reinforce`` (the
         batch-baselined sequence return) for algo=reinforce."""
         return self.advantage_estimator or ("reinforce" if self.algo == "reinforce" else "gae")
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most tokens a rollout row holds after its prompt: ``generation.max_new_tokens``, or with an
+        environment ``ppo.env.max_total_tokens`` (sampled and observation tokens of an episode)."""
+        return self.env.max_total_tokens if self.env.factory is not None else self.generation.max_new_tokens
 
     @property
     def uses_critic(self) -> bool:

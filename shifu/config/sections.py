@@ -1,6 +1,6 @@
 """The config sections every command shares, each defined once: optimiser, processes (distributed), LoRA,
-model, data, evaluation, generation, reward, critic, KL, reward-hacking guard, reward-model ensemble and
-normalisation.
+model, data, evaluation, generation, reward, critic, KL, reward-hacking guard, environment (multi-turn episodes),
+reward-model ensemble and normalisation.
 
 A section is a frozen dataclass whose fields are declared with :func:`shifu.config.loader.opt` (default and
 help text); some check their own values in ``validate(prefix)``. The four command configs that compose them
@@ -290,6 +290,71 @@ class GuardConfig:
         "with a gold judge (eval.gold_function): stop and restore best/ after N evaluations in a row where gold "
         "falls while the reward model's score rises (0: off)",
     )
+
+
+@frozen
+class EnvConfig:
+    factory: str | None = opt(
+        None, "an environment 'package.module:Name' (a class, or a factory of ppo.env.kwargs): rollouts, validation "
+        "and the held-out evaluation become multi-turn episodes rewarded by it, instead of reward.* (docs/how-to/"
+        "multi-turn.md); null: one response per prompt"
+    )  # fmt: skip
+    kwargs: dict = opt({}, "keyword arguments of the factory, one fresh instance per episode")
+    max_turns: int = opt(
+        3, "turns (policy replies) per episode; an episode still going after them is truncated"
+    )
+    max_tokens_per_turn: int = opt(
+        32, "tokens the policy samples in one turn; a turn cut here truncates the episode"
+    )
+    max_total_tokens: int = opt(
+        128,
+        "sampled plus observation tokens per episode, after its first input; reaching it truncates the episode",
+    )
+    stop: list[str] = opt(
+        [], 'strings that end a turn besides EOS (the string is part of the turn), e.g. ["]"]'
+    )
+    step_timeout_s: float | None = opt(
+        60.0, "seconds one reset() or step() may take (a fault past it); null: no limit"
+    )
+    on_error: Literal["raise", "end_episode"] = opt(
+        "raise", "an environment fault (exception, wrong return type, timeout, observation over budget): stop the "
+        "run with an error naming the environment, row and turn, or end that episode with reward 0 (env/errors)"
+    )  # fmt: skip
+
+    def validate(self) -> None:
+        if self.factory is None:
+            return
+        for key in ("max_turns", "max_tokens_per_turn", "max_total_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"ppo.env.{key} must be >= 1 (got {getattr(self, key)})")
+        if self.max_total_tokens < self.max_tokens_per_turn:
+            raise ConfigError(f"ppo.env.max_total_tokens ({self.max_total_tokens}) must be >= "
+                              f"ppo.env.max_tokens_per_turn ({self.max_tokens_per_turn})")  # fmt: skip
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"ppo.env.stop must be a list of non-empty strings (got {self.stop!r})")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ConfigError(
+                f"ppo.env.step_timeout_s must be > 0 (got {self.step_timeout_s}); null: no limit"
+            )
+
+    def validate_alongside(self, reward: RewardConfig, gold_function: str | None, strategy: str) -> None:
+        """:meth:`validate`, and what an environment excludes in the rest of a PPO config."""
+        self.validate()
+        if (
+            reward.model_path is not None
+            or reward.function is not None
+            or reward.url is not None
+            or reward.dense
+        ):
+            raise ConfigError("ppo.env.factory rewards the episodes: unset reward.model_path, reward.function, "
+                              "reward.url and reward.dense (or unset ppo.env.factory)")  # fmt: skip
+        if gold_function is not None:
+            raise ConfigError("with ppo.env.factory the held-out gold is the mean episode return of the "
+                              "environment: unset eval.gold_function")  # fmt: skip
+        if strategy != "none":
+            raise ConfigError(
+                "ppo.env.factory runs its episodes in one process: set distributed.strategy=none"
+            )
 
 
 @frozen

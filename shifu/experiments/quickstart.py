@@ -102,7 +102,7 @@ class SoupPlan:
 class EvalPlan:
     """A plan's ``eval`` section: the final evaluation on the held-out prompts (:func:`evaluate`)."""
 
-    max_new_tokens: int | None = opt(None, "tokens per sampled response (required)")
+    max_new_tokens: int | None = opt(None, "tokens per sampled response (required; ppo.env: its budgets)")
     temperature: float | None = opt(None, "sampling temperature (required)")
     num_prompts: int | None = opt(None, "held-out prompts evaluated: the first N of data/prompts_eval.jsonl "
                                   "(default: all of them)")  # fmt: skip
@@ -111,7 +111,7 @@ class EvalPlan:
     chat_template: bool | None = opt(None, "render prompts with the chat template (default ppo.data's)")
 
     def validate(self) -> None:
-        if self.max_new_tokens is None or self.temperature is None:
+        if self.temperature is None:
             raise ConfigError("eval needs max_new_tokens and temperature")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ConfigError(
@@ -131,7 +131,9 @@ def check_stage(cls: type, section: Any, where: str) -> None:
         reward, model = (
             x if isinstance(x, dict) else {} for x in (section.get("reward"), section.get("model"))
         )
-        if cls is PPOConfig and not any(reward.get(k) for k in ("model_path", "function", "url")):
+        env = section.get("env") if isinstance(section.get("env"), dict) else {}
+        rewarded = any(reward.get(k) for k in ("model_path", "function", "url")) or env.get("factory")
+        if cls is PPOConfig and not rewarded:  # (an environment rewards its own episodes)
             fill["reward"] = {"model_path": "<run>/rm/final"}
         if cls is RMConfig and model.get("path") == "bag-of-tokens" and not model.get("tokenizer"):
             fill["model"]["tokenizer"] = "<run>/sft/final"
@@ -153,6 +155,9 @@ def check_plan_sections(plan: dict[str, Any], where: str) -> None:
             check_stage(STAGE_CONFIGS[name], section, f"{where}, section '{name}'")
         elif name in SECTIONS:
             check_section(SECTIONS[name], section, f"{where}, section '{name}'")
+    episodes = isinstance(plan["ppo"], dict) and isinstance(plan["ppo"].get("env"), dict)
+    if isinstance(plan["eval"], dict) and plan["eval"].get("max_new_tokens") is None and not episodes:
+        raise ConfigError(f"{where}, section 'eval': eval needs max_new_tokens and temperature")
 
 
 def read_plans(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
@@ -169,7 +174,7 @@ def read_plans(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 PLANS: dict[tuple[str, str], dict[str, Any]] = read_plans(shipped("quickstart"))
-DEFAULT_PRESET = {"imdb": "small", "arith": "tiny"}
+DEFAULT_PRESET = {"imdb": "small", "arith": "tiny", "arith_tool": "tiny"}
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:
@@ -268,8 +273,10 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     sft_final = stages.sft(plan["sft"], files) if plan["sft"] is not None else out / "data" / "base"
     # 3. imdb: preference pairs from the SFT policy, labelled by the noisy judge; then the reward model
     # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
-    gold = plan.get("gold", GOLD[task])
+    gold = plan.get("gold", GOLD.get(task))
     reward: dict[str, Any] = {"function": plan["ppo"].get("reward", {}).get("function", gold)}
+    if plan["ppo"].get("env"):  # an environment rewards its episodes (ppo.env)
+        reward = {}
     rm_accuracy = None
     if task == "imdb":
         prompts = preference_prompts(files, plan["pairs"].get("num_prompts"))
@@ -287,7 +294,15 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     t0 = clock()
     ev = eval_settings(plan)
     with writing(out, RESULTS):
-        summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
+        if plan["ppo"].get(
+            "env"
+        ):  # held-out episodes through the environment: gold = the mean episode return
+            from shifu.tasks.episodes import compare
+
+            rows = read_jsonl(files["prompts_eval"])[: ev.get("num_prompts")]
+            summary = compare(sft_final, policy, rows, plan["ppo"]["env"], ev, seed, out)
+        else:
+            summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
         took = elapsed(t0)
         seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
         summary.update(
@@ -372,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a built-in task end to end: prepare -> SFT -> (pairs -> RM) -> PPO -> evaluation "
         "-> report. Finished stages are kept; rerunning with the same --out continues.",
     )
-    ap.add_argument("--task", choices=["imdb", "arith"], default="imdb", help="built-in task (default imdb)")
+    ap.add_argument("--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)")  # fmt: skip
     ap.add_argument(
         "--preset",
         choices=["tiny", "small", "smollm2"],

@@ -201,6 +201,7 @@ def sample(
     engine: str = "auto",
     with_log_probs: bool = False,
     value_head: nn.Module | None = None,
+    stop: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> Sample:
     """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
     with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
@@ -210,7 +211,11 @@ def sample(
     ``all_done(local_done) -> global_done`` lets distributed ranks keep stepping (forwards on finished rows)
     until every rank is done; the default is local. ``engine="auto"`` uses the hand-written decoder for
     GPT-2 and Llama-style models (:mod:`shifu.generation.decode`, a preallocated KV cache) and the HF forward with its
-    cache for everything else; "hf" forces the latter. Both give the same tokens up to float rounding."""
+    cache for everything else; "hf" forces the latter. Both give the same tokens up to float rounding.
+
+    ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
+    at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
+    episode rollout (:mod:`shifu.generation.episodes`). ``running`` marks the rows that have not ended."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
@@ -244,8 +249,11 @@ def sample(
             if value_head is not None:
                 stats[2, :, t] = value_head(dec.last_hidden).squeeze(-1).float()
         steps = t + 1
-        if params.stop_at_eos:
-            eos_seen_at.masked_fill_((tok == eos_token_id) & (eos_seen_at == R), t)
+        if params.stop_at_eos or stop is not None:
+            ended = tok == eos_token_id if params.stop_at_eos else torch.zeros_like(tok, dtype=torch.bool)
+            if stop is not None:
+                ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(device)
+            eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
             if all_done(bool((eos_seen_at < R).all())):
                 break
         if t + 1 < R:

@@ -92,6 +92,12 @@ def _summary_html(data: RunData, n_prompts: int | None) -> str:
     return out
 
 
+def _response(row: dict[str, Any]) -> str:
+    """A sample's response cell: a multi-turn episode's transcript shows the policy's turns (the trained spans,
+    between the marks of :data:`shifu.generation.episodes.MARKS`) highlighted."""
+    return esc(row.get("response", "")).replace("\u27e6", "<mark>").replace("\u27e7", "</mark>")
+
+
 def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
     before, after = data.before or [], data.after or []
     files = "samples.jsonl" if data.kind == "ppo" else "samples_before.jsonl / samples_after.jsonl"
@@ -122,8 +128,8 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
         cls = "" if d is None or d == 0 else ("up" if d > 0 else "down")
         cells = [f'<td class="num">{i + 1}</td><td class="text">{esc(prompt)}</td>']
         if not one_side:
-            cells.append(f'<td class="text">{esc(b.get("response", ""))}</td><td class="num">{_f(gb)}</td>')
-        cells.append(f'<td class="text">{esc(a.get("response", ""))}</td><td class="num">{_f(ga)}</td>')
+            cells.append(f'<td class="text">{_response(b)}</td><td class="num">{_f(gb)}</td>')
+        cells.append(f'<td class="text">{_response(a)}</td><td class="num">{_f(ga)}</td>')
         if not one_side:
             cells.append(f'<td class="num {cls}">{_f(d, signed=True)}</td>')
         if with_kl:

@@ -159,7 +159,7 @@ def result_lines(summary: dict[str, Any], task: str, preset: str, seed: int, out
     standard error and the KL it cost) and, for arith, greedy; each figure says how it was measured, so that
     it is not mistaken for PPO's own evaluations (fewer prompts, ``ppo.eval.temperature``)."""
     s, T = summary, summary["eval_temperature"]
-    unit = "exact-match accuracy" if task == "arith" else "VADER compound"
+    unit = "exact-match accuracy" if task.startswith("arith") else "VADER compound"
     lines = [
         f"{task}/{preset} seed {seed}: gold judge ({unit}) on {s['eval_prompts']} held-out prompts, SFT policy "
         "(before) -> final policy (after):",
@@ -167,6 +167,8 @@ def result_lines(summary: dict[str, Any], task: str, preset: str, seed: int, out
         f"{s['gold_gain']:+.3f} +- {s['gold_gain_se']:.3f}, paired standard error) at KL {s['kl']:.2f} "
         "nats/response (k3)",
     ]
+    if "tool_use_after" in s:  # an environment with tools (ppo.env): episodes that called one
+        lines.append(f"  tool use: before {s['tool_use_before']:.3f} -> after {s['tool_use_after']:.3f}")
     if "gold_greedy_after" in s:
         greedy = f"before {s['gold_greedy_before']:.3f} -> after {s['gold_greedy_after']:.3f}"
         lines.append(f"  greedy:{' ' * (len(f'sampled at T={T:g}') - 5)}{greedy}")

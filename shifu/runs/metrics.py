@@ -81,6 +81,21 @@ METRICS: dict[str, str] = {
     "sizes/*": "derived sizes logged once at step 0 (minibatches per epoch, optimiser steps, ...)",
     "data/prompts_dropped": "prompts dropped at load time (e.g. longer than the prompt limit), logged at step 0",
     "rollout/rows": "responses in the rollout after non-finite scores were dropped",
+    # multi-turn episodes with an environment (ppo.env.factory), means over the rollout's episodes
+    "env/turns": "ppo.env: policy turns per episode (each ends at EOS, a stop string or its token budget)",
+    "env/tool_calls": "ppo.env: tool calls per episode, as the environment counts them (Step.info['tool_calls'])",
+    "env/tool_errors": "ppo.env: tool errors per episode (Step.info['tool_errors']: a call that could not be parsed, "
+    "named an unknown tool, or raised)",
+    "env/tool_use": "ppo.env: fraction of episodes with at least one tool call",
+    "env/observation_tokens": "ppo.env: observation tokens per episode (attended to, never trained on or counted as "
+    "response tokens)",
+    "env/truncated": "ppo.env: fraction of episodes cut by max_turns or a token budget (counted as responses "
+    "without EOS: reward.missing_eos_penalty applies)",
+    "env/errors": "ppo.env: fraction of episodes ended by an environment fault (on_error=end_episode; reward 0; "
+    "a fault before the first turn drops the episode as rollout/dropped_nonfinite)",
+    "env/return": "ppo.env: episode return, the sum of its turns' rewards",
+    "eval/env/*": "ppo.env: the env/* metrics of the held-out episodes of an evaluation (eval/env/return is "
+    "gold/score)",
     "sft/skipped_steps": "SFT optimiser steps skipped so far because the loss or gradients were not finite",
     # DPO (shifu dpo)
     "dpo/loss": "DPO loss -log sigmoid(beta*((pi_c - ref_c) - (pi_r - ref_r))), mean over the logging window",
@@ -100,7 +115,8 @@ METRICS: dict[str, str] = {
     "eval/score": "mean reward-model score on the held-out prompts",
     "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
     "eval/kl_k3": "k3 estimate of eval/kl (nats per response, never negative)",
-    "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM",
+    "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM; "
+    "with ppo.env, the mean episode return (the environment's own count)",
 }
 
 

@@ -176,7 +176,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     gold_fn = load_function(cfg.eval.gold_function, "eval.gold_function") if cfg.eval.gold_function else None
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
-    check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.generation.max_new_tokens)
+    check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.max_response_tokens)
     ptx = None
     if cfg.ptx_coef > 0:
         ptx = ptx_batches(tok, d.ptx, cfg.minibatch_size // cfg.grad_accum, d.max_prompt_len,

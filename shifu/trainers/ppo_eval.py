@@ -12,7 +12,9 @@ import torch
 
 from shifu.config.schema import PPOConfig
 from shifu.core import kl_estimate, masked_sum
+from shifu.envs.base import Environment
 from shifu.errors import ShifuError
+from shifu.generation.episodes import run_episodes
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
@@ -38,6 +40,8 @@ def evaluate(
     """
     tok, T, strategy = models.tokenizer, cfg.eval.temperature, models.strategy
     gen = torch.Generator().manual_seed(strategy.rank_seed(cfg.seed + 4242))
+    if isinstance(models.reward, Environment):
+        return evaluate_episodes(models, rows, cfg, gen)
     params = SamplingParams(cfg.generation.max_new_tokens, T, cfg.generation.top_k, cfg.generation.top_p)
     models.actor.eval()
     n_all, W = len(ids), strategy.world
@@ -102,6 +106,41 @@ def evaluate(
         for r, y, s, g in zip(rows, responses, scores_t.tolist(), golds)
     ]
     return metrics, samples
+
+
+@torch.no_grad()
+def evaluate_episodes(
+    models: PPOModels, rows: list[dict], cfg: PPOConfig, gen: torch.Generator
+) -> tuple[dict, list]:
+    """:func:`evaluate` with an environment: one episode per held-out row at the evaluation temperature. The
+    gold (``gold/score``, also ``eval/score``) is the mean episode return, the environment's own count;
+    ``eval/kl`` and ``eval/kl_k3`` sum over the sampled tokens; ``eval/env/*`` as the rollout's ``env/*``.
+    Samples hold each transcript after the first input, the policy's turns marked (``episodes.MARKS``)."""
+    tok, T, dev, env = models.tokenizer, cfg.eval.temperature, models.strategy.device, models.reward
+    params = SamplingParams(cfg.env.max_tokens_per_turn, T, cfg.generation.top_k, cfg.generation.top_p)
+    models.actor.eval()
+    actor, sums, samples = models.actor_module, {}, []
+    for i in range(0, len(rows), cfg.micro_batch_size):
+        part = rows[i : i + cfg.micro_batch_size]
+        eps = run_episodes(
+            actor, tok, env, part, params, gen, cfg.data.chat_template, cfg.data.max_prompt_len
+        )
+        mask, P = eps.sample.response_mask.to(dev), eps.prompt_ids.shape[1]
+        full = torch.cat([eps.prompt_ids, eps.sample.response_ids], 1).to(dev)
+        am = torch.cat([eps.prompt_mask, eps.attention.long()], 1).to(dev)
+        lp = policy_forward(actor, full, am, P, T)[0]
+        with models.reference() as ref:
+            ref_lp = policy_forward(ref, full, am, P, T)[0]
+        kl = {"eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
+              "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean()}  # fmt: skip
+        for k, v in (eps.metrics("eval/env/") | {k: float(v) for k, v in kl.items()}).items():
+            sums[k] = sums.get(k, 0.0) + v * len(part)
+        samples += [{"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
+                    for r, t, g, n, c in zip(part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"],
+                                             eps.truncated.tolist())]  # fmt: skip
+    metrics = {k: v / len(rows) for k, v in sums.items()}
+    gold = metrics["eval/env/return"]
+    return metrics | {"eval/score": gold, "gold/score": gold}, samples
 
 
 def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]) -> str | None:

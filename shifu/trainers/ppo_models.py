@@ -16,6 +16,7 @@ from torch import nn
 
 from shifu import core
 from shifu.config.schema import PPOConfig
+from shifu.envs.base import Environment
 from shifu.errors import ShifuError
 from shifu.generation.rollout import check_exact_kl_memory
 from shifu.models import lora as L
@@ -44,7 +45,7 @@ class PPOModels:
     critic: nn.Module | None
     value_head: nn.Module | None
     ref: nn.Module | None
-    reward: RewardSource  # (or a shifu.rewards.remote.RemoteReward: the same call)
+    reward: RewardSource  # (or a rewards.remote.RemoteReward: the same call; an envs.base.Environment)
     tokenizer: Any
     strategy: Strategy
     optimizers: dict[str, Trained]
@@ -163,7 +164,9 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         )
         if cfg.model.ref_path:  # another model family would crash mid-run or give a meaningless KL
             check_vocab(tok, ref, cfg.model.ref_path, "model.ref_path")
-    if cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
+    if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
+        reward = Environment(cfg.env)
+    elif cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
         from shifu.rewards.remote import RemoteReward
 
         r = cfg.reward
