@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The CPU build of torch; GPU users install their own torch into .venv first and pass TORCH_SPEC=
 TORCH_SPEC ?= torch==2.13.0
-THREADS ?= 1
+# torch threads of `make quickstart`: empty = all the machine's cores; THREADS=1 reproduces a run bit for bit
+# on another machine with the same CPU kind
+THREADS ?=
 # test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
 TEST_WORKERS ?= 2
 

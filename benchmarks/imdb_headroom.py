@@ -1,5 +1,5 @@
 """How far the imdb quickstart's RL is from what its SFT policy and reward model allow (diagnostics for the
-"+0.6 gold at KL <= 6 nats" bar of issue 16). Each mode reads a finished quickstart run directory ``RUN``
+"+0.6 gold at KL <= 6 nats" bar). Each mode reads a finished quickstart run directory ``RUN``
 (``shifu quickstart --task imdb --seed S --out RUN``: data/, sft/, rm/) and prints JSON:
 
     python benchmarks/imdb_headroom.py best-of-n RUN --n 64 --prompts 64

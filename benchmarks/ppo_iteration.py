@@ -1,6 +1,6 @@
 """Time full PPO iterations of shifu (and, with --vs-trl, of TRL's PPO on the identical models).
 
-Setup (issue 8): random GPT-2-style policy (4 layers, width 256, 4 heads, vocab 4096, tied embeddings),
+Setup: random GPT-2-style policy (4 layers, width 256, 4 heads, vocab 4096, tied embeddings),
 reward and value models of the same shape; 32 prompts x 16 tokens, 32 new tokens with EOS disabled (every
 response has 32 tokens), 4 PPO epochs of minibatch 8 (16 optimiser steps per iteration), fp32, 1 thread,
 1 warm-up + 5 measured iterations. Prints one JSON line per system.
@@ -9,7 +9,7 @@ response has 32 tokens), 4 PPO epochs of minibatch 8 (16 optimiser steps per ite
     python benchmarks/ppo_iteration.py --vs-trl     # alternate shifu and TRL runs, print the ratio
     python benchmarks/ppo_iteration.py --short      # 1 iteration, no warm-up (CI: keeps it from rotting)
 
-The cost curve (issue 15): ``--shape toy|gpt2-12x512|smollm2-135m`` and ``--response-len N`` (random weights;
+The cost curve: ``--shape toy|gpt2-12x512|smollm2-135m`` and ``--response-len N`` (random weights;
 ``--batch``/``--minibatch`` shrink the rollout at the large shapes). ``--eos-scale s`` scales the EOS row of
 the tied embedding so that responses stop at EOS at varied lengths (then EOS is not disabled);
 ``--micro-batch-tokens N`` passes shifu's token-budget micro-batches; ``--budget-ab N`` alternates shifu
@@ -54,7 +54,7 @@ SEED = 0
 
 @dataclasses.dataclass
 class Setup:
-    """The benchmarked model shape and rollout (the defaults: issue 8's toy configuration)."""
+    """The benchmarked model shape and rollout (the defaults: the toy configuration)."""
 
     shape: str = "toy"
     arch: str = "gpt2"  # gpt2 or llama

@@ -1,4 +1,4 @@
-"""The critic-free methods on the built-in quickstart tasks (issue 16): gold gain over the SFT policy, KL and
+"""The critic-free methods on the built-in quickstart tasks: gold gain over the SFT policy, KL and
 time per method and seed, as ``shifu quickstart`` runs them.
 
     python benchmarks/quickstart_methods.py --task arith --seeds 0,1,2 --out runs/qs-methods

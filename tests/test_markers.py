@@ -1,6 +1,6 @@
 """The lane check of tests/conftest.py: a file whose tests lack a lane marker, or carry two, or are slow in the
 unit lane, is a collection error naming each such test (``-m unit`` too: the check comes before the
-selection), and the session stops before running anything; tests in one lane each run, and ``-m unit``
+selection), and the run stops before running anything; tests in one lane each run, and ``-m unit``
 picks the unit lane."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_runs_a_trainer():
 def _session(pytester, files: dict[str, str], *args):
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makefile(".py", **files)
-    # the inner session runs in this process, without xdist (and without hypothesis: seconds to import)
+    # the inner run executes in this process, without xdist (and without hypothesis: seconds to import)
     return pytester.runpytest_inprocess(
         "-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", *args
     )

@@ -23,7 +23,7 @@ COLOURS = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "
 
 
 def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[str, Any]:
-    """The critic-free methods of a budget (issue 16), on its PPO and REINFORCE settings and the same
+    """The critic-free methods of a budget, on its PPO and REINFORCE settings and the same
     responses per iteration (``batch_size`` counts responses: G = 4 per prompt for the group methods):
 
     - ``grpo``: PPO's clipped loss and epochs, group-normalised advantages, the KL as a k3 loss term;

@@ -47,7 +47,7 @@ def evaluate(
     writes samples_before/after.jsonl. ``gold``: the judge (``package.module:function``; the task's own by
     default); ``ev["greedy"]`` false skips arith's greedy accuracies. One progress bar on stderr counts the
     prompts of every pass (sampled before and after, then greedy before and after)."""
-    from shifu.rewards.sources.sources import load_function
+    from shifu.rewards.sources import load_function
     from shifu.runs.tracking import progress
     from shifu.tasks import evaluate_policy
 

@@ -215,7 +215,7 @@ def rm_gold_accuracy(rm_path: Path, pairs: list[dict]) -> dict[str, Any]:
     trainer is against the noisy (Bradley-Terry) labels it was trained to predict."""
     import torch
 
-    from shifu.rewards.sources.sources import load_reward_model
+    from shifu.rewards.sources import load_reward_model
 
     decided = [r for r in pairs if r["gold_chosen"] != r["gold_rejected"]]
     if not decided:
@@ -255,7 +255,7 @@ def _trainer_overrides(method: str, plan: dict, point: dict, shared: dict, seed:
 
 def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out: Path, ev: dict) -> dict:
     """Train one (method, point, seed) from the SFT policy and measure it; cached in RESULT.json."""
-    from shifu.rewards.sources.sources import load_function
+    from shifu.rewards.sources import load_function
 
     run_dir = out / "runs" / f"{method}-{label.replace('=', '')}-s{seed}"
     result_file = run_dir / "RESULT.json"
@@ -372,7 +372,7 @@ def frontier(
         "seed": 777,
         "max_prompt_len": e.get("max_prompt_len"),
     }
-    from shifu.rewards.sources.sources import load_function
+    from shifu.rewards.sources import load_function
 
     base = measure(
         shared["sft"],
