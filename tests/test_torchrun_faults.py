@@ -224,5 +224,8 @@ def test_shifu_launch_exits_with_the_status_of_a_failed_process(tiny_model_dir, 
     run = Launch(tmp_path, "refused", *sft_argv(tiny_model_dir, data, out, "optim.lr=-1"), launcher="shifu")
     code = run.wait(240)
     log = run.output()
-    assert run.exit_codes() == {0: 2, 1: 2}, log[-3000:]
+    # the first process to refuse exits 2; the launcher then stops the other, which may not get to record its
+    # own status (it refuses the same config, so what it records is 2 as well)
+    codes = run.exit_codes()
+    assert codes and set(codes.values()) == {2}, (codes, log[-3000:])
     assert code == 2 and "shifu launch: process" in log and "exited with status 2" in log, (code, log[-3000:])
