@@ -5,11 +5,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The CPU build of torch; GPU users install their own torch into .venv first and pass TORCH_SPEC=
 TORCH_SPEC ?= torch==2.13.0
-THREADS ?= 1
+# torch threads of `make quickstart`: empty = all the machine's cores; THREADS=1 reproduces a run bit for bit
+# on another machine with the same CPU kind
+THREADS ?=
 # test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
 TEST_WORKERS ?= 2
 
-.PHONY: setup quickstart test lint format clean bench
+.PHONY: setup quickstart test test-fast lint format clean bench docs-reference docs-tables
 
 setup: $(STAMP)
 
@@ -29,7 +31,11 @@ quickstart: setup
 test: setup
 	$(VENV)/bin/ruff check shifu tests benchmarks
 	$(VENV)/bin/ruff format --check shifu tests benchmarks
-	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+
+# the unit lane (pure functions and tiny models, no trainer run or subprocess): about a minute on two cores
+test-fast: setup
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m unit
 
 format: setup
 	$(VENV)/bin/ruff format shifu tests benchmarks
@@ -37,6 +43,14 @@ format: setup
 
 bench: setup
 	$(PY) benchmarks/ppo_iteration.py
+
+# docs/reference/configuration.md (from --help-config) and metrics.md (from shifu/runs/metrics.py)
+docs-reference: setup
+	$(PY) docs/gen_reference.py
+
+# the results tables of README.md and docs/benchmarks/ from the records in benchmarks/results/
+docs-tables: setup
+	$(PY) benchmarks/tables.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,8 +1,11 @@
-"""The cost curve of docs/performance.md from the JSON lines of ``ppo_iteration.py --vs-trl`` runs.
+"""The cost curve of docs/benchmarks/throughput.md from ``ppo_iteration.py --vs-trl`` runs.
 
+    python benchmarks/cost_curve.py docs/img/cost_curve.png             # the records of series cost-curve
     python benchmarks/cost_curve.py OUT.png RUN.jsonl [RUN.jsonl ...]   # plot + a Markdown table on stdout
 
-Each file is one ``--vs-trl`` run (its ``{"run": ...}`` lines and the summary line). The plot: seconds per
+With no RUN files it reads the ``--vs-trl`` records of series ``cost-curve`` in
+``benchmarks/results/ppo_iteration.jsonl`` (``ppo_iteration.py --vs-trl --record --series cost-curve``).
+Each RUN file is one ``--vs-trl`` run's output (its ``{"run": ...}`` lines and the summary line). The plot: seconds per
 iteration per generated token (the rollout sizes differ between shapes) for shifu fp32, TRL fp32 and shifu
 fast, one group per (shape, response length); the table: the per-phase figures, MFU and peak RSS.
 """
@@ -12,6 +15,18 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+
+def from_records(path: Path, series: str = "cost-curve") -> list[dict]:
+    """The ``--vs-trl`` records of ``series`` in a provenance file, as :func:`load` returns a run."""
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("series") == series and rec["params"].get("mode") == "vs-trl":
+            setup = {k: v for k, v in rec["params"].items() if k not in ("mode", "rounds", "iters", "warmup")}
+            runs = {name: {**rs[0], "setup": setup} for name, rs in rec["metrics"]["runs"].items()}
+            out.append({"runs": runs, "summary": rec["metrics"]["summary"], "setup": setup})
+    return out
 
 
 def load(path: Path) -> dict:
@@ -104,6 +119,13 @@ def plot(results: list[dict], out: Path) -> None:
 
 def main(argv: list[str]) -> int:
     out, paths = Path(argv[0]), [Path(p) for p in argv[1:]]
+    if not paths:
+        results = from_records(Path(__file__).resolve().parent / "results" / "ppo_iteration.jsonl")
+        order = {"toy": 0, "gpt2-12x512": 1}
+        results.sort(key=lambda r: (order.get(r["setup"]["shape"], 2), r["setup"]["new_tokens"]))
+        plot(results, out)
+        print(table(results))
+        return 0
     results = []
     for p in paths:
         r = load(p)

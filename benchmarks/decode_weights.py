@@ -1,7 +1,7 @@
 """How fast can one decode step read SmolLM2-135M's weights? fp32, bf16 and int8 weight-only linears.
 
-Issue 15 asks generation >= 2.5x HF ``generate`` at the 135M shape with 128-token responses; shifu's decode
-reaches 1.05-1.25x in fp32 and 1.6-1.8x with its bf16 decode copy (docs/performance.md). At a few rows per
+At the 135M shape with 128-token responses shifu's decode reaches 1.0-1.25x HF ``generate`` in fp32 and
+1.8-2.6x with its bf16 decode copy (docs/benchmarks/throughput.md). At a few rows per
 step a decode linear is a matrix-vector product that reads every weight once, so its time is set by the bytes
 it reads. This measures, one thread, each linear of one decode step at the SmolLM2-135M shape (per layer:
 fused q/k/v 576 -> 960, o 576 -> 576, fused gate/up 576 -> 3072, down 1536 -> 576; 30 layers; the tied
@@ -15,12 +15,12 @@ lm_head 576 -> 49152) with the weight held
 and prints, per row count, one JSON line: milliseconds per decode step for each (30 x the layer's linears +
 the head), the ratio to fp32, and the effective read bandwidth. Attention over the cache, norms and
 sampling are not included (they are the same for all three). Each linear is timed alone, so its weight is
-read from cache where it fits (a real step streams all 30 layers from memory: slower, see docs/performance.md).
+read from cache where it fits (a real step streams all 30 layers from memory: slower).
 
 ``--generation``: whole generations instead (the random-weight SmolLM2-135M policy of
 ``ppo_iteration.py``, 128 new tokens, sampling, fp32), alternating shifu's decoder with the output
 embedding read as ``F.linear(h, W)``, shifu's decoder with it read as ``(W @ h^T)^T`` (the two orders
-:func:`shifu.decode.head_product` chooses between) and HF ``generate``; one JSON line per row count::
+:func:`shifu.generation.decode.head_product` chooses between) and HF ``generate``; one JSON line per row count::
 
     python benchmarks/decode_weights.py                 # rows 4 and 16
     python benchmarks/decode_weights.py --rows 1 4 --repeats 100
@@ -39,7 +39,10 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from shifu.precision import machine_key
+from shifu.parallel.precision import machine_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 
 LAYER = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 HEAD, N_LAYER = (576, 49152), 30
@@ -91,8 +94,8 @@ def generation(rows: int, rounds: int = 3) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ppo_iteration as pi
 
-    import shifu.decode as dec
-    from shifu.rollout import SamplingParams, generate
+    import shifu.generation.decode as dec
+    from shifu.generation.rollout import SamplingParams, generate
 
     pi.S = pi.Setup(shape="smollm2-135m", **pi.SHAPES["smollm2-135m"], batch=rows, new_tokens=128)
     model = pi.build_policy()
@@ -136,10 +139,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30, help="calls per timed block")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--generation", action="store_true", help="whole generations: head orders vs HF generate")
+    provenance.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for rows in args.rows:
-        print(json.dumps(generation(rows) if args.generation else step(rows, args.repeats)), flush=True)
+        out = generation(rows) if args.generation else step(rows, args.repeats)
+        print(json.dumps(out), flush=True)
+        params = {"mode": "generation" if args.generation else "step", "rows": rows, "model": "SmolLM2-135M shape",
+                  **({} if args.generation else {"repeats": args.repeats})}  # fmt: skip
+        provenance.record(args, "decode_weights", {k: v for k, v in out.items() if k != "rows"}, params=params,
+                          config=params)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ normalisation, ptx; (b) a critic from the reward model, fixed KL, score clipping
 ``grad_accum=2``; (c) ``algo=reinforce``; (d) ``algo=ppo_penalty``. ``compare`` checks every
 ``metrics.jsonl`` value (``time/`` and ``perf/`` keys excluded), every tensor of ``final/``, ``best/`` and
 ``critic/`` and ``samples.jsonl``; keys only one side has are listed, not failed (a refactor may add
-metrics). Exit status 1 on any difference. The session of 2026-12-01 ran this protocol (with the old key
-names on the base side) for the trainer redesign: bit-identical.
+metrics). Exit status 1 on any difference.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def _inputs(out: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_tokenizer, write_jsonl
 
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     d = out / "inputs"
     tok = build_tiny_tokenizer(False)

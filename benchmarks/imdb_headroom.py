@@ -1,5 +1,5 @@
 """How far the imdb quickstart's RL is from what its SFT policy and reward model allow (diagnostics for the
-"+0.6 gold at KL <= 6 nats" bar of issue 16). Each mode reads a finished quickstart run directory ``RUN``
+"+0.6 gold at KL <= 6 nats" bar). Each mode reads a finished quickstart run directory ``RUN``
 (``shifu quickstart --task imdb --seed S --out RUN``: data/, sft/, rm/) and prints JSON:
 
     python benchmarks/imdb_headroom.py best-of-n RUN --n 64 --prompts 64
@@ -35,11 +35,13 @@ import shutil
 import time
 from pathlib import Path
 
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 import torch
 
-from shifu import quickstart as qs
-from shifu.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
-from shifu.rewards import load_function, load_reward_model
+from shifu.experiments import evaluation as ev_mod
+from shifu.experiments import quickstart as qs
+from shifu.experiments.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.rewards.sources import load_function, load_reward_model
 from shifu.tasks import evaluate_policy
 
 PRESET = "small"
@@ -47,8 +49,8 @@ PRESET = "small"
 
 def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> dict:
     """The quickstart's final evaluation of ``policy`` against run's SFT policy (samples in ``out``)."""
-    ev = qs.eval_settings(plan)
-    s = qs.evaluate(
+    ev = ev_mod.eval_settings(plan)
+    s = ev_mod.evaluate(
         "imdb", run / "sft" / "final", policy, str(run / "data" / "prompts_eval.jsonl"), ev, seed, out
     )
     return {k: s[k] for k in ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "kl_k1")}
@@ -56,7 +58,7 @@ def held_out_eval(run: Path, policy: Path, out: Path, plan: dict, seed: int) -> 
 
 def sample(run: Path, prompts: list[str], n: int, plan: dict, seed: int) -> list[str]:
     """n responses per prompt from run's SFT policy (prompt-major: response j of prompt i at i * n + j)."""
-    ev = qs.eval_settings(plan)
+    ev = ev_mod.eval_settings(plan)
     rep = [p for p in prompts for _ in range(n)]
     return evaluate_policy(str(run / "sft" / "final"), None, rep, ev["max_new_tokens"], ev["temperature"], seed,
                            max_prompt_len=ev["max_prompt_len"], chat_template=ev["chat_template"])["responses"]  # fmt: skip
@@ -178,28 +180,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--judge", type=Path, nargs="*", default=[], help="rm-screen: finished runs whose samples judge"
     )
+    provenance.add_arguments(ap)
     args = ap.parse_args(argv)
     plan = qs._plan("imdb", PRESET, args.set)
     if args.mode != "best-of-n" and args.out is None:
         ap.error(f"{args.mode} needs --out")
     if args.mode == "best-of-n":
-        for row in best_of_n(args.run, args.n, args.prompts, plan, args.seed):
-            print(json.dumps(row))
+        results = best_of_n(args.run, args.n, args.prompts, plan, args.seed)
     elif args.mode == "judge":
         if args.policy is None:
             ap.error("judge needs --policy DIR")
-        result = held_out_eval(args.run, args.policy, args.out, plan, args.seed)
-        print(json.dumps({"run": str(args.run), "policy": str(args.policy)} | result))
+        results = [
+            {"run": str(args.run), "policy": str(args.policy)}
+            | held_out_eval(args.run, args.policy, args.out, plan, args.seed)
+        ]
     elif args.mode == "gold-reward":
-        print(json.dumps(gold_reward(args.run, args.out, plan, args.seed)))
+        results = [gold_reward(args.run, args.out, plan, args.seed)]
     elif args.mode == "rm-screen":
         if not args.judge:
             ap.error("rm-screen needs --judge RUN ... (finished quickstart runs)")
-        print(json.dumps(rm_screen(args.run, args.out, args.judge, plan, args.seed) | {"sets": args.set}))
+        results = [rm_screen(args.run, args.out, args.judge, plan, args.seed) | {"sets": args.set}]
     else:
-        print(
-            json.dumps(raft(args.run, args.out, args.n, args.prompts, args.lr, args.epochs, plan, args.seed))
-        )
+        results = [raft(args.run, args.out, args.n, args.prompts, args.lr, args.epochs, plan, args.seed)]
+    params = {"mode": args.mode, "run": args.run, "seed": args.seed, "sets": args.set}
+    params |= {"n": args.n, "prompts": args.prompts} if args.mode in ("best-of-n", "raft") else {}
+    params |= {"lr": args.lr, "epochs": args.epochs} if args.mode == "raft" else {}
+    params |= {"policy": args.policy} if args.mode == "judge" else {}
+    for row in results:
+        print(json.dumps(row), flush=True)
+        provenance.record(args, "imdb_headroom", row, params=params | ({"n": row["n"]} if "n" in row else {}),
+                          config=plan)  # fmt: skip
     return 0
 
 

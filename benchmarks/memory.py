@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +80,7 @@ def dir_mb(path: Path) -> float:
 
 def prepare(work: Path) -> dict[str, str]:
     """The policy (cached conversion), a MiniLM reward model directory and a prompt file, in ``work``."""
-    from shifu.models import ScalarModel
+    from shifu.models.scalar import ScalarModel
     from shifu.tasks.imdb import converted_smollm2, load_reviews, prompt_and_continuation
     from shifu.trainers.reward import resolve_backbone
 
@@ -98,7 +100,7 @@ def prepare(work: Path) -> dict[str, str]:
 
 def run_one(name: str, files: dict[str, str], out: Path, iterations: int) -> dict:
     """One configuration in this process; returns its figures."""
-    from shifu import cli
+    from shifu.cli import main as cli
 
     argv = ["ppo", "--out", str(out), "--overwrite", f"model.path={files['policy']}",
             f"reward.model_path={files['rm']}", f"data.train={files['prompts']}", f"iterations={iterations}",
@@ -134,6 +136,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run this configuration
+    provenance.add_arguments(ap)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="shifu-memory-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -160,6 +163,10 @@ def main() -> None:
             sys.stderr.write(out.stderr[-3000:])
             raise SystemExit(f"configuration {name} failed")
         print(lines[-1], flush=True)
+        row = json.loads(lines[-1])
+        params = {"config": name, "args": CONFIGS[name], "common": COMMON, "iterations": args.iterations}
+        provenance.record(args, "memory", {k: v for k, v in row.items() if k not in ("config", "args", "cpu")},
+                          params=params, config=params, threads=row["threads"])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Time full PPO iterations of shifu (and, with --vs-trl, of TRL's PPO on the identical models).
 
-Setup (issue 8): random GPT-2-style policy (4 layers, width 256, 4 heads, vocab 4096, tied embeddings),
+Setup: random GPT-2-style policy (4 layers, width 256, 4 heads, vocab 4096, tied embeddings),
 reward and value models of the same shape; 32 prompts x 16 tokens, 32 new tokens with EOS disabled (every
 response has 32 tokens), 4 PPO epochs of minibatch 8 (16 optimiser steps per iteration), fp32, 1 thread,
 1 warm-up + 5 measured iterations. Prints one JSON line per system.
@@ -9,7 +9,7 @@ response has 32 tokens), 4 PPO epochs of minibatch 8 (16 optimiser steps per ite
     python benchmarks/ppo_iteration.py --vs-trl     # alternate shifu and TRL runs, print the ratio
     python benchmarks/ppo_iteration.py --short      # 1 iteration, no warm-up (CI: keeps it from rotting)
 
-The cost curve (issue 15): ``--shape toy|gpt2-12x512|smollm2-135m`` and ``--response-len N`` (random weights;
+The cost curve: ``--shape toy|gpt2-12x512|smollm2-135m`` and ``--response-len N`` (random weights;
 ``--batch``/``--minibatch`` shrink the rollout at the large shapes). ``--eos-scale s`` scales the EOS row of
 the tied embedding so that responses stop at EOS at varied lengths (then EOS is not disabled);
 ``--micro-batch-tokens N`` passes shifu's token-budget micro-batches; ``--budget-ab N`` alternates shifu
@@ -41,6 +41,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when `shifu bench` loads this file
+import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VENV = ROOT / ".bench" / "trl-venv"
 TRL_SPEC = ["trl==1.12.0"]
@@ -51,7 +54,7 @@ SEED = 0
 
 @dataclasses.dataclass
 class Setup:
-    """The benchmarked model shape and rollout (the defaults: issue 8's toy configuration)."""
+    """The benchmarked model shape and rollout (the defaults: the toy configuration)."""
 
     shape: str = "toy"
     arch: str = "gpt2"  # gpt2 or llama
@@ -236,13 +239,14 @@ def summarise(system: str, iters: list[dict], peaks: tuple[float, float], extra:
 
 # ----------------------------------------------------------------------------------------- shifu
 def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
-    from shifu.cli import keep_freed_memory
+    from shifu.cli.main import keep_freed_memory
 
     malloc = keep_freed_memory()  # as the shifu command does before any command (SHIFU_MALLOC=system: not)
-    from shifu.models import ScalarModel, new_value_head
-    from shifu.rewards import RewardSource
-    from shifu.schema import GenerationConfig, OptimConfig, PPOConfig
-    from shifu.strategy import build_strategy
+    from shifu.config.schema import PPOConfig
+    from shifu.config.sections import GenerationConfig, OptimConfig
+    from shifu.models.scalar import ScalarModel, new_value_head
+    from shifu.parallel import build_strategy
+    from shifu.rewards.sources import RewardSource
     from shifu.trainers import ppo, ppo_models
 
     tmp = Path(tempfile.mkdtemp(prefix="shifu-bench-"))
@@ -305,9 +309,9 @@ def _scalar_model(seed: int, tok, cls):
 def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-scale says)
     """Generation tokens/s of shifu's engine and of HF ``generate`` (sampling, no EOS), alternating; and of
     shifu's engine on the bf16 decode copy that the fast defaults generate with where the probe picks it
-    (``shifu.precision.bf16_copy``: weights cast once), against the same fp32 HF ``generate``."""
-    from shifu.precision import bf16_copy
-    from shifu.rollout import SamplingParams, generate
+    (``shifu.parallel.precision.bf16_copy``: weights cast once), against the same fp32 HF ``generate``."""
+    from shifu.generation.rollout import SamplingParams, generate
+    from shifu.parallel.precision import bf16_copy
 
     model = build_policy()
     model16 = bf16_copy(model)
@@ -443,7 +447,7 @@ def setup_args() -> list[str]:
     return out + (["--micro-batch-tokens", str(S.micro_batch_tokens)] if S.micro_batch_tokens else [])
 
 
-# glibc's malloc set as shifu sets it (shifu.cli.keep_freed_memory), for a peer run given the same allocator
+# glibc's malloc set as shifu sets it (shifu.cli.main.keep_freed_memory), for a peer run given the same allocator
 KEPT_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"}
 
 
@@ -490,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-malloc", action="store_true",
                     help="with --vs-trl: also run TRL with glibc malloc set as shifu sets it")  # fmt: skip
     ap.add_argument("--system", choices=["shifu", "trl"], default="shifu", help=argparse.SUPPRESS)
+    provenance.add_arguments(ap)
     args = ap.parse_args(argv)
     S = Setup(shape=args.shape, **SHAPES[args.shape], batch=args.batch, new_tokens=args.response_len,
               minibatch=args.minibatch, eos_scale=args.eos_scale, micro_batch_tokens=args.micro_batch_tokens)  # fmt: skip
@@ -507,16 +512,32 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
                 print(json.dumps({"run": name, **runs[name][-1]}), flush=True)
         med = {k: statistics.median(r["median_train_s"] for r in v) for k, v in runs.items()}
-        print(json.dumps({"update_s_fixed": med["fixed"], "update_s_budget": med["budget"],
-                          "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
-                          "per_round_update_ratio": [b["median_train_s"] / a["median_train_s"]
-                                                     for a, b in zip(runs["fixed"], runs["budget"])]}), flush=True)  # fmt: skip
+        summary = {"update_s_fixed": med["fixed"], "update_s_budget": med["budget"],
+                   "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
+                   "per_round_update_ratio": [b["median_train_s"] / a["median_train_s"]
+                                              for a, b in zip(runs["fixed"], runs["budget"])]}  # fmt: skip
+        print(json.dumps(summary), flush=True)
+        runs = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
+        record(
+            args,
+            "budget-ab",
+            {"summary": summary, "runs": runs},
+            budget=args.budget_ab,
+            micro_batch_tokens=None,
+        )
         return 0
     if not args.vs_trl:
         out = run_shifu(args.iters, args.warmup, args.fast)
         if not (args.short or args.no_gen_check):
             out.update(generation_vs_hf(args.gen_rounds))
         print(json.dumps(out), flush=True)
+        record(
+            args,
+            "single",
+            {k: v for k, v in out.items() if k != "setup"},
+            fast=args.fast,
+            malloc=out.get("malloc"),
+        )
         return 0
     trl_py = str(ensure_trl_venv())
     runs: dict[str, list[dict]] = {"shifu": [], "trl": [], "shifu_fast": []}
@@ -552,7 +573,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_gen_check:
         summary.update(generation_vs_hf(args.gen_rounds))
     print(json.dumps(summary), flush=True)
+    runs_only = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
+    summary = {k: v for k, v in summary.items() if k != "setup"}
+    record(args, "vs-trl", {"summary": summary, "runs": runs_only}, peer_malloc=args.peer_malloc)
     return 0
+
+
+def record(args: argparse.Namespace, mode: str, metrics: dict, **extra) -> None:
+    """With ``--record``: the run as a provenance record (params: the setup, the mode and its options)."""
+    params = {**dataclasses.asdict(S), "mode": mode, "rounds": args.rounds, "iters": args.iters,
+              "warmup": args.warmup, **extra}  # fmt: skip
+    provenance.record(args, "ppo_iteration", metrics, params=params, config=params, threads=1)
 
 
 if __name__ == "__main__":

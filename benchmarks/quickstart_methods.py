@@ -1,4 +1,4 @@
-"""The critic-free methods on the built-in quickstart tasks (issue 16): gold gain over the SFT policy, KL and
+"""The critic-free methods on the built-in quickstart tasks: gold gain over the SFT policy, KL and
 time per method and seed, as ``shifu quickstart`` runs them.
 
     python benchmarks/quickstart_methods.py --task arith --seeds 0,1,2 --out runs/qs-methods
@@ -27,7 +27,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shifu.quickstart import DEFAULT_PRESET, PLANS, standard_error
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
+
+from shifu.experiments.evaluation import standard_error
+from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, _plan
 
 G = 4  # responses per prompt of the group methods
 GROUP = [f"ppo.group_size={G}"]
@@ -69,7 +72,7 @@ def method_sets(task: str, method: str, same_prompts: bool) -> list[str]:
 
 
 def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threads: int) -> None:
-    cmd = [sys.executable, "-m", "shifu.cli", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
+    cmd = [sys.executable, "-m", "shifu.cli.main", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
            "--threads", str(threads)]  # fmt: skip
     for s in sets:
         cmd += ["--set", s]
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plot", metavar="PNG", help="also draw gain against KL and against the RL stage's CPU s"
     )
+    provenance.add_arguments(ap)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
@@ -119,18 +123,29 @@ def main(argv: list[str] | None = None) -> int:
             rows[method].append(row)
             keep = ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "seconds_total")
             print(json.dumps({"method": method, "seed": seed, **{k: row[k] for k in keep}}), flush=True)
+            preset = DEFAULT_PRESET[args.task]
+            params = {"task": args.task, "preset": preset, "seed": seed, "method": method, "sets": sets,
+                      "same_prompts": args.same_prompts, **({"plan": "default"} if not sets else {})}  # fmt: skip
+            metrics = {k: v for k, v in row.items() if k not in ("method", "sets", "task", "preset", "seed")}
+            provenance.record(args, "quickstart", metrics, params=params, config=_plan(args.task, preset, sets),
+                              threads=args.threads)  # fmt: skip
     for method, rs in rows.items():
         gains = [r["gold_gain"] for r in rs]
         se = standard_error(gains) if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
         rl = [rl_cpu_seconds(r) for r in rs]
         per_minute = [g / (c / 60) for g, c in zip(gains, rl)]
-        print(json.dumps({
-            "method": method, "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
+        summary = {
+            "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
             "seeds_meeting_bar": sum(g >= args.bar for g in gains), "bar": args.bar, "worst_gain": min(gains),
             "kl_mean": statistics.mean(r["kl"] for r in rs), "kl_max": max(r["kl"] for r in rs),
             "seconds_max": max(r["seconds_total"] for r in rs), "gains": gains,
             "rl_cpu_seconds_mean": statistics.mean(rl), "gain_per_rl_cpu_minute": statistics.mean(per_minute),
-        }), flush=True)  # fmt: skip
+        }  # fmt: skip
+        print(json.dumps({"method": method, **summary}), flush=True)
+        params = {"task": args.task, "preset": DEFAULT_PRESET[args.task], "method": method,
+                  "sets": method_sets(args.task, method, args.same_prompts) + args.set,
+                  "same_prompts": args.same_prompts}  # fmt: skip
+        provenance.record(args, "quickstart_methods", summary, params=params, threads=args.threads)
     if args.plot:
         plot(rows, Path(args.plot))
     return 0

@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: this script's own folder is on sys.path)
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def build_reward_model(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
-    from shifu.models import ScalarModel
+    from shifu.models.scalar import ScalarModel
 
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
@@ -88,9 +89,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def reward_source(model_dir: Path, rows: int):
     """The trainer's in-process scorer of the same model (token path, micro-batches of ``rows``)."""
-    from shifu.ensemble import load_reward
-    from shifu.models import fuse_tanh_gelu
-    from shifu.rewards import RewardSource
+    from shifu.models.loading import fuse_tanh_gelu
+    from shifu.rewards.ensemble import load_reward
+    from shifu.rewards.sources import RewardSource
 
     model = fuse_tanh_gelu(load_reward(model_dir))  # as the server and the PPO trainer hold it
     return RewardSource(model=model, policy_tokenizer=model.tokenizer, micro_batch=rows)
@@ -140,7 +141,7 @@ def start_server(model_dir: Path, exact: bool) -> tuple[subprocess.Popen, str]:
 
 def served(url: str, mode: str, batches, clients: int, seconds: float, max_requests: int, reference) -> dict:
     """``clients`` threads, each with its own RemoteReward, sending batches back to back."""
-    from shifu.remote import RemoteReward
+    from shifu.rewards.remote import RemoteReward
 
     tokenizer = reference.model.tokenizer
     remotes = [
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="duration of each configuration")
     p.add_argument("--max-requests", type=int, default=5000, help="requests per client, at most")
     p.add_argument("--short", action="store_true", help="2 clients, 1 s, merged only (keeps it from rotting)")
+    provenance.add_arguments(p)
     args = p.parse_args(argv)
     if args.short:
         args.clients, args.seconds, args.modes = [2], 1.0, ["merged"]
@@ -220,6 +222,17 @@ def main(argv: list[str] | None = None) -> int:
                     row = served(url, mode, batches, clients, args.seconds, args.max_requests, reference)
                     row["ratio_vs_in_process"] = round(row["rows_per_s"] / base["rows_per_s"], 3)
                     print(json.dumps(row), flush=True)
+                    params = {
+                        "mode": mode,
+                        "clients": clients,
+                        "rows": args.rows,
+                        "seconds": args.seconds,
+                        "max_requests": args.max_requests,
+                        "model": f"gpt2 {LAYERS}x{WIDTH}, vocab {VOCAB}",
+                    }
+                    metrics = {k: v for k, v in row.items() if k not in ("mode", "clients")}
+                    metrics |= {"in_process_rows_per_s": base["rows_per_s"], "in_process": base}
+                    provenance.record(args, "serve_load", metrics, params=params, config=params, threads=1)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

@@ -24,6 +24,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--root", default="runs/smollm2-recipe", help="where the runs go")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each on one core)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="passed to quickstart --set")
+    provenance.add_arguments(ap)
     args = ap.parse_args()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -73,6 +76,14 @@ def main() -> None:
         results = list(pool.map(lambda ts: run(*ts, root, args.sets), todo))
     for r in results:
         print(json.dumps(r), flush=True)
+        if "error" not in r:
+            from shifu.experiments.quickstart import _plan
+
+            params = {"task": r["task"], "preset": "smollm2", "seed": r["seed"], "sets": args.sets,
+                      **({"plan": "default"} if not args.sets else {})}  # fmt: skip
+            metrics = {k: v for k, v in r.items() if k not in ("task", "seed")}
+            provenance.record(args, "quickstart", metrics, params=params, threads=1,
+                              config=_plan(r["task"], "smollm2", args.sets))  # fmt: skip
     ok = [r for r in results if "error" not in r]
     passed = [r for r in ok if (r["gain_in_se"] or 0) >= 5 and r["cpu_seconds_total"] <= 1800]
     print(json.dumps({"runs": len(results), "at_least_5_se_within_30_cpu_minutes": len(passed)}))

@@ -1,3 +1,3 @@
-from shifu.cli import main
+from shifu.cli.main import main
 
 raise SystemExit(main())

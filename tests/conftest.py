@@ -4,7 +4,7 @@ Fixtures (session-scoped, built once in a tmp dir, treat them as read-only):
 
 - ``tiny_model_dir``: an HF directory (``config.json``, weights, tokenizer) of a 2-layer, 64-wide random
   GPT-2 with a byte-level BPE tokenizer (vocab ~400). EOS ``<|endoftext|>`` and a *distinct* pad ``<pad>``.
-  Loads with ``shifu.models.load_causal_lm`` / ``load_tokenizer`` and ``AutoModelForCausalLM``.
+  Loads with ``shifu.models.loading.load_causal_lm`` / ``load_tokenizer`` and ``AutoModelForCausalLM``.
 - ``tiny_model_dir_pad_eos``: the same architecture, but the tokenizer has no pad token of its own, so
   ``load_tokenizer`` sets pad = EOS (the convention that positions must come from masks, never ids).
 
@@ -56,7 +56,7 @@ def build_tiny_tokenizer(pad_equals_eos: bool = False):
 
 
 def _build_dir(path: Path, pad_equals_eos: bool) -> Path:
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     tok = build_tiny_tokenizer(pad_equals_eos)
     tok.save_pretrained(str(path))
@@ -76,6 +76,41 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_model_dir_pad_eos(tmp_path_factory) -> Path:
     """Random tiny GPT-2 whose tokenizer pads with EOS (pad_token_id == eos_token_id)."""
     return _build_dir(tmp_path_factory.mktemp("tiny_gpt2_pad_eos"), pad_equals_eos=True)
+
+
+# Every test runs in exactly one lane (markers registered in pyproject.toml): ``unit`` (pure functions on tiny
+# inputs, in-process: no trainer run, no subprocess; what `make test-fast` runs), ``integration`` (a trainer,
+# a pipeline, a server or a subprocess) or ``distributed`` (several processes in a process group). ``slow``
+# (over ~30 s) marks some integration and distributed tests, never a unit test.
+LANES = ("unit", "integration", "distributed")
+
+
+def lane_problems(items) -> list[str]:
+    """``"<test id>: <what is wrong>"`` for each test without exactly one lane, or slow in the unit lane."""
+    problems = []
+    for item in items:
+        lanes = [lane for lane in LANES if item.get_closest_marker(lane)]
+        if len(lanes) != 1:
+            problems.append(f"{item.nodeid}: {'lanes ' + ' and '.join(lanes) if lanes else 'no lane'}")
+        elif lanes == ["unit"] and item.get_closest_marker("slow"):
+            problems.append(f"{item.nodeid}: marked slow in the unit lane")
+    return problems
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Refuse a test without its lane (see ``LANES``): a collection error of its file naming each such test
+    (before ``-m`` deselects anything; under pytest-xdist too)."""
+    report = yield
+    problems = lane_problems([x for x in report.result or [] if isinstance(x, pytest.Item)])
+    if problems and report.passed:
+        report.outcome, report.result = "failed", []
+        report.longrepr = (
+            f"each test needs exactly one lane marker of {', '.join(LANES)} (pytestmark = pytest.mark.unit "
+            "in a module, or @pytest.mark.<lane> on a test; tests/conftest.py says which is which):\n  "
+            + "\n  ".join(problems)
+        )
+    return report
 
 
 def pytest_collection_modifyitems(config, items):

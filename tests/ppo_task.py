@@ -18,7 +18,7 @@ def build_char_model(path: Path, pad_equals_eos: bool = False, seed: int = 0) ->
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     specials = [EOS] if pad_equals_eos else [EOS, PAD]
     vocab = {t: i for i, t in enumerate(specials + ALPHABET + [" "])}
@@ -112,3 +112,8 @@ def a_steps(prompts, responses, rows):
 def raises(prompts, responses, rows):
     """A broken judge: raises on every call."""
     raise ValueError("the judge is broken")
+
+
+def no_a(prompts, responses, rows):
+    """A judge that disagrees with ``frac_a``: the share of characters that are not 'a' (a hacked reward)."""
+    return [1.0 - x for x in frac_a(prompts, responses, rows)]

@@ -1,5 +1,6 @@
-"""The layout the code promises: docs/architecture.md names every module, imports form no cycle, the math
-core and torch.distributed stay where they belong, and the trainers stay short and branch-free."""
+"""The layout the code promises: docs/reference/architecture.md names every module, the package is grouped
+into wings that import only downwards, imports form no cycle, the math core and torch.distributed stay where
+they belong, and the trainers stay short and branch-free."""
 
 from __future__ import annotations
 
@@ -7,8 +8,23 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "shifu"
+# The wings of shifu/, lowest first (docs/reference/architecture.md): a module imports only from its own wing and
+# from wings before it in this list. Nothing in shifu/ imports the CLI.
+WINGS = [
+    "core", "runs", "config", "models", "data", "parallel", "rewards", "envs", "generation", "tasks",
+    "reporting", "trainers", "experiments", "serve", "cli",
+]  # fmt: skip
+FLAT = {"__init__.py", "__main__.py", "errors.py"}
+DATA = {"configs"}  # folders of shipped settings (YAML), not code
+MAX_LINES = 500
+# numeric literals in one module-level assignment: more make a table of settings, which goes to shifu/configs
+MAX_NUMBERS = 10
 
 
 def modules() -> dict[str, Path]:
@@ -41,7 +57,7 @@ def imports(name: str, path: Path) -> set[str]:
 
 
 def test_architecture_doc_names_every_module():
-    text = (ROOT / "docs" / "architecture.md").read_text()
+    text = (ROOT / "docs" / "reference" / "architecture.md").read_text()
     block = text.split("```")[1]
     documented, stack = set(), []
     for line in block.splitlines()[1:]:
@@ -82,24 +98,32 @@ def test_no_import_cycle():
 
 
 def test_layering():
-    allowed_trainer_users = {"shifu.cli", "shifu.pipeline", "shifu.quickstart", "shifu.study"}
+    allowed_trainer_users = {
+        "shifu.cli.main",
+        "shifu.experiments.pipeline",
+        "shifu.experiments.quickstart",
+        "shifu.experiments.study",
+    }
     for name, path in modules().items():
         deps = imports(name, path)
         if not name.startswith("shifu.trainers") and name not in allowed_trainer_users:
             assert not any(d.startswith("shifu.trainers") for d in deps), f"{name} imports a trainer"
         if name.startswith("shifu.core"):
             assert all(d.startswith("shifu.core") for d in deps), f"{name} imports {deps}"
-        if name != "shifu.distributed":
-            raw = [
-                n
-                for n in ast.walk(ast.parse(path.read_text()))
-                if isinstance(n, (ast.Import, ast.ImportFrom))
-            ]
-            names = [a.name for n in raw for a in n.names] + [
-                n.module or "" for n in raw if isinstance(n, ast.ImportFrom)
-            ]
+        raw = [
+            n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
+        ]
+        modules_imported = [a.name for n in raw if isinstance(n, ast.Import) for a in n.names] + [
+            n.module or "" for n in raw if isinstance(n, ast.ImportFrom) and not n.level
+        ]
+        if not name.startswith("shifu.parallel"):  # the parallel wing is where processes talk to each other
+            names = modules_imported + [a.name for n in raw if isinstance(n, ast.ImportFrom) for a in n.names]
             assert not any(m.startswith("torch.distributed") for m in names), (
                 f"{name} touches torch.distributed"
+            )
+        if name != "shifu.parallel.deepspeed":  # the DeepSpeed backend is its one user
+            assert not any(m.split(".")[0] == "deepspeed" for m in modules_imported), (
+                f"{name} imports deepspeed"
             )
 
 
@@ -111,3 +135,90 @@ def test_trainers_are_short_and_have_no_world_size_or_deepspeed_branch():
             if isinstance(node, (ast.If, ast.IfExp, ast.While)):
                 test = ast.unparse(node.test)
                 assert not re.search(r"world|deepspeed|rank", test, re.I), f"{path.name}: branch on `{test}`"
+
+
+def wing_of(name: str) -> str | None:
+    """The wing of a dotted module name (``shifu.runs.checkpoint`` -> ``runs``); None for a flat module."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else None
+
+
+def test_every_module_lives_in_a_wing_and_flat_ones_are_few():
+    flat = {p.name for p in PKG.glob("*.py")}
+    assert flat == FLAT, f"modules left flat in shifu/: {sorted(flat - FLAT)} (put them in a wing)"
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(WINGS) | DATA, (
+        f"sub-packages that are not wings: {sorted(folders ^ (set(WINGS) | DATA))}"
+    )
+    for data in DATA:
+        code = [str(p.relative_to(ROOT)) for p in (PKG / data).rglob("*") if p.suffix in (".py", ".pyc")]
+        assert not code, f"shifu/{data}/ holds settings, not code: {code}"
+    for wing in WINGS:
+        init = PKG / wing / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.split()) >= 12, f"{init}: the wing needs a one-paragraph docstring"
+
+
+def test_wings_import_only_downwards_and_nothing_imports_the_cli():
+    rank = {w: i for i, w in enumerate(WINGS)}
+    bad = []
+    for name, path in modules().items():
+        mine = wing_of(name)
+        for dep in imports(name, path):
+            theirs = wing_of(dep)
+            if theirs is None:
+                continue
+            if theirs == "cli" and mine != "cli" and name != "shifu.__main__":  # `python -m shifu`
+                bad.append(f"{name} imports {dep} (nothing imports the CLI)")
+            elif mine is not None and rank[theirs] > rank[mine]:
+                bad.append(f"{name} ({mine}) imports {dep} ({theirs}, a higher wing)")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_is_over_the_size_cap():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in PKG.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them inside their wing): {long}"
+
+
+def numbers_in(node: ast.AST) -> int:
+    """The numeric literals (not booleans) anywhere under ``node``."""
+    return sum(
+        isinstance(n, ast.Constant)
+        and isinstance(n.value, (int, float, complex))
+        and not isinstance(n.value, bool)
+        for n in ast.walk(node)
+    )
+
+
+def test_no_module_level_constant_holds_more_than_ten_numbers():
+    """Settings (plans, budgets, presets) live in shifu/configs/*.yaml, checked by the config schema; a
+    module-level assignment with more than MAX_NUMBERS numeric literals is a table of settings in code."""
+
+    def top_level(body: list[ast.stmt]):
+        for stmt in body:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                yield stmt
+            elif isinstance(stmt, (ast.If, ast.Try, ast.With)):  # blocks still at module level
+                for block in ("body", "orelse", "finalbody"):
+                    yield from top_level(getattr(stmt, block, []))
+                for handler in getattr(stmt, "handlers", []):
+                    yield from top_level(handler.body)
+
+    big = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for stmt in top_level(ast.parse(path.read_text()).body):
+            if (n := numbers_in(stmt)) > MAX_NUMBERS:
+                big[f"{path.relative_to(ROOT)}:{stmt.lineno}"] = n
+    assert not big, (
+        f"module-level constants with more than {MAX_NUMBERS} numbers (move them to shifu/configs): {big}"
+    )
+
+
+def test_the_number_count_sees_a_table_of_settings():
+    table = ast.parse("PLANS = {'a': {'lr': 1e-3, 'steps': [1, 2, 3, 4, 5]}, 'b': (6, 7, 8, -9.5, 10, 11)}")
+    assert numbers_in(table.body[0]) == 12
+    assert numbers_in(ast.parse("FLAGS = (True, False, None, 'x', 3)").body[0]) == 1

@@ -12,16 +12,18 @@ from test_ppo import task as task  # the module's fixture: the char model and it
 from test_rm import make_cfg as rm_cfg
 from test_rm import pref_rows
 
-from shifu.config import load_config
-from shifu.ensemble import load_reward
+from shifu.config.loader import load_config
 from shifu.errors import ConfigError
-from shifu.models import ScalarModel, load_tokenizer
-from shifu.rewards import RewardSource
+from shifu.models.loading import load_tokenizer
+from shifu.models.scalar import ScalarModel
+from shifu.rewards.ensemble import load_reward
+from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, reward
 
 BOW = {"path": "bag-of-tokens"}
 
 
+@pytest.mark.integration
 def test_bag_of_tokens_learns_the_word_preference_and_reloads_bit_for_bit(tiny_model_dir, tmp_path):
     """Chosen responses hold " great": accuracy goes from chance to >= 0.95, " great" ends up the heaviest
     token, and the saved model scores the held-out pairs exactly as the run reported."""
@@ -47,6 +49,7 @@ def test_bag_of_tokens_learns_the_word_preference_and_reloads_bit_for_bit(tiny_m
     assert torch.equal(again, chosen)
 
 
+@pytest.mark.integration
 def test_the_ridge_penalty_shrinks_the_weights_of_what_the_pairs_do_not_decide(tiny_model_dir, tmp_path):
     """Tokens that appear on both sides alike carry no preference; with l2_coef their weights shrink (AdamW's
     decoupled weight decay would leave them where the noise put them) while the preference is kept."""
@@ -64,6 +67,7 @@ def test_the_ridge_penalty_shrinks_the_weights_of_what_the_pairs_do_not_decide(t
     assert norms[1e-2][0] > 2 * norms[1e-2][1], norms  # ... more than the preference
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("over", "match"),
     [
@@ -93,6 +97,7 @@ def a_weighted(tokenizer_dir, path, weight_a: float = 1.0, gain: float = 1.0, bi
     return rm, a
 
 
+@pytest.mark.unit
 def test_dense_rewards_put_each_tokens_weight_on_it(task, tmp_path):
     """Hand-computed: prompt "ab" (left-padded) + response "aca" (right-padded): the response's 'a' tokens
     get gain x weight, the others 0, padding 0; a row sums to its score minus its prompt's prefix score."""
@@ -111,6 +116,7 @@ def test_dense_rewards_put_each_tokens_weight_on_it(task, tmp_path):
         RewardSource(function=lambda p, r, rows: [0.0] * len(r), dense=True)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("estimator", [[], ["advantage_estimator=grpo", "group_size=4"]], ids=["gae", "grpo"])
 def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward(task, tmp_path, estimator):
     """The reward model weighs 'a' by 1 and nothing else, so its dense reward is the count of 'a' tokens and
@@ -127,6 +133,7 @@ def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward
     assert rows[-1]["objective/process_reward"] > rows[0]["objective/process_reward"] + 0.5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
@@ -144,6 +151,7 @@ def test_bad_dense_settings_are_refused_before_anything_runs(task, tmp_path, ext
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_dense_reward_from_an_encoder_or_another_tokenizer_is_a_clear_error(task, tiny_model_dir, tmp_path):
     """A bag-of-tokens model over another tokenizer cannot read the policy's ids: refused when PPO builds."""
     ScalarModel.bag_of_tokens(tiny_model_dir, seed=0).save_pretrained(tmp_path / "rm")
@@ -153,6 +161,7 @@ def test_dense_reward_from_an_encoder_or_another_tokenizer_is_a_clear_error(task
         ppo.train(cfg)
 
 
+@pytest.mark.unit
 def test_config_round_trip_keeps_the_new_keys(tiny_model_dir):
     cfg = load_config(reward.Config, overrides={"model": BOW | {"tokenizer": str(tiny_model_dir)}, "l2_coef": 0.1,
                                                 "data": {"train": "x.jsonl"}, "out_dir": "o"})  # fmt: skip

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from shifu.bench import main
+from shifu.experiments.bench import main
+
+pytestmark = pytest.mark.integration
 
 KEYS = {
     "median_s_per_iter", "min_s_per_iter", "median_generation_s", "median_scoring_s", "median_train_s",

@@ -9,10 +9,11 @@ import pytest
 import yaml
 from test_sft import make_cfg as sft_cfg
 
-from shifu import cli
-from shifu.tracking import read_metrics
+from shifu.cli import main as cli
+from shifu.runs.tracking import read_metrics
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cmd", sorted(cli.TRAINERS))
 def test_overrides_mix_with_flags_for_every_trainer(cmd):
     argv = ["a.b=1", "--out", "runs/x", "c=2", "--resume", "d.e=3", "--threads", "1", "f=x=y"]
@@ -24,13 +25,15 @@ def test_overrides_mix_with_flags_for_every_trainer(cmd):
     assert cli.parse_trainer_args(cmd, ["--out", "o"]).overrides == []
 
 
+@pytest.mark.unit
 def test_rm_ensemble_flag_between_overrides():
     args = cli.parse_trainer_args("rm", ["epochs=1", "--ensemble", "3", "batch_size=4"])
     assert args.ensemble == 3 and args.overrides == ["epochs=1", "batch_size=4"]
 
 
+@pytest.mark.integration
 def test_override_after_resume_is_applied(tiny_model_dir, tmp_path, capsys):
-    """A real SFT run through ``shifu.cli.main``: overrides between flags, then one after ``--resume``."""
+    """A real SFT run through ``shifu.cli.main.main``: overrides between flags, then one after ``--resume``."""
     data = sft_cfg(tiny_model_dir, tmp_path).data  # writes train/eval JSONL
     run = tmp_path / "run"
     common = [
@@ -57,6 +60,7 @@ def test_override_after_resume_is_applied(tiny_model_dir, tmp_path, capsys):
     assert max(r["step"] for r in read_metrics(run / "metrics.jsonl")) == 4
 
 
+@pytest.mark.integration
 def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
     out = tmp_path / "run"
     argv = ["ppo", "--out", str(out), "kl.target=3", "--resume", "iterations", "--threads", "1"]
@@ -70,7 +74,7 @@ def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
 # a process that frees 64 MiB tensors and allocates three more of the same size: their minor page faults
 _REUSE = """
 import resource, sys, torch
-from shifu.cli import keep_freed_memory
+from shifu.cli.main import keep_freed_memory
 print(keep_freed_memory(), file=sys.stderr)
 for _ in range(24):  # 64 MiB, freed at once: the heap grows until a freed block fits (<= 14 seen), then stops
     torch.empty(16 << 20).fill_(1.0)
@@ -81,6 +85,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 def test_shifu_keeps_freed_memory_for_reuse_unless_told_not_to():
     """What the ``shifu`` command sets before any command: a freed large block is reused without the kernel

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from test_sft import make_cfg as sft_cfg
 
-from shifu import cli, tracking
-from shifu.config import describe, load_config
+from shifu.cli import main as cli
+from shifu.config.loader import describe, load_config
 from shifu.errors import ConfigError
+from shifu.runs import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
-# `shifu ...` in a fresh process (the console script is `shifu.cli:main`), reporting afterwards whether
+# `shifu ...` in a fresh process (the console script is `shifu.cli.main:main`), reporting afterwards whether
 # DeepSpeed was imported
-RUN = "import sys; from shifu.cli import main; rc = main(sys.argv[1:]); print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)"
+RUN = "import sys; from shifu.cli.main import main; rc = main(sys.argv[1:]); print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)"
 NOISE = ("Setting accelerator to", "Loading weights", "Writing model shards", "it/s]", "Warning")
 
 
@@ -39,6 +40,7 @@ def shifu_sft(tmp_path: Path, model_dir: Path, *extra: str) -> subprocess.Comple
     return r
 
 
+@pytest.mark.integration
 def test_a_run_prints_only_its_own_lines_and_never_imports_deepspeed(tiny_model_dir, tmp_path):
     r = shifu_sft(tmp_path, tiny_model_dir)
     assert "deepspeed imported: False" in r.stdout
@@ -52,6 +54,7 @@ def test_a_run_prints_only_its_own_lines_and_never_imports_deepspeed(tiny_model_
         pytest.skip("deepspeed is not installed: nothing would import it anyway (the output was checked)")
 
 
+@pytest.mark.integration
 def test_verbose_shows_the_libraries_output(tiny_model_dir, tmp_path):
     r = shifu_sft(tmp_path, tiny_model_dir, "--verbose")
     # transformers' own bars, while shifu's bar stays off (progress=false)
@@ -62,8 +65,9 @@ def test_verbose_shows_the_libraries_output(tiny_model_dir, tmp_path):
     assert "deepspeed imported: False" in r.stdout
 
 
+@pytest.mark.unit
 def test_verbose_flag_is_taken_anywhere_and_nothing_else_is():
-    from shifu.quiet import verbose_requested
+    from shifu.cli.quiet import verbose_requested
 
     assert verbose_requested(["sft", "a=1", "--verbose", "--out", "x"]) == (
         True,
@@ -75,6 +79,7 @@ def test_verbose_flag_is_taken_anywhere_and_nothing_else_is():
     assert cli.parse_trainer_args("ppo", ["--verbose", "x=1"]).verbose  # declared, so --help lists it
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cmd", sorted(cli.TRAINERS))
 def test_help_config_lists_the_values_the_errors_accept(cmd, capsys):
     assert cli.main([cmd, "--help-config"]) == 0
@@ -106,6 +111,7 @@ def test_help_config_lists_the_values_the_errors_accept(cmd, capsys):
     assert checked >= len(literal)
 
 
+@pytest.mark.unit
 def test_help_config_names_every_tracker():
     (_, _, help_) = next(row for row in describe(cli_config("sft")) if row[0] == "trackers")
     assert help_.endswith("(each one of " + ", ".join(map(repr, tracking.TRACKERS)) + ")")

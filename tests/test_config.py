@@ -11,21 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from shifu.config import from_dict, load_config, read_yaml
+from shifu.config.loader import from_dict, load_config, read_yaml
+from shifu.config.schema import check_world_size
 from shifu.errors import ConfigError
-from shifu.schema import check_world_size
 from shifu.trainers import ppo
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = {"sft": "shifu.trainers.sft", "rm": "shifu.trainers.reward", "ppo": "shifu.trainers.ppo"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_shipped_presets_parse(name):
     cfg_cls = importlib.import_module(MODULES[name]).Config
     from_dict(cfg_cls, read_yaml(ROOT / "configs" / f"{name}.yaml"))
 
 
+@pytest.mark.unit
 def test_partial_section_keeps_the_fields_own_defaults():
     cfg = load_config(
         ppo.Config,
@@ -43,6 +45,7 @@ def test_partial_section_keeps_the_fields_own_defaults():
     assert cfg.critic.optim.eps == 1e-6 and cfg.optim.lr == 1e-5
 
 
+@pytest.mark.unit
 def test_exponent_without_dot_is_a_number():
     cfg = load_config(
         ppo.Config,
@@ -59,6 +62,7 @@ def test_exponent_without_dot_is_a_number():
     assert cfg.optim.lr == 3e-3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "override, needle",
     [
@@ -75,6 +79,7 @@ def test_bad_values_are_named(override, needle):
         load_config(ppo.Config, None, base + [override])
 
 
+@pytest.mark.integration
 def test_cli_reports_config_errors_with_exit_2(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(
@@ -90,6 +95,7 @@ def test_cli_reports_config_errors_with_exit_2(tmp_path):
 PPO_BASE = ["out_dir=x", "model.path=a", "data.train=p", "reward.function=m:f", "critic.init=sft"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "module, old, new",
     [
@@ -111,6 +117,7 @@ def test_an_old_key_name_says_the_new_one(module, old, new):
         load_config(cls, None, ["out_dir=x", old])
 
 
+@pytest.mark.unit
 def test_configs_are_frozen_and_replace_makes_a_new_one():
     cfg = load_config(ppo.Config, None, PPO_BASE)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -120,12 +127,14 @@ def test_configs_are_frozen_and_replace_makes_a_new_one():
     assert dataclasses.replace(cfg, iterations=3).iterations == 3 and cfg.iterations == 20
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("override", ["optim.lr=nan", "kl.init_coef=inf", "critic.optim.eps=.nan"])
 def test_non_finite_numbers_are_named(override):
     with pytest.raises(ConfigError, match=re.escape(override.split("=")[0]) + " must be a finite number"):
         load_config(ppo.Config, None, PPO_BASE + [override])
 
 
+@pytest.mark.unit
 def test_world_size_is_checked_at_launch_not_by_validate(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # how a YAML validates must not depend on how it is launched
     cfg = load_config(ppo.Config, None, PPO_BASE + ["batch_size=6", "minibatch_size=3"])

@@ -5,6 +5,8 @@ import torch
 
 from shifu.core import gae, shape_rewards
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -12,6 +12,8 @@ from shifu.core import (
     build_kl_controller,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_fixed_never_moves():
     c = FixedKLController(0.05)

@@ -20,6 +20,8 @@ from shifu.core import (
     subtract_group_mean,
 )
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 # two prompts, G = 3: rewards 1, 2, 3 (mean 2, std 1) and 0, 0, 4 (mean 4/3, std 4/sqrt 3)

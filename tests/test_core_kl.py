@@ -7,6 +7,8 @@ import torch
 
 from shifu.core import kl_estimate
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

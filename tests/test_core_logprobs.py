@@ -8,6 +8,8 @@ import torch
 
 from shifu.core import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -18,6 +18,8 @@ from shifu.core import (
     ppo_value_loss,
 )
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 L = math.log

@@ -5,6 +5,8 @@ import torch
 
 from shifu.core import masked_mean, masked_sum, masked_var, masked_whiten
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])

@@ -8,6 +8,8 @@ import torch
 
 from shifu.core import POLICY_LOSSES, rollout_mismatch, truncated_is_weights
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 L = math.log

@@ -7,6 +7,8 @@ import torch
 
 from shifu.core import RunningMoments, explained_variance
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -6,6 +6,8 @@ import torch
 
 from shifu.core import conjugate_gradient
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -1,14 +1,17 @@
-"""shifu.data: loading from every format, validation messages (file, line, field), skip_bad, splits,
-SFT tokenisation conventions, and the resumable batch stream."""
+"""shifu.data.rows and .batches: loading from every format, validation messages (file, line, field),
+skip_bad, splits, SFT tokenisation conventions, and the resumable batch stream."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import write_jsonl
 
-from shifu.data import BatchStream, collate_sft, encode_sft, load_rows, render_messages, split_rows
+from shifu.data.batches import BatchStream, collate_sft, encode_sft
+from shifu.data.rows import load_rows, render_messages, split_rows
 from shifu.errors import DataError
-from shifu.models import load_tokenizer
+from shifu.models.loading import load_tokenizer
+
+pytestmark = pytest.mark.unit
 
 PAIR = {"prompt": "p", "chosen": "good", "rejected": "bad"}
 
@@ -200,7 +203,8 @@ def chat_tokenizer(template: bool = True):
 
 
 def test_prompt_strings_are_rendered_with_the_chat_template_unless_switched_off():
-    from shifu.data import encode_prompts, prompt_text
+    from shifu.data.batches import encode_prompts
+    from shifu.data.rows import prompt_text
 
     tok, row = chat_tokenizer(), {"prompt": "What is 23+45?"}
     assert prompt_text(tok, row) == "<|user|>What is 23+45?\n<|assistant|>"
@@ -211,7 +215,7 @@ def test_prompt_strings_are_rendered_with_the_chat_template_unless_switched_off(
 
 
 def test_prompt_and_preference_rows_accept_messages(tmp_path):
-    from shifu.data import prompt_text
+    from shifu.data.rows import prompt_text
 
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
     prompts = load_rows(write_jsonl(tmp_path / "p.jsonl", [{"messages": chat, "answer": "5"}]), "prompt")
@@ -225,8 +229,8 @@ def test_prompt_and_preference_rows_accept_messages(tmp_path):
 
 
 def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
-    from shifu.data import encode_reward_pairs, encode_sft
-    from shifu.schema import TextDataConfig
+    from shifu.config.sections import TextDataConfig
+    from shifu.data.batches import encode_reward_pairs, encode_sft
     from shifu.trainers import dpo
 
     tok = chat_tokenizer()
@@ -238,7 +242,8 @@ def test_dpo_and_reward_model_pairs_see_the_rendered_prompt(tmp_path):
     sft, _ = encode_sft(tok, [{"prompt": "review:", "response": " great"}], 64, 128)
     assert tok.decode(sft[0]["prompt_ids"]) == "<|user|>review:\n<|assistant|>"
 
-    from shifu.models import ScalarModel, build_tiny_gpt2
+    from shifu.models.loading import build_tiny_gpt2
+    from shifu.models.scalar import ScalarModel
 
     tok.save_pretrained(str(tmp_path / "rm"))  # a real causal reward model whose tokenizer has the template
     build_tiny_gpt2(tok, n_layer=1, n_embd=32, n_head=2, n_positions=128, seed=0).save_pretrained(

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from shifu.demo import main, regularised_optimum, run_bandit, trpo_step
+from shifu.experiments.demo import main, regularised_optimum, run_bandit, trpo_step
 
 torch.set_num_threads(1)
 LINE = re.compile(r"^(\w+)\s+epoch\s+(\d+)\s+kl ([-\d.]+)\s+p\(best\) ([\d.]+)", re.M)
@@ -41,12 +41,14 @@ def quiet(**kw):
     return run_bandit(print_fn=lambda *_: None, **kw)
 
 
+@pytest.mark.unit
 def test_regularised_optimum_is_below_the_bound():
     pi = regularised_optimum(0.1)
     kl = float((pi * (pi * 10).log()).sum())
     assert 0.5 < pi[7] < 0.9 and kl < KL_BOUND < math.log(10)
 
 
+@pytest.mark.unit
 def test_bandit_learns_the_best_arm_with_bounded_kl():
     stdout = run_in_process(["bandit", "--method", "ppo", "--epochs", "60", "--seed", "0"])
     rows = parse(stdout)
@@ -59,6 +61,7 @@ def test_bandit_learns_the_best_arm_with_bounded_kl():
     assert run_in_process(["bandit", "--method", "ppo", "--epochs", "60", "--seed", "0"]) == stdout
 
 
+@pytest.mark.unit
 def test_without_the_penalty_kl_exceeds_the_bound():
     """The bound above is the KL penalty's doing: with beta = 0 the same run goes past it."""
     argv = ["bandit", "--method", "ppo", "--epochs", "60", "--seed", "0", "--kl-coef", "0"]
@@ -66,6 +69,7 @@ def test_without_the_penalty_kl_exceeds_the_bound():
     assert rows[-1][1] > KL_BOUND + 0.1 and rows[-1][2] > 0.9
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trpo_stays_in_its_trust_region_and_learns_like_ppo(seed):
     """Every TRPO update has exact KL(pi_old || pi_new) <= delta, the constraint is active (some updates
@@ -86,6 +90,7 @@ def test_trpo_stays_in_its_trust_region_and_learns_like_ppo(seed):
     assert all(r["kl"] < KL_BOUND for r in trpo)
 
 
+@pytest.mark.unit
 def test_trpo_takes_no_step_when_the_surrogate_cannot_improve():
     """Zero advantages: the gradient is 0, so no candidate improves the surrogate and the logits stay put."""
     logits = torch.tensor([0.5, -0.5, 0.0])
@@ -99,6 +104,7 @@ def test_trpo_takes_no_step_when_the_surrogate_cannot_improve():
     assert frac > 0 and 0 < kl <= 0.01 * (1 + 1e-6) and float((new - logits) @ g) > 0
 
 
+@pytest.mark.unit
 def test_ppo_penalty_adapts_its_coefficient():
     rows = quiet(method="ppo_penalty", seed=0, kl_budget=DELTA)
     betas = [r["beta_pen"] for r in rows]
@@ -106,6 +112,7 @@ def test_ppo_penalty_adapts_its_coefficient():
     assert sum(r["p_best"] for r in rows[-10:]) / 10 > 0.7
 
 
+@pytest.mark.integration
 def test_cli_subprocess_runs_every_method_and_prints_the_budget_table():
     env = {**os.environ, "SHIFU_THREADS": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
@@ -129,6 +136,7 @@ def test_cli_subprocess_runs_every_method_and_prints_the_budget_table():
     assert "budget 0.01" in result.stdout
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "argv",
     [
@@ -145,6 +153,7 @@ def test_bad_arguments_exit_2(argv):
     assert exc.value.code == 2
 
 
+@pytest.mark.unit
 def test_unknown_method_in_python_raises():
     with pytest.raises(ValueError, match="unknown bandit method 'sgd'"):
         quiet(method="sgd")

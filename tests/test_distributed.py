@@ -1,4 +1,4 @@
-"""shifu.distributed: single-process behaviour here, 2-process behaviour through torchrun (gloo, CPU).
+"""shifu.parallel.distributed and the torchrun backend (shifu.parallel.torchrun): single-process behaviour here, 2-process behaviour through torchrun (gloo, CPU).
 
 The 2-process checks live in ``tests/dist_scripts/check_dist.py`` and run in ONE torchrun launch (start-up
 costs seconds); each check is reported here as its own test. Process groups get a 60 s timeout, so a
@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shifu import distributed as D
 from shifu.errors import ShifuError
+from shifu.parallel import distributed as D
+from shifu.parallel import torchrun as T
+from shifu.parallel.strategy import enable_gradient_checkpointing
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "dist_scripts"))
@@ -79,6 +81,7 @@ def deepspeed_results(tmp_path_factory) -> tuple[dict[str, dict], str]:
     return launch("check_deepspeed.py", tmp_path_factory.mktemp("ds"), timeout=400)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
 def test_two_ranks(two_rank_results, check):
@@ -88,12 +91,22 @@ def test_two_ranks(two_rank_results, check):
     assert results[check]["ok"], results[check]["detail"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "check", ["zero2_equals_single", "zero2_learns", "zero3_equals_single", "zero3_learns"]
+    "check",
+    [
+        "zero2_equals_single",
+        "zero2_learns",
+        "zero2_offload_one_optimizer",
+        "zero3_equals_single",
+        "zero3_learns",
+        "zero3_offload_one_optimizer",
+    ],
 )
 def test_deepspeed_two_ranks(deepspeed_results, check):
-    """ZeRO-2/3 (gloo, CPU): the update equals 1 process on the same global batch; AdamW lowers the loss."""
+    """ZeRO-2/3 (gloo, CPU): the update equals 1 process on the same global batch; AdamW lowers the loss;
+    with optimizer offload one optimiser is built, and the checkpoint holds the state of the one that steps."""
     results, log = deepspeed_results
     assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
     assert results[check]["ok"], results[check]["detail"]
@@ -102,6 +115,7 @@ def test_deepspeed_two_ranks(deepspeed_results, check):
 # ------------------------------------------------------------------------------------------------ 1 process
 
 
+@pytest.mark.unit
 def test_single_process_is_a_no_op():
     assert "WORLD_SIZE" not in os.environ
     assert D.init().type in ("cpu", "cuda")
@@ -115,18 +129,20 @@ def test_single_process_is_a_no_op():
     assert D.broadcast_object({"x": 1}) == {"x": 1} and D.gather_object(3) == [3]
     assert D.rank_seed(5) == 5
     model = torch.nn.Linear(2, 2)
-    assert D.wrap_trainable(model, "fsdp2") is model  # nothing to shard across one process
+    assert T.wrap_trainable(model, "fsdp2") is model  # nothing to shard across one process
 
 
+@pytest.mark.unit
 def test_bad_strategy_and_bad_checkpoint_are_clear_errors(tmp_path):
     with pytest.raises(ShifuError, match="use none, ddp or fsdp2"):
-        D.wrap_trainable(torch.nn.Linear(2, 2), "zero9")
+        T.wrap_trainable(torch.nn.Linear(2, 2), "zero9")
     with pytest.raises(ShifuError, match="use replicate or fsdp2"):
-        D.prepare_frozen(torch.nn.Linear(2, 2), "sharded")
+        T.prepare_frozen(torch.nn.Linear(2, 2), "sharded")
     with pytest.raises(ShifuError, match="not a sharded checkpoint"):
-        D.load_sharded(tmp_path, torch.nn.Linear(2, 2))
+        T.load_sharded(tmp_path, torch.nn.Linear(2, 2))
 
 
+@pytest.mark.unit
 def test_sharded_checkpoint_round_trip_single_process(tmp_path):
     """save_sharded/load_sharded also work without a process group (model and AdamW state)."""
     torch.manual_seed(0)
@@ -135,10 +151,10 @@ def test_sharded_checkpoint_round_trip_single_process(tmp_path):
     a(torch.randn(5, 4)).square().sum().backward()
     opt_a.step()
     opt_a.zero_grad()
-    D.save_sharded(tmp_path / "ck", a, opt_a)
+    T.save_sharded(tmp_path / "ck", a, opt_a)
     b = torch.nn.Linear(4, 3)
     opt_b = torch.optim.AdamW(b.parameters(), lr=0.1)
-    D.load_sharded(tmp_path / "ck", b, opt_b)
+    T.load_sharded(tmp_path / "ck", b, opt_b)
     x = torch.randn(5, 4)
     for m, o in ((a, opt_a), (b, opt_b)):
         m(x).square().sum().backward()
@@ -146,11 +162,12 @@ def test_sharded_checkpoint_round_trip_single_process(tmp_path):
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
 
 
+@pytest.mark.unit
 def test_gradient_checkpointing_gives_the_same_gradients():
     tok = tiny.char_tokenizer()
     b = tiny.batch(tok, tiny.TEXTS)
     plain = tiny.tiny_model(tok).train()
-    ckpt = D.enable_gradient_checkpointing(copy.deepcopy(plain).train())
+    ckpt = enable_gradient_checkpointing(copy.deepcopy(plain).train())
     assert ckpt.is_gradient_checkpointing and not plain.is_gradient_checkpointing
     grads = []
     for m in (plain, ckpt):
@@ -161,6 +178,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-7, msg=k)
 
 
+@pytest.mark.unit
 def test_gradient_checkpointing_refuses_a_plain_module():
     with pytest.raises(ShifuError, match="gradient_checkpointing"):
-        D.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2))

@@ -23,15 +23,15 @@ import torch
 from conftest import write_jsonl
 from safetensors.torch import load_file
 
-from shifu.config import load_config
-from shifu.data import BatchStream, encode_sft
-from shifu.models import ScalarModel, load_tokenizer
-from shifu.schema import TextDataConfig as DataConfig
+from shifu.config.loader import load_config
+from shifu.config.sections import TextDataConfig as DataConfig
+from shifu.data.batches import BatchStream, encode_sft
+from shifu.models.loading import load_tokenizer
+from shifu.models.scalar import ScalarModel
 from shifu.trainers import dpo, reward, sft
 
 HERE = Path(__file__).resolve().parent
 torch.set_num_threads(1)
-pytestmark = pytest.mark.slow
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"]
 # 2 ranks share each global micro-batch; the tolerance is on max |w_2rank - w_1proc| / max |w_1proc - w_0|
@@ -158,6 +158,7 @@ def two_rank_runs(task):
     return d
 
 
+@pytest.mark.unit
 def test_ranks_hold_different_token_counts(task):
     """The premise of the equality tests: the 2 ranks' shares of the first micro-batches differ in size."""
     tok = load_tokenizer(task["model"])
@@ -172,6 +173,8 @@ def test_ranks_hold_different_token_counts(task):
         assert counts[0] != counts[1]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_sft_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path, strategy):
     ref = one_process(sft, sft_args(task, tmp_path / "ref", "max_steps=1"))
@@ -186,6 +189,8 @@ def test_sft_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path,
         assert two["sft/loss"] == pytest.approx(one["sft/loss"], rel=1e-5)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_sft_fsdp2_resume_from_shards_equals_uninterrupted(task, two_rank_runs, tmp_path):
     """1 FSDP2 step, sharded checkpoint (DCP), --resume to 2 steps == 2 uninterrupted 1-process steps."""
     run = two_rank_runs / "sft_fsdp2"
@@ -202,6 +207,8 @@ def test_sft_fsdp2_resume_from_shards_equals_uninterrupted(task, two_rank_runs, 
     assert steps == [1, 2]  # each step logged once, by rank 0, across the resume
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_rm_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path, strategy):
     ref = one_process(reward, rm_args(task, tmp_path / "ref", "max_steps=1"))
@@ -217,6 +224,8 @@ def test_rm_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path, 
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_dpo_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path, strategy):
     """DPO under torchrun: the pair-mean loss over the global batch (5 pairs: one micro-batch leaves rank 1
@@ -235,6 +244,8 @@ def test_dpo_step_on_two_ranks_equals_one_process(task, two_rank_runs, tmp_path,
         assert two[key] == pytest.approx(one[key], abs=1e-5), key
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_cli_sft_ddp_end_to_end_rank0_writes_once(task, tmp_path):
     """torchrun -m shifu sft: 4 steps with evaluation and checkpoints; every record written once, and
     the same losses and weights as the 1-process CLI-equivalent run."""

@@ -26,12 +26,14 @@ import pytest
 import torch
 from test_distributed import launch
 
-from shifu.config import load_config
-from shifu.models import ScalarModel, fuse_tanh_gelu, load_causal_lm, load_tokenizer, pad_left
-from shifu.rewards import RewardSource
-from shifu.rollout import policy_forward
-from shifu.schema import PPOConfig as Config
-from shifu.strategy import build_strategy
+from shifu.config.loader import load_config
+from shifu.config.schema import PPOConfig as Config
+from shifu.generation.rollout import policy_forward
+from shifu.models.loading import fuse_tanh_gelu, load_causal_lm, load_tokenizer
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
+from shifu.parallel import build_strategy
+from shifu.rewards.sources import RewardSource
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +88,7 @@ def ppo_results(tmp_path_factory):
     return launch("check_ppo.py", tmp_path_factory.mktemp("ppo_eq"), timeout=300)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("check", ["ppo_ddp_equals_single", "ppo_fsdp2_equals_single"])
 def test_ppo_update_on_two_ranks_equals_one_process(ppo_results, check):
@@ -94,6 +97,7 @@ def test_ppo_update_on_two_ranks_equals_one_process(ppo_results, check):
     assert results[check]["ok"], results[check]["detail"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_ppo_lowers_the_loss(tmp_path_factory, stage):
@@ -114,6 +118,7 @@ def _deepspeed_results(tmp_path_factory):
     return _DS["r"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     """torchrun -m shifu ppo with DDP: uneven responses across ranks finish (synced generation), the
@@ -136,6 +141,7 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_cli_ddp_group_estimator_keeps_each_group_on_one_process(task, tmp_path):
     """GRPO under torchrun: 2 prompts x G = 4 responses, one prompt's whole group per process (the group
@@ -152,6 +158,7 @@ def test_cli_ddp_group_estimator_keeps_each_group_on_one_process(task, tmp_path)
     assert proc.returncode != 0 and "stays on one process" in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_cli_fsdp2_sharded_checkpoint_resume_equals_uninterrupted(task, tmp_path):
     common = ("distributed.strategy=fsdp2", "eval.every=0", "save_every=2")
@@ -185,7 +192,7 @@ class _Run:
         self.tok.padding_side = "left"
         actor = load_causal_lm(task["model"], dropout=False)
         if lora:
-            from shifu.lora import wrap_lora
+            from shifu.models.lora import wrap_lora
 
             actor = wrap_lora(actor, self.cfg.lora)
         critic = ScalarModel.from_backbone(task["model"], seed=0)
@@ -207,6 +214,7 @@ def _prompts(tok, n=8):
     return b["input_ids"], b["attention_mask"], rows
 
 
+@pytest.mark.integration
 def test_lora_reference_in_the_trainer_equals_a_frozen_copy(task):
     """With lora.enabled the trainer loads no reference: its reference log-probs (actor with adapters off)
     equal a real frozen SFT copy's, also after PPO updates moved the adapters."""
@@ -226,6 +234,7 @@ def test_lora_reference_in_the_trainer_equals_a_frozen_copy(task):
     assert moved > 1e-4, "the adapters did not change the actor: the check above would be vacuous"
 
 
+@pytest.mark.integration
 def test_gradient_checkpointing_in_the_trainer_gives_the_same_update(task):
     a = _Run(task)
     b = _Run(task, "distributed.gradient_checkpointing=true")
@@ -241,6 +250,7 @@ def test_gradient_checkpointing_in_the_trainer_gives_the_same_update(task):
     )
 
 
+@pytest.mark.unit
 def test_distributed_config_rejects_impossible_combinations(task):
     from shifu.errors import ConfigError
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from shifu.cli import main as cli_main
-from shifu.config import load_config
-from shifu.models import load_causal_lm, load_tokenizer
+from shifu.cli.main import main as cli_main
+from shifu.config.loader import load_config
+from shifu.models.loading import load_causal_lm, load_tokenizer
 from shifu.trainers import dpo
+
+pytestmark = pytest.mark.integration
 
 torch.set_num_threads(1)
 

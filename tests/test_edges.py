@@ -4,7 +4,7 @@ naming the file / line / field / key / path and what to do, print no traceback, 
 corrected command then runs without ``--overwrite``.
 
 The model directories are copies of the tiny GPT-2 of ``conftest.py``, each broken one way; the runs are
-``shifu.cli.main`` in this process (a traceback would fail the test as an exception), plus one real
+``shifu.cli.main.main`` in this process (a traceback would fail the test as an exception), plus one real
 ``python -m shifu`` subprocess per kind of mistake for the exit status and stderr of a real process.
 """
 
@@ -25,10 +25,12 @@ from safetensors.torch import load_file, save_file
 from test_dpo import preference_rows
 from test_sft import corpus
 
-from shifu import cli
-from shifu.data import load_rows
+from shifu.cli import main as cli
+from shifu.data.rows import load_rows
 from shifu.errors import DataError, ShifuError
-from shifu.models import ScalarModel, check_safetensors, check_vocab, load_causal_lm, load_tokenizer
+from shifu.models.loading import check_vocab, load_causal_lm, load_tokenizer
+from shifu.models.scalar import ScalarModel
+from shifu.runs.files import check_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_HINT = "shifu never downloads from a hub"
@@ -144,6 +146,7 @@ def _one_error_line(err: str, cmd: str) -> str:
     return lines[0]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(BROKEN_MODELS))
 def test_a_broken_model_directory_is_named_and_nothing_is_written(case, broken, files, tmp_path, capsys):
     out = tmp_path / "run"
@@ -155,6 +158,7 @@ def test_a_broken_model_directory_is_named_and_nothing_is_written(case, broken, 
     assert not out.exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("key", ["model.path", "model.tokenizer"])
 def test_a_local_path_that_does_not_exist_is_not_called_a_hub_repo_id(
     key, tiny_model_dir, files, tmp_path, capsys
@@ -171,6 +175,7 @@ def test_a_local_path_that_does_not_exist_is_not_called_a_hub_repo_id(
     assert code == 2 and f"'{files['sft']}'" in err and "is a file" in err
 
 
+@pytest.mark.integration
 def test_reward_model_and_dpo_reference_and_rm_backbone_paths(
     tiny_model_dir, broken, files, tmp_path, capsys
 ):
@@ -204,6 +209,7 @@ def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "breaks, needle",
     [
@@ -224,6 +230,7 @@ def test_a_damaged_reward_model_directory(breaks, needle, reward_dir, tmp_path):
     assert needle in str(e.value) and str(d) in str(e.value)
 
 
+@pytest.mark.unit
 def test_a_tokenizer_without_vocabulary_is_refused(tiny_model_dir, tmp_path):
     """transformers 5 builds an *empty* GPT-2 tokenizer from a config.json alone: every text would encode to
     nothing, and training would 'succeed' on empty sequences."""
@@ -238,6 +245,7 @@ def test_a_tokenizer_without_vocabulary_is_refused(tiny_model_dir, tmp_path):
     )
 
 
+@pytest.mark.unit
 def test_check_safetensors_accepts_every_file_torch_writes(tiny_model_dir, tmp_path):
     """The header check must never refuse a good file: empty, scalar-only and many-tensor files pass."""
     import torch
@@ -252,6 +260,7 @@ def test_check_safetensors_accepts_every_file_torch_writes(tiny_model_dir, tmp_p
     assert load_causal_lm(tiny_model_dir) is not None
 
 
+@pytest.mark.integration
 def test_broken_model_in_a_real_process(broken, files, tmp_path):
     out = tmp_path / "run"
     argv = sft_argv(out, broken["truncated_weights"], files["sft"])
@@ -263,6 +272,7 @@ def test_broken_model_in_a_real_process(broken, files, tmp_path):
 
 
 # ------------------------------------------------------------------ data files
+@pytest.mark.unit
 def test_a_jsonl_file_with_a_byte_order_mark_loads_like_one_without(files, tmp_path):
     plain = files["sft"].read_bytes()
     bom = tmp_path / "windows.jsonl"
@@ -273,6 +283,7 @@ def test_a_jsonl_file_with_a_byte_order_mark_loads_like_one_without(files, tmp_p
     assert len(load_rows(joined, "sft")) == 2 * len(load_rows(files["sft"], "sft"))
 
 
+@pytest.mark.integration
 def test_a_byte_order_mark_file_trains(tiny_model_dir, files, tmp_path, capsys):
     bom = tmp_path / "windows.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + files["sft"].read_bytes())
@@ -284,6 +295,7 @@ def _utf16(p: Path, rows: bytes) -> None:
     p.write_bytes(rows.decode().encode("utf-16"))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name, write, needle",
     [
@@ -308,6 +320,7 @@ def test_a_malformed_data_file_is_named_with_what_to_do(name, write, needle, fil
     assert str(e.value).startswith(str(p)) and needle in str(e.value), str(e.value)
 
 
+@pytest.mark.integration
 def test_a_malformed_data_file_through_every_command(tiny_model_dir, files, tmp_path, capsys):
     bad = tmp_path / "notepad.jsonl"
     _utf16(bad, files["pref"].read_bytes())
@@ -325,6 +338,7 @@ def test_a_malformed_data_file_through_every_command(tiny_model_dir, files, tmp_
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_skipped_rows_are_reported_once(tiny_model_dir, files, tmp_path, capsys):
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(files["pref"].read_text() + "oops\n", encoding="utf-8")
@@ -336,6 +350,7 @@ def test_skipped_rows_are_reported_once(tiny_model_dir, files, tmp_path, capsys)
 
 
 # ------------------------------------------------------------------ config files
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "yaml_text, key",
     [("optim:\n  lr: .nan\n", "optim.lr"), ("optim:\n  lr: nan\n", "optim.lr"), ("kl:\n  init_coef: .inf\n", "kl.init_coef"),
@@ -353,6 +368,7 @@ def test_non_finite_numbers_in_a_yaml_file_are_named(yaml_text, key, tiny_model_
 
 
 # ------------------------------------------------------------------ a failed start writes nothing
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "cmd, late_mistake, fix",
     [
@@ -383,6 +399,7 @@ def test_a_failed_start_writes_nothing_and_the_fix_needs_no_overwrite(
 
 
 # ------------------------------------------------------------------ models of another tokenizer
+@pytest.mark.unit
 def test_check_vocab_names_a_model_of_another_tokenizer(tiny_model_dir, tmp_path):
     """``models.check_vocab`` (for the trainers: a reference, critic or DPO reference from another model
     family): a smaller embedding would crash mid-run with an index error, a different vocabulary would give
@@ -419,6 +436,7 @@ def foreign(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return {"policy": policy, "rm": root / "rm"}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cmd", ["sft", "rm", "dpo", "ppo"])
 def test_a_model_directory_with_another_models_tokenizer_is_refused(cmd, foreign, files, tmp_path, capsys):
     """Its ids run past the embedding: ppo/rm would crash with an index error in the first batch, sft/dpo
@@ -433,6 +451,7 @@ def test_a_model_directory_with_another_models_tokenizer_is_refused(cmd, foreign
     assert str(foreign["policy"]) in line and "the tokenizer belongs to another model" in line, line
 
 
+@pytest.mark.integration
 def test_a_reward_model_with_another_models_tokenizer_and_a_damaged_ensemble(
     foreign, tiny_model_dir, files, tmp_path, capsys
 ):
@@ -457,6 +476,7 @@ def test_a_reward_model_with_another_models_tokenizer_and_a_damaged_ensemble(
         assert f"'{ens / 'ensemble.json'}'" in line and "'members' must be a non-empty list" in line, line
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cmd", ["sft", "rm", "dpo"])
 def test_examples_longer_than_the_models_positions_are_refused_before_training(cmd, tmp_path, capsys):
     """The character model has 64 learned positions; 80-character rows (data.max_len 256) would crash with an
@@ -481,6 +501,7 @@ def test_examples_longer_than_the_models_positions_are_refused_before_training(c
     assert code == 0 and (out / "final").is_dir(), err
 
 
+@pytest.mark.integration
 def test_a_normalisation_policy_with_damaged_weights_stops_rm_before_training(
     tiny_model_dir, broken, files, tmp_path, capsys
 ):
@@ -494,6 +515,7 @@ def test_a_normalisation_policy_with_damaged_weights_stops_rm_before_training(
 
 
 # ------------------------------------------------------------------ a run that fails after it started
+@pytest.mark.integration
 def test_a_run_that_fails_after_it_started_can_be_resumed_or_overwritten(tmp_path, capsys):
     """Prompt + max_new_tokens past the model's positions is found before anything is written. A mistake
     only found inside the first iteration (a reward function that raises) stops with exit 2 and one message

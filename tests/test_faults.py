@@ -21,12 +21,12 @@ from test_dpo import config as dpo_cfg
 from test_rm import make_cfg as rm_cfg
 from test_sft import make_cfg as sft_cfg
 
-from shifu import checkpoint as ckpt
-from shifu import cli
-from shifu.config import load_config
+from shifu.cli import main as cli
+from shifu.config.loader import load_config
 from shifu.errors import ShifuError
-from shifu.models import ScalarModel
-from shifu.tracking import read_metrics
+from shifu.models.scalar import ScalarModel
+from shifu.runs import checkpoint as ckpt
+from shifu.runs.tracking import read_metrics
 from shifu.trainers import dpo, ppo, reward, sft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +50,7 @@ def sft_cli(model_dir, tmp_path: Path, out: Path, *flags: str) -> list[str]:
     ]
 
 
+@pytest.mark.integration
 def test_output_directories_are_protected(tiny_model_dir, tmp_path, capsys):
     mine = tmp_path / "my_files"
     mine.mkdir()
@@ -96,6 +97,7 @@ def _loads_as(run: Path, step: int, m: torch.nn.Module) -> None:
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), m.state_dict().values()))
 
 
+@pytest.mark.integration
 def test_crash_in_the_middle_of_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "resume_scripts"))
     import run_shifu
@@ -120,6 +122,7 @@ def test_crash_in_the_middle_of_a_checkpoint_leaves_the_previous_one_loadable(tm
     assert not torn.exists()
 
 
+@pytest.mark.unit
 def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
     run, first = tmp_path / "run", _module(1)
     _save(run, 1, first)
@@ -138,6 +141,7 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_pat
     assert not list((run / ckpt.CKPT_DIR).glob(".tmp-*"))
 
 
+@pytest.mark.unit
 def test_unwritable_checkpoint_directory_names_the_path(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -158,6 +162,7 @@ def _nan_at(monkeypatch, calls_with_nan):
     monkeypatch.setattr(sft, "sft_nll_sum", nll)
 
 
+@pytest.mark.integration
 def test_sft_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkeypatch):
     # calls: 1-2 the step-0 held-out loss (20 rows / 16), then one per step (grad_accum=1)
     _nan_at(monkeypatch, lambda c: c == 2 + 3)  # step 3's loss is NaN
@@ -176,6 +181,7 @@ def test_sft_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monke
     assert all(torch.isfinite(p).all() for p in final.parameters())
 
 
+@pytest.mark.integration
 def test_sft_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
@@ -224,6 +230,7 @@ def _window_rows(run: Path, name: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.integration
 def test_rm_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
     _nan_loss_at(monkeypatch, reward, "bradley_terry_loss", lambda k: k == 3)
     reward.train(rm_cfg(tiny_model_dir, tmp_path, max_steps=6, save_every=6, log_every=2))
@@ -235,6 +242,7 @@ def test_rm_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkey
     assert all(torch.isfinite(t).all() for t in final.state_dict().values())
 
 
+@pytest.mark.integration
 def test_rm_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch
 ):
@@ -254,6 +262,7 @@ def test_rm_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
         reward.train(cfg, resume=True)
 
 
+@pytest.mark.integration
 def test_dpo_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
     _nan_loss_at(monkeypatch, dpo, "dpo_loss", lambda k: k == 3)
     dpo.train(dpo_cfg(tmp_path, tiny_model_dir, "run", max_steps=6, save_every=6, log_every=2))
@@ -265,6 +274,7 @@ def test_dpo_skips_a_nan_loss_step_and_counts_it(tiny_model_dir, tmp_path, monke
     assert all(torch.isfinite(p).all() for p in final.parameters())
 
 
+@pytest.mark.integration
 def test_dpo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
@@ -295,8 +305,8 @@ def test_dpo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(
 _RM_RANK_NAN = """
 import sys
 import torch
-from shifu import distributed as D
-from shifu.config import load_config
+from shifu.parallel import distributed as D
+from shifu.config.loader import load_config
 from shifu.trainers import reward
 
 real, calls = reward.bradley_terry_loss, {"n": 0}
@@ -317,6 +327,7 @@ D.destroy()
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_rm_under_torchrun_skips_a_step_that_is_nan_on_one_rank_only(tiny_model_dir, tmp_path):
     script = tmp_path / "rm_rank_nan.py"
@@ -389,6 +400,7 @@ def _same(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+@pytest.mark.integration
 def test_ppo_drops_nan_scores_and_skips_a_nan_loss_step(task, tmp_path, monkeypatch):
     from shifu import core
 
@@ -410,6 +422,7 @@ def test_ppo_drops_nan_scores_and_skips_a_nan_loss_step(task, tmp_path, monkeypa
     assert _finite(out / "final" / "model.safetensors")
 
 
+@pytest.mark.integration
 def test_ppo_stops_after_consecutive_nan_steps_keeping_the_last_good_checkpoint(task, tmp_path, monkeypatch):
     from shifu import core
 
@@ -456,6 +469,7 @@ def _calls(text: str, name: str) -> list[str]:
     return out
 
 
+@pytest.mark.unit
 def test_every_torch_load_is_weights_only_and_no_pickle_or_unsafe_yaml():
     loads = 0
     for path, text in _sources():
@@ -467,6 +481,7 @@ def test_every_torch_load_is_weights_only_and_no_pickle_or_unsafe_yaml():
     assert loads >= 1  # the checkpoint loader is found, so the scan is looking at the right files
 
 
+@pytest.mark.integration
 def test_remote_code_is_off_unless_asked_and_hub_is_offline():
     from shifu.trainers import dpo, reward
 
@@ -503,6 +518,7 @@ def nan_first_batch(prompts, responses, rows):
     return [r.count("a") / max(1, len(r)) for r in responses]
 
 
+@pytest.mark.integration
 def test_ppo_survives_a_batch_whose_scores_are_all_nan(task, tmp_path):
     _CALLS["n"] = 0
     out = tmp_path / "run"
@@ -515,6 +531,7 @@ def test_ppo_survives_a_batch_whose_scores_are_all_nan(task, tmp_path):
 
 
 # ------------------------------------------------------------------ signals
+@pytest.mark.unit
 def test_graceful_stop_only_sets_a_flag_and_says_so_on_the_raw_stderr(capfd):
     from shifu.trainers.common import GracefulStop
 

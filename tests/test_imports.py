@@ -5,12 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import shifu.core
 
 CORE = Path(shifu.core.__file__).parent
 ALLOWED_TOP_LEVEL = {"torch", "__future__", "math", "typing", "collections"}
 
 
+@pytest.mark.integration
 def test_import_core_pulls_in_no_framework():
     code = (
         "import sys, shifu.core\n"
@@ -24,6 +27,7 @@ def test_import_core_pulls_in_no_framework():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.unit
 def test_core_sources_import_only_torch_and_the_standard_library():
     for path in sorted(CORE.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -37,6 +41,7 @@ def test_core_sources_import_only_torch_and_the_standard_library():
                 assert name.split(".")[0] in ALLOWED_TOP_LEVEL, f"{path.name} imports {name}"
 
 
+@pytest.mark.unit
 def test_public_names():
     expected = {
         "masked_sum", "masked_mean", "masked_var", "masked_whiten", "log_probs_from_logits", "log_probs_and_entropy",

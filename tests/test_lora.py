@@ -1,4 +1,4 @@
-"""shifu.lora: the actor with adapters disabled *is* the frozen reference, before and after training."""
+"""shifu.models.lora: the actor with adapters disabled *is* the frozen reference, before and after training."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import torch
 
 pytest.importorskip("peft")
 
-from shifu import distributed as D  # noqa: E402
-from shifu import lora  # noqa: E402
 from shifu.errors import ConfigError, ShifuError  # noqa: E402
+from shifu.models import lora  # noqa: E402
+from shifu.parallel.strategy import enable_gradient_checkpointing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist_scripts"))
 import tiny  # noqa: E402
+
+pytestmark = pytest.mark.unit
 
 torch.set_num_threads(1)
 
@@ -82,7 +84,7 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients(setup
             if "lora_B" in k:
                 p.normal_(0, 0.1)
     other = copy.deepcopy(actor)
-    D.enable_gradient_checkpointing(other)
+    enable_gradient_checkpointing(other)
     grads = []
     for m in (actor, other):
         m.train()
@@ -111,7 +113,7 @@ def test_reference_prefers_a_given_model_and_errors_clearly():
 
 
 def test_lora_critic_starts_equal_trains_adapters_and_head_and_merges_into_a_plain_critic(tmp_path):
-    from shifu.models import ScalarModel
+    from shifu.models.scalar import ScalarModel
 
     tok = tiny.char_tokenizer()
     b = tiny.batch(tok, tiny.TEXTS)
@@ -145,7 +147,7 @@ def test_lora_critic_starts_equal_trains_adapters_and_head_and_merges_into_a_pla
 def test_checkpoint_of_lora_modules_holds_only_what_trains_and_restores_it_exactly(tmp_path):
     from safetensors import safe_open
 
-    from shifu import checkpoint as ckpt
+    from shifu.runs import checkpoint as ckpt
 
     tok = tiny.char_tokenizer()
     cfg = lora.LoraConfig(enabled=True, r=4, alpha=8.0)
@@ -179,8 +181,8 @@ def test_checkpoint_of_lora_modules_holds_only_what_trains_and_restores_it_exact
 
 
 def test_lora_critic_is_refused_where_there_is_no_critic_of_its_own():
-    from shifu.config import load_config
-    from shifu.schema import PPOConfig
+    from shifu.config.loader import load_config
+    from shifu.config.schema import PPOConfig
 
     base = ["out_dir=x", "model.path=m", "data.train=p.jsonl", "reward.function=a:b", "lora.critic=true"]
     cfg = load_config(PPOConfig, None, [*base, "critic.init=sft"])
@@ -199,9 +201,9 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     decoder (engine auto's choice for a plain model) reads each layer's own weight and would skip the
     adapters, so a peft model decodes through its HF forward. The log-probs read off the decode steps equal
     the adapted actor's full forward at the sampled tokens, and differ from the base model's."""
-    from shifu.decode import _GPT2Decoder, decoder
-    from shifu.models import pad_left
-    from shifu.rollout import SamplingParams, policy_forward, sample
+    from shifu.generation.decode import _GPT2Decoder, decoder
+    from shifu.generation.rollout import SamplingParams, policy_forward, sample
+    from shifu.models.padding import pad_left
 
     tok, frozen, actor, _ = setup
     g = torch.Generator().manual_seed(0)

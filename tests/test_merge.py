@@ -8,10 +8,12 @@ import shutil
 import pytest
 import torch
 
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
 from shifu.errors import ShifuError
-from shifu.merge import merge_policies
-from shifu.models import build_tiny_gpt2, load_causal_lm, load_tokenizer
+from shifu.models.loading import build_tiny_gpt2, load_causal_lm, load_tokenizer
+from shifu.models.merge import merge_policies
+
+pytestmark = pytest.mark.unit
 
 torch.set_num_threads(1)
 
@@ -112,7 +114,8 @@ def test_shifu_merge_command(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "merged"
     assert cli_main(["merge", "--base", str(tiny_model_dir), "--out", str(out), "--scale", "0.5", str(a),
                      str(run)]) == 0  # fmt: skip
-    assert "2 policies" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "2 policies" in printed.err and printed.out == ""  # a line of shifu's own: stderr
     assert json.loads((out / "merge.json").read_text())["policies"] == [str(a), str(run / "final")]
     assert cli_main(["merge", "--base", str(tiny_model_dir), "--out", str(out), str(a)]) == 2  # exists
     assert "not empty" in capsys.readouterr().err

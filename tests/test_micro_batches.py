@@ -10,9 +10,9 @@ import torch
 from ppo_task import build_char_model, write_prompts
 from test_ppo import built
 
-from shifu.config import load_config
+from shifu.config.loader import load_config
 from shifu.errors import ConfigError
-from shifu.models import pad_left
+from shifu.models.padding import pad_left
 from shifu.trainers import ppo, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss, token_budget_split, trim_padding, update
 
@@ -57,6 +57,7 @@ def varied_rollout(task, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.integration
 def test_token_budget_micro_batches_trim_padding_and_keep_the_minibatch_loss(task, tmp_path):
     rollout = varied_rollout(task, tmp_path)
     cfg, _, m, s = make_run(task, tmp_path / "a")
@@ -92,6 +93,7 @@ def test_token_budget_micro_batches_trim_padding_and_keep_the_minibatch_loss(tas
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_update_with_a_token_budget_takes_the_fixed_split_step(task, tmp_path):
     """One optimiser step (ppo_epochs=1, one minibatch): the gradients it applies and its logged losses
     match the default's up to float rounding."""
@@ -112,6 +114,7 @@ def test_update_with_a_token_budget_takes_the_fixed_split_step(task, tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_micro_batch_tokens_replaces_grad_accum(task, tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_tokens"):
         make_run(task, tmp_path, "micro_batch_tokens=64", "grad_accum=2")

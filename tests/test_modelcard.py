@@ -14,9 +14,11 @@ import pytest
 from conftest import write_jsonl
 from ppo_task import ALPHABET, build_char_model, write_prompts
 
-from shifu import cli
-from shifu.modelcard import main as card_main
-from shifu.modelcard import read_card_metadata, write_model_card
+from shifu.cli import main as cli
+from shifu.reporting.modelcard import main as card_main
+from shifu.reporting.modelcard import read_card_metadata, write_model_card
+
+pytestmark = pytest.mark.integration
 
 QUIET = ["progress=false", "tensorboard=false"]
 
@@ -141,7 +143,7 @@ def test_every_stage_gets_a_card_with_metadata_and_results(runs):
 
 def test_quickstart_layout_and_missing_files(runs, tmp_path, capsys):
     """A quickstart run: the PPO card carries the end-to-end gold (standard errors from samples_before/
-    after), KL and reward-model accuracy; `python -m shifu.modelcard RUN` writes every stage's card. A
+    after), KL and reward-model accuracy; `python -m shifu.reporting.modelcard RUN` writes every stage's card. A
     final/ with no run files still gets a valid card that says what was not recorded."""
     quick = tmp_path / "quickstart-arith-tiny-s0"
     for k in ("sft", "rm", "ppo"):
@@ -155,7 +157,7 @@ def test_quickstart_layout_and_missing_files(runs, tmp_path, capsys):
     summary = {"gold_before": 0.4375, "gold_after": 0.6875, "kl": 1.25, "rm_accuracy": 0.8, "eval_prompts": 4}
     (quick / "summary.json").write_text(json.dumps(summary))
     assert card_main([str(quick)]) == 0
-    assert capsys.readouterr().out.count("wrote ") == 3
+    assert capsys.readouterr().err.count("wrote ") == 3
     text = (quick / "ppo" / "final" / "README.md").read_text()
     assert (
         text.splitlines()[text.splitlines().index("---", 1) + 2]

@@ -1,4 +1,4 @@
-"""shifu.models: pad tokens, masks and positions, the scalar head, save/reload, encoder backbones."""
+"""shifu.models (loading, padding, scalar): pad tokens, masks and positions, the scalar head, save/reload."""
 
 from __future__ import annotations
 
@@ -7,15 +7,11 @@ import importlib.util
 import pytest
 import torch
 
-from shifu.models import (
-    ScalarModel,
-    last_token_index,
-    load_causal_lm,
-    load_tokenizer,
-    pad_left,
-    pad_right,
-    position_ids_from_mask,
-)
+from shifu.models.loading import load_causal_lm, load_tokenizer
+from shifu.models.padding import last_token_index, pad_left, pad_right, position_ids_from_mask
+from shifu.models.scalar import ScalarModel
+
+pytestmark = pytest.mark.unit
 
 
 def test_pad_token_is_eos_when_the_tokenizer_has_none(tiny_model_dir, tiny_model_dir_pad_eos):

@@ -23,9 +23,12 @@ import pytest
 from conftest import write_jsonl
 from test_sft import corpus
 
-from shifu import checkpoint as ckpt
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
 from shifu.errors import ShifuError
+from shifu.runs import checkpoint as ckpt
+
+pytestmark = pytest.mark.integration
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # arith tiny cut short (a whole run takes ~20 s of one core); later --set of a key wins
@@ -98,8 +101,8 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     ppo with one) refuses while its directory holds a file shifu did not write; a stage directory shifu did
     not make (rm/, soup/) is refused; a top-level result the user changed is never overwritten. Every
     refusal changes nothing, and a run that needs none of those places leaves them as they are."""
-    from shifu.pipeline import Stages
-    from shifu.quickstart import PLANS
+    from shifu.experiments.pipeline import Stages
+    from shifu.experiments.quickstart import PLANS
 
     out = tmp_path / "run"
     assert cli_main(_quickstart(out)) == 0
@@ -144,7 +147,7 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     for rel in ("notes.txt", "rm/x", "soup/x"):
         assert (out / rel).read_text() == "mine", rel
     assert json.loads(summary.read_text())["task"] == "arith"
-    from shifu.pipeline import claim_stage
+    from shifu.experiments.pipeline import claim_stage
 
     for stage in ("data", "sft", "ppo", "ppo-2"):
         claim_stage(out / stage, stage)  # all a real run leaves in a stage directory is shifu's

@@ -11,12 +11,15 @@ from ppo_task import build_char_model, write_prompts
 from safetensors.torch import load_file
 
 from shifu import core
-from shifu.config import load_config
-from shifu.models import load_tokenizer, pad_left
-from shifu.rollout import policy_forward
-from shifu.strategy import build_strategy
+from shifu.config.loader import load_config
+from shifu.generation.rollout import policy_forward
+from shifu.models.loading import load_tokenizer
+from shifu.models.padding import pad_left
+from shifu.parallel import build_strategy
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +75,10 @@ def test_ppo_raises_true_reward_with_bounded_kl(task, tmp_path):
     assert gold[0] < 0.2 and gold[-1] > 0.3, gold
     assert max(kls) < 12.0, kls
     assert (out / "final" / "config.json").exists() and (out / "best" / "config.json").exists()
-    from shifu.metrics import undefined_keys
+    from shifu.runs.metrics import undefined_keys
 
-    assert undefined_keys(rows_of(out / "metrics.jsonl")) == []  # every logged key is in docs/metrics.md
+    # every logged key is in docs/reference/metrics.md
+    assert undefined_keys(rows_of(out / "metrics.jsonl")) == []
     samples = rows_of(out / "samples.jsonl")
     assert {s["iteration"] for s in samples} == {0, 6, 12} and all("gold" in s for s in samples)
 
@@ -273,7 +277,7 @@ def test_ptx_term_is_trained(task, tmp_path):
 def test_a_failed_start_writes_nothing(task, tmp_path):
     """A reward function that does not import, or a reward model directory that does not exist, stops the
     run before the output directory exists: the corrected command then starts without --overwrite."""
-    from shifu.cli import main as cli_main
+    from shifu.cli.main import main as cli_main
 
     out = tmp_path / "run"
     base = [
@@ -339,7 +343,7 @@ def test_almost_all_empty_responses_are_named_with_the_likely_reason(tmp_path, c
         "minibatch_size=8",
         "eval.every=0",
     ]
-    from shifu.cli import main as cli_main
+    from shifu.cli.main import main as cli_main
 
     assert cli_main(argv) == 0
     err = capsys.readouterr().err

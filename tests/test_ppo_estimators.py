@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from test_ppo import gold_curve, make_cfg, rows_of
 from test_ppo import task as task  # the module's fixture: the char model and its prompts
 
-from shifu import checkpoint as ckpt
 from shifu.errors import ConfigError, ShifuError
-from shifu.models import load_tokenizer
+from shifu.models.loading import load_tokenizer
+from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals
 from shifu.trainers.ppo_rollout import step_rewards
@@ -54,6 +54,7 @@ def weights(d):
     return load_file(str(d / "model.safetensors"))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_critic_free_methods_raise_the_true_reward_without_a_critic(task, tmp_path, method):
     out = tmp_path / "run"
@@ -70,6 +71,7 @@ def test_critic_free_methods_raise_the_true_reward_without_a_critic(task, tmp_pa
     assert not any("critic" in str(k) for k in state), list(state)
 
 
+@pytest.mark.integration
 def test_groups_stay_together_and_the_prompt_stream_counts_prompts(task, tmp_path, capsys):
     SEEN.clear()
     cfg = make_cfg(task, tmp_path / "run", *METHODS["grpo"], "iterations=2", "eval.every=0",
@@ -84,6 +86,7 @@ def test_groups_stay_together_and_the_prompt_stream_counts_prompts(task, tmp_pat
     assert not {p for p in SEEN[0]} & {p for p in SEEN[1]}  # the stream moved on by 4 prompts, not 16
 
 
+@pytest.mark.integration
 def test_dynamic_sampling_drops_tied_groups_from_the_update(task, tmp_path):
     """Every group tied (a constant reward): each is dropped and counted, and the actor never moves."""
     out = tmp_path / "run"
@@ -100,6 +103,7 @@ def test_dynamic_sampling_drops_tied_groups_from_the_update(task, tmp_path):
     assert gold_curve(out2)[-1] > 0.25
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "method",
     [["critic.init=sft"], ["advantage_estimator=reinforce_pp"], ["advantage_estimator=reinforce_pp_baseline"],
@@ -127,6 +131,7 @@ def test_dynamic_sampling_with_per_token_and_batch_estimators(task, tmp_path, me
     assert all(torch.equal(start[k], final[k]) for k in start)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("estimator", ["k3", "full"])
 def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path, estimator):
     kls = {}
@@ -141,12 +146,13 @@ def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path, e
     assert kls[1.0] < kls[0.02] / 4, kls
 
 
+@pytest.mark.integration
 def test_exact_kl_that_would_not_fit_in_memory_is_refused_before_anything_is_written(
     task, tmp_path, monkeypatch
 ):
     """The reference's (B, R, V) log-probs are sized against the memory free on the device (MemAvailable here,
     read for real) and refused over half of it, naming the size and what to change."""
-    from shifu.strategy import Strategy
+    from shifu.parallel.strategy import Strategy
 
     free = Strategy(None).free_memory()
     assert free is not None and free > 2**20  # Linux: the kernel's MemAvailable, in bytes
@@ -161,6 +167,7 @@ def test_exact_kl_that_would_not_fit_in_memory_is_refused_before_anything_is_wri
     ppo.train(make_cfg(task, out, *METHODS["grpo_kl_loss"], "kl.loss_estimator=k3", "iterations=1", *QUIET))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("bf16", [False, True])
 def test_truncated_importance_sampling_logs_the_rollout_mismatch(task, tmp_path, bf16):
     out = tmp_path / "run"
@@ -176,6 +183,7 @@ def test_truncated_importance_sampling_logs_the_rollout_mismatch(task, tmp_path,
             assert r["rollout/mismatch_is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.integration
 def test_critic_warmup_keeps_the_actor_still_and_resumes_exactly(task, tmp_path):
     common = [
         *QUIET,
@@ -206,6 +214,7 @@ def test_critic_warmup_keeps_the_actor_still_and_resumes_exactly(task, tmp_path)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), d
 
 
+@pytest.mark.integration
 def test_a_group_run_resumes_exactly(task, tmp_path):
     """G = 4 responses per prompt: the prompt stream counts prompts (batch_size / G a step) and the checkpoint
     carries it, so 2 iterations + --resume to 5 equal 5 uninterrupted iterations (metrics and weights)."""
@@ -223,6 +232,7 @@ def test_a_group_run_resumes_exactly(task, tmp_path):
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+@pytest.mark.unit
 def test_step_rewards_land_on_the_token_that_completes_the_step(tiny_model_dir):
     """A step ending at character ``end`` earns its reward on the first token whose decoded prefix reaches
     ``end`` characters; two steps completed by one token add up there."""
@@ -247,10 +257,11 @@ def test_step_rewards_land_on_the_token_that_completes_the_step(tiny_model_dir):
     assert out[0].sum() == 4.0 and out[1].sum() == 0.75 and (out[~mask] == 0).all()
 
 
+@pytest.mark.unit
 def test_process_rewards_credit_the_tokens_up_to_their_step():
     """reinforce_pp and gae (gamma = lam = 1, values 0, no whitening, no KL): the advantage of a token is
     the sum of the step rewards from it on, so a reward at token 2 credits tokens 0-2 and none after."""
-    from shifu.schema import PPOConfig
+    from shifu.config.schema import PPOConfig
 
     mask = torch.ones(1, 6, dtype=torch.bool)
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, -0.5]])
@@ -262,12 +273,13 @@ def test_process_rewards_credit_the_tokens_up_to_their_step():
         assert torch.allclose(adv, expected), (name, adv)
 
 
+@pytest.mark.unit
 def test_group_estimators_normalise_process_rewards_per_step():
     """grpo / dr_grpo with process rewards (DeepSeekMath's process supervision): the group's steps are 1 and
     -0.5 (response 0, ending at tokens 2 and 5), 0 (a step of reward 0 ending at token 3 of response 1) and
     response 1's score 0.25 on its last token, minus beta * KL of each step's tokens (0.1 a token, beta 0.5).
     A token's advantage sums the normalised steps from it on; rloo and bon refuse per-token rewards."""
-    from shifu.schema import PPOConfig
+    from shifu.config.schema import PPOConfig
 
     mask = torch.ones(2, 6, dtype=torch.bool)
     token_rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, -0.5], [0.0] * 6])
@@ -290,6 +302,7 @@ def test_group_estimators_normalise_process_rewards_per_step():
             ESTIMATORS[name](x, PPOConfig(group_size=2), None)
 
 
+@pytest.mark.integration
 def test_process_reward_run_raises_the_true_reward_with_gae(task, tmp_path):
     out = tmp_path / "run"
     ppo.train(make_cfg(task, out, "reward.function=ppo_task:a_steps", *QUIET))
@@ -297,6 +310,7 @@ def test_process_reward_run_raises_the_true_reward_with_gae(task, tmp_path):
     assert rows_of(out / "metrics.jsonl")[-1]["objective/process_reward"] > 0.25
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

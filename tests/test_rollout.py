@@ -16,9 +16,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from shifu.decode import decoder
-from shifu.models import ScalarModel, position_ids_from_mask
-from shifu.rollout import (
+from shifu.generation.decode import decoder
+from shifu.generation.rollout import (
     Rollout,
     SamplingParams,
     critic_forward,
@@ -27,6 +26,10 @@ from shifu.rollout import (
     sample,
     sample_next,
 )
+from shifu.models.padding import position_ids_from_mask
+from shifu.models.scalar import ScalarModel
+
+pytestmark = pytest.mark.unit
 
 torch.set_num_threads(1)
 V, EOS, PAD = 61, 2, 0
@@ -405,7 +408,7 @@ def test_llama_with_attention_bias_matches_hf_generate():
 
 def test_prompt_plus_response_past_learned_positions_is_a_clear_error(tiny_model_dir):
     from shifu.errors import ShifuError
-    from shifu.models import build_tiny_gpt2, load_tokenizer
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     model = build_tiny_gpt2(tok, n_layer=1, n_embd=16, n_head=2, n_positions=12)
@@ -433,7 +436,7 @@ def test_decode_head_layout_follows_the_measurement_and_is_kept_per_machine(arch
     """The fast decoders read the output embedding as ``(W @ h^T)^T`` only where the probe measured it
     faster by enough to matter; the answer is written to the probe's cache and read back (no re-timing, so
     the rounding cannot change between runs), and that order gives the log-probs a full forward gives."""
-    import shifu.decode as dec
+    import shifu.generation.decode as dec
 
     monkeypatch.setenv("SHIFU_CACHE", str(tmp_path))
     timed = []

@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from test_resume import metric_rows, weights_digest
 from test_sft import corpus
 
-from shifu import checkpoint as ckpt
-from shifu import cli
+from shifu.cli import main as cli
 from shifu.errors import ShifuError
+from shifu.runs import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,7 @@ def _killed_at(run: Path, k: int, write) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("rewrite", [True, False], ids=["same step again", "next step"])
 def test_a_kill_at_any_moment_of_a_checkpoint_write_leaves_a_complete_latest(tmp_path, rewrite, capfd):
     """Every operation of a write is a possible moment of death. After each one: ``latest`` names a
@@ -111,6 +112,7 @@ def test_a_kill_at_any_moment_of_a_checkpoint_write_leaves_a_complete_latest(tmp
     assert "newest complete checkpoint" not in capfd.readouterr().err
 
 
+@pytest.mark.unit
 def test_latest_naming_a_damaged_directory_falls_back_and_says_so(tmp_path, capsys):
     run = tmp_path / "run"
     kept = [_module(i) for i in range(4)]
@@ -138,6 +140,7 @@ def test_latest_naming_a_damaged_directory_falls_back_and_says_so(tmp_path, caps
         ckpt.latest_checkpoint(run)
 
 
+@pytest.mark.unit
 def test_a_checkpoint_with_a_damaged_state_file_is_named(tmp_path):
     path = _save(tmp_path / "run", 1, _module(1))
     (path / "state.pt").write_bytes(b"PK\x03\x04 not a zip")
@@ -153,6 +156,7 @@ def _sft_argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "optim.schedule=constant", "progress=false", "tensorboard=false", *extra]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_resume_past_a_hand_deleted_checkpoint_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", corpus(40))
     full, part = tmp_path / "full", tmp_path / "part"
@@ -181,6 +185,7 @@ def _ppo_argv(task, out: Path, *extra: str) -> list[str]:
             "tensorboard=false", *extra]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_ppo_killed_while_its_closing_save_rewrites_the_last_step_resumes_exactly(ppo_task, tmp_path):
     """iterations a multiple of save_every: the closing save rewrites step-N. A kill in the middle of that
     rewrite (after step-N is renamed away, before the new one takes its place) used to leave ``latest``
@@ -228,6 +233,7 @@ def _wait_for(cond, proc: subprocess.Popen, log: Path, what: str, timeout: float
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 def test_a_live_run_directory_is_refused_and_a_killed_runs_lock_is_taken_over(
     tiny_model_dir, tmp_path, capsys
 ):
@@ -264,6 +270,7 @@ def test_a_live_run_directory_is_refused_and_a_killed_runs_lock_is_taken_over(
     assert "lock" not in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_one_process_may_reuse_its_own_directory(tmp_path):
     """The same process running twice in a directory (notebooks, the pipeline, tests) holds one lock."""
     d = ckpt.prepare_run_dir(tmp_path / "run")

@@ -13,10 +13,15 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from shifu import cli
-from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left
-from shifu.rollout import SamplingParams, generate
-from shifu.sample import read_prompts, render_prompt, resolve_policy
+from shifu.cli import main as cli
+from shifu.generation.rollout import SamplingParams, generate
+from shifu.generation.sample import read_prompts, render_prompt
+from shifu.models.loading import load_causal_lm, load_tokenizer
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
+from shifu.runs.files import resolve_policy
+
+pytestmark = pytest.mark.unit
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

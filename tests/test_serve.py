@@ -29,11 +29,13 @@ import torch
 pytest.importorskip("starlette", reason="pip install 'shifu-rlhf[serve]'")
 uvicorn = pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 
-from shifu import cli  # noqa: E402
-from shifu.ensemble import load_reward, write_manifest  # noqa: E402
+from shifu.cli import main as cli  # noqa: E402
 from shifu.errors import ConfigError  # noqa: E402
-from shifu.models import ScalarModel, fuse_tanh_gelu, load_tokenizer, pad_left, pad_right  # noqa: E402
-from shifu.remote import (  # noqa: E402
+from shifu.models.loading import fuse_tanh_gelu, load_tokenizer  # noqa: E402
+from shifu.models.padding import pad_left, pad_right  # noqa: E402
+from shifu.models.scalar import ScalarModel  # noqa: E402
+from shifu.rewards.ensemble import load_reward, write_manifest  # noqa: E402
+from shifu.rewards.remote import (  # noqa: E402
     RemoteReward,
     RewardServiceError,
     RewardServiceUnavailable,
@@ -41,18 +43,11 @@ from shifu.remote import (  # noqa: E402
     can_send_token_ids,
     tokenizer_fingerprint,
 )
-from shifu.rewards import RewardSource, same_tokenizer  # noqa: E402
-from shifu.serve import (  # noqa: E402
-    Batcher,
-    bind_socket,
-    create_app,
-    is_loopback,
-    load_served,
-    main,
-    socket_url,
-    split_rows,
-    stack_blocks,
-)
+from shifu.rewards.sources import RewardSource, same_tokenizer  # noqa: E402
+from shifu.serve.app import create_app  # noqa: E402
+from shifu.serve.batcher import Batcher, split_rows, stack_blocks  # noqa: E402
+from shifu.serve.served import load_served  # noqa: E402
+from shifu.serve.server import bind_socket, is_loopback, main, socket_url  # noqa: E402
 
 TOKEN = "s3cret-token"
 PROMPTS = [
@@ -224,6 +219,7 @@ def guarded_url(rm_dir):
 
 
 # -------------------------------------------------------------------------------- equal to in process
+@pytest.mark.integration
 def test_text_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir):
     local = RewardSource(model=trainer_scored(rm_dir), micro_batch=4)
     with RemoteReward(rm_url, batch_size=4) as remote:
@@ -235,6 +231,7 @@ def test_text_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir):
     assert got.std() > 0  # the model tells the responses apart: equality is not 0 == 0
 
 
+@pytest.mark.integration
 def test_token_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir, policy_tok):
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
     local = RewardSource(model=trainer_scored(rm_dir), policy_tokenizer=policy_tok, micro_batch=3)
@@ -248,6 +245,7 @@ def test_token_path_scores_equal_in_process_bit_for_bit(rm_url, rm_dir, policy_t
     assert not torch.equal(got, local.model.score_texts(PROMPTS, RESPONSES, batch_size=3))
 
 
+@pytest.mark.integration
 def test_concurrent_clients_get_their_own_scores(merged_url, rm_dir, policy_tok):
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
     local = RewardSource(model=trainer_scored(rm_dir), policy_tokenizer=policy_tok, micro_batch=2)
@@ -273,6 +271,7 @@ def test_concurrent_clients_get_their_own_scores(merged_url, rm_dir, policy_tok)
     remote_text.close()
 
 
+@pytest.mark.integration
 def test_ensemble_served_equals_in_process(ensemble_dir, policy_tok):
     local_model = trainer_scored(ensemble_dir)
     ids, mask = rollout_ids(policy_tok, PROMPTS, RESPONSES)
@@ -295,6 +294,7 @@ def test_ensemble_served_equals_in_process(ensemble_dir, policy_tok):
     assert torch.equal(got_tok, local_tok(PROMPTS, RESPONSES, ROWS, ids, mask))
 
 
+@pytest.mark.integration
 def test_rule_reward_gets_rows_and_equals_in_process():
     with running(create_app(load_served("test_serve:keyword_reward"))) as url:
         remote = RemoteReward(url, batch_size=4)
@@ -304,6 +304,7 @@ def test_rule_reward_gets_rows_and_equals_in_process():
     assert torch.equal(got, want) and want[-3] > want[-4]  # 'great great' + its bonus
 
 
+@pytest.mark.integration
 def test_process_reward_returns_per_token_scores():
     with running(create_app(load_served("test_serve:per_char_reward"))) as url:
         remote = RemoteReward(url, batch_size=3)
@@ -313,10 +314,11 @@ def test_process_reward_returns_per_token_scores():
             remote(PROMPTS, RESPONSES, ROWS)
 
 
+@pytest.mark.integration
 def test_process_reward_steps_travel_as_in_process(policy_tok):
     """A function returning shifu's steps ([[end, reward], ...]) for some responses and a number for others:
     the client gets the same (scores, steps) as RewardSource in process, and a total per response."""
-    from shifu.rewards import RewardSource
+    from shifu.rewards.sources import RewardSource
 
     local = RewardSource(function=step_reward)
     with running(create_app(load_served("test_serve:step_reward"))) as url:
@@ -330,6 +332,7 @@ def test_process_reward_steps_travel_as_in_process(policy_tok):
             RemoteReward(url, retries=0).score_with_steps(PROMPTS, RESPONSES, ROWS)
 
 
+@pytest.mark.integration
 def test_a_failing_reward_function_is_a_clear_500_and_the_server_lives_on():
     with running(create_app(load_served("test_serve:broken_reward"))) as url:
         remote = RemoteReward(url, retries=0)
@@ -339,6 +342,7 @@ def test_a_failing_reward_function_is_a_clear_500_and_the_server_lives_on():
         assert remote.health()["status"] == "ok"
 
 
+@pytest.mark.integration
 def test_metadata_fingerprint_decides_the_token_path(rm_url, policy_tok, tiny_model_dir_pad_eos):
     with RemoteReward(rm_url) as remote:
         meta = remote.metadata
@@ -351,6 +355,8 @@ def test_metadata_fingerprint_decides_the_token_path(rm_url, policy_tok, tiny_mo
     assert meta["normalisation"] == {"gain": pytest.approx(1.7), "bias": pytest.approx(-0.3)}
     assert meta["tokenizer"]["fingerprint"] == tokenizer_fingerprint(policy_tok)
     assert meta["limits"]["max_batch_tokens"] == 16384 and "shifu_version" in meta
+    # the tiny GPT-2 trunk has 256 positions: token rows hold at most 256 real tokens, text pairs too
+    assert (meta["max_length"], meta["max_positions"], meta["vocab_rows"]) == (256, 256, VOCAB_ROWS)
     other = load_tokenizer(tiny_model_dir_pad_eos)  # same merges, no <pad>: another vocabulary
     assert not same_tokenizer(other, policy_tok) and not can_send_token_ids(meta, other)
     assert can_send_token_ids(meta, policy_tok) and not can_send_token_ids(meta, None)
@@ -358,6 +364,7 @@ def test_metadata_fingerprint_decides_the_token_path(rm_url, policy_tok, tiny_mo
 
 
 # ------------------------------------------------------------------------------ refused requests
+@pytest.mark.integration
 def test_token_is_required_and_checked(guarded_url):
     assert raw(guarded_url, "GET", "/health")[0] == 200  # health needs no token
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
@@ -372,11 +379,19 @@ def test_token_is_required_and_checked(guarded_url):
     assert RemoteReward(guarded_url, token=TOKEN)(PROMPTS[:2], RESPONSES[:2], ROWS[:2]).shape == (2,)
 
 
+VOCAB_ROWS = 378  # the tiny tokenizer of conftest.py: rows of the reward model's input embedding
+DEEP = 1
+for _ in range(70):
+    DEEP = [DEEP]
+DEEP_FIELD = "rows[0].x" + "[0]" * 61  # body 1, rows 2, rows[0] 3, x 4: level 65 is one too deep
+
 BAD = [
     # (case, body, extra headers, status, field)
     ("malformed JSON", b'{"prompts": ["a"', {}, 400, "body"),
     ("not UTF-8", b'{"prompts": ["\xff"]}', {}, 400, "body"),
-    ("not an object", b"[1, 2]", {}, 422, None),
+    ("not an object", b"[1, 2]", {}, 422, "body"),
+    ("a string body", b'"score me"', {}, 422, "body"),
+    ("empty body", b"", {}, 400, "body"),
     ("nothing to score", {}, {}, 422, "prompts"),
     ("missing field", {"prompts": ["a"]}, {}, 422, "responses"),
     ("unknown field", {"prompts": ["a"], "responses": ["b"], "response": ["b"]}, {}, 422, "response"),
@@ -389,7 +404,7 @@ BAD = [
     ("bool id", {"input_ids": [[1, True]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][1]"),
     ("id outside vocab", {"input_ids": [[1, 99999]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][1]"),
     ("mask shape", {"input_ids": [[1, 2]], "attention_mask": [[1]]}, {}, 422, "attention_mask"),
-    ("mask not 0/1", {"input_ids": [[1, 2]], "attention_mask": [[1, 2]]}, {}, 422, "attention_mask[0]"),
+    ("mask not 0/1", {"input_ids": [[1, 2]], "attention_mask": [[1, 2]]}, {}, 422, "attention_mask[0][1]"),
     ("mask without token", {"input_ids": [[1, 2]], "attention_mask": [[0, 0]]}, {}, 422, "attention_mask[0]"),
     ("ids without mask", {"input_ids": [[1, 2]]}, {}, 422, "attention_mask"),
     (
@@ -400,20 +415,123 @@ BAD = [
         "Content-Type",
     ),
     ("oversized body", {"prompts": ["x" * 100_000], "responses": ["b"]}, {}, 413, "body"),
+    # out-of-range ids: 10**30 overflowed int64 (a 500), a negative id, one past the embedding's rows
+    ("id beyond int64", {"input_ids": [[1, 10**30]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][1]"),
+    ("negative id", {"input_ids": [[-1, 2]], "attention_mask": [[1, 1]]}, {}, 422, "input_ids[0][0]"),
+    (
+        "id = vocab rows",
+        {"input_ids": [[1, VOCAB_ROWS]], "attention_mask": [[1, 1]]},
+        {},
+        422,
+        "input_ids[0][1]",
+    ),
+    (
+        "a 5000-digit id",
+        b'{"input_ids": [[1' + b"0" * 5000 + b']], "attention_mask": [[1]]}',
+        {},
+        400,
+        "body",
+    ),
+    # not JSON by RFC 8259 (Python's json module reads these by default)
+    ("NaN", b'{"prompts": ["a"], "responses": ["b"], "rows": [{"x": NaN}]}', {}, 400, "rows[0].x"),
+    (
+        "Infinity",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"x": [Infinity]}]}',
+        {},
+        400,
+        "rows[0].x[0]",
+    ),
+    ("-Infinity", b'{"prompts": [-Infinity], "responses": ["b"]}', {}, 400, "prompts[0]"),
+    (
+        "number beyond a double",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"x": 1e999}]}',
+        {},
+        400,
+        "rows[0].x",
+    ),
+    ("duplicate key", b'{"prompts": ["a"], "responses": ["b"], "prompts": ["c"]}', {}, 400, "prompts"),
+    (
+        "duplicate nested key",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"k": 1, "k": 2}]}',
+        {},
+        400,
+        "rows[0].k",
+    ),
+    ("lone surrogate", b'{"prompts": ["\\ud800"], "responses": ["b"]}', {}, 400, "prompts[0]"),
+    (
+        "surrogate key",
+        b'{"prompts": ["a"], "responses": ["b"], "rows": [{"\\udfff": 1}]}',
+        {},
+        400,
+        'rows[0]["\\udfff"]',
+    ),
+    ("nested too deep", {"prompts": ["a"], "responses": ["b"], "rows": [{"x": DEEP}]}, {}, 400, DEEP_FIELD),
+    ("nested past the parser", b"[" * 30_000 + b"]" * 30_000, {}, 400, "body"),
+    # content types and encodings
+    ("no content type", {"prompts": ["a"], "responses": ["b"]}, {"Content-Type": ""}, 415, "Content-Type"),
+    (
+        "form data",
+        b"prompts=a&responses=b",
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        415,
+        "Content-Type",
+    ),
+    (
+        "not UTF-8 charset",
+        {"prompts": ["a"], "responses": ["b"]},
+        {"Content-Type": "application/json; charset=latin-1"},
+        415,
+        "Content-Type",
+    ),
+    (
+        "gzip body",
+        {"prompts": ["a"], "responses": ["b"]},
+        {"Content-Encoding": "gzip"},
+        415,
+        "Content-Encoding",
+    ),
+    # wrong types at every field
+    ("null prompts", {"prompts": None, "responses": ["b"]}, {}, 422, "prompts"),
+    ("responses item", {"prompts": ["a", "b"], "responses": ["c", ["d"]]}, {}, 422, "responses[1]"),
+    ("rows an object", {"prompts": ["a"], "responses": ["b"], "rows": {"x": 1}}, {}, 422, "rows"),
+    ("rows with ids", {"input_ids": [[1]], "attention_mask": [[1]], "rows": [{}]}, {}, 422, "rows"),
+    ("ids a string", {"input_ids": "1 2", "attention_mask": [[1, 1]]}, {}, 422, "input_ids"),
+    ("ids row a number", {"input_ids": [5], "attention_mask": [[1]]}, {}, 422, "input_ids[0]"),
+    ("empty ids row", {"input_ids": [[]], "attention_mask": [[]]}, {}, 422, "input_ids[0]"),
+    ("mask row an object", {"input_ids": [[1]], "attention_mask": [{"0": 1}]}, {}, 422, "attention_mask[0]"),
+    ("float mask", {"input_ids": [[1]], "attention_mask": [[1.0]]}, {}, 422, "attention_mask[0][0]"),
+    ("mask rows", {"input_ids": [[1], [2]], "attention_mask": [[1]]}, {}, 422, "attention_mask"),
+    (
+        "ids and prompts rows",
+        {"prompts": ["a"], "responses": ["b"], "input_ids": [[1], [2]], "attention_mask": [[1], [1]]},
+        {},
+        422,
+        "input_ids",
+    ),
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case,body,headers,status,field", BAD, ids=[b[0] for b in BAD])
 def test_bad_requests_get_a_clear_4xx(guarded_url, case, body, headers, status, field):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     all_headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"} | headers
+    all_headers = {k: v for k, v in all_headers.items() if v}
     got, answer = raw(guarded_url, "POST", "/v1/score", data, all_headers)
     err = answer["error"]
     assert (got, err["status"], err["field"]) == (status, status, field), err
-    assert field is None or field.split("[")[0] in err["message"]  # the message names the field too
+    assert field.split("[")[0].split(".")[0] in err["message"]  # the message names the field too
     assert raw(guarded_url, "GET", "/health")[0] == 200  # and the server lives on
 
 
+@pytest.mark.integration
+def test_empty_requests_get_no_scores(guarded_url):
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    for body in ({"prompts": [], "responses": []}, {"input_ids": [], "attention_mask": []}):
+        assert raw(guarded_url, "POST", "/v1/score", json.dumps(body), auth) == (200, {"scores": []})
+
+
+@pytest.mark.integration
 def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
     auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     chunks = iter([b'{"prompts": ["', b"x" * 40_000, b"x" * 40_000, b'"], "responses": ["b"]}'])
@@ -421,11 +539,14 @@ def test_oversized_chunked_body_without_length_and_unknown_routes(guarded_url):
     assert status == 413 and answer["error"]["field"] == "body"
     status, answer = raw(guarded_url, "GET", "/v1/nothing", headers=auth)
     assert status == 404 and "/v1/nothing" in answer["error"]["message"]
+    assert answer["error"]["field"] == "path"
     status, answer = raw(guarded_url, "GET", "/v1/score", headers=auth)
     assert status == 405 and "GET /v1/score" in answer["error"]["message"]
+    assert answer["error"]["field"] == "method"
     assert raw(guarded_url, "GET", "/health")[0] == 200
 
 
+@pytest.mark.integration
 def test_token_ids_to_a_reward_function_are_refused():
     with running(create_app(load_served("test_serve:keyword_reward"))) as url:
         body = json.dumps({"input_ids": [[1, 2]], "attention_mask": [[1, 1]]})
@@ -433,6 +554,7 @@ def test_token_ids_to_a_reward_function_are_refused():
     assert status == 422 and answer["error"]["field"] == "prompts" and "text" in answer["error"]["message"]
 
 
+@pytest.mark.integration
 def test_a_slow_client_gets_408_while_others_are_served(guarded_url, rm_dir):
     host, port = urlsplit(guarded_url).hostname, urlsplit(guarded_url).port
     slow = socket.create_connection((host, port), timeout=30)
@@ -459,11 +581,13 @@ def test_a_slow_client_gets_408_while_others_are_served(guarded_url, rm_dir):
 
 
 # --------------------------------------------------------------------------------- client failures
+@pytest.mark.unit
 def test_backoff_schedule_is_bounded():
     assert backoff_delays(5, 0.5, 3.0) == [0.5, 1.0, 2.0, 3.0, 3.0]
     assert backoff_delays(0, 0.5, 3.0) == []
 
 
+@pytest.mark.unit
 def test_service_down_is_a_clear_error_after_bounded_retries():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RewardServiceUnavailable, match="after 3 attempts") as e:
@@ -522,6 +646,7 @@ def broken_service(mode):
         server.server_close()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "mode,match", [("html", "not a JSON object"), ("short", "1 items"), ("strings", "2 numbers")]
 )
@@ -533,6 +658,7 @@ def test_garbage_answers_name_the_url(mode, match):
     assert url in str(e.value) and server.calls == 1  # garbage is not retried
 
 
+@pytest.mark.integration
 def test_busy_answers_are_retried_and_nulls_are_nan():
     with broken_service("busy_twice") as (server, url):
         got = RemoteReward(url, retries=2, backoff_s=0.01)(["a", "b"], ["c", "d"], [{}, {}])
@@ -543,6 +669,7 @@ def test_busy_answers_are_retried_and_nulls_are_nan():
             RemoteReward(url, retries=1, backoff_s=0.01)(["a", "b"], ["c", "d"], [{}, {}])
 
 
+@pytest.mark.integration
 def test_a_service_that_speaks_no_http_is_named():
     class Hello(socketserver.BaseRequestHandler):
         def handle(self):
@@ -562,6 +689,7 @@ def test_a_service_that_speaks_no_http_is_named():
         server.server_close()
 
 
+@pytest.mark.integration
 def test_service_that_dies_mid_run_stops_the_client_and_serves_again_once_back(rm_dir):
     served = load_served(str(rm_dir))
     port = free_port()
@@ -576,6 +704,7 @@ def test_service_that_dies_mid_run_stops_the_client_and_serves_again_once_back(r
 
 
 # ------------------------------------------------------------------------------------------ batching
+@pytest.mark.unit
 def test_batcher_merges_pending_requests_within_the_token_budget(rm_dir):
     served = load_served(str(rm_dir))
     enc = [served.model.encode(PROMPTS[i : i + 2], RESPONSES[i : i + 2]) for i in range(0, 10, 2)]
@@ -604,6 +733,7 @@ def test_batcher_merges_pending_requests_within_the_token_budget(rm_dir):
     assert stats["forwards"] == 5 and all(torch.equal(o, a) for o, a in zip(out, alone))
 
 
+@pytest.mark.unit
 def test_split_rows_and_stack_blocks():
     ids = torch.arange(12).reshape(4, 3)
     parts = split_rows(ids, ids, 7)  # 7 tokens: 2 rows of width 3
@@ -616,6 +746,7 @@ def test_split_rows_and_stack_blocks():
 
 
 # ------------------------------------------------------------------------------------------ the CLI
+@pytest.mark.integration
 def test_cli_refuses_an_open_address_without_token_and_an_unknown_source(rm_dir, capsys):
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.org")
@@ -625,6 +756,7 @@ def test_cli_refuses_an_open_address_without_token_and_an_unknown_source(rm_dir,
     assert "neither a reward model directory nor a reward function" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_shifu_serve_command_end_to_end(rm_dir, monkeypatch):
     """The real command in its own process: prints its URL, scores like in process, stops on SIGTERM."""
     monkeypatch.setenv("SHIFU_SERVE_TOKEN", TOKEN)  # read by the server and by the client

@@ -15,16 +15,19 @@ import torch
 from ppo_task import build_char_model, write_prompts
 from safetensors.torch import load_file
 
-from shifu import checkpoint as ckpt
-from shifu.config import load_config
+from shifu.config.loader import load_config
 from shifu.errors import ShifuError
-from shifu.models import ScalarModel
+from shifu.models.scalar import ScalarModel
+from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo
 
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 from test_serve import free_port, running  # noqa: E402
 
-from shifu.serve import create_app, load_served  # noqa: E402
+from shifu.serve.app import create_app  # noqa: E402
+from shifu.serve.served import load_served  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
 IGNORED = ("time/", "perf/")
@@ -144,8 +147,8 @@ def test_a_served_process_reward_trains_exactly_like_the_in_process_one(task, tm
 def test_the_study_hands_a_reward_service_to_its_ppo_runs(task):
     """`shifu study frontier --reward-url URL`: a PPO/REINFORCE run's config takes the service in place of
     the plan's reward function, and it validates."""
-    from shifu.pipeline import ppo_overrides
-    from shifu.study import BUDGETS
+    from shifu.experiments.budgets import BUDGETS
+    from shifu.experiments.pipeline import ppo_overrides
 
     plan = BUDGETS[("arith", "ci")]["ppo"]
     files = {"prompts_train": str(task["prompts"]), "prompts_val": str(task["prompts"])}

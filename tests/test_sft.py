@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from shifu.checkpoint import CKPT_DIR
-from shifu.config import load_config
-from shifu.data import collate_sft, encode_sft
+from shifu.config.loader import load_config
+from shifu.data.batches import collate_sft, encode_sft
 from shifu.errors import ConfigError
-from shifu.models import load_causal_lm, load_tokenizer
-from shifu.tracking import read_metrics
+from shifu.models.loading import load_causal_lm, load_tokenizer
+from shifu.runs.checkpoint import CKPT_DIR
+from shifu.runs.tracking import read_metrics
 from shifu.trainers import sft
 
 ANIMALS = ["cat", "dog", "bird", "fish", "cow"]
@@ -51,6 +51,7 @@ def make_cfg(model_dir, tmp_path: Path, **over) -> sft.Config:
     return load_config(sft.Config, overrides={**base, **over})
 
 
+@pytest.mark.integration
 def test_sft_lowers_held_out_loss_and_saves_an_hf_dir(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -70,6 +71,7 @@ def test_sft_lowers_held_out_loss_and_saves_an_hf_dir(tiny_model_dir, tmp_path):
     assert " is a good " in text and text.endswith(".<|endoftext|>")  # learned the format and to stop
 
 
+@pytest.mark.unit
 def test_gradients_on_prompt_and_padding_positions_are_exactly_zero(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir)
@@ -101,6 +103,7 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     return load_causal_lm(path).state_dict()
 
 
+@pytest.mark.integration
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     cfg = make_cfg(tiny_model_dir, tmp_path, max_steps=8, save_every=4, keep_last=3, grad_accum=2, epochs=1.0)
     sft.train(cfg)
@@ -129,6 +132,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
         sft.train(changed, resume=True)
 
 
+@pytest.mark.unit
 def test_config_errors_name_the_key(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'"):
         make_cfg(tiny_model_dir, tmp_path, optim={"learning_rate": 1.0})
@@ -138,6 +142,7 @@ def test_config_errors_name_the_key(tiny_model_dir, tmp_path):
         make_cfg(tiny_model_dir, tmp_path, batch_size=0)
 
 
+@pytest.mark.integration
 def test_cli_sft_bad_data_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n" + json.dumps({"prompt": "p"}) + "\n")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shifu.cli import main as cli_main
+from shifu.cli.main import main as cli_main
 from shifu.tasks import arith, imdb
 from shifu.tasks.judges import final_number_match
 
@@ -32,7 +32,7 @@ TEMPLATE = (
 @pytest.fixture()
 def cached_model(tiny_model_dir, tmp_path, monkeypatch):
     """A stand-in for the cached conversion: a tiny model directory whose tokenizer has a chat template."""
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
 
     where = {"dir": tmp_path / "cache" / "smollm2-135m-instruct"}
     shutil.copytree(tiny_model_dir, where["dir"])
@@ -48,6 +48,7 @@ def _files_under(d: Path) -> list[Path]:
     return [Path(root) / f for root, _, files in os.walk(d) for f in files]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("task", [arith, imdb])
 def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cached_model, tmp_path):
     out = tmp_path / "data"
@@ -56,7 +57,7 @@ def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cac
     assert base.is_symlink() and base.resolve() == cached_model["dir"].resolve()
     weights = [f for f in _files_under(out) if f.suffix in (".safetensors", ".bin")]
     assert weights == [], weights  # the run's directory holds no copy of the weights
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
 
     tok = load_tokenizer(files["tokenizer"])
     assert tok.get_vocab() == load_tokenizer(cached_model["dir"]).get_vocab()
@@ -74,8 +75,9 @@ def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cac
     assert (cached_model["dir"] / "model.safetensors").is_file()
 
 
+@pytest.mark.unit
 def test_prepare_runs_again_when_the_cached_model_it_links_to_is_gone(cached_model, tmp_path):
-    from shifu.pipeline import Stages
+    from shifu.experiments.pipeline import Stages
 
     stages = Stages(tmp_path / "run", seed=0, who="test")
     stages.prepare("arith", "smollm2")
@@ -92,6 +94,7 @@ def _adapter_only(run: Path, name: str) -> bool:
         return all("lora_" in k or k.startswith(("head.", "gain", "bias")) for k in st.keys())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_arith_smollm2_quickstart_without_sft_lora_rloo(cached_model, tmp_path):
     out = tmp_path / "run"
@@ -109,6 +112,7 @@ def test_arith_smollm2_quickstart_without_sft_lora_rloo(cached_model, tmp_path):
     assert "rloo" in cfg and str(out / "data" / "base") in cfg
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
     out = tmp_path / "run"
@@ -120,7 +124,8 @@ def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
     assert set(s["seconds"]) == {"prepare", "pairs", "rm", "ppo", "eval"}
     assert -1 <= s["gold_gain"] <= 2 and s["gold_gain_se"] >= 0
     assert _adapter_only(out / "ppo", "actor") and _adapter_only(out / "ppo", "critic")
-    from shifu.models import ScalarModel, load_causal_lm
+    from shifu.models.loading import load_causal_lm
+    from shifu.models.scalar import ScalarModel
 
     load_causal_lm(out / "ppo" / "final")  # final/ and critic/ are plain, merged models
     ScalarModel.from_pretrained(out / "ppo" / "critic")

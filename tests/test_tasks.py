@@ -11,6 +11,8 @@ import torch
 
 from shifu.tasks import arith, judges
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 
@@ -58,7 +60,7 @@ def test_arith_heldout_prompts_are_never_trained_on(arith_dirs):
 
 
 def test_arith_tokenizer_round_trips_characters(arith_dirs):
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
 
     a, _, _ = arith_dirs
     tok = load_tokenizer(a["tokenizer"])
@@ -72,7 +74,7 @@ def test_arith_tokenizer_round_trips_characters(arith_dirs):
 
 
 def test_arith_model_is_sub_million(arith_dirs):
-    from shifu.models import load_causal_lm
+    from shifu.models.loading import load_causal_lm
 
     a, _, _ = arith_dirs
     n = sum(p.numel() for p in load_causal_lm(a["base"]).parameters())
@@ -149,7 +151,7 @@ def test_imdb_corpus_and_split(reviews):
 
 
 def test_imdb_bpe_tokenizer_round_trips(reviews, tmp_path):
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
     from shifu.tasks import imdb
 
     imdb.train_tokenizer(reviews[:300], 600, tmp_path)
@@ -164,7 +166,7 @@ def test_imdb_bpe_tokenizer_round_trips(reviews, tmp_path):
 def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
     """The quickstart's before/after evaluation encodes prompts with the run's data.chat_template: the
     tokenizer's template when on (the default), the bare string when a run switched it off."""
-    from shifu.models import load_tokenizer
+    from shifu.models.loading import load_tokenizer
     from shifu.tasks import encode_prompts
 
     tok = load_tokenizer(tiny_model_dir)
@@ -174,3 +176,22 @@ def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
     on = encode_prompts(tok, ["the movie was"])["input_ids"][0].tolist()
     off = encode_prompts(tok, ["the movie was"], chat_template=False)["input_ids"][0].tolist()
     assert on == templated and off == plain and on != off
+
+
+def test_task_presets_are_read_from_their_yaml_and_checked(tmp_path):
+    from shifu.config.loader import read_shipped_table, shipped
+    from shifu.errors import ConfigError
+
+    assert read_shipped_table(shipped("tasks", "arith.yaml"), arith.ArithPreset) == arith.PRESETS
+    assert arith.PRESETS["tiny"] == arith.ArithPreset(99, 512, 256, 4000, 2, 128, 4)
+    assert list(arith.PRESETS) == ["tiny", "small", "smollm2"]
+    path = tmp_path / "arith.yaml"
+    for text, says in [
+        ("tiny: {max_operand: 99, n_heldout: 512, n_sft_eval: 256, n_sft: 4000, n_layer: 2, n_embd: 128, n_heads: 4}",
+         "entry 'tiny': unknown config key 'n_heads'. Did you mean 'n_head'? Valid keys here: max_operand,"),
+        ("tiny: {max_operand: lots}", "entry 'tiny': config key 'max_operand': expected an integer, got 'lots'"),
+    ]:  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            read_shipped_table(path, arith.ArithPreset)
+        assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)

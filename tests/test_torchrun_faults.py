@@ -4,12 +4,13 @@
   naming the last checkpoint and the command that continues (no hang, no traceback from shifu); ``--resume``
   continues, taking over the dead run's lock;
 - a rank that stops answering (SIGSTOP): the other gives up after ``distributed.timeout_s``, with a message;
-- SIGTERM to the launcher (a scheduler's preemption): every rank finishes its step, one checkpoint is
-  written, every shifu process exits 0, and ``--resume`` ends bit-identical to an uninterrupted 2-process
-  run (DDP here; FSDP2 and DeepSpeed in ``test_torchrun_resume.py``).
+- SIGTERM to the launcher (a scheduler's preemption), launched with ``shifu launch``: every rank finishes
+  its step, one checkpoint is written, every shifu process exits 0, the launcher exits 143 (128 + 15), and
+  ``--resume`` ends bit-identical to an uninterrupted 2-process run (DDP here; FSDP2 and DeepSpeed in
+  ``test_torchrun_resume.py``). Plain torchrun exits 1 there (torch elastic re-raises the signal it got).
 
 Each process's exit status is recorded by ``dist_scripts/shifu_rc.py`` (torchrun reports none after a
-signal, and exits 1 itself: torch elastic re-raises the signal it got).
+signal).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import pytest
 from conftest import write_jsonl
 from test_resume import metric_rows, weights_digest
 
-from shifu import checkpoint as ckpt
+from shifu.runs import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa"]
 
 
@@ -41,12 +42,16 @@ def env() -> dict[str, str]:
     return e
 
 
-class Launch:
-    """``torchrun --standalone --nproc_per_node 2 dist_scripts/shifu_rc.py RC_DIR ARGV...``, output in a log."""
+LAUNCHERS = {"torchrun": ["torch.distributed.run"], "shifu": ["shifu", "launch"]}
 
-    def __init__(self, tmp: Path, name: str, *argv: str):
+
+class Launch:
+    """``torchrun --standalone --nproc_per_node 2 dist_scripts/shifu_rc.py RC_DIR ARGV...`` (or ``shifu
+    launch`` with the same arguments), output in a log."""
+
+    def __init__(self, tmp: Path, name: str, *argv: str, launcher: str = "torchrun"):
         self.rc_dir, self.log = tmp / f"{name}.rc", tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        cmd = [sys.executable, "-m", *LAUNCHERS[launcher], "--standalone", "--nproc_per_node", "2",
                str(HERE / "dist_scripts" / "shifu_rc.py"), str(self.rc_dir), *argv]  # fmt: skip
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(cmd, env=env(), stdout=f, stderr=f, start_new_session=True)
@@ -179,17 +184,20 @@ def test_a_rank_that_stops_answering_is_given_up_after_the_timeout(tiny_model_di
 
 
 def preempted_and_resumed(tmp_path: Path, argv, what: str, unit: str, end: int) -> tuple[Path, Path, int]:
-    """The same 2-process command run uninterrupted (into ``full``) and, alongside, into ``part`` with
-    SIGTERM sent to its launcher once ``unit`` 2 is logged, then ``--resume`` to the end. Checks that every
-    shifu process exited 0 after one checkpoint at the step it stopped; returns (full, part, that step)."""
+    """The same 2-process command run uninterrupted (into ``full``) and, alongside, into ``part`` under
+    ``shifu launch`` with SIGTERM sent to the launcher once ``unit`` 2 is logged, then ``--resume`` to the
+    end. Checks that every shifu process exited 0 after one checkpoint at the step it stopped and that the
+    launcher exited 143; returns (full, part, that step)."""
     full, part = tmp_path / "full", tmp_path / "part"
     whole = Launch(tmp_path, "full", *argv(full))
-    run = Launch(tmp_path, "part", *argv(part))
+    run = Launch(tmp_path, "part", *argv(part), launcher="shifu")
     run.wait_for(lambda: logged_step(part) >= 2, f"{unit} 2")
     os.kill(run.proc.pid, signal.SIGTERM)  # to the launcher only, as a scheduler preempting the job
-    run.wait(120)
+    code = run.wait(120)
     log = run.output()
     assert run.exit_codes() == {0: 0, 1: 0}, log[-3000:]  # every shifu process checkpointed and exited 0
+    assert code == 128 + signal.SIGTERM, (code, log[-3000:])  # what a scheduler reads: ended by SIGTERM
+    assert "shifu launch: got SIGTERM" in log, log[-3000:]
     said = [line for line in log.splitlines() if f"shifu {what}: stopped at {unit}" in line]
     assert len(said) == 1 and "with a checkpoint" in said[0] and "--resume" in said[0], log[-3000:]
     stopped = int(said[0].split(f"stopped at {unit} ")[1].split()[0])
@@ -208,3 +216,13 @@ def test_sigterm_to_the_launcher_checkpoints_and_ddp_resume_is_bit_identical(tin
     assert weights_digest(part / "final") == weights_digest(full / "final")
     assert metric_rows(part) == metric_rows(full)
     print(f"ddp: SIGTERM at step {stopped}, resumed to 30: final weights and metrics bit-identical")
+
+
+def test_shifu_launch_exits_with_the_status_of_a_failed_process(tiny_model_dir, data, tmp_path):
+    """A refused config fails every process with status 2; ``shifu launch`` exits 2 with them (torchrun: 1)."""
+    out = tmp_path / "run"
+    run = Launch(tmp_path, "refused", *sft_argv(tiny_model_dir, data, out, "optim.lr=-1"), launcher="shifu")
+    code = run.wait(240)
+    log = run.output()
+    assert run.exit_codes() == {0: 2, 1: 2}, log[-3000:]
+    assert code == 2 and "shifu launch: process" in log and "exited with status 2" in log, (code, log[-3000:])

@@ -13,9 +13,9 @@ from ppo_task import build_char_model, write_prompts
 from test_resume import metric_rows, weights_digest
 from test_torchrun_faults import data, preempted_and_resumed, sft_argv  # noqa: F401 (data: a fixture)
 
-from shifu import checkpoint as ckpt
+from shifu.runs import checkpoint as ckpt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_fsdp2_sigterm_and_resume_is_bit_identical(tiny_model_dir, data, tmp_path):  # noqa: F811

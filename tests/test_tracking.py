@@ -1,6 +1,7 @@
-"""Tracker sinks: every metric of docs/metrics.md and the run's config reach JSONL, TensorBoard, W&B (offline,
-files under the run directory) and MLflow (a local file store), read back from what each one wrote; a
-resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are named."""
+"""Tracker sinks: every metric of docs/reference/metrics.md and the run's config reach JSONL, TensorBoard,
+W&B (offline, files under the run directory) and MLflow (a local file store), read back from what each one
+wrote; a resumed Tracker continues the same tracker runs; disabled ranks write nothing; missing extras are
+named."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shifu.errors import ConfigError
-from shifu.metrics import METRICS
-from shifu.tracking import IDS_FILE, Tracker, flatten_config, read_ids, read_metrics, scalars
+from shifu.runs.metrics import METRICS
+from shifu.runs.tracking import IDS_FILE, Tracker, flatten_config, read_ids, read_metrics, scalars
 
 CONFIG = {
     "seed": 3,
@@ -113,6 +114,7 @@ def wandb_runs(run_dir: Path) -> list[dict]:
 # ----------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.unit
 def test_flatten_config_and_scalars():
     assert flatten_config(CONFIG) == {
         "seed": "3",
@@ -126,6 +128,7 @@ def test_flatten_config_and_scalars():
     assert list(scalars(row)) == ["a", "b"] and math.isnan(scalars(row)["b"])
 
 
+@pytest.mark.integration
 def test_every_sink_at_once_then_resume_continues_the_same_runs(tmp_path, offline_env):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -195,6 +198,7 @@ def test_every_sink_at_once_then_resume_continues_the_same_runs(tmp_path, offlin
     assert json.loads(config_file.read_text()) == CONFIG | {"seed": 4}  # the latest start's config
 
 
+@pytest.mark.unit
 def test_disabled_rank_writes_nothing(tmp_path, offline_env):
     run = tmp_path / "rank1"
     t = Tracker(run, enabled=False, trackers=["wandb", "mlflow"], config=CONFIG)
@@ -203,6 +207,7 @@ def test_disabled_rank_writes_nothing(tmp_path, offline_env):
     assert t.run_ids == {} and not run.exists()
 
 
+@pytest.mark.unit
 def test_missing_extra_names_the_pip_install(tmp_path, monkeypatch):
     for name in ("wandb", "mlflow"):
         with monkeypatch.context() as m:
@@ -216,6 +221,7 @@ def test_missing_extra_names_the_pip_install(tmp_path, monkeypatch):
         Tracker(tmp_path / "run", trackers=["wandbb"])
 
 
+@pytest.mark.integration
 def test_mlflow_tracking_uri_and_new_run_after_overwrite(tmp_path, offline_env):
     """An explicit store (here another local directory) is used and remembered; an emptied run directory
     (what --overwrite does) starts a new tracker run."""
@@ -241,6 +247,7 @@ def test_mlflow_tracking_uri_and_new_run_after_overwrite(tmp_path, offline_env):
     t.close()
 
 
+@pytest.mark.integration
 def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
     tmp_path, offline_env, tiny_model_dir
 ):
@@ -248,8 +255,8 @@ def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
     and the trained model gets its model card."""
     from mlflow.tracking import MlflowClient
 
-    from shifu import cli
-    from shifu.modelcard import read_card_metadata
+    from shifu.cli import main as cli
+    from shifu.reporting.modelcard import read_card_metadata
 
     rows = [{"prompt": f"say {i}:", "response": " the movie was good"} for i in range(24)]
     data = tmp_path / "sft.jsonl"
@@ -270,8 +277,9 @@ def test_a_trainer_sends_its_metrics_and_config_to_the_trackers_of_its_config(
     assert read_card_metadata(run / "final" / "README.md")["base_model"] == str(tiny_model_dir)
 
 
+@pytest.mark.integration
 def test_an_unknown_tracker_in_the_config_is_named_before_anything_is_written(tmp_path):
-    from shifu import cli
+    from shifu.cli import main as cli
 
     argv = ["sft", "--out", str(tmp_path / "run"), "model.path=m", "data.train=d.jsonl", "trackers=[neptune]"]
     assert cli.main(argv) == 2 and not (tmp_path / "run").exists()

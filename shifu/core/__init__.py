@@ -8,7 +8,8 @@ Exceptions, by design: the KL controllers and ``RunningMoments`` hold Python flo
 Shapes: ``(B, T)`` whole sequences, ``(B, R)`` response tokens, ``(B,)`` one number per sequence;
 ``response_mask`` is bool, True on real (non-padding) response tokens, responses right-padded. Group
 estimators take ``G`` responses per prompt laid out group-contiguously (row ``i`` is prompt ``i // G``).
-Losses return ``(loss, stats)`` with 0-dim tensor stats. docs/core.md explains each formula once.
+Losses return ``(loss, stats)`` with 0-dim tensor stats. docs/concepts/algorithms.md explains each formula
+once.
 """
 
 from .advantages import (

@@ -1,7 +1,7 @@
 """Log-probabilities and entropy from logits, in chunks so that no second ``(B, T, V)`` tensor exists.
 
 ``logits[:, t]`` are the logits at the position that predicts ``tokens[:, t]`` (the caller slices
-``[:, P-1 : P+R-1]`` of a model's output; see docs/architecture.md). Both functions read views of
+``[:, P-1 : P+R-1]`` of a model's output; see docs/reference/architecture.md). Both functions read views of
 ``logits`` (which may be non-contiguous), compute in float32 (bf16/fp16 chunks are upcast) and return
 float32 ``(B, T)``. They are differentiable through hand-written backward passes that recompute the softmax
 chunk by chunk: autograd saves only ``logits`` itself (which the model's graph holds anyway) instead of

@@ -1,4 +1,4 @@
-"""Built-in tasks (``arith``, ``imdb``) and the helpers they share for sampling and evaluation.
+"""Built-in tasks (``arith``, ``arith_tool``, ``imdb``) and the helpers they share for sampling and evaluation.
 
 A task module exposes ``PRESETS``, ``prepare(out_dir, preset, seed) -> dict[str, str]`` (paths of its data
 files, ``tokenizer`` and ``base`` model dirs) and its judges in :mod:`shifu.tasks.judges`.
@@ -14,9 +14,11 @@ conventions):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-TASKS = ("imdb", "arith")
+TASKS = ("imdb", "arith", "arith_tool")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".index.json")
 
 
@@ -55,8 +57,8 @@ def encode_prompts(
     ``max_prompt_len`` keeps each prompt's last tokens (the trainers' ``truncate_left``), so prompt +
     response fits the model's positions exactly as in training.
     """
-    from shifu.data import prompt_text
-    from shifu.models import pad_left
+    from shifu.data.rows import prompt_text
+    from shifu.models.padding import pad_left
 
     # as the trainers prompt: a user message through the chat template when the tokenizer has one (and the
     # run's data.chat_template is on)
@@ -67,17 +69,6 @@ def encode_prompts(
     if max_prompt_len:
         rows = [r[-max_prompt_len:] for r in rows]
     return pad_left(rows, tokenizer.pad_token_id)
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Text of each response: its real tokens minus a final EOS (EOS ends the response, it is not text)."""
-    out = []
-    for ids, mask in zip(response_ids.tolist(), response_mask.tolist()):
-        real = [t for t, m in zip(ids, mask) if m]
-        if real and real[-1] == tokenizer.eos_token_id:
-            real = real[:-1]
-        out.append(tokenizer.decode(real, skip_special_tokens=True))
-    return out
 
 
 @torch.no_grad()
@@ -92,9 +83,11 @@ def generate_batches(
     greedy: bool = False,
     max_prompt_len: int | None = None,
     chat_template: bool = True,
+    on_batch: Callable[[int], object] | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
-    """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R))."""
-    from shifu.rollout import SamplingParams, generate
+    """Per batch of prompts: (left-padded prompt tensors, response_ids (B,R), response_mask (B,R)).
+    ``on_batch(n)`` (e.g. a progress bar's ``update``) is called after each batch with its number of prompts."""
+    from shifu.generation.rollout import SamplingParams, generate
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
     # a model with learned positions (GPT-2: n_positions) fits prompt + response: keep the prompt's tail
@@ -115,6 +108,8 @@ def generate_batches(
             generator=generator,
         )
         out.append((enc, ids, mask))
+        if on_batch is not None:
+            on_batch(ids.shape[0])
     return out
 
 
@@ -127,11 +122,23 @@ def sample_responses(
     generator: torch.Generator | None = None,
     batch_size: int = 64,
     greedy: bool = False,
+    on_batch: Callable[[int], object] | None = None,
 ) -> list[str]:
-    """Decoded sampled (or greedy) responses, one per prompt, in order."""
+    """Decoded sampled (or greedy) responses, one per prompt, in order (``on_batch``: as
+    :func:`generate_batches`)."""
+    from shifu.generation.rollout import decode_responses
+
     texts: list[str] = []
     for _, ids, mask in generate_batches(
-        model, tokenizer, prompts, max_new_tokens, temperature, generator, batch_size, greedy
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        temperature,
+        generator,
+        batch_size,
+        greedy,
+        on_batch=on_batch,
     ):
         texts.extend(decode_responses(tokenizer, ids, mask))
     return texts
@@ -149,7 +156,7 @@ def response_kl(
     """(B,), (B,): the k1 and k3 estimates of KL(pi || pi_ref) per response (nats), summed over its real
     tokens, with both models' logits divided by T; k3 = (r - 1) - log r >= 0, r = pi_ref / pi per token."""
     from shifu.core import kl_estimate, masked_sum
-    from shifu.rollout import policy_forward
+    from shifu.generation.rollout import policy_forward
 
     input_ids = torch.cat([enc["input_ids"], response_ids], dim=1)
     attn = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
@@ -170,6 +177,7 @@ def evaluate_policy(
     greedy: bool = False,
     max_prompt_len: int | None = None,
     chat_template: bool = True,
+    on_batch: Callable[[int], object] | None = None,
 ) -> dict:
     """Sample one response per prompt from ``policy_dir`` and measure the KL to ``reference_dir``.
 
@@ -178,9 +186,11 @@ def evaluate_policy(
     samples, i.e. the k1 estimate of KL(pi || pi_ref) per response), ``kl_k3`` (the k3 estimate, never
     negative: :func:`response_kl`) and ``lengths`` (real tokens, EOS included). ``kl`` and ``kl_k3`` are
     None without a reference. ``max_prompt_len`` keeps each prompt's last tokens; ``chat_template`` as
-    the run's ``data.chat_template`` (prompts rendered as PPO rendered them).
+    the run's ``data.chat_template`` (prompts rendered as PPO rendered them). ``on_batch(n)`` is called
+    after each batch of ``n`` prompts is sampled (a progress bar's ``update``).
     """
-    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.generation.rollout import decode_responses
+    from shifu.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(policy_dir)
     model = load_causal_lm(policy_dir, dropout=False).eval()
@@ -201,6 +211,7 @@ def evaluate_policy(
         greedy,
         max_prompt_len,
         chat_template,
+        on_batch,
     ):
         responses.extend(decode_responses(tok, ids, mask))
         lengths.extend(mask.sum(1).tolist())

@@ -28,6 +28,7 @@ import json
 import random
 from pathlib import Path
 
+from shifu.config.loader import read_shipped_table, shipped
 from shifu.tasks.judges import exact_match
 
 __all__ = [
@@ -59,25 +60,8 @@ class ArithPreset:
     prompt_template: str = "{a}+{b}="
 
 
-PRESETS: dict[str, ArithPreset] = {
-    "tiny": ArithPreset(
-        max_operand=99, n_heldout=512, n_sft_eval=256, n_sft=4000, n_layer=2, n_embd=128, n_head=4
-    ),
-    "small": ArithPreset(
-        max_operand=999, n_heldout=512, n_sft_eval=512, n_sft=50000, n_layer=4, n_embd=128, n_head=4
-    ),
-    "smollm2": ArithPreset(
-        max_operand=99,
-        n_heldout=512,
-        n_sft_eval=128,
-        n_sft=2000,
-        n_layer=0,
-        n_embd=0,
-        n_head=0,
-        pretrained="smollm2",
-        prompt_template="What is {a}+{b}? Answer with only the number.",
-    ),  # fmt: skip
-}
+# the presets: shifu/configs/tasks/arith.yaml, each checked against ArithPreset's fields
+PRESETS: dict[str, ArithPreset] = read_shipped_table(shipped("tasks", "arith.yaml"), ArithPreset)
 
 
 def get_preset(name: str) -> ArithPreset:
@@ -124,7 +108,7 @@ def build_tokenizer(out_dir: str | Path):
 
 def build_model(tokenizer, preset: ArithPreset, seed: int):
     """Untrained GPT-2 (sub-million parameters for ``tiny``) sized to the character vocabulary."""
-    from shifu.models import build_tiny_gpt2
+    from shifu.models.loading import build_tiny_gpt2
 
     n_positions = 4 * len(str(preset.max_operand)) + 8  # "a+b=" + answer + eos, with room to spare
     return build_tiny_gpt2(

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
+from shifu.config.loader import read_shipped_table, shipped
 from shifu.errors import ConfigError, ShifuError
+from shifu.models.bpe import train_tokenizer
 from shifu.tasks.judges import bradley_terry_labels, vader_compound
 
 SPLIT_SEED = 4321  # fixed: the held-out reviews do not depend on the run seed
-EOS = "<|endoftext|>"
-PAD = "<pad>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,54 +61,8 @@ class ImdbPreset:
     prompt_template: str = "{text}"
 
 
-PRESETS: dict[str, ImdbPreset] = {
-    "tiny": ImdbPreset(
-        vocab_size=1024,
-        tokenizer_reviews=1500,
-        n_sft=1500,
-        n_sft_eval=64,
-        n_pairs=160,
-        n_heldout=256,
-        prompt_words=6,
-        response_words=16,
-        n_layer=2,
-        n_embd=64,
-        n_head=2,
-        n_positions=64,
-    ),
-    "small": ImdbPreset(
-        vocab_size=2048,
-        tokenizer_reviews=8000,
-        n_sft=22000,
-        n_sft_eval=256,
-        n_pairs=1000,
-        # the whole reserved block: a paired gain's standard error ~0.014 instead of ~0.028 on 256 prompts
-        # (a seed's reading of a true +0.60 gain is then within +-0.03, not +-0.06, 19 times in 20)
-        n_heldout=1000,
-        prompt_words=8,
-        response_words=16,
-        n_layer=4,
-        n_embd=128,
-        n_head=4,
-        n_positions=64,
-    ),
-    "smollm2": ImdbPreset(
-        vocab_size=0,
-        tokenizer_reviews=0,
-        n_sft=4000,
-        n_sft_eval=128,
-        n_pairs=500,  # 1000 took 512 of a seed's 1824 CPU seconds for the same reward model accuracy class
-        n_heldout=512,
-        prompt_words=8,
-        response_words=24,
-        n_layer=0,
-        n_embd=0,
-        n_head=0,
-        n_positions=0,
-        pretrained="smollm2",
-        prompt_template="Continue this movie review: {text}",
-    ),
-}
+# the presets: shifu/configs/tasks/imdb.yaml, each checked against ImdbPreset's fields
+PRESETS: dict[str, ImdbPreset] = read_shipped_table(shipped("tasks", "imdb.yaml"), ImdbPreset)
 
 
 def get_preset(name: str) -> ImdbPreset:
@@ -186,26 +140,6 @@ def prompt_and_continuation(review: str, prompt_words: int, response_words: int)
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path):
-    """Byte-level BPE (GPT-2 style) trained on ``texts``, wrapped as ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(texts, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=EOS, eos_token=EOS, pad_token=PAD)
-    tok.save_pretrained(str(out_dir))
-    return tok
 
 
 def cached_tokenizer(train_reviews: list[str], vocab_size: int, n_reviews: int, out_dir: str | Path) -> None:
@@ -290,7 +224,7 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
 
         link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
     else:
-        from shifu.models import build_tiny_gpt2, load_tokenizer
+        from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
         cached_tokenizer(train, p.vocab_size, p.tokenizer_reviews, out / "tokenizer")
         tok = load_tokenizer(out / "tokenizer")
@@ -332,7 +266,8 @@ def make_preference_pairs(
     """
     import torch
 
-    from shifu.models import load_causal_lm, load_tokenizer
+    from shifu.models.loading import load_causal_lm, load_tokenizer
+    from shifu.runs.tracking import progress
     from shifu.tasks import sample_responses
 
     out = Path(out_dir)
@@ -341,7 +276,11 @@ def make_preference_pairs(
     model = load_causal_lm(policy_dir, dropout=False).eval()
     gen = torch.Generator().manual_seed(seed)
     doubled = [p for p in prompts for _ in range(2)]  # a, b adjacent for each prompt
-    responses = sample_responses(model, tok, doubled, max_new_tokens, temperature, gen, batch_size)
+    bar = progress(len(doubled), "pairs: sampling")
+    responses = sample_responses(
+        model, tok, doubled, max_new_tokens, temperature, gen, batch_size, on_batch=bar.update
+    )
+    bar.close()
     gold = np.array(vader_compound(doubled, responses), dtype=np.float64)
     g_a, g_b = gold[0::2], gold[1::2]
     a_wins = bradley_terry_labels(g_a, g_b, tau, seed)

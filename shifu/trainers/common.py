@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
@@ -19,10 +18,11 @@ import torch
 import yaml
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shifu import checkpoint as ckpt
-from shifu import precision
-from shifu.config import to_dict
+from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
+from shifu.parallel import precision
+from shifu.runs import checkpoint as ckpt
+from shifu.runs import files, jsonfile
 
 
 def seed_everything(seed: int) -> None:
@@ -39,7 +39,7 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
     flash kernel: with torch 2.13 that kernel's bf16 *backward* measured 7x its fp32 time in a PPO update
     of the imdb quickstart's GPT-2 (4 layers, head dim 32, 48 positions; 1.20 s against 0.17 s), more than
     the bf16 GEMMs saved, so bf16 made the update slower than fp32 (3.1-3.4 s against 2.5-2.8 s); with the
-    math backend it takes 1.6-1.8 s (docs/performance.md). fp32 keeps the fused kernel, faster there."""
+    math backend it takes 1.6-1.8 s (docs/benchmarks/throughput.md). fp32 keeps the fused kernel, faster there."""
     dev = torch.device(device).type
     with torch.autocast(device_type=dev, dtype=torch.bfloat16, enabled=enabled):
         if enabled and dev == "cpu":
@@ -51,7 +51,7 @@ def autocast(enabled: bool, device: torch.device | str = "cpu"):
 
 def with_bf16_decision(cfg, model, lengths: list[int], strategy, name: str, pairs: bool = False):
     """``cfg`` as the steps of sft / rm / dpo use it: with ``bf16=true``, ``bf16`` is what the GEMM probe at
-    ``model``'s shapes measures faster (:func:`shifu.precision.training`) for a micro-batch of this process
+    ``model``'s shapes measures faster (:func:`shifu.parallel.precision.training`) for a micro-batch of this process
     (twice the rows with ``pairs``: chosen and rejected go through one forward) of sequences of the mean of
     ``lengths`` tokens, said on stderr. ``config.yaml`` keeps what the user asked for."""
     if not cfg.bf16:
@@ -76,9 +76,19 @@ def write_config(run_dir: str | Path, cfg) -> None:
     Path(run_dir, "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
 
 
-def prepare_run(cfg, strategy, resume: bool, overwrite: bool) -> Path:
-    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written."""
+def prepare_run(cfg, strategy, resume: bool, overwrite: bool, length: tuple[str, int] | None = None) -> Path:
+    """The run directory (rank 0 prepares it; its refusal reaches every rank) with ``config.yaml`` written.
+
+    ``length``: (config key, steps or iterations it plans). Resuming a run that already went past them is
+    refused before anything is written: it would only rewrite final/ and summary.json."""
     run_dir = strategy.on_main(lambda: ckpt.prepare_run_dir(cfg.out_dir, resume, overwrite))
+    latest = ckpt.latest_checkpoint(run_dir) if resume and length is not None else None
+    if latest is not None and (reached := int(latest.name.split("-", 1)[1])) > length[1]:
+        key, planned = length
+        raise ConfigError(
+            f"cannot resume '{run_dir}' with {key} giving {planned}: its checkpoint {latest.name} is already past "
+            f"that. Give {key} of at least {reached} to train further (nothing was changed; its final/ stays)"
+        )
     if strategy.is_main:
         write_config(run_dir, cfg)
     return run_dir
@@ -88,9 +98,9 @@ def finish_run(run_dir: Path, summary: dict[str, Any], strategy, kind: str, line
     """``summary.json``, the model card ``final/README.md`` (from the run's own files) and the run's closing
     line on stderr (rank 0), once every rank got here."""
     if strategy.is_main:
-        from shifu.modelcard import write_model_card
+        from shifu.reporting.modelcard import write_model_card
 
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        (run_dir / "summary.json").write_text(jsonfile.dumps(summary, indent=2), encoding="utf-8")
         write_model_card(run_dir / "final", run_dir, kind)
         print(line, file=sys.stderr)
     strategy.barrier()
@@ -100,8 +110,8 @@ def finish_run(run_dir: Path, summary: dict[str, Any], strategy, kind: str, line
 def tracker(cfg, run_dir: Path, strategy, resume_step: int | None = None):
     """The run's metric sinks (rank 0 writes): metrics.jsonl, TensorBoard, and ``cfg.trackers``, which
     receive the config too; ``resume_step`` continues a resumed run's logs (see :class:`Tracker`)."""
-    from shifu.config import to_dict
-    from shifu.tracking import Tracker
+    from shifu.config.loader import to_dict
+    from shifu.runs.tracking import Tracker
 
     return Tracker(run_dir, enabled=strategy.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step,
                    trackers=cfg.trackers, config=to_dict(cfg))  # fmt: skip
@@ -110,11 +120,11 @@ def tracker(cfg, run_dir: Path, strategy, resume_step: int | None = None):
 def save_policy(strategy, model, fresh, tokenizer, path: Path) -> None:
     """A trained causal LM as an HF directory (rank 0 writes; sharded weights are gathered into
     ``fresh()`` first; a LoRA model is saved with its adapters merged)."""
-    from shifu import lora
+    from shifu.models import lora
 
     plain = strategy.full_model(model, fresh)
     if strategy.is_main:
-        ckpt.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
+        files.save_hf_dir(lora.merged_copy(plain) if lora.is_lora(plain) else plain, tokenizer, path)
     strategy.barrier()
 
 
@@ -168,7 +178,7 @@ def announce_stop(cmd: str, where: str, out_dir) -> None:
     """The message of a run stopped by SIGINT/SIGTERM after its checkpoint: where it stopped, how to resume."""
     print(
         f"shifu {cmd}: stopped at {where} with a checkpoint. Resume with: shifu {cmd} "
-        f"--config <same config> --out {out_dir} --resume",
+        f"--out {out_dir} --resume",
         file=sys.stderr,
     )
 
@@ -219,3 +229,28 @@ def total_steps(n_batches_per_epoch: int, grad_accum: int, epochs: float, max_st
     if max_steps > 0:
         return max_steps
     return max(1, math.ceil(epochs * n_batches_per_epoch / grad_accum))
+
+
+LENGTH_BIAS = 0.5  # |correlation| of a reward model's held-out scores with response length that is flagged
+
+
+def warn_length_bias(corr: float, strategy) -> None:
+    """Say (rank 0) when a reward model's held-out scores follow response length (|r| >= ``LENGTH_BIAS``): PPO
+    against it can raise the score by writing longer (or shorter) responses rather than better ones."""
+    if strategy.is_main and abs(corr) >= LENGTH_BIAS:
+        print(
+            f"warning: shifu rm: held-out scores correlate with response length (r = {corr:.2f}): PPO against this "
+            f"model may learn to write {'longer' if corr > 0 else 'shorter'} rather than better responses; compare "
+            "eval/rm/acc_chosen_longer with acc_chosen_shorter, or balance the lengths of chosen and rejected",
+            file=sys.stderr,
+        )
+
+
+def policy_config(cfg):
+    """``cfg`` with ``model.path`` the policy directory it names: a run directory's ``final/`` (as ``shifu
+    sample`` and ``shifu serve`` read it). A reward model given as the policy is refused, saying where it goes."""
+    given = Path(cfg.model.path)
+    if not given.is_dir():
+        return cfg  # the loaders' own errors name a missing path
+    found = files.resolve_policy(given, reward_as="reward.model_path", policy_as="model.path")
+    return cfg if found == given else with_values(cfg, {"model.path": str(found)})

@@ -8,7 +8,7 @@ with ``log pi(y|x)`` the **sum** over the response tokens (EOS included, as SFT 
 token log-probs at temperature 1; the step's loss is the mean over its pairs. ``beta * (log pi - log
 pi_ref)`` is the implicit reward; its held-out accuracy (chosen > rejected) and margin are the quality
 signals (``eval/dpo/accuracy``, ``eval/dpo/margin``). Token layout is the rollout's: left-padded prompt +
-right-padded response, log-probs read by :func:`shifu.rollout.policy_forward`, so DPO, PPO and the
+right-padded response, log-probs read by :func:`shifu.generation.rollout.policy_forward`, so DPO, PPO and the
 gold/KL evaluation see the same numbers.
 
 The reference is a frozen copy (``model.ref_path``, default ``model.path``) loaded separately; its
@@ -24,21 +24,23 @@ from collections import Counter
 
 import torch
 
+from shifu.config.schema import DPOConfig, check_world_size
+from shifu.config.sections import TextDataConfig
 from shifu.core import dpo_loss, masked_sum
-from shifu.data import encode_sft, load_train_eval, prompt_text
+from shifu.data.batches import encode_sft
+from shifu.data.rows import load_train_eval, prompt_text
 from shifu.errors import ConfigError
-from shifu.models import (
+from shifu.generation.rollout import policy_forward
+from shifu.models.loading import (
     check_length,
     check_own_tokenizer,
     check_vocab,
     load_causal_lm,
     load_tokenizer,
-    pad_left,
-    pad_right,
 )
-from shifu.rollout import policy_forward
-from shifu.schema import DPOConfig, TextDataConfig, check_world_size
-from shifu.strategy import Strategy, build_strategy
+from shifu.models.padding import pad_left, pad_right
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything
 
@@ -49,7 +51,7 @@ STATS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 def encode_pairs(tokenizer, rows: list[dict], d: TextDataConfig) -> tuple[list[dict], Counter]:
     """Preference rows -> ([{"prompt_ids", "chosen_ids", "rejected_ids"}], counts), SFT tokenisation.
 
-    Each side is tokenised like an SFT example (:func:`shifu.data.encode_sft`: prompt and response
+    Each side is tokenised like an SFT example (:func:`shifu.data.batches.encode_sft`: prompt and response
     separately, EOS appended, long prompts cut or dropped by ``d.prompt_policy``). Dropping depends only on
     the prompt, so both sides keep the same rows.
     """
@@ -133,6 +135,7 @@ def evaluate(model, pairs, ref_lp, pad: int, cfg: DPOConfig, strategy: Strategy)
 
 def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
     """Run DPO as ``cfg`` says; returns the final metrics (``dpo/*`` of the last window, ``eval/dpo/*``)."""
+    cfg = common.policy_config(cfg)  # a run directory: its final/; a reward model: refused
     strategy = build_strategy(cfg.distributed)
     # 1. data: read and validate every pair before the output directory is touched
     train_rows, eval_rows = load_train_eval(cfg.data, "preference")
@@ -192,7 +195,7 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
-    run_dir = common.prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, job.n_rows))
     summary = loop.run(job, cfg, strategy, run_dir, resume)
     if summary.get("stopped"):
         return summary

@@ -1,14 +1,14 @@
 """The training loop of ``shifu sft``, ``shifu rm`` and ``shifu dpo``: one skeleton; each trainer gives only
 its micro-batch loss and its evaluation (a :class:`Job`).
 
-A step is ``grad_accum`` global micro-batches of ``batch_size`` rows from a :class:`~shifu.data.BatchStream`;
-each process takes its share (``strategy.share``). The step's loss is the mean over all its rows (rm, dpo)
-or response tokens (sft): a micro-batch's loss *sum* is divided by the step's count over every process
-(``strategy.token_mean_divisor``), so micro-batches and ranks add up to the one-process mean. Around the
-step, in order: skip a non-finite step (counted; ``max_nonfinite_steps`` in a row end the run), log the
-window's means every ``log_every`` steps, evaluate every ``eval.every`` steps, checkpoint every
-``save_every`` steps or on SIGINT/SIGTERM (then stop, exit 0). ``--resume`` restores the weights, the
-optimiser, the data position, the logging window, the skipped-step counts and every RNG state.
+A step is ``grad_accum`` global micro-batches of ``batch_size`` rows from a
+:class:`~shifu.data.batches.BatchStream`; each process takes its share (``strategy.share``). The step's loss
+is the mean over all its rows (rm, dpo) or response tokens (sft): a micro-batch's loss *sum* is divided by the
+step's count over every process (``strategy.token_mean_divisor``), so micro-batches and ranks add up to the
+one-process mean. Around the step, in order: skip a non-finite step (counted; ``max_nonfinite_steps`` in a row
+end the run), log the window's means every ``log_every`` steps, evaluate every ``eval.every`` steps,
+checkpoint every ``save_every`` steps or on SIGINT/SIGTERM (then stop, exit 0). ``--resume`` restores the
+weights, the optimiser, the data position, the logging window, the skipped-step counts and every RNG state.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shifu import checkpoint as ckpt
-from shifu.config import to_dict
-from shifu.data import BatchStream
+from shifu.config.loader import to_dict
+from shifu.config.schema import SupervisedConfig, derived_sizes
+from shifu.data.batches import BatchStream
 from shifu.errors import ShifuError
-from shifu.schema import SupervisedConfig, derived_sizes
-from shifu.strategy import Strategy, Trained
-from shifu.tracking import progress
+from shifu.parallel.strategy import Strategy, Trained
+from shifu.runs import checkpoint as ckpt
+from shifu.runs.tracking import progress
 from shifu.trainers import common
 from shifu.trainers.common import GracefulStop, SkippedSteps, announce_stop, check_resume_config, total_steps
 
@@ -93,6 +93,11 @@ def steps_of(cfg: SupervisedConfig, n_rows: int) -> int:
     """Optimiser steps of a run over ``n_rows`` training rows: ``max_steps``, or ``epochs`` passes."""
     batches_per_epoch = math.ceil(n_rows / cfg.batch_size)
     return total_steps(batches_per_epoch, cfg.grad_accum, cfg.epochs, cfg.max_steps)
+
+
+def length(cfg: SupervisedConfig, n_rows: int) -> tuple[str, int]:
+    """(the key that sets the run's length, its steps): what a resumed run must not already be past."""
+    return ("max_steps" if cfg.max_steps > 0 else "epochs", steps_of(cfg, n_rows))
 
 
 def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resume: bool) -> dict:

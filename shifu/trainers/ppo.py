@@ -1,36 +1,36 @@
 """Stage 3, ``shifu ppo``: PPO with four models — actor, critic, frozen reference, frozen reward model.
 
-One iteration, top to bottom in :func:`iteration` (spec, stage 3): 1. rollout -> 2. score processing ->
-3. reward shaping -> 4. advantages -> 5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL
-controller; :func:`train` runs iterations and 7. logs, evaluates, guards and saves. Every formula is in
-``shifu.core``, every parallel step in the strategy (``shifu.strategy``).
+One iteration in :func:`iteration`: 1. rollout -> 2. score processing -> 3. reward shaping -> 4. advantages ->
+5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL controller; :func:`train` loops and 7.
+logs, evaluates, guards, saves. Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
 
-Run directory: ``metrics.jsonl`` and ``tb/`` (every iteration), ``samples.jsonl`` (evaluation samples),
-``checkpoints/`` (resume), ``best/`` (actor at the best ``eval.best_metric``), ``final/`` (the actor at the
-end, an HF directory), ``critic/`` (the trained critic), ``config.yaml``, ``summary.json``.
+Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
+``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from typing import Any
 
 import torch
 
-from shifu import checkpoint as ckpt
 from shifu import core
-from shifu.config import to_dict, with_values
-from shifu.data import PromptStream, encode_prompts, load_rows, ptx_batches, split_prompts
-from shifu.models import load_tokenizer, pad_left
-from shifu.remote import RewardServiceUnavailable
-from shifu.rewards import load_function
-from shifu.rollout import Rollout, check_positions
-from shifu.schema import PPOConfig, check_world_size, derived_sizes
-from shifu.strategy import build_strategy
-from shifu.tracking import progress
+from shifu.config.loader import to_dict, with_values
+from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
+from shifu.data.batches import PromptStream, encode_prompts, ptx_batches
+from shifu.data.rows import load_rows, split_prompts
+from shifu.generation.rollout import Rollout, check_positions
+from shifu.models.loading import load_tokenizer
+from shifu.models.padding import pad_left
+from shifu.parallel import build_strategy
+from shifu.rewards.remote import RewardServiceUnavailable
+from shifu.rewards.sources import load_function
+from shifu.runs import checkpoint as ckpt
+from shifu.runs import jsonfile, rng
+from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval
 from shifu.trainers.common import (
     GracefulStop,
@@ -153,6 +153,7 @@ def learn(
 
 def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run PPO as ``cfg`` says; returns the summary (also written to ``summary.json``)."""
+    cfg = common.policy_config(cfg)  # a run directory: its final/; a reward model: refused
     strategy = build_strategy(cfg.distributed)
     seed_everything(cfg.seed)  # the shared seed on every rank (init, data order); sampling uses rank_seed
     strategy.launch(cfg.device)
@@ -175,7 +176,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     gold_fn = load_function(cfg.eval.gold_function, "eval.gold_function") if cfg.eval.gold_function else None
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
-    check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.generation.max_new_tokens)
+    check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.max_response_tokens)
     ptx = None
     if cfg.ptx_coef > 0:
         ptx = ptx_batches(tok, d.ptx, cfg.minibatch_size // cfg.grad_accum, d.max_prompt_len,
@@ -184,7 +185,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     s, stream = PPOState.new(cfg, strategy), PromptStream(len(ids), cfg.batch_size // G, cfg.seed)
     loop: dict[str, Any] = {"iteration": 0, "best": None, "best_iteration": None, "evals": []}
     # the output directory, once every input is loaded (a failed start leaves nothing behind)
-    out = prepare_run(cfg, strategy, resume, overwrite)
+    out = prepare_run(cfg, strategy, resume, overwrite, ("iterations", cfg.iterations))
     if G > 1 and main:  # batch_size counts responses: a group method sees G times fewer prompts
         print(f"shifu ppo: {cfg.batch_size // G} prompts x {G} responses per iteration (batch_size {cfg.batch_size} counts responses)", file=sys.stderr)  # fmt: skip
     latest = ckpt.latest_checkpoint(out) if resume else None
@@ -219,8 +220,8 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         metrics, samples = ppo_eval.evaluate(m, eval_ids, eval_rows, gold_fn, cfg)
         if main:
             with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
-                f.writelines(json.dumps({"iteration": it, **x}) + "\n" for x in samples)
-        value = metrics.get(cfg.eval.best_metric)  # the same value on every rank (global evaluation)
+                f.writelines(jsonfile.dumps({"iteration": it, **x}) + "\n" for x in samples)
+        value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
         if value is not None and (loop["best"] is None or value > loop["best"]):
             loop["best"], loop["best_iteration"] = value, it
             ppo_eval.save_actor(m, cfg, out / "best")
@@ -236,7 +237,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
             # a run stopped by its reward service in an evaluation resumes with that iteration's metrics
             metrics = loop.pop("pending", None)
             if metrics is None:
-                before = stream.state(), s.sample_gen.get_state(), ckpt.rng_state()
+                before = stream.state(), s.sample_gen.get_state(), rng.rng_state()
                 mine, _ = strategy.share(stream.next())  # this rank's batch_size / G / W prompts, G rows each
                 mine = [i for i in mine for _ in range(G)]
                 b = pad_left([ids[i] for i in mine], tok.pad_token_id)
@@ -248,7 +249,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
                     # yet, so checkpoint the state before this iteration; --resume redoes it
                     stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
                     s.sample_gen.set_state(before[1])
-                    ckpt.set_rng_state(before[2])
+                    rng.set_rng_state(before[2])
                     save(loop["iteration"]), bar.close(), tracker.close()
                     raise ppo_eval.service_stopped(e, loop["iteration"], out) from None
                 loop["iteration"] += 1
@@ -294,7 +295,5 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
                "guard": stop_reason, "evals": loop["evals"], "skipped_steps": s.skipped.total,
                "kl_coef": s.kl_ctl.value}  # fmt: skip
     tracker.close()
-    gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
-    line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {s.kl_ctl.value:.3g}"
-    line += (f", held-out gold {gold:.3f}" if gold is not None else "") + f"; actor in {out / 'final'}"
+    line = ppo_eval.closing_line(loop, s.kl_ctl.value, out, main, cfg, len(eval_ids))
     return finish_run(out, summary, strategy, "ppo", line)

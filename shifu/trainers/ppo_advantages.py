@@ -1,7 +1,7 @@
 """Phase 4 of a PPO iteration: the advantages, by the estimator's name (``advantage_estimator``).
 
 Each estimator takes the iteration's :class:`Signals` and returns ``(advantages, returns)`` (B, R); every
-formula is a named function of ``shifu.core`` (docs/core.md has the table of how they compose):
+formula is a named function of ``shifu.core`` (docs/concepts/algorithms.md has the table of how they compose):
 
 - ``gae``: per-token rewards (``-beta * kl_t``, the score on the last token, process rewards on their
   tokens) -> GAE on the critic's values -> whitened over the global batch (``whiten_advantages``);
@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from shifu import core
+from shifu.config.schema import PPOConfig
 from shifu.errors import ShifuError
-from shifu.schema import PPOConfig
-from shifu.strategy import Strategy
+from shifu.parallel.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,13 +10,17 @@ from typing import Any
 
 import torch
 
-from shifu import checkpoint as ckpt
-from shifu import lora as L
+from shifu.config.schema import PPOConfig
 from shifu.core import kl_estimate, masked_sum
+from shifu.envs.base import Environment
 from shifu.errors import ShifuError
-from shifu.models import ScalarModel, load_causal_lm, pad_left
-from shifu.rollout import SamplingParams, policy_forward, sample
-from shifu.schema import PPOConfig
+from shifu.generation.episodes import run_episodes
+from shifu.generation.rollout import SamplingParams, policy_forward, sample
+from shifu.models import lora as L
+from shifu.models.loading import load_causal_lm
+from shifu.models.padding import pad_left
+from shifu.models.scalar import ScalarModel
+from shifu.runs import files
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
 
@@ -36,6 +40,8 @@ def evaluate(
     """
     tok, T, strategy = models.tokenizer, cfg.eval.temperature, models.strategy
     gen = torch.Generator().manual_seed(strategy.rank_seed(cfg.seed + 4242))
+    if isinstance(models.reward, Environment):
+        return evaluate_episodes(models, rows, cfg, gen)
     params = SamplingParams(cfg.generation.max_new_tokens, T, cfg.generation.top_k, cfg.generation.top_p)
     models.actor.eval()
     n_all, W = len(ids), strategy.world
@@ -102,6 +108,41 @@ def evaluate(
     return metrics, samples
 
 
+@torch.no_grad()
+def evaluate_episodes(
+    models: PPOModels, rows: list[dict], cfg: PPOConfig, gen: torch.Generator
+) -> tuple[dict, list]:
+    """:func:`evaluate` with an environment: one episode per held-out row at the evaluation temperature. The
+    gold (``gold/score``, also ``eval/score``) is the mean episode return, the environment's own count;
+    ``eval/kl`` and ``eval/kl_k3`` sum over the sampled tokens; ``eval/env/*`` as the rollout's ``env/*``.
+    Samples hold each transcript after the first input, the policy's turns marked (``episodes.MARKS``)."""
+    tok, T, dev, env = models.tokenizer, cfg.eval.temperature, models.strategy.device, models.reward
+    params = SamplingParams(cfg.env.max_tokens_per_turn, T, cfg.generation.top_k, cfg.generation.top_p)
+    models.actor.eval()
+    actor, sums, samples = models.actor_module, {}, []
+    for i in range(0, len(rows), cfg.micro_batch_size):
+        part = rows[i : i + cfg.micro_batch_size]
+        eps = run_episodes(
+            actor, tok, env, part, params, gen, cfg.data.chat_template, cfg.data.max_prompt_len
+        )
+        mask, P = eps.sample.response_mask.to(dev), eps.prompt_ids.shape[1]
+        full = torch.cat([eps.prompt_ids, eps.sample.response_ids], 1).to(dev)
+        am = torch.cat([eps.prompt_mask, eps.attention.long()], 1).to(dev)
+        lp = policy_forward(actor, full, am, P, T)[0]
+        with models.reference() as ref:
+            ref_lp = policy_forward(ref, full, am, P, T)[0]
+        kl = {"eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
+              "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean()}  # fmt: skip
+        for k, v in (eps.metrics("eval/env/") | {k: float(v) for k, v in kl.items()}).items():
+            sums[k] = sums.get(k, 0.0) + v * len(part)
+        samples += [{"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
+                    for r, t, g, n, c in zip(part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"],
+                                             eps.truncated.tolist())]  # fmt: skip
+    metrics = {k: v / len(rows) for k, v in sums.items()}
+    gold = metrics["eval/env/return"]
+    return metrics | {"eval/score": gold, "gold/score": gold}, samples
+
+
 def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]) -> str | None:
     """Reward-hacking guard: a KL ceiling, or gold falling while the training score rises N evaluations."""
     g = cfg.guard
@@ -117,6 +158,36 @@ def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]
                 f"(gold {recent[0]['gold/score']:.3f} -> {recent[-1]['gold/score']:.3f})"
             )
     return None
+
+
+HACKED_DROP = 0.05  # gold below its best by more than this at the end, while the score rose: a warning
+
+
+def closing_line(
+    loop: dict[str, Any], kl_coef: float, out: Path, main: bool, cfg: PPOConfig, n_eval: int
+) -> str:
+    """The run's last line on stderr, with the last evaluation's held-out gold and how it was measured
+    (``n_eval`` prompts sampled at ``eval.temperature``); before it (rank 0), a warning when the held-out
+    judge's gold/score ended more than ``HACKED_DROP`` below its best while the reward model's eval/score
+    rose past that point: the policy learned to please the reward model, not the judge (best/ keeps the
+    judge's best iteration)."""
+    evals = [e for e in loop["evals"] if "gold/score" in e and "eval/score" in e]
+    gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
+    if main and evals:
+        top, last = max(evals, key=lambda e: e["gold/score"]), evals[-1]
+        if last["gold/score"] < top["gold/score"] - HACKED_DROP and last["eval/score"] > top["eval/score"]:
+            print(
+                f"warning: shifu ppo: reward hacking? held-out gold/score fell from {top['gold/score']:.3f} "
+                f"(iteration {top['iteration']}) to {last['gold/score']:.3f} (iteration {last['iteration']}) while "
+                f"the reward model's eval/score rose from {top['eval/score']:.3f} to {last['eval/score']:.3f}. "
+                f"final/ is the last iteration; best/ holds iteration {loop['best_iteration']}",
+                file=sys.stderr,
+            )
+    line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {kl_coef:.3g}"
+    if gold is not None:
+        how = f"last evaluation: {n_eval} prompts sampled at T={cfg.eval.temperature:g}"
+        line += f", held-out gold {gold:.3f} ({how})"
+    return line + f"; actor in {out / 'final'}"
 
 
 def warn_empty_responses(it: int, metrics: dict, tok, cfg: PPOConfig) -> bool:
@@ -172,7 +243,7 @@ def save_critic(models: PPOModels, cfg: PPOConfig, path: Path) -> None:
 
     plain = strategy.full_model(models.critic, fresh)
     if strategy.is_main:  # a LoRA critic: its adapters merged into a plain copy (a ScalarModel directory)
-        ckpt.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
+        files.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
     strategy.barrier()
 
 
@@ -188,4 +259,4 @@ def trim_samples(path: Path, last_iteration: int) -> None:
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
     """The error of a run whose reward service went away, after the checkpoint of iteration ``it``."""
     return ShifuError(f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
-                      f"with: shifu ppo --config <same config> --out {out} --resume")  # fmt: skip
+                      f"with: shifu ppo --out {out} --resume")  # fmt: skip

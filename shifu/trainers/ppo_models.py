@@ -15,22 +15,22 @@ import torch
 from torch import nn
 
 from shifu import core
-from shifu import lora as L
-from shifu import precision as bf16
+from shifu.config.schema import PPOConfig
+from shifu.envs.base import Environment
 from shifu.errors import ShifuError
-from shifu.models import (
-    ScalarModel,
+from shifu.generation.rollout import check_exact_kl_memory
+from shifu.models import lora as L
+from shifu.models.loading import (
     check_own_tokenizer,
     check_vocab,
     disable_dropout,
     fuse_tanh_gelu,
     load_causal_lm,
-    new_value_head,
 )
-from shifu.rewards import RewardSource, load_function, load_reward_model, same_tokenizer
-from shifu.rollout import check_exact_kl_memory
-from shifu.schema import PPOConfig
-from shifu.strategy import Strategy, Trained, decay_groups
+from shifu.models.scalar import ScalarModel, new_value_head
+from shifu.parallel import precision as bf16
+from shifu.parallel.strategy import Strategy, Trained, decay_groups
+from shifu.rewards.sources import RewardSource, load_function, load_reward_model, same_tokenizer
 from shifu.trainers.common import SkippedSteps
 
 
@@ -45,14 +45,14 @@ class PPOModels:
     critic: nn.Module | None
     value_head: nn.Module | None
     ref: nn.Module | None
-    reward: RewardSource  # (or a shifu.remote.RemoteReward: the same call)
+    reward: RewardSource  # (or a rewards.remote.RemoteReward: the same call; an envs.base.Environment)
     tokenizer: Any
     strategy: Strategy
     optimizers: dict[str, Trained]
     plain: dict[str, nn.Module]
     # config keys that could not run as written -> the value that ran (config.yaml records it; see `load`)
     used: dict[str, Any] = dataclasses.field(default_factory=dict)
-    precision: bf16.Precision = bf16.FP32  # which phases run in bf16 (bf16=true: measured, shifu.precision)
+    precision: bf16.Precision = bf16.FP32  # phases run in bf16 (bf16=true: measured, parallel.precision)
     decode_copy: nn.Module | None = None  # the actor's bf16 copy that generation reads (precision.decode)
 
     @property
@@ -151,10 +151,8 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         if cfg.lora.enabled:
             actor = L.wrap_lora(actor, cfg.lora)
             if strategy.is_main:
-                print(
-                    f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled",
-                    flush=True,
-                )
+                print(f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled",
+                      file=sys.stderr, flush=True)  # fmt: skip
         return actor.to(device)
 
     zero3 = getattr(strategy, "zero3_init", None)  # ZeRO-3 builds trained HF models straight into shards
@@ -166,8 +164,10 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         )
         if cfg.model.ref_path:  # another model family would crash mid-run or give a meaningless KL
             check_vocab(tok, ref, cfg.model.ref_path, "model.ref_path")
-    if cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.remote)
-        from shifu.remote import RemoteReward
+    if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
+        reward = Environment(cfg.env)
+    elif cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
+        from shifu.rewards.remote import RemoteReward
 
         r = cfg.reward
         reward = RemoteReward(
@@ -189,9 +189,9 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         if init == "reward":
             why = "it needs a causal trunk with the policy's tokenizer to value each token"
             try:
-                critic = ScalarModel.from_pretrained(
-                    cfg.critic.path or cfg.reward.model_path, trust_remote_code=trust
-                )
+                if not (start := cfg.critic.path or cfg.reward.model_path):
+                    raise ShifuError("the reward is a function or a service: there is no reward model")
+                critic = ScalarModel.from_pretrained(start, trust_remote_code=trust)
             except ShifuError as e:
                 critic, why = None, str(e)
             if critic is None or not critic.is_causal or not same_tokenizer(critic.tokenizer, tok):
@@ -220,7 +220,8 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
             shared = L.share_frozen_trunk(actor, critic) if actor is not None else 0  # one copy of the base
             if strategy.is_main:
                 print(f"shifu ppo: LoRA critic, {L.trainable_summary(critic)}"
-                      + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""), flush=True)  # fmt: skip
+                      + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""),
+                      file=sys.stderr, flush=True)  # fmt: skip
         critic = critic.to(device)
     del sharded_init
     return actor, critic, value_head, ref, reward, used
@@ -264,7 +265,7 @@ def place(
 
 
 def with_precision(m: PPOModels, cfg: PPOConfig, reward_model: nn.Module | None) -> PPOModels:
-    """``bf16=true``: what the GEMM probe at the models' own shapes measured faster (:mod:`shifu.precision`),
+    """``bf16=true``: what the GEMM probe at the models' own shapes measured faster (:mod:`shifu.parallel.precision`),
     said on stderr: bf16 copies of the frozen reference and reward model (cast once), a bf16 decode copy of
     the actor, bf16 autocast in the update (master weights and optimiser state fp32)."""
     actor, strategy, g, rows = m.actor_module, m.strategy, cfg.generation, cfg.batch_size // m.strategy.world

@@ -1,5 +1,5 @@
 """Phase 1 of a PPO iteration, the rollout: sample responses from the actor, then the old and reference
-log-probs, the entropy, the values and the scores, all without gradients, as a :class:`shifu.rollout.Rollout`."""
+log-probs, the entropy, the values and the scores, all without gradients, as a :class:`shifu.generation.rollout.Rollout`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ import torch
 from torch import nn
 
 from shifu import core
-from shifu.rollout import Rollout, SamplingParams, critic_forward, policy_forward, sample
-from shifu.schema import PPOConfig
+from shifu.config.schema import PPOConfig
+from shifu.envs.base import Environment
+from shifu.generation.episodes import run_episodes
+from shifu.generation.rollout import Rollout, Sample, SamplingParams, critic_forward, policy_forward, sample
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels
+
+# estimators that see each turn's reward on its own last token; the others compare one number per episode
+PER_TURN = ("gae", "reinforce_pp")
 
 
 @torch.no_grad()
@@ -38,28 +43,29 @@ def collect_rollout(
     # same logits as a second forward up to float rounding, one forward pass fewer.
     # With truncated importance sampling (tis_cap) the decode's log-probs are kept apart as the rollout
     # engine's (rollout_log_probs) and the trainer's forward computes old_log_probs.
-    # With bf16 decode (shifu.precision) generation reads the actor's bf16 copy; the trainer's forward then
+    # With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward then
     # computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*).
     tis, prec, dev = cfg.tis_cap is not None, models.precision, strategy.device
     reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not tis
     keep_decode = tis or prec.decode  # the decode's own log-probs, kept apart as rollout_log_probs
-    sampled = sample(
-        models.decoder(),
-        prompt_ids,
-        prompt_mask,
-        params,
-        tok.eos_token_id,
-        tok.pad_token_id,
-        generator=generator,
-        with_log_probs=reuse or keep_decode,
-        value_head=models.value_head if reuse else None,
-        **strategy.generation_kwargs(),
-    )
+    kw = {"with_log_probs": reuse or keep_decode, "value_head": models.value_head if reuse else None}
+    env = models.reward if isinstance(models.reward, Environment) else None
+    if env is not None:  # multi-turn episodes: first inputs from env.reset, observations between the turns
+        eps = run_episodes(models.decoder(), tok, env, rows, params, generator, cfg.data.chat_template,
+                           cfg.data.max_prompt_len, **kw, **strategy.generation_kwargs())  # fmt: skip
+        prompt_ids, prompt_mask = eps.prompt_ids.to(dev), eps.prompt_mask.to(dev)
+        sampled = Sample(*(x if x is None else x.to(dev) for x in eps.sample))
+    else:
+        sampled = sample(models.decoder(), prompt_ids, prompt_mask, params, tok.eos_token_id, tok.pad_token_id,
+                         generator=generator, **kw, **strategy.generation_kwargs())  # fmt: skip
     response_ids, response_mask = sampled.response_ids, sampled.response_mask
     t_gen = time.perf_counter() - t0
     P = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    read = (
+        response_mask if env is None else eps.attention.to(dev)
+    )  # (B, R) what the model reads: + observations
+    attention_mask = torch.cat([prompt_mask.long(), read.long()], dim=1)
     # old / reference log-probs, entropy, values: batched no-grad forwards; the trained models in the
     # update's precision, the frozen reference as it is held (a bf16 copy or fp32)
     old_lp, entropy, old_values, ref_lp, ref_full = [], [], [], [], []
@@ -92,21 +98,22 @@ def collect_rollout(
                 old_values.append(critic_forward(critic, ids, am, P).float())
     old_log_probs, ref_log_probs, entropy = torch.cat(old_lp), torch.cat(ref_lp), torch.cat(entropy)
     values = torch.cat(old_values) if old_values else torch.zeros_like(old_log_probs)
-    # scores of prompt + response from the reward model(s) or function
+    # scores of prompt + response from the reward model(s) or function, or the episodes' rewards
     prompts = [r["prompt"] for r in rows]
     responses = [
         tok.decode(response_ids[i][response_mask[i]], skip_special_tokens=True) for i in range(len(rows))
     ]
-    reward_model = models.reward.model if isinstance(models.reward.model, nn.Module) else None
-    dense = getattr(models.reward, "dense", False)  # reward.dense: each token's change of the prefix score
-    with strategy.offloaded(reward_model):
-        scores, steps = models.reward.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
-        token_rewards = models.reward.dense_rewards(input_ids, attention_mask, P) if dense else None
-    scores = scores.to(old_log_probs.device)
-    step_mask = response_mask if dense else None  # dense: every token is a step of its own
-    if steps is not None:
-        token_rewards, step_mask = step_rewards(tok, response_ids, response_mask, steps)
     last = (response_mask.long().cumsum(1) == response_mask.sum(1, keepdim=True)) & response_mask
+    eos_found = (response_ids == tok.eos_token_id).logical_and(last).any(1)
+    if env is not None:  # an episode cut by a budget or max_turns counts as a response without EOS
+        scores, token_rewards, step_mask = eps.scores(cfg.estimator in PER_TURN)
+        responses, eos_found = eps.transcripts(), ~eps.truncated.to(dev)
+    else:
+        scores, token_rewards, step_mask = reward_scores(models, tok, prompts, responses, rows, input_ids,
+                                                         attention_mask, P, response_ids, response_mask)  # fmt: skip
+    scores = scores.to(old_log_probs.device)
+    token_rewards = token_rewards.to(dev) if token_rewards is not None else None
+    step_mask = step_mask.to(dev) if step_mask is not None else None
     rollout = Rollout(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -117,7 +124,7 @@ def collect_rollout(
         values=values,
         entropy=entropy,
         scores=scores,
-        eos_found=(response_ids == tok.eos_token_id).logical_and(last).any(1),
+        eos_found=eos_found,
         prompts=prompts,
         responses=responses,
         rows=rows,
@@ -139,6 +146,8 @@ def collect_rollout(
         "time/rollout_s": time.perf_counter() - t0,
         "rollout/dropped_nonfinite": int((~finite).sum()),
     }
+    if env is not None:
+        info |= eps.metrics()
     if cfg.bf16:  # what the probe chose; the bf16 decode's mismatch (with tis_cap, learn() logs it)
         info |= prec.metrics()
         if prec.decode and not tis:
@@ -148,11 +157,26 @@ def collect_rollout(
     return rollout, info
 
 
+def reward_scores(models, tok, prompts, responses, rows, input_ids, attention_mask, P, response_ids,
+                  response_mask):  # fmt: skip
+    """``(scores (B,), token_rewards (B, R) or None, step ends (B, R) or None)`` of the reward model(s) or
+    function: process rewards from steps a function returns, dense rewards (reward.dense) per token."""
+    reward_model = models.reward.model if isinstance(models.reward.model, nn.Module) else None
+    dense = getattr(models.reward, "dense", False)  # reward.dense: each token's change of the prefix score
+    with models.strategy.offloaded(reward_model):
+        scores, steps = models.reward.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
+        token_rewards = models.reward.dense_rewards(input_ids, attention_mask, P) if dense else None
+    step_mask = response_mask if dense else None  # dense: every token is a step of its own
+    if steps is not None:
+        token_rewards, step_mask = step_rewards(tok, response_ids, response_mask, steps)
+    return scores, token_rewards, step_mask
+
+
 def step_rewards(
     tok, response_ids: torch.Tensor, response_mask: torch.Tensor, steps: list
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Process rewards (B, R) and the step ends (B, R) bool: response i's step ``(end, reward)`` (``end`` a
-    character offset into its decoded text, :mod:`shifu.rewards`) lands on the first token whose decoded
+    character offset into its decoded text, :mod:`shifu.rewards.sources`) lands on the first token whose decoded
     prefix reaches ``end`` characters, the token that completes the step (:func:`shifu.core.place_step_rewards`);
     a step of reward 0 still ends there (the group estimators count it)."""
     S = max(1, max(len(x) for x in steps))

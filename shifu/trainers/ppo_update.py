@@ -9,8 +9,8 @@ import math
 import torch
 
 from shifu import core
-from shifu.rollout import Rollout, critic_forward, policy_forward
-from shifu.schema import PPOConfig
+from shifu.config.schema import PPOConfig
+from shifu.generation.rollout import Rollout, critic_forward, policy_forward
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels, PPOState
 
@@ -39,7 +39,7 @@ def update(
             idx = perm[start : start + mbs]
             n_tokens = strategy.token_mean_divisor(mask[idx].sum())  # the minibatch's, over every rank
             if cfg.loss_aggregation == "token_sum_norm":  # Dr. GRPO's constant: rows x max_new_tokens
-                n_tokens = strategy.token_mean_divisor(mask[idx].any(1).sum() * cfg.generation.max_new_tokens)
+                n_tokens = strategy.token_mean_divisor(mask[idx].any(1).sum() * cfg.max_response_tokens)
             stats: dict[str, float] = {}
             if cfg.micro_batch_tokens is None:
                 micros = idx.chunk(max(1, min(cfg.grad_accum, len(idx))))
@@ -88,7 +88,7 @@ def token_budget_split(idx: torch.Tensor, rollout: Rollout, budget: int, strateg
     (``n_tokens``), seq_mean weighs each micro-batch by its share of rows, and causal attention with
     position ids from the mask makes a trimmed row's log-probs and values those of the padded row."""
     P = rollout.prompt_len
-    resp = rollout.response_mask[idx].sum(1)
+    resp = rollout.attention_mask[idx, P:].sum(1)  # (episodes: observation tokens too)
     prompt = rollout.attention_mask[idx, :P].sum(1)
     order = torch.argsort(resp, descending=True, stable=True)
     micros, cur, p_max, r_max = [], [], 0, 0
@@ -113,7 +113,7 @@ def trim_padding(mb: Rollout) -> Rollout:
     right-pads (``prompt_len`` adjusted): the same real tokens at the same positions, a shorter forward."""
     P, R = mb.prompt_len, mb.response_mask.shape[1]
     keep_p = max(1, int(mb.attention_mask[:, :P].sum(1).max()))
-    keep_r = max(1, int(mb.response_mask.sum(1).max()))
+    keep_r = max(1, int(mb.attention_mask[:, P:].sum(1).max()))  # (episodes: observation tokens too)
     lo, hi = P - keep_p, P + keep_r
     per_token = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
     out = {k: v[:, :keep_r] for k, v in per_token.items() if isinstance(v, torch.Tensor) and v.dim() in (2, 3)

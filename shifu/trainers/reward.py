@@ -9,7 +9,7 @@ in characters; accuracy on pairs whose chosen response is shorter vs longer than
 
 Output: ``OUT/final/`` (``ScalarModel.from_pretrained``); with ``ensemble.k > 1`` each member in
 ``OUT/member-<m>/`` (its own metrics and checkpoints, model in ``final/``) and ``OUT/final/ensemble.json``.
-Either loads with :func:`shifu.ensemble.load_reward`. After training, gain/bias are fitted (when
+Either loads with :func:`shifu.rewards.ensemble.load_reward`. After training, gain/bias are fitted (when
 ``normalize.responses`` or ``normalize.policy`` is set) so normalisation-set scores have mean 0, std 1. The
 loop (resume, signals, cadence, skipped steps) is :mod:`shifu.trainers.loop`.
 """
@@ -24,21 +24,18 @@ from pathlib import Path
 
 import torch
 
+from shifu.config.schema import RMConfig, check_world_size
 from shifu.core import bradley_terry_loss
-from shifu.data import encode_reward_pairs, load_rows, load_train_eval, prompt_text, sft_texts
-from shifu.ensemble import RewardEnsemble, write_manifest
+from shifu.data.batches import encode_reward_pairs
+from shifu.data.rows import load_rows, load_train_eval, prompt_text, sft_texts
 from shifu.errors import ConfigError
-from shifu.models import (
-    ScalarModel,
-    check_length,
-    load_causal_lm,
-    load_tokenizer,
-    pad_left,
-    pad_right,
-    require_model_dir,
-)
-from shifu.schema import RMConfig, check_world_size
-from shifu.strategy import Strategy, build_strategy
+from shifu.models.loading import check_length, load_causal_lm, load_tokenizer, require_model_dir
+from shifu.models.padding import pad_left, pad_right
+from shifu.models.scalar import ScalarModel
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
+from shifu.rewards.ensemble import RewardEnsemble, write_manifest
+from shifu.runs import jsonfile
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, prepare_run, report_counts, seed_everything
 
@@ -161,7 +158,7 @@ def train_member(
 
 @torch.no_grad()
 def sample_policy(cfg: RMConfig, rows: list[dict], device) -> list[str]:
-    """Responses of ``normalize.policy`` to the prompts of ``rows`` (:func:`shifu.data.prompt_text`): HF
+    """Responses of ``normalize.policy`` to the prompts of ``rows`` (:func:`shifu.data.rows.prompt_text`): HF
     ``generate`` on left-padded prompts."""
     n = cfg.normalize
     tok = load_tokenizer(n.policy)
@@ -205,7 +202,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
         require_model_dir(cfg.normalize.policy, "normalize.policy")
 
     def fresh(member: int) -> ScalarModel:
-        if cfg.model.path == "bag-of-tokens":  # (shifu.bag_of_tokens; l2_coef is its ridge penalty)
+        if cfg.model.path == "bag-of-tokens":  # (shifu.models.bag_of_tokens; l2_coef is its ridge penalty)
             return ScalarModel.bag_of_tokens(cfg.model.tokenizer, seed=cfg.seed + member)
         return ScalarModel.from_backbone(backbone, seed=cfg.seed + member, freeze_layers=cfg.freeze_layers,
                                          keep_layers=cfg.keep_layers, trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
@@ -226,7 +223,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     main = strategy.is_main
     report_counts(d.train, counts, main)
     report_counts(d.eval or d.train + " (held out)", eval_counts, main)
-    run_dir = prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, len(train_pairs)))
     lengths = [max(len(x["chosen"]), len(x["rejected"])) for x in train_pairs]
     asked, cfg = cfg, common.with_bf16_decision(cfg, first, lengths, strategy, "rm", pairs=True)
     members, member_dirs, member_stats = [], [], []
@@ -246,7 +243,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
                 return stats
             if k > 1 and main:
                 model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
-                (mdir / "final" / "summary.json").write_text(json.dumps(stats), encoding="utf-8")
+                (mdir / "final" / "summary.json").write_text(jsonfile.dumps(stats), encoding="utf-8")
         members.append(model)
         member_dirs.append(mdir / "final")
         member_stats.append(stats)
@@ -290,5 +287,6 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     summary = {f"rm/{s}": sum(m.get(f"rm/{s}", float("nan")) for m in member_stats) / k for s in STATS}
     summary.update(report | ({"precision/bf16_update": float(cfg.bf16)} if asked.bf16 else {}))
     acc, margin, corr = (report[f"eval/rm/{k}"] for k in ("accuracy", "margin", "len_corr"))
+    common.warn_length_bias(corr, strategy)
     line = f"shifu rm: held-out accuracy {acc:.3f}, margin {margin:.3f}, length corr {corr:.3f}"
     return common.finish_run(run_dir, summary, strategy, "rm", line + f"; model in {run_dir / 'final'}")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from shifu.config.schema import SFTConfig, check_world_size
 from shifu.core import log_probs_from_logits, masked_sum
-from shifu.data import collate_sft, encode_sft, load_train_eval
+from shifu.data.batches import collate_sft, encode_sft
+from shifu.data.rows import load_train_eval
 from shifu.errors import ConfigError
-from shifu.models import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
-from shifu.schema import SFTConfig, check_world_size
-from shifu.strategy import Strategy, build_strategy
+from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
+from shifu.parallel import build_strategy
+from shifu.parallel.strategy import Strategy
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, report_counts, seed_everything
 
@@ -107,7 +109,7 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
 
     # 3. the loop, in the run directory (--resume continues its latest checkpoint)
-    run_dir = common.prepare_run(cfg, strategy, resume, overwrite)
+    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, job.n_rows))
     summary = loop.run(job, cfg, strategy, run_dir, resume)
     if summary.get("stopped"):
         return summary

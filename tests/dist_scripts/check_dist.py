@@ -1,4 +1,4 @@
-"""Multi-process checks of ``shifu.distributed``, launched by ``tests/test_distributed.py`` (and by
+"""Multi-process checks of ``shifu.parallel.distributed`` and ``shifu.parallel.torchrun``, launched by ``tests/test_distributed.py`` (and by
 ``gpu_check.sh`` on CUDA machines) as::
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/check_dist.py --out DIR [--bf16]
@@ -29,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tiny  # noqa: E402
 
-from shifu import distributed as D  # noqa: E402
-from shifu.schema import DistributedConfig  # noqa: E402
-from shifu.strategy import DistributedStrategy, Trained  # noqa: E402
+from shifu.config.sections import DistributedConfig  # noqa: E402
+from shifu.parallel import distributed as D  # noqa: E402
+from shifu.parallel import torchrun as T  # noqa: E402
+from shifu.parallel.strategy import Trained, offload_frozen  # noqa: E402
+from shifu.parallel.torchrun import DistributedStrategy  # noqa: E402
 
 RESULTS: dict[str, dict] = {}
 
@@ -80,7 +82,7 @@ def to_dev(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def params(model) -> dict[str, torch.Tensor]:
     """Full (gathered) float32 CPU copies of every parameter/buffer, keyed by name."""
-    sd = D.full_state_dict(model, rank0_only=False)
+    sd = T.full_state_dict(model, rank0_only=False)
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
 
 
@@ -184,7 +186,7 @@ def check_resume(tok, full, strategy: str, out: Path) -> str:
     ckpt = out / f"ckpt-{strategy}"
 
     def build(seed):
-        model = D.wrap_trainable(tiny.tiny_model(tok, seed=seed), strategy)
+        model = T.wrap_trainable(tiny.tiny_model(tok, seed=seed), strategy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step(model, opt, columns):
@@ -196,17 +198,17 @@ def check_resume(tok, full, strategy: str, out: Path) -> str:
 
     model, opt = build(0)
     step(model, opt, slice(None))
-    D.save_sharded(ckpt, model, opt)
+    T.save_sharded(ckpt, model, opt)
     D.barrier()
     step(model, opt, slice(0, 12))
     uninterrupted = params(model)
 
     model2, opt2 = build(seed=1)
-    D.load_sharded(ckpt, model2, opt2)
+    T.load_sharded(ckpt, model2, opt2)
     step(model2, opt2, slice(0, 12))
     resumed = params(model2)
     err = max((uninterrupted[k] - resumed[k]).abs().max().item() for k in uninterrupted)
-    fresh = params(D.wrap_trainable(tiny.tiny_model(tok, seed=1), strategy))
+    fresh = params(T.wrap_trainable(tiny.tiny_model(tok, seed=1), strategy))
     moved = max((uninterrupted[k] - fresh[k]).abs().max().item() for k in uninterrupted)
     assert moved > 1e-3, "the two initialisations should differ (the check would be vacuous)"
     assert err <= 1e-7, f"resumed weights differ from uninterrupted by {err:.2e}"
@@ -215,7 +217,7 @@ def check_resume(tok, full, strategy: str, out: Path) -> str:
 
 def check_uneven_loop(tok) -> str:
     """Rank r needs 3 + 4r steps; all ranks keep running FSDP2 forwards until all are done."""
-    model = D.prepare_frozen(tiny.tiny_model(tok), "fsdp2")
+    model = T.prepare_frozen(tiny.tiny_model(tok), "fsdp2")
     need = 3 + 4 * D.rank()
     ids = torch.tensor([[3, 4, 5]], device=D.local_device())
     steps, done = 0, False
@@ -232,8 +234,8 @@ def check_uneven_loop(tok) -> str:
 def check_frozen_sharded(tok, full) -> str:
     b = to_dev(full)
     with torch.no_grad():
-        rep = D.prepare_frozen(tiny.tiny_model(tok), "replicate")(**b).logits
-        sh = D.prepare_frozen(tiny.tiny_model(tok), "fsdp2")(**b).logits
+        rep = T.prepare_frozen(tiny.tiny_model(tok), "replicate")(**b).logits
+        sh = T.prepare_frozen(tiny.tiny_model(tok), "fsdp2")(**b).logits
     err = (rep - sh).abs().max().item()
     assert err <= 1e-5, f"sharded frozen logits differ from replicated by {err:.2e}"
     return f"max |logits diff| = {err:.1e}"
@@ -241,11 +243,11 @@ def check_frozen_sharded(tok, full) -> str:
 
 def check_lora_fsdp2(tok, full) -> str:
     """LoRA actor sharded with FSDP2: after an adapter step, adapters-off log-probs == a frozen copy's."""
-    from shifu import lora
+    from shifu.models import lora
 
     frozen = tiny.tiny_model(tok).eval().to(D.local_device())
     actor = lora.wrap_lora(tiny.tiny_model(tok).eval(), lora.LoraConfig(enabled=True, r=4, alpha=8.0))
-    actor = D.wrap_trainable(actor, "fsdp2")
+    actor = T.wrap_trainable(actor, "fsdp2")
     opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0)
     mine = to_dev(local_rows(full))
     for _ in range(2):
@@ -268,7 +270,7 @@ def check_lora_fsdp2(tok, full) -> str:
 
 def check_bf16(tok, full) -> str:
     """FSDP2 with bf16 compute (fp32 reduce): a few AdamW steps lower the loss."""
-    model = D.wrap_trainable(tiny.tiny_model(tok), "fsdp2", bf16=True)
+    model = T.wrap_trainable(tiny.tiny_model(tok), "fsdp2", bf16=True)
     run = strategy_for("fsdp2")
     trained = constant_lr(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_grad_norm=1.0)
     mine = to_dev(local_rows(full))
@@ -292,7 +294,7 @@ def check_offload(tok, full) -> str:
     ref = tiny.tiny_model(tok).eval()
     resident = copy.deepcopy(ref).to(dev)
     b = to_dev(full)
-    with torch.no_grad(), D.offload_frozen(ref) as m:
+    with torch.no_grad(), offload_frozen(ref, dev) as m:
         assert next(m.parameters()).device == dev
         got = m(**b).logits
     assert next(ref.parameters()).device.type == "cpu", "offloaded model did not go back to the CPU"

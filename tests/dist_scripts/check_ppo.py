@@ -31,13 +31,16 @@ import check_dist as C  # noqa: E402
 import ppo_task  # noqa: E402
 
 from shifu import core  # noqa: E402
-from shifu import distributed as D  # noqa: E402
-from shifu.config import load_config  # noqa: E402
-from shifu.models import ScalarModel, load_causal_lm, load_tokenizer, pad_left  # noqa: E402
-from shifu.rewards import RewardSource  # noqa: E402
-from shifu.rollout import Rollout  # noqa: E402
-from shifu.schema import PPOConfig as Config  # noqa: E402
-from shifu.strategy import Strategy, build_strategy  # noqa: E402
+from shifu.config.loader import load_config  # noqa: E402
+from shifu.config.schema import PPOConfig as Config  # noqa: E402
+from shifu.generation.rollout import Rollout  # noqa: E402
+from shifu.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from shifu.models.padding import pad_left  # noqa: E402
+from shifu.models.scalar import ScalarModel  # noqa: E402
+from shifu.parallel import build_strategy  # noqa: E402
+from shifu.parallel import distributed as D  # noqa: E402
+from shifu.parallel.strategy import Strategy  # noqa: E402
+from shifu.rewards.sources import RewardSource  # noqa: E402
 from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
 from shifu.trainers.ppo_update import minibatch_loss  # noqa: E402
 

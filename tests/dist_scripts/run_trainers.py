@@ -16,8 +16,8 @@ import json
 import shutil
 from pathlib import Path
 
-from shifu import distributed as D
-from shifu.config import load_config
+from shifu.config.loader import load_config
+from shifu.parallel import distributed as D
 from shifu.trainers import dpo, reward, sft
 
 

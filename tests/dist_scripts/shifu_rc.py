@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from shifu.cli import main
+from shifu.cli.main import main
 
 if __name__ == "__main__":
     rc_dir, argv = Path(sys.argv[1]), sys.argv[2:]

@@ -23,14 +23,14 @@ def char_tokenizer():
 
 
 def tiny_model(tokenizer, seed: int = 0, n_layer: int = 2):
-    from shifu.models import build_tiny_gpt2
+    from shifu.models.loading import build_tiny_gpt2
 
     return build_tiny_gpt2(tokenizer, n_layer=n_layer, n_embd=32, n_head=2, n_positions=64, seed=seed)
 
 
 def batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``/``attention_mask`` (B, T) of ``text + <eos>``."""
-    from shifu.models import pad_right
+    from shifu.models.padding import pad_right
 
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
     return pad_right(rows, tokenizer.pad_token_id)

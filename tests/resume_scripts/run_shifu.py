@@ -17,7 +17,7 @@ import sys
 def install_hooks() -> None:
     crash_step = os.environ.get("SHIFU_TEST_CRASH_IN_CHECKPOINT")
     if crash_step:
-        from shifu import checkpoint
+        from shifu.runs import checkpoint
 
         marker = f".tmp-step-{int(crash_step):08d}"
 
@@ -52,6 +52,6 @@ def install_hooks() -> None:
 
 if __name__ == "__main__":
     install_hooks()
-    from shifu.cli import main
+    from shifu.cli.main import main
 
     raise SystemExit(main(sys.argv[1:]))

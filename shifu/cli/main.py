@@ -1,0 +1,248 @@
+"""``shifu`` command line: ``shifu sft|rm|ppo|dpo --config FILE.yaml key.sub=value ...`` and friends.
+
+Trainer flags and ``key.sub=value`` overrides mix in any order (``--out runs/x --resume max_steps=200``).
+
+Trainer commands share one shape: a config dataclass (``Config``) and a ``train(cfg, resume, overwrite)``
+function in their module. Other commands (quickstart, report, demo, bench, study) take their own argv.
+Errors the user can fix (:class:`shifu.errors.ShifuError`) print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+from shifu.cli import quiet
+from shifu.parallel.threads import set_threads
+
+# command -> (module, description); trainer modules expose `Config` and `train`
+TRAINERS = {
+    "sft": ("shifu.trainers.sft", "stage 1: supervised fine-tuning on (prompt, response) data"),
+    "rm": ("shifu.trainers.reward", "stage 2: Bradley-Terry reward model on preference pairs"),
+    "ppo": ("shifu.trainers.ppo", "stage 3: PPO with actor, critic, reference and reward model"),
+    "dpo": ("shifu.trainers.dpo", "DPO on the same preference pairs (baseline)"),
+}
+# command -> (module, description); these modules expose `main(argv) -> int`
+TOOLS = {
+    "quickstart": (
+        "shifu.experiments.quickstart",
+        "run a built-in task end to end (SFT -> RM -> PPO -> report)",
+    ),
+    "report": ("shifu.reporting.compare", "render report.html for a run directory, or compare several runs"),
+    "sample": (
+        "shifu.generation.sample",
+        "generate from a policy; optionally score it with a reward model/function",
+    ),
+    "demo": ("shifu.experiments.demo", "toy demos: `shifu demo bandit`"),
+    "bench": ("shifu.experiments.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
+    "study": ("shifu.experiments.study", "studies: `shifu study frontier`"),
+    "init-model": (
+        "shifu.data.starter",
+        "a small model with a tokenizer trained on your data, to start in minutes",
+    ),
+    "merge": ("shifu.models.merge", "merge RL runs from one base policy into one (a model soup)"),
+    "serve": (
+        "shifu.serve.server",
+        "serve a reward model, ensemble or rule reward over HTTP (docs/how-to/reward-service.md)",
+    ),
+    "launch": (
+        "shifu.parallel.launch",
+        "torchrun for shifu: a command on several processes; SIGTERM checkpoints and exits 143",
+    ),
+}
+
+
+MALLOC_ENV = "SHIFU_MALLOC"
+
+
+def keep_freed_memory() -> str:
+    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    By default glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh ``mmap``
+    and unmaps it on ``free``, so each new one page-faults all its pages in again, zero-filled by the
+    kernel. Training allocates such tensors several times a step (a (V, d) gradient of SmolLM2's 49152 x 576
+    embedding is 113 MB; so are the logits of a few long rows). With ``M_MMAP_MAX = 0`` every block comes
+    from the heap and with ``M_TRIM_THRESHOLD`` at 2 GiB the heap is not shrunk after each free, so a step
+    reuses the last step's pages: a PPO iteration at the SmolLM2-135M shape spends far less kernel CPU on page
+    faults, with no higher peak RSS (docs/benchmarks/throughput.md). The price: freed memory stays with the
+    process until it exits, and glibc's heap may hold more than the live tensors need (a loop of one 64 MiB
+    tensor settles at ~0.9 GB).
+
+    Called once by ``shifu`` before any command. ``SHIFU_MALLOC=system``, or any ``MALLOC_*`` /
+    ``GLIBC_TUNABLES`` setting or preloaded malloc of your own, leaves malloc as it is.
+    Returns what was done: ``"kept"``, ``"system"`` (left as asked) or ``"unavailable"`` (not glibc)."""
+    own = "GLIBC_TUNABLES" in os.environ or "malloc" in os.environ.get("LD_PRELOAD", "")  # jemalloc, tcmalloc
+    if os.environ.get(MALLOC_ENV, "") == "system" or own or any(k.startswith("MALLOC_") for k in os.environ):
+        return "system"
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return "unavailable"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "unavailable"
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    ok = mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1
+    return "kept" if ok else "unavailable"
+
+
+def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"shifu {cmd}", description=description)
+    p.add_argument("--config", help="YAML file with config keys (overrides the defaults)")
+    p.add_argument("--out", help="output run directory (same as out_dir=...)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)"
+    )
+    p.add_argument(
+        "--help-config",
+        action="store_true",
+        help="list every config key with its default, meaning and allowed values",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show third-party progress bars, warnings and log messages (transformers, peft, ...)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override, the same as a bare key.sub=value (repeatable)",
+    )
+    if cmd == "rm":
+        p.add_argument(
+            "--ensemble", type=int, metavar="K", help="train K reward models (same as ensemble.k=K)"
+        )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides, applied after --config; they may come before, between or after flags",
+    )
+    return p
+
+
+def parse_trainer_args(cmd: str, argv: list[str]) -> argparse.Namespace:
+    """A trainer command's flags and ``key.sub=value`` overrides, in any order.
+
+    Plain ``parse_args`` takes the positional overrides as one run, so ``a=1 --resume b=2`` (overrides on
+    both sides of a flag) failed with "unrecognized arguments: b=2"; the intermixed parse collects every
+    override, keeping their order (a later override of the same key wins).
+    """
+    return trainer_parser(cmd, TRAINERS[cmd][1]).parse_intermixed_args(argv)
+
+
+def run_trainer(cmd: str, argv: list[str]) -> int:
+    from shifu.config.loader import describe, load_config
+
+    module_name, _ = TRAINERS[cmd]
+    args = parse_trainer_args(cmd, argv)
+    module = importlib.import_module(module_name)
+    if args.help_config:
+        for key, default, help_ in describe(module.Config):
+            print(f"{key:32s} {default:>14s}  {help_}")
+        return 0
+    set_threads(args.threads)
+    overrides = list(args.overrides) + list(args.sets)
+    if args.out:
+        overrides.append(f"out_dir={args.out}")
+    if getattr(args, "ensemble", None):
+        overrides.append(f"ensemble.k={args.ensemble}")
+    base = resumed_config(args, overrides)
+    cfg = load_config(module.Config, args.config, overrides, base=base)
+    from shifu.parallel import distributed
+    from shifu.runs import checkpoint
+
+    try:
+        module.train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except Exception as e:  # a collective that failed because another process of a torchrun job is gone
+        why = distributed.lost_peer(e)
+        if why is None:
+            raise
+        raise lost_peer_error(cmd, cfg.out_dir, why, argv) from None
+    finally:
+        checkpoint.release_run_dirs()  # the next command in this process may use the directory
+    distributed.destroy()  # under torchrun: every rank leaves the process group together (else a no-op)
+    return 0
+
+
+def resumed_config(args: argparse.Namespace, overrides: list[str]) -> dict | None:
+    """With ``--resume`` and no ``--config``: the run's own ``config.yaml`` (what it was started with), for the
+    overrides to go on top of; the trainer then refuses any change that is not safe on resume. None otherwise."""
+    from shifu.config.loader import lookup, parse_overrides, read_yaml
+
+    if not args.resume or args.config is not None:
+        return None
+    out = lookup(parse_overrides(overrides), "out_dir")
+    recorded = Path(str(out), "config.yaml") if out else None
+    return read_yaml(recorded) if recorded is not None and recorded.is_file() else None
+
+
+def lost_peer_error(cmd: str, out_dir: str, why: str, argv: list[str]):
+    """The error of a process whose torchrun job lost another process (killed, crashed, or silent for
+    ``distributed.timeout_s``): which process saw it, the last checkpoint, how to continue."""
+    from shifu.errors import ShifuError
+    from shifu.parallel import distributed
+    from shifu.runs import checkpoint
+
+    with contextlib.suppress(ValueError):  # (ValueError: not the main thread)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM must not cut the message short
+    try:
+        latest = checkpoint.latest_checkpoint(out_dir)
+    except (ShifuError, OSError):
+        latest = None
+    where = f"the last checkpoint is {latest}" if latest else "no checkpoint was written yet"
+    resume = "" if "--resume" in argv else " --resume"
+    return ShifuError(
+        f"process {distributed.rank()} of {distributed.world_size()} lost another process of this torchrun job "
+        f"({why}); {where}. Once every process has exited, run the same torchrun command{resume} to continue"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose, argv = quiet.verbose_requested(argv)  # any command takes --verbose, anywhere
+    commands = {**TRAINERS, **TOOLS}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: shifu COMMAND [options]\n\ncommands:")
+        for name, (_, desc) in commands.items():
+            print(f"  {name:11s} {desc}")
+        print("\n`shifu COMMAND --help` for a command's options; --verbose (any command) also shows the")
+        print("progress bars, warnings and log messages of transformers, datasets, peft and DeepSpeed.")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nshifu: error: unknown command '{argv[0]}'", file=sys.stderr)
+            return 2
+        return 0
+    from shifu.errors import ShifuError
+
+    cmd, rest = argv[0], argv[1:]
+    quiet.configure(verbose)  # before transformers & co. are imported
+    quiet.tolerate_closed_console()  # a closed pipe (tee killed by the same Ctrl-C) must not end a run
+    keep_freed_memory()  # before the first large tensor
+    quiet.import_deepspeed_on_use()
+    try:
+        if cmd in TRAINERS:
+            return run_trainer(cmd, rest)
+        return int(importlib.import_module(TOOLS[cmd][0]).main(rest) or 0)
+    except ShifuError as e:
+        print(f"shifu {cmd}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"shifu {cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

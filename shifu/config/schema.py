@@ -1,0 +1,493 @@
+"""The four command configs (sft, rm, dpo, ppo), composed from the sections of :mod:`shifu.config.sections`.
+
+One name per concept across commands: the starting model is ``model.path`` (PPO's actor, DPO's policy,
+the reward model's backbone, the model SFT fine-tunes) and its frozen reference ``model.ref_path``; the
+evaluation cadence is ``eval.every``; training data is ``data.train`` / ``data.eval``. Configs are frozen
+(change one with ``dataclasses.replace``). ``validate()`` checks a config on its own; what depends on how
+the program was launched (the number of processes) is checked at launch by :func:`check_world_size`.
+Derived sizes (per-process batch, minibatches, optimiser steps) come from :func:`derived_sizes`, are
+logged as ``sizes/*`` at step 0 and never written back into a config.
+
+``shifu CMD --help-config`` lists every key of a command with its default and meaning (:func:`describe`).
+KL targets are in **nats per response** (the unit of ``objective/kl``), never per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Literal
+
+from shifu.config.loader import opt
+from shifu.config.sections import (
+    CriticConfig,
+    DistributedConfig,
+    EnsembleConfig,
+    EnvConfig,
+    EvalConfig,
+    GenerationConfig,
+    GuardConfig,
+    KLConfig,
+    LoraConfig,
+    ModelConfig,
+    NormalizeConfig,
+    OptimConfig,
+    PolicyEvalConfig,
+    PolicyModelConfig,
+    PromptDataConfig,
+    RewardConfig,
+    RMModelConfig,
+    SFTModelConfig,
+    TextDataConfig,
+    frozen,
+)
+from shifu.errors import ConfigError
+
+
+def require_positive(cfg, keys: tuple[str, ...], prefix: str = "") -> None:
+    """ConfigError naming the first of ``keys`` whose value on ``cfg`` is below 1."""
+    for key in keys:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{prefix}{key} must be >= 1 (got {getattr(cfg, key)})")
+
+
+def require_finite(cfg, prefix: str = "") -> None:
+    """ConfigError naming the first float field (of ``cfg`` and its sections) that is NaN or infinite."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            require_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name} must be a finite number (got {value})")
+
+
+# ------------------------------------------------------------------------------------------ commands
+@frozen
+class RunConfig:
+    """The keys every command has: where it writes, randomness, device, precision, checkpoints, processes."""
+
+    RENAMED: ClassVar[dict[str, str]] = {}  # an old key -> its new name (the error says which)
+
+    out_dir: str = opt("", "run directory: metrics.jsonl, tb/, checkpoints/, final/")
+    model: ModelConfig = opt(ModelConfig(), "the model to start from")
+    seed: int = opt(0, "random seed (shuffling, sampling, new heads)")
+    device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    bf16: bool = opt(
+        False,
+        "bf16 autocast for the training step where a GEMM probe at the model's shapes measures it faster (said "
+        "on stderr, logged as precision/bf16_update; cached in $SHIFU_CACHE/bf16_probe.json); weights and "
+        "optimiser stay fp32",
+    )
+    save_every: int = opt(0, "checkpoint every N steps (for --resume); 0: only at the end")
+    keep_last: int = opt(2, "checkpoints kept")
+    max_nonfinite_steps: int = opt(
+        5, "stop after this many consecutive optimiser steps with a NaN/Inf loss or gradient (each skipped)"
+    )
+    progress: bool = opt(True, "show a progress bar on stderr")
+    tensorboard: bool = opt(True, "also write TensorBoard scalars to OUT/tb")
+    trackers: list[str] = opt(
+        [],
+        "more metric sinks besides metrics.jsonl: wandb, mlflow (optional extras; rank 0 only)",
+        choices=("jsonl", "tensorboard", "wandb", "mlflow"),  # shifu.runs.tracking.TRACKERS (tested)
+    )
+    distributed: DistributedConfig = opt(
+        DistributedConfig(), "multi-process training under torchrun (batch sizes stay global)"
+    )
+
+    def validate(self) -> None:
+        if not self.out_dir:
+            raise ConfigError("out_dir is required: pass --out DIR or out_dir=DIR")
+        if not self.model.path:
+            what = next(f for f in dataclasses.fields(self.model) if f.name == "path").metadata["help"]
+            raise ConfigError(f"model.path is required: {what}")
+        require_finite(self)
+        require_positive(self, ("keep_last", "max_nonfinite_steps"))
+        from shifu.runs.tracking import validate_trackers  # (names and installed extras; no import of them)
+
+        validate_trackers(self.trackers)
+        if self.save_every < 0:
+            raise ConfigError(f"save_every must be >= 0 (got {self.save_every}); 0 means only at the end")
+        self.distributed.validate()
+
+
+@frozen
+class SupervisedConfig(RunConfig):
+    """sft, rm and dpo: one loop over shuffled micro-batches of a data set (``shifu.trainers.loop``)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"eval_every": "eval.every", "eval_batch_size": "eval.batch_size"}
+
+    data: TextDataConfig = opt(TextDataConfig(), "training and held-out data")
+    optim: OptimConfig = opt(OptimConfig(), "AdamW and learning-rate schedule")
+    eval: EvalConfig = opt(EvalConfig(), "held-out evaluation")
+    batch_size: int = opt(8, "rows per micro-batch, over all processes (global)")
+    grad_accum: int = opt(1, "micro-batches per optimiser step (loss = mean over all of them)")
+    epochs: float = opt(1.0, "passes over the training data (used when max_steps is 0)")
+    max_steps: int = opt(0, "optimiser steps; 0: derived from epochs")
+    log_every: int = opt(10, "training metrics averaged and logged every N steps")
+
+    def validate(self) -> None:
+        super().validate()
+        self.data.validate()
+        self.optim.validate()
+        require_positive(self, ("batch_size", "grad_accum", "log_every"))
+        require_positive(self.eval, ("batch_size",), "eval.")
+        for key, value in (("max_steps", self.max_steps), ("eval.every", self.eval.every)):
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0 (got {value}); 0 means off/derived")
+        if self.max_steps == 0 and self.epochs <= 0:
+            raise ConfigError("set epochs > 0 or max_steps > 0")
+        if self.distributed.strategy == "deepspeed":
+            raise ConfigError(
+                "distributed.strategy=deepspeed is supported by `shifu ppo` only; use ddp or fsdp2 here"
+            )
+
+
+@frozen
+class SFTConfig(SupervisedConfig):
+    model: SFTModelConfig = opt(SFTModelConfig(), "the model to fine-tune")
+    optim: OptimConfig = opt(OptimConfig(), "AdamW and learning-rate schedule")
+    eval: EvalConfig = opt(EvalConfig(batch_size=16), "held-out loss")
+
+
+@frozen
+class RMConfig(SupervisedConfig):
+    RENAMED: ClassVar[dict[str, str]] = {**SupervisedConfig.RENAMED, "model.backbone": "model.path"}
+
+    model: RMModelConfig = opt(RMModelConfig(), "the backbone")
+    optim: OptimConfig = opt(OptimConfig(lr=1e-4), "AdamW and learning-rate schedule")
+    ensemble: EnsembleConfig = opt(EnsembleConfig(), "K reward models and their aggregation")
+    normalize: NormalizeConfig = opt(NormalizeConfig(), "gain/bias fit after training (off when unset)")
+    center_coef: float = opt(0.0, "c in c * mean((r_c + r_r)^2), keeps scores near 0")
+    l2_coef: float = opt(
+        0.0, "c in c * (sum of the backbone's squared trainable weights), added to each step's loss: ridge "
+        "regression, for model.path=bag-of-tokens (it shrinks the weights of rarely seen tokens; AdamW's "
+        "decoupled weight_decay does not)"
+    )  # fmt: skip
+    freeze_layers: int = opt(
+        0, "freeze the backbone's embeddings and its lowest N transformer blocks (0: train everything); "
+        "the backward pass and the optimiser then cover only the upper blocks and the head"
+    )  # fmt: skip
+    keep_layers: int = opt(
+        0, "keep only the backbone's lowest N transformer blocks (0: all): a cheaper reward model to train "
+        "and to score with (saved as an N-block model)"
+    )  # fmt: skip
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self.ensemble, ("k",), "ensemble.")
+        if self.l2_coef < 0:
+            raise ConfigError(f"l2_coef must be >= 0 (got {self.l2_coef}); 0 turns the ridge penalty off")
+        if self.freeze_layers < 0 or self.keep_layers < 0:
+            raise ConfigError(f"freeze_layers and keep_layers must be >= 0 (got {self.freeze_layers}, "
+                              f"{self.keep_layers}); 0 trains / keeps every layer")  # fmt: skip
+        if self.normalize.responses and self.normalize.policy:
+            raise ConfigError("set only one of normalize.responses and normalize.policy")
+        if self.model.path == "bag-of-tokens":
+            if not self.model.tokenizer:
+                raise ConfigError("model.path=bag-of-tokens needs model.tokenizer: the directory of the tokenizer "
+                                  "whose ids it weighs (the policy's, e.g. the SFT output)")  # fmt: skip
+            if self.freeze_layers or self.keep_layers:
+                raise ConfigError("model.path=bag-of-tokens has no transformer blocks: leave freeze_layers and "
+                                  "keep_layers at 0")  # fmt: skip
+        elif self.model.tokenizer:
+            raise ConfigError(f"model.tokenizer is read only with model.path=bag-of-tokens (got model.path="
+                              f"'{self.model.path}', whose own tokenizer is used); remove model.tokenizer")  # fmt: skip
+
+
+@frozen
+class DPOConfig(SupervisedConfig):
+    RENAMED: ClassVar[dict[str, str]] = {
+        **SupervisedConfig.RENAMED,
+        "policy_path": "model.path",
+        "ref_path": "model.ref_path",
+        "trust_remote_code": "model.trust_remote_code",
+    }
+
+    model: PolicyModelConfig = opt(PolicyModelConfig(), "the policy and its frozen reference")
+    optim: OptimConfig = opt(OptimConfig(lr=1e-5), "AdamW and learning-rate schedule")
+    beta: float = opt(0.1, "beta of DPO: implicit reward = beta * (log pi - log pi_ref), summed over tokens")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.beta <= 0:
+            raise ConfigError(f"beta must be > 0 (got {self.beta}); typical values are 0.01 .. 0.5")
+
+
+@frozen
+class PPOConfig(RunConfig):
+    RENAMED: ClassVar[dict[str, str]] = {
+        "actor_path": "model.path",
+        "ref_path": "model.ref_path",
+        "trust_remote_code": "model.trust_remote_code",
+        "data.prompts": "data.train",
+        "data.eval_prompts": "data.eval",
+    }
+
+    model: PolicyModelConfig = opt(
+        PolicyModelConfig(), "the actor's starting point (the SFT model) and the reference"
+    )
+    bf16: bool = opt(
+        False,
+        "bf16 where a GEMM probe at the model's shapes measures it faster, each phase decided apart (decode "
+        "from a bf16 actor copy, bf16 reference and reward model, autocast update; cached in "
+        "$SHIFU_CACHE/bf16_probe.json; the choice is printed and logged as precision/*); master weights and "
+        "optimiser state stay fp32",
+    )
+    algo: Literal["ppo", "ppo_penalty", "reinforce", "gspo"] = opt(
+        "ppo",
+        "policy loss by name: ppo (clip), ppo_penalty (PPO paper), reinforce, gspo (sequence-level "
+        "ratio and clip: set clip_low/clip_high near the paper's 3e-4/4e-4)",
+    )
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "bon", "reinforce_pp", "reinforce_pp_baseline"] | None = (
+        opt(None, "advantages by name: gae (critic), grpo, dr_grpo, rloo, bon (best-of-G; group_size >= 2), reinforce_pp, "
+            "reinforce_pp_baseline (critic-free); null: gae, or algo=reinforce's sequence return")
+    )  # fmt: skip
+    group_size: int = opt(1, "G responses sampled per prompt, kept together (batch_size counts responses: "
+                             "G x the prompts wanted per rollout)")  # fmt: skip
+    dynamic_sampling: bool = opt(False, "DAPO: drop the groups whose scores are all equal (from the update)")
+    tis_cap: float | None = opt(
+        None, "truncated importance sampling: weigh each token by min(pi_old / pi_rollout, cap); null: off"
+    )
+    critic_warmup: int = opt(0, "the first N iterations train only the critic (the actor does not move)")
+    iterations: int = opt(20, "rollout + update iterations")
+    batch_size: int = opt(32, "responses per rollout (batch_size / group_size prompts), over all processes")
+    minibatch_size: int = opt(8, "responses per optimiser step, over all processes (global)")
+    grad_accum: int = opt(1, "micro-batches a minibatch is split into (same update, less memory)")
+    micro_batch_tokens: int | None = opt(
+        None,
+        "split each minibatch into micro-batches of at most this many tokens (rows x (longest prompt + longest "
+        "response), padding columns that every row of a micro-batch pads trimmed), longest responses "
+        "together, instead of grad_accum equal splits: less padding when response lengths vary, the same "
+        "loss up to float rounding; null: off",
+    )
+    micro_batch_size: int = opt(32, "rows per no-grad scoring forward in the rollout")
+    ppo_epochs: int = opt(4, "passes over each rollout")
+    clip_low: float = opt(0.2, "PPO clip: ratio >= 1 - clip_low")
+    clip_high: float = opt(0.2, "PPO clip: ratio <= 1 + clip_high")
+    dual_clip: float | None = opt(None, "dual-clip bound c > 1 for negative advantages; null disables")
+    value_clip: float | None = opt(0.2, "value clipping around old values; null disables")
+    vf_coef: float = opt(0.1, "c1: weight of the value loss")
+    ent_coef: float = opt(0.0, "c2: weight of the entropy bonus")
+    ptx_coef: float = opt(0.0, "weight of the SFT NLL term (PPO-ptx); needs data.ptx")
+    gamma: float = opt(1.0, "GAE discount")
+    lam: float = opt(0.95, "GAE lambda")
+    whiten_advantages: bool = opt(True, "whiten advantages over the real tokens of the rollout")
+    loss_aggregation: Literal["token_mean", "seq_mean", "token_sum_norm"] = opt(
+        "token_mean", "token-mean, sequence-mean, or token-sum / (rows * max_new_tokens) losses (Dr. GRPO)"
+    )
+    target_approx_kl: float | None = opt(
+        None, "stop the epochs early when approx_kl > 1.5 x this; null disables"
+    )
+    joint_optimizer: bool = opt(False, "one optimiser over actor and critic (always for critic.init=shared)")
+    reinforce_baseline: bool = opt(True, "reinforce: subtract the batch mean return")
+    penalty_init: float = opt(1.0, "ppo_penalty: initial beta of KL(pi_old || pi)")
+    penalty_target: float = opt(0.01, "ppo_penalty: target per-token KL(pi_old || pi) (PPO paper d_targ)")
+    reuse_generation_log_probs: bool = opt(
+        True,
+        "fp32: take old log-probs, entropy and shared-trunk values from the decode steps instead of a "
+        "second forward pass (equal up to float rounding); bf16 autocast or half-precision weights always "
+        "recompute",
+    )
+    save_every: int = opt(10, "checkpoint every N iterations (0: only at the end)")
+    max_nonfinite_steps: int = opt(
+        8, "stop after this many consecutive optimiser steps with a NaN/Inf loss or gradient (each skipped)"
+    )
+    generation: GenerationConfig = opt(GenerationConfig(), "sampling of rollouts")
+    data: PromptDataConfig = opt(PromptDataConfig(), "prompt data")
+    reward: RewardConfig = opt(RewardConfig(), "reward model or function, score processing")
+    critic: CriticConfig = opt(CriticConfig(), "critic initialisation and optimiser")
+    kl: KLConfig = opt(KLConfig(), "KL penalty to the reference and its controller")
+    optim: OptimConfig = opt(OptimConfig(lr=1e-5), "actor optimiser")
+    eval: PolicyEvalConfig = opt(PolicyEvalConfig(), "held-out evaluation and best checkpoint")
+    guard: GuardConfig = opt(GuardConfig(), "reward-hacking guard")
+    lora: LoraConfig = opt(
+        LoraConfig(), "LoRA actor (the reference is then the actor with adapters disabled) and critic"
+    )
+    env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment or tools (factory null: off)")
+
+    def validate(self) -> None:
+        super().validate()
+        self.data.validate()
+        r = self.reward
+        if self.env.factory is not None:  # the environment rewards the episodes
+            self.env.validate_alongside(r, self.eval.gold_function, self.distributed.strategy)
+        elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
+            raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
+        if r.dense and r.model_path is None:
+            raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
+                              "reward function can return per-token steps itself), or reward.dense=false")  # fmt: skip
+        if r.dense and (r.normalize or r.clip is not None or r.missing_eos_penalty is not None):
+            raise ConfigError("reward.normalize, reward.clip and reward.missing_eos_penalty act on one score per "
+                              "response, which reward.dense does not give; unset them or set reward.dense=false")  # fmt: skip
+        if r.timeout_s <= 0 or r.retries < 0:
+            raise ConfigError("reward.timeout_s must be > 0 and reward.retries >= 0")
+        require_positive(
+            self,
+            ("iterations", "batch_size", "minibatch_size", "grad_accum", "micro_batch_size", "ppo_epochs"),
+        )
+        if self.batch_size % self.minibatch_size:
+            raise ConfigError(
+                f"batch_size ({self.batch_size}) must be a multiple of minibatch_size ({self.minibatch_size})"
+            )
+        if self.minibatch_size % self.grad_accum:
+            raise ConfigError(
+                f"minibatch_size ({self.minibatch_size}) must be a multiple of grad_accum ({self.grad_accum})"
+            )
+        if self.micro_batch_tokens is not None and (self.micro_batch_tokens < 1 or self.grad_accum > 1):
+            raise ConfigError(
+                f"micro_batch_tokens ({self.micro_batch_tokens}) must be >= 1 and replaces grad_accum "
+                f"({self.grad_accum}): set grad_accum=1, or micro_batch_tokens=null"
+            )
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ConfigError("clip_low must be in (0, 1) and clip_high > 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip must be > 1 (got {self.dual_clip}); null disables it")
+        if self.generation.temperature <= 0:
+            raise ConfigError("generation.temperature must be > 0")
+        if self.generation.max_new_tokens < 1:
+            raise ConfigError(
+                f"generation.max_new_tokens must be >= 1 (got {self.generation.max_new_tokens})"
+            )
+        if not 0 < self.generation.top_p <= 1:
+            raise ConfigError("generation.top_p must be in (0, 1]")
+        if self.kl.controller != "fixed" and (self.kl.target is None or self.kl.target <= 0):
+            raise ConfigError(f"kl.controller={self.kl.controller} needs kl.target > 0 (nats per response)")
+        if self.ptx_coef > 0 and not self.data.ptx:
+            raise ConfigError("ptx_coef > 0 needs data.ptx (an SFT data file)")
+        if self.algo == "reinforce" and self.ppo_epochs != 1:
+            raise ConfigError("algo=reinforce is on-policy: set ppo_epochs=1")
+        if self.eval.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 (got {self.eval.every})")
+        self._validate_estimators()
+        self.optim.validate("optim")
+        self.critic.optim.validate("critic.optim")
+        d = self.distributed
+        if self.lora.enabled:
+            self.lora.validate()
+            if d.strategy in ("fsdp2", "deepspeed"):
+                raise ConfigError(
+                    f"lora.enabled=true with distributed.strategy={d.strategy} is not supported (final/ is "
+                    "written by merging the adapters into a full copy of the actor): use strategy=ddp"
+                )
+            if self.model.ref_path:
+                raise ConfigError(
+                    "lora.enabled=true uses the actor with adapters disabled as the reference: drop model.ref_path"
+                )
+        if self.lora.critic:
+            self.lora.validate()
+            if not self.uses_critic or self.algo == "reinforce" or self.critic.init == "shared":
+                raise ConfigError(
+                    "lora.critic=true needs a critic of its own (critic.init=reward or sft, with GAE); a shared "
+                    "critic is the actor's trunk (LoRA through lora.enabled), other estimators have none"
+                )
+            if d.strategy in ("fsdp2", "deepspeed"):
+                raise ConfigError(
+                    f"lora.critic=true with distributed.strategy={d.strategy} is not supported: use strategy=ddp"
+                )
+        if d.strategy != "none" and self.critic.init == "shared":
+            raise ConfigError(
+                f"critic.init=shared with distributed.strategy={d.strategy} is not supported (the value head "
+                "sits outside the wrapped actor): use critic.init=sft or reward"
+            )
+        if d.strategy == "deepspeed" and self.joint_optimizer:
+            raise ConfigError("joint_optimizer=true with distributed.strategy=deepspeed is not supported")
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator that runs: ``advantage_estimator``, else ``gae``, or ``reinforce`` (the
+        batch-baselined sequence return) for algo=reinforce."""
+        return self.advantage_estimator or ("reinforce" if self.algo == "reinforce" else "gae")
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The most tokens a rollout row holds after its prompt: ``generation.max_new_tokens``, or with an
+        environment ``ppo.env.max_total_tokens`` (sampled and observation tokens of an episode)."""
+        return self.env.max_total_tokens if self.env.factory is not None else self.generation.max_new_tokens
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only GAE values tokens: every other estimator runs without a critic."""
+        return self.estimator == "gae"
+
+    def _validate_estimators(self) -> None:
+        G, est = self.group_size, self.estimator
+        if G < 1 or self.batch_size % G:
+            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({G} >= 1)")
+        grouped = est in ("grpo", "dr_grpo", "rloo", "bon", "reinforce_pp_baseline") or self.dynamic_sampling
+        if grouped and G < 2:
+            what = f"advantage_estimator={est}" if est != "gae" else "dynamic_sampling=true"
+            raise ConfigError(f"{what} compares the responses to one prompt: set group_size >= 2 (got {G})")
+        if self.reward.dense and est in ("rloo", "bon"):
+            raise ConfigError(f"reward.dense gives per-token rewards, but advantage_estimator={est} compares one "
+                              "number per response: use grpo or dr_grpo (normalised per token), gae, reinforce_pp "
+                              "or reinforce_pp_baseline, or reward.dense=false")  # fmt: skip
+        if est == "dr_grpo" and self.loss_aggregation != "token_sum_norm":
+            raise ConfigError(
+                "advantage_estimator=dr_grpo divides the loss by a constant (Dr. GRPO): set "
+                "loss_aggregation=token_sum_norm"
+            )
+        if self.algo == "gspo" and max(self.clip_low, self.clip_high) > 0.01:
+            raise ConfigError(
+                f"algo=gspo clips the length-normalised sequence ratio, which moves far less than a token's: "
+                f"clip_low={self.clip_low}, clip_high={self.clip_high} would never clip; use the paper's "
+                "clip_low=3e-4 clip_high=4e-4"
+            )
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ConfigError(f"tis_cap must be > 0 (got {self.tis_cap}); null disables it")
+        if self.critic_warmup < 0:
+            raise ConfigError(f"critic_warmup must be >= 0 (got {self.critic_warmup})")
+        if self.critic_warmup:
+            if not self.uses_critic or self.critic.init == "shared" or self.joint_optimizer:
+                raise ConfigError(
+                    "critic_warmup needs a separate critic with its own optimiser: advantage_estimator gae, "
+                    "critic.init reward or sft, joint_optimizer=false"
+                )
+
+
+# ------------------------------------------------------------------------------------------ at launch
+def check_world_size(cfg: RunConfig, world: int) -> None:
+    """What depends on the number of processes: a strategy for more than one, global batch sizes that the
+    processes split evenly. Called once the process count is known (at launch), never by ``validate``."""
+    d = cfg.distributed
+    if world > 1 and d.strategy == "none":
+        raise ConfigError(
+            f"launched with {world} processes but distributed.strategy=none: set distributed.strategy=ddp, "
+            "fsdp2 or deepspeed (or run one process)"
+        )
+    if isinstance(cfg, PPOConfig):
+        for k in ("batch_size", "minibatch_size"):
+            if getattr(cfg, k) % world:
+                raise ConfigError(
+                    f"{k} ({getattr(cfg, k)}) is the global number of responses and must be a multiple "
+                    f"of the number of processes ({world})"
+                )
+        if (cfg.batch_size // cfg.group_size) % world:
+            raise ConfigError(
+                f"batch_size / group_size ({cfg.batch_size // cfg.group_size} prompts) must be a multiple of the "
+                f"number of processes ({world}): each prompt's group of {cfg.group_size} stays on one process"
+            )
+        if (cfg.minibatch_size // world) % cfg.grad_accum:
+            raise ConfigError(
+                f"minibatch_size / processes ({cfg.minibatch_size // world}) must be a multiple of "
+                f"grad_accum ({cfg.grad_accum})"
+            )
+    elif cfg.batch_size % world:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} is the global number of rows per micro-batch: it must be a multiple "
+            f"of the {world} processes (each takes batch_size / {world}); e.g. batch_size="
+            f"{world * max(1, cfg.batch_size // world)}"
+        )
+
+
+def derived_sizes(cfg: RunConfig, world: int) -> dict[str, int]:
+    """Sizes that follow from the config and the process count (logged once as ``sizes/*``)."""
+    out = {"processes": world, "batch_per_process": cfg.batch_size // world}
+    if not isinstance(cfg, PPOConfig):
+        return out  # (the optimiser steps follow from the data: the loop adds them)
+    minibatches = cfg.batch_size // cfg.minibatch_size
+    return out | {
+        "minibatches_per_epoch": minibatches,
+        "micro_batch_rows": cfg.minibatch_size // world // cfg.grad_accum,
+        "optimizer_steps_per_iteration": minibatches * cfg.ppo_epochs,
+        "total_optimizer_steps": minibatches * cfg.ppo_epochs * cfg.iterations,
+    }

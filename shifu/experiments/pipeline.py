@@ -1,0 +1,490 @@
+"""What ``shifu quickstart`` and ``shifu study`` share: prepare -> SFT -> preference pairs -> reward model.
+
+:class:`Stages` runs each stage in its own directory under one root::
+
+    ROOT/data/   task files: sft_*.jsonl, prompts_*.jsonl, tokenizer/, base/ (untrained or converted model)
+    ROOT/sft/    shifu sft run: final/ (the SFT policy: where every later stage starts, and the reference)
+    ROOT/pairs/  preference pairs sampled from the SFT policy
+    ROOT/rm/     imdb: shifu rm run on those pairs: final/ (the reward model)
+
+A finished stage leaves ``DONE`` in its directory: JSON with the wall-clock ``seconds``, the process
+``cpu_seconds``, what the stage reports (e.g. ``rm_accuracy``) and the ``plan`` it ran (its settings and
+inputs, paths inside the run written ``<run>/...``). A rerun skips finished stages whose plan is this run's,
+and refuses, naming the keys, a finished stage whose plan differs (it is never kept silently, nor redone in
+place); a trainer stage that was interrupted resumes from its checkpoint, or starts again when it has none.
+
+Nothing shifu did not write is deleted or overwritten. The run directory carries ``.shifu-pipeline``
+(written when a pipeline takes a missing or empty directory; JSON: the command, and the digest of each file
+it wrote at the top, e.g. ``summary.json``): a non-empty directory without it is refused, as is a top-level
+file the pipeline did not write or that was changed since. Each stage directory carries ``.shifu-stage``
+(written when the stage makes it): a stage directory without it (or without a ``DONE`` / ``.shifu-run`` of
+an older shifu) that is not empty is refused, and a stage that runs again refuses to start while its
+directory holds anything its stage does not write (:data:`STAGE_FILES`), naming it; starting again deletes
+only what the stage writes. One pipeline per directory: :func:`claim_run` holds the run directory's lock
+(``.shifu-lock``, :func:`shifu.runs.checkpoint.lock_run_dir`) for the whole run, so a second pipeline on a live
+directory is refused, naming the live process, before it changes anything; a killed pipeline's lock is
+taken over. A trainer pointed into a live pipeline's directory (``shifu sft --out RUN/sft --overwrite``) is
+refused too (:func:`shifu.runs.checkpoint.refuse_in_live_pipeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from shifu.errors import ShifuError
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` laid on top, section by section (neither is changed)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def log(who: str, msg: str) -> None:
+    print(f"[{who}] {msg}", file=sys.stderr, flush=True)
+
+
+def clock() -> tuple[float, float]:
+    """(wall-clock, process CPU) time now: the start that :func:`elapsed` measures from."""
+    return time.time(), time.process_time()
+
+
+def elapsed(t0: tuple[float, float]) -> dict[str, float]:
+    """Wall-clock ``seconds`` and process ``cpu_seconds`` since ``t0`` (a :func:`clock`).
+
+    CPU time (all threads of this process) is the figure to compare on a shared machine: with one torch
+    thread it is what the stage takes on an idle core.
+    """
+    return {"seconds": round(time.time() - t0[0], 2), "cpu_seconds": round(time.process_time() - t0[1], 2)}
+
+
+def portable(obj: Any, root: Path) -> Any:
+    """``obj`` with every string path inside ``root`` written ``<run>/...``: a stage's plan that does not
+    change when the run directory is moved or given as another path to the same place."""
+    if isinstance(obj, dict):
+        return {k: portable(v, root) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, root) for v in obj]
+    if isinstance(obj, str) and obj.startswith(("/", ".")):
+        # abspath, not resolve: links are not followed (a linked base model in the run is the run's)
+        with contextlib.suppress(ValueError):
+            return "<run>/" + Path(os.path.abspath(obj)).relative_to(os.path.abspath(root)).as_posix()
+    return obj
+
+
+def digest(texts: list[str]) -> dict[str, Any]:
+    """A list of texts as its length and SHA-256 (a plan records which prompts, not the prompts)."""
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8") + b"\0")
+    return {"count": len(texts), "sha256": h.hexdigest()}
+
+
+def as_recorded(plan: dict, root: Path) -> dict:
+    """``plan`` as a marker records it: :func:`portable` and through JSON (tuples are lists)."""
+    return json.loads(json.dumps(portable(plan, root)))
+
+
+def check_plan(what: str, where: Path, marker: dict, plan: dict, say: Callable[[str], None]) -> None:
+    """ShifuError when the finished ``what`` (a stage, a study run) in ``where`` ran another plan than
+    ``plan`` (:func:`as_recorded`): its outputs are kept, and all that follows would silently build on
+    them. A marker of a shifu that did not record plans is kept as it is (``say`` tells)."""
+    from shifu.runs.checkpoint import config_diff
+
+    if "plan" not in marker:
+        say(f"{what}: finished by a shifu that did not record its plan; kept as it is")
+        return
+    if diff := config_diff(marker["plan"], plan):
+
+        def at(tree: dict, dotted: str) -> Any:
+            for part in dotted.split("."):
+                tree = tree.get(part, "not set") if isinstance(tree, dict) else "not set"
+            return tree
+
+        k, others = diff[0], diff[1:6] + (["..."] if len(diff) > 6 else [])
+        more = f" (and {', '.join(others)} differ)" if others else ""
+        raise ShifuError(
+            f"{what} in {where} finished with another plan than this run's: {k} was {at(marker['plan'], k)!r}, "
+            f"now {at(plan, k)!r}{more}. What is finished is kept, never redone in place: use a new --out for "
+            f"this plan, or delete {where} and what follows it to redo them"
+        )
+
+
+def done(stage_dir: Path) -> dict | None:
+    """The stage's ``DONE`` marker, or None when it has not finished."""
+    marker = stage_dir / "DONE"
+    return json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else None
+
+
+def mark_done(stage_dir: Path, t0: tuple[float, float], **extra: Any) -> None:
+    """Write ``DONE``: the time since ``t0`` (:func:`elapsed`) and ``extra``."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / "DONE").write_text(json.dumps({**elapsed(t0), **extra}), encoding="utf-8")
+
+
+# ------------------------------------------------------------------------- what the pipeline may touch
+
+# What shifu's stages write in a stage directory (trainers' run files, task files, preference pairs, a
+# merge, study results): a stage that starts again deletes these, and refuses while anything else is there
+STAGE_FILES = (
+    ".shifu-stage", ".shifu-run", ".shifu-lock", ".write-test", ".trackers.json", ".trackers.json.tmp",
+    "DONE", "RESULT.json", "config.yaml", "metrics.jsonl", "summary.json", "samples.jsonl", "checkpoints",
+    "tb", "wandb", "mlruns", "member-*", "final", "best", "critic", ".tmp-final", ".tmp-best", ".tmp-critic",
+    ".old-final", ".old-best", ".old-critic", "sft_*.jsonl", "prompts_*.jsonl", "tokenizer", "base",
+    "pairs.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "sft_samples.jsonl",
+)  # fmt: skip
+
+
+def _listing(names: list[str], at: Path) -> str:
+    shown = [n + ("/" if (at / n).is_dir() else "") for n in names[:5]]
+    return ", ".join(shown) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def claim_stage(stage_dir: Path, name: str) -> None:
+    """Make ``stage_dir`` stage ``name``'s directory (created, or a missing or empty one adopted, with the
+    ``.shifu-stage`` marker), or refuse, changing nothing: a non-empty directory shifu did not make (no
+    marker, no ``DONE`` or ``.shifu-run`` of an older shifu), or one holding anything but what the stage
+    writes (:data:`STAGE_FILES`): a user's file is never deleted when the stage starts again."""
+    from shifu.runs.checkpoint import LOCK_FILE, RUN_MARKER, STAGE_MARKER
+
+    if stage_dir.exists() and not stage_dir.is_dir():
+        raise ShifuError(f"stage {name}: '{stage_dir}' is a file, not a directory; move it out of the run "
+                         "directory, or use a new --out")  # fmt: skip
+    found = sorted(p.name for p in stage_dir.iterdir() if p.name != LOCK_FILE) if stage_dir.exists() else []
+    if found and not any((stage_dir / m).exists() for m in (STAGE_MARKER, "DONE", RUN_MARKER)):
+        raise ShifuError(
+            f"stage {name}: '{stage_dir}' holds {_listing(found, stage_dir)}, but shifu did not make it (no "
+            f"{STAGE_MARKER}); nothing in it was changed. Move it out of the run directory, or use a new "
+            "--out"
+        )
+    if foreign := [n for n in found if not any(fnmatch.fnmatchcase(n, pat) for pat in STAGE_FILES)]:
+        them = "it" if len(foreign) == 1 else "them"
+        raise ShifuError(
+            f"stage {name} would start again in '{stage_dir}', which holds {_listing(foreign, stage_dir)}: "
+            f"not written by shifu, so never deleted. Nothing in it was changed; move {them} out of "
+            f"'{stage_dir}' (or use a new --out)"
+        )
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    if not (stage_dir / STAGE_MARKER).exists():
+        (stage_dir / STAGE_MARKER).write_text(f"stage {name} of a shifu pipeline (its files are shifu's)\n")
+
+
+def clear_stage(stage_dir: Path, name: str) -> None:
+    """Start stage ``name`` again: what it wrote in ``stage_dir`` is deleted (its marker and lock stay),
+    after :func:`claim_stage` found nothing else there."""
+    from shifu.runs.checkpoint import LOCK_FILE, STAGE_MARKER
+
+    claim_stage(stage_dir, name)
+    for p in stage_dir.iterdir():
+        if p.name not in (LOCK_FILE, STAGE_MARKER):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()  # (a link: not followed)
+
+
+def claim_run(out: Path, kind: str, outputs: list[str]) -> None:
+    """Hold ``out`` as the run directory of a ``kind`` pipeline (``quickstart``, ``study``) that writes the
+    top-level files ``outputs`` for the rest of this process (:func:`shifu.runs.checkpoint.release_run_dirs`
+    lets go), or refuse, changing nothing: another live process runs a pipeline there (its pid, host and
+    start time are named), ``out`` is not empty and not a ``kind`` pipeline's run directory (a trainer's
+    run, a project folder...), or one of ``outputs`` there is not the pipeline's (:func:`check_outputs`).
+    A missing or empty ``out`` becomes one (``.shifu-pipeline``); so does the run directory of a shifu that
+    wrote no marker (its ``data/DONE``; ``shared/data/DONE`` for a study), whose ``outputs`` are its own."""
+    from shifu.errors import OutputDirError
+    from shifu.runs import checkpoint as ckpt
+
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"--out '{out}' exists and is not a directory; choose a new --out")
+    _check_run_dir(out, kind)  # before the lock file is made in a directory that is not the pipeline's
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.lock_run_dir(out)
+    marker = _check_run_dir(out, kind)  # again, under the lock: another pipeline may have been faster
+    if marker is None:
+        older = [n for n in outputs if (out / n).is_file()]  # an older shifu's own files
+        _write_marker(out, {"command": kind, "outputs": {n: _digest(out / n) for n in older}})
+    check_outputs(out, outputs)  # a user's file in the way is named now, not after hours of training
+
+
+LEGACY_DONE = {"quickstart": "data/DONE", "study": "shared/data/DONE"}  # a run of a shifu without the marker
+
+
+def _check_run_dir(out: Path, kind: str) -> dict | None:
+    """``out``'s pipeline marker; None for a missing or empty ``out``, or one an older shifu made; refuses
+    any other non-empty ``out``, saying what is there."""
+    from shifu.errors import OutputDirError
+    from shifu.runs.checkpoint import LOCK_FILE, PIPELINE_MARKER, looks_like_run
+
+    found = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.exists() else []
+    marker = _read_marker(out)
+    if marker is not None and marker.get("command") != kind:
+        raise OutputDirError(
+            f"'{out}' is the run directory of a shifu {marker.get('command')}, not of a {kind}; nothing in it "
+            "was changed. Choose a new --out"
+        )
+    if marker is not None or not found:
+        return marker
+    with contextlib.suppress(OSError, ValueError):
+        older = json.loads((out / LEGACY_DONE[kind]).read_text(encoding="utf-8"))
+        if isinstance(older, dict) and "seconds" in older:
+            return None
+    what = "a shifu trainer's run directory, holding" if looks_like_run(out) else "not empty: it holds"
+    raise OutputDirError(
+        f"refusing to run the {kind} in '{out}': it is {what} {_listing(found, out)}, and is not a shifu "
+        f"{kind} run directory (no {PIPELINE_MARKER}), whose files the {kind} could delete or overwrite. "
+        "Nothing in it was changed. Choose a new --out: a missing or empty directory"
+    )
+
+
+def _read_marker(out: Path) -> dict | None:
+    from shifu.runs.checkpoint import PIPELINE_MARKER
+
+    try:
+        marker = json.loads((out / PIPELINE_MARKER).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ShifuError(f"'{out / PIPELINE_MARKER}' is damaged ({e}); use a new --out") from None
+    return marker if isinstance(marker, dict) else {}
+
+
+def _write_marker(out: Path, marker: dict) -> None:
+    from shifu.runs.checkpoint import PIPELINE_MARKER
+
+    tmp = out / (PIPELINE_MARKER + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=1), encoding="utf-8")
+    os.replace(tmp, out / PIPELINE_MARKER)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_outputs(out: Path, names: list[str]) -> dict:
+    """Refuse (naming it) a file ``out/<name>`` the pipeline did not write, or that was changed since it
+    did (its digest is not the one recorded in ``.shifu-pipeline``); returns the marker."""
+    marker = _read_marker(out) or {}
+    recorded = marker.setdefault("outputs", {})
+    for name in names:
+        path = out / name
+        if not path.is_file() or (name in recorded and recorded[name] in (None, _digest(path))):
+            continue
+        why = "was changed since the pipeline wrote it" if name in recorded else "was not written by it"
+        raise ShifuError(
+            f"'{path}' would be overwritten, but it {why}: it is never overwritten. Move it out of "
+            f"'{out}' (or use a new --out); nothing was changed"
+        )
+    return marker
+
+
+@contextlib.contextmanager
+def writing(out: Path, names: list[str]) -> Iterator[None]:
+    """Around the pipeline writing its top-level files ``out/<name>``: :func:`check_outputs` first, then
+    the digests of what was written are recorded (while being written, whatever is there is the pipeline's:
+    a crash in between leaves nothing it would refuse)."""
+    marker = check_outputs(out, names)
+    marker["outputs"].update(dict.fromkeys(names))
+    _write_marker(out, marker)
+    yield
+    for name in names:
+        if (out / name).is_file():
+            marker["outputs"][name] = _digest(out / name)
+        else:
+            marker["outputs"].pop(name)
+    _write_marker(out, marker)
+
+
+def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
+    """Run a trainer (``Config`` + ``train``) in ``stage_dir``; resume from its checkpoint if it has one,
+    else start it again (:func:`clear_stage`)."""
+    import importlib
+
+    from shifu.config.loader import load_config
+    from shifu.runs import checkpoint as ckpt
+
+    module = importlib.import_module(module_name)
+    cfg = load_config(module.Config, None, merge(overrides, {"out_dir": str(stage_dir)}))
+    claim_stage(stage_dir, stage_dir.name)
+    ckpt.lock_run_dir(stage_dir)  # a trainer running there on its own is refused before anything is deleted
+    resume = ckpt.latest_checkpoint(stage_dir) is not None
+    if not resume:
+        clear_stage(stage_dir, stage_dir.name)  # an unfinished stage without a checkpoint starts again
+    result = module.train(cfg, resume=resume, overwrite=False) or {}
+    if result.get("stopped"):  # SIGINT/SIGTERM: the stage checkpointed; the same command again resumes it
+        raise SystemExit(0)
+    return result
+
+
+def ppo_overrides(plan: dict, sft_final: str | Path, files: dict[str, str], reward: dict, seed: int) -> dict:
+    """A PPO (or REINFORCE) run's config: ``plan`` from the SFT policy (the actor's start and the
+    reference), on the task's training prompts with its validation prompts held out, rewarded by
+    ``reward`` (``model_path``, ``function`` or a service's ``url``)."""
+    over = merge(
+        plan,
+        {
+            "seed": seed,
+            "model": {"path": str(sft_final)},
+            "reward": dict(reward),
+            "data": {"train": files["prompts_train"], "eval": files["prompts_val"]},
+        },
+    )
+    if "function" not in reward:  # a reward model or service replaces the plan's reward function
+        over["reward"].pop("function", None)
+    return over
+
+
+# -------------------------------------------------------------------------------------------- stages
+
+
+class Stages:
+    """The shared stages of one run, in ``root``; ``seed`` seeds every one of them, ``who`` prefixes logs.
+
+    Each stage's ``DONE`` marker is kept in ``markers`` (stage name -> marker, in the order they ran).
+    """
+
+    def __init__(self, root: Path, seed: int, who: str):
+        self.root, self.seed, self.who = root, seed, who
+        self.markers: dict[str, dict[str, Any]] = {}
+
+    def log(self, msg: str) -> None:
+        log(self.who, msg)
+
+    def run(
+        self,
+        name: str,
+        stage_dir: Path,
+        note: str,
+        work: Callable[[Path], dict | None],
+        plan: dict | None = None,
+    ) -> dict:
+        """Stage ``name``: ``work(stage_dir)`` unless ``stage_dir`` is DONE; its marker holds what
+        ``work`` returns and ``plan`` (JSON-able: what the stage computes from), which a finished stage's
+        marker must match (:func:`check_plan`). Returns the marker."""
+        recorded = None if plan is None else as_recorded(plan, self.root)
+        if (marker := done(stage_dir)) is None:
+            claim_stage(stage_dir, name)
+            self.log(note)
+            t0 = clock()
+            extra = work(stage_dir) or {}
+            mark_done(stage_dir, t0, **extra, **({} if recorded is None else {"plan": recorded}))
+            marker = done(stage_dir)
+        elif recorded is not None:
+            check_plan(f"stage {name}", stage_dir, marker, recorded, self.log)
+        self.markers[name] = marker
+        return marker
+
+    def train(self, name: str, module_name: str, overrides: dict) -> dict:
+        """A trainer stage in ``root/name`` (:func:`train_stage`); returns its marker."""
+
+        def work(stage_dir: Path) -> None:
+            train_stage(module_name, stage_dir, overrides)
+
+        return self.run(name, self.root / name, f"stage {name}", work, plan=overrides)
+
+    def seconds(self) -> dict[str, float]:
+        return {name: m["seconds"] for name, m in self.markers.items()}
+
+    def cpu_seconds(self) -> dict[str, float | None]:
+        """Per stage; None for a stage finished by a version that did not measure CPU time."""
+        return {name: m.get("cpu_seconds") for name, m in self.markers.items()}
+
+    def prepare(self, task: str, preset: str) -> dict[str, str]:
+        """Task files, tokenizer and base model in ``root/data``; returns the files (stem -> path)."""
+        data_dir = self.root / "data"
+
+        def work(stage_dir: Path) -> None:
+            from shifu.tasks import arith, arith_tool, imdb
+
+            clear_stage(stage_dir, "prepare")
+            {"arith": arith, "arith_tool": arith_tool, "imdb": imdb}[task].prepare(
+                stage_dir, preset, self.seed
+            )
+
+        base = data_dir / "base"
+        if base.is_symlink() and not base.exists() and (data_dir / "DONE").exists():
+            (data_dir / "DONE").unlink()  # the cached model it links to was deleted: prepare again
+        plan = {"task": task, "preset": preset, "seed": self.seed}
+        self.run("prepare", data_dir, f"prepare task {task} (preset {preset}) in {data_dir}", work, plan)
+        return {p.stem: str(p) for p in data_dir.glob("*.jsonl")}
+
+    def sft(self, plan: dict, files: dict[str, str]) -> Path:
+        """SFT of the base model on the task's demonstrations; returns the policy (``root/sft/final``)."""
+        over = {
+            "seed": self.seed,
+            "model": {"path": str(self.root / "data" / "base")},
+            "data": {"train": files["sft_train"], "eval": files["sft_eval"]},
+        }
+        self.train("sft", "shifu.trainers.sft", merge(plan, over))
+        return self.root / "sft" / "final"
+
+    def imdb_pairs(self, sft_final: Path, prompts: list[str], plan: dict) -> dict:
+        """Two SFT samples per prompt, labelled by the noisy VADER judge (:func:`shifu.tasks.imdb.
+        make_preference_pairs`); the marker holds its label statistics."""
+
+        def work(pairs_dir: Path) -> dict:
+            from shifu.tasks import imdb
+
+            info = imdb.make_preference_pairs(
+                sft_final,
+                prompts,
+                pairs_dir,
+                max_new_tokens=plan["max_new_tokens"],
+                tau=plan["tau"],
+                seed=self.seed,
+                temperature=plan["temperature"],
+                drop_ties=plan.get("drop_ties", False),
+            )
+            return {k: v for k, v in info.items() if not k.startswith("pairs_")}
+
+        note = "stage pairs: two SFT samples per prompt, noisy VADER preference"
+        inputs = {"policy": str(sft_final), "seed": self.seed, "prompts": digest(prompts)}
+        return self.run("pairs", self.root / "pairs", note, work, {**plan, **inputs})
+
+    def rm(self, plan: dict, sft_final: Path) -> dict:
+        """The reward model on ``root/pairs`` (``model.path`` sft or unset: on the SFT policy); the marker
+        holds its held-out ``rm_accuracy``. Returns the marker."""
+        pairs_dir = self.root / "pairs"
+        over = merge(
+            plan,
+            {
+                "seed": self.seed,
+                "data": {
+                    "train": str(pairs_dir / "pairs_train.jsonl"),
+                    "eval": str(pairs_dir / "pairs_eval.jsonl"),
+                },
+                # SFT-policy samples on training prompts get RM scores of mean 0, std 1; 1024 of them
+                # (of ~6000) fit the mean and std as well and cost 13 s instead of 78 s of one core
+                "normalize": {"responses": str(pairs_dir / "sft_samples.jsonl"), "max_rows": 1024},
+            },
+        )
+        path = over.get("model", {}).get("path", "sft")
+        if path == "sft":
+            over = merge(over, {"model": {"path": str(sft_final)}})
+        elif path == "bag-of-tokens" and not over["model"].get("tokenizer"):  # weights for the policy's ids
+            over = merge(over, {"model": {"tokenizer": str(sft_final)}})
+
+        def work(rm_dir: Path) -> dict:
+            result = train_stage("shifu.trainers.reward", rm_dir, over)
+            return {"rm_accuracy": result.get("eval/rm/accuracy")}
+
+        return self.run("rm", self.root / "rm", "stage rm", work, plan=over)

@@ -1,0 +1,328 @@
+"""The rollout engine: sampling responses, the batched scoring forwards of PPO, and the rollout itself.
+
+Conventions (docs/reference/architecture.md): prompts are left-padded ``(B, P)``, responses right-padded
+``(B, R)``; a rollout row is ``cat(prompt, response)`` with position ids ``cumsum(attention_mask) - 1``. The
+log-prob / value of response token ``t`` is read at sequence position ``P - 1 + t``. ``response_mask`` is
+True on real response tokens, the first EOS included; everything after it is ``pad_token_id``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from shifu.core import log_probs_and_entropy, log_probs_from_logits
+from shifu.errors import ShifuError
+from shifu.generation.decode import decoder
+from shifu.models.padding import position_ids_from_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One PPO rollout: ``B`` responses (this process's share of the batch) and what the update needs.
+
+    Sequences are ``cat(left-padded prompt (B, P), right-padded response (B, R))``; per-token tensors (B, R)
+    are over the response, token t read at sequence position ``P - 1 + t``. ``advantages`` and ``returns``
+    are filled in after the rollout (``dataclasses.replace``).
+    """
+
+    input_ids: Tensor  # (B, P+R) prompt + response token ids
+    attention_mask: Tensor  # (B, P+R) 1 on real tokens
+    response_mask: Tensor  # (B, R) bool, True on real response tokens (the first EOS included)
+    prompt_len: int  # P
+    old_log_probs: Tensor  # (B, R) log pi_old(a_t | s_t), logits / T
+    ref_log_probs: Tensor  # (B, R) log pi_ref(a_t | s_t), logits / T
+    values: Tensor  # (B, R) critic values V(s_t) (zeros without a critic)
+    entropy: Tensor  # (B, R) entropy of pi_old at each position
+    scores: Tensor  # (B,) reward of each response, finite
+    eos_found: Tensor  # (B,) bool: the response ended with EOS within the token limit
+    prompts: list[str]  # B prompt texts
+    responses: list[str]  # B decoded responses
+    rows: list[dict]  # B prompt rows of the data file
+    advantages: Tensor | None = None  # (B, R)
+    returns: Tensor | None = None  # (B, R) value targets
+    rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
+    token_rewards: Tensor | None = None  # (B, R) process rewards on the tokens that end a step, else 0
+    step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
+    ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: Tensor) -> Rollout:
+        """The rows ``idx`` (a 1-D index tensor) of every per-row field."""
+        rows = idx.tolist()
+
+        def pick(v):
+            if isinstance(v, Tensor):
+                return v[idx]
+            if isinstance(v, list):
+                return [v[i] for i in rows]
+            return v  # prompt_len, unset optional fields
+
+        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How responses are sampled. Order: ``logits / temperature``, then top-k, then top-p."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    greedy: bool = False
+    stop_at_eos: bool = True
+
+
+def sample_next(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    probs: Tensor | None = None,
+) -> Tensor:
+    """(B,) next tokens from (B, V) logits: argmax when greedy, else softmax(logits/T) restricted by top-k
+    then top-p (the smallest set of most likely tokens whose mass reaches p; the most likely always kept).
+    ``probs``: softmax(logits/T) when the caller has it already (used only without top-k/top-p)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    idx = None
+    truncated = (0 < params.top_k < logits.shape[-1]) or params.top_p < 1.0
+    if probs is None or truncated:
+        scaled = logits.float() / params.temperature
+        if 0 < params.top_k < scaled.shape[-1]:
+            scaled, idx = scaled.topk(params.top_k, dim=-1)  # sorted descending
+        elif params.top_p < 1.0:
+            scaled, idx = scaled.sort(dim=-1, descending=True)
+        probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        # drop a token when the mass strictly before it already reaches p (keeps the first always)
+        before = probs.cumsum(-1) - probs
+        probs = probs.masked_fill(before >= params.top_p, 0.0)
+    # inverse-CDF sampling: one uniform per row against the running mass (torch.multinomial draws one
+    # exponential per vocabulary entry, ~20x slower at V = 4096 on CPU). With 0 <= u < total,
+    # searchsorted(right=True) returns the first i with cdf[i] > u, so a zero-probability token (cdf flat)
+    # is never chosen.
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # the uniforms come from the generator's own device (a CPU generator also drives CUDA sampling: B floats)
+    gen_device = generator.device if generator is not None else probs.device
+    u = (
+        torch.rand(total.shape, generator=generator, device=gen_device, dtype=probs.dtype).to(probs.device)
+        * total
+    )
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    choice = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return choice if idx is None else idx.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+
+
+def _finish(buf, eos_seen_at, steps, pad_token_id, stats=None, value_head=None) -> Sample:
+    """Trim the (B, max_new) token buffer (and per-token stats) to ``steps`` columns and mask everything
+    after the first EOS."""
+    ids = buf[:, :steps]
+    pos = torch.arange(steps, device=buf.device)
+    mask = pos.unsqueeze(0) <= eos_seen_at.unsqueeze(1)
+    ids = ids.masked_fill(~mask, pad_token_id)
+    if stats is None:
+        return Sample(ids, mask)
+    lp, ent, values = stats[:, :, :steps]
+    return Sample(ids, mask, lp, ent, values if value_head is not None else None)
+
+
+class Sample(NamedTuple):
+    """What :func:`sample` returns. ``response_ids`` (B, R) long and ``response_mask`` (B, R) bool as
+    :func:`generate`; with ``with_log_probs``: ``log_probs`` and ``entropy`` (B, R) float32 of the sampled
+    tokens under ``logits / temperature`` (full vocabulary, the distribution :func:`policy_forward` scores),
+    and ``values`` (B, R) of ``value_head`` on the final hidden state when one is given. Padding positions
+    hold whatever the finished rows computed; use ``response_mask``."""
+
+    response_ids: Tensor
+    response_mask: Tensor
+    log_probs: Tensor | None = None
+    entropy: Tensor | None = None
+    values: Tensor | None = None
+
+
+def check_positions(model, prompt_len: int, max_new_tokens: int) -> None:
+    """ShifuError when a prompt of ``prompt_len`` tokens plus ``max_new_tokens`` would run past a model with
+    learned positions (GPT-2's ``n_positions``); trainers call it before writing anything."""
+    n_positions = getattr(getattr(model, "config", None), "n_positions", None)
+    if isinstance(n_positions, int) and prompt_len + max_new_tokens > n_positions:
+        raise ShifuError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{n_positions} positions: lower data.max_prompt_len or generation.max_new_tokens"
+        )
+
+
+def check_exact_kl_memory(cfg, model, strategy) -> None:
+    """``kl.loss_estimator=full`` (PPO's ``cfg``) keeps the reference's log-probs over the whole vocabulary for
+    every response token of the rollout, (batch per process, max_new_tokens, V) floats: 12.6 MB at imdb's 2048
+    tokens, ~300 MB at SmolLM2's 49152 with 64 x 24, growing with both. A ShifuError, before anything is
+    written, when that is over half the memory ``strategy.free_memory()`` reports, naming the size."""
+    if not (cfg.kl.penalty == "loss" and cfg.kl.loss_estimator == "full"):
+        return
+    rows, R, vocab = cfg.batch_size // strategy.world, cfg.generation.max_new_tokens, model.config.vocab_size
+    need, free = rows * R * vocab * 4, strategy.free_memory()
+    if free is not None and need > free // 2:
+        raise ShifuError(
+            f"kl.loss_estimator=full keeps the reference's log-probs over the vocabulary for the whole rollout: "
+            f"{rows} responses x {R} tokens x {vocab} = {need / 2**30:.1f} GiB on this process, over half of "
+            f"the {free / 2**30:.1f} GiB free on {strategy.device}; lower batch_size or "
+            "generation.max_new_tokens, or use kl.loss_estimator=k3 (or k2)"
+        )
+
+
+def generate(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, *args, **kwargs):
+    """Sample responses -> ``(response_ids, response_mask)``; the arguments of :func:`sample`.
+
+    ``prompt_ids``/``prompt_mask`` (B, P) are left-padded. ``response_ids`` (B, R) long and ``response_mask``
+    (B, R) bool are right-padded: True on real response tokens including the first EOS; everything after
+    the first EOS is ``pad_token_id`` with mask False. ``R <= max_new_tokens``: trimmed to the longest
+    response; decoding stops early once every row has emitted EOS (when ``stop_at_eos``).
+    """
+    out = sample(model, prompt_ids, prompt_mask, params, *args, **kwargs)
+    return out.response_ids, out.response_mask
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    params: SamplingParams,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+    engine: str = "auto",
+    with_log_probs: bool = False,
+    value_head: nn.Module | None = None,
+    stop: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Sample:
+    """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
+    with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
+    log-probs and entropies of the sampled tokens and shared-trunk values, read off the decode steps (the
+    same logits, up to float rounding; ``tests/test_rollout.py`` checks 1e-5).
+
+    ``all_done(local_done) -> global_done`` lets distributed ranks keep stepping (forwards on finished rows)
+    until every rank is done; the default is local. ``engine="auto"`` uses the hand-written decoder for
+    GPT-2 and Llama-style models (:mod:`shifu.generation.decode`, a preallocated KV cache) and the HF forward with its
+    cache for everything else; "hf" forces the latter. Both give the same tokens up to float rounding.
+
+    ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
+    at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
+    episode rollout (:mod:`shifu.generation.episodes`). ``running`` marks the rows that have not ended."""
+    B, P = prompt_ids.shape
+    device = prompt_ids.device
+    R = params.max_new_tokens
+    check_positions(model, P, R)
+    all_done = all_done or (lambda local: local)
+    buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)
+    # index of the first EOS per row (R = none yet): response_mask = position <= eos_seen_at
+    eos_seen_at = torch.full((B,), R, dtype=torch.long, device=device)
+    stats = None
+    if with_log_probs or value_head is not None:
+        stats = torch.zeros((3, B, R), dtype=torch.float32, device=device)  # log-probs, entropy, values
+    if R == 0:
+        return _finish(buf, eos_seen_at, 0, pad_token_id, stats, value_head)
+    weight = next(model.parameters())
+    dec = decoder(model, B, P + R, weight, engine, want_hidden=value_head is not None)
+    dec.key_mask[:, :P] = prompt_mask.to(dec.key_mask.dtype)
+    pos = position_ids_from_mask(prompt_mask)
+    next_pos = pos[:, -1:] + 1  # (B, 1) position of response token 0
+    logits = dec.forward(prompt_ids, pos)
+    steps = 0
+    for t in range(R):
+        probs = None
+        if stats is not None:  # log-softmax(logits / T) once: log-prob, entropy, and the sampling probs
+            logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+            probs = logp.exp()
+        tok = sample_next(logits, params, generator, probs)
+        buf[:, t] = tok
+        if stats is not None:
+            stats[0, :, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+            stats[1, :, t] = -(probs * logp).sum(-1)
+            if value_head is not None:
+                stats[2, :, t] = value_head(dec.last_hidden).squeeze(-1).float()
+        steps = t + 1
+        if params.stop_at_eos or stop is not None:
+            ended = tok == eos_token_id if params.stop_at_eos else torch.zeros_like(tok, dtype=torch.bool)
+            if stop is not None:
+                ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(device)
+            eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
+            if all_done(bool((eos_seen_at < R).all())):
+                break
+        if t + 1 < R:
+            logits = dec.forward(buf[:, t : t + 1], next_pos + t)
+    return _finish(buf, eos_seen_at, steps, pad_token_id, stats, value_head)
+
+
+def policy_forward(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    value_head: nn.Module | None = None,
+    entropy_grad: bool = True,
+    log_softmax: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None] | tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """Log-probs (B, R) of ``input_ids[:, P:]`` under ``logits / temperature``, read at positions
+    ``P-1 .. P+R-2``; entropy (B, R) of the same distributions if asked (outside the autograd graph with
+    ``entropy_grad=False``: a logged-only entropy costs no backward); ``value_head(last hidden state)``
+    (B, R) at the same positions if a value head is given (shared-trunk critic). Differentiable.
+
+    ``input_ids``/``attention_mask`` (B, P+R) = cat(left-padded prompt, right-padded response). Logits are
+    computed only at the R positions needed (``logits_to_keep`` as an index tensor). With ``log_softmax``
+    a fourth output: the whole next-token log-distribution ``log_softmax(logits / T)`` (B, R, V), float32
+    (the exact KL to the reference, ``kl.loss_estimator=full``).
+    """
+    P = prompt_len
+    T = input_ids.shape[1]
+    keep = torch.arange(P - 1, T - 1, device=input_ids.device)  # (R,) positions predicting the response
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=keep,
+        output_hidden_states=value_head is not None,
+        use_cache=False,
+    )
+    logits = out.logits  # (B, R, V)
+    entropy = None
+    if with_entropy:  # one pass over the logits for both
+        log_probs, entropy = log_probs_and_entropy(
+            logits, input_ids[:, P:], temperature, entropy_grad=entropy_grad
+        )
+    else:
+        log_probs = log_probs_from_logits(logits, input_ids[:, P:], temperature)
+    values = None
+    if value_head is not None:
+        hidden = out.hidden_states[-1][:, P - 1 : T - 1]  # (B, R, d), after the final norm
+        values = value_head(hidden).squeeze(-1)
+    if log_softmax:
+        return log_probs, entropy, values, torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs, entropy, values
+
+
+def critic_forward(critic, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+    """(B, R) values of a :class:`shifu.models.scalar.ScalarModel` critic at positions ``P-1 .. P+R-2``."""
+    T = input_ids.shape[1]
+    values = critic(input_ids, attention_mask, position_ids=position_ids_from_mask(attention_mask))
+    return values[:, prompt_len - 1 : T - 1]
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Text of each response: its real tokens minus a final EOS (EOS ends the response, it is not text)."""
+    out = []
+    for ids, mask in zip(response_ids.tolist(), response_mask.tolist()):
+        real = [t for t, m in zip(ids, mask) if m]
+        if real and real[-1] == tokenizer.eos_token_id:
+            real = real[:-1]
+        out.append(tokenizer.decode(real, skip_special_tokens=True))
+    return out

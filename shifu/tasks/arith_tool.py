@@ -1,0 +1,184 @@
+"""Task ``arith_tool``: products a tiny policy cannot compute, and a calculator it can learn to call.
+
+Prompts are ``"347*29="`` (3-digit times 2-digit). The policy may call the calculator by writing
+``[347*29]`` (its turn ends at ``]``: ``ppo.env.stop: ["]"]``); the environment answers with the observation
+``{10063}``, and the policy answers ``10063`` then EOS. Reward 1.0 for the exact answer, else 0; at most 3
+turns. The environment is :func:`calculator_env`, a :class:`shifu.envs.tool.ToolEnv` over :func:`calculator`
+in the ``bracket`` format.
+
+SFT demonstrations mix the two ways to answer: a minority (``call_fraction``) call the calculator
+(``[347*29]{10063}10063``), the rest write the product directly, which a sub-million-parameter model can only
+guess. Stopped early, the SFT policy calls sometimes and copies the result it reads; RL has to discover that
+calling pays. The held-out gold is the exact-match accuracy of episodes through the environment.
+
+Data (deterministic, like ``arith``): the operand pairs are shuffled with a fixed split seed into the held-out
+prompts (``prompts_eval.jsonl``), the SFT held-out demonstrations (``sft_eval.jsonl``, also PPO's validation
+prompts ``prompts_val.jsonl``) and the rest (SFT demonstrations sampled with the run seed, PPO prompts). Prompt
+rows carry ``prompt`` and ``answer``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import operator
+import random
+from pathlib import Path
+
+from shifu.config.loader import read_shipped_table, shipped
+
+SPLIT_SEED = 4321  # fixed: the held-out set does not depend on the run seed
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# digits and the call syntax, plus what a calculator error reads like ("{error: ZeroDivisionError: ...}")
+ALPHABET = "0123456789+-*/=()[]{}:. " + "abcdefghijklmnopqrstuvwxyzDEZV"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithToolPreset:
+    n_heldout: int
+    n_sft_eval: int
+    n_sft: int
+    call_fraction: float  # share of SFT demonstrations that call the calculator
+    n_layer: int
+    n_embd: int
+    n_head: int
+
+
+# the presets: shifu/configs/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
+PRESETS: dict[str, ArithToolPreset] = read_shipped_table(shipped("tasks", "arith_tool.yaml"), ArithToolPreset)
+
+
+def get_preset(name: str) -> ArithToolPreset:
+    from shifu.errors import ConfigError
+
+    if name not in PRESETS:
+        raise ConfigError(f"task arith_tool has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+        ast.Mod: operator.mod}  # fmt: skip
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an integer arithmetic expression.
+
+    Args:
+        expression: integers joined by +, -, *, // or %, with parentheses, e.g. "347*29"
+    """
+
+    def value(node: ast.AST) -> int:
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, int)
+            and not isinstance(node.value, bool)
+        ):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError("bad expression")
+
+    if len(expression) > 40:
+        raise ValueError("too long")
+    try:
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+    except SyntaxError:
+        raise ValueError("bad expression") from None
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    if len(str(result)) > 12:
+        raise ValueError("too large")
+    return str(result)
+
+
+def exact_answer(row: dict, answer: str) -> float:
+    """1.0 when the stripped answer equals the row's ``answer``, else 0.0."""
+    return float(answer.strip() == str(row["answer"]))
+
+
+def calculator_env(format: str = "bracket"):
+    """The task's environment: :func:`calculator` as a tool, :func:`exact_answer` as the final reward
+    (``ppo.env.factory: shifu.tasks.arith_tool:calculator_env``)."""
+    from shifu.envs.tool import ToolEnv
+
+    return ToolEnv([calculator], exact_answer, format=format)
+
+
+def make_splits(n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, int]]]:
+    """Disjoint ``heldout`` / ``sft_eval`` / ``train`` pairs ``(a, b)``, 100 <= a <= 999, 10 <= b <= 99."""
+    pairs = [(a, b) for a in range(100, 1000) for b in range(10, 100)]
+    random.Random(SPLIT_SEED).shuffle(pairs)
+    return {
+        "heldout": pairs[:n_heldout],
+        "sft_eval": pairs[n_heldout : n_heldout + n_sft_eval],
+        "train": pairs[n_heldout + n_sft_eval :],
+    }
+
+
+def demonstration(a: int, b: int, call: bool) -> str:
+    """An SFT response: ``[a*b]{a*b's value}value`` when it calls the calculator, else the value alone."""
+    product = str(a * b)
+    return f"[{a}*{b}]{{{product}}}{product}" if call else product
+
+
+def build_tokenizer(out_dir: str | Path):
+    """Character-level ``PreTrainedTokenizerFast`` over :data:`ALPHABET` (decoding joins characters)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(ALPHABET)))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
+    """Write the data files, the tokenizer (``tokenizer/``) and an untrained GPT-2 (``base/``); returns name ->
+    path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``, ``tokenizer``,
+    ``base``."""
+    from shifu.models.loading import build_tiny_gpt2
+
+    p = get_preset(preset)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = make_splits(p.n_heldout, p.n_sft_eval)
+    rng = random.Random(seed)
+    sft_pairs = rng.sample(splits["train"], p.n_sft)
+    calls = [rng.random() < p.call_fraction for _ in sft_pairs]
+
+    def prompt_row(a: int, b: int) -> dict:
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+
+    def sft_row(a: int, b: int, call: bool) -> dict:
+        return {"prompt": f"{a}*{b}=", "response": demonstration(a, b, call)}
+
+    eval_calls = [random.Random(SPLIT_SEED + i).random() < p.call_fraction for i in range(p.n_sft_eval)]
+    _write_jsonl(out / "sft_train.jsonl", [sft_row(a, b, c) for (a, b), c in zip(sft_pairs, calls)])
+    _write_jsonl(
+        out / "sft_eval.jsonl", [sft_row(a, b, c) for (a, b), c in zip(splits["sft_eval"], eval_calls)]
+    )
+    _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
+    _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+    _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
+    tok = build_tokenizer(out / "tokenizer")
+    # "347*29=" + "[347*29]{10063}10063" + EOS is 28 tokens: 48 positions leave room for a third turn
+    model = build_tiny_gpt2(
+        tok, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_positions=48, seed=seed
+    )
+    model.save_pretrained(str(out / "base"))
+    tok.save_pretrained(str(out / "base"))
+    names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
+    paths = {n: str(out / f"{n}.jsonl") for n in names}
+    return paths | {"tokenizer": str(out / "tokenizer"), "base": str(out / "base")}

@@ -1,0 +1,132 @@
+"""Results with provenance: the committed records are well-formed, the docs tables are what
+benchmarks/tables.py generates from them now, and the writer produces records the tables can read."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+provenance = load("provenance")
+tables = load("tables")
+
+
+def test_committed_tables_match_what_the_records_generate(capsys):
+    rc = tables.main(["--check"])
+    assert rc == 0, capsys.readouterr().err + " (run `make docs-tables`)"
+
+
+def test_every_record_carries_its_provenance():
+    records = provenance.load()  # check() on each: commit, cpu (or cpu_note), date, no machine path
+    assert records, "benchmarks/results/ holds no record"
+    for r in records:
+        assert r["cpu"] is None or r["cpu"]["flags"] is not None
+        assert isinstance(r["threads"], int) and r["torch"]
+        assert r["command"].split()[0] in ("python", "shifu", "SHIFU_THREADS=1", "SHIFU_MALLOC=system")
+        assert r["config_digest"] is None or len(r["config_digest"]) == 64
+
+
+def test_record_commits_exist_in_the_history():
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                             text=True)  # fmt: skip
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("not a full git clone: older commits are not here to check")
+    commits = sorted({r["commit"] for r in provenance.load()})
+    missing = [c for c in commits if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=ROOT,
+                                                    capture_output=True).returncode != 0]  # fmt: skip
+    assert not missing, f"records name commits the history does not hold: {missing}"
+
+
+def test_no_absolute_machine_path_in_benchmarks_or_docs():
+    files = subprocess.run(["git", "ls-files", "benchmarks", "docs", "README.md"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()  # fmt: skip
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if not path.exists() or path.suffix in (".png", ".jpg"):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        hits += [f"{name}: {p}" for p in (f"/{d}/" for d in provenance.MACHINE_DIRS) if p in text]
+    assert not hits, hits
+
+
+def test_a_written_record_has_the_format_and_feeds_a_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "serve_load.py"), "--record", "--out",
+                                      str(tmp_path / "x")])  # fmt: skip
+    monkeypatch.setenv("SHIFU_THREADS", "1")
+    metrics = {
+        "rows_per_s": 150.0,
+        "p50_ms": 48.6,
+        "p99_ms": 71.5,
+        "rows_per_forward": 8.0,
+        "ratio_vs_in_process": 0.99,
+        "in_process_rows_per_s": 151.0,
+        "cache": str(tmp_path / "c.json"),
+    }
+    params = {"mode": "merged", "clients": 1, "rows": 8}
+    rec = provenance.make_record("serve_load", metrics, params=params, config=params, threads=1)
+    out = provenance.append(rec, tmp_path / "serve_load.jsonl")
+    (line,) = out.read_text().splitlines()
+    back = json.loads(line)
+    assert set(provenance.REQUIRED) <= back.keys()
+    assert back["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                            text=True).stdout.strip()  # fmt: skip
+    assert back["command"] == "SHIFU_THREADS=1 python benchmarks/serve_load.py --record --out .../x"
+    assert back["config_digest"] == provenance.config_digest({"rows": 8, "clients": 1, "mode": "merged"})
+    assert back["metrics"]["cache"] == ".../c.json"  # a path outside the repository keeps its name only
+    assert {"model", "flags", "cores"} <= back["cpu"].keys()
+    table = tables.TABLES["serve-load"]([back])
+    assert "| merged | 1 | 150.0 | 151.0 | 0.99 | 48.6 / 71.5 | 8.0 |" in table
+    assert back["commit"][:7] in table
+
+
+def test_check_refuses_a_record_without_commit_cpu_or_with_a_machine_path():
+    good = {"benchmark": "b", "date": "2026-01-01T00:00:00+00:00", "commit": "a" * 40, "command": "python x",
+            "config_digest": None, "cpu": None, "cpu_note": "not recorded", "threads": 1, "torch": "2",
+            "metrics": {}}  # fmt: skip
+    provenance.check(good)
+    with pytest.raises(ValueError, match="commit"):
+        provenance.check(good | {"commit": "abc1234"})
+    with pytest.raises(ValueError, match="cpu_note"):
+        provenance.check({k: v for k, v in good.items() if k != "cpu_note"})
+    with pytest.raises(ValueError, match="machine path"):
+        provenance.check(good | {"metrics": {"run": "/" + "work/runs/a"}})
+    with pytest.raises(ValueError, match="missing"):
+        provenance.check({k: v for k, v in good.items() if k != "threads"})
+
+
+def test_cpu_info_reads_model_flags_and_cores():
+    info = provenance.cpu_info(
+        "processor : 0\nmodel name : Some Xeon\nflags : fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16\n"
+    )
+    assert info["model"] == "Some Xeon"
+    assert info["flags"] == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert tables.cpu_label({"cpu": info}).startswith("Some Xeon, AMX")
+
+
+def test_render_fills_only_the_marked_blocks_and_names_an_unknown_one():
+    text = (
+        "prose\n<!-- BEGIN results:micro-batches -->\nstale\n<!-- END results:micro-batches -->\nmore prose\n"
+    )
+    out = tables.render(text, provenance.load(), "page.md")
+    assert out.startswith("prose\n<!-- BEGIN results:micro-batches -->\n| shape |")
+    assert out.endswith("<!-- END results:micro-batches -->\nmore prose\n") and "stale" not in out
+    with pytest.raises(SystemExit, match="page.md: unknown results block 'nope'"):
+        tables.render("<!-- BEGIN results:nope -->\n<!-- END results:nope -->\n", [], "page.md")

@@ -1,0 +1,218 @@
+"""The documentation holds together: every relative link of README.md, CHANGELOG.md and docs/ resolves (file
+and heading), docs/index.md reaches every page, the generated reference pages equal what the code prints, the
+CLI page names every option, the algorithms page every public name of shifu.core, and the README stays short
+and speaks of the product only."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shifu.core
+
+pytestmark = pytest.mark.integration
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def links(path: Path) -> list[str]:
+    """The link targets of a Markdown file, outside code blocks and code spans."""
+    text = INLINE_CODE.sub("", FENCE.sub("", path.read_text(encoding="utf-8")))
+    return LINK.findall(text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its rendered text, lower case, punctuation dropped, spaces as dashes."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link renders as its text
+    text = text.replace("`", "").replace("*", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, title in HEADING.findall(FENCE.sub("", path.read_text(encoding="utf-8"))):
+        base = slug(title)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def relative(target: str) -> bool:
+    return not re.match(r"^[a-z][a-z0-9+.-]*:", target)  # http:, https:, mailto: ...
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in pages():
+        for target in links(page):
+            if not relative(target):
+                continue
+            path_part, _, anchor = target.partition("#")
+            dest = (page.parent / path_part).resolve() if path_part else page
+            where = f"{page.relative_to(ROOT)}: ({target})"
+            if not dest.exists():
+                broken.append(f"{where} -> {path_part} does not exist")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{where} -> no heading '#{anchor}' in {dest.relative_to(ROOT)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_docs_index_reaches_every_page():
+    seen, todo = set(), [DOCS / "index.md"]
+    while todo:
+        page = todo.pop()
+        if page in seen or not page.exists():
+            continue
+        seen.add(page)
+        for target in links(page):
+            path_part = target.partition("#")[0]
+            if relative(target) and path_part.endswith(".md"):
+                dest = (page.parent / path_part).resolve()
+                if DOCS in dest.parents:
+                    todo.append(dest)
+    unreached = sorted(str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md") if p.resolve() not in seen)
+    assert not unreached, f"pages docs/index.md does not reach: {unreached}"
+    assert "docs/index.md" in links(ROOT / "README.md")
+
+
+def test_slug_follows_github():
+    assert (
+        slug("Masked statistics — [`masked.py`](../../shifu/core/masked.py)") == "masked-statistics--maskedpy"
+    )
+    assert slug("shifu sft | rm | ppo | dpo") == "shifu-sft--rm--ppo--dpo"
+    assert slug("Rollout/trainer mismatch — `offpolicy.py`") == "rollouttrainer-mismatch--offpolicypy"
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("shifu_docs_gen_reference", DOCS / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_pages_equal_what_the_code_prints():
+    stale = [
+        str(path.relative_to(ROOT))
+        for path, text in load_generator().pages().items()
+        if not path.exists() or path.read_text(encoding="utf-8") != text
+    ]
+    assert not stale, f"stale generated pages: {stale}; run `make docs-reference`"
+
+
+def test_configuration_reference_lists_every_key():
+    text = (DOCS / "reference" / "configuration.md").read_text(encoding="utf-8")
+    for key in ("model.path", "optim.lr", "kl.target", "reward.dense", "lora.critic", "ensemble.k"):
+        assert f"| `{key}` |" in text, key
+
+
+HELP_CHILD = """
+import contextlib, io, runpy, sys
+for argv in {argvs!r}:
+    sys.argv = ["shifu", *argv]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module("shifu", run_name="__main__", alter_sys=True)
+        except SystemExit:
+            pass
+    sys.stdout.write(out.getvalue())
+"""
+COMMANDS = [
+    ["sft"], ["rm"], ["ppo"], ["dpo"], ["quickstart"], ["report"], ["sample"], ["merge"], ["serve"],
+    ["study", "frontier"], ["demo", "bandit"], ["bench"],
+]  # fmt: skip
+
+
+def test_cli_reference_names_every_option():
+    argvs = [[*cmd, "--help"] for cmd in COMMANDS]
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_CHILD.format(argvs=argvs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    options = set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", done.stdout)) - {"-h", "--help"}
+    assert {"--help-config", "--ensemble", "--set", "--reward-model", "--exact", "--kl-budget"} <= options
+    page = (DOCS / "reference" / "cli.md").read_text(encoding="utf-8")
+    missing = sorted(o for o in options if not re.search(rf"`{re.escape(o)}(?![\w-])", page))
+    assert not missing, f"options `--help` prints that docs/reference/cli.md does not name: {missing}"
+
+
+def test_algorithms_page_names_every_core_function():
+    page = (DOCS / "concepts" / "algorithms.md").read_text(encoding="utf-8")
+    missing = [name for name in shifu.core.__all__ if f"`{name}`" not in page]
+    assert not missing, f"shifu.core names docs/concepts/algorithms.md does not explain: {missing}"
+
+
+# README, docs, docstrings and comments speak of the product as it is; history is in git log and CHANGELOG.md
+DIARY = re.compile(r"\bsession\b|this machine|development machine|not met|we tried", re.I)
+DATED_HEADING = re.compile(r"^#+ .*\b\d{4}-\d{2}-\d{2}\b", re.M)
+# in code: the same words (pytest's scope="session" and start_new_session are not diary), dates, and pointers
+# to the experiment notes that docs/benchmarks/ replaced
+CODE_DIARY = re.compile(
+    r"(?<!scope=\")(?<!new_)\bsession\b(?!\"|-scoped)|this machine|development machine|\bnot met\b|we tried|"
+    r"later the same day|\b20\d\d-\d\d-\d\d\b|frontier\.md|performance\.md",
+    re.I,
+)
+
+
+def test_readme_and_docs_speak_of_the_product():
+    found = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for match in [*DIARY.finditer(text), *DATED_HEADING.finditer(text)]:
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{page.relative_to(ROOT)}:{line}: {match.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+def test_code_comments_and_docstrings_speak_of_the_product():
+    found = []
+    files = [
+        *sorted((ROOT / "shifu").rglob("*.py")),
+        *sorted((ROOT / "shifu").rglob("*.yaml")),
+        *sorted((ROOT / "benchmarks").glob("*.py")),
+        *sorted((ROOT / "tests").rglob("*.py")),
+    ]
+    for path in files:
+        if path.name == "test_docs.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for match in CODE_DIARY.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+def test_readme_is_short_and_keeps_its_commands():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    for command in (
+        "make setup",
+        "pip install",
+        "make quickstart",
+        "make test",
+        "make test-fast",
+        "--threads 1",
+    ):
+        assert command in text, command
+    assert "<!-- BEGIN results:quickstart -->" in text and "<!-- END results:quickstart -->" in text
