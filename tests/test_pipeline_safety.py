@@ -101,14 +101,12 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     ppo with one) refuses while its directory holds a file shifu did not write; a stage directory shifu did
     not make (rm/, soup/) is refused; a top-level result the user changed is never overwritten. Every
     refusal changes nothing, and a run that needs none of those places leaves them as they are."""
-    from shifu.experiments.pipeline import Stages, claim_stage
+    from shifu.experiments.pipeline import Stages
     from shifu.experiments.quickstart import PLANS
 
     out = tmp_path / "run"
     assert cli_main(_quickstart(out)) == 0
     capsys.readouterr()
-    for stage in ("data", "sft", "ppo"):
-        claim_stage(out / stage, stage)  # all a real run leaves in a stage directory is shifu's
     (out / "notes.txt").write_text("mine")
     for stage, name in (("data", "prepare"), ("sft", "sft"), ("ppo", "ppo")):
         marker = (out / stage / "DONE").read_text()
@@ -149,6 +147,10 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     for rel in ("notes.txt", "rm/x", "soup/x"):
         assert (out / rel).read_text() == "mine", rel
     assert json.loads(summary.read_text())["task"] == "arith"
+    from shifu.experiments.pipeline import claim_stage
+
+    for stage in ("data", "sft", "ppo", "ppo-2"):
+        claim_stage(out / stage, stage)  # all a real run leaves in a stage directory is shifu's
 
 
 def test_quickstart_into_a_finished_sft_run_is_refused(tiny_model_dir, tmp_path, capsys):

@@ -20,10 +20,13 @@ Run directory layout (``--out``, default ``runs/quickstart-<task>-<preset>-s<see
     RUN/summary.json          gold_before, gold_after, kl, rm_accuracy, seconds, task, preset, seed, policy
                               (the evaluated policy's directory in RUN: ppo/final or soup/final), ...
     RUN/report.html           rendered by shifu.reporting.report (when available)
+    RUN/.shifu-pipeline       marks a quickstart run directory; digests of the top-level files it wrote
+    RUN/.shifu-lock           held by the running pipeline (shifu.experiments.pipeline.claim_run)
 
 Each stage directory gets a ``DONE`` marker (JSON with the seconds it took) when it finished; a rerun with
 the same ``--out`` skips finished stages and continues from the first missing one (a trainer stage with a
-checkpoint resumes from it).
+checkpoint resumes from it). Another ``--out`` that is not empty is refused, as is one a live pipeline runs in;
+nothing the quickstart did not write is deleted or overwritten (:mod:`shifu.experiments.pipeline`).
 
 Evaluation (``summary.json``): one sample per held-out prompt (``data/prompts_eval.jsonl``, >= 256, never
 trained on by any stage; the plan's ``eval.num_prompts`` keeps the first N) at the PPO sampling temperature (``generation.temperature``, 1.0 in every preset),
