@@ -154,6 +154,8 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quickstart(tmp_path):
         work / "run" / "ppo" / "final" / "config.json"
     ).exists()
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    # the venv is ~1.6 GB (torch mostly) and pytest keeps the last runs' tmp_path; a failed run's venv stays
+    shutil.rmtree(venv)
     print(
         f"wheel built and checked in {t_build - t0:.0f} s; venv with torch and the wheel in "
         f"{t_install - t_build:.0f} s; quickstart {time.monotonic() - t_run:.0f} s wall, {cpu:.0f} s CPU"
