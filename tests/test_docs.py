@@ -136,7 +136,7 @@ for argv in {argvs!r}:
 """
 COMMANDS = [
     ["sft"], ["rm"], ["ppo"], ["dpo"], ["quickstart"], ["report"], ["sample"], ["merge"], ["serve"],
-    ["study", "frontier"], ["demo", "bandit"], ["bench"],
+    ["study", "frontier"], ["demo", "bandit"], ["bench"], ["install"],
 ]  # fmt: skip
 
 
