@@ -62,7 +62,12 @@ def evaluate(
     greedy = task == "arith" and ev.get("greedy", True)  # greedy decoding as well: the policy at its mode
     n = len(prompts)
     bar = progress(n * (4 if greedy else 2), "final evaluation")
-    kw = {"max_prompt_len": L, "chat_template": C, "on_batch": bar.update}
+    kw = {
+        "max_prompt_len": L,
+        "chat_template": C,
+        "on_batch": bar.update,
+        "batch_size": ev.get("batch_size", 64),
+    }
 
     def run(what: str, policy: Path, ref: Path | None, sample_seed: int, is_greedy: bool = False) -> dict:
         bar.set_postfix_str(what, refresh=True)

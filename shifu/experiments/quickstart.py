@@ -110,12 +110,17 @@ class EvalPlan:
     num_prompts: int | None = opt(None, "held-out prompts evaluated: the first N of data/prompts_eval.jsonl "
                                   "(default: all of them)")  # fmt: skip
     greedy: bool = opt(True, "arith: greedy accuracies as well")
+    batch_size: int = opt(
+        64, "prompts sampled and scored together (fewer: less memory for a large vocabulary)"
+    )
     max_prompt_len: int | None = opt(None, "prompts cut to their last tokens (default: ppo.data's)")
     chat_template: bool | None = opt(None, "render prompts with the chat template (default ppo.data's)")
 
     def validate(self) -> None:
         if self.temperature is None:
             raise ConfigError("eval needs max_new_tokens and temperature")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ConfigError(
                 f"eval.num_prompts must be >= 1 (or unset: every held-out prompt), got {self.num_prompts}"

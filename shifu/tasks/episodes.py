@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,12 @@ def evaluate_episodes(
     chat_template: bool = True,
     max_prompt_len: int | None = None,
     batch_size: int = 64,
+    on_batch: Callable[[int], object] | None = None,
 ) -> dict[str, list]:
     """One episode per row: ``returns``, ``tool_use`` (1 when the episode called a tool), ``turns``,
     ``truncated``, ``transcripts`` (policy turns between ``shifu.generation.episodes.MARKS``), and with a reference ``kl`` (k3) and
-    ``kl_k1`` (nats per episode, over its sampled tokens, both models at ``temperature``)."""
+    ``kl_k1`` (nats per episode, over its sampled tokens, both models at ``temperature``). ``on_batch(n)`` (a
+    progress bar's ``update``) is called after each batch of ``n`` episodes."""
     from shifu.core import kl_estimate, masked_sum
     from shifu.envs.base import Environment
     from shifu.generation.episodes import run_episodes
@@ -63,6 +66,8 @@ def evaluate_episodes(
             lp, ref_lp = (policy_forward(m, ids, am, P, temperature)[0] for m in (model, ref))
             out["kl"] += masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).tolist()
             out["kl_k1"] += masked_sum(lp - ref_lp, mask, dim=1).tolist()
+        if on_batch is not None:
+            on_batch(len(rows[i : i + batch_size]))
     return out
 
 
@@ -82,11 +87,17 @@ def compare(
     ``out/samples_before.jsonl`` and ``samples_after.jsonl``. ``ev``: the plan's final evaluation settings."""
     from shifu.config.loader import from_dict
     from shifu.config.sections import EnvConfig
+    from shifu.runs.tracking import progress
 
     env_cfg = from_dict(EnvConfig, env)
     T, L, C = ev["temperature"], ev.get("max_prompt_len"), ev.get("chat_template", True)
-    before = evaluate_episodes(sft_dir, None, rows, env_cfg, T, seed + 777, C, L)
-    after = evaluate_episodes(final_dir, sft_dir, rows, env_cfg, T, seed + 777, C, L)
+    bar = progress(2 * len(rows), "final evaluation")
+    kw = {"batch_size": ev.get("batch_size", 64), "on_batch": bar.update}
+    bar.set_postfix_str(f"SFT policy, episodes at T={T:g}", refresh=True)
+    before = evaluate_episodes(sft_dir, None, rows, env_cfg, T, seed + 777, C, L, **kw)
+    bar.set_postfix_str(f"final policy, episodes at T={T:g}", refresh=True)
+    after = evaluate_episodes(final_dir, sft_dir, rows, env_cfg, T, seed + 777, C, L, **kw)
+    bar.close()
     for name, res in (("samples_before.jsonl", before), ("samples_after.jsonl", after)):
         lines = [{"prompt": r["prompt"], "response": t, "gold": g, "tool_use": u, "turns": n}
                  for r, t, g, u, n in zip(rows, res["transcripts"], res["returns"], res["tool_use"], res["turns"])]  # fmt: skip
