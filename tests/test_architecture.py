@@ -17,9 +17,22 @@ PKG = ROOT / "shifu"
 # The wings of shifu/, lowest first (docs/reference/architecture.md): a module imports only from its own wing and
 # from wings before it in this list. Nothing in shifu/ imports the CLI.
 WINGS = [
-    "core", "runs", "config", "models", "data", "parallel", "rewards", "envs", "generation", "tasks",
-    "reporting", "trainers", "experiments", "serve", "cli",
-]  # fmt: skip
+    "core",
+    "runs",
+    "config",
+    "models",
+    "data",
+    "parallel",
+    "rewards",
+    "envs",
+    "generation",
+    "tasks",
+    "reporting",
+    "trainers",
+    "experiments",
+    "serve",
+    "cli",
+]
 FLAT = {"__init__.py", "__main__.py", "errors.py"}
 DATA = {"configs"}  # folders of shipped settings (YAML), not code
 MAX_LINES = 500

@@ -135,9 +135,19 @@ for argv in {argvs!r}:
     sys.stdout.write(out.getvalue())
 """
 COMMANDS = [
-    ["sft"], ["rm"], ["ppo"], ["dpo"], ["quickstart"], ["report"], ["sample"], ["merge"], ["serve"],
-    ["study", "frontier"], ["demo", "bandit"], ["bench"],
-]  # fmt: skip
+    ["sft"],
+    ["rm"],
+    ["ppo"],
+    ["dpo"],
+    ["quickstart"],
+    ["report"],
+    ["sample"],
+    ["merge"],
+    ["serve"],
+    ["study", "frontier"],
+    ["demo", "bandit"],
+    ["bench"],
+]
 
 
 def test_cli_reference_names_every_option():

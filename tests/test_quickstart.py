@@ -168,8 +168,22 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
         out = tmp_path / "bad"
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
         assert f"--set '{bad}': {says}" in capsys.readouterr().err and not out.exists()
-    assert cli_main(["quickstart", "--task", "imdb", "--preset", "smollm2", "--out", str(out), "--set",
-                     "sft.max_steps=3"]) == 2  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "quickstart",
+                "--task",
+                "imdb",
+                "--preset",
+                "smollm2",
+                "--out",
+                str(out),
+                "--set",
+                "sft.max_steps=3",
+            ]
+        )
+        == 2
+    )
     assert "this plan has no sft stage" in capsys.readouterr().err
 
 
@@ -241,7 +255,10 @@ def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys
     with pytest.raises(ShifuError) as e:
         Stages(root, 0, "t").run("sft", root / "sft", "stage sft", work, other)
     msg = str(e.value)
-    assert f"stage sft in {root / 'sft'} finished with another plan than this run's: optim.lr was 0.001, now 0.0003" in msg  # fmt: skip
+    assert (
+        f"stage sft in {root / 'sft'} finished with another plan than this run's: optim.lr was 0.001, now 0.0003"
+        in msg
+    )
     assert "(and seed differ)" in msg and "use a new --out" in msg
     assert len(calls) == 1 and (root / "sft" / "out.txt").read_text() == "made"
     # the run directory moved: its own paths are still its own, the plan matches

@@ -260,10 +260,27 @@ JSON_VALUE = st.recursive(
 )
 # broken on purpose, each sure to be refused with a 4xx (None: anything but a 5xx)
 MUTATIONS = (
-    "id_out_of_range", "too_long", "mask_value", "mask_all_zero", "ragged", "drop_field", "unknown_field",
-    "nan", "duplicate_key", "too_deep", "big_number", "surrogate", "oversized", "bad_utf8", "truncated",
-    "content_type", "content_encoding", "no_token", "wrong_route", "wrong_type",
-)  # fmt: skip
+    "id_out_of_range",
+    "too_long",
+    "mask_value",
+    "mask_all_zero",
+    "ragged",
+    "drop_field",
+    "unknown_field",
+    "nan",
+    "duplicate_key",
+    "too_deep",
+    "big_number",
+    "surrogate",
+    "oversized",
+    "bad_utf8",
+    "truncated",
+    "content_type",
+    "content_encoding",
+    "no_token",
+    "wrong_route",
+    "wrong_type",
+)
 SURE_4XX = set(MUTATIONS) - {"wrong_type"}
 
 
@@ -366,19 +383,37 @@ def mutated(draw, label: str) -> dict:
             case["data"][:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80"])) + case["data"][at:]
         )
     elif label == "content_type":
-        case["headers"]["Content-Type"] = draw(st.sampled_from([
-            "text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1",
-            "multipart/form-data; boundary=x", "application/jsonl", "application/json-patch+json",
-        ]))  # fmt: skip
+        case["headers"]["Content-Type"] = draw(
+            st.sampled_from(
+                [
+                    "text/plain",
+                    "application/x-www-form-urlencoded",
+                    "application/json; charset=latin-1",
+                    "multipart/form-data; boundary=x",
+                    "application/jsonl",
+                    "application/json-patch+json",
+                ]
+            )
+        )
     elif label == "content_encoding":
         case["headers"]["Content-Encoding"] = draw(st.sampled_from(["gzip", "br", "deflate"]))
     elif label == "no_token":
         case["headers"]["Authorization"] = draw(st.sampled_from(["", "Bearer nope", TOKEN, "Basic eA=="]))
     elif label == "wrong_route":
-        case["method"], case["path"] = draw(st.sampled_from([
-            ("GET", "/v1/score"), ("PUT", "/v1/score"), ("DELETE", "/v1/score"), ("POST", "/health"),
-            ("POST", "/v1/metadata"), ("POST", "/v1/scores"), ("POST", "/v2/score"), ("PATCH", "/openapi.json"),
-        ]))  # fmt: skip
+        case["method"], case["path"] = draw(
+            st.sampled_from(
+                [
+                    ("GET", "/v1/score"),
+                    ("PUT", "/v1/score"),
+                    ("DELETE", "/v1/score"),
+                    ("POST", "/health"),
+                    ("POST", "/v1/metadata"),
+                    ("POST", "/v1/scores"),
+                    ("POST", "/v2/score"),
+                    ("PATCH", "/openapi.json"),
+                ]
+            )
+        )
     case["headers"] = {k: v for k, v in case["headers"].items() if v}
     return case
 
@@ -386,8 +421,14 @@ def mutated(draw, label: str) -> dict:
 @st.composite
 def good(draw) -> dict:
     body = draw(token_body() | text_body())
-    return {"label": "good", "method": "POST", "path": "/v1/score", "headers": dict(AUTH), "body": body,
-            "data": json.dumps(body, ensure_ascii=draw(st.booleans())).encode()}  # fmt: skip
+    return {
+        "label": "good",
+        "method": "POST",
+        "path": "/v1/score",
+        "headers": dict(AUTH),
+        "body": body,
+        "data": json.dumps(body, ensure_ascii=draw(st.booleans())).encode(),
+    }
 
 
 @st.composite

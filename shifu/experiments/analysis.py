@@ -172,8 +172,10 @@ def vs_ppo_pairwise(methods: dict[str, Any], grid_points: int = 3, min_seeds: in
         if mk and mk["vs_ppo"].get(method):
             ppo_rows = {r["kl"]: r for r in mk["methods"]["ppo"]}
             other = {r["kl"]: r for r in mk["methods"][method]}
-            out[method] = [d | {"ppo": ppo_rows[d["kl"]]["gold_mean"], method: other[d["kl"]]["gold_mean"]}
-                           for d in mk["vs_ppo"][method]]  # fmt: skip
+            out[method] = [
+                d | {"ppo": ppo_rows[d["kl"]]["gold_mean"], method: other[d["kl"]]["gold_mean"]}
+                for d in mk["vs_ppo"][method]
+            ]
     return out
 
 
@@ -188,8 +190,15 @@ def gold_per_cpu(methods: dict[str, Any], sft_gold: float) -> dict[str, list[dic
             rates = [(s["gold"] - sft_gold) / s["train_cpu_seconds"] * 60 for s in p["per_seed"]]
             mean, std = _mean_std(rates)
             cpu, _ = _mean_std([s["train_cpu_seconds"] for s in p["per_seed"]])
-            rows.append({"point": p["point"], "gain_per_cpu_minute": mean,
-                         "se": std / math.sqrt(len(rates)), "cpu_seconds": cpu, "seeds": len(rates)})  # fmt: skip
+            rows.append(
+                {
+                    "point": p["point"],
+                    "gain_per_cpu_minute": mean,
+                    "se": std / math.sqrt(len(rates)),
+                    "cpu_seconds": cpu,
+                    "seeds": len(rates),
+                }
+            )
         out[method] = rows
     return out
 
@@ -209,8 +218,16 @@ def plot(frontier: dict[str, Any], path: Path) -> Path:
         if not pts:
             continue
         cpu = [sum(s["train_cpu_seconds"] for s in p["per_seed"]) / len(p["per_seed"]) for p in pts]
-        ax_cpu.errorbar(cpu, [p["gold_mean"] for p in pts], yerr=[p["gold_std"] for p in pts], marker="o",
-                        linestyle="none", capsize=3, color=colour, label=method)  # fmt: skip
+        ax_cpu.errorbar(
+            cpu,
+            [p["gold_mean"] for p in pts],
+            yerr=[p["gold_std"] for p in pts],
+            marker="o",
+            linestyle="none",
+            capsize=3,
+            color=colour,
+            label=method,
+        )
         cost = frontier["methods"][method]["train_seconds_per_run"]
         ax.errorbar(
             [base["kl"]] + [p["kl_mean"] for p in pts],
@@ -284,12 +301,19 @@ def summary_table(report: dict[str, Any]) -> str:
     if pairs:
         lines.append("PPO against each method on the KL range the two share (gold, PPO minus it ± s.e.):")
     for method, diffs in pairs.items():
-        lines.append(f"ppo - {method}: " + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.2f}"
-                                                      for d in diffs))  # fmt: skip
+        lines.append(
+            f"ppo - {method}: "
+            + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.2f}" for d in diffs)
+        )
     lines.append("gold gained over SFT per CPU-minute of training (mean±s.e. over seeds; CPU s/run):")
     for method, rows in report.get("gold_per_cpu", {}).items():
-        lines.append(f"{method:14s} " + ", ".join(
-            f"{r['point']} {r['gain_per_cpu_minute']:+.4f}±{r['se']:.4f} ({r['cpu_seconds']:.0f} s)" for r in rows))  # fmt: skip
+        lines.append(
+            f"{method:14s} "
+            + ", ".join(
+                f"{r['point']} {r['gain_per_cpu_minute']:+.4f}±{r['se']:.4f} ({r['cpu_seconds']:.0f} s)"
+                for r in rows
+            )
+        )
     for method, m in report["methods"].items():
         if m.get("gold_std_at_kl") is not None:
             lines.append(

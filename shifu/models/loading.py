@@ -44,8 +44,17 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 # files a saved tokenizer consists of (at least one of them is always written by `save_pretrained`)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
-                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "special_tokens_map.json")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "special_tokens_map.json",
+)
 
 
 def read_json_file(path: Path, what: str, hint: str) -> Any:
@@ -285,9 +294,13 @@ def _load_checked(auto_cls, path: str | Path, what: str, trust_remote_code: bool
     p = require_model_dir(path, what, trust_remote_code)
     with _loading(what, p):
         model, info = auto_cls.from_pretrained(
-            str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
-            output_loading_info=True, ignore_mismatched_sizes=True,
-        )  # fmt: skip
+            str(p),
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype or torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
     _check_loaded(model, info, what, p)
     return model
 

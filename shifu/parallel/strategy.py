@@ -257,8 +257,10 @@ class Strategy:
     ) -> None:
         """A complete checkpoint (call on every rank): the plain weights of ``modules``, each optimiser's
         and schedule's state (``trained``), ``json_state`` plus every RNG state; rank 0 writes."""
-        tensors = {name: {"optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict()}
-                   for name, t in trained.items()}  # fmt: skip
+        tensors = {
+            name: {"optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict()}
+            for name, t in trained.items()
+        }
         json_state = {**json_state, "rng": rng.rng_state()}
         ckpt.save_checkpoint(run_dir, step, modules, tensors, json_state, keep_last=keep_last)
 

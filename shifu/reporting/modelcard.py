@@ -369,10 +369,13 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
     parts += [f"Started from: `{base}`." if base else "Started from: not recorded.", ""]
     if (merged := final_dir / "merge.json").is_file():  # written by shifu merge (a quickstart soup plan)
         m = json.loads(merged.read_text(encoding="utf-8"))
-        parts += [f"Merged (`shifu merge`): `{m['base']}` + {m['scale']} x the mean change of "
-                  f"{len(m['policies'])} runs ({', '.join(f'`{p}`' for p in m['policies'])}); the recipe, config and "
-                  "training rows below are the first run's; the quickstart's held-out rows (when present) are "
-                  "the merged policy's.", ""]  # fmt: skip
+        parts += [
+            f"Merged (`shifu merge`): `{m['base']}` + {m['scale']} x the mean change of "
+            f"{len(m['policies'])} runs ({', '.join(f'`{p}`' for p in m['policies'])}); the recipe, config and "
+            "training rows below are the first run's; the quickstart's held-out rows (when present) are "
+            "the merged policy's.",
+            "",
+        ]
     data = [
         (k, f"`{lookup(config, k)}`{_count_rows(lookup(config, k))}") for k in DATA_KEYS if lookup(config, k)
     ]

@@ -79,8 +79,9 @@ class Window:
 
     def __init__(self, keys: tuple[str, ...], state: dict | None = None):
         self.keys = keys
-        self.sums, self.steps, self.count = (state["sums"], state["steps"], state["count"]) if state else (
-            dict.fromkeys(keys, 0.0), 0, 0)  # fmt: skip
+        self.sums, self.steps, self.count = (
+            (state["sums"], state["steps"], state["count"]) if state else (dict.fromkeys(keys, 0.0), 0, 0)
+        )
 
     def state(self) -> dict:
         return {"sums": self.sums, "steps": self.steps, "count": self.count}

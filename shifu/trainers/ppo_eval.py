@@ -95,8 +95,11 @@ def evaluate(
     scores_t = torch.cat([p[1] for p in parts])[where]
     kl_t = torch.cat([p[2] for p in parts])[where]
     kl3_t = torch.cat([p[4] for p in parts])[where]
-    metrics = {"eval/score": float(scores_t[torch.isfinite(scores_t)].mean()), "eval/kl": float(kl_t.mean()),
-               "eval/kl_k3": float(kl3_t.mean())}  # fmt: skip
+    metrics = {
+        "eval/score": float(scores_t[torch.isfinite(scores_t)].mean()),
+        "eval/kl": float(kl_t.mean()),
+        "eval/kl_k3": float(kl3_t.mean()),
+    }
     golds = [None] * len(rows)
     if gold_fn is not None:
         golds = [float(g) for g in gold_fn([r["prompt"] for r in rows], responses, rows)]
@@ -131,13 +134,18 @@ def evaluate_episodes(
         lp = policy_forward(actor, full, am, P, T)[0]
         with models.reference() as ref:
             ref_lp = policy_forward(ref, full, am, P, T)[0]
-        kl = {"eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
-              "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean()}  # fmt: skip
+        kl = {
+            "eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
+            "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean(),
+        }
         for k, v in (eps.metrics("eval/env/") | {k: float(v) for k, v in kl.items()}).items():
             sums[k] = sums.get(k, 0.0) + v * len(part)
-        samples += [{"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
-                    for r, t, g, n, c in zip(part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"],
-                                             eps.truncated.tolist())]  # fmt: skip
+        samples += [
+            {"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
+            for r, t, g, n, c in zip(
+                part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"], eps.truncated.tolist()
+            )
+        ]
     metrics = {k: v / len(rows) for k, v in sums.items()}
     gold = metrics["eval/env/return"]
     return metrics | {"eval/score": gold, "gold/score": gold}, samples
@@ -215,8 +223,11 @@ def restore_best(models: PPOModels, cfg: PPOConfig, best_dir: Path, reason: str,
     best = load_causal_lm(best_dir, dropout=False)
     if cfg.lora.enabled:
         if models.strategy.is_main:
-            print("warning: shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the "
-                  "last actor", file=sys.stderr)  # fmt: skip
+            print(
+                "warning: shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the "
+                "last actor",
+                file=sys.stderr,
+            )
         return
     models.strategy.load_full_state_dict(models.actor, best.state_dict())
 
@@ -258,5 +269,7 @@ def trim_samples(path: Path, last_iteration: int) -> None:
 
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
     """The error of a run whose reward service went away, after the checkpoint of iteration ``it``."""
-    return ShifuError(f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
-                      f"with: shifu ppo --out {out} --resume")  # fmt: skip
+    return ShifuError(
+        f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
+        f"with: shifu ppo --out {out} --resume"
+    )

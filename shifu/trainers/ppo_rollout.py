@@ -51,13 +51,32 @@ def collect_rollout(
     kw = {"with_log_probs": reuse or keep_decode, "value_head": models.value_head if reuse else None}
     env = models.reward if isinstance(models.reward, Environment) else None
     if env is not None:  # multi-turn episodes: first inputs from env.reset, observations between the turns
-        eps = run_episodes(models.decoder(), tok, env, rows, params, generator, cfg.data.chat_template,
-                           cfg.data.max_prompt_len, **kw, **strategy.generation_kwargs())  # fmt: skip
+        eps = run_episodes(
+            models.decoder(),
+            tok,
+            env,
+            rows,
+            params,
+            generator,
+            cfg.data.chat_template,
+            cfg.data.max_prompt_len,
+            **kw,
+            **strategy.generation_kwargs(),
+        )
         prompt_ids, prompt_mask = eps.prompt_ids.to(dev), eps.prompt_mask.to(dev)
         sampled = Sample(*(x if x is None else x.to(dev) for x in eps.sample))
     else:
-        sampled = sample(models.decoder(), prompt_ids, prompt_mask, params, tok.eos_token_id, tok.pad_token_id,
-                         generator=generator, **kw, **strategy.generation_kwargs())  # fmt: skip
+        sampled = sample(
+            models.decoder(),
+            prompt_ids,
+            prompt_mask,
+            params,
+            tok.eos_token_id,
+            tok.pad_token_id,
+            generator=generator,
+            **kw,
+            **strategy.generation_kwargs(),
+        )
     response_ids, response_mask = sampled.response_ids, sampled.response_mask
     t_gen = time.perf_counter() - t0
     P = prompt_ids.shape[1]
@@ -109,8 +128,9 @@ def collect_rollout(
         scores, token_rewards, step_mask = eps.scores(cfg.estimator in PER_TURN)
         responses, eos_found = eps.transcripts(), ~eps.truncated.to(dev)
     else:
-        scores, token_rewards, step_mask = reward_scores(models, tok, prompts, responses, rows, input_ids,
-                                                         attention_mask, P, response_ids, response_mask)  # fmt: skip
+        scores, token_rewards, step_mask = reward_scores(
+            models, tok, prompts, responses, rows, input_ids, attention_mask, P, response_ids, response_mask
+        )
     scores = scores.to(old_log_probs.device)
     token_rewards = token_rewards.to(dev) if token_rewards is not None else None
     step_mask = step_mask.to(dev) if step_mask is not None else None
@@ -157,8 +177,9 @@ def collect_rollout(
     return rollout, info
 
 
-def reward_scores(models, tok, prompts, responses, rows, input_ids, attention_mask, P, response_ids,
-                  response_mask):  # fmt: skip
+def reward_scores(
+    models, tok, prompts, responses, rows, input_ids, attention_mask, P, response_ids, response_mask
+):
     """``(scores (B,), token_rewards (B, R) or None, step ends (B, R) or None)`` of the reward model(s) or
     function: process rewards from steps a function returns, dense rewards (reward.dense) per token."""
     reward_model = models.reward.model if isinstance(models.reward.model, nn.Module) else None
