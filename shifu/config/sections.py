@@ -237,6 +237,14 @@ class GenerationConfig:
     top_k: int = opt(0, "top-k sampling; 0 disables")
     top_p: float = opt(1.0, "nucleus sampling; 1.0 disables")
 
+    def validate(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError("generation.temperature must be > 0")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"generation.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("generation.top_p must be in (0, 1]")
+
 
 @frozen
 class RewardConfig:
@@ -260,6 +268,21 @@ class RewardConfig:
     missing_eos_mode: Literal["subtract", "replace"] = opt(
         "subtract", "subtract the penalty, or replace the score with -penalty"
     )
+
+    def validate(self) -> None:
+        """What a reward's own keys exclude (which of model_path, function and url: the PPO config)."""
+        if self.dense and self.model_path is None:
+            raise ConfigError(
+                "reward.dense reads a reward model's prefix scores: set reward.model_path (a "
+                "reward function can return per-token steps itself), or reward.dense=false"
+            )
+        if self.dense and (self.normalize or self.clip is not None or self.missing_eos_penalty is not None):
+            raise ConfigError(
+                "reward.normalize, reward.clip and reward.missing_eos_penalty act on one score per "
+                "response, which reward.dense does not give; unset them or set reward.dense=false"
+            )
+        if self.timeout_s <= 0 or self.retries < 0:
+            raise ConfigError("reward.timeout_s must be > 0 and reward.retries >= 0")
 
 
 @frozen
@@ -291,6 +314,10 @@ class KLConfig:
         "full: no estimate, KL(pi || pi_ref) over the whole vocabulary at each position (keeps the reference's "
         "(B, R, V) log-probs with the rollout)",
     )
+
+    def validate(self) -> None:
+        if self.controller != "fixed" and (self.target is None or self.target <= 0):
+            raise ConfigError(f"kl.controller={self.controller} needs kl.target > 0 (nats per response)")
 
 
 @frozen
