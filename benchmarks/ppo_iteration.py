@@ -566,6 +566,43 @@ def subprocess_run(
 # ----------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     global S
+    args = _parser().parse_args(argv)
+    S = Setup(
+        shape=args.shape,
+        **SHAPES[args.shape],
+        batch=args.batch,
+        new_tokens=args.response_len,
+        minibatch=args.minibatch,
+        eos_scale=args.eos_scale,
+        micro_batch_tokens=args.micro_batch_tokens,
+    )
+    torch.set_num_threads(1)
+    if args.short:
+        args.iters, args.warmup, args.rounds = 1, 0, 1
+    if args.system == "trl":
+        print(json.dumps(run_trl(args.iters, args.warmup)), flush=True)
+        return 0
+    if args.budget_ab:
+        _budget_ab(args)
+        return 0
+    if not args.vs_trl:
+        out = run_shifu(args.iters, args.warmup, args.fast)
+        if not (args.short or args.no_gen_check):
+            out.update(generation_vs_hf(args.gen_rounds))
+        print(json.dumps(out), flush=True)
+        record(
+            args,
+            "single",
+            {k: v for k, v in out.items() if k != "setup"},
+            fast=args.fast,
+            malloc=out.get("malloc"),
+        )
+        return 0
+    _vs_trl(args)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--short", action="store_true", help="1 iteration, no warm-up (CI)")
     ap.add_argument("--iters", type=int, default=5, help="measured iterations")
@@ -600,61 +637,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--system", choices=["shifu", "trl"], default="shifu", help=argparse.SUPPRESS)
     provenance.add_arguments(ap)
-    args = ap.parse_args(argv)
-    S = Setup(
-        shape=args.shape,
-        **SHAPES[args.shape],
-        batch=args.batch,
-        new_tokens=args.response_len,
-        minibatch=args.minibatch,
-        eos_scale=args.eos_scale,
-        micro_batch_tokens=args.micro_batch_tokens,
+    return ap
+
+
+def _budget_ab(args: argparse.Namespace) -> None:
+    """``--budget-ab N``: alternating shifu fp32 runs without / with ``micro_batch_tokens=N``."""
+    runs = {"fixed": [], "budget": []}
+    for _ in range(args.rounds):
+        for name, budget in (("fixed", None), ("budget", args.budget_ab)):
+            S.micro_batch_tokens = budget
+            runs[name].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
+            print(json.dumps({"run": name, **runs[name][-1]}), flush=True)
+    med = {k: statistics.median(r["median_train_s"] for r in v) for k, v in runs.items()}
+    summary = {
+        "update_s_fixed": med["fixed"],
+        "update_s_budget": med["budget"],
+        "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
+        "per_round_update_ratio": [
+            b["median_train_s"] / a["median_train_s"] for a, b in zip(runs["fixed"], runs["budget"])
+        ],
+    }
+    print(json.dumps(summary), flush=True)
+    runs = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
+    record(
+        args,
+        "budget-ab",
+        {"summary": summary, "runs": runs},
+        budget=args.budget_ab,
+        micro_batch_tokens=None,
     )
-    torch.set_num_threads(1)
-    if args.short:
-        args.iters, args.warmup, args.rounds = 1, 0, 1
-    if args.system == "trl":
-        print(json.dumps(run_trl(args.iters, args.warmup)), flush=True)
-        return 0
-    if args.budget_ab:
-        runs = {"fixed": [], "budget": []}
-        for _ in range(args.rounds):
-            for name, budget in (("fixed", None), ("budget", args.budget_ab)):
-                S.micro_batch_tokens = budget
-                runs[name].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
-                print(json.dumps({"run": name, **runs[name][-1]}), flush=True)
-        med = {k: statistics.median(r["median_train_s"] for r in v) for k, v in runs.items()}
-        summary = {
-            "update_s_fixed": med["fixed"],
-            "update_s_budget": med["budget"],
-            "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
-            "per_round_update_ratio": [
-                b["median_train_s"] / a["median_train_s"] for a, b in zip(runs["fixed"], runs["budget"])
-            ],
-        }
-        print(json.dumps(summary), flush=True)
-        runs = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
-        record(
-            args,
-            "budget-ab",
-            {"summary": summary, "runs": runs},
-            budget=args.budget_ab,
-            micro_batch_tokens=None,
-        )
-        return 0
-    if not args.vs_trl:
-        out = run_shifu(args.iters, args.warmup, args.fast)
-        if not (args.short or args.no_gen_check):
-            out.update(generation_vs_hf(args.gen_rounds))
-        print(json.dumps(out), flush=True)
-        record(
-            args,
-            "single",
-            {k: v for k, v in out.items() if k != "setup"},
-            fast=args.fast,
-            malloc=out.get("malloc"),
-        )
-        return 0
+
+
+def _vs_trl(args: argparse.Namespace) -> None:
+    """``--vs-trl``: alternating shifu, TRL and shifu-fast runs (and TRL with shifu's malloc), their ratios."""
     trl_py = str(ensure_trl_venv())
     runs: dict[str, list[dict]] = {"shifu": [], "trl": [], "shifu_fast": []}
     for _ in range(args.rounds):
@@ -692,7 +707,6 @@ def main(argv: list[str] | None = None) -> int:
     runs_only = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
     summary = {k: v for k, v in summary.items() if k != "setup"}
     record(args, "vs-trl", {"summary": summary, "runs": runs_only}, peer_malloc=args.peer_malloc)
-    return 0
 
 
 def record(args: argparse.Namespace, mode: str, metrics: dict, **extra) -> None:

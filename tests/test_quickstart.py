@@ -54,6 +54,12 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["gold_after"] == s["gold_after"]
     assert s["policy"] == "ppo/final"
 
+    _check_soup(tmp_path, out, s, capsys)
+
+
+def _check_soup(tmp_path, out, s: dict, capsys) -> None:
+    """The soup part of :func:`test_arith_quickstart_ppo_beats_sft`, on the finished run ``out`` (summary
+    ``s``)."""
     # a soup plan (on a copy of the run's finished data and SFT stages, with short PPO members to keep CI's
     # time: the soup's gains are measured in docs/benchmarks/alignment.md): two PPO runs (seeds 0 and 1000) and their
     # merge, which is what is judged; a rerun asking for the soup keeps ppo/ and adds only what is new
@@ -78,10 +84,8 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert soup["gold_before"] == s["gold_before"] == one["gold_before"], soup  # the copied SFT policy
     assert 0 < soup["kl"] < one["kl"], (soup, one)  # two runs' own noise partly cancels in their mean
     assert "Merged (`shifu merge`)" in (out / "soup" / "final" / "README.md").read_text()
-    printed = capsys.readouterr()
-    assert (
-        printed.err.rstrip().endswith("policy in soup/final)") and printed.out == ""
-    )  # shifu's lines: stderr
+    printed = capsys.readouterr()  # shifu's lines: stderr
+    assert printed.err.rstrip().endswith("policy in soup/final)") and printed.out == ""
     # another scale re-merges the same runs (the stage's marker records what it merged); nothing retrains
     mtime2 = (out / "ppo-2" / "final").stat().st_mtime
     half = [*short, "--set", "soup.members=2", "--set", "soup.scale=0.5"]

@@ -109,15 +109,7 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
     what "one method's frontier is above another's" and "more variance across seeds at the same KL"
     are read from. None when fewer than two methods have ``min_seeds`` seeds with two points or more.
     """
-    curves: dict[str, list[list[tuple[float, float]]]] = {}
-    for method, m in methods.items():
-        by_seed: dict[int, list[tuple[float, float]]] = {}
-        for p in m["points"]:
-            for s in p["per_seed"]:
-                by_seed.setdefault(s["seed"], []).append((s["kl"], s["gold"]))
-        usable = [c for c in by_seed.values() if len([k for k, _ in c if k > 0]) >= 2]
-        if len(usable) >= min_seeds:
-            curves[method] = usable
+    curves = _seed_curves(methods, min_seeds)
     if len(curves) < 2:
         return None
 
@@ -142,6 +134,27 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
             mean, std = _mean_std(golds) if golds else (None, None)
             rows.append({"kl": kl, "gold_mean": mean, "gold_std": std, "seeds": len(golds)})
         table[method] = rows
+    return {"kl_grid": grid, "methods": table, "vs_ppo": _differences_to_ppo(table)}
+
+
+def _seed_curves(methods: dict[str, Any], min_seeds: int) -> dict[str, list[list[tuple[float, float]]]]:
+    """Per method, each seed's (KL, gold) points, for the methods with ``min_seeds`` seeds of two points
+    or more at a KL above 0 (:func:`matched_kl`)."""
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for method, m in methods.items():
+        by_seed: dict[int, list[tuple[float, float]]] = {}
+        for p in m["points"]:
+            for s in p["per_seed"]:
+                by_seed.setdefault(s["seed"], []).append((s["kl"], s["gold"]))
+        usable = [c for c in by_seed.values() if len([k for k, _ in c if k > 0]) >= 2]
+        if len(usable) >= min_seeds:
+            curves[method] = usable
+    return curves
+
+
+def _differences_to_ppo(table: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Per method of :func:`matched_kl`'s ``table`` but PPO: PPO's mean gold minus the method's at each grid
+    KL that both reach with two seeds or more, with its standard error; empty without PPO."""
     vs_ppo: dict[str, list[dict[str, Any]]] = {}
     if "ppo" in table:
         for method, rows in table.items():
@@ -153,7 +166,7 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
                     se = math.sqrt(a["gold_std"] ** 2 / a["seeds"] + b["gold_std"] ** 2 / b["seeds"])
                     diffs.append({"kl": a["kl"], "ppo_minus": a["gold_mean"] - b["gold_mean"], "se": se})
             vs_ppo[method] = diffs
-    return {"kl_grid": grid, "methods": table, "vs_ppo": vs_ppo}
+    return vs_ppo
 
 
 def vs_ppo_pairwise(methods: dict[str, Any], grid_points: int = 3, min_seeds: int = 2) -> dict[str, Any]:
