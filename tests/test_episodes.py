@@ -99,9 +99,8 @@ def test_per_turn_rewards_sit_on_each_turns_last_sampled_token(char):
     for i in range(12):
         ends = eps.turn_ends[i].nonzero().flatten().tolist()
         assert len(ends) == eps.counts["turns"][i] and all(mask[i, p] for p in ends)
-        stepped = (
-            ends if _ended_by_stop(char, eps, i) else ends[:-1]
-        )  # a turn cut by its budget is not stepped
+        # a turn cut by its budget is not stepped
+        stepped = ends if _ended_by_stop(char, eps, i) else ends[:-1]
         want = [0.5, 1.0, 2.0][: len(stepped)]
         assert eps.rewards[i, stepped].tolist() == want
         assert eps.rewards[i].sum() == eps.returns[i] == sum(want)

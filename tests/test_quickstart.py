@@ -314,9 +314,8 @@ def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monk
     plan = yaml.safe_load(out)
     expected = json.loads(json.dumps(PLANS[("arith", "tiny")]))
     expected["ppo"]["iterations"], expected["soup"] = 3, {"members": 2}
-    assert (
-        plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
-    )  # the shipped plan unchanged
+    # the shipped plan unchanged
+    assert plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
     assert cli_main(["quickstart", "--print-config"]) == 0  # imdb's default preset, small
     assert yaml.safe_load(capsys.readouterr().out) == PLANS[("imdb", "small")]
     # a --set value of the wrong type is refused with the plan, the section and the key

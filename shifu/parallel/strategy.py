@@ -61,9 +61,8 @@ class Strategy:
     def __init__(self, cfg: DistributedConfig):
         self.cfg = cfg
         self.device = torch.device("cpu")
-        self.grad_norm = float(
-            "nan"
-        )  # the gradient norm (before clipping) of the last step's first optimiser
+        # the gradient norm (before clipping) of the last step's first optimiser
+        self.grad_norm = float("nan")
 
     # ------------------------------------------------------------------------------------ processes
     def launch(self, device: str) -> torch.device:
