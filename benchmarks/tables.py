@@ -303,26 +303,77 @@ def smollm2(records: list[dict]) -> str:
             pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
             fmt(metric(r, "gain_in_se"), ".1f"),
             f"{metric(r, 'kl'):.2f}",
+            tool_use_cell(r),
             time_cell([r]),
+            fmt(metric(r, "peak_rss_mb"), ".0f"),
             cpu_label(r),
             commit_label(r),
         ]
         for r in recs
     ]
-    return md(
-        [
-            "task",
-            "seed",
-            "gold before → after",
-            "gain ± paired s.e.",
-            "gain / s.e.",
-            "KL (nats)",
-            "time",
-            "CPU",
-            "commit",
-        ],
-        rows,
-    ) + footer(recs)
+    headers = [
+        "task",
+        "seed",
+        "gold before → after",
+        "gain ± paired s.e.",
+        "gain / s.e.",
+        "KL (nats)",
+        "tool use before → after",
+        "time",
+        "peak MB",
+        "CPU",
+        "commit",
+    ]
+    return md(headers, rows) + footer(recs)
+
+
+def tool_use_cell(r: dict) -> str:
+    before, after = metric(r, "tool_use_before"), metric(r, "tool_use_after")
+    return "-" if before is None or after is None else f"{before:.3f} → {after:.3f}"
+
+
+@table("arith-tool")
+def arith_tool(records: list[dict]) -> str:
+    """``shifu quickstart --task arith_tool`` per method and environment: the seeds' mean accuracy before and
+    after, the gain's mean ± its standard error over seeds, the calculator use, the CPU time of each run."""
+    recs = select(records, "arith_tool")
+    if not recs:
+        return none_yet("arith_tool", "python -m shifu quickstart --task arith_tool", "")
+    groups = by_key(recs, lambda r: (r["params"]["env"], r["params"]["method"], cpu_label(r), r["commit"]))
+    rows = []
+    for (env, method, cpu, _), rs in sorted(
+        groups.items(),
+        key=lambda kv: (kv[0][0] != "shifu.tasks.arith_tool:calculator_env", kv[0][1] != "ppo"),
+    ):
+        rs = sorted(rs, key=lambda r: r["params"]["seed"])
+        gains, ses = [metric(r, "gold_gain") for r in rs], [metric(r, "gold_gain_se") for r in rs]
+        mean = statistics.mean
+        gain = pm(mean(gains), se(gains)) if len(rs) > 1 else pm(gains[0], ses[0]) + " (paired over prompts)"
+        rows.append(
+            [
+                {"ppo": "PPO (critic)", "grpo": "GRPO (`group_size=4`)"}.get(method, method),
+                f"`{env}`",
+                ", ".join(str(r["params"]["seed"]) for r in rs),
+                f"{mean(metric(r, 'gold_before') for r in rs):.3f} → {mean(metric(r, 'gold_after') for r in rs):.3f}",
+                gain,
+                f"{mean(metric(r, 'tool_use_before') for r in rs):.3f} → {mean(metric(r, 'tool_use_after') for r in rs):.3f}",
+                time_cell(rs),
+                cpu,
+                commit_label(rs[0]),
+            ]
+        )
+    headers = [
+        "method",
+        "environment",
+        "seeds",
+        "accuracy before → after (mean)",
+        "gain: mean ± s.e. over seeds",
+        "calculator use before → after",
+        "time per run",
+        "CPU",
+        "commit",
+    ]
+    return md(headers, rows) + footer(recs)
 
 
 # ---------------------------------------------------------------------------------------- study frontier

@@ -147,6 +147,7 @@ COMMANDS = [
     ["study", "frontier"],
     ["demo", "bandit"],
     ["bench"],
+    ["install"],
 ]
 
 

@@ -221,3 +221,34 @@ def test_smollm2_template_extends_conversations_by_appending():
         "input_ids"
     ]
     assert first + action + obs == tok(full, add_special_tokens=False)["input_ids"]
+
+
+def test_arith_tool_smollm2_demonstrations_hold_the_ids_the_episodes_make():
+    """SFT on the arith_tool smollm2 demonstrations trains exactly the ids an episode then samples and reads:
+    the second row's prompt (system, question, call, tool result) is, token for token, the episode's first
+    input + the call (the turn ended at the stop string) + the observation's ids; SmolLM2's own tokenizer."""
+    from shifu.data.rows import sft_texts
+    from shifu.errors import ShifuError
+    from shifu.tasks import arith_tool
+    from shifu.tasks.imdb import converted_smollm2
+
+    try:
+        path = converted_smollm2()
+    except ShifuError as e:
+        pytest.skip(f"SmolLM2 assets not installed: {e}")
+    from shifu.models.loading import load_tokenizer
+
+    tok = load_tokenizer(path)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    row = {"prompt": "What is 347*29?", "answer": "10063"}
+    call_row, answer_row = arith_tool.chat_demonstrations(row, 347, 29, call=True)
+    env = arith_tool.calculator_env("json")
+    turns = ChatTurns(tok)
+    first = turns.first(env.reset(row))
+    p1, call = sft_texts(tok, call_row)
+    assert ids(p1) == first
+    step = env.step(call)
+    obs = turns.observation(call, False, step.observation)  # the turn ended at "</tool_call>"
+    p2, answer = sft_texts(tok, answer_row)
+    assert ids(p2) == first + ids(call) + obs and answer == "10063"
+    assert env.step(answer).reward == 1.0 and env.step(answer).done

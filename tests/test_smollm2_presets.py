@@ -136,3 +136,80 @@ def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
 
     load_causal_lm(out / "ppo" / "final")  # final/ and critic/ are plain, merged models
     ScalarModel.from_pretrained(out / "ppo" / "critic")
+
+
+@pytest.mark.unit
+def test_arith_tool_smollm2_demonstrations_are_the_environments_own_conversations(cached_model, tmp_path):
+    from shifu.tasks import arith_tool
+
+    files = arith_tool.prepare(tmp_path / "data", "smollm2", seed=0)
+    assert Path(files["base"]).resolve() == cached_model["dir"].resolve()
+    held = [json.loads(x) for x in Path(files["prompts_eval"]).read_text().splitlines()]
+    a, b = (int(x) for x in held[0]["prompt"].removeprefix("What is ").removesuffix("?").split("*"))
+    assert held[0]["answer"] == str(a * b) and 100 <= a <= 999 and 10 <= b <= 99
+    rows = [json.loads(x)["messages"] for x in Path(files["sft_train"]).read_text().splitlines()]
+    env = arith_tool.calculator_env("json")
+    first_turns, calls = 0, 0
+    for i, msgs in enumerate(rows):
+        assert msgs[0] == {"role": "system", "content": arith_tool.CHAT_SYSTEM} and msgs[1]["role"] == "user"
+        a, b = (int(x) for x in msgs[1]["content"].removeprefix("What is ").removesuffix("?").split("*"))
+        if len(msgs) == 3:  # a first turn: the call, or the product written directly
+            first_turns += 1
+            reply = msgs[2]["content"]
+            if reply.startswith("<tool_call>"):
+                calls += 1
+                call = json.loads(reply.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+                assert call == {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
+                assert rows[i + 1][:3] == msgs  # followed by the turn after the tool's result
+                env.reset({"prompt": msgs[1]["content"]})
+                assert (
+                    rows[i + 1][3]
+                    == env.step(reply).observation[0]
+                    == {"role": "tool", "content": str(a * b)}
+                )
+            else:
+                assert reply == str(a * b)
+        else:
+            assert len(msgs) == 5 and msgs[4] == {"role": "assistant", "content": str(a * b)}
+    assert first_turns == 2000 and 0.2 < calls / first_turns < 0.3  # a quarter call the calculator
+
+
+@pytest.fixture()
+def chat_cached_model(cached_model):
+    """The stand-in, its template closing each message with EOS (as ChatML's <|im_end|>), which the episode
+    rollout needs to find the end of a turn."""
+    from shifu.models.loading import load_tokenizer
+
+    tok = load_tokenizer(cached_model["dir"])
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok.save_pretrained(str(cached_model["dir"]))
+    return cached_model
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_arith_tool_smollm2_quickstart_sft_then_lora_rloo_episodes(chat_cached_model, tmp_path):
+    out = tmp_path / "run"
+    sets = [
+        "sft.max_steps=2",
+        "sft.batch_size=4",
+        "ppo.iterations=1",
+        "ppo.batch_size=8",
+        "ppo.minibatch_size=8",
+        "ppo.data.max_prompt_len=200",
+        "eval.num_prompts=8",
+    ]
+    argv = ["quickstart", "--task", "arith_tool", "--preset", "smollm2", "--out", str(out)]
+    assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_judge"] == "episode return of shifu.tasks.arith_tool:calculator_env"
+    assert s["eval_prompts"] == 8 and 0 <= s["tool_use_before"] <= 1 and s["kl"] >= 0
+    assert (out / "sft" / "final").is_dir() and (out / "data" / "base").is_symlink()
+    assert _adapter_only(out / "ppo", "actor") and not (out / "ppo" / "critic").exists()  # RLOO: no critic
+    cfg = (out / "ppo" / "config.yaml").read_text()
+    assert "rloo" in cfg and "format: json" in cfg and "</tool_call>" in cfg
+    metrics = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("env/turns" in m for m in metrics)

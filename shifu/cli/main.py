@@ -50,6 +50,7 @@ TOOLS = {
         "shifu.serve.server",
         "serve a reward model, ensemble or rule reward over HTTP (docs/how-to/reward-service.md)",
     ),
+    "install": ("shifu.tasks.assets", "install the SmolLM2 presets' assets: `shifu install smollm2`"),
     "launch": (
         "shifu.parallel.launch",
         "torchrun for shifu: a command on several processes; SIGTERM checkpoints and exits 143",

@@ -43,6 +43,9 @@ class ArithToolPreset:
     n_layer: int
     n_embd: int
     n_head: int
+    # "smollm2": SmolLM2-135M-Instruct (its own tokenizer) asked in chat turns, tools in the json format
+    pretrained: str | None = None
+    prompt_template: str = "{a}*{b}="
 
 
 # the presets: shifu/configs/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
@@ -104,12 +107,23 @@ def exact_answer(row: dict, answer: str) -> float:
     return float(answer.strip() == str(row["answer"]))
 
 
-def calculator_env(format: str = "bracket"):
+# the system message of the chat (json) format: the call syntax in one line, shorter than ToolEnv's default
+# (every tool's JSON schema), since each token of it is read in every turn of every episode
+CHAT_SYSTEM = (
+    'You have a calculator. To use it, write <tool_call>{"name": "calculator", "arguments": {"expression": '
+    '"12*34"}}</tool_call> and read its result. Answer with only the number.'
+)
+
+
+def calculator_env(format: str = "bracket", system: str | None = None):
     """The task's environment: :func:`calculator` as a tool, :func:`exact_answer` as the final reward
-    (``ppo.env.factory: shifu.tasks.arith_tool:calculator_env``)."""
+    (``ppo.env.factory: shifu.tasks.arith_tool:calculator_env``). ``format="json"`` (chat models) describes
+    the tool in the system message ``system`` (default :data:`CHAT_SYSTEM`)."""
     from shifu.envs.tool import ToolEnv
 
-    return ToolEnv([calculator], exact_answer, format=format)
+    if format == "json" and system is None:
+        system = CHAT_SYSTEM
+    return ToolEnv([calculator], exact_answer, format=format, system=system)
 
 
 def make_splits(n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, int]]]:
@@ -121,6 +135,21 @@ def make_splits(n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, in
         "sft_eval": pairs[n_heldout : n_heldout + n_sft_eval],
         "train": pairs[n_heldout + n_sft_eval :],
     }
+
+
+def chat_demonstrations(row: dict, a: int, b: int, call: bool) -> list[dict]:
+    """SFT rows (``messages``) of one chat demonstration: without a call, the product as the reply; with one,
+    two rows, the call (``<tool_call>...</tool_call>``) and, after the tool's result, the product. Each row
+    trains its last message; the conversation is the environment's own (:func:`calculator_env`, json)."""
+    env = calculator_env("json")
+    start = env.reset(row)
+    product = str(a * b)
+    if not call:
+        return [{"messages": [*start, {"role": "assistant", "content": product}]}]
+    args = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+    said = [*start, {"role": "assistant", "content": f"<tool_call>{args}</tool_call>"}]
+    result = env.step(said[-1]["content"]).observation
+    return [{"messages": said}, {"messages": [*said, *result, {"role": "assistant", "content": product}]}]
 
 
 def demonstration(a: int, b: int, call: bool) -> str:
@@ -150,11 +179,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
-    """Write the data files, the tokenizer (``tokenizer/``) and an untrained GPT-2 (``base/``); returns name ->
-    path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``, ``tokenizer``,
-    ``base``."""
-    from shifu.models.loading import build_tiny_gpt2
-
+    """Write the data files, the tokenizer (``tokenizer/``) and the base model (``base/``: an untrained GPT-2,
+    or for preset ``smollm2`` a link to the cached SmolLM2 conversion); returns name -> path for
+    ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``, ``tokenizer``, ``base``."""
     p = get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,26 +191,39 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     calls = [rng.random() < p.call_fraction for _ in sft_pairs]
 
     def prompt_row(a: int, b: int) -> dict:
-        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+        return {"prompt": p.prompt_template.format(a=a, b=b), "answer": str(a * b)}
 
-    def sft_row(a: int, b: int, call: bool) -> dict:
-        return {"prompt": f"{a}*{b}=", "response": demonstration(a, b, call)}
+    def sft_rows(a: int, b: int, call: bool) -> list[dict]:
+        if p.pretrained:
+            return chat_demonstrations(prompt_row(a, b), a, b, call)
+        return [{"prompt": prompt_row(a, b)["prompt"], "response": demonstration(a, b, call)}]
 
     eval_calls = [random.Random(SPLIT_SEED + i).random() < p.call_fraction for i in range(p.n_sft_eval)]
-    _write_jsonl(out / "sft_train.jsonl", [sft_row(a, b, c) for (a, b), c in zip(sft_pairs, calls)])
     _write_jsonl(
-        out / "sft_eval.jsonl", [sft_row(a, b, c) for (a, b), c in zip(splits["sft_eval"], eval_calls)]
+        out / "sft_train.jsonl", [r for (a, b), c in zip(sft_pairs, calls) for r in sft_rows(a, b, c)]
+    )
+    _write_jsonl(
+        out / "sft_eval.jsonl",
+        [r for (a, b), c in zip(splits["sft_eval"], eval_calls) for r in sft_rows(a, b, c)],
     )
     _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
     _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
     _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
-    tok = build_tokenizer(out / "tokenizer")
-    # "347*29=" + "[347*29]{10063}10063" + EOS is 28 tokens: 48 positions leave room for a third turn
-    model = build_tiny_gpt2(
-        tok, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_positions=48, seed=seed
-    )
-    model.save_pretrained(str(out / "base"))
-    tok.save_pretrained(str(out / "base"))
+    if p.pretrained == "smollm2":
+        from shifu.tasks import link_pretrained
+        from shifu.tasks.imdb import converted_smollm2
+
+        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
+    else:
+        from shifu.models.loading import build_tiny_gpt2
+
+        tok = build_tokenizer(out / "tokenizer")
+        # "347*29=" + "[347*29]{10063}10063" + EOS is 28 tokens: 48 positions leave room for a third turn
+        model = build_tiny_gpt2(
+            tok, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_positions=48, seed=seed
+        )
+        model.save_pretrained(str(out / "base"))
+        tok.save_pretrained(str(out / "base"))
     names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
     paths = {n: str(out / f"{n}.jsonl") for n in names}
     return paths | {"tokenizer": str(out / "tokenizer"), "base": str(out / "base")}

