@@ -47,8 +47,10 @@ def label(setup: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| shape, response | rollout (B / minibatch) | system | s / iter | gen / scoring / update s | "
-            "MFU (gen / scoring / update) | peak RSS MiB | shifu / TRL | gen vs HF |")  # fmt: skip
+    head = (
+        "| shape, response | rollout (B / minibatch) | system | s / iter | gen / scoring / update s | "
+        "MFU (gen / scoring / update) | peak RSS MiB | shifu / TRL | gen vs HF |"
+    )
     lines = [head, "|" + "---|" * 9]
     for r in results:
         s, runs, summ = r["setup"], r["runs"], r["summary"]
@@ -65,9 +67,11 @@ def table(results: list[dict]) -> str:
             mfu = f"{f('mfu')} ({f('mfu_generation')} / {f('mfu_scoring')} / {f('mfu_train')})"
             if name == "trl":
                 phases, mfu = "-", f("mfu")
-            ratio = {"shifu": f"{summ.get('ratio_shifu_over_trl', float('nan')):.2f}",
-                     "shifu_fast": f"fast: {summ.get('throughput_fast_over_trl', float('nan')):.2f}x TRL, "
-                                   f"{summ.get('throughput_fast_over_fp32', float('nan')):.2f}x fp32"}.get(name, "")  # fmt: skip
+            ratio = {
+                "shifu": f"{summ.get('ratio_shifu_over_trl', float('nan')):.2f}",
+                "shifu_fast": f"fast: {summ.get('throughput_fast_over_trl', float('nan')):.2f}x TRL, "
+                f"{summ.get('throughput_fast_over_fp32', float('nan')):.2f}x fp32",
+            }.get(name, "")
             gen = (
                 f"{summ['generation_speedup_vs_hf']:.2f}x"
                 if name == "shifu" and "generation_speedup_vs_hf" in summ

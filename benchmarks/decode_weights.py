@@ -108,8 +108,16 @@ def generation(rows: int, rounds: int = 3) -> dict:
 
     def hf():
         with torch.no_grad():
-            model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                           max_new_tokens=128, min_new_tokens=128, pad_token_id=0)  # fmt: skip
+            model.generate(
+                input_ids=prompts,
+                attention_mask=mask,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=128,
+                min_new_tokens=128,
+                pad_token_id=0,
+            )
 
     ours(), hf()  # warm-up; the first also runs (or reads) the head probe
     name = next(k for k in dec._HEAD_LAYOUTS if k.startswith(f"decode head {rows}x"))
@@ -145,10 +153,19 @@ def main() -> None:
     for rows in args.rows:
         out = generation(rows) if args.generation else step(rows, args.repeats)
         print(json.dumps(out), flush=True)
-        params = {"mode": "generation" if args.generation else "step", "rows": rows, "model": "SmolLM2-135M shape",
-                  **({} if args.generation else {"repeats": args.repeats})}  # fmt: skip
-        provenance.record(args, "decode_weights", {k: v for k, v in out.items() if k != "rows"}, params=params,
-                          config=params)  # fmt: skip
+        params = {
+            "mode": "generation" if args.generation else "step",
+            "rows": rows,
+            "model": "SmolLM2-135M shape",
+            **({} if args.generation else {"repeats": args.repeats}),
+        }
+        provenance.record(
+            args,
+            "decode_weights",
+            {k: v for k, v in out.items() if k != "rows"},
+            params=params,
+            config=params,
+        )
 
 
 if __name__ == "__main__":

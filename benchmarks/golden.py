@@ -51,8 +51,17 @@ def _inputs(out: Path) -> Path:
     write_jsonl(
         d / "sft.jsonl", [{"prompt": phrase(4) + ":", "response": " " + phrase(5)} for _ in range(96)]
     )
-    write_jsonl(d / "pairs.jsonl", [{"prompt": phrase(4) + ":", "chosen": " great good " + phrase(3),
-                                     "rejected": " bad boring " + phrase(3)} for _ in range(96)])  # fmt: skip
+    write_jsonl(
+        d / "pairs.jsonl",
+        [
+            {
+                "prompt": phrase(4) + ":",
+                "chosen": " great good " + phrase(3),
+                "rejected": " bad boring " + phrase(3),
+            }
+            for _ in range(96)
+        ],
+    )
     write_jsonl(d / "prompts.jsonl", [{"prompt": phrase(4) + ":"} for _ in range(96)])
     return d
 
@@ -66,23 +75,64 @@ def record(out: Path) -> None:
     d = _inputs(out)
     quiet = ["seed=0", "progress=false", "tensorboard=false"]
     loop = ["batch_size=8", "log_every=2", "eval.batch_size=16"]
-    _shifu("sft", "--out", str(out / "sft"), f"model.path={d / 'model'}", f"data.train={d / 'sft.jsonl'}",
-           "max_steps=12", "eval.every=4", "save_every=6", *loop, *quiet)  # fmt: skip
+    _shifu(
+        "sft",
+        "--out",
+        str(out / "sft"),
+        f"model.path={d / 'model'}",
+        f"data.train={d / 'sft.jsonl'}",
+        "max_steps=12",
+        "eval.every=4",
+        "save_every=6",
+        *loop,
+        *quiet,
+    )
     sft = out / "sft" / "final"
     for cmd in ("rm", "dpo"):
-        _shifu(cmd, "--out", str(out / cmd), f"model.path={sft}", f"data.train={d / 'pairs.jsonl'}",
-               "max_steps=10", "eval.every=5", *loop, *quiet)  # fmt: skip
-    ppo = [f"model.path={sft}", f"reward.model_path={out / 'rm' / 'final'}", f"data.train={d / 'prompts.jsonl'}",
-           "iterations=4", "batch_size=8", "minibatch_size=4", "ppo_epochs=2", "generation.max_new_tokens=8",
-           "eval.every=2", "eval.num_prompts=8", "save_every=2", *quiet]  # fmt: skip
+        _shifu(
+            cmd,
+            "--out",
+            str(out / cmd),
+            f"model.path={sft}",
+            f"data.train={d / 'pairs.jsonl'}",
+            "max_steps=10",
+            "eval.every=5",
+            *loop,
+            *quiet,
+        )
+    ppo = [
+        f"model.path={sft}",
+        f"reward.model_path={out / 'rm' / 'final'}",
+        f"data.train={d / 'prompts.jsonl'}",
+        "iterations=4",
+        "batch_size=8",
+        "minibatch_size=4",
+        "ppo_epochs=2",
+        "generation.max_new_tokens=8",
+        "eval.every=2",
+        "eval.num_prompts=8",
+        "save_every=2",
+        *quiet,
+    ]
     variants = {
-        "ppo_a": ["critic.init=shared", "kl.controller=adaptive", "kl.target=1.0", "reward.normalize=true",
-                  "ptx_coef=0.2", f"data.ptx={d / 'sft.jsonl'}"],
-        "ppo_b": ["critic.init=reward", "kl.controller=fixed", "reward.clip=2.0", "reward.missing_eos_penalty=1.0",
-                  "grad_accum=2"],
+        "ppo_a": [
+            "critic.init=shared",
+            "kl.controller=adaptive",
+            "kl.target=1.0",
+            "reward.normalize=true",
+            "ptx_coef=0.2",
+            f"data.ptx={d / 'sft.jsonl'}",
+        ],
+        "ppo_b": [
+            "critic.init=reward",
+            "kl.controller=fixed",
+            "reward.clip=2.0",
+            "reward.missing_eos_penalty=1.0",
+            "grad_accum=2",
+        ],
         "ppo_c": ["algo=reinforce", "critic.init=reward", "ppo_epochs=1"],
         "ppo_d": ["algo=ppo_penalty", "critic.init=sft"],
-    }  # fmt: skip
+    }
     for name, extra in variants.items():
         _shifu("ppo", "--out", str(out / name), *ppo, *extra)
 

@@ -60,8 +60,16 @@ def sample(run: Path, prompts: list[str], n: int, plan: dict, seed: int) -> list
     """n responses per prompt from run's SFT policy (prompt-major: response j of prompt i at i * n + j)."""
     ev = ev_mod.eval_settings(plan)
     rep = [p for p in prompts for _ in range(n)]
-    return evaluate_policy(str(run / "sft" / "final"), None, rep, ev["max_new_tokens"], ev["temperature"], seed,
-                           max_prompt_len=ev["max_prompt_len"], chat_template=ev["chat_template"])["responses"]  # fmt: skip
+    return evaluate_policy(
+        str(run / "sft" / "final"),
+        None,
+        rep,
+        ev["max_new_tokens"],
+        ev["temperature"],
+        seed,
+        max_prompt_len=ev["max_prompt_len"],
+        chat_template=ev["chat_template"],
+    )["responses"]
 
 
 def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> list[dict]:
@@ -73,11 +81,15 @@ def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> lis
     rows, k = [], 1
     while k <= n:
         g, s = gold[:, :k], score[:, :k]
-        rows.append({
-            "n": k, "kl_bound": round(math.log(k) - (k - 1) / k, 3), "prompts": len(prompts),
-            "gold_chosen_by_rm": round(g.gather(1, s.argmax(1, keepdim=True)).mean().item(), 4),
-            "gold_chosen_by_gold": round(g.max(1).values.mean().item(), 4),
-        })  # fmt: skip
+        rows.append(
+            {
+                "n": k,
+                "kl_bound": round(math.log(k) - (k - 1) / k, 3),
+                "prompts": len(prompts),
+                "gold_chosen_by_rm": round(g.gather(1, s.argmax(1, keepdim=True)).mean().item(), 4),
+                "gold_chosen_by_gold": round(g.max(1).values.mean().item(), 4),
+            }
+        )
         k *= 2
     return rows
 
@@ -110,21 +122,34 @@ def raft(
     responses = sample(run, prompts, n, plan, seed + 1)
     rep = [p for p in prompts for _ in range(n)]
     best = load_reward_model(run / "rm" / "final").score_texts(rep, responses).view(-1, n).argmax(1)
-    write_jsonl(out / "best.jsonl", [{"prompt": p, "response": responses[i * n + int(best[i])]}
-                                     for i, p in enumerate(prompts)])  # fmt: skip
+    write_jsonl(
+        out / "best.jsonl",
+        [{"prompt": p, "response": responses[i * n + int(best[i])]} for i, p in enumerate(prompts)],
+    )
     t1 = time.process_time()
     sft_data = {k: plan["sft"]["data"][k] for k in ("max_prompt_len", "max_len")}
     over = {
-        "seed": seed, "model": {"path": str(run / "sft" / "final")},
+        "seed": seed,
+        "model": {"path": str(run / "sft" / "final")},
         "data": {"train": str(out / "best.jsonl"), "eval": str(run / "data" / "sft_eval.jsonl"), **sft_data},
-        "batch_size": 32, "epochs": epochs, "max_steps": 0, "optim": {"lr": lr, "warmup_steps": 5},
-        "eval": {"every": 0}, "progress": False, "tensorboard": False,
-    }  # fmt: skip
+        "batch_size": 32,
+        "epochs": epochs,
+        "max_steps": 0,
+        "optim": {"lr": lr, "warmup_steps": 5},
+        "eval": {"every": 0},
+        "progress": False,
+        "tensorboard": False,
+    }
     train_stage("shifu.trainers.sft", out / "raft", over)
     t2 = time.process_time()
     result = held_out_eval(run, out / "raft" / "final", out, plan, seed)
-    return result | {"n": n, "prompts": num_prompts, "lr": lr, "epochs": epochs,
-                     "cpu_seconds": {"sample_and_score": round(t1 - t0, 1), "sft": round(t2 - t1, 1)}}  # fmt: skip
+    return result | {
+        "n": n,
+        "prompts": num_prompts,
+        "lr": lr,
+        "epochs": epochs,
+        "cpu_seconds": {"sample_and_score": round(t1 - t0, 1), "sft": round(t2 - t1, 1)},
+    }
 
 
 def agreement(scores: list[float], gold: list[float], pairs: int = 20000) -> dict:
@@ -135,9 +160,11 @@ def agreement(scores: list[float], gold: list[float], pairs: int = 20000) -> dic
     i, j = torch.randint(len(g), (2, pairs), generator=torch.Generator().manual_seed(0))
     keep = g[i] != g[j]
     right = ((s[i] > s[j]) == (g[i] > g[j]))[keep].float().mean()
-    return {"pearson": round(float(torch.corrcoef(torch.stack([s, g]))[0, 1]), 4),
-            "spearman": round(float(torch.corrcoef(torch.stack([rank(s), rank(g)]))[0, 1]), 4),
-            "pair_acc": round(float(right), 4)}  # fmt: skip
+    return {
+        "pearson": round(float(torch.corrcoef(torch.stack([s, g]))[0, 1]), 4),
+        "spearman": round(float(torch.corrcoef(torch.stack([rank(s), rank(g)]))[0, 1]), 4),
+        "pair_acc": round(float(right), 4),
+    }
 
 
 def rm_screen(run: Path, out: Path, judge: list[Path], plan: dict, seed: int) -> dict:
@@ -147,15 +174,19 @@ def rm_screen(run: Path, out: Path, judge: list[Path], plan: dict, seed: int) ->
     )
     marker = stages.rm(plan["rm"], sft_final)
     rm = load_reward_model(out / "rm" / "final")
-    result = {"rm_accuracy": marker.get("rm_accuracy"), "pairs": pairs.get("pairs"),
-              "cpu_seconds": {"pairs": pairs.get("cpu_seconds"), "rm": marker.get("cpu_seconds")}}  # fmt: skip
+    result = {
+        "rm_accuracy": marker.get("rm_accuracy"),
+        "pairs": pairs.get("pairs"),
+        "cpu_seconds": {"pairs": pairs.get("cpu_seconds"), "rm": marker.get("cpu_seconds")},
+    }
     for which in ("before", "after"):
         rows = [r for d in judge for r in read_jsonl(d / f"samples_{which}.jsonl")]
         scores = rm.score_texts([r["prompt"] for r in rows], [r["response"] for r in rows]).tolist()
         result[f"samples_{which}"] = agreement(scores, [r["gold"] for r in rows]) | {"n": len(rows)}
     held = read_jsonl(out / "pairs" / "pairs_eval.jsonl")
     margin = rm.score_texts([r["prompt"] for r in held], [r["chosen"] for r in held]) - rm.score_texts(
-        [r["prompt"] for r in held], [r["rejected"] for r in held])  # fmt: skip
+        [r["prompt"] for r in held], [r["rejected"] for r in held]
+    )
     gold = torch.tensor([r["gold_chosen"] - r["gold_rejected"] for r in held])
     result["noiseless_accuracy"] = round(float(((margin > 0) == (gold > 0))[gold != 0].float().mean()), 4)
     return result
@@ -208,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     params |= {"policy": args.policy} if args.mode == "judge" else {}
     for row in results:
         print(json.dumps(row), flush=True)
-        provenance.record(args, "imdb_headroom", row, params=params | ({"n": row["n"]} if "n" in row else {}),
-                          config=plan)  # fmt: skip
+        provenance.record(
+            args, "imdb_headroom", row, params=params | ({"n": row["n"]} if "n" in row else {}), config=plan
+        )
     return 0
 
 

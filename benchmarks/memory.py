@@ -102,9 +102,18 @@ def run_one(name: str, files: dict[str, str], out: Path, iterations: int) -> dic
     """One configuration in this process; returns its figures."""
     from shifu.cli import main as cli
 
-    argv = ["ppo", "--out", str(out), "--overwrite", f"model.path={files['policy']}",
-            f"reward.model_path={files['rm']}", f"data.train={files['prompts']}", f"iterations={iterations}",
-            *COMMON, *CONFIGS[name]]  # fmt: skip
+    argv = [
+        "ppo",
+        "--out",
+        str(out),
+        "--overwrite",
+        f"model.path={files['policy']}",
+        f"reward.model_path={files['rm']}",
+        f"data.train={files['prompts']}",
+        f"iterations={iterations}",
+        *COMMON,
+        *CONFIGS[name],
+    ]
     t0 = time.perf_counter()
     rc = cli.main(argv)
     seconds = time.perf_counter() - t0
@@ -165,8 +174,14 @@ def main() -> None:
         print(lines[-1], flush=True)
         row = json.loads(lines[-1])
         params = {"config": name, "args": CONFIGS[name], "common": COMMON, "iterations": args.iterations}
-        provenance.record(args, "memory", {k: v for k, v in row.items() if k not in ("config", "args", "cpu")},
-                          params=params, config=params, threads=row["threads"])  # fmt: skip
+        provenance.record(
+            args,
+            "memory",
+            {k: v for k, v in row.items() if k not in ("config", "args", "cpu")},
+            params=params,
+            config=params,
+            threads=row["threads"],
+        )
 
 
 if __name__ == "__main__":

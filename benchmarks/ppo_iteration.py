@@ -77,9 +77,16 @@ SHAPES = {
     "toy": {},
     "gpt2-12x512": {"width": 512, "layers": 12, "heads": 8, "kv_heads": 8, "intermediate": 2048},
     # SmolLM2-135M's shape: Llama, 30 layers, width 576, GQA 9 query / 3 KV heads, SwiGLU 1536, tied embeddings
-    "smollm2-135m": {"arch": "llama", "vocab": 49152, "width": 576, "layers": 30, "heads": 9, "kv_heads": 3,
-                     "intermediate": 1536},
-}  # fmt: skip
+    "smollm2-135m": {
+        "arch": "llama",
+        "vocab": 49152,
+        "width": 576,
+        "layers": 30,
+        "heads": 9,
+        "kv_heads": 3,
+        "intermediate": 1536,
+    },
+}
 S = Setup()
 
 
@@ -103,18 +110,37 @@ def model_config():
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            vocab_size=S.vocab, hidden_size=S.width, intermediate_size=S.intermediate,
-            num_hidden_layers=S.layers, num_attention_heads=S.heads, num_key_value_heads=S.kv_heads,
-            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-            bos_token_id=1, eos_token_id=1, pad_token_id=0,
-        )  # fmt: skip
+            vocab_size=S.vocab,
+            hidden_size=S.width,
+            intermediate_size=S.intermediate,
+            num_hidden_layers=S.layers,
+            num_attention_heads=S.heads,
+            num_key_value_heads=S.kv_heads,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=S.vocab, n_positions=max(128, S.prompt_len + S.new_tokens), n_embd=S.width, n_layer=S.layers,
-        n_head=S.heads, n_inner=S.intermediate, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=S.vocab,
+        n_positions=max(128, S.prompt_len + S.new_tokens),
+        n_embd=S.width,
+        n_layer=S.layers,
+        n_head=S.heads,
+        n_inner=S.intermediate,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
 
 
 def build_policy(seed: int = SEED):
@@ -255,10 +281,17 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
     reward = _scalar_model(1, tok, ScalarModel)
     critic = None if fast else _scalar_model(2, tok, ScalarModel)
     cfg = PPOConfig(
-        batch_size=S.batch, minibatch_size=S.minibatch, ppo_epochs=S.epochs, micro_batch_size=S.batch, seed=SEED,
-        joint_optimizer=fast, bf16=fast, optim=OptimConfig(lr=1e-5), micro_batch_tokens=S.micro_batch_tokens,
+        batch_size=S.batch,
+        minibatch_size=S.minibatch,
+        ppo_epochs=S.epochs,
+        micro_batch_size=S.batch,
+        seed=SEED,
+        joint_optimizer=fast,
+        bf16=fast,
+        optim=OptimConfig(lr=1e-5),
+        micro_batch_tokens=S.micro_batch_tokens,
         generation=GenerationConfig(max_new_tokens=S.new_tokens),
-    )  # fmt: skip
+    )
     value_head = new_value_head(S.width, SEED) if fast else None
     strategy = build_strategy(cfg.distributed)
     strategy.launch("cpu")
@@ -283,8 +316,14 @@ def run_shifu(n_iters: int, warmup: int, fast: bool) -> dict:
         total = time.perf_counter() - t0
         if i >= warmup:
             lengths.append(m["rollout/response_len"])
-            iters.append({"total": total, "generation": m["time/generation_s"], "scoring": m["time/scoring_s"],
-                          "train": m["time/update_s"]})  # fmt: skip
+            iters.append(
+                {
+                    "total": total,
+                    "generation": m["time/generation_s"],
+                    "scoring": m["time/scoring_s"],
+                    "train": m["time/update_s"],
+                }
+            )
     p = models.precision
     extra = {
         "optimizer_steps_per_iter": steps[0] // (warmup + n_iters),
@@ -327,8 +366,16 @@ def generation_vs_hf(rounds: int = 3) -> dict:  # (EOS disabled whatever --eos-s
 
     def hf():
         with torch.no_grad():
-            model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                           max_new_tokens=S.new_tokens, min_new_tokens=S.new_tokens, pad_token_id=0)  # fmt: skip
+            model.generate(
+                input_ids=prompts,
+                attention_mask=mask,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=S.new_tokens,
+                min_new_tokens=S.new_tokens,
+                pad_token_id=0,
+            )
 
     times: dict[str, list[float]] = {"shifu": [], "hf": [], "shifu_bf16": []}
     ours(), hf(), ours16()
@@ -379,16 +426,43 @@ def run_trl(n_iters: int, warmup: int) -> dict:
     # iteration. With --eos-scale TRL truncates responses after EOS (stop_token="eos").
     n_mini = S.batch // S.minibatch
     args = PPOConfig(
-        output_dir=str(tmp / "out"), per_device_train_batch_size=S.minibatch, gradient_accumulation_steps=n_mini,
-        num_mini_batches=n_mini, num_ppo_epochs=S.epochs, total_episodes=S.batch * n,
-        response_length=S.new_tokens, stop_token="eos" if S.eos_scale else None, temperature=1.0,
-        local_rollout_forward_batch_size=S.batch, learning_rate=1e-5,
-        kl_coef=0.05, cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95,
-        num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=10**6, use_cpu=True,
-        bf16=False, fp16=False, seed=SEED, dataloader_num_workers=0, missing_eos_penalty=None,
-    )  # fmt: skip
-    trainer = PPOTrainer(args=args, processing_class=tok, model=build_policy(), ref_model=build_policy(),
-                         reward_model=scalar(1), value_model=scalar(2), train_dataset=data)  # fmt: skip
+        output_dir=str(tmp / "out"),
+        per_device_train_batch_size=S.minibatch,
+        gradient_accumulation_steps=n_mini,
+        num_mini_batches=n_mini,
+        num_ppo_epochs=S.epochs,
+        total_episodes=S.batch * n,
+        response_length=S.new_tokens,
+        stop_token="eos" if S.eos_scale else None,
+        temperature=1.0,
+        local_rollout_forward_batch_size=S.batch,
+        learning_rate=1e-5,
+        kl_coef=0.05,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+        gamma=1.0,
+        lam=0.95,
+        num_sample_generations=0,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=SEED,
+        dataloader_num_workers=0,
+        missing_eos_penalty=None,
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=build_policy(),
+        ref_model=build_policy(),
+        reward_model=scalar(1),
+        value_model=scalar(2),
+        train_dataset=data,
+    )
     trainer.accelerator.gradient_accumulation_steps = 1
     steps = [0]
     trainer.optimizer.optimizer.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
@@ -434,16 +508,30 @@ def ensure_trl_venv() -> Path:
     wheels = glob.glob(TORCH_WHEEL_GLOB)
     torch_spec = wheels[0] if wheels else "torch==2.13.0"
     pip = [str(py), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, torch_spec, "--index-url", "https://download.pytorch.org/whl/cpu"] if not wheels
-                   else [*pip, torch_spec], check=True)  # fmt: skip
+    subprocess.run(
+        [*pip, torch_spec, "--index-url", "https://download.pytorch.org/whl/cpu"]
+        if not wheels
+        else [*pip, torch_spec],
+        check=True,
+    )
     subprocess.run([*pip, *TRL_SPEC], check=True)
     return py
 
 
 def setup_args() -> list[str]:
     """``S`` as command-line arguments (the subprocesses rebuild the same setup)."""
-    out = ["--shape", S.shape, "--response-len", str(S.new_tokens), "--batch", str(S.batch),
-           "--minibatch", str(S.minibatch), "--eos-scale", str(S.eos_scale)]  # fmt: skip
+    out = [
+        "--shape",
+        S.shape,
+        "--response-len",
+        str(S.new_tokens),
+        "--batch",
+        str(S.batch),
+        "--minibatch",
+        str(S.minibatch),
+        "--eos-scale",
+        str(S.eos_scale),
+    ]
     return out + (["--micro-batch-tokens", str(S.micro_batch_tokens)] if S.micro_batch_tokens else [])
 
 
@@ -454,8 +542,17 @@ KEPT_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_
 def subprocess_run(
     python: str, system: str, n_iters: int, warmup: int, fast: bool = False, env_extra=None
 ) -> dict:
-    cmd = [python, str(Path(__file__).resolve()), "--system", system, "--iters", str(n_iters),
-           "--warmup", str(warmup), *setup_args()] + (["--fast"] if fast else [])  # fmt: skip
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--system",
+        system,
+        "--iters",
+        str(n_iters),
+        "--warmup",
+        str(warmup),
+        *setup_args(),
+    ] + (["--fast"] if fast else [])
     env = dict(
         os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {})
     )
@@ -469,35 +566,16 @@ def subprocess_run(
 # ----------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     global S
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--short", action="store_true", help="1 iteration, no warm-up (CI)")
-    ap.add_argument("--iters", type=int, default=5, help="measured iterations")
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up iterations (not measured)")
-    ap.add_argument(
-        "--fast", action="store_true",
-        help="shifu's fast defaults: shared-trunk critic, bf16=true (bf16 only where the probe measures it faster)",
-    )  # fmt: skip
-    ap.add_argument("--vs-trl", action="store_true", help="alternate shifu and TRL runs; print the ratio")
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of shifu/TRL runs with --vs-trl")
-    ap.add_argument("--no-gen-check", action="store_true", help="skip generation tokens/s vs HF generate")
-    ap.add_argument("--gen-rounds", type=int, default=3, help="alternating rounds of the generation check")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="toy", help="model shape (random weights)")
-    ap.add_argument("--response-len", type=int, default=32, help="max new tokens per response")
-    ap.add_argument("--batch", type=int, default=32, help="responses per rollout")
-    ap.add_argument("--minibatch", type=int, default=8, help="responses per optimiser step")
-    ap.add_argument(
-        "--eos-scale", type=float, default=0.0, help="> 0: responses stop at EOS at varied lengths"
+    args = _parser().parse_args(argv)
+    S = Setup(
+        shape=args.shape,
+        **SHAPES[args.shape],
+        batch=args.batch,
+        new_tokens=args.response_len,
+        minibatch=args.minibatch,
+        eos_scale=args.eos_scale,
+        micro_batch_tokens=args.micro_batch_tokens,
     )
-    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="shifu's micro_batch_tokens")
-    ap.add_argument("--budget-ab", type=int, default=None,
-                    help="alternate shifu fp32 runs without / with micro_batch_tokens=N (no TRL)")  # fmt: skip
-    ap.add_argument("--peer-malloc", action="store_true",
-                    help="with --vs-trl: also run TRL with glibc malloc set as shifu sets it")  # fmt: skip
-    ap.add_argument("--system", choices=["shifu", "trl"], default="shifu", help=argparse.SUPPRESS)
-    provenance.add_arguments(ap)
-    args = ap.parse_args(argv)
-    S = Setup(shape=args.shape, **SHAPES[args.shape], batch=args.batch, new_tokens=args.response_len,
-              minibatch=args.minibatch, eos_scale=args.eos_scale, micro_batch_tokens=args.micro_batch_tokens)  # fmt: skip
     torch.set_num_threads(1)
     if args.short:
         args.iters, args.warmup, args.rounds = 1, 0, 1
@@ -505,26 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_trl(args.iters, args.warmup)), flush=True)
         return 0
     if args.budget_ab:
-        runs = {"fixed": [], "budget": []}
-        for _ in range(args.rounds):
-            for name, budget in (("fixed", None), ("budget", args.budget_ab)):
-                S.micro_batch_tokens = budget
-                runs[name].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
-                print(json.dumps({"run": name, **runs[name][-1]}), flush=True)
-        med = {k: statistics.median(r["median_train_s"] for r in v) for k, v in runs.items()}
-        summary = {"update_s_fixed": med["fixed"], "update_s_budget": med["budget"],
-                   "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
-                   "per_round_update_ratio": [b["median_train_s"] / a["median_train_s"]
-                                              for a, b in zip(runs["fixed"], runs["budget"])]}  # fmt: skip
-        print(json.dumps(summary), flush=True)
-        runs = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
-        record(
-            args,
-            "budget-ab",
-            {"summary": summary, "runs": runs},
-            budget=args.budget_ab,
-            micro_batch_tokens=None,
-        )
+        _budget_ab(args)
         return 0
     if not args.vs_trl:
         out = run_shifu(args.iters, args.warmup, args.fast)
@@ -539,6 +598,78 @@ def main(argv: list[str] | None = None) -> int:
             malloc=out.get("malloc"),
         )
         return 0
+    _vs_trl(args)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--short", action="store_true", help="1 iteration, no warm-up (CI)")
+    ap.add_argument("--iters", type=int, default=5, help="measured iterations")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up iterations (not measured)")
+    ap.add_argument(
+        "--fast",
+        action="store_true",
+        help="shifu's fast defaults: shared-trunk critic, bf16=true (bf16 only where the probe measures it faster)",
+    )
+    ap.add_argument("--vs-trl", action="store_true", help="alternate shifu and TRL runs; print the ratio")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of shifu/TRL runs with --vs-trl")
+    ap.add_argument("--no-gen-check", action="store_true", help="skip generation tokens/s vs HF generate")
+    ap.add_argument("--gen-rounds", type=int, default=3, help="alternating rounds of the generation check")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="toy", help="model shape (random weights)")
+    ap.add_argument("--response-len", type=int, default=32, help="max new tokens per response")
+    ap.add_argument("--batch", type=int, default=32, help="responses per rollout")
+    ap.add_argument("--minibatch", type=int, default=8, help="responses per optimiser step")
+    ap.add_argument(
+        "--eos-scale", type=float, default=0.0, help="> 0: responses stop at EOS at varied lengths"
+    )
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="shifu's micro_batch_tokens")
+    ap.add_argument(
+        "--budget-ab",
+        type=int,
+        default=None,
+        help="alternate shifu fp32 runs without / with micro_batch_tokens=N (no TRL)",
+    )
+    ap.add_argument(
+        "--peer-malloc",
+        action="store_true",
+        help="with --vs-trl: also run TRL with glibc malloc set as shifu sets it",
+    )
+    ap.add_argument("--system", choices=["shifu", "trl"], default="shifu", help=argparse.SUPPRESS)
+    provenance.add_arguments(ap)
+    return ap
+
+
+def _budget_ab(args: argparse.Namespace) -> None:
+    """``--budget-ab N``: alternating shifu fp32 runs without / with ``micro_batch_tokens=N``."""
+    runs = {"fixed": [], "budget": []}
+    for _ in range(args.rounds):
+        for name, budget in (("fixed", None), ("budget", args.budget_ab)):
+            S.micro_batch_tokens = budget
+            runs[name].append(subprocess_run(sys.executable, "shifu", args.iters, args.warmup))
+            print(json.dumps({"run": name, **runs[name][-1]}), flush=True)
+    med = {k: statistics.median(r["median_train_s"] for r in v) for k, v in runs.items()}
+    summary = {
+        "update_s_fixed": med["fixed"],
+        "update_s_budget": med["budget"],
+        "update_ratio_budget_over_fixed": med["budget"] / med["fixed"],
+        "per_round_update_ratio": [
+            b["median_train_s"] / a["median_train_s"] for a, b in zip(runs["fixed"], runs["budget"])
+        ],
+    }
+    print(json.dumps(summary), flush=True)
+    runs = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
+    record(
+        args,
+        "budget-ab",
+        {"summary": summary, "runs": runs},
+        budget=args.budget_ab,
+        micro_batch_tokens=None,
+    )
+
+
+def _vs_trl(args: argparse.Namespace) -> None:
+    """``--vs-trl``: alternating shifu, TRL and shifu-fast runs (and TRL with shifu's malloc), their ratios."""
     trl_py = str(ensure_trl_venv())
     runs: dict[str, list[dict]] = {"shifu": [], "trl": [], "shifu_fast": []}
     for _ in range(args.rounds):
@@ -576,13 +707,18 @@ def main(argv: list[str] | None = None) -> int:
     runs_only = {k: [{x: y for x, y in r.items() if x != "setup"} for r in v] for k, v in runs.items()}
     summary = {k: v for k, v in summary.items() if k != "setup"}
     record(args, "vs-trl", {"summary": summary, "runs": runs_only}, peer_malloc=args.peer_malloc)
-    return 0
 
 
 def record(args: argparse.Namespace, mode: str, metrics: dict, **extra) -> None:
     """With ``--record``: the run as a provenance record (params: the setup, the mode and its options)."""
-    params = {**dataclasses.asdict(S), "mode": mode, "rounds": args.rounds, "iters": args.iters,
-              "warmup": args.warmup, **extra}  # fmt: skip
+    params = {
+        **dataclasses.asdict(S),
+        "mode": mode,
+        "rounds": args.rounds,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        **extra,
+    }
     provenance.record(args, "ppo_iteration", metrics, params=params, config=params, threads=1)
 
 

@@ -47,8 +47,11 @@ ENV_IN_COMMAND = ("SHIFU_THREADS", "SHIFU_MALLOC")  # settings that change a mea
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """``--record`` and ``--series`` on a benchmark script's parser."""
-    ap.add_argument("--record", action="store_true",
-                    help="also append each result to benchmarks/results/<benchmark>.jsonl with its provenance")  # fmt: skip
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="also append each result to benchmarks/results/<benchmark>.jsonl with its provenance",
+    )
     ap.add_argument("--series", default=None, help="with --record: the name of the set of runs it belongs to")
 
 
@@ -68,8 +71,11 @@ def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
             model = value.strip()
         elif key in CPU_FLAGS and flags is None:
             flags = [f for f in CPU_FLAGS[key] if f in value.split()]
-    return {"model": model or platform.processor() or platform.machine(), "flags": flags or [],
-            "cores": os.cpu_count()}  # fmt: skip
+    return {
+        "model": model or platform.processor() or platform.machine(),
+        "flags": flags or [],
+        "cores": os.cpu_count(),
+    }
 
 
 def git_state(root: Path = ROOT) -> tuple[str | None, bool]:
@@ -79,8 +85,13 @@ def git_state(root: Path = ROOT) -> tuple[str | None, bool]:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         )
-        status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"],
-                                cwd=root, capture_output=True, text=True, check=True)  # fmt: skip
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return None, False
     return head.stdout.strip(), bool(status.stdout.strip())
@@ -133,16 +144,26 @@ def config_digest(config: Any) -> str | None:
     return h.hexdigest()
 
 
-def make_record(benchmark: str, metrics: dict, *, params: dict | None = None, config: Any = None,
-                series: str | None = None, threads: int | None = None, argv: list[str] | None = None,
-                note: str | None = None) -> dict[str, Any]:  # fmt: skip
+def make_record(
+    benchmark: str,
+    metrics: dict,
+    *,
+    params: dict | None = None,
+    config: Any = None,
+    series: str | None = None,
+    threads: int | None = None,
+    argv: list[str] | None = None,
+    note: str | None = None,
+) -> dict[str, Any]:
     """A record of this process's run (see the module docstring)."""
     import torch
 
     commit, dirty = git_state()
     if commit is None:
-        raise ValueError(f"--record needs a git checkout of shifu (no commit found at {ROOT.name}/): a record "
-                         "names the commit that produced it")  # fmt: skip
+        raise ValueError(
+            f"--record needs a git checkout of shifu (no commit found at {ROOT.name}/): a record "
+            "names the commit that produced it"
+        )
     rec: dict[str, Any] = {"benchmark": benchmark}
     if series:
         rec["series"] = series

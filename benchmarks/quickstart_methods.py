@@ -53,7 +53,7 @@ METHODS: dict[str, list[str]] = {
         "ppo.kl.penalty=loss",
         "ppo.clip_low=3e-4",
         "ppo.clip_high=4e-4",
-    ],  # fmt: skip
+    ],
 }
 __doc__ += "\n".join(f"    {k:22s} {' '.join(v) or '(none)'}" for k, v in METHODS.items()) + "\n"
 SHARED = {"arith": ("data", "sft"), "imdb": ("data", "sft", "pairs", "rm")}
@@ -72,8 +72,20 @@ def method_sets(task: str, method: str, same_prompts: bool) -> list[str]:
 
 
 def run_one(task: str, method: str, seed: int, out: Path, sets: list[str], threads: int) -> None:
-    cmd = [sys.executable, "-m", "shifu.cli.main", "quickstart", "--task", task, "--seed", str(seed), "--out", str(out),
-           "--threads", str(threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shifu.cli.main",
+        "quickstart",
+        "--task",
+        task,
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--threads",
+        str(threads),
+    ]
     for s in sets:
         cmd += ["--set", s]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -88,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(m for m in METHODS if m != "ppo"))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE", help="for every method")
-    ap.add_argument("--same-prompts", action="store_true",
-                    help="group methods: G x the plan's batch and minibatch (the plan's prompts per iteration)")  # fmt: skip
+    ap.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="group methods: G x the plan's batch and minibatch (the plan's prompts per iteration)",
+    )
     ap.add_argument("--bar", type=float, default=0.15, help="gold gain a seed must reach (default 0.15)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -124,27 +139,51 @@ def main(argv: list[str] | None = None) -> int:
             keep = ("gold_before", "gold_after", "gold_gain", "gold_gain_se", "kl", "seconds_total")
             print(json.dumps({"method": method, "seed": seed, **{k: row[k] for k in keep}}), flush=True)
             preset = DEFAULT_PRESET[args.task]
-            params = {"task": args.task, "preset": preset, "seed": seed, "method": method, "sets": sets,
-                      "same_prompts": args.same_prompts, **({"plan": "default"} if not sets else {})}  # fmt: skip
+            params = {
+                "task": args.task,
+                "preset": preset,
+                "seed": seed,
+                "method": method,
+                "sets": sets,
+                "same_prompts": args.same_prompts,
+                **({"plan": "default"} if not sets else {}),
+            }
             metrics = {k: v for k, v in row.items() if k not in ("method", "sets", "task", "preset", "seed")}
-            provenance.record(args, "quickstart", metrics, params=params, config=_plan(args.task, preset, sets),
-                              threads=args.threads)  # fmt: skip
+            provenance.record(
+                args,
+                "quickstart",
+                metrics,
+                params=params,
+                config=_plan(args.task, preset, sets),
+                threads=args.threads,
+            )
     for method, rs in rows.items():
         gains = [r["gold_gain"] for r in rs]
         se = standard_error(gains) if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
         rl = [rl_cpu_seconds(r) for r in rs]
         per_minute = [g / (c / 60) for g, c in zip(gains, rl)]
         summary = {
-            "seeds": len(rs), "gain_mean": statistics.mean(gains), "gain_se_over_seeds": se,
-            "seeds_meeting_bar": sum(g >= args.bar for g in gains), "bar": args.bar, "worst_gain": min(gains),
-            "kl_mean": statistics.mean(r["kl"] for r in rs), "kl_max": max(r["kl"] for r in rs),
-            "seconds_max": max(r["seconds_total"] for r in rs), "gains": gains,
-            "rl_cpu_seconds_mean": statistics.mean(rl), "gain_per_rl_cpu_minute": statistics.mean(per_minute),
-        }  # fmt: skip
+            "seeds": len(rs),
+            "gain_mean": statistics.mean(gains),
+            "gain_se_over_seeds": se,
+            "seeds_meeting_bar": sum(g >= args.bar for g in gains),
+            "bar": args.bar,
+            "worst_gain": min(gains),
+            "kl_mean": statistics.mean(r["kl"] for r in rs),
+            "kl_max": max(r["kl"] for r in rs),
+            "seconds_max": max(r["seconds_total"] for r in rs),
+            "gains": gains,
+            "rl_cpu_seconds_mean": statistics.mean(rl),
+            "gain_per_rl_cpu_minute": statistics.mean(per_minute),
+        }
         print(json.dumps({"method": method, **summary}), flush=True)
-        params = {"task": args.task, "preset": DEFAULT_PRESET[args.task], "method": method,
-                  "sets": method_sets(args.task, method, args.same_prompts) + args.set,
-                  "same_prompts": args.same_prompts}  # fmt: skip
+        params = {
+            "task": args.task,
+            "preset": DEFAULT_PRESET[args.task],
+            "method": method,
+            "sets": method_sets(args.task, method, args.same_prompts) + args.set,
+            "same_prompts": args.same_prompts,
+        }
         provenance.record(args, "quickstart_methods", summary, params=params, threads=args.threads)
     if args.plot:
         plot(rows, Path(args.plot))
@@ -171,9 +210,17 @@ def plot(rows: dict[str, list[dict]], path: Path) -> None:
         se = standard_error(gains) if len(gains) > 1 else 0.0
         for ax, xs in zip(axes, ([r["kl"] for r in rs], [rl_cpu_seconds(r) for r in rs])):
             ax.scatter(xs, gains, color=colour, s=14, alpha=0.5)
-            ax.errorbar([statistics.mean(xs)], [statistics.mean(gains)], yerr=[se],
-                        xerr=[standard_error(xs) if len(xs) > 1 else 0.0], color=colour, marker="o",
-                        markersize=7, capsize=3, label=f"{method} ({len(rs)} seeds)")  # fmt: skip
+            ax.errorbar(
+                [statistics.mean(xs)],
+                [statistics.mean(gains)],
+                yerr=[se],
+                xerr=[standard_error(xs) if len(xs) > 1 else 0.0],
+                color=colour,
+                marker="o",
+                markersize=7,
+                capsize=3,
+                label=f"{method} ({len(rs)} seeds)",
+            )
     axes[0].set_xlabel("KL to the reference, nats per response (held-out prompts)")
     axes[1].set_xlabel("CPU seconds of the RL stage (one thread)")
     axes[0].set_ylabel("gold gain over the SFT policy (held-out)")

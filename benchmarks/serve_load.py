@@ -57,9 +57,18 @@ def build_reward_model(path: Path) -> Path:
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
     torch.manual_seed(0)
     cfg = GPT2Config(
-        vocab_size=VOCAB, n_positions=128, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=128,
+        n_embd=WIDTH,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     ScalarModel(GPT2Model(cfg), tok, seed=0).save_pretrained(path)
     return path
 

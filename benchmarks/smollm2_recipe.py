@@ -37,8 +37,22 @@ def run(task: str, seed: int, root: Path, sets: list[str]) -> dict:
     out = root / f"{task}-s{seed}"
     summary = out / "summary.json"
     if not summary.exists():
-        cmd = [sys.executable, "-m", "shifu", "quickstart", "--task", task, "--preset", "smollm2",
-               "--seed", str(seed), "--threads", "1", "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "shifu",
+            "quickstart",
+            "--task",
+            task,
+            "--preset",
+            "smollm2",
+            "--seed",
+            str(seed),
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
         cmd += [x for s in sets for x in ("--set", s)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out.mkdir(parents=True, exist_ok=True)
@@ -94,11 +108,22 @@ def main() -> None:
         if "error" not in r:
             from shifu.experiments.quickstart import _plan
 
-            params = {"task": r["task"], "preset": "smollm2", "seed": r["seed"], "sets": args.sets,
-                      **({"plan": "default"} if not args.sets else {})}  # fmt: skip
+            params = {
+                "task": r["task"],
+                "preset": "smollm2",
+                "seed": r["seed"],
+                "sets": args.sets,
+                **({"plan": "default"} if not args.sets else {}),
+            }
             metrics = {k: v for k, v in r.items() if k not in ("task", "seed")}
-            provenance.record(args, "quickstart", metrics, params=params, threads=1,
-                              config=_plan(r["task"], "smollm2", args.sets))  # fmt: skip
+            provenance.record(
+                args,
+                "quickstart",
+                metrics,
+                params=params,
+                threads=1,
+                config=_plan(r["task"], "smollm2", args.sets),
+            )
     ok = [r for r in results if "error" not in r]
     passed = [
         r

@@ -137,22 +137,46 @@ def sets_label(sets: list[str], drop: tuple[str, ...] = ()) -> str:
 
 
 # settings the imdb `small` plan (MiniLM era) already had, recorded in full by some runs
-PLAN_IMDB = ("ppo.batch_size=64", "ppo.minibatch_size=32", "ppo.ppo_epochs=4", "ppo.algo=ppo",
-             "ppo.loss_aggregation=token_mean", "ppo.ent_coef=0.0", "ppo.optim.warmup_steps=0",
-             "ppo.optim.betas=[0.9,0.95]", "ppo.kl.target=7.0", "ppo.kl.horizon=2000", "ppo.lora.alpha=32.0",
-             "ppo.lora.dropout=0.0", "ppo.lora.critic=false", "ppo.lora.enabled=true")  # fmt: skip
+PLAN_IMDB = (
+    "ppo.batch_size=64",
+    "ppo.minibatch_size=32",
+    "ppo.ppo_epochs=4",
+    "ppo.algo=ppo",
+    "ppo.loss_aggregation=token_mean",
+    "ppo.ent_coef=0.0",
+    "ppo.optim.warmup_steps=0",
+    "ppo.optim.betas=[0.9,0.95]",
+    "ppo.kl.target=7.0",
+    "ppo.kl.horizon=2000",
+    "ppo.lora.alpha=32.0",
+    "ppo.lora.dropout=0.0",
+    "ppo.lora.critic=false",
+    "ppo.lora.enabled=true",
+)
 
 
-METHOD = {"ppo": "PPO", "grpo": "GRPO", "dr_grpo": "Dr. GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++",
-          "reinforce_pp_baseline": "REINFORCE++ baseline", "gspo": "GSPO", "reinforce": "REINFORCE", "dpo": "DPO",
-          "bon": "best-of-G"}  # fmt: skip
+METHOD = {
+    "ppo": "PPO",
+    "grpo": "GRPO",
+    "dr_grpo": "Dr. GRPO",
+    "rloo": "RLOO",
+    "reinforce_pp": "REINFORCE++",
+    "reinforce_pp_baseline": "REINFORCE++ baseline",
+    "gspo": "GSPO",
+    "reinforce": "REINFORCE",
+    "dpo": "DPO",
+    "bon": "best-of-G",
+}
 GOLD = {"arith": "exact match", "imdb": "VADER"}
 
 
 # ------------------------------------------------------------------------------------------- quickstart
 def default_runs(records: list[dict]) -> list[dict]:
-    return [r for r in select(records, "quickstart")
-            if r["params"].get("plan") == "default" and not r["params"].get("rejudged")]  # fmt: skip
+    return [
+        r
+        for r in select(records, "quickstart")
+        if r["params"].get("plan") == "default" and not r["params"].get("rejudged")
+    ]
 
 
 def by_key(recs: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
@@ -195,29 +219,71 @@ def quickstart(records: list[dict]) -> str:
         before = [metric(r, "gold_before") for r in recs]
         after = [metric(r, "gold_after") for r in recs]
         kls = [metric(r, "kl") for r in recs]
-        rows.append([
-            task_cell(recs[0]), ", ".join(str(r["params"]["seed"]) for r in recs),
-            f"{GOLD[task]} {statistics.mean(before):.3f} → {statistics.mean(after):.3f}",
-            f"{pm(statistics.mean(gains), se(gains))} (each ± {span(ses, '.3f')})",
-            f"{min(kls):.2f}-{max(kls):.2f}", time_cell(recs), cpu, commit_label(recs[0]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                task_cell(recs[0]),
+                ", ".join(str(r["params"]["seed"]) for r in recs),
+                f"{GOLD[task]} {statistics.mean(before):.3f} → {statistics.mean(after):.3f}",
+                f"{pm(statistics.mean(gains), se(gains))} (each ± {span(ses, '.3f')})",
+                f"{min(kls):.2f}-{max(kls):.2f}",
+                time_cell(recs),
+                cpu,
+                commit_label(recs[0]),
+            ]
+        )
     used = [r for recs in chosen.values() for r in recs]
-    return md(["task (plan)", "seeds", "gold before → after (mean)", "gain: mean ± s.e. over seeds",
-               "KL (nats)", "time per run", "CPU", "commit"], rows) + footer(used)  # fmt: skip
+    return md(
+        [
+            "task (plan)",
+            "seeds",
+            "gold before → after (mean)",
+            "gain: mean ± s.e. over seeds",
+            "KL (nats)",
+            "time per run",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(used)
 
 
 @table("quickstart-runs")
 def quickstart_runs(records: list[dict]) -> str:
     """Every recorded run of a default plan, one row per seed: what one run of yours can be compared with."""
-    recs = sorted(default_runs(records), key=lambda r: (r["params"]["task"], cpu_label(r), r["date"],
-                                                        r["params"]["seed"]))  # fmt: skip
-    rows = [[task_cell(r), r["params"]["seed"], f"{metric(r, 'gold_before'):.3f} → {metric(r, 'gold_after'):.3f}"
-             if metric(r, "gold_before") is not None and metric(r, "gold_after") is not None else "-",
-             pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")), f"{metric(r, 'kl'):.2f}",
-             metric(r, "eval_prompts", default="-"), time_cell([r]), cpu_label(r), commit_label(r)]
-            for r in recs]  # fmt: skip
-    return md(["task (plan)", "seed", "gold before → after", "gain ± paired s.e.", "KL (nats)",
-               "held-out prompts", "time", "CPU", "commit"], rows) + footer(recs)  # fmt: skip
+    recs = sorted(
+        default_runs(records),
+        key=lambda r: (r["params"]["task"], cpu_label(r), r["date"], r["params"]["seed"]),
+    )
+    rows = [
+        [
+            task_cell(r),
+            r["params"]["seed"],
+            f"{metric(r, 'gold_before'):.3f} → {metric(r, 'gold_after'):.3f}"
+            if metric(r, "gold_before") is not None and metric(r, "gold_after") is not None
+            else "-",
+            pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
+            f"{metric(r, 'kl'):.2f}",
+            metric(r, "eval_prompts", default="-"),
+            time_cell([r]),
+            cpu_label(r),
+            commit_label(r),
+        ]
+        for r in recs
+    ]
+    return md(
+        [
+            "task (plan)",
+            "seed",
+            "gold before → after",
+            "gain ± paired s.e.",
+            "KL (nats)",
+            "held-out prompts",
+            "time",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(recs)
 
 
 @table("smollm2")
@@ -323,11 +389,33 @@ def frontier_imdb(records: list[dict]) -> str:
             for pt in res["points"]:
                 golds = [s["gold"] for s in pt["per_seed"]]
                 cpu = statistics.mean(s["train_cpu_seconds"] for s in pt["per_seed"])
-                rows.append([METHOD.get(method, method), pt["point"].replace("=", " "), pm(statistics.mean(golds),
-                             se(golds), signed=False), f"{statistics.mean(golds) - sft:+.2f}",
-                             f"{pt['kl_mean']:.1f}", f"{cpu:.0f}", len(golds), cpu_label(r), commit_label(r)])  # fmt: skip
-    return md(["method", "point", "gold ± s.e. over seeds", "gain over SFT", "KL (nats)", "CPU s per run", "seeds",
-               "CPU", "commit"], rows) + footer(recs)  # fmt: skip
+                rows.append(
+                    [
+                        METHOD.get(method, method),
+                        pt["point"].replace("=", " "),
+                        pm(statistics.mean(golds), se(golds), signed=False),
+                        f"{statistics.mean(golds) - sft:+.2f}",
+                        f"{pt['kl_mean']:.1f}",
+                        f"{cpu:.0f}",
+                        len(golds),
+                        cpu_label(r),
+                        commit_label(r),
+                    ]
+                )
+    return md(
+        [
+            "method",
+            "point",
+            "gold ± s.e. over seeds",
+            "gain over SFT",
+            "KL (nats)",
+            "CPU s per run",
+            "seeds",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(recs)
 
 
 @table("frontier-imdb-vs-ppo")
@@ -337,11 +425,23 @@ def frontier_imdb_vs_ppo(records: list[dict]) -> str:
     for r in recs:
         for method, pts in r["metrics"]["vs_ppo_pairwise"].items():
             for p in pts:
-                rows.append([METHOD.get(method, method), f"{p['kl']:.1f}", f"{p['ppo']:.3f}", f"{p[method]:.3f}",
-                             pm(p["ppo_minus"], p["se"]), cpu_label(r), commit_label(r)])  # fmt: skip
-    return md(["method", "KL (nats)", "PPO gold", "method's gold", "PPO − method ± s.e.", "CPU", "commit"],
-              rows) + footer(recs, "Each seed read along its own frontier (linear in ln KL) on the KL range "
-                                   "the two methods share. ")  # fmt: skip
+                rows.append(
+                    [
+                        METHOD.get(method, method),
+                        f"{p['kl']:.1f}",
+                        f"{p['ppo']:.3f}",
+                        f"{p[method]:.3f}",
+                        pm(p["ppo_minus"], p["se"]),
+                        cpu_label(r),
+                        commit_label(r),
+                    ]
+                )
+    return md(
+        ["method", "KL (nats)", "PPO gold", "method's gold", "PPO − method ± s.e.", "CPU", "commit"], rows
+    ) + footer(
+        recs,
+        "Each seed read along its own frontier (linear in ln KL) on the KL range the two methods share. ",
+    )
 
 
 # ------------------------------------------------------------------------------- method comparisons
@@ -371,10 +471,11 @@ def slope_adjusted(
     for method, seeds in runs.items():
         common = sorted(set(seeds) & set(runs[base]))
         adj[method] = [
-            metric(seeds[s], "gold_gain") - metric(runs[base][s], "gold_gain")
+            metric(seeds[s], "gold_gain")
+            - metric(runs[base][s], "gold_gain")
             - slope * (metric(seeds[s], "kl") - metric(runs[base][s], "kl"))
             for s in common
-        ]  # fmt: skip
+        ]
     return slope, adj
 
 
@@ -395,19 +496,39 @@ def critic_dense(records: list[dict]) -> str:
         rl = summ["metrics"].get("rl_cpu_seconds_mean")
         per_min = summ["metrics"].get("gain_per_rl_cpu_minute")
         first = seeds[ss[0]]
-        rows.append([
-            METHOD.get(method, method), " / ".join(f"{g:+.3f}" for g in gains), pm(statistics.mean(gains), se(gains)),
-            " / ".join(f"{k:.2f}" for k in kls), "-" if rl is None else f"{rl:.0f}",
-            "-" if per_min is None else f"{per_min:.3f}",
-            "—" if method == "ppo" else pm(statistics.mean(paired), se(paired)),
-            "—" if method == "ppo" else pm(statistics.mean(adj[method]), se(adj[method])),
-            cpu_label(first), commit_label(first),
-        ])  # fmt: skip
-    return md(["method", "gain per seed", "mean ± s.e. over seeds", "KL per seed (nats)", "RL stage CPU s (mean)",
-               "gain per RL CPU-minute", "− PPO, paired by seed", "− PPO at PPO's KL", "CPU", "commit"], rows) + footer(
+        rows.append(
+            [
+                METHOD.get(method, method),
+                " / ".join(f"{g:+.3f}" for g in gains),
+                pm(statistics.mean(gains), se(gains)),
+                " / ".join(f"{k:.2f}" for k in kls),
+                "-" if rl is None else f"{rl:.0f}",
+                "-" if per_min is None else f"{per_min:.3f}",
+                "—" if method == "ppo" else pm(statistics.mean(paired), se(paired)),
+                "—" if method == "ppo" else pm(statistics.mean(adj[method]), se(adj[method])),
+                cpu_label(first),
+                commit_label(first),
+            ]
+        )
+    return md(
+        [
+            "method",
+            "gain per seed",
+            "mean ± s.e. over seeds",
+            "KL per seed (nats)",
+            "RL stage CPU s (mean)",
+            "gain per RL CPU-minute",
+            "− PPO, paired by seed",
+            "− PPO at PPO's KL",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(
         recs + list(summaries.values()),
         f"At PPO's KL: each seed's difference moved along the gain-KL slope fitted within methods "
-        f"({slope:.3f} gold per nat). ")  # fmt: skip
+        f"({slope:.3f} gold per nat). ",
+    )
 
 
 @table("arith-methods")
@@ -426,36 +547,85 @@ def arith_methods(records: list[dict]) -> str:
                 else ("128 (32 prompts x 4)" if group else "128 (128 prompts)")
             )
             wall = [metric(seeds[s], "seconds_total") for s in ss]
-            rows.append([
-                METHOD.get(method, method), batch, " / ".join(f"{g:+.3f}" for g in gains),
-                pm(statistics.mean(gains), se(gains)), sum(g >= 0.15 for g in gains),
-                " / ".join(f"{metric(seeds[s], 'kl'):.1f}" for s in ss), f"{min(wall):.0f}-{max(wall):.0f}",
-                cpu_label(seeds[ss[0]]), commit_label(seeds[ss[0]]),
-            ])  # fmt: skip
-    return md(["method", "responses per iteration", "gain seed 0 / 1 / 2", "mean ± s.e. over seeds",
-               "seeds ≥ +0.15", "KL (nats)", "s wall per run", "CPU", "commit"], rows) + footer(recs)  # fmt: skip
+            rows.append(
+                [
+                    METHOD.get(method, method),
+                    batch,
+                    " / ".join(f"{g:+.3f}" for g in gains),
+                    pm(statistics.mean(gains), se(gains)),
+                    sum(g >= 0.15 for g in gains),
+                    " / ".join(f"{metric(seeds[s], 'kl'):.1f}" for s in ss),
+                    f"{min(wall):.0f}-{max(wall):.0f}",
+                    cpu_label(seeds[ss[0]]),
+                    commit_label(seeds[ss[0]]),
+                ]
+            )
+    return md(
+        [
+            "method",
+            "responses per iteration",
+            "gain seed 0 / 1 / 2",
+            "mean ± s.e. over seeds",
+            "seeds ≥ +0.15",
+            "KL (nats)",
+            "s wall per run",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(recs)
 
 
 # --------------------------------------------------------------------------------------- imdb variants
 def gain_row(r: dict, label: str) -> list:
     g, kl = metric(r, "gold_gain"), metric(r, "kl")
     cpu = metric(r, "cpu_seconds_total")
-    return [label, r["params"]["seed"], pm(g, metric(r, "gold_gain_se")), f"{kl:.2f}", f"{g / kl:.3f}",
-            metric(r, "eval_prompts", default="-"), "-" if cpu is None else f"{cpu:.0f}", cpu_label(r),
-            commit_label(r)]  # fmt: skip
+    return [
+        label,
+        r["params"]["seed"],
+        pm(g, metric(r, "gold_gain_se")),
+        f"{kl:.2f}",
+        f"{g / kl:.3f}",
+        metric(r, "eval_prompts", default="-"),
+        "-" if cpu is None else f"{cpu:.0f}",
+        cpu_label(r),
+        commit_label(r),
+    ]
 
 
 @table("imdb-variants")
 def imdb_variants(records: list[dict]) -> str:
     """Every single-setting run of the imdb ``small`` quickstart with the MiniLM reward model, by KL."""
     recs = select(records, "quickstart", ("imdb-variants", "imdb-soups", "imdb-bf16"), task="imdb")
-    recs = [r for r in recs if "before the LoRA decoding fix" not in (r.get("note") or "")
-            and r["params"].get("plan") != "default"]  # fmt: skip
+    recs = [
+        r
+        for r in recs
+        if "before the LoRA decoding fix" not in (r.get("note") or "")
+        and r["params"].get("plan") != "default"
+    ]
     recs.sort(key=lambda r: metric(r, "kl"))
-    rows = [gain_row(r, sets_label(r["params"]["sets"], PLAN_IMDB) + (" (re-judged)" if r["params"].get("rejudged")
-                                                                     else "")) for r in recs]  # fmt: skip
-    return md(["settings (`--set`, ppo. left out)", "seed", "gain ± paired s.e.", "KL (nats)", "gain per nat",
-               "held-out prompts", "CPU s (pipeline)", "CPU", "commit"], rows) + footer(recs)  # fmt: skip
+    rows = [
+        gain_row(
+            r,
+            sets_label(r["params"]["sets"], PLAN_IMDB)
+            + (" (re-judged)" if r["params"].get("rejudged") else ""),
+        )
+        for r in recs
+    ]
+    return md(
+        [
+            "settings (`--set`, ppo. left out)",
+            "seed",
+            "gain ± paired s.e.",
+            "KL (nats)",
+            "gain per nat",
+            "held-out prompts",
+            "CPU s (pipeline)",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(recs)
 
 
 MINILM_DROP = (
@@ -467,33 +637,73 @@ MINILM_DROP = (
     "ppo.optim.lr=",
     "ppo.iterations=",
 )  # the GRPO setting, in the footer
-RM_DROP = ("ppo.advantage_estimator=", "ppo.group_size=", "ppo.kl.penalty=", "ppo.optim.lr=", "ppo.iterations=",
-           "rm.batch_size=", "rm.optim.lr=0.05", "rm.epochs=", "rm.l2_coef=", "ppo.reward.dense=")  # fmt: skip
+RM_DROP = (
+    "ppo.advantage_estimator=",
+    "ppo.group_size=",
+    "ppo.kl.penalty=",
+    "ppo.optim.lr=",
+    "ppo.iterations=",
+    "rm.batch_size=",
+    "rm.optim.lr=0.05",
+    "rm.epochs=",
+    "rm.l2_coef=",
+    "ppo.reward.dense=",
+)
 
 
 @table("imdb-reward-models")
 def imdb_reward_models(records: list[dict]) -> str:
     recs = select(records, "quickstart", "imdb-reward-models", task="imdb")
-    recs.sort(key=lambda r: (r["params"]["sets"][:1] == ["rm.model.path=bag-of-tokens"] or
-                             "rm.model.path=bag-of-tokens" in r["params"]["sets"], metric(r, "kl")))  # fmt: skip
+    recs.sort(
+        key=lambda r: (
+            r["params"]["sets"][:1] == ["rm.model.path=bag-of-tokens"]
+            or "rm.model.path=bag-of-tokens" in r["params"]["sets"],
+            metric(r, "kl"),
+        )
+    )
     rows = []
     for r in recs:
         bow = "rm.model.path=bag-of-tokens" in r["params"]["sets"]
         sets = [s for s in r["params"]["sets"] if s != "rm.model.path=bag-of-tokens"]
-        rm = ("bag of tokens, dense rewards" if bow else "MiniLM") + (" (12000 prompts)" if
-                                                                    "pairs.num_prompts=12000" in sets else "")  # fmt: skip
+        rm = ("bag of tokens, dense rewards" if bow else "MiniLM") + (
+            " (12000 prompts)" if "pairs.num_prompts=12000" in sets else ""
+        )
         label = sets_label(
             [s for s in sets if s != "pairs.num_prompts=12000"], RM_DROP if bow else MINILM_DROP
         )
         g = metric(r, "gold_gain")
-        rows.append([rm, label, r["params"]["seed"], pm(g, metric(r, "gold_gain_se")), f"{metric(r, 'kl'):.2f}",
-                     f"{metric(r, 'rm_accuracy'):.2f}", f"{metric(r, 'cpu_seconds_total'):.0f}", cpu_label(r),
-                     commit_label(r)])  # fmt: skip
-    return md(["reward model", "other settings", "seed", "gain ± paired s.e.", "KL (nats)", "RM held-out acc.",
-               "CPU s (pipeline)", "CPU", "commit"], rows) + footer(
-        recs, "MiniLM rows run the GRPO setting `advantage_estimator=grpo group_size=4 kl.penalty=loss "
-              "kl.controller=fixed kl.init_coef=0.25 optim.lr=1.5e-4 iterations=80`; bag-of-tokens rows PPO with `rm.batch_size=64 rm.optim.lr=0.05 "
-              "rm.epochs=10 rm.l2_coef=1e-3 ppo.reward.dense=true`. ")  # fmt: skip
+        rows.append(
+            [
+                rm,
+                label,
+                r["params"]["seed"],
+                pm(g, metric(r, "gold_gain_se")),
+                f"{metric(r, 'kl'):.2f}",
+                f"{metric(r, 'rm_accuracy'):.2f}",
+                f"{metric(r, 'cpu_seconds_total'):.0f}",
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
+    return md(
+        [
+            "reward model",
+            "other settings",
+            "seed",
+            "gain ± paired s.e.",
+            "KL (nats)",
+            "RM held-out acc.",
+            "CPU s (pipeline)",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(
+        recs,
+        "MiniLM rows run the GRPO setting `advantage_estimator=grpo group_size=4 kl.penalty=loss "
+        "kl.controller=fixed kl.init_coef=0.25 optim.lr=1.5e-4 iterations=80`; bag-of-tokens rows PPO with `rm.batch_size=64 rm.optim.lr=0.05 "
+        "rm.epochs=10 rm.l2_coef=1e-3 ppo.reward.dense=true`. ",
+    )
 
 
 @table("imdb-soups")
@@ -506,20 +716,38 @@ def imdb_soups(records: list[dict]) -> str:
         p = r["params"]
         return order.index(p["experiment"]), p["seed"], "alone" not in p["policy"], p["policy"]
 
-    rows = [[r["params"]["experiment"], r["params"]["seed"], r["params"]["policy"],
-             pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")), f"{metric(r, 'kl'):.2f}", cpu_label(r),
-             commit_label(r)] for r in sorted(recs, key=key)]  # fmt: skip
-    return md(["runs", "seed", "policy judged", "gain ± paired s.e.", "KL (nats)", "CPU", "commit"], rows) + footer(
-        recs, "Merged by `shifu merge` (base + scale x mean of the runs' changes to it); every policy judged by "
-              "the quickstart's evaluation on the 1000 held-out prompts. ")  # fmt: skip
+    rows = [
+        [
+            r["params"]["experiment"],
+            r["params"]["seed"],
+            r["params"]["policy"],
+            pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
+            f"{metric(r, 'kl'):.2f}",
+            cpu_label(r),
+            commit_label(r),
+        ]
+        for r in sorted(recs, key=key)
+    ]
+    return md(
+        ["runs", "seed", "policy judged", "gain ± paired s.e.", "KL (nats)", "CPU", "commit"], rows
+    ) + footer(
+        recs,
+        "Merged by `shifu merge` (base + scale x mean of the runs' changes to it); every policy judged by "
+        "the quickstart's evaluation on the 1000 held-out prompts. ",
+    )
 
 
 @table("imdb-headroom")
 def imdb_headroom(records: list[dict]) -> str:
     mode_order = ["best-of-n", "gold-reward", "raft"]
-    recs = sorted(select(records, "imdb_headroom", "headroom"),
-                  key=lambda r: (mode_order.index(r["params"]["mode"]), r["params"].get("n", 0),
-                                 r["params"].get("lr", 0)))  # fmt: skip
+    recs = sorted(
+        select(records, "imdb_headroom", "headroom"),
+        key=lambda r: (
+            mode_order.index(r["params"]["mode"]),
+            r["params"].get("n", 0),
+            r["params"].get("lr", 0),
+        ),
+    )
     rows = []
     for r in recs:
         p, m = r["params"], r["metrics"]
@@ -550,8 +778,10 @@ def ppo_shape(p: dict) -> str:
 
 @table("ppo-vs-trl")
 def ppo_vs_trl(records: list[dict]) -> str:
-    recs = sorted(select(records, "ppo_iteration", mode="vs-trl"),
-                  key=lambda r: (r["params"]["shape"], r["params"]["new_tokens"], r["date"]))  # fmt: skip
+    recs = sorted(
+        select(records, "ppo_iteration", mode="vs-trl"),
+        key=lambda r: (r["params"]["shape"], r["params"]["new_tokens"], r["date"]),
+    )
     rows = []
     for r in recs:
         s, p = r["metrics"]["summary"], r["params"]
@@ -559,25 +789,53 @@ def ppo_vs_trl(records: list[dict]) -> str:
         gen = fmt(s.get("generation_speedup_vs_hf")) + "x"
         if s.get("generation_speedup_bf16_decode_vs_hf"):
             gen += f" ({s['generation_speedup_bf16_decode_vs_hf']:.2f}x)"
-        rows.append([
-            ppo_shape(p), f"{p['batch']} / {p['minibatch']}", fmt(s["shifu_median_s_per_iter"]),
-            fmt(s["trl_median_s_per_iter"]), fmt(s["shifu_fast_median_s_per_iter"]),
-            fmt(s["ratio_shifu_over_trl"]), fmt(s["throughput_fast_over_trl"]) + "x",
-            fmt(s.get("throughput_fast_over_fp32")) + "x",
-            " / ".join(fmt(rss.get(k), ".0f") for k in ("shifu", "trl", "shifu_fast")), gen,
-            f"{p.get('rounds', 1)} x {p.get('iters', '?')}" + (", TRL also with shifu's malloc" if p.get("peer_malloc") else ""),
-            cpu_label(r), commit_label(r),
-        ])  # fmt: skip
-    return md(["shape", "rollout B / minibatch", "shifu fp32 s/iter", "TRL 1.12 s/iter", "shifu fast s/iter",
-               "fp32 / TRL time", "fast / TRL throughput", "fast / fp32 throughput", "peak RSS MiB shifu / TRL / fast",
-               "generation vs HF generate fp32 (bf16 decode)", "rounds x iterations", "CPU", "commit"], rows) + footer(
-        recs, "Medians over rounds; 'fast' = shared-trunk critic and bf16 where the probe measures it faster. ")  # fmt: skip
+        rows.append(
+            [
+                ppo_shape(p),
+                f"{p['batch']} / {p['minibatch']}",
+                fmt(s["shifu_median_s_per_iter"]),
+                fmt(s["trl_median_s_per_iter"]),
+                fmt(s["shifu_fast_median_s_per_iter"]),
+                fmt(s["ratio_shifu_over_trl"]),
+                fmt(s["throughput_fast_over_trl"]) + "x",
+                fmt(s.get("throughput_fast_over_fp32")) + "x",
+                " / ".join(fmt(rss.get(k), ".0f") for k in ("shifu", "trl", "shifu_fast")),
+                gen,
+                f"{p.get('rounds', 1)} x {p.get('iters', '?')}"
+                + (", TRL also with shifu's malloc" if p.get("peer_malloc") else ""),
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
+    return md(
+        [
+            "shape",
+            "rollout B / minibatch",
+            "shifu fp32 s/iter",
+            "TRL 1.12 s/iter",
+            "shifu fast s/iter",
+            "fp32 / TRL time",
+            "fast / TRL throughput",
+            "fast / fp32 throughput",
+            "peak RSS MiB shifu / TRL / fast",
+            "generation vs HF generate fp32 (bf16 decode)",
+            "rounds x iterations",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(
+        recs,
+        "Medians over rounds; 'fast' = shared-trunk critic and bf16 where the probe measures it faster. ",
+    )
 
 
 @table("ppo-phases")
 def ppo_phases(records: list[dict]) -> str:
-    recs = sorted(select(records, "ppo_iteration"), key=lambda r: (r["params"]["shape"], r["params"]["new_tokens"],
-                                                                   r["date"]))  # fmt: skip
+    recs = sorted(
+        select(records, "ppo_iteration"),
+        key=lambda r: (r["params"]["shape"], r["params"]["new_tokens"], r["date"]),
+    )
     rows = []
     for r in recs:
         p = r["params"]
@@ -593,19 +851,44 @@ def ppo_phases(records: list[dict]) -> str:
             bf = m.get("bf16", {})
             chosen = [k for k in ("decode", "frozen", "update", "reward") if bf.get(k)]
             mode = "fp32" if name == "shifu" else "fast (bf16: " + (", ".join(chosen) or "none") + ")"
-            rows.append([
-                ppo_shape(p), mode, m.get("malloc", "-"), fmt(m["median_s_per_iter"]),
-                " / ".join(fmt(m.get(k)) for k in ("median_generation_s", "median_scoring_s", "median_train_s")),
-                fmt(m.get("mfu")) + " (" + " / ".join(fmt(m.get(k)) for k in ("mfu_generation", "mfu_scoring",
-                                                                             "mfu_train")) + ")",
-                fmt(m.get("peak_rss_mib"), ".0f"), fmt(m.get("matmul_peak_gflops"), ".0f"), cpu_label(r),
-                commit_label(r),
-            ])  # fmt: skip
-    return md(["shape", "shifu", "malloc", "s/iter (first round)", "generation / scoring / update s",
-               "MFU (gen / scoring / update)", "peak RSS MiB", "fp32 GEMM peak GFLOP/s", "CPU", "commit"], rows) + footer(
+            rows.append(
+                [
+                    ppo_shape(p),
+                    mode,
+                    m.get("malloc", "-"),
+                    fmt(m["median_s_per_iter"]),
+                    " / ".join(
+                        fmt(m.get(k)) for k in ("median_generation_s", "median_scoring_s", "median_train_s")
+                    ),
+                    fmt(m.get("mfu"))
+                    + " ("
+                    + " / ".join(fmt(m.get(k)) for k in ("mfu_generation", "mfu_scoring", "mfu_train"))
+                    + ")",
+                    fmt(m.get("peak_rss_mib"), ".0f"),
+                    fmt(m.get("matmul_peak_gflops"), ".0f"),
+                    cpu_label(r),
+                    commit_label(r),
+                ]
+            )
+    return md(
+        [
+            "shape",
+            "shifu",
+            "malloc",
+            "s/iter (first round)",
+            "generation / scoring / update s",
+            "MFU (gen / scoring / update)",
+            "peak RSS MiB",
+            "fp32 GEMM peak GFLOP/s",
+            "CPU",
+            "commit",
+        ],
+        rows,
+    ) + footer(
         [r for r in recs if r["params"]["mode"] != "budget-ab"],
         "MFU counts the useful fp32 FLOPs against the fp32 GEMM peak measured in the same process (bf16 runs "
-        "can read above 1). ")  # fmt: skip
+        "can read above 1). ",
+    )
 
 
 @table("micro-batches")
@@ -615,9 +898,19 @@ def micro_batches(records: list[dict]) -> str:
     for r in recs:
         s, p = r["metrics"]["summary"], r["params"]
         mean_len = statistics.mean(x["mean_response_len"] for x in r["metrics"]["runs"]["fixed"])
-        rows.append([ppo_shape(p), f"{mean_len:.1f}", p["budget"], fmt(s["update_s_fixed"]), fmt(s["update_s_budget"]),
-                     fmt(s["update_ratio_budget_over_fixed"]), " / ".join(fmt(x) for x in s["per_round_update_ratio"]),
-                     cpu_label(r), commit_label(r)])  # fmt: skip
+        rows.append(
+            [
+                ppo_shape(p),
+                f"{mean_len:.1f}",
+                p["budget"],
+                fmt(s["update_s_fixed"]),
+                fmt(s["update_s_budget"]),
+                fmt(s["update_ratio_budget_over_fixed"]),
+                " / ".join(fmt(x) for x in s["per_round_update_ratio"]),
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
     return md(
         [
             "shape",
@@ -640,9 +933,15 @@ def decode_weights(records: list[dict]) -> str:
     rows = []
     for r in recs:
         m = r["metrics"]
-        rows.append([r["params"]["rows"], *(f"{m['ms_per_step'][k]:.1f}" for k in ("fp32", "bf16", "int8")),
-                     *(f"{m['read_gb_per_s'][k]:.1f}" for k in ("fp32", "bf16", "int8")), cpu_label(r),
-                     commit_label(r)])  # fmt: skip
+        rows.append(
+            [
+                r["params"]["rows"],
+                *(f"{m['ms_per_step'][k]:.1f}" for k in ("fp32", "bf16", "int8")),
+                *(f"{m['read_gb_per_s'][k]:.1f}" for k in ("fp32", "bf16", "int8")),
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
     return md(
         [
             "rows",
@@ -665,8 +964,17 @@ def generation_head_order(records: list[dict]) -> str:
     rows = []
     for r in recs:
         m = r["metrics"]
-        rows.append([r["params"]["rows"], fmt(m["speedup_vs_hf"]["plain"]) + "x", fmt(m["speedup_vs_hf"]["left"]) + "x",
-                     fmt(m["left_over_plain_speed"]) + "x", m["probe_chose"], cpu_label(r), commit_label(r)])  # fmt: skip
+        rows.append(
+            [
+                r["params"]["rows"],
+                fmt(m["speedup_vs_hf"]["plain"]) + "x",
+                fmt(m["speedup_vs_hf"]["left"]) + "x",
+                fmt(m["left_over_plain_speed"]) + "x",
+                m["probe_chose"],
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
     return md(
         [
             "rows",
@@ -683,15 +991,27 @@ def generation_head_order(records: list[dict]) -> str:
 
 @table("quickstart-bf16")
 def quickstart_bf16(records: list[dict]) -> str:
-    recs = sorted(select(records, "quickstart", "imdb-bf16", task="imdb"),
-                  key=lambda r: (len(r["params"]["sets"]), r["params"]["seed"]))  # fmt: skip
+    recs = sorted(
+        select(records, "quickstart", "imdb-bf16", task="imdb"),
+        key=lambda r: (len(r["params"]["sets"]), r["params"]["seed"]),
+    )
     rows = []
     for r in recs:
         c = metric(r, "cpu_seconds", default={})
         ppo = sum(v for k, v in c.items() if k == "ppo" or k.startswith("ppo-"))
-        rows.append([sets_label(r["params"]["sets"]), r["params"]["seed"], fmt(c.get("rm"), ".0f"), f"{ppo:.0f}",
-                     f"{metric(r, 'cpu_seconds_total'):.0f}", pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
-                     f"{metric(r, 'kl'):.2f}", cpu_label(r), commit_label(r)])  # fmt: skip
+        rows.append(
+            [
+                sets_label(r["params"]["sets"]),
+                r["params"]["seed"],
+                fmt(c.get("rm"), ".0f"),
+                f"{ppo:.0f}",
+                f"{metric(r, 'cpu_seconds_total'):.0f}",
+                pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
+                f"{metric(r, 'kl'):.2f}",
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
     return md(
         [
             "settings",
@@ -716,9 +1036,19 @@ def serve_load(records: list[dict]) -> str:
     rows = []
     for r in recs:
         m, p = r["metrics"], r["params"]
-        rows.append([p["mode"], p["clients"], fmt(m["rows_per_s"], ".1f"), fmt(m.get("in_process_rows_per_s"), ".1f"),
-                     fmt(m.get("ratio_vs_in_process")), f"{fmt(m.get('p50_ms'), '.1f')} / {fmt(m.get('p99_ms'), '.1f')}", fmt(m.get("rows_per_forward"), ".1f"), cpu_label(r),
-                     commit_label(r)])  # fmt: skip
+        rows.append(
+            [
+                p["mode"],
+                p["clients"],
+                fmt(m["rows_per_s"], ".1f"),
+                fmt(m.get("in_process_rows_per_s"), ".1f"),
+                fmt(m.get("ratio_vs_in_process")),
+                f"{fmt(m.get('p50_ms'), '.1f')} / {fmt(m.get('p99_ms'), '.1f')}",
+                fmt(m.get("rows_per_forward"), ".1f"),
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
     return md(
         [
             "server",
@@ -740,9 +1070,18 @@ def memory(records: list[dict]) -> str:
     recs = select(records, "memory")
     if not recs:
         return none_yet("memory", "python benchmarks/memory.py --record")
-    rows = [[r["params"]["config"], " ".join(f"`{a}`" for a in r["params"].get("args", [])) or "-",
-             fmt(r["metrics"]["peak_rss_gb"], ".2f"), fmt(r["metrics"]["checkpoint_mb"], ".0f"),
-             fmt(r["metrics"]["seconds_per_iteration"], ".1f"), cpu_label(r), commit_label(r)] for r in recs]  # fmt: skip
+    rows = [
+        [
+            r["params"]["config"],
+            " ".join(f"`{a}`" for a in r["params"].get("args", [])) or "-",
+            fmt(r["metrics"]["peak_rss_gb"], ".2f"),
+            fmt(r["metrics"]["checkpoint_mb"], ".0f"),
+            fmt(r["metrics"]["seconds_per_iteration"], ".1f"),
+            cpu_label(r),
+            commit_label(r),
+        ]
+        for r in recs
+    ]
     return md(
         ["configuration", "settings", "peak RSS GB", "checkpoint MB", "s per iteration", "CPU", "commit"],
         rows,

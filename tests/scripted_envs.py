@@ -19,8 +19,18 @@ class Scripted:
     ``messages`` (chat messages as the first input); only for the prompt ``fault_prompt`` (None: any) once more
     than ``fault_after`` steps were taken by any instance (:data:`STEPS`)."""
 
-    def __init__(self, rewards=(), observation="kk", done_after=None, fault=None, fault_turn=0, sleep_s=2.0,
-                 numbered=False, fault_prompt=None, fault_after=0):  # fmt: skip
+    def __init__(
+        self,
+        rewards=(),
+        observation="kk",
+        done_after=None,
+        fault=None,
+        fault_turn=0,
+        sleep_s=2.0,
+        numbered=False,
+        fault_prompt=None,
+        fault_after=0,
+    ):
         self.rewards, self.observation, self.done_after = list(rewards), observation, done_after
         self.fault, self.fault_turn, self.sleep_s, self.numbered = fault, fault_turn, sleep_s, numbered
         self.fault_prompt, self.fault_after, self.turn, self.prompt = fault_prompt, fault_after, 0, ""

@@ -5,7 +5,9 @@ they belong, and the trainers stay short and branch-free."""
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,22 @@ PKG = ROOT / "shifu"
 # The wings of shifu/, lowest first (docs/reference/architecture.md): a module imports only from its own wing and
 # from wings before it in this list. Nothing in shifu/ imports the CLI.
 WINGS = [
-    "core", "runs", "config", "models", "data", "parallel", "rewards", "envs", "generation", "tasks",
-    "reporting", "trainers", "experiments", "serve", "cli",
-]  # fmt: skip
+    "core",
+    "runs",
+    "config",
+    "models",
+    "data",
+    "parallel",
+    "rewards",
+    "envs",
+    "generation",
+    "tasks",
+    "reporting",
+    "trainers",
+    "experiments",
+    "serve",
+    "cli",
+]
 FLAT = {"__init__.py", "__main__.py", "errors.py"}
 DATA = {"configs"}  # folders of shipped settings (YAML), not code
 MAX_LINES = 500
@@ -182,6 +197,23 @@ def test_no_module_is_over_the_size_cap():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them inside their wing): {long}"
+
+
+def test_no_formatter_escapes():
+    """Code is laid out by ``ruff format``: no comment turns it off (``fmt: skip``, ``fmt: off`` / ``on``) to
+    pack code onto long lines under the size caps. A long function is split into named helpers instead
+    (ruff's C901 and PLR0915 bound a function's complexity and statements, pyproject.toml)."""
+    escape = re.compile(r"\bfmt:\s*(skip|off|on)\b")
+    found = []
+    for folder in ("shifu", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tokens = tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline)
+            found += [
+                f"{path.relative_to(ROOT)}:{t.start[0]}"
+                for t in tokens
+                if t.type == tokenize.COMMENT and escape.search(t.string)
+            ]
+    assert not found, f"formatter escapes (remove them and let ruff format lay the code out): {found}"
 
 
 def numbers_in(node: ast.AST) -> int:

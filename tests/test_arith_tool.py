@@ -46,8 +46,19 @@ def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_cal
     PPO, calculator use >= 0.8 after RL, the summary's gold equal to the environment's count, and no action
     that contains the prompt or an observation."""
     out, log = tmp_path / "run", tmp_path / "env.jsonl"
-    argv = ["quickstart", "--task", "arith_tool", "--out", str(out), "--seed", "0",
-            "--set", "ppo.env.factory=thirdparty_calc:Calculator", "--set", f"ppo.env.kwargs={{log: {log}}}"]  # fmt: skip
+    argv = [
+        "quickstart",
+        "--task",
+        "arith_tool",
+        "--out",
+        str(out),
+        "--seed",
+        "0",
+        "--set",
+        "ppo.env.factory=thirdparty_calc:Calculator",
+        "--set",
+        f"ppo.env.kwargs={{log: {log}}}",
+    ]
     assert cli_main(argv) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["gold_after"] >= s["gold_before"] + 0.15, s

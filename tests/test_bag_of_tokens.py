@@ -27,8 +27,14 @@ BOW = {"path": "bag-of-tokens"}
 def test_bag_of_tokens_learns_the_word_preference_and_reloads_bit_for_bit(tiny_model_dir, tmp_path):
     """Chosen responses hold " great": accuracy goes from chance to >= 0.95, " great" ends up the heaviest
     token, and the saved model scores the held-out pairs exactly as the run reported."""
-    cfg = rm_cfg(tiny_model_dir, tmp_path, model=BOW | {"tokenizer": str(tiny_model_dir)},
-                 optim={"lr": 0.05}, max_steps=60, l2_coef=1e-3)  # fmt: skip
+    cfg = rm_cfg(
+        tiny_model_dir,
+        tmp_path,
+        model=BOW | {"tokenizer": str(tiny_model_dir)},
+        optim={"lr": 0.05},
+        max_steps=60,
+        l2_coef=1e-3,
+    )
     summary = reward.train(cfg)
     rows = rows_of(tmp_path / "run" / "metrics.jsonl")
     first = next(r["eval/rm/accuracy"] for r in rows if "eval/rm/accuracy" in r)
@@ -56,8 +62,14 @@ def test_the_ridge_penalty_shrinks_the_weights_of_what_the_pairs_do_not_decide(t
     norms = {}
     for l2 in (0.0, 1e-2):
         (tmp_path / f"l2-{l2}").mkdir()
-        cfg = rm_cfg(tiny_model_dir, tmp_path / f"l2-{l2}", model=BOW | {"tokenizer": str(tiny_model_dir)},
-                     optim={"lr": 0.05}, max_steps=200, l2_coef=l2)  # fmt: skip
+        cfg = rm_cfg(
+            tiny_model_dir,
+            tmp_path / f"l2-{l2}",
+            model=BOW | {"tokenizer": str(tiny_model_dir)},
+            optim={"lr": 0.05},
+            max_steps=200,
+            l2_coef=l2,
+        )
         summary = reward.train(cfg)
         assert summary["eval/rm/accuracy"] >= 0.9
         w = load_reward(tmp_path / f"l2-{l2}" / "run").backbone.weight.weight[:, 0].detach().clone()
@@ -78,8 +90,14 @@ def test_the_ridge_penalty_shrinks_the_weights_of_what_the_pairs_do_not_decide(t
     ],
 )
 def test_bad_bag_of_tokens_settings_are_refused_before_anything_runs(tiny_model_dir, tmp_path, over, match):
-    over = {k: ({kk: str(tiny_model_dir) if vv in ("TOK", "MODEL") else vv for kk, vv in v.items()}
-                if isinstance(v, dict) else v) for k, v in over.items()}  # fmt: skip
+    over = {
+        k: (
+            {kk: str(tiny_model_dir) if vv in ("TOK", "MODEL") else vv for kk, vv in v.items()}
+            if isinstance(v, dict)
+            else v
+        )
+        for k, v in over.items()
+    }
     with pytest.raises(ConfigError, match=match):
         rm_cfg(tiny_model_dir, tmp_path, **over)
     assert not (tmp_path / "run").exists()
@@ -124,8 +142,16 @@ def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward
     process reward is that count's batch mean."""
     a_weighted(task["model"], tmp_path / "rm")
     out = tmp_path / "run"
-    cfg = make_cfg(task, out, f"reward.model_path={tmp_path / 'rm'}", "reward.function=null", "reward.dense=true",
-                   "progress=false", "tensorboard=false", *estimator)  # fmt: skip
+    cfg = make_cfg(
+        task,
+        out,
+        f"reward.model_path={tmp_path / 'rm'}",
+        "reward.function=null",
+        "reward.dense=true",
+        "progress=false",
+        "tensorboard=false",
+        *estimator,
+    )
     ppo.train(cfg)
     gold = gold_curve(out)
     assert gold[0] < 0.15 and gold[-1] > 0.25, gold
@@ -138,12 +164,22 @@ def test_ppo_on_the_dense_reward_of_a_bag_of_tokens_model_raises_the_true_reward
     ("extra", "match"),
     [
         (["reward.dense=true"], "set reward.model_path"),
-        (["reward.model_path=RM", "reward.function=null", "reward.dense=true", "reward.normalize=true"],
-         "one score per response"),
-        (["reward.model_path=RM", "reward.function=null", "reward.dense=true", "advantage_estimator=rloo",
-          "group_size=4"], "compares one number per response"),
+        (
+            ["reward.model_path=RM", "reward.function=null", "reward.dense=true", "reward.normalize=true"],
+            "one score per response",
+        ),
+        (
+            [
+                "reward.model_path=RM",
+                "reward.function=null",
+                "reward.dense=true",
+                "advantage_estimator=rloo",
+                "group_size=4",
+            ],
+            "compares one number per response",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_dense_settings_are_refused_before_anything_runs(task, tmp_path, extra, match):
     extra = [x.replace("RM", str(tmp_path / "rm")) for x in extra]
     with pytest.raises(ConfigError, match=match):
@@ -155,14 +191,28 @@ def test_bad_dense_settings_are_refused_before_anything_runs(task, tmp_path, ext
 def test_dense_reward_from_an_encoder_or_another_tokenizer_is_a_clear_error(task, tiny_model_dir, tmp_path):
     """A bag-of-tokens model over another tokenizer cannot read the policy's ids: refused when PPO builds."""
     ScalarModel.bag_of_tokens(tiny_model_dir, seed=0).save_pretrained(tmp_path / "rm")
-    cfg = make_cfg(task, tmp_path / "run", f"reward.model_path={tmp_path / 'rm'}", "reward.function=null",
-                   "reward.dense=true", "progress=false", "tensorboard=false")  # fmt: skip
+    cfg = make_cfg(
+        task,
+        tmp_path / "run",
+        f"reward.model_path={tmp_path / 'rm'}",
+        "reward.function=null",
+        "reward.dense=true",
+        "progress=false",
+        "tensorboard=false",
+    )
     with pytest.raises(ConfigError, match="reward.dense needs the prefix scores"):
         ppo.train(cfg)
 
 
 @pytest.mark.unit
 def test_config_round_trip_keeps_the_new_keys(tiny_model_dir):
-    cfg = load_config(reward.Config, overrides={"model": BOW | {"tokenizer": str(tiny_model_dir)}, "l2_coef": 0.1,
-                                                "data": {"train": "x.jsonl"}, "out_dir": "o"})  # fmt: skip
+    cfg = load_config(
+        reward.Config,
+        overrides={
+            "model": BOW | {"tokenizer": str(tiny_model_dir)},
+            "l2_coef": 0.1,
+            "data": {"train": "x.jsonl"},
+            "out_dir": "o",
+        },
+    )
     assert cfg.model.tokenizer == str(tiny_model_dir) and cfg.l2_coef == 0.1

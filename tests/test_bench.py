@@ -11,10 +11,21 @@ from shifu.experiments.bench import main
 pytestmark = pytest.mark.integration
 
 KEYS = {
-    "median_s_per_iter", "min_s_per_iter", "median_generation_s", "median_scoring_s", "median_train_s",
-    "generated_tokens_per_s", "peak_rss_mib", "flops_per_iter", "matmul_peak_gflops", "mfu",
-    "mfu_generation", "mfu_scoring", "mfu_train", "optimizer_steps_per_iter",
-}  # fmt: skip
+    "median_s_per_iter",
+    "min_s_per_iter",
+    "median_generation_s",
+    "median_scoring_s",
+    "median_train_s",
+    "generated_tokens_per_s",
+    "peak_rss_mib",
+    "flops_per_iter",
+    "matmul_peak_gflops",
+    "mfu",
+    "mfu_generation",
+    "mfu_scoring",
+    "mfu_train",
+    "optimizer_steps_per_iter",
+}
 
 
 @pytest.mark.slow

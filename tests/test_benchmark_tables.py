@@ -44,19 +44,31 @@ def test_every_record_carries_its_provenance():
 
 
 def test_record_commits_exist_in_the_history():
-    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
-                             text=True)  # fmt: skip
+    shallow = subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True
+    )
     if shallow.returncode != 0 or shallow.stdout.strip() != "false":
         pytest.skip("not a full git clone: older commits are not here to check")
     commits = sorted({r["commit"] for r in provenance.load()})
-    missing = [c for c in commits if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=ROOT,
-                                                    capture_output=True).returncode != 0]  # fmt: skip
+    missing = [
+        c
+        for c in commits
+        if subprocess.run(
+            ["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=ROOT, capture_output=True
+        ).returncode
+        != 0
+    ]
     assert not missing, f"records name commits the history does not hold: {missing}"
 
 
 def test_no_absolute_machine_path_in_benchmarks_or_docs():
-    files = subprocess.run(["git", "ls-files", "benchmarks", "docs", "README.md"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()  # fmt: skip
+    files = subprocess.run(
+        ["git", "ls-files", "benchmarks", "docs", "README.md"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     hits = []
     for name in files:
         path = ROOT / name
@@ -68,8 +80,9 @@ def test_no_absolute_machine_path_in_benchmarks_or_docs():
 
 
 def test_a_written_record_has_the_format_and_feeds_a_table(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "serve_load.py"), "--record", "--out",
-                                      str(tmp_path / "x")])  # fmt: skip
+    monkeypatch.setattr(
+        sys, "argv", [str(ROOT / "benchmarks" / "serve_load.py"), "--record", "--out", str(tmp_path / "x")]
+    )
     monkeypatch.setenv("SHIFU_THREADS", "1")
     metrics = {
         "rows_per_s": 150.0,
@@ -86,8 +99,12 @@ def test_a_written_record_has_the_format_and_feeds_a_table(tmp_path, monkeypatch
     (line,) = out.read_text().splitlines()
     back = json.loads(line)
     assert set(provenance.REQUIRED) <= back.keys()
-    assert back["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True).stdout.strip()  # fmt: skip
+    assert (
+        back["commit"]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    )
     assert back["command"] == "SHIFU_THREADS=1 python benchmarks/serve_load.py --record --out .../x"
     assert back["config_digest"] == provenance.config_digest({"rows": 8, "clients": 1, "mode": "merged"})
     assert back["metrics"]["cache"] == ".../c.json"  # a path outside the repository keeps its name only
@@ -98,9 +115,18 @@ def test_a_written_record_has_the_format_and_feeds_a_table(tmp_path, monkeypatch
 
 
 def test_check_refuses_a_record_without_commit_cpu_or_with_a_machine_path():
-    good = {"benchmark": "b", "date": "2026-01-01T00:00:00+00:00", "commit": "a" * 40, "command": "python x",
-            "config_digest": None, "cpu": None, "cpu_note": "not recorded", "threads": 1, "torch": "2",
-            "metrics": {}}  # fmt: skip
+    good = {
+        "benchmark": "b",
+        "date": "2026-01-01T00:00:00+00:00",
+        "commit": "a" * 40,
+        "command": "python x",
+        "config_digest": None,
+        "cpu": None,
+        "cpu_note": "not recorded",
+        "threads": 1,
+        "torch": "2",
+        "metrics": {},
+    }
     provenance.check(good)
     with pytest.raises(ValueError, match="commit"):
         provenance.check(good | {"commit": "abc1234"})

@@ -95,8 +95,9 @@ def test_shifu_keeps_freed_memory_for_reuse_unless_told_not_to():
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
 
     def faults(**env):
-        r = subprocess.run([sys.executable, "-c", _REUSE], capture_output=True, text=True, timeout=120,
-                           env={**base, **env})  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", _REUSE], capture_output=True, text=True, timeout=120, env={**base, **env}
+        )
         assert r.returncode == 0, r.stderr
         return r.stderr.split()[-1], int(r.stdout.split()[-1])
 

@@ -28,9 +28,22 @@ NOISE = ("Setting accelerator to", "Loading weights", "Writing model shards", "i
 def shifu_sft(tmp_path: Path, model_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     data = sft_cfg(model_dir, tmp_path).data
     out = tmp_path / "run"
-    argv = ["sft", "--out", str(out), "--overwrite", f"model.path={model_dir}", f"data.train={data.train}",
-            f"data.eval={data.eval}", "max_steps=2", "batch_size=4", "progress=false", "tensorboard=false",
-            "--threads", "1", *extra]  # fmt: skip
+    argv = [
+        "sft",
+        "--out",
+        str(out),
+        "--overwrite",
+        f"model.path={model_dir}",
+        f"data.train={data.train}",
+        f"data.eval={data.eval}",
+        "max_steps=2",
+        "batch_size=4",
+        "progress=false",
+        "tensorboard=false",
+        "--threads",
+        "1",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSFORMERS_", "HF_", "SHIFU_VERBOSE"))}
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(

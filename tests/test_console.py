@@ -35,8 +35,9 @@ def shifu(*argv: str, pythonpath: Path | None = None) -> subprocess.CompletedPro
         if not k.startswith(("TRANSFORMERS_", "HF_", "SHIFU_VERBOSE", "TQDM_"))
     }
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, filter(None, [ROOT, pythonpath])))}
-    return subprocess.run([sys.executable, "-m", "shifu", *argv], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "shifu", *argv], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
 
 
 def test_quickstart_prints_nothing_of_its_own_to_stdout(tmp_path):
@@ -44,8 +45,17 @@ def test_quickstart_prints_nothing_of_its_own_to_stdout(tmp_path):
     progress of the final evaluation and the labelled results are on stderr; eval.num_prompts sets how many
     held-out prompts the final evaluation takes."""
     out = tmp_path / "run"
-    sets = ["sft.max_steps=20", "ppo.iterations=1", "ppo.batch_size=32", "ppo.minibatch_size=32", "ppo.ppo_epochs=1",
-            "ppo.eval.num_prompts=8", "ppo.lora.enabled=true", "ppo.lora.critic=true", "eval.num_prompts=24"]  # fmt: skip
+    sets = [
+        "sft.max_steps=20",
+        "ppo.iterations=1",
+        "ppo.batch_size=32",
+        "ppo.minibatch_size=32",
+        "ppo.ppo_epochs=1",
+        "ppo.eval.num_prompts=8",
+        "ppo.lora.enabled=true",
+        "ppo.lora.critic=true",
+        "eval.num_prompts=24",
+    ]
     r = shifu(
         "quickstart", "--task", "arith", "--out", str(out), "--threads", "1", *(f"--set={s}" for s in sets)
     )
@@ -81,8 +91,18 @@ def test_eval_num_prompts_is_honoured_and_checked(tiny_model_dir, tmp_path, caps
     after = [json.loads(x) for x in (tmp_path / "samples_after.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in after] == [r["prompt"] for r in rows[:7]]  # the first N, in file order
     # unset: every held-out prompt, as before the setting existed
-    assert evaluate("arith", tiny_model_dir, tiny_model_dir, str(tmp_path / "prompts.jsonl"),
-                    {"temperature": 1.0, "max_new_tokens": 3}, 0, tmp_path)["eval_prompts"] == 30  # fmt: skip
+    assert (
+        evaluate(
+            "arith",
+            tiny_model_dir,
+            tiny_model_dir,
+            str(tmp_path / "prompts.jsonl"),
+            {"temperature": 1.0, "max_new_tokens": 3},
+            0,
+            tmp_path,
+        )["eval_prompts"]
+        == 30
+    )
     assert _plan("arith", "tiny", ["eval.num_prompts=64"])["eval"]["num_prompts"] == 64
     assert (
         cli.main(
@@ -109,8 +129,18 @@ def score(prompts, responses, rows):
 
 def test_library_warnings_and_bars_only_with_verbose(tiny_model_dir, tmp_path):
     (tmp_path / "legacy_reward.py").write_text(LEGACY_REWARD, encoding="utf-8")
-    argv = ["sample", str(tiny_model_dir), "--prompt", "the movie", "--max-new-tokens", "4", "--threads", "1",
-            "--reward-function", "legacy_reward:score"]  # fmt: skip
+    argv = [
+        "sample",
+        str(tiny_model_dir),
+        "--prompt",
+        "the movie",
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--reward-function",
+        "legacy_reward:score",
+    ]
     quiet = shifu(*argv, pythonpath=tmp_path)
     assert quiet.returncode == 0, quiet.stderr
     assert "the movie" in quiet.stdout  # the command's output (data) stays on stdout
@@ -137,16 +167,35 @@ def quickstart_run(run: Path, reward: dict) -> None:
             }
         ppo.log(it, row)
     ppo.close()
-    config = {"reward": {"model_path": None, "function": None, "url": None} | reward,
-              "eval": {"num_prompts": 64, "temperature": 0.7}}  # fmt: skip
+    config = {
+        "reward": {"model_path": None, "function": None, "url": None} | reward,
+        "eval": {"num_prompts": 64, "temperature": 0.7},
+    }
     (run / "ppo" / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-    summary = {"gold_before": 0.19, "gold_after": 0.41, "gold_gain": 0.22, "gold_before_se": 0.017,
-               "gold_after_se": 0.022, "gold_gain_se": 0.024, "kl": 1.6, "kl_k1": 1.1, "eval_prompts": 512,
-               "eval_temperature": 1.0, "gold_judge": "shifu.tasks.judges:exact_match", "gold_greedy_before": 0.297,
-               "gold_greedy_after": 0.541, "task": "arith", "preset": "tiny", "seed": 0, "rm_accuracy": None,
-               "seconds": {"prepare": 3.9, "sft": 40.5, "ppo": 76.0, "eval": 2.6},
-               "cpu_seconds": {"prepare": 2.61, "sft": 18.92, "ppo": 26.0, "eval": 0.87},
-               "policy": "ppo/final", "seconds_total": 122.94, "cpu_seconds_total": 48.4}  # fmt: skip
+    summary = {
+        "gold_before": 0.19,
+        "gold_after": 0.41,
+        "gold_gain": 0.22,
+        "gold_before_se": 0.017,
+        "gold_after_se": 0.022,
+        "gold_gain_se": 0.024,
+        "kl": 1.6,
+        "kl_k1": 1.1,
+        "eval_prompts": 512,
+        "eval_temperature": 1.0,
+        "gold_judge": "shifu.tasks.judges:exact_match",
+        "gold_greedy_before": 0.297,
+        "gold_greedy_after": 0.541,
+        "task": "arith",
+        "preset": "tiny",
+        "seed": 0,
+        "rm_accuracy": None,
+        "seconds": {"prepare": 3.9, "sft": 40.5, "ppo": 76.0, "eval": 2.6},
+        "cpu_seconds": {"prepare": 2.61, "sft": 18.92, "ppo": 26.0, "eval": 0.87},
+        "policy": "ppo/final",
+        "seconds_total": 122.94,
+        "cpu_seconds_total": 48.4,
+    }
     (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
 
 

@@ -320,10 +320,14 @@ def test_kl_loss_expected_gradient_is_the_gradient_of_which_kl(estimator):
     p = logp.exp().detach()
     mask = torch.ones(1, 1, dtype=torch.bool)
     expected = sum(
-        p[a] * torch.autograd.grad(kl_loss(logp[a].view(1, 1), ref[a].view(1, 1), mask,
-                                           estimator=estimator)[0], theta, retain_graph=True)[0]
+        p[a]
+        * torch.autograd.grad(
+            kl_loss(logp[a].view(1, 1), ref[a].view(1, 1), mask, estimator=estimator)[0],
+            theta,
+            retain_graph=True,
+        )[0]
         for a in range(4)
-    )  # fmt: skip
+    )
     if estimator == "k2":
         kl = (logp.exp() * (logp - ref)).sum()  # KL(pi || pi_ref)
     else:

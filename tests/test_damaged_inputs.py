@@ -25,8 +25,18 @@ def digits_model(tmp_path_factory):
 
 
 def _sft(model, data, out, *extra):
-    return ["sft", "--out", str(out), f"model.path={model}", f"data.train={data}", "max_steps=2", "batch_size=4",
-            "progress=false", "tensorboard=false", *extra]  # fmt: skip
+    return [
+        "sft",
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={data}",
+        "max_steps=2",
+        "batch_size=4",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 def test_training_text_the_tokenizer_cannot_spell_is_refused(digits_model, tmp_path, capsys):

@@ -50,9 +50,17 @@ def launch(script: str, out: Path, *args: str, timeout: float = 240) -> tuple[di
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHIFU_THREADS": "1", "SHIFU_DIST_TIMEOUT": "60"}
     env.pop("WORLD_SIZE", None)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "dist_scripts" / script), "--out", str(out), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "dist_scripts" / script),
+        "--out",
+        str(out),
+        *args,
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         log = proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -76,26 +76,59 @@ def task(tmp_path_factory, tiny_model_dir):
 
 def sft_args(task, out: Path, *extra: str) -> list[str]:
     return [
-        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['sft_train']}",
-        f"data.eval={task['sft_eval']}", "batch_size=4", "grad_accum=2", "eval.batch_size=4", "optim.lr=1e-3", "optim.eps=1.0",
-        "optim.schedule=constant", "progress=false", "tensorboard=false", "log_every=1", *extra,
-    ]  # fmt: skip
+        f"out_dir={out}",
+        f"model.path={task['model']}",
+        f"data.train={task['sft_train']}",
+        f"data.eval={task['sft_eval']}",
+        "batch_size=4",
+        "grad_accum=2",
+        "eval.batch_size=4",
+        "optim.lr=1e-3",
+        "optim.eps=1.0",
+        "optim.schedule=constant",
+        "progress=false",
+        "tensorboard=false",
+        "log_every=1",
+        *extra,
+    ]
 
 
 def rm_args(task, out: Path, *extra: str) -> list[str]:
     return [
-        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['rm_train']}",
-        f"data.eval={task['rm_eval']}", "batch_size=4", "grad_accum=2", "eval.batch_size=4", "optim.lr=1e-3", "optim.eps=1.0",
-        "optim.schedule=constant", "progress=false", "tensorboard=false", "log_every=1", *extra,
-    ]  # fmt: skip
+        f"out_dir={out}",
+        f"model.path={task['model']}",
+        f"data.train={task['rm_train']}",
+        f"data.eval={task['rm_eval']}",
+        "batch_size=4",
+        "grad_accum=2",
+        "eval.batch_size=4",
+        "optim.lr=1e-3",
+        "optim.eps=1.0",
+        "optim.schedule=constant",
+        "progress=false",
+        "tensorboard=false",
+        "log_every=1",
+        *extra,
+    ]
 
 
 def dpo_args(task, out: Path, *extra: str) -> list[str]:
     return [
-        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['rm_train']}",
-        f"data.eval={task['rm_eval']}", "batch_size=4", "grad_accum=2", "eval.batch_size=4", "optim.lr=1e-3",
-        "optim.eps=1.0", "optim.schedule=constant", "progress=false", "tensorboard=false", "log_every=1", *extra,
-    ]  # fmt: skip
+        f"out_dir={out}",
+        f"model.path={task['model']}",
+        f"data.train={task['rm_train']}",
+        f"data.eval={task['rm_eval']}",
+        "batch_size=4",
+        "grad_accum=2",
+        "eval.batch_size=4",
+        "optim.lr=1e-3",
+        "optim.eps=1.0",
+        "optim.schedule=constant",
+        "progress=false",
+        "tensorboard=false",
+        "log_every=1",
+        *extra,
+    ]
 
 
 def env() -> dict[str, str]:
@@ -141,16 +174,31 @@ def two_rank_runs(task):
     d = task["dir"]
     runs = [
         {"cmd": "sft", "overrides": sft_args(task, d / "sft_ddp", "max_steps=1", "distributed.strategy=ddp")},
-        {"cmd": "sft", "overrides": sft_args(task, d / "sft_fsdp2", "max_steps=1", "save_every=1",
-                                             "distributed.strategy=fsdp2"),
-         "copy_final": str(d / "sft_fsdp2_step1")},
-        {"cmd": "sft", "overrides": sft_args(task, d / "sft_fsdp2", "max_steps=2", "save_every=1",
-                                             "distributed.strategy=fsdp2"), "resume": True},
+        {
+            "cmd": "sft",
+            "overrides": sft_args(
+                task, d / "sft_fsdp2", "max_steps=1", "save_every=1", "distributed.strategy=fsdp2"
+            ),
+            "copy_final": str(d / "sft_fsdp2_step1"),
+        },
+        {
+            "cmd": "sft",
+            "overrides": sft_args(
+                task, d / "sft_fsdp2", "max_steps=2", "save_every=1", "distributed.strategy=fsdp2"
+            ),
+            "resume": True,
+        },
         {"cmd": "rm", "overrides": rm_args(task, d / "rm_ddp", "max_steps=1", "distributed.strategy=ddp")},
-        {"cmd": "rm", "overrides": rm_args(task, d / "rm_fsdp2", "max_steps=1", "distributed.strategy=fsdp2")},
+        {
+            "cmd": "rm",
+            "overrides": rm_args(task, d / "rm_fsdp2", "max_steps=1", "distributed.strategy=fsdp2"),
+        },
         {"cmd": "dpo", "overrides": dpo_args(task, d / "dpo_ddp", "max_steps=1", "distributed.strategy=ddp")},
-        {"cmd": "dpo", "overrides": dpo_args(task, d / "dpo_fsdp2", "max_steps=1", "distributed.strategy=fsdp2")},
-    ]  # fmt: skip
+        {
+            "cmd": "dpo",
+            "overrides": dpo_args(task, d / "dpo_fsdp2", "max_steps=1", "distributed.strategy=fsdp2"),
+        },
+    ]
     for r in runs:
         r["overrides"].append("distributed.timeout_s=60")
     (d / "runs.json").write_text(json.dumps(runs))
@@ -250,8 +298,15 @@ def test_cli_sft_ddp_end_to_end_rank0_writes_once(task, tmp_path):
     """torchrun -m shifu sft: 4 steps with evaluation and checkpoints; every record written once, and
     the same losses and weights as the 1-process CLI-equivalent run."""
     out = tmp_path / "cli"
-    args = sft_args(task, out, "max_steps=4", "eval.every=2", "save_every=2", "distributed.strategy=ddp",
-                    "distributed.timeout_s=60")  # fmt: skip
+    args = sft_args(
+        task,
+        out,
+        "max_steps=4",
+        "eval.every=2",
+        "save_every=2",
+        "distributed.strategy=ddp",
+        "distributed.timeout_s=60",
+    )
     proc = torchrun("-m", "shifu", "sft", *args)
     assert proc.stderr.count("shifu sft: 4 steps") == 1  # the final report comes from rank 0 only
     ref = one_process(sft, sft_args(task, tmp_path / "ref4", "max_steps=4", "eval.every=2", "save_every=2"))

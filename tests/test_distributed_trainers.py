@@ -48,8 +48,18 @@ def env() -> dict[str, str]:
 
 
 def torchrun_ppo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "shifu", "ppo", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "shifu",
+        "ppo",
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
@@ -63,11 +73,22 @@ def task(tmp_path_factory):
 
 def cli_args(task, out: Path, *extra: str) -> list[str]:
     return [
-        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['prompts']}",
-        "reward.function=ppo_task:frac_a", "critic.init=sft", "batch_size=8", "minibatch_size=4",
-        "ppo_epochs=2", "generation.max_new_tokens=8", "optim.lr=1e-2", "optim.schedule=constant",
-        "critic.optim.lr=1e-2", "critic.optim.schedule=constant", "distributed.timeout_s=60", *extra,
-    ]  # fmt: skip
+        f"out_dir={out}",
+        f"model.path={task['model']}",
+        f"data.train={task['prompts']}",
+        "reward.function=ppo_task:frac_a",
+        "critic.init=sft",
+        "batch_size=8",
+        "minibatch_size=4",
+        "ppo_epochs=2",
+        "generation.max_new_tokens=8",
+        "optim.lr=1e-2",
+        "optim.schedule=constant",
+        "critic.optim.lr=1e-2",
+        "critic.optim.schedule=constant",
+        "distributed.timeout_s=60",
+        *extra,
+    ]
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -124,8 +145,17 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     """torchrun -m shifu ppo with DDP: uneven responses across ranks finish (synced generation), the
     evaluation runs on both ranks, and the run directory holds exactly one copy of every record."""
     out = tmp_path / "ddp"
-    torchrun_ppo(*cli_args(task, out, "distributed.strategy=ddp", "iterations=2", "eval.every=1",
-                           "eval.num_prompts=6", "save_every=1"))  # fmt: skip
+    torchrun_ppo(
+        *cli_args(
+            task,
+            out,
+            "distributed.strategy=ddp",
+            "iterations=2",
+            "eval.every=1",
+            "eval.num_prompts=6",
+            "save_every=1",
+        )
+    )
     metrics = rows_of(out / "metrics.jsonl")
     its = [r["step"] for r in metrics if "objective/kl" in r]
     assert its == [1, 2], its  # one line per iteration (rank 1 wrote nothing)
@@ -152,8 +182,18 @@ def test_cli_ddp_group_estimator_keeps_each_group_on_one_process(task, tmp_path)
     metrics = rows_of(out / "metrics.jsonl")
     assert [r["rollout/rows"] for r in metrics if "rollout/rows" in r] == [8, 8]
     assert all("loss/value" not in r for r in metrics) and not (out / "critic").exists()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "shifu", "ppo", *cli_args(task, tmp_path / "one", *args, "group_size=8")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "shifu",
+        "ppo",
+        *cli_args(task, tmp_path / "one", *args, "group_size=8"),
+    ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "stays on one process" in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
@@ -219,8 +259,15 @@ def test_lora_reference_in_the_trainer_equals_a_frozen_copy(task):
     """With lora.enabled the trainer loads no reference: its reference log-probs (actor with adapters off)
     equal a real frozen SFT copy's, also after PPO updates moved the adapters."""
     pytest.importorskip("peft")
-    t = _Run(task, "lora.enabled=true", "lora.r=4", "lora.target_modules=[c_attn]", "optim.lr=5e-2",
-             ref=False, lora=True)  # fmt: skip
+    t = _Run(
+        task,
+        "lora.enabled=true",
+        "lora.r=4",
+        "lora.target_modules=[c_attn]",
+        "optim.lr=5e-2",
+        ref=False,
+        lora=True,
+    )
     # the trainer runs GPT-2 with the fused tanh-GELU; the frozen copy must use the same kernel to be bit-equal
     frozen = fuse_tanh_gelu(load_causal_lm(task["model"], dropout=False).eval())
     pids, pmask, rows = _prompts(t.tok)

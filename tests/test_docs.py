@@ -135,9 +135,20 @@ for argv in {argvs!r}:
     sys.stdout.write(out.getvalue())
 """
 COMMANDS = [
-    ["sft"], ["rm"], ["ppo"], ["dpo"], ["quickstart"], ["report"], ["sample"], ["merge"], ["serve"],
-    ["study", "frontier"], ["demo", "bandit"], ["bench"], ["install"],
-]  # fmt: skip
+    ["sft"],
+    ["rm"],
+    ["ppo"],
+    ["dpo"],
+    ["quickstart"],
+    ["report"],
+    ["sample"],
+    ["merge"],
+    ["serve"],
+    ["study", "frontier"],
+    ["demo", "bandit"],
+    ["bench"],
+    ["install"],
+]
 
 
 def test_cli_reference_names_every_option():

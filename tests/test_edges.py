@@ -64,8 +64,13 @@ def _rename_weights(d: Path) -> None:
 
 def _sharded_without_a_shard(d: Path) -> None:
     (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors",
-                                            "transformer.wpe.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "transformer.wte.weight": "model-00001-of-00002.safetensors",
+            "transformer.wpe.weight": "model-00002-of-00002.safetensors",
+        },
+    }
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
@@ -83,26 +88,45 @@ def _write(name: str, text: str | bytes) -> Callable[[Path], None]:
 # name -> (how the copy of the tiny model is broken, what the message must contain: {dir} is its path)
 BROKEN_MODELS = {
     "no_config": (_unlink("config.json"), ["'{dir}' is not a model directory (no config.json)", HUB_HINT]),
-    "config_not_json": (_write("config.json", '{"model_type": "gpt2",\n  oops}'),
-                        ["'{dir}/config.json', line 2, column 3: not valid JSON", "re-save"]),
+    "config_not_json": (
+        _write("config.json", '{"model_type": "gpt2",\n  oops}'),
+        ["'{dir}/config.json', line 2, column 3: not valid JSON", "re-save"],
+    ),
     "config_without_model_type": (_edit_config(model_type=None), ["'{dir}/config.json' has no model_type"]),
-    "unknown_model_type": (_edit_config(model_type="gpt7"),
-                           ["model_type 'gpt7' is not an architecture transformers", "trust_remote_code"]),
+    "unknown_model_type": (
+        _edit_config(model_type="gpt7"),
+        ["model_type 'gpt7' is not an architecture transformers", "trust_remote_code"],
+    ),
     "no_weights": (_unlink("model.safetensors"), ["'{dir}' has no weights", "model.safetensors"]),
-    "truncated_weights": (_truncate("model.safetensors"),
-                          ["'{dir}/model.safetensors' is truncated: it holds", "the directory '{dir}' is damaged"]),
-    "garbage_weights": (_write("model.safetensors", b"version https://git-lfs.github.com/spec/v1\n"),
-                        ["'{dir}/model.safetensors' is not a safetensors file"]),
-    "missing_shard": (_sharded_without_a_shard,
-                      ["model.safetensors.index.json' names weight files that are not in '{dir}'",
-                       "model-00002-of-00002.safetensors"]),
-    "weights_of_another_size": (_edit_config(n_embd=32),
-                                ["the weights in '{dir}' do not fit the shapes its config.json declares",
-                                 "(192,) in the file, (96,) in the model"]),
+    "truncated_weights": (
+        _truncate("model.safetensors"),
+        ["'{dir}/model.safetensors' is truncated: it holds", "the directory '{dir}' is damaged"],
+    ),
+    "garbage_weights": (
+        _write("model.safetensors", b"version https://git-lfs.github.com/spec/v1\n"),
+        ["'{dir}/model.safetensors' is not a safetensors file"],
+    ),
+    "missing_shard": (
+        _sharded_without_a_shard,
+        [
+            "model.safetensors.index.json' names weight files that are not in '{dir}'",
+            "model-00002-of-00002.safetensors",
+        ],
+    ),
+    "weights_of_another_size": (
+        _edit_config(n_embd=32),
+        [
+            "the weights in '{dir}' do not fit the shapes its config.json declares",
+            "(192,) in the file, (96,) in the model",
+        ],
+    ),
     "weights_of_another_model": (_rename_weights, ["the weight files in '{dir}' lack", "would start random"]),
     "no_tokenizer": (_unlink("tokenizer.json", "tokenizer_config.json"), ["'{dir}' holds no tokenizer"]),
-    "tokenizer_not_json": (_write("tokenizer.json", "{"), ["'{dir}/tokenizer.json', line 1", "not valid JSON"]),
-}  # fmt: skip
+    "tokenizer_not_json": (
+        _write("tokenizer.json", "{"),
+        ["'{dir}/tokenizer.json', line 1", "not valid JSON"],
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +160,18 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def sft_argv(out: Path, model: Path, data: Path, *extra: str) -> list[str]:
-    return ["sft", "--out", str(out), f"model.path={model}", f"data.train={data}", "max_steps=1",
-            "batch_size=8", "progress=false", "tensorboard=false", *extra]  # fmt: skip
+    return [
+        "sft",
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={data}",
+        "max_steps=1",
+        "batch_size=8",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 def _one_error_line(err: str, cmd: str) -> str:
@@ -216,11 +250,15 @@ def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
         (_truncate("scalar_head.safetensors"), "scalar_head.safetensors' is truncated"),
         (_unlink("scalar_head.safetensors"), "has no scalar head (scalar_head.safetensors missing)"),
         (_write("shifu_scalar.json", "{"), "shifu_scalar.json', line 1, column 2: not valid JSON"),
-        (lambda d: save_file({"weight": __import__("torch").zeros(1, 8)}, str(d / "scalar_head.safetensors")),
-         "scalar_head.safetensors' lacks or misshapes weight, bias, gain, norm_bias"),
+        (
+            lambda d: save_file(
+                {"weight": __import__("torch").zeros(1, 8)}, str(d / "scalar_head.safetensors")
+            ),
+            "scalar_head.safetensors' lacks or misshapes weight, bias, gain, norm_bias",
+        ),
         (_truncate("model.safetensors"), "model.safetensors' is truncated"),
     ],
-)  # fmt: skip
+)
 def test_a_damaged_reward_model_directory(breaks, needle, reward_dir, tmp_path):
     d = tmp_path / "rm"
     shutil.copytree(reward_dir, d)
@@ -265,8 +303,9 @@ def test_broken_model_in_a_real_process(broken, files, tmp_path):
     out = tmp_path / "run"
     argv = sft_argv(out, broken["truncated_weights"], files["sft"])
     env = {**os.environ, "SHIFU_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "shifu", *argv], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "shifu", *argv], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "is truncated" in done.stderr and not out.exists()
 
@@ -301,17 +340,30 @@ def _utf16(p: Path, rows: bytes) -> None:
     [
         ("notepad.jsonl", lambda p, rows: _utf16(p, rows), "is UTF-16 text"),
         ("rows.jsonl.gz", lambda p, rows: p.write_bytes(gzip.compress(rows)), "is gzip-compressed"),
-        ("rows.json", lambda p, rows: p.write_text(json.dumps([json.loads(x) for x in rows.splitlines()], indent=2)),
-         "holds one JSON array of 24 items, not one JSON object per line"),
-        ("one_line.jsonl", lambda p, rows: p.write_text(json.dumps([json.loads(x) for x in rows.splitlines()])),
-         "holds one JSON array of 24 items"),
+        (
+            "rows.json",
+            lambda p, rows: p.write_text(json.dumps([json.loads(x) for x in rows.splitlines()], indent=2)),
+            "holds one JSON array of 24 items, not one JSON object per line",
+        ),
+        (
+            "one_line.jsonl",
+            lambda p, rows: p.write_text(json.dumps([json.loads(x) for x in rows.splitlines()])),
+            "holds one JSON array of 24 items",
+        ),
         ("rows.csv", lambda p, rows: p.write_text("prompt,response\na,b\n"), "is a .csv table, not JSONL"),
-        ("rows.jsonl", lambda p, rows: p.write_bytes(b"PAR1" + rows), "a Parquet file without the .parquet suffix"),
-        ("surrogate.jsonl", lambda p, rows: p.write_bytes(rows + b'{"prompt": "p", "response": "x \\ud83d y"}\n'),
-         "line 25, field 'response': invalid Unicode escape at character 2 (a lone surrogate \\ud83d)"),
+        (
+            "rows.jsonl",
+            lambda p, rows: p.write_bytes(b"PAR1" + rows),
+            "a Parquet file without the .parquet suffix",
+        ),
+        (
+            "surrogate.jsonl",
+            lambda p, rows: p.write_bytes(rows + b'{"prompt": "p", "response": "x \\ud83d y"}\n'),
+            "line 25, field 'response': invalid Unicode escape at character 2 (a lone surrogate \\ud83d)",
+        ),
         ("empty.jsonl", lambda p, rows: p.write_bytes(b"\n\n"), "no valid sft rows (the file holds no rows)"),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_data_file_is_named_with_what_to_do(name, write, needle, files, tmp_path):
     p = tmp_path / name
     write(p, files["sft"].read_bytes())
@@ -342,8 +394,18 @@ def test_a_malformed_data_file_through_every_command(tiny_model_dir, files, tmp_
 def test_skipped_rows_are_reported_once(tiny_model_dir, files, tmp_path, capsys):
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(files["pref"].read_text() + "oops\n", encoding="utf-8")
-    argv = ["rm", "--out", str(tmp_path / "run"), f"model.path={tiny_model_dir}", f"data.train={mixed}",
-            f"data.eval={files['pref']}", "data.skip_bad=true", "max_steps=1", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "rm",
+        "--out",
+        str(tmp_path / "run"),
+        f"model.path={tiny_model_dir}",
+        f"data.train={mixed}",
+        f"data.eval={files['pref']}",
+        "data.skip_bad=true",
+        "max_steps=1",
+        "progress=false",
+        "tensorboard=false",
+    ]
     code, err = run_cli(argv, capsys)
     assert code == 0, err
     assert err.count("skipped 1 bad rows") == 1, err
@@ -353,15 +415,28 @@ def test_skipped_rows_are_reported_once(tiny_model_dir, files, tmp_path, capsys)
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "yaml_text, key",
-    [("optim:\n  lr: .nan\n", "optim.lr"), ("optim:\n  lr: nan\n", "optim.lr"), ("kl:\n  init_coef: .inf\n", "kl.init_coef"),
-     ("kl:\n  init_coef: -.Inf\n", "kl.init_coef"), ("critic:\n  optim:\n    eps: NaN\n", "critic.optim.eps")],
-)  # fmt: skip
+    [
+        ("optim:\n  lr: .nan\n", "optim.lr"),
+        ("optim:\n  lr: nan\n", "optim.lr"),
+        ("kl:\n  init_coef: .inf\n", "kl.init_coef"),
+        ("kl:\n  init_coef: -.Inf\n", "kl.init_coef"),
+        ("critic:\n  optim:\n    eps: NaN\n", "critic.optim.eps"),
+    ],
+)
 def test_non_finite_numbers_in_a_yaml_file_are_named(yaml_text, key, tiny_model_dir, files, tmp_path, capsys):
     cfg = tmp_path / "ppo.yaml"
     cfg.write_text(yaml_text, encoding="utf-8")
     out = tmp_path / "run"
-    argv = ["ppo", "--config", str(cfg), "--out", str(out), f"model.path={tiny_model_dir}",
-            f"data.train={files['prompts']}", "reward.function=ppo_task:frac_a"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--config",
+        str(cfg),
+        "--out",
+        str(out),
+        f"model.path={tiny_model_dir}",
+        f"data.train={files['prompts']}",
+        "reward.function=ppo_task:frac_a",
+    ]
     code, err = run_cli(argv, capsys)
     assert code == 2 and f"{key} must be a finite number" in _one_error_line(err, "ppo")
     assert not out.exists()
@@ -389,8 +464,17 @@ def test_a_failed_start_writes_nothing_and_the_fix_needs_no_overwrite(
         "missing": tmp_path / "missing",
         "model": tiny_model_dir,
     }
-    base = [cmd, "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={data}", "max_steps=1",
-            "batch_size=8", "progress=false", "tensorboard=false"]  # fmt: skip
+    base = [
+        cmd,
+        "--out",
+        str(out),
+        f"model.path={tiny_model_dir}",
+        f"data.train={data}",
+        "max_steps=1",
+        "batch_size=8",
+        "progress=false",
+        "tensorboard=false",
+    ]
     code, err = run_cli(base + [late_mistake.format(**names)], capsys)
     assert code == 2 and not out.exists(), err
     code, err = run_cli(base + [fix.format(**names)], capsys)
@@ -443,8 +527,15 @@ def test_a_model_directory_with_another_models_tokenizer_is_refused(cmd, foreign
     would silently grow the embedding by hundreds of untrained rows. Named, exit 2, nothing written."""
     out = tmp_path / "run"
     data = {"sft": files["sft"], "ppo": files["prompts"]}.get(cmd, files["pref"])
-    argv = [cmd, "--out", str(out), f"model.path={foreign['policy']}", f"data.train={data}", "progress=false",
-            "tensorboard=false"] + (["reward.function=ppo_task:frac_a", "critic.init=sft"] if cmd == "ppo" else [])  # fmt: skip
+    argv = [
+        cmd,
+        "--out",
+        str(out),
+        f"model.path={foreign['policy']}",
+        f"data.train={data}",
+        "progress=false",
+        "tensorboard=false",
+    ] + (["reward.function=ppo_task:frac_a", "critic.init=sft"] if cmd == "ppo" else [])
     code, err = run_cli(argv, capsys)
     line = _one_error_line(err, cmd)
     assert code == 2 and not out.exists(), err
@@ -456,8 +547,16 @@ def test_a_reward_model_with_another_models_tokenizer_and_a_damaged_ensemble(
     foreign, tiny_model_dir, files, tmp_path, capsys
 ):
     out = tmp_path / "run"
-    argv = ["ppo", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={files['prompts']}",
-            "critic.init=sft", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={tiny_model_dir}",
+        f"data.train={files['prompts']}",
+        "critic.init=sft",
+        "progress=false",
+        "tensorboard=false",
+    ]
     code, err = run_cli(argv + [f"reward.model_path={tmp_path / 'nope'}"], capsys)
     assert (
         code == 2
@@ -485,12 +584,24 @@ def test_examples_longer_than_the_models_positions_are_refused_before_training(c
 
     model = build_char_model(tmp_path / "model")
     long = "abcdefghijkl" * 7  # 84 characters = 84 tokens
-    rows = ([{"prompt": "ab", "response": long}] if cmd == "sft"
-            else [{"prompt": "ab", "chosen": long, "rejected": "cd"}]) * 8  # fmt: skip
+    rows = (
+        [{"prompt": "ab", "response": long}]
+        if cmd == "sft"
+        else [{"prompt": "ab", "chosen": long, "rejected": "cd"}]
+    ) * 8
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "run"
-    argv = [cmd, "--out", str(out), f"model.path={model}", f"data.train={data}", "max_steps=1", "batch_size=4",
-            "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        cmd,
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={data}",
+        "max_steps=1",
+        "batch_size=4",
+        "progress=false",
+        "tensorboard=false",
+    ]
     code, err = run_cli(argv, capsys)
     line = _one_error_line(err, cmd)
     assert code == 2 and not out.exists(), err
@@ -506,9 +617,17 @@ def test_a_normalisation_policy_with_damaged_weights_stops_rm_before_training(
     tiny_model_dir, broken, files, tmp_path, capsys
 ):
     out = tmp_path / "run"
-    argv = ["rm", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={files['pref']}",
-            "max_steps=1", "progress=false", "tensorboard=false",
-            f"normalize.policy={broken['truncated_weights']}"]  # fmt: skip
+    argv = [
+        "rm",
+        "--out",
+        str(out),
+        f"model.path={tiny_model_dir}",
+        f"data.train={files['pref']}",
+        "max_steps=1",
+        "progress=false",
+        "tensorboard=false",
+        f"normalize.policy={broken['truncated_weights']}",
+    ]
     code, err = run_cli(argv, capsys)
     assert code == 2 and not out.exists(), err
     assert f"'{broken['truncated_weights']}/model.safetensors' is truncated" in err
@@ -525,9 +644,20 @@ def test_a_run_that_fails_after_it_started_can_be_resumed_or_overwritten(tmp_pat
 
     model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
     out = tmp_path / "run"
-    base = ["ppo", "--out", str(out), f"model.path={model}", f"data.train={prompts}", "critic.init=sft",
-            "iterations=1", "batch_size=8", "eval.every=0", "progress=false", "tensorboard=false",
-            "generation.max_new_tokens=6"]  # fmt: skip
+    base = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={prompts}",
+        "critic.init=sft",
+        "iterations=1",
+        "batch_size=8",
+        "eval.every=0",
+        "progress=false",
+        "tensorboard=false",
+        "generation.max_new_tokens=6",
+    ]
     code, err = run_cli(base + ["reward.function=ppo_task:frac_a", "generation.max_new_tokens=100"], capsys)
     line = _one_error_line(err, "ppo")
     assert code == 2 and "max_new_tokens (100) exceeds the model's 64 positions" in line, line

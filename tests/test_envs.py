@@ -69,8 +69,13 @@ def test_a_bad_factory_is_a_config_error_naming_it(factory, kwargs, said):
 
 
 def test_env_settings_are_validated_with_the_rest_of_the_config():
-    base = {"out_dir": "run", "model": {"path": "x"}, "data": {"train": "p.jsonl"}, "critic": {"init": "sft"},
-            "env": {"factory": "scripted_envs:Scripted"}}  # fmt: skip
+    base = {
+        "out_dir": "run",
+        "model": {"path": "x"},
+        "data": {"train": "p.jsonl"},
+        "critic": {"init": "sft"},
+        "env": {"factory": "scripted_envs:Scripted"},
+    }
     from_dict(PPOConfig, base).validate()  # no reward.*: the environment rewards the episodes
     bad = [
         (

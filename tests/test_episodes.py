@@ -37,8 +37,14 @@ def rows(n: int = 12) -> list[dict]:
 
 
 def env(**over) -> Environment:
-    cfg = {"factory": "scripted_envs:Scripted", "max_turns": 3, "max_tokens_per_turn": 6, "max_total_tokens": 24,
-           "stop": STOPS, "step_timeout_s": None} | over  # fmt: skip
+    cfg = {
+        "factory": "scripted_envs:Scripted",
+        "max_turns": 3,
+        "max_tokens_per_turn": 6,
+        "max_total_tokens": 24,
+        "stop": STOPS,
+        "step_timeout_s": None,
+    } | over
     return Environment(from_dict(EnvConfig, cfg))
 
 
@@ -93,9 +99,8 @@ def test_per_turn_rewards_sit_on_each_turns_last_sampled_token(char):
     for i in range(12):
         ends = eps.turn_ends[i].nonzero().flatten().tolist()
         assert len(ends) == eps.counts["turns"][i] and all(mask[i, p] for p in ends)
-        stepped = (
-            ends if _ended_by_stop(char, eps, i) else ends[:-1]
-        )  # a turn cut by its budget is not stepped
+        # a turn cut by its budget is not stepped
+        stepped = ends if _ended_by_stop(char, eps, i) else ends[:-1]
         want = [0.5, 1.0, 2.0][: len(stepped)]
         assert eps.rewards[i, stepped].tolist() == want
         assert eps.rewards[i].sum() == eps.returns[i] == sum(want)
@@ -157,8 +162,10 @@ def test_max_turns_and_the_token_budgets_end_episodes_truncated(char):
 )
 def test_a_faulty_environment_is_named_with_the_row_and_turn_or_ends_its_episode(char, fault, said):
     bad = rows()[3]["prompt"]
-    kw = {"kwargs": {"fault": fault, "fault_turn": 1, "fault_prompt": bad, "sleep_s": 3.0, "rewards": [1.0]},
-          "step_timeout_s": 0.2}  # fmt: skip
+    kw = {
+        "kwargs": {"fault": fault, "fault_turn": 1, "fault_prompt": bad, "sleep_s": 3.0, "rewards": [1.0]},
+        "step_timeout_s": 0.2,
+    }
     with pytest.raises(EnvFault) as e:
         run(char, env(**kw))
     turn = "reset" if fault == "reset" else "turn 2"
@@ -230,7 +237,18 @@ def test_no_gradient_reaches_the_logits_of_observation_positions(char):
 def test_samples_and_metrics_are_json(char):
     eps = run(char, env(kwargs={"rewards": [1.0], "done_after": 2}))
     m = eps.metrics()
-    assert set(m) == {f"env/{k}" for k in ("turns", "tool_calls", "tool_errors", "observation_tokens", "tool_use",
-                                           "truncated", "errors", "return")}  # fmt: skip
+    assert set(m) == {
+        f"env/{k}"
+        for k in (
+            "turns",
+            "tool_calls",
+            "tool_errors",
+            "observation_tokens",
+            "tool_use",
+            "truncated",
+            "errors",
+            "return",
+        )
+    }
     json.dumps(m)
     assert all(t.startswith("\u27e6") and "\u27e7" in t for t in eps.transcripts())

@@ -25,8 +25,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # arith tiny cut short: SFT that barely learns, two PPO iterations, a smaller held-out set
-SHORT = ["sft.max_steps=20", "sft.progress=false", "ppo.progress=false", "ppo.iterations=2", "ppo.eval.every=0",
-         "ppo.batch_size=16", "ppo.minibatch_size=8", "eval.num_prompts=64"]  # fmt: skip
+SHORT = [
+    "sft.max_steps=20",
+    "sft.progress=false",
+    "ppo.progress=false",
+    "ppo.iterations=2",
+    "ppo.eval.every=0",
+    "ppo.batch_size=16",
+    "ppo.minibatch_size=8",
+    "eval.num_prompts=64",
+]
 
 
 def extras() -> dict[str, list[str]]:

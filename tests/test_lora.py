@@ -221,8 +221,16 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     with pytest.raises(ValueError, match="LoRA adapters"):
         decoder(actor, 3, 9, w, "fast")
     with torch.no_grad():
-        s = sample(actor, ids, mask, params, tok.eos_token_id, tok.pad_token_id,
-                   torch.Generator().manual_seed(1), with_log_probs=True)  # fmt: skip
+        s = sample(
+            actor,
+            ids,
+            mask,
+            params,
+            tok.eos_token_id,
+            tok.pad_token_id,
+            torch.Generator().manual_seed(1),
+            with_log_probs=True,
+        )
         full = torch.cat([ids, s.response_ids], 1)
         attn = torch.cat([mask, s.response_mask.long()], 1)
         adapted = policy_forward(actor, full, attn, ids.shape[1])[0]

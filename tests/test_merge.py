@@ -112,8 +112,12 @@ def test_shifu_merge_command(tiny_model_dir, tmp_path, capsys):
     run = tmp_path / "run"  # a trainer's run directory: its final/ is the policy
     shutil.copytree(b, run / "final")
     out = tmp_path / "merged"
-    assert cli_main(["merge", "--base", str(tiny_model_dir), "--out", str(out), "--scale", "0.5", str(a),
-                     str(run)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            ["merge", "--base", str(tiny_model_dir), "--out", str(out), "--scale", "0.5", str(a), str(run)]
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     assert "2 policies" in printed.err and printed.out == ""  # a line of shifu's own: stderr
     assert json.loads((out / "merge.json").read_text())["policies"] == [str(a), str(run / "final")]

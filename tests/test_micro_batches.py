@@ -24,11 +24,24 @@ def task(tmp_path_factory):
 
 
 def make_run(task, out, *extra):
-    cfg = load_config(ppo.Config, None, [
-        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['prompts']}",
-        "reward.function=ppo_task:frac_a", "critic.init=sft", "batch_size=8", "minibatch_size=8",
-        "ppo_epochs=1", "generation.max_new_tokens=8", "optim.lr=1e-2", "critic.optim.lr=1e-2", *extra,
-    ])  # fmt: skip
+    cfg = load_config(
+        ppo.Config,
+        None,
+        [
+            f"out_dir={out}",
+            f"model.path={task['model']}",
+            f"data.train={task['prompts']}",
+            "reward.function=ppo_task:frac_a",
+            "critic.init=sft",
+            "batch_size=8",
+            "minibatch_size=8",
+            "ppo_epochs=1",
+            "generation.max_new_tokens=8",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            *extra,
+        ],
+    )
     return cfg, *built(cfg)
 
 
@@ -52,9 +65,13 @@ def varied_rollout(task, tmp_path):
     am = torch.cat([r.attention_mask[:, :P], mask.long()], dim=1)
     g = torch.Generator().manual_seed(0)
     return dataclasses.replace(
-        r, input_ids=ids, attention_mask=am, response_mask=mask,
-        advantages=torch.randn(8, R, generator=g) * mask, returns=torch.randn(8, R, generator=g) * mask,
-    )  # fmt: skip
+        r,
+        input_ids=ids,
+        attention_mask=am,
+        response_mask=mask,
+        advantages=torch.randn(8, R, generator=g) * mask,
+        returns=torch.randn(8, R, generator=g) * mask,
+    )
 
 
 @pytest.mark.integration

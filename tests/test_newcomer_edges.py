@@ -28,8 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sft_argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["sft", "--out", str(out), f"model.path={model}", f"data.train={data}", "batch_size=8",
-            "optim.schedule=constant", "progress=false", "tensorboard=false", *extra]  # fmt: skip
+    return [
+        "sft",
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={data}",
+        "batch_size=8",
+        "optim.schedule=constant",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 def test_a_yaml_error_deep_in_a_config_file_names_the_file_and_the_line(tmp_path):
@@ -141,9 +151,21 @@ def test_a_reward_function_is_a_drop_in_with_the_default_critic(tmp_path, capsys
     from ppo_task import build_char_model, write_prompts
 
     model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
-    argv = ["ppo", "--out", str(tmp_path / "run"), f"model.path={model}", f"data.train={prompts}",
-            "reward.function=ppo_task:frac_a", "iterations=2", "batch_size=8", "minibatch_size=8",
-            "generation.max_new_tokens=4", "save_every=0", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--out",
+        str(tmp_path / "run"),
+        f"model.path={model}",
+        f"data.train={prompts}",
+        "reward.function=ppo_task:frac_a",
+        "iterations=2",
+        "batch_size=8",
+        "minibatch_size=8",
+        "generation.max_new_tokens=4",
+        "save_every=0",
+        "progress=false",
+        "tensorboard=false",
+    ]
     assert cli.main(argv) == 0
     assert "critic.init=reward fell back to critic.init=sft" in capsys.readouterr().err
     recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
@@ -167,12 +189,31 @@ def _hacked_ppo_argv(tmp_path, *extra: str) -> list[str]:
     from ppo_task import build_char_model, write_prompts
 
     model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
-    return ["ppo", "--out", str(tmp_path / "run"), f"model.path={model}", f"data.train={prompts}",
-            "reward.function=ppo_task:frac_a", "eval.gold_function=ppo_task:no_a", "critic.init=sft",
-            "iterations=12", "batch_size=16", "minibatch_size=8", "generation.max_new_tokens=6", "optim.lr=1e-2",
-            "optim.schedule=constant", "critic.optim.lr=1e-2", "kl.controller=fixed", "kl.init_coef=0.02",
-            "eval.every=2", "eval.num_prompts=32", "save_every=0", "progress=false", "tensorboard=false",
-            *extra]  # fmt: skip
+    return [
+        "ppo",
+        "--out",
+        str(tmp_path / "run"),
+        f"model.path={model}",
+        f"data.train={prompts}",
+        "reward.function=ppo_task:frac_a",
+        "eval.gold_function=ppo_task:no_a",
+        "critic.init=sft",
+        "iterations=12",
+        "batch_size=16",
+        "minibatch_size=8",
+        "generation.max_new_tokens=6",
+        "optim.lr=1e-2",
+        "optim.schedule=constant",
+        "critic.optim.lr=1e-2",
+        "kl.controller=fixed",
+        "kl.init_coef=0.02",
+        "eval.every=2",
+        "eval.num_prompts=32",
+        "save_every=0",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 def test_a_run_whose_judge_falls_while_the_reward_rises_keeps_best_by_the_judge_and_warns(tmp_path, capsys):
@@ -209,14 +250,28 @@ def test_a_reward_model_that_learned_length_is_flagged(tiny_model_dir, tmp_path,
         out = []
         for i in range(n):
             short = [rng.choice(words) for _ in range(rng.randint(1, 3))]
-            out.append({"prompt": f"review {i % 7}:", "chosen": " " + " ".join(short + short + short),
-                        "rejected": " " + " ".join(short)})  # fmt: skip
+            out.append(
+                {
+                    "prompt": f"review {i % 7}:",
+                    "chosen": " " + " ".join(short + short + short),
+                    "rejected": " " + " ".join(short),
+                }
+            )
         return out
 
-    over = {"out_dir": str(tmp_path / "run"), "model": {"path": str(tiny_model_dir)},
-            "data": {"train": str(write_jsonl(tmp_path / "train.jsonl", rows(160, 0))),
-                     "eval": str(write_jsonl(tmp_path / "eval.jsonl", rows(40, 1)))},
-            "optim": {"lr": 1e-3}, "batch_size": 16, "max_steps": 30, "progress": False, "tensorboard": False}  # fmt: skip
+    over = {
+        "out_dir": str(tmp_path / "run"),
+        "model": {"path": str(tiny_model_dir)},
+        "data": {
+            "train": str(write_jsonl(tmp_path / "train.jsonl", rows(160, 0))),
+            "eval": str(write_jsonl(tmp_path / "eval.jsonl", rows(40, 1))),
+        },
+        "optim": {"lr": 1e-3},
+        "batch_size": 16,
+        "max_steps": 30,
+        "progress": False,
+        "tensorboard": False,
+    }
     summary = reward.train(load_config(reward.Config, overrides=over))
     err = capsys.readouterr().err
     assert summary["eval/rm/len_corr"] >= 0.5, summary
@@ -236,11 +291,33 @@ def test_ppo_and_dpo_take_a_run_directory_and_refuse_a_reward_model(tiny_model_d
     pairs = write_jsonl(
         tmp_path / "pairs.jsonl", [{"prompt": "tell me:", "chosen": " cat", "rejected": " dog"}] * 32
     )
-    ppo_argv = ["ppo", "--out", str(tmp_path / "ppo"), f"data.train={prompts}", "reward.function=ppo_task:frac_a",
-                "critic.init=sft", "iterations=1", "batch_size=8", "minibatch_size=8", "generation.max_new_tokens=4",
-                "eval.every=0", "eval.num_prompts=8", "save_every=0", "progress=false", "tensorboard=false"]  # fmt: skip
-    dpo_argv = ["dpo", "--out", str(tmp_path / "dpo"), f"data.train={pairs}", "max_steps=1", "batch_size=8",
-                "progress=false", "tensorboard=false"]  # fmt: skip
+    ppo_argv = [
+        "ppo",
+        "--out",
+        str(tmp_path / "ppo"),
+        f"data.train={prompts}",
+        "reward.function=ppo_task:frac_a",
+        "critic.init=sft",
+        "iterations=1",
+        "batch_size=8",
+        "minibatch_size=8",
+        "generation.max_new_tokens=4",
+        "eval.every=0",
+        "eval.num_prompts=8",
+        "save_every=0",
+        "progress=false",
+        "tensorboard=false",
+    ]
+    dpo_argv = [
+        "dpo",
+        "--out",
+        str(tmp_path / "dpo"),
+        f"data.train={pairs}",
+        "max_steps=1",
+        "batch_size=8",
+        "progress=false",
+        "tensorboard=false",
+    ]
     for argv in (ppo_argv, dpo_argv):
         assert cli.main([*argv, f"model.path={rm}/final"]) == 2
         err = capsys.readouterr().err
@@ -256,8 +333,10 @@ def test_init_model_starts_a_newcomer_on_their_own_text(tmp_path, capsys):
     shifu sft then trains (its held-out loss falls)."""
     from shifu.runs.tracking import read_metrics
 
-    rows = [{"prompt": f"Q: what does the {w} say?", "response": f" A: the {w} says {s}."}
-            for w, s in [("cow", "moo"), ("cat", "meow"), ("dog", "woof"), ("duck", "quack")] * 30]  # fmt: skip
+    rows = [
+        {"prompt": f"Q: what does the {w} say?", "response": f" A: the {w} says {s}."}
+        for w, s in [("cow", "moo"), ("cat", "meow"), ("dog", "woof"), ("duck", "quack")] * 30
+    ]
     data = write_jsonl(tmp_path / "mine.jsonl", rows)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
@@ -266,8 +345,19 @@ def test_init_model_starts_a_newcomer_on_their_own_text(tmp_path, capsys):
     assert cli.main(["init-model", str(data), "--out", str(tmp_path / "m"), "--vocab-size", "300"]) == 0
     assert "parameters, a" in capsys.readouterr().err
     run = tmp_path / "run"
-    argv = ["sft", "--out", str(run), f"model.path={tmp_path / 'm'}", f"data.train={data}", "max_steps=40",
-            "batch_size=16", "eval.every=10", "optim.lr=3e-3", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "sft",
+        "--out",
+        str(run),
+        f"model.path={tmp_path / 'm'}",
+        f"data.train={data}",
+        "max_steps=40",
+        "batch_size=16",
+        "eval.every=10",
+        "optim.lr=3e-3",
+        "progress=false",
+        "tensorboard=false",
+    ]
     assert cli.main(argv) == 0
     losses = [r["eval/sft/loss"] for r in read_metrics(run / "metrics.jsonl") if "eval/sft/loss" in r]
     assert losses[-1] < 0.5 * losses[0], losses

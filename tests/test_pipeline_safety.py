@@ -32,8 +32,15 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 # arith tiny cut short (a whole run takes ~20 s of one core); later --set of a key wins
-TINY = ["sft.max_steps=20", "sft.progress=false", "ppo.progress=false", "ppo.iterations=2",
-        "ppo.eval.every=0", "ppo.batch_size=16", "ppo.minibatch_size=8"]  # fmt: skip
+TINY = [
+    "sft.max_steps=20",
+    "sft.progress=false",
+    "ppo.progress=false",
+    "ppo.iterations=2",
+    "ppo.eval.every=0",
+    "ppo.batch_size=16",
+    "ppo.minibatch_size=8",
+]
 
 
 def _quickstart(out: Path, *sets: str) -> list[str]:
@@ -156,8 +163,17 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
 def test_quickstart_into_a_finished_sft_run_is_refused(tiny_model_dir, tmp_path, capsys):
     run = tmp_path / "rev-sft"
     data = write_jsonl(tmp_path / "train.jsonl", corpus(40))
-    argv = ["sft", "--out", str(run), f"model.path={tiny_model_dir}", f"data.train={data}", "max_steps=2",
-            "batch_size=8", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "sft",
+        "--out",
+        str(run),
+        f"model.path={tiny_model_dir}",
+        f"data.train={data}",
+        "max_steps=2",
+        "batch_size=8",
+        "progress=false",
+        "tensorboard=false",
+    ]
     assert cli_main(argv) == 0
     before = _tree(run)
     assert b"eval/sft/loss" in before["summary.json"]
@@ -175,8 +191,13 @@ def _start(out: Path, log: Path, *sets: str, **env: str) -> subprocess.Popen:
     environ = {**os.environ, "SHIFU_THREADS": "1", "OMP_NUM_THREADS": "1", **env}
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "shifu", *_quickstart(out, *sets)], env=environ,
-                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "shifu", *_quickstart(out, *sets)],
+            env=environ,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
 
 
 def _wait_for(cond, proc: subprocess.Popen, log: Path, what: str, timeout: float = 300) -> None:
@@ -218,8 +239,15 @@ def test_a_second_pipeline_on_a_live_directory_is_refused(offset, tmp_path, caps
         if offset == "sft checkpoint":  # a trainer's own --overwrite / --resume of the live pipeline's stage
             data = out / "data"
             for flag in ("--overwrite", "--resume"):
-                argv = ["sft", "--out", str(out / "sft"), flag, f"model.path={data / 'base'}",
-                        f"data.train={data / 'sft_train.jsonl'}", "progress=false"]  # fmt: skip
+                argv = [
+                    "sft",
+                    "--out",
+                    str(out / "sft"),
+                    flag,
+                    f"model.path={data / 'base'}",
+                    f"data.train={data / 'sft_train.jsonl'}",
+                    "progress=false",
+                ]
                 capsys.readouterr()
                 assert cli_main(argv) == 2, flag
                 err = capsys.readouterr().err

@@ -214,8 +214,10 @@ def test_score_lands_on_last_real_token(task, tmp_path, model):
     # everything after EOS is masked in every loss: garbage in padded positions changes nothing
     n = mask.sum()
     parts_a = list(minibatch_loss(run.m, run.s, run.cfg, exp, n, 1.0))
-    junk = {k: torch.where(mask, getattr(exp, k), torch.full_like(getattr(exp, k), 1e6))
-            for k in ("advantages", "old_log_probs", "returns", "values")}  # fmt: skip
+    junk = {
+        k: torch.where(mask, getattr(exp, k), torch.full_like(getattr(exp, k), 1e6))
+        for k in ("advantages", "old_log_probs", "returns", "values")
+    }
     parts_b = list(minibatch_loss(run.m, run.s, run.cfg, dataclasses.replace(exp, **junk), n, 1.0))
     assert [name for name, _, _ in parts_a] == [name for name, _, _ in parts_b] and parts_a
     for (_, loss_a, _), (_, loss_b, _) in zip(parts_a, parts_b):

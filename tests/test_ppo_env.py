@@ -24,13 +24,32 @@ def data(tmp_path_factory):
 
 def argv(data, out, *extra: str) -> list[str]:
     return [
-        "ppo", "--out", str(out), f"model.path={data['char']}", f"data.train={data['prompts']}",
-        f"data.eval={data['prompts']}", "env.factory=thirdparty_env:Echo", "env.stop=[g,h,i,j,k,l]",
-        "env.max_tokens_per_turn=6", "env.max_total_tokens=24", "iterations=12", "batch_size=32",
-        "minibatch_size=16", "ppo_epochs=2", "eval.every=12", "eval.num_prompts=32", "eval.temperature=1.0",
-        "critic.init=sft", "optim.lr=1e-2", "critic.optim.lr=1e-2", "kl.controller=fixed", "kl.init_coef=0.01",
-        "progress=false", "tensorboard=false", *extra,
-    ]  # fmt: skip
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={data['char']}",
+        f"data.train={data['prompts']}",
+        f"data.eval={data['prompts']}",
+        "env.factory=thirdparty_env:Echo",
+        "env.stop=[g,h,i,j,k,l]",
+        "env.max_tokens_per_turn=6",
+        "env.max_total_tokens=24",
+        "iterations=12",
+        "batch_size=32",
+        "minibatch_size=16",
+        "ppo_epochs=2",
+        "eval.every=12",
+        "eval.num_prompts=32",
+        "eval.temperature=1.0",
+        "critic.init=sft",
+        "optim.lr=1e-2",
+        "critic.optim.lr=1e-2",
+        "kl.controller=fixed",
+        "kl.init_coef=0.01",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 def metrics(out) -> list[dict]:
@@ -82,9 +101,11 @@ def test_every_estimator_runs_on_episodes(data, tmp_path, estimator):
 
 
 def test_a_bad_factory_is_refused_before_anything_is_written(data, tmp_path, capsys):
-    for factory, said in [("thirdparty_env:Nope", "has no class or function 'Nope'"),
-                          ("scripted_envs:NoStep", "which has no step() method"),
-                          ("thirdparty_env", "must look like 'package.module:Name'")]:  # fmt: skip
+    for factory, said in [
+        ("thirdparty_env:Nope", "has no class or function 'Nope'"),
+        ("scripted_envs:NoStep", "which has no step() method"),
+        ("thirdparty_env", "must look like 'package.module:Name'"),
+    ]:
         out = tmp_path / "never"
         assert cli.main(argv(data, out, f"env.factory={factory}")) == 2
         err = capsys.readouterr().err
@@ -102,13 +123,20 @@ def test_a_faulty_environment_stops_by_name_with_its_checkpoints_or_ends_its_epi
     import scripted_envs
 
     scripted_envs.STEPS.clear()
-    faulty = ["env.factory=scripted_envs:Scripted", "env.kwargs={fault: raise, fault_turn: 1, fault_after: 200, "
-              "done_after: 2, rewards: [0.0, 1.0]}", "save_every=2", "iterations=6"]  # fmt: skip
+    faulty = [
+        "env.factory=scripted_envs:Scripted",
+        "env.kwargs={fault: raise, fault_turn: 1, fault_after: 200, done_after: 2, rewards: [0.0, 1.0]}",
+        "save_every=2",
+        "iterations=6",
+    ]
     out = tmp_path / "raise"
     assert cli.main(argv(data, out, *faulty)) == 2
     err = capsys.readouterr().err
-    assert re.search(r"environment scripted_envs:Scripted, row '[a-l]+', turn 2: step\(\) raised ValueError: "
-                     "scripted failure", err), err  # fmt: skip
+    assert re.search(
+        r"environment scripted_envs:Scripted, row '[a-l]+', turn 2: step\(\) raised ValueError: "
+        "scripted failure",
+        err,
+    ), err
     assert "Traceback" not in err and "ppo.env.on_error=end_episode" in err
     latest = ckpt.latest_checkpoint(out)
     assert latest is not None and latest.name.endswith("2")

@@ -37,7 +37,7 @@ METHODS = {
         "clip_low=3e-4",
         "clip_high=4e-4",
         "loss_aggregation=seq_mean",
-    ],  # fmt: skip
+    ],
     "grpo_kl_loss": ["advantage_estimator=grpo", "group_size=4", "kl.penalty=loss"],
     "grpo_kl_loss_k2": [
         "advantage_estimator=grpo",
@@ -74,8 +74,15 @@ def test_critic_free_methods_raise_the_true_reward_without_a_critic(task, tmp_pa
 @pytest.mark.integration
 def test_groups_stay_together_and_the_prompt_stream_counts_prompts(task, tmp_path, capsys):
     SEEN.clear()
-    cfg = make_cfg(task, tmp_path / "run", *METHODS["grpo"], "iterations=2", "eval.every=0",
-                   "reward.function=ppo_task:frac_a_seen", *QUIET)  # fmt: skip
+    cfg = make_cfg(
+        task,
+        tmp_path / "run",
+        *METHODS["grpo"],
+        "iterations=2",
+        "eval.every=0",
+        "reward.function=ppo_task:frac_a_seen",
+        *QUIET,
+    )
     ppo.train(cfg)
     assert "4 prompts x 4 responses per iteration (batch_size 16 counts responses)" in capsys.readouterr().err
     for rows in SEEN[:2]:  # the two rollouts (evaluation scores with the gold judge)
@@ -90,8 +97,16 @@ def test_groups_stay_together_and_the_prompt_stream_counts_prompts(task, tmp_pat
 def test_dynamic_sampling_drops_tied_groups_from_the_update(task, tmp_path):
     """Every group tied (a constant reward): each is dropped and counted, and the actor never moves."""
     out = tmp_path / "run"
-    cfg = make_cfg(task, out, *METHODS["grpo"], "dynamic_sampling=true", "iterations=3", "eval.every=0",
-                   "reward.function=ppo_task:constant", *QUIET)  # fmt: skip
+    cfg = make_cfg(
+        task,
+        out,
+        *METHODS["grpo"],
+        "dynamic_sampling=true",
+        "iterations=3",
+        "eval.every=0",
+        "reward.function=ppo_task:constant",
+        *QUIET,
+    )
     ppo.train(cfg)
     rows = [r for r in rows_of(out / "metrics.jsonl") if "rollout/groups_dropped" in r]
     assert [r["rollout/groups_dropped"] for r in rows] == [4, 4, 4]
@@ -106,16 +121,31 @@ def test_dynamic_sampling_drops_tied_groups_from_the_update(task, tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "method",
-    [["critic.init=sft"], ["advantage_estimator=reinforce_pp"], ["advantage_estimator=reinforce_pp_baseline"],
-     ["algo=reinforce", "ppo_epochs=1"]],
+    [
+        ["critic.init=sft"],
+        ["advantage_estimator=reinforce_pp"],
+        ["advantage_estimator=reinforce_pp_baseline"],
+        ["algo=reinforce", "ppo_epochs=1"],
+    ],
     ids=["gae", "reinforce_pp", "reinforce_pp_baseline", "reinforce"],
-)  # fmt: skip
+)
 def test_dynamic_sampling_with_per_token_and_batch_estimators(task, tmp_path, method):
     """Estimators that shape per-token rewards or whiten over the batch take the dropped rows out: some
     groups tied -> dropped and counted, the update still runs on the rest; every group tied -> no update."""
     out = tmp_path / "some"
-    ppo.train(make_cfg(task, out, *method, "group_size=4", "dynamic_sampling=true", "iterations=3",
-                       "eval.every=0", "reward.function=ppo_task:tied_half", *QUIET))  # fmt: skip
+    ppo.train(
+        make_cfg(
+            task,
+            out,
+            *method,
+            "group_size=4",
+            "dynamic_sampling=true",
+            "iterations=3",
+            "eval.every=0",
+            "reward.function=ppo_task:tied_half",
+            *QUIET,
+        )
+    )
     rows = [r for r in rows_of(out / "metrics.jsonl") if "rollout/groups_dropped" in r]
     dropped = [r["rollout/groups_dropped"] for r in rows]
     assert len(rows) == 3 and sum(dropped) > 0 and min(dropped) < 4, dropped
@@ -123,8 +153,19 @@ def test_dynamic_sampling_with_per_token_and_batch_estimators(task, tmp_path, me
     start, moved = weights(task["model"]), weights(out / "final")
     assert any(not torch.equal(start[k], moved[k]) for k in start)
     out2 = tmp_path / "all"
-    ppo.train(make_cfg(task, out2, *method, "group_size=4", "dynamic_sampling=true", "iterations=2",
-                       "eval.every=0", "reward.function=ppo_task:constant", *QUIET))  # fmt: skip
+    ppo.train(
+        make_cfg(
+            task,
+            out2,
+            *method,
+            "group_size=4",
+            "dynamic_sampling=true",
+            "iterations=2",
+            "eval.every=0",
+            "reward.function=ppo_task:constant",
+            *QUIET,
+        )
+    )
     rows = [r for r in rows_of(out2 / "metrics.jsonl") if "rollout/groups_dropped" in r]
     assert [r["rollout/groups_dropped"] for r in rows] == [4, 4]
     final = weights(out2 / "final")
@@ -137,8 +178,16 @@ def test_kl_as_a_loss_term_holds_the_policy_near_the_reference(task, tmp_path, e
     kls = {}
     for beta in (0.02, 1.0):
         out = tmp_path / f"beta{beta}"
-        ppo.train(make_cfg(task, out, *METHODS["grpo_kl_loss"], f"kl.init_coef={beta}",
-                           f"kl.loss_estimator={estimator}", *QUIET))  # fmt: skip
+        ppo.train(
+            make_cfg(
+                task,
+                out,
+                *METHODS["grpo_kl_loss"],
+                f"kl.init_coef={beta}",
+                f"kl.loss_estimator={estimator}",
+                *QUIET,
+            )
+        )
         last = rows_of(out / "metrics.jsonl")[-1]
         assert last["loss/kl"] > 0
         kls[beta] = last["objective/kl_k3"]
@@ -225,8 +274,10 @@ def test_a_group_run_resumes_exactly(task, tmp_path):
     ppo.train(make_cfg(task, resumed, "iterations=5", *common), resume=True)
     # the first run planned 2 iterations (sizes/) and evaluated at its end, iteration 2 (eval/, gold/)
     drop = ("time/", "perf/", "sizes/", "eval/", "gold/")
-    a, b = ([{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows_of(d / "metrics.jsonl")]
-            for d in (clean, resumed))  # fmt: skip
+    a, b = (
+        [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows_of(d / "metrics.jsonl")]
+        for d in (clean, resumed)
+    )
     assert a == b
     x, y = weights(clean / "final"), weights(resumed / "final")
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

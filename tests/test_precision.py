@@ -46,8 +46,9 @@ def fake_timings(infer: float, train: float):
     return measure
 
 
-WORK = precision.Workload(trunk=((16, 48, 2), (16, 16, 2)), head=(16, 100), decode_rows=8, score_rows=8,
-                          train_rows=4, T=20, R=10)  # fmt: skip
+WORK = precision.Workload(
+    trunk=((16, 48, 2), (16, 16, 2)), head=(16, 100), decode_rows=8, score_rows=8, train_rows=4, T=20, R=10
+)
 
 
 # two real /proc/cpuinfo heads of this project's VMs (trimmed): the same model name, one with AVX-512 and
@@ -146,8 +147,9 @@ def test_the_reward_model_is_decided_at_its_own_shapes(monkeypatch):
         return t32, t32 * (0.5 if k >= 64 else 2.0)
 
     monkeypatch.setattr(precision, "measure", measure)
-    wide = precision.Workload(trunk=((64, 256, 6), (256, 64, 6)), head=None, decode_rows=8, score_rows=8,
-                              train_rows=4, T=20, R=10)  # fmt: skip
+    wide = precision.Workload(
+        trunk=((64, 256, 6), (256, 64, 6)), head=None, decode_rows=8, score_rows=8, train_rows=4, T=20, R=10
+    )
     chosen = precision.choose(WORK, precision.Probe(torch.device("cpu")), True, reward=wide)
     assert (chosen.frozen, chosen.reward, chosen.update, chosen.decode) == (False, True, False, False)
     assert "reward model scoring forward" in chosen.reason and chosen.reason.endswith("-> bf16")
@@ -182,11 +184,23 @@ def test_bf16_autocast_on_cpu_keeps_attention_off_the_fused_flash_kernel(task):
 
 
 def make_run(task, tmp_path, *extra):
-    cfg = load_config(ppo.Config, None, [
-        f"out_dir={tmp_path / 'x'}", f"model.path={task['model']}", f"data.train={task['prompts']}",
-        f"reward.model_path={task['rm']}", "critic.init=sft", "batch_size=8", "minibatch_size=4",
-        "generation.max_new_tokens=6", "optim.lr=1e-2", "critic.optim.lr=1e-2", *extra,
-    ])  # fmt: skip
+    cfg = load_config(
+        ppo.Config,
+        None,
+        [
+            f"out_dir={tmp_path / 'x'}",
+            f"model.path={task['model']}",
+            f"data.train={task['prompts']}",
+            f"reward.model_path={task['rm']}",
+            "critic.init=sft",
+            "batch_size=8",
+            "minibatch_size=4",
+            "generation.max_new_tokens=6",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            *extra,
+        ],
+    )
     tok, m, s = built(cfg)
     rows = [{"prompt": p} for p in ["abc", "defgh", "kl", "mnop"] * 2]
     b = pad_left([tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows], tok.pad_token_id)
@@ -214,8 +228,12 @@ def test_bf16_where_faster_casts_frozen_models_once_and_keeps_fp32_masters(
     # master weights and optimiser state stay fp32; the frozen copies were not cast back or again
     assert dtypes(m.actor) == {torch.float32} and dtypes(m.ref) == {torch.bfloat16}
     opt_state = m.optimizers["actor"].optimizer.state
-    assert opt_state and all(v.dtype == torch.float32 for st in opt_state.values() for k, v in st.items()
-                             if k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
+    assert opt_state and all(
+        v.dtype == torch.float32
+        for st in opt_state.values()
+        for k, v in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
     assert metrics["precision/bf16_decode"] == 1.0 and metrics["precision/bf16_update"] == 1.0
     # the decode copy and the trainer disagree by bf16 rounding only, and it is logged without tis_cap
     assert 0.0 < metrics["rollout/mismatch_abs_log_ratio"] < 0.1, metrics

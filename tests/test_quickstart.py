@@ -54,6 +54,12 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["gold_after"] == s["gold_after"]
     assert s["policy"] == "ppo/final"
 
+    _check_soup(tmp_path, out, s, capsys)
+
+
+def _check_soup(tmp_path, out, s: dict, capsys) -> None:
+    """The soup part of :func:`test_arith_quickstart_ppo_beats_sft`, on the finished run ``out`` (summary
+    ``s``)."""
     # a soup plan (on a copy of the run's finished data and SFT stages, with short PPO members to keep CI's
     # time: the soup's gains are measured in docs/benchmarks/alignment.md): two PPO runs (seeds 0 and 1000) and their
     # merge, which is what is judged; a rerun asking for the soup keeps ppo/ and adds only what is new
@@ -78,10 +84,8 @@ def test_arith_quickstart_ppo_beats_sft(tmp_path, capsys):
     assert soup["gold_before"] == s["gold_before"] == one["gold_before"], soup  # the copied SFT policy
     assert 0 < soup["kl"] < one["kl"], (soup, one)  # two runs' own noise partly cancels in their mean
     assert "Merged (`shifu merge`)" in (out / "soup" / "final" / "README.md").read_text()
-    printed = capsys.readouterr()
-    assert (
-        printed.err.rstrip().endswith("policy in soup/final)") and printed.out == ""
-    )  # shifu's lines: stderr
+    printed = capsys.readouterr()  # shifu's lines: stderr
+    assert printed.err.rstrip().endswith("policy in soup/final)") and printed.out == ""
     # another scale re-merges the same runs (the stage's marker records what it merged); nothing retrains
     mtime2 = (out / "ppo-2" / "final").stat().st_mtime
     half = [*short, "--set", "soup.members=2", "--set", "soup.scale=0.5"]
@@ -168,8 +172,22 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
         out = tmp_path / "bad"
         assert cli_main(["quickstart", "--task", "arith", "--out", str(out), "--set", bad]) == 2
         assert f"--set '{bad}': {says}" in capsys.readouterr().err and not out.exists()
-    assert cli_main(["quickstart", "--task", "imdb", "--preset", "smollm2", "--out", str(out), "--set",
-                     "sft.max_steps=3"]) == 2  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "quickstart",
+                "--task",
+                "imdb",
+                "--preset",
+                "smollm2",
+                "--out",
+                str(out),
+                "--set",
+                "sft.max_steps=3",
+            ]
+        )
+        == 2
+    )
     assert "this plan has no sft stage" in capsys.readouterr().err
 
 
@@ -241,7 +259,10 @@ def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys
     with pytest.raises(ShifuError) as e:
         Stages(root, 0, "t").run("sft", root / "sft", "stage sft", work, other)
     msg = str(e.value)
-    assert f"stage sft in {root / 'sft'} finished with another plan than this run's: optim.lr was 0.001, now 0.0003" in msg  # fmt: skip
+    assert (
+        f"stage sft in {root / 'sft'} finished with another plan than this run's: optim.lr was 0.001, now 0.0003"
+        in msg
+    )
     assert "(and seed differ)" in msg and "use a new --out" in msg
     assert len(calls) == 1 and (root / "sft" / "out.txt").read_text() == "made"
     # the run directory moved: its own paths are still its own, the plan matches
@@ -293,9 +314,8 @@ def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monk
     plan = yaml.safe_load(out)
     expected = json.loads(json.dumps(PLANS[("arith", "tiny")]))
     expected["ppo"]["iterations"], expected["soup"] = 3, {"members": 2}
-    assert (
-        plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
-    )  # the shipped plan unchanged
+    # the shipped plan unchanged
+    assert plan == expected and PLANS[("arith", "tiny")]["ppo"]["iterations"] == 40
     assert cli_main(["quickstart", "--print-config"]) == 0  # imdb's default preset, small
     assert yaml.safe_load(capsys.readouterr().out) == PLANS[("imdb", "small")]
     # a --set value of the wrong type is refused with the plan, the section and the key

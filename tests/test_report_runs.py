@@ -48,22 +48,66 @@ def runs(tmp_path_factory, tiny_model_dir):
     ]
     model = f"model.path={tiny_model_dir}"
     last = {
-        "sft": shifu("sft", "--out", d / "sft", model, f"data.train={sft_data[0]}",
-                     f"data.eval={sft_data[1]}", "max_steps=4", "batch_size=8", "log_every=1", "eval.every=2",
-                     *COMMON)[-1],
-        "rm": shifu("rm", "--out", d / "rm", model, f"data.train={pairs[0]}", f"data.eval={pairs[1]}",
-                    "max_steps=4", "batch_size=8", "log_every=1", *COMMON)[-1],
-        "dpo": shifu("dpo", "--out", d / "dpo", model, f"data.train={pairs[0]}", f"data.eval={pairs[1]}",
-                     "max_steps=4", "batch_size=8", "log_every=1", "eval.every=2",
-                     "optim.lr=3e-3", *COMMON)[-1],
-    }  # fmt: skip
+        "sft": shifu(
+            "sft",
+            "--out",
+            d / "sft",
+            model,
+            f"data.train={sft_data[0]}",
+            f"data.eval={sft_data[1]}",
+            "max_steps=4",
+            "batch_size=8",
+            "log_every=1",
+            "eval.every=2",
+            *COMMON,
+        )[-1],
+        "rm": shifu(
+            "rm",
+            "--out",
+            d / "rm",
+            model,
+            f"data.train={pairs[0]}",
+            f"data.eval={pairs[1]}",
+            "max_steps=4",
+            "batch_size=8",
+            "log_every=1",
+            *COMMON,
+        )[-1],
+        "dpo": shifu(
+            "dpo",
+            "--out",
+            d / "dpo",
+            model,
+            f"data.train={pairs[0]}",
+            f"data.eval={pairs[1]}",
+            "max_steps=4",
+            "batch_size=8",
+            "log_every=1",
+            "eval.every=2",
+            "optim.lr=3e-3",
+            *COMMON,
+        )[-1],
+    }
     # PPO: a character-level policy scored by the BPE reward model above (another tokenizer: it scores the
     # decoded text, and cannot be the critic, so critic.init=reward falls back to sft)
     char = build_char_model(d / "char")
-    ppo_argv = ["ppo", "--out", d / "ppo", f"model.path={char}", f"data.train={write_prompts(d / 'p.jsonl')}",
-                f"reward.model_path={d / 'rm' / 'final'}", "eval.gold_function=ppo_task:frac_a",
-                "batch_size=8", "minibatch_size=8", "ppo_epochs=1", "generation.max_new_tokens=4",
-                "eval.every=1", "eval.num_prompts=6", "save_every=1", *COMMON]  # fmt: skip
+    ppo_argv = [
+        "ppo",
+        "--out",
+        d / "ppo",
+        f"model.path={char}",
+        f"data.train={write_prompts(d / 'p.jsonl')}",
+        f"reward.model_path={d / 'rm' / 'final'}",
+        "eval.gold_function=ppo_task:frac_a",
+        "batch_size=8",
+        "minibatch_size=8",
+        "ppo_epochs=1",
+        "generation.max_new_tokens=4",
+        "eval.every=1",
+        "eval.num_prompts=6",
+        "save_every=1",
+        *COMMON,
+    ]
     ppo_err = shifu(*ppo_argv, "iterations=2")
     last["ppo"] = ppo_err[-1]
     return {"dir": d, "last": last, "ppo_err": ppo_err, "ppo_argv": ppo_argv}
@@ -171,9 +215,23 @@ def test_ppo_config_records_the_critic_fallback_and_resumes(runs):
 def test_ppo_shared_critic_records_its_joint_optimizer(tmp_path):
     char = build_char_model(tmp_path / "char")
     prompts = write_prompts(tmp_path / "p.jsonl", n=16)
-    shifu("ppo", "--out", tmp_path / "run", f"model.path={char}", f"data.train={prompts}",
-          "reward.function=ppo_task:frac_a", "critic.init=shared", "iterations=1", "batch_size=4",
-          "minibatch_size=4", "ppo_epochs=1", "generation.max_new_tokens=3", "eval.every=0",
-          "eval.num_prompts=4", "save_every=0", *COMMON)  # fmt: skip
+    shifu(
+        "ppo",
+        "--out",
+        tmp_path / "run",
+        f"model.path={char}",
+        f"data.train={prompts}",
+        "reward.function=ppo_task:frac_a",
+        "critic.init=shared",
+        "iterations=1",
+        "batch_size=4",
+        "minibatch_size=4",
+        "ppo_epochs=1",
+        "generation.max_new_tokens=3",
+        "eval.every=0",
+        "eval.num_prompts=4",
+        "save_every=0",
+        *COMMON,
+    )
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert config["critic"]["init"] == "shared" and config["joint_optimizer"] is True

@@ -370,8 +370,12 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
 def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
     """Multi-turn episodes (thirdparty_env:Echo, one fresh instance per episode): the chain of interruptions
     ends with the weights, metrics (env/* included) and evaluation transcripts of the uninterrupted run."""
-    env = ["env.factory=thirdparty_env:Echo", "env.stop=[g,h,i,j,k,l]", "env.max_tokens_per_turn=6",
-           "env.max_total_tokens=24"]  # fmt: skip
+    env = [
+        "env.factory=thirdparty_env:Echo",
+        "env.stop=[g,h,i,j,k,l]",
+        "env.max_tokens_per_turn=6",
+        "env.max_total_tokens=24",
+    ]
 
     def argv(out):
         skip = ("reward.function", "eval.gold_function", "data.ptx", "ptx_coef")  # the environment rewards

@@ -161,8 +161,13 @@ def test_normalisation_fits_a_seeded_subset_of_the_responses(tiny_model_dir, tmp
     assert [norm.index(r) for r in sub] == sorted(norm.index(r) for r in sub)
     assert sub == normalisation_rows(norm, 12, 3) and sub != normalisation_rows(norm, 12, 4)
     write_jsonl(tmp_path / "norm.jsonl", norm)
-    cfg = make_cfg(tiny_model_dir, tmp_path, max_steps=10, seed=3,
-                   normalize={"responses": str(tmp_path / "norm.jsonl"), "max_rows": 12})  # fmt: skip
+    cfg = make_cfg(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=10,
+        seed=3,
+        normalize={"responses": str(tmp_path / "norm.jsonl"), "max_rows": 12},
+    )
     reward.train(cfg)
     model = load_reward(tmp_path / "run" / "final")
     s = model.score_texts([r["prompt"] for r in sub], [r["response"] for r in sub])
@@ -211,10 +216,26 @@ def test_freeze_lower_layers_finds_the_blocks_of_encoders_and_llamas():
     from shifu.errors import ShifuError
     from shifu.models.scalar import freeze_lower_layers
 
-    bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=32))  # fmt: skip
-    llama = LlamaModel(LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
-                                   num_key_value_heads=1, intermediate_size=32))  # fmt: skip
+    bert = BertModel(
+        BertConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    )
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=32,
+        )
+    )
     for model, blocks, n in ((bert, "encoder.layer.", 2), (llama, "layers.", 1)):
         freeze_lower_layers(model, n)
         names = {k for k, p in model.named_parameters() if not p.requires_grad}
@@ -255,10 +276,26 @@ def test_keep_lower_layers_truncates_encoders_and_llamas_that_still_save_and_rel
     from shifu.errors import ShifuError
     from shifu.models.scalar import keep_lower_layers
 
-    bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=32))  # fmt: skip
-    llama = LlamaModel(LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
-                                   num_key_value_heads=1, intermediate_size=32))  # fmt: skip
+    bert = BertModel(
+        BertConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    )
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=32,
+        )
+    )
     ids = torch.tensor([[1, 2, 3, 4]])
     for name, model, blocks in (
         ("bert", bert, lambda m: m.encoder.layer),
@@ -282,8 +319,17 @@ def test_freeze_layers_beyond_the_backbone_is_a_clear_error_before_any_output(
 ):
     write_jsonl(tmp_path / "train.jsonl", pref_rows(40))
     out = tmp_path / "out"
-    code = cli.main(["rm", "--out", str(out), f"model.path={tiny_model_dir}", f"data.train={tmp_path / 'train.jsonl'}",
-                     "data.eval_fraction=0.5", "freeze_layers=5"])  # fmt: skip
+    code = cli.main(
+        [
+            "rm",
+            "--out",
+            str(out),
+            f"model.path={tiny_model_dir}",
+            f"data.train={tmp_path / 'train.jsonl'}",
+            "data.eval_fraction=0.5",
+            "freeze_layers=5",
+        ]
+    )
     assert code == 2 and "freeze_layers must be in [0, 2]" in capsys.readouterr().err
     assert not out.exists()
 

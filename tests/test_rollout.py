@@ -184,15 +184,32 @@ def test_sample_returns_the_log_probs_entropy_and_values_a_full_forward_gives(ar
     head = torch.nn.Linear(model.config.hidden_size, 1)
     ids, mask = left_padded_prompts()
     params = SamplingParams(max_new_tokens=40, temperature=temperature)
-    out = sample(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(4), engine=engine,
-                 with_log_probs=True, value_head=head)  # fmt: skip
+    out = sample(
+        model,
+        ids,
+        mask,
+        params,
+        EOS,
+        PAD,
+        torch.Generator().manual_seed(4),
+        engine=engine,
+        with_log_probs=True,
+        value_head=head,
+    )
     resp, m = out.response_ids, out.response_mask
     assert not m.all() and m[:, 0].all()  # some rows stopped early: the masks matter
     plain, _ = generate(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(4), engine=engine)
     assert torch.equal(plain, resp)  # asking for the statistics does not change the samples
     with torch.no_grad():
-        lp, ent, values = policy_forward(model, torch.cat([ids, resp], 1), torch.cat([mask, m.long()], 1),
-                                         ids.shape[1], temperature, with_entropy=True, value_head=head)  # fmt: skip
+        lp, ent, values = policy_forward(
+            model,
+            torch.cat([ids, resp], 1),
+            torch.cat([mask, m.long()], 1),
+            ids.shape[1],
+            temperature,
+            with_entropy=True,
+            value_head=head,
+        )
     torch.testing.assert_close(out.log_probs[m], lp[m], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.entropy[m], ent[m], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.values[m], values[m], atol=1e-5, rtol=1e-5)
@@ -472,10 +489,20 @@ def test_decode_head_layout_follows_the_measurement_and_is_kept_per_machine(arch
 
     # the decoder built on that answer samples with the log-probs a full forward gives
     params = SamplingParams(max_new_tokens=6, temperature=0.7, stop_at_eos=False)
-    out = sample(model, ids, mask, params, EOS, PAD, torch.Generator().manual_seed(3), engine="fast",
-                 with_log_probs=True)  # fmt: skip
+    out = sample(
+        model,
+        ids,
+        mask,
+        params,
+        EOS,
+        PAD,
+        torch.Generator().manual_seed(3),
+        engine="fast",
+        with_log_probs=True,
+    )
     m = out.response_mask
     with torch.no_grad():
-        full, _, _ = policy_forward(model, torch.cat([ids, out.response_ids], 1), torch.cat([mask, m.long()], 1),
-                                    P, temperature=0.7)  # fmt: skip
+        full, _, _ = policy_forward(
+            model, torch.cat([ids, out.response_ids], 1), torch.cat([mask, m.long()], 1), P, temperature=0.7
+        )
     torch.testing.assert_close(out.log_probs[m], full[m], atol=1e-5, rtol=1e-5)

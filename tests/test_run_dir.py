@@ -152,8 +152,18 @@ def test_a_checkpoint_with_a_damaged_state_file_is_named(tmp_path):
 
 # ------------------------------------------------------------------ through the trainers
 def _sft_argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["sft", "--out", str(out), f"model.path={model}", f"data.train={data}", "batch_size=8",
-            "optim.schedule=constant", "progress=false", "tensorboard=false", *extra]  # fmt: skip
+    return [
+        "sft",
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={data}",
+        "batch_size=8",
+        "optim.schedule=constant",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 @pytest.mark.integration
@@ -179,10 +189,24 @@ def ppo_task(tmp_path_factory):
 
 
 def _ppo_argv(task, out: Path, *extra: str) -> list[str]:
-    return ["ppo", "--out", str(out), f"model.path={task['model']}", f"data.train={task['prompts']}",
-            "reward.function=ppo_task:frac_a", "critic.init=sft", "batch_size=8", "minibatch_size=4",
-            "generation.max_new_tokens=6", "eval.every=0", "iterations=2", "save_every=2", "progress=false",
-            "tensorboard=false", *extra]  # fmt: skip
+    return [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={task['model']}",
+        f"data.train={task['prompts']}",
+        "reward.function=ppo_task:frac_a",
+        "critic.init=sft",
+        "batch_size=8",
+        "minibatch_size=4",
+        "generation.max_new_tokens=6",
+        "eval.every=0",
+        "iterations=2",
+        "save_every=2",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 @pytest.mark.integration
@@ -242,9 +266,17 @@ def test_a_live_run_directory_is_refused_and_a_killed_runs_lock_is_taken_over(
     log = tmp_path / "live.log"
     with open(log, "w") as f:
         live = subprocess.Popen(
-            [sys.executable, "-m", "shifu", *_sft_argv(tiny_model_dir, data, run, "max_steps=100000", "save_every=2")],
-            env=_env(), stdout=f, stderr=f, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "shifu",
+                *_sft_argv(tiny_model_dir, data, run, "max_steps=100000", "save_every=2"),
+            ],
+            env=_env(),
+            stdout=f,
+            stderr=f,
+            cwd=ROOT,
+        )
     try:
         _wait_for(lambda: ckpt.latest_checkpoint(run) is not None, live, log, "a first checkpoint")
         for flags in ([], ["--resume"], ["--overwrite"]):

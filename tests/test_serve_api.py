@@ -80,39 +80,57 @@ def schema_error(value, schema: dict, doc: dict, path: str = "$") -> str | None:
         return f"{path}: {value!r:.60} is not {schema['const']!r}"
     if "enum" in schema and not any(_same(value, e) for e in schema["enum"]):
         return f"{path}: {value!r:.60} is not one of {schema['enum']}"
-    if _is(value, "number"):
-        if value < schema.get("minimum", -math.inf) or value > schema.get("maximum", math.inf):
-            return f"{path}: {value} is out of bounds"
-        if value <= schema.get("exclusiveMinimum", -math.inf):
-            return f"{path}: {value} is not above {schema['exclusiveMinimum']}"
-    if isinstance(value, list):
-        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", math.inf):
-            return f"{path}: {len(value)} items"
-        prefix = schema.get("prefixItems", [])
-        for i, v in enumerate(value):
-            sub = prefix[i] if i < len(prefix) else schema.get("items")
-            if sub is not None and (err := schema_error(v, sub, doc, f"{path}[{i}]")):
-                return err
-        if "contains" in schema and all(schema_error(v, schema["contains"], doc) for v in value):
-            return f"{path}: no item is {schema['contains']}"
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                return f"{path}: '{key}' is missing"
-        for key, v in value.items():
-            if key in props:
-                if err := schema_error(v, props[key], doc, f"{path}.{key}"):
-                    return err
-            elif schema.get("additionalProperties", True) is False:
-                return f"{path}: '{key}' is not allowed"
-        for key, needs in schema.get("dependentRequired", {}).items():
-            if key in value and any(n not in value for n in needs):
-                return f"{path}: '{key}' needs {needs}"
+    if _is(value, "number") and (err := _number_error(value, schema, path)):
+        return err
+    if isinstance(value, list) and (err := _array_error(value, schema, doc, path)):
+        return err
+    if isinstance(value, dict) and (err := _object_error(value, schema, doc, path)):
+        return err
     if "anyOf" in schema and all(schema_error(value, s, doc, path) for s in schema["anyOf"]):
         return f"{path}: matches none of anyOf"
     if "oneOf" in schema and sum(schema_error(value, s, doc, path) is None for s in schema["oneOf"]) != 1:
         return f"{path}: does not match exactly one of oneOf"
+    return None
+
+
+def _number_error(value, schema: dict, path: str) -> str | None:
+    """:func:`schema_error` of a number: minimum, maximum, exclusiveMinimum."""
+    if value < schema.get("minimum", -math.inf) or value > schema.get("maximum", math.inf):
+        return f"{path}: {value} is out of bounds"
+    if value <= schema.get("exclusiveMinimum", -math.inf):
+        return f"{path}: {value} is not above {schema['exclusiveMinimum']}"
+    return None
+
+
+def _array_error(value: list, schema: dict, doc: dict, path: str) -> str | None:
+    """:func:`schema_error` of an array: minItems, maxItems, prefixItems, items, contains."""
+    if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", math.inf):
+        return f"{path}: {len(value)} items"
+    prefix = schema.get("prefixItems", [])
+    for i, v in enumerate(value):
+        sub = prefix[i] if i < len(prefix) else schema.get("items")
+        if sub is not None and (err := schema_error(v, sub, doc, f"{path}[{i}]")):
+            return err
+    if "contains" in schema and all(schema_error(v, schema["contains"], doc) for v in value):
+        return f"{path}: no item is {schema['contains']}"
+    return None
+
+
+def _object_error(value: dict, schema: dict, doc: dict, path: str) -> str | None:
+    """:func:`schema_error` of an object: required, properties, additionalProperties, dependentRequired."""
+    props = schema.get("properties", {})
+    for key in schema.get("required", []):
+        if key not in value:
+            return f"{path}: '{key}' is missing"
+    for key, v in value.items():
+        if key in props:
+            if err := schema_error(v, props[key], doc, f"{path}.{key}"):
+                return err
+        elif schema.get("additionalProperties", True) is False:
+            return f"{path}: '{key}' is not allowed"
+    for key, needs in schema.get("dependentRequired", {}).items():
+        if key in value and any(n not in value for n in needs):
+            return f"{path}: '{key}' needs {needs}"
     return None
 
 
@@ -260,10 +278,27 @@ JSON_VALUE = st.recursive(
 )
 # broken on purpose, each sure to be refused with a 4xx (None: anything but a 5xx)
 MUTATIONS = (
-    "id_out_of_range", "too_long", "mask_value", "mask_all_zero", "ragged", "drop_field", "unknown_field",
-    "nan", "duplicate_key", "too_deep", "big_number", "surrogate", "oversized", "bad_utf8", "truncated",
-    "content_type", "content_encoding", "no_token", "wrong_route", "wrong_type",
-)  # fmt: skip
+    "id_out_of_range",
+    "too_long",
+    "mask_value",
+    "mask_all_zero",
+    "ragged",
+    "drop_field",
+    "unknown_field",
+    "nan",
+    "duplicate_key",
+    "too_deep",
+    "big_number",
+    "surrogate",
+    "oversized",
+    "bad_utf8",
+    "truncated",
+    "content_type",
+    "content_encoding",
+    "no_token",
+    "wrong_route",
+    "wrong_type",
+)
 SURE_4XX = set(MUTATIONS) - {"wrong_type"}
 
 
@@ -309,6 +344,16 @@ def mutated(draw, label: str) -> dict:
     """A good request broken in one way (``label``): method, path, headers and body bytes."""
     body = draw(token_body() | text_body())
     case = {"label": label, "method": "POST", "path": "/v1/score", "headers": dict(AUTH), "data": None}
+    body = _broken_body(draw, label, body)
+    data = json.dumps(body, allow_nan=True, ensure_ascii=draw(st.booleans()))
+    case["data"] = _broken_text(draw, label, body, data).encode("utf-8", "surrogatepass")
+    _break_bytes_or_headers(draw, label, case)
+    case["headers"] = {k: v for k, v in case["headers"].items() if v}
+    return case
+
+
+def _broken_body(draw, label: str, body: dict) -> dict:
+    """:func:`mutated`'s request body, broken as ``label`` says (the labels that break the body's values)."""
     tokens = "input_ids" in body
     if label == "id_out_of_range":
         bad = draw(
@@ -351,7 +396,11 @@ def mutated(draw, label: str) -> dict:
         body["prompts"], body["responses"] = ["x" * MAX_BODY], ["y"]
     elif label == "wrong_type":
         body[draw(st.sampled_from(sorted(body)))] = draw(JSON_VALUE)
-    data = json.dumps(body, allow_nan=True, ensure_ascii=draw(st.booleans()))
+    return body
+
+
+def _broken_text(draw, label: str, body: dict, data: str) -> str:
+    """:func:`mutated`'s JSON text ``data``, broken as ``label`` says (a duplicate key, a huge number, cut)."""
     if label == "duplicate_key":
         key = draw(st.sampled_from(sorted(body)))
         data = "{" + json.dumps(key) + ": " + json.dumps(body[key]) + ", " + data[1:]
@@ -359,35 +408,61 @@ def mutated(draw, label: str) -> dict:
         data = data[:-1] + ', "rows": [{"n": 1' + "0" * draw(st.integers(4300, 6000)) + "}]}"
     elif label == "truncated":
         data = data[: draw(st.integers(0, len(data) - 1))]
-    case["data"] = data.encode("utf-8", "surrogatepass")
+    return data
+
+
+def _break_bytes_or_headers(draw, label: str, case: dict) -> None:
+    """:func:`mutated`'s bytes, headers or route, broken in ``case`` as ``label`` says."""
     if label == "bad_utf8":
         at = draw(st.integers(0, len(case["data"])))
         case["data"] = (
             case["data"][:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80"])) + case["data"][at:]
         )
     elif label == "content_type":
-        case["headers"]["Content-Type"] = draw(st.sampled_from([
-            "text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1",
-            "multipart/form-data; boundary=x", "application/jsonl", "application/json-patch+json",
-        ]))  # fmt: skip
+        case["headers"]["Content-Type"] = draw(
+            st.sampled_from(
+                [
+                    "text/plain",
+                    "application/x-www-form-urlencoded",
+                    "application/json; charset=latin-1",
+                    "multipart/form-data; boundary=x",
+                    "application/jsonl",
+                    "application/json-patch+json",
+                ]
+            )
+        )
     elif label == "content_encoding":
         case["headers"]["Content-Encoding"] = draw(st.sampled_from(["gzip", "br", "deflate"]))
     elif label == "no_token":
         case["headers"]["Authorization"] = draw(st.sampled_from(["", "Bearer nope", TOKEN, "Basic eA=="]))
     elif label == "wrong_route":
-        case["method"], case["path"] = draw(st.sampled_from([
-            ("GET", "/v1/score"), ("PUT", "/v1/score"), ("DELETE", "/v1/score"), ("POST", "/health"),
-            ("POST", "/v1/metadata"), ("POST", "/v1/scores"), ("POST", "/v2/score"), ("PATCH", "/openapi.json"),
-        ]))  # fmt: skip
-    case["headers"] = {k: v for k, v in case["headers"].items() if v}
-    return case
+        case["method"], case["path"] = draw(
+            st.sampled_from(
+                [
+                    ("GET", "/v1/score"),
+                    ("PUT", "/v1/score"),
+                    ("DELETE", "/v1/score"),
+                    ("POST", "/health"),
+                    ("POST", "/v1/metadata"),
+                    ("POST", "/v1/scores"),
+                    ("POST", "/v2/score"),
+                    ("PATCH", "/openapi.json"),
+                ]
+            )
+        )
 
 
 @st.composite
 def good(draw) -> dict:
     body = draw(token_body() | text_body())
-    return {"label": "good", "method": "POST", "path": "/v1/score", "headers": dict(AUTH), "body": body,
-            "data": json.dumps(body, ensure_ascii=draw(st.booleans())).encode()}  # fmt: skip
+    return {
+        "label": "good",
+        "method": "POST",
+        "path": "/v1/score",
+        "headers": dict(AUTH),
+        "body": body,
+        "data": json.dumps(body, ensure_ascii=draw(st.booleans())).encode(),
+    }
 
 
 @st.composite

@@ -44,12 +44,29 @@ def task(tmp_path_factory):
 
 
 def cfg(task, out: Path, *reward: str):
-    return load_config(ppo.Config, None, [
-        f"out_dir={out}", f"model.path={task['model']}", f"data.train={task['prompts']}", "critic.init=sft",
-        "iterations=6", "batch_size=16", "minibatch_size=8", "generation.max_new_tokens=6", "optim.lr=1e-2",
-        "critic.optim.lr=1e-2", "eval.every=0", "save_every=2", "progress=false", "tensorboard=false",
-        "reward.retries=1", "reward.timeout_s=20", *reward,
-    ])  # fmt: skip
+    return load_config(
+        ppo.Config,
+        None,
+        [
+            f"out_dir={out}",
+            f"model.path={task['model']}",
+            f"data.train={task['prompts']}",
+            "critic.init=sft",
+            "iterations=6",
+            "batch_size=16",
+            "minibatch_size=8",
+            "generation.max_new_tokens=6",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            "eval.every=0",
+            "save_every=2",
+            "progress=false",
+            "tensorboard=false",
+            "reward.retries=1",
+            "reward.timeout_s=20",
+            *reward,
+        ],
+    )
 
 
 def same_run(a: Path, b: Path) -> None:

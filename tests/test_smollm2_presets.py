@@ -116,8 +116,15 @@ def test_arith_smollm2_quickstart_without_sft_lora_rloo(cached_model, tmp_path):
 @pytest.mark.slow
 def test_imdb_smollm2_quickstart_lora_actor_and_critic(cached_model, tmp_path):
     out = tmp_path / "run"
-    sets = ["pairs.num_prompts=40", "rm.max_steps=4", "ppo.iterations=2", "ppo.batch_size=8",
-            "ppo.minibatch_size=8", "ppo.grad_accum=2", "eval.max_new_tokens=8"]  # fmt: skip
+    sets = [
+        "pairs.num_prompts=40",
+        "rm.max_steps=4",
+        "ppo.iterations=2",
+        "ppo.batch_size=8",
+        "ppo.minibatch_size=8",
+        "ppo.grad_accum=2",
+        "eval.max_new_tokens=8",
+    ]
     argv = ["quickstart", "--task", "imdb", "--preset", "smollm2", "--out", str(out)]
     assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
     s = json.loads((out / "summary.json").read_text())

@@ -50,8 +50,17 @@ def test_a_reward_model_whose_pairs_never_have_a_longer_chosen_writes_strict_jso
     rows = [{"prompt": f"q{i}:", "chosen": " great", "rejected": " bad bad bad"} for i in range(48)]
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     run = tmp_path / "rm"
-    argv = ["rm", "--out", str(run), f"model.path={tiny_model_dir}", f"data.train={data}", "max_steps=3",
-            "batch_size=8", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "rm",
+        "--out",
+        str(run),
+        f"model.path={tiny_model_dir}",
+        f"data.train={data}",
+        "max_steps=3",
+        "batch_size=8",
+        "progress=false",
+        "tensorboard=false",
+    ]
     assert cli.main(argv) == 0
     summary = strict_load((run / "summary.json").read_text())
     assert "eval/rm/acc_chosen_longer" in summary and summary["eval/rm/acc_chosen_longer"] is None
@@ -63,9 +72,23 @@ def test_a_ppo_run_with_undefined_scores_writes_strict_json(tmp_path):
 
     model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
     run = tmp_path / "ppo"
-    argv = ["ppo", "--out", str(run), f"model.path={model}", f"data.train={prompts}",
-            "reward.function=ppo_task:nan_some", "critic.init=sft", "iterations=2", "batch_size=16",
-            "minibatch_size=8", "generation.max_new_tokens=4", "eval.every=1", "eval.num_prompts=16",
-            "save_every=1", "progress=false", "tensorboard=false"]  # fmt: skip
+    argv = [
+        "ppo",
+        "--out",
+        str(run),
+        f"model.path={model}",
+        f"data.train={prompts}",
+        "reward.function=ppo_task:nan_some",
+        "critic.init=sft",
+        "iterations=2",
+        "batch_size=16",
+        "minibatch_size=8",
+        "generation.max_new_tokens=4",
+        "eval.every=1",
+        "eval.num_prompts=16",
+        "save_every=1",
+        "progress=false",
+        "tensorboard=false",
+    ]
     assert cli.main(argv) == 0
     assert check_run_dir(run) >= 4  # summary.json, samples.jsonl, metrics.jsonl, a checkpoint's files

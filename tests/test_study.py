@@ -61,11 +61,19 @@ def test_std_at_kl_removes_the_part_of_the_seed_spread_that_kl_explains():
 
 def _runs(method: str, curves: dict[int, list[tuple[float, float]]]) -> list[dict]:
     return [
-        {"method": method, "point": f"p{i}", "seed": seed, "gold": g, "kl": k, "response_len": 1.0,
-         "train_seconds": 1.0, "proxy": None}
+        {
+            "method": method,
+            "point": f"p{i}",
+            "seed": seed,
+            "gold": g,
+            "kl": k,
+            "response_len": 1.0,
+            "train_seconds": 1.0,
+            "proxy": None,
+        }
         for seed, pts in curves.items()
         for i, (k, g) in enumerate(pts)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.unit
@@ -219,8 +227,22 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
 
     # a rerun reuses the finished run of its plan; under another plan (here the held-out sampling
     # temperature) the finished run is refused by key, not reported as if measured under it
-    again = ["study", "frontier", "--task", "arith", "--budget", "ci", "--seeds", "1", "--out", str(out),
-             "--only", "ppo:beta=0.3", "--name", "again"]  # fmt: skip
+    again = [
+        "study",
+        "frontier",
+        "--task",
+        "arith",
+        "--budget",
+        "ci",
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--only",
+        "ppo:beta=0.3",
+        "--name",
+        "again",
+    ]
     result = out / "runs" / "ppo-beta0.3-s0" / "RESULT.json"
     before = result.read_text()
     assert cli_main(again) == 0
@@ -275,15 +297,29 @@ def test_a_mistake_in_a_budget_file_names_the_file_and_the_key(tmp_path):
     path = tmp_path / "arith-ci.yaml"
     good = path.read_text()
     for old, new, says in [
-        ("beta=0.01: {kl: {controller: fixed, init_coef: 0.01}}\n  reinforce",
-         "beta=0.01: {kl: {controler: fixed, init_coef: 0.01}}\n  reinforce",
-         "point 'beta=0.01' of ppo (over its section): unknown config key 'kl.controler'"),
-        ("ppo_epochs: 1,", "ppo_epochs: 2,", "section 'reinforce': algo=reinforce is on-policy: set ppo_epochs=1"),
-        ("samples_per_prompt: 4", "samples_per_promt: 4", "section 'pairs' (over the quickstart plan's): unknown"),
+        (
+            "beta=0.01: {kl: {controller: fixed, init_coef: 0.01}}\n  reinforce",
+            "beta=0.01: {kl: {controler: fixed, init_coef: 0.01}}\n  reinforce",
+            "point 'beta=0.01' of ppo (over its section): unknown config key 'kl.controler'",
+        ),
+        (
+            "ppo_epochs: 1,",
+            "ppo_epochs: 2,",
+            "section 'reinforce': algo=reinforce is on-policy: set ppo_epochs=1",
+        ),
+        (
+            "samples_per_prompt: 4",
+            "samples_per_promt: 4",
+            "section 'pairs' (over the quickstart plan's): unknown",
+        ),
         ("num_prompts: 256}", "num_prompts: 256, seed: 1}", "section 'eval': unknown config key 'seed'"),
         ("preset: tiny", "preset: huge", "preset 'huge' is no quickstart plan of task arith"),
-        ("critic_free_betas: [0.3, 0.01]", "critic_free_betas: 0.3", "critic_free_betas must be a list of numbers"),
-    ]:  # fmt: skip
+        (
+            "critic_free_betas: [0.3, 0.01]",
+            "critic_free_betas: 0.3",
+            "critic_free_betas must be a list of numbers",
+        ),
+    ]:
         assert old in good, old
         path.write_text(good.replace(old, new, 1))
         with pytest.raises(ConfigError) as e:

@@ -187,10 +187,15 @@ def test_task_presets_are_read_from_their_yaml_and_checked(tmp_path):
     assert list(arith.PRESETS) == ["tiny", "small", "smollm2"]
     path = tmp_path / "arith.yaml"
     for text, says in [
-        ("tiny: {max_operand: 99, n_heldout: 512, n_sft_eval: 256, n_sft: 4000, n_layer: 2, n_embd: 128, n_heads: 4}",
-         "entry 'tiny': unknown config key 'n_heads'. Did you mean 'n_head'? Valid keys here: max_operand,"),
-        ("tiny: {max_operand: lots}", "entry 'tiny': config key 'max_operand': expected an integer, got 'lots'"),
-    ]:  # fmt: skip
+        (
+            "tiny: {max_operand: 99, n_heldout: 512, n_sft_eval: 256, n_sft: 4000, n_layer: 2, n_embd: 128, n_heads: 4}",
+            "entry 'tiny': unknown config key 'n_heads'. Did you mean 'n_head'? Valid keys here: max_operand,",
+        ),
+        (
+            "tiny: {max_operand: lots}",
+            "entry 'tiny': config key 'max_operand': expected an integer, got 'lots'",
+        ),
+    ]:
         path.write_text(text)
         with pytest.raises(ConfigError) as e:
             read_shipped_table(path, arith.ArithPreset)

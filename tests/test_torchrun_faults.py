@@ -51,8 +51,17 @@ class Launch:
 
     def __init__(self, tmp: Path, name: str, *argv: str, launcher: str = "torchrun"):
         self.rc_dir, self.log = tmp / f"{name}.rc", tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", *LAUNCHERS[launcher], "--standalone", "--nproc_per_node", "2",
-               str(HERE / "dist_scripts" / "shifu_rc.py"), str(self.rc_dir), *argv]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            *LAUNCHERS[launcher],
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(HERE / "dist_scripts" / "shifu_rc.py"),
+            str(self.rc_dir),
+            *argv,
+        ]
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(cmd, env=env(), stdout=f, stderr=f, start_new_session=True)
 
@@ -107,15 +116,34 @@ class Launch:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("torchrun_faults")
-    rows = [{"prompt": f"say {i}:", "response": " " + " ".join(WORDS[(i + j) % 7] for j in range(1 + (5 * i) % 9))}
-            for i in range(24)]  # fmt: skip
+    rows = [
+        {
+            "prompt": f"say {i}:",
+            "response": " " + " ".join(WORDS[(i + j) % 7] for j in range(1 + (5 * i) % 9)),
+        }
+        for i in range(24)
+    ]
     return {"train": write_jsonl(d / "train.jsonl", rows), "eval": write_jsonl(d / "eval.jsonl", rows[:6])}
 
 
 def sft_argv(model: Path, data: dict, out: Path, *extra: str) -> list[str]:
-    return ["sft", "--out", str(out), f"model.path={model}", f"data.train={data['train']}", f"data.eval={data['eval']}",
-            "batch_size=4", "eval.batch_size=4", "optim.lr=1e-3", "optim.schedule=constant", "log_every=1",
-            "eval.every=10", "progress=false", "tensorboard=false", *extra]  # fmt: skip
+    return [
+        "sft",
+        "--out",
+        str(out),
+        f"model.path={model}",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        "batch_size=4",
+        "eval.batch_size=4",
+        "optim.lr=1e-3",
+        "optim.schedule=constant",
+        "log_every=1",
+        "eval.every=10",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
 
 
 def latest_step(run: Path) -> int:
@@ -138,8 +166,19 @@ def test_sigkill_of_one_rank_stops_the_other_with_a_message_and_resume_continues
     tiny_model_dir, data, tmp_path
 ):
     out, timeout = tmp_path / "run", 60
-    run = Launch(tmp_path, "killed", *sft_argv(tiny_model_dir, data, out, "max_steps=100000", "save_every=3",
-                                               "distributed.strategy=ddp", f"distributed.timeout_s={timeout}"))  # fmt: skip
+    run = Launch(
+        tmp_path,
+        "killed",
+        *sft_argv(
+            tiny_model_dir,
+            data,
+            out,
+            "max_steps=100000",
+            "save_every=3",
+            "distributed.strategy=ddp",
+            f"distributed.timeout_s={timeout}",
+        ),
+    )
     run.wait_for(lambda: latest_step(out) >= 3, "a checkpoint")
     os.kill(run.workers()[0], signal.SIGKILL)  # rank 0: the one holding the directory's lock
     t0 = time.monotonic()
@@ -154,9 +193,20 @@ def test_sigkill_of_one_rank_stops_the_other_with_a_message_and_resume_continues
     assert run.exit_codes() == {1: 2}  # rank 0 was killed before it could return
     # the corrected (here: the same) command with --resume continues from that checkpoint
     step = latest_step(out)
-    again = Launch(tmp_path, "resumed", *sft_argv(tiny_model_dir, data, out, f"max_steps={step + 2}", "save_every=3",
-                                                  "distributed.strategy=ddp", f"distributed.timeout_s={timeout}",
-                                                  "--resume"))  # fmt: skip
+    again = Launch(
+        tmp_path,
+        "resumed",
+        *sft_argv(
+            tiny_model_dir,
+            data,
+            out,
+            f"max_steps={step + 2}",
+            "save_every=3",
+            "distributed.strategy=ddp",
+            f"distributed.timeout_s={timeout}",
+            "--resume",
+        ),
+    )
     assert again.wait() == 0, again.output()[-3000:]
     assert again.exit_codes() == {0: 0, 1: 0}
     assert "no longer running; taking its lock over" in again.output()
@@ -165,8 +215,19 @@ def test_sigkill_of_one_rank_stops_the_other_with_a_message_and_resume_continues
 
 def test_a_rank_that_stops_answering_is_given_up_after_the_timeout(tiny_model_dir, data, tmp_path):
     out, timeout = tmp_path / "run", 5
-    run = Launch(tmp_path, "stopped", *sft_argv(tiny_model_dir, data, out, "max_steps=100000", "save_every=3",
-                                                "distributed.strategy=ddp", f"distributed.timeout_s={timeout}"))  # fmt: skip
+    run = Launch(
+        tmp_path,
+        "stopped",
+        *sft_argv(
+            tiny_model_dir,
+            data,
+            out,
+            "max_steps=100000",
+            "save_every=3",
+            "distributed.strategy=ddp",
+            f"distributed.timeout_s={timeout}",
+        ),
+    )
     run.wait_for(lambda: latest_step(out) >= 3, "a checkpoint")
     rank1 = run.workers()[1]
     os.kill(rank1, signal.SIGSTOP)  # alive, but silent: no connection is closed

@@ -36,11 +36,27 @@ def test_deepspeed_sigterm_and_resume_is_bit_identical(tmp_path):
     zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
 
     def argv(out):
-        return ["ppo", "--out", str(out), f"model.path={model}", f"data.train={prompts}", "critic.init=sft",
-                "reward.function=ppo_task:frac_a", "batch_size=8", "minibatch_size=4", "generation.max_new_tokens=6",
-                "eval.every=3", "eval.num_prompts=4", "iterations=6", "save_every=4", "progress=false",
-                "tensorboard=false", "distributed.strategy=deepspeed", f"distributed.deepspeed_config={zero2}",
-                "distributed.timeout_s=120"]  # fmt: skip
+        return [
+            "ppo",
+            "--out",
+            str(out),
+            f"model.path={model}",
+            f"data.train={prompts}",
+            "critic.init=sft",
+            "reward.function=ppo_task:frac_a",
+            "batch_size=8",
+            "minibatch_size=4",
+            "generation.max_new_tokens=6",
+            "eval.every=3",
+            "eval.num_prompts=4",
+            "iterations=6",
+            "save_every=4",
+            "progress=false",
+            "tensorboard=false",
+            "distributed.strategy=deepspeed",
+            f"distributed.deepspeed_config={zero2}",
+            "distributed.timeout_s=120",
+        ]
 
     full, part, stopped = preempted_and_resumed(tmp_path, argv, "ppo", "iteration", 6)
     assert (ckpt.latest_checkpoint(part) / "sharded" / "actor" / "shards").is_dir()

@@ -7,8 +7,9 @@ The settings shifu ships (quickstart plans, study budgets, task presets) are YAM
 Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
 ``shifu CMD --help-config``). Unknown keys and wrongly typed values are rejected by name, a key that was
 renamed is rejected with its new name (a config class's ``RENAMED`` table), and each command's config class
-adds its own ``validate()`` for impossible combinations. The sections are in :mod:`shifu.config.sections`,
-the commands in :mod:`shifu.config.schema`.
+adds its own ``validate()`` for impossible combinations (with :func:`require_positive` and
+:func:`require_finite`). The sections are in :mod:`shifu.config.sections`, the commands in
+:mod:`shifu.config.schema`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -57,20 +59,7 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     """Coerce ``value`` to the annotated type ``tp`` or raise ConfigError naming ``key``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _check_type(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        if len(errors) == 1:  # e.g. Literal[...] | None: name the allowed values
-            raise ConfigError(f"{errors[0]} (or null)")
-        raise ConfigError(f"config key '{key}': {value!r} is not a valid {tp}")
+        return _check_union(value, tp, key)
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -91,6 +80,29 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}': expected a mapping of {tp.__name__} fields")
         return from_dict(tp, value, prefix=key + ".")
+    return _check_scalar(value, tp, key)
+
+
+def _check_union(value: Any, tp: Any, key: str) -> Any:
+    """:func:`_check_type` for ``X | Y`` (``Optional`` included): the first member type ``value`` passes."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _check_type(value, a, key)
+        except ConfigError as e:
+            errors.append(str(e))
+    if len(errors) == 1:  # e.g. Literal[...] | None: name the allowed values
+        raise ConfigError(f"{errors[0]} (or null)")
+    raise ConfigError(f"config key '{key}': {value!r} is not a valid {tp}")
+
+
+def _check_scalar(value: Any, tp: Any, key: str) -> Any:
+    """:func:`_check_type` for ``bool``, ``int``, ``float`` and ``str`` (any other type: ``value`` as it is)."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -117,6 +129,23 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
     return value
+
+
+def require_positive(cfg, keys: tuple[str, ...], prefix: str = "") -> None:
+    """ConfigError naming the first of ``keys`` whose value on ``cfg`` is below 1."""
+    for key in keys:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{prefix}{key} must be >= 1 (got {getattr(cfg, key)})")
+
+
+def require_finite(cfg, prefix: str = "") -> None:
+    """ConfigError naming the first float field (of ``cfg`` and its sections) that is NaN or infinite."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            require_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name} must be a finite number (got {value})")
 
 
 def unknown_key(key: str, valid) -> ConfigError:

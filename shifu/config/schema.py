@@ -15,10 +15,9 @@ KL targets are in **nats per response** (the unit of ``objective/kl``), never pe
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar, Literal
 
-from shifu.config.loader import opt
+from shifu.config.loader import opt, require_finite, require_positive
 from shifu.config.sections import (
     CriticConfig,
     DistributedConfig,
@@ -42,23 +41,6 @@ from shifu.config.sections import (
     frozen,
 )
 from shifu.errors import ConfigError
-
-
-def require_positive(cfg, keys: tuple[str, ...], prefix: str = "") -> None:
-    """ConfigError naming the first of ``keys`` whose value on ``cfg`` is below 1."""
-    for key in keys:
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{prefix}{key} must be >= 1 (got {getattr(cfg, key)})")
-
-
-def require_finite(cfg, prefix: str = "") -> None:
-    """ConfigError naming the first float field (of ``cfg`` and its sections) that is NaN or infinite."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            require_finite(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{prefix}{f.name} must be a finite number (got {value})")
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -159,18 +141,21 @@ class RMConfig(SupervisedConfig):
     normalize: NormalizeConfig = opt(NormalizeConfig(), "gain/bias fit after training (off when unset)")
     center_coef: float = opt(0.0, "c in c * mean((r_c + r_r)^2), keeps scores near 0")
     l2_coef: float = opt(
-        0.0, "c in c * (sum of the backbone's squared trainable weights), added to each step's loss: ridge "
+        0.0,
+        "c in c * (sum of the backbone's squared trainable weights), added to each step's loss: ridge "
         "regression, for model.path=bag-of-tokens (it shrinks the weights of rarely seen tokens; AdamW's "
-        "decoupled weight_decay does not)"
-    )  # fmt: skip
+        "decoupled weight_decay does not)",
+    )
     freeze_layers: int = opt(
-        0, "freeze the backbone's embeddings and its lowest N transformer blocks (0: train everything); "
-        "the backward pass and the optimiser then cover only the upper blocks and the head"
-    )  # fmt: skip
+        0,
+        "freeze the backbone's embeddings and its lowest N transformer blocks (0: train everything); "
+        "the backward pass and the optimiser then cover only the upper blocks and the head",
+    )
     keep_layers: int = opt(
-        0, "keep only the backbone's lowest N transformer blocks (0: all): a cheaper reward model to train "
-        "and to score with (saved as an N-block model)"
-    )  # fmt: skip
+        0,
+        "keep only the backbone's lowest N transformer blocks (0: all): a cheaper reward model to train "
+        "and to score with (saved as an N-block model)",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -178,20 +163,28 @@ class RMConfig(SupervisedConfig):
         if self.l2_coef < 0:
             raise ConfigError(f"l2_coef must be >= 0 (got {self.l2_coef}); 0 turns the ridge penalty off")
         if self.freeze_layers < 0 or self.keep_layers < 0:
-            raise ConfigError(f"freeze_layers and keep_layers must be >= 0 (got {self.freeze_layers}, "
-                              f"{self.keep_layers}); 0 trains / keeps every layer")  # fmt: skip
+            raise ConfigError(
+                f"freeze_layers and keep_layers must be >= 0 (got {self.freeze_layers}, "
+                f"{self.keep_layers}); 0 trains / keeps every layer"
+            )
         if self.normalize.responses and self.normalize.policy:
             raise ConfigError("set only one of normalize.responses and normalize.policy")
         if self.model.path == "bag-of-tokens":
             if not self.model.tokenizer:
-                raise ConfigError("model.path=bag-of-tokens needs model.tokenizer: the directory of the tokenizer "
-                                  "whose ids it weighs (the policy's, e.g. the SFT output)")  # fmt: skip
+                raise ConfigError(
+                    "model.path=bag-of-tokens needs model.tokenizer: the directory of the tokenizer "
+                    "whose ids it weighs (the policy's, e.g. the SFT output)"
+                )
             if self.freeze_layers or self.keep_layers:
-                raise ConfigError("model.path=bag-of-tokens has no transformer blocks: leave freeze_layers and "
-                                  "keep_layers at 0")  # fmt: skip
+                raise ConfigError(
+                    "model.path=bag-of-tokens has no transformer blocks: leave freeze_layers and "
+                    "keep_layers at 0"
+                )
         elif self.model.tokenizer:
-            raise ConfigError(f"model.tokenizer is read only with model.path=bag-of-tokens (got model.path="
-                              f"'{self.model.path}', whose own tokenizer is used); remove model.tokenizer")  # fmt: skip
+            raise ConfigError(
+                f"model.tokenizer is read only with model.path=bag-of-tokens (got model.path="
+                f"'{self.model.path}', whose own tokenizer is used); remove model.tokenizer"
+            )
 
 
 @frozen
@@ -238,12 +231,18 @@ class PPOConfig(RunConfig):
         "policy loss by name: ppo (clip), ppo_penalty (PPO paper), reinforce, gspo (sequence-level "
         "ratio and clip: set clip_low/clip_high near the paper's 3e-4/4e-4)",
     )
-    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "bon", "reinforce_pp", "reinforce_pp_baseline"] | None = (
-        opt(None, "advantages by name: gae (critic), grpo, dr_grpo, rloo, bon (best-of-G; group_size >= 2), reinforce_pp, "
-            "reinforce_pp_baseline (critic-free); null: gae, or algo=reinforce's sequence return")
-    )  # fmt: skip
-    group_size: int = opt(1, "G responses sampled per prompt, kept together (batch_size counts responses: "
-                             "G x the prompts wanted per rollout)")  # fmt: skip
+    advantage_estimator: (
+        Literal["gae", "grpo", "dr_grpo", "rloo", "bon", "reinforce_pp", "reinforce_pp_baseline"] | None
+    ) = opt(
+        None,
+        "advantages by name: gae (critic), grpo, dr_grpo, rloo, bon (best-of-G; group_size >= 2), reinforce_pp, "
+        "reinforce_pp_baseline (critic-free); null: gae, or algo=reinforce's sequence return",
+    )
+    group_size: int = opt(
+        1,
+        "G responses sampled per prompt, kept together (batch_size counts responses: "
+        "G x the prompts wanted per rollout)",
+    )
     dynamic_sampling: bool = opt(False, "DAPO: drop the groups whose scores are all equal (from the update)")
     tis_cap: float | None = opt(
         None, "truncated importance sampling: weigh each token by min(pi_old / pi_rollout, cap); null: off"
@@ -313,14 +312,27 @@ class PPOConfig(RunConfig):
             self.env.validate_alongside(r, self.eval.gold_function, self.distributed.strategy)
         elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
             raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
-        if r.dense and r.model_path is None:
-            raise ConfigError("reward.dense reads a reward model's prefix scores: set reward.model_path (a "
-                              "reward function can return per-token steps itself), or reward.dense=false")  # fmt: skip
-        if r.dense and (r.normalize or r.clip is not None or r.missing_eos_penalty is not None):
-            raise ConfigError("reward.normalize, reward.clip and reward.missing_eos_penalty act on one score per "
-                              "response, which reward.dense does not give; unset them or set reward.dense=false")  # fmt: skip
-        if r.timeout_s <= 0 or r.retries < 0:
-            raise ConfigError("reward.timeout_s must be > 0 and reward.retries >= 0")
+        r.validate()
+        self._validate_sizes()
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ConfigError("clip_low must be in (0, 1) and clip_high > 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip must be > 1 (got {self.dual_clip}); null disables it")
+        self.generation.validate()
+        self.kl.validate()
+        if self.ptx_coef > 0 and not self.data.ptx:
+            raise ConfigError("ptx_coef > 0 needs data.ptx (an SFT data file)")
+        if self.algo == "reinforce" and self.ppo_epochs != 1:
+            raise ConfigError("algo=reinforce is on-policy: set ppo_epochs=1")
+        if self.eval.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 (got {self.eval.every})")
+        self._validate_estimators()
+        self.optim.validate("optim")
+        self.critic.optim.validate("critic.optim")
+        self._validate_lora_and_processes()
+
+    def _validate_sizes(self) -> None:
+        """The batch sizes: positive, each a multiple of the next (or micro_batch_tokens instead)."""
         require_positive(
             self,
             ("iterations", "batch_size", "minibatch_size", "grad_accum", "micro_batch_size", "ppo_epochs"),
@@ -338,29 +350,9 @@ class PPOConfig(RunConfig):
                 f"micro_batch_tokens ({self.micro_batch_tokens}) must be >= 1 and replaces grad_accum "
                 f"({self.grad_accum}): set grad_accum=1, or micro_batch_tokens=null"
             )
-        if not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise ConfigError("clip_low must be in (0, 1) and clip_high > 0")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ConfigError(f"dual_clip must be > 1 (got {self.dual_clip}); null disables it")
-        if self.generation.temperature <= 0:
-            raise ConfigError("generation.temperature must be > 0")
-        if self.generation.max_new_tokens < 1:
-            raise ConfigError(
-                f"generation.max_new_tokens must be >= 1 (got {self.generation.max_new_tokens})"
-            )
-        if not 0 < self.generation.top_p <= 1:
-            raise ConfigError("generation.top_p must be in (0, 1]")
-        if self.kl.controller != "fixed" and (self.kl.target is None or self.kl.target <= 0):
-            raise ConfigError(f"kl.controller={self.kl.controller} needs kl.target > 0 (nats per response)")
-        if self.ptx_coef > 0 and not self.data.ptx:
-            raise ConfigError("ptx_coef > 0 needs data.ptx (an SFT data file)")
-        if self.algo == "reinforce" and self.ppo_epochs != 1:
-            raise ConfigError("algo=reinforce is on-policy: set ppo_epochs=1")
-        if self.eval.every < 0:
-            raise ConfigError(f"eval.every must be >= 0 (got {self.eval.every})")
-        self._validate_estimators()
-        self.optim.validate("optim")
-        self.critic.optim.validate("critic.optim")
+
+    def _validate_lora_and_processes(self) -> None:
+        """LoRA actor / critic, and what the multi-process strategies do not support."""
         d = self.distributed
         if self.lora.enabled:
             self.lora.validate()
@@ -418,9 +410,11 @@ class PPOConfig(RunConfig):
             what = f"advantage_estimator={est}" if est != "gae" else "dynamic_sampling=true"
             raise ConfigError(f"{what} compares the responses to one prompt: set group_size >= 2 (got {G})")
         if self.reward.dense and est in ("rloo", "bon"):
-            raise ConfigError(f"reward.dense gives per-token rewards, but advantage_estimator={est} compares one "
-                              "number per response: use grpo or dr_grpo (normalised per token), gae, reinforce_pp "
-                              "or reinforce_pp_baseline, or reward.dense=false")  # fmt: skip
+            raise ConfigError(
+                f"reward.dense gives per-token rewards, but advantage_estimator={est} compares one "
+                "number per response: use grpo or dr_grpo (normalised per token), gae, reinforce_pp "
+                "or reinforce_pp_baseline, or reward.dense=false"
+            )
         if est == "dr_grpo" and self.loss_aggregation != "token_sum_norm":
             raise ConfigError(
                 "advantage_estimator=dr_grpo divides the loss by a constant (Dr. GRPO): set "

@@ -90,17 +90,24 @@ class DistributedConfig:
 
 @frozen
 class LoraConfig:
-    enabled: bool = opt(False, "train LoRA adapters instead of all weights; the reference is then the actor "
-                               "with adapters disabled (no separate reference model)")  # fmt: skip
+    enabled: bool = opt(
+        False,
+        "train LoRA adapters instead of all weights; the reference is then the actor "
+        "with adapters disabled (no separate reference model)",
+    )
     r: int = opt(16, "adapter rank")
     alpha: float = opt(32.0, "scale numerator: the update is (alpha / r) * B A")
     dropout: float = opt(0.0, "dropout on the adapter input (keep 0 for PPO: ratios must start at 1)")
     target_modules: list[str] | None = opt(
-        None, "names of the linear layers to adapt (e.g. [q_proj, v_proj]); null: peft's default for the "
-        "architecture (c_attn for GPT-2, q_proj/v_proj for Llama-style models)"
-    )  # fmt: skip
-    critic: bool = opt(False, "ppo: train the critic as LoRA adapters on its frozen trunk plus its value head "
-                              "(same r, alpha, target_modules); checkpoints then hold only adapters and head")  # fmt: skip
+        None,
+        "names of the linear layers to adapt (e.g. [q_proj, v_proj]); null: peft's default for the "
+        "architecture (c_attn for GPT-2, q_proj/v_proj for Llama-style models)",
+    )
+    critic: bool = opt(
+        False,
+        "ppo: train the critic as LoRA adapters on its frozen trunk plus its value head "
+        "(same r, alpha, target_modules); checkpoints then hold only adapters and head",
+    )
 
     def validate(self, prefix: str = "lora") -> None:
         if self.r < 1:
@@ -126,9 +133,10 @@ class SFTModelConfig(ModelConfig):
 @frozen
 class RMModelConfig(ModelConfig):
     path: str = opt(
-        "", "backbone: a local HF model dir (the SFT output, any causal LM, or an encoder), `minilm`, or "
-        "`bag-of-tokens` (one learned weight per token id of `model.tokenizer`: a linear model of token counts)"
-    )  # fmt: skip
+        "",
+        "backbone: a local HF model dir (the SFT output, any causal LM, or an encoder), `minilm`, or "
+        "`bag-of-tokens` (one learned weight per token id of `model.tokenizer`: a linear model of token counts)",
+    )
     tokenizer: str = opt("", "bag-of-tokens: the tokenizer directory whose ids it weighs (the policy's)")
 
 
@@ -173,9 +181,10 @@ class TextDataConfig(DataConfig):
     split_seed: int = opt(0, "seed of the deterministic held-out split")
     max_len: int = opt(256, "prompt + response tokens (EOS included); longer responses are cut")
     group_by_length: bool = opt(
-        False, "batches of rows of similar length (sorted within chunks of 50 batches of the shuffled order, "
-        "the batches shuffled): less padding, so fewer FLOPs per row, when lengths vary"
-    )  # fmt: skip
+        False,
+        "batches of rows of similar length (sorted within chunks of 50 batches of the shuffled order, "
+        "the batches shuffled): less padding, so fewer FLOPs per row, when lengths vary",
+    )
 
     def validate(self, prefix: str = "data") -> None:
         super().validate(prefix)
@@ -201,8 +210,11 @@ class EvalConfig:
 
 @frozen
 class PolicyEvalConfig:
-    every: int = opt(5, "evaluate on held-out prompts before training, every N iterations and at the end "
-                     "(0: only at the end)")  # fmt: skip
+    every: int = opt(
+        5,
+        "evaluate on held-out prompts before training, every N iterations and at the end "
+        "(0: only at the end)",
+    )
     num_prompts: int = opt(64, "held-out prompts per evaluation")
     temperature: float = opt(0.7, "sampling temperature of evaluation samples (low: near the mode)")
     gold_function: str | None = opt(None, "gold judge 'package.module:function' (logged as gold/score)")
@@ -225,6 +237,14 @@ class GenerationConfig:
     top_k: int = opt(0, "top-k sampling; 0 disables")
     top_p: float = opt(1.0, "nucleus sampling; 1.0 disables")
 
+    def validate(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError("generation.temperature must be > 0")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"generation.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("generation.top_p must be in (0, 1]")
+
 
 @frozen
 class RewardConfig:
@@ -237,16 +257,32 @@ class RewardConfig:
     timeout_s: float = opt(60.0, "reward service: seconds one request may take")
     retries: int = opt(3, "reward service: retries (with backoff) before the run stops with a checkpoint")
     dense: bool = opt(
-        False, "reward_model: give response token t the change of the model's prefix score, s(<=t) - s(<t), "
+        False,
+        "reward_model: give response token t the change of the model's prefix score, s(<=t) - s(<t), "
         "instead of one score at the end (same objective with gamma 1, each token's credit on it); needs a "
-        "causal reward model with the policy's tokenizer, e.g. rm.model.path=bag-of-tokens"
-    )  # fmt: skip
+        "causal reward model with the policy's tokenizer, e.g. rm.model.path=bag-of-tokens",
+    )
     normalize: bool = opt(False, "running mean/std normalisation of scores")
     clip: float | None = opt(None, "clip (normalised) scores to [-clip, clip]; null disables")
     missing_eos_penalty: float | None = opt(None, "penalty for responses without EOS; null disables")
     missing_eos_mode: Literal["subtract", "replace"] = opt(
         "subtract", "subtract the penalty, or replace the score with -penalty"
     )
+
+    def validate(self) -> None:
+        """What a reward's own keys exclude (which of model_path, function and url: the PPO config)."""
+        if self.dense and self.model_path is None:
+            raise ConfigError(
+                "reward.dense reads a reward model's prefix scores: set reward.model_path (a "
+                "reward function can return per-token steps itself), or reward.dense=false"
+            )
+        if self.dense and (self.normalize or self.clip is not None or self.missing_eos_penalty is not None):
+            raise ConfigError(
+                "reward.normalize, reward.clip and reward.missing_eos_penalty act on one score per "
+                "response, which reward.dense does not give; unset them or set reward.dense=false"
+            )
+        if self.timeout_s <= 0 or self.retries < 0:
+            raise ConfigError("reward.timeout_s must be > 0 and reward.retries >= 0")
 
 
 @frozen
@@ -279,6 +315,10 @@ class KLConfig:
         "(B, R, V) log-probs with the rollout)",
     )
 
+    def validate(self) -> None:
+        if self.controller != "fixed" and (self.target is None or self.target <= 0):
+            raise ConfigError(f"kl.controller={self.controller} needs kl.target > 0 (nats per response)")
+
 
 @frozen
 class GuardConfig:
@@ -295,10 +335,11 @@ class GuardConfig:
 @frozen
 class EnvConfig:
     factory: str | None = opt(
-        None, "an environment 'package.module:Name' (a class, or a factory of ppo.env.kwargs): rollouts, validation "
+        None,
+        "an environment 'package.module:Name' (a class, or a factory of ppo.env.kwargs): rollouts, validation "
         "and the held-out evaluation become multi-turn episodes rewarded by it, instead of reward.* (docs/how-to/"
-        "multi-turn.md); null: one response per prompt"
-    )  # fmt: skip
+        "multi-turn.md); null: one response per prompt",
+    )
     kwargs: dict = opt({}, "keyword arguments of the factory, one fresh instance per episode")
     max_turns: int = opt(
         3, "turns (policy replies) per episode; an episode still going after them is truncated"
@@ -317,9 +358,10 @@ class EnvConfig:
         60.0, "seconds one reset() or step() may take (a fault past it); null: no limit"
     )
     on_error: Literal["raise", "end_episode"] = opt(
-        "raise", "an environment fault (exception, wrong return type, timeout, observation over budget): stop the "
-        "run with an error naming the environment, row and turn, or end that episode with reward 0 (env/errors)"
-    )  # fmt: skip
+        "raise",
+        "an environment fault (exception, wrong return type, timeout, observation over budget): stop the "
+        "run with an error naming the environment, row and turn, or end that episode with reward 0 (env/errors)",
+    )
 
     def validate(self) -> None:
         if self.factory is None:
@@ -328,8 +370,10 @@ class EnvConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"ppo.env.{key} must be >= 1 (got {getattr(self, key)})")
         if self.max_total_tokens < self.max_tokens_per_turn:
-            raise ConfigError(f"ppo.env.max_total_tokens ({self.max_total_tokens}) must be >= "
-                              f"ppo.env.max_tokens_per_turn ({self.max_tokens_per_turn})")  # fmt: skip
+            raise ConfigError(
+                f"ppo.env.max_total_tokens ({self.max_total_tokens}) must be >= "
+                f"ppo.env.max_tokens_per_turn ({self.max_tokens_per_turn})"
+            )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"ppo.env.stop must be a list of non-empty strings (got {self.stop!r})")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
@@ -346,11 +390,15 @@ class EnvConfig:
             or reward.url is not None
             or reward.dense
         ):
-            raise ConfigError("ppo.env.factory rewards the episodes: unset reward.model_path, reward.function, "
-                              "reward.url and reward.dense (or unset ppo.env.factory)")  # fmt: skip
+            raise ConfigError(
+                "ppo.env.factory rewards the episodes: unset reward.model_path, reward.function, "
+                "reward.url and reward.dense (or unset ppo.env.factory)"
+            )
         if gold_function is not None:
-            raise ConfigError("with ppo.env.factory the held-out gold is the mean episode return of the "
-                              "environment: unset eval.gold_function")  # fmt: skip
+            raise ConfigError(
+                "with ppo.env.factory the held-out gold is the mean episode return of the "
+                "environment: unset eval.gold_function"
+            )
         if strategy != "none":
             raise ConfigError(
                 "ppo.env.factory runs its episodes in one process: set distributed.strategy=none"

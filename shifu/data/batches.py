@@ -38,11 +38,13 @@ def check_unknown_share(tokenizer, id_lists: list[list[int]], path: str | None) 
     share = sum(x.count(unk) for x in id_lists) / total
     if share > UNKNOWN_SHARE:
         raise DataError(
-            path, None, None,
+            path,
+            None,
+            None,
             f"{share:.0%} of its tokens are the tokenizer's unknown token {tokenizer.unk_token!r}: the tokenizer "
             "cannot spell this text",
             "use a model whose tokenizer covers its language and script, or `shifu init-model` to fit one to it",
-        )  # fmt: skip
+        )
 
 
 def encode_sft(

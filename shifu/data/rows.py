@@ -96,9 +96,12 @@ def _read_jsonl(path: str) -> list[tuple[int, Any, DataError | None]]:
             raise DataError(path, None, None, f"is {what}, not JSONL", fix)
     if Path(path).suffix.lower() in TABLE_SUFFIXES:
         raise DataError(
-            path, None, None, f"is a {Path(path).suffix} table, not JSONL",
+            path,
+            None,
+            None,
+            f"is a {Path(path).suffix} table, not JSONL",
             "convert it, e.g. datasets.Dataset.from_csv(path).to_json('data.jsonl'), or save it as Parquet",
-        )  # fmt: skip
+        )
     if data[:4096].lstrip(UTF8_BOM + b" \t\r\n").startswith(b"["):
         _refuse_json_array(path, data)
     out = []
@@ -136,9 +139,12 @@ def _refuse_json_array(path: str, data: bytes) -> None:
         return  # not one JSON document: the lines are reported one by one
     if isinstance(value, list):
         raise DataError(
-            path, None, None, f"holds one JSON array of {len(value)} items, not one JSON object per line (JSONL)",
+            path,
+            None,
+            None,
+            f"holds one JSON array of {len(value)} items, not one JSON object per line (JSONL)",
             "convert it, e.g. jq -c '.[]' file.json > file.jsonl",
-        )  # fmt: skip
+        )
 
 
 def _read_parquet(path: str) -> list[tuple[int, Any, DataError | None]]:
@@ -196,9 +202,12 @@ def _check_unicode(value: str, path: str, line: int | None, key: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise DataError(
-            path, line, key, f"invalid Unicode escape at character {e.start} (a lone surrogate "
-            f"\\u{ord(value[e.start]):04x})", "write the character itself, or escape the whole surrogate pair",
-        ) from None  # fmt: skip
+            path,
+            line,
+            key,
+            f"invalid Unicode escape at character {e.start} (a lone surrogate \\u{ord(value[e.start]):04x})",
+            "write the character itself, or escape the whole surrogate pair",
+        ) from None
 
 
 def _check_messages(row: dict, where: tuple[str, int | None], reply: bool = True) -> None:

@@ -41,8 +41,16 @@ def read_texts(path: str) -> list[str]:
     raise ShifuError(f"{path} holds no sft, preference or prompt rows: {errors[0]}")
 
 
-def build(files: list[str], out: Path, vocab_size: int, layers: int, width: int, heads: int, positions: int,
-          seed: int) -> dict[str, int]:  # fmt: skip
+def build(
+    files: list[str],
+    out: Path,
+    vocab_size: int,
+    layers: int,
+    width: int,
+    heads: int,
+    positions: int,
+    seed: int,
+) -> dict[str, int]:
     """Tokenizer and random GPT-2 in ``out`` (which must be missing or empty); returns their sizes."""
     from shifu.models.bpe import train_tokenizer
     from shifu.models.loading import build_tiny_gpt2

@@ -70,9 +70,11 @@ def check_messages(value: Any) -> bool:
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value)
-    )  # fmt: skip
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
 
 
 def describe_row(row: dict) -> str:
@@ -157,8 +159,10 @@ class Environment:
                 "{'role': ..., 'content': ...} messages, or None"
             )
         if not isinstance(out.done, bool) or not isinstance(out.info, dict):
-            raise EnvFault(f"{where}: step() returned done={out.done!r}, info={_shown(out.info)}; done must be a "
-                           "bool and info a dict")  # fmt: skip
+            raise EnvFault(
+                f"{where}: step() returned done={out.done!r}, info={_shown(out.info)}; done must be a "
+                "bool and info a dict"
+            )
         return out
 
     def _call(self, fn: Callable[[], Any], row: dict, turn: int | None, what: str) -> Any:
@@ -189,8 +193,10 @@ class Environment:
 
     def fault(self, e: EnvFault) -> EnvFault:
         """The error a run stops with (``on_error=raise``): the fault and what to do about it."""
-        return EnvFault(f"{e}. Fix the environment, or set ppo.env.on_error=end_episode to end such episodes "
-                        "with reward 0 (counted as env/errors)")  # fmt: skip
+        return EnvFault(
+            f"{e}. Fix the environment, or set ppo.env.on_error=end_episode to end such episodes "
+            "with reward 0 (counted as env/errors)"
+        )
 
 
 def _shown(value: Any) -> str:

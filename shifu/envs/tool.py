@@ -80,8 +80,11 @@ class ToolEnv:
     def step(self, action: str) -> Step:
         call = self._parse(action)
         if call is None:  # an answer: the episode ends with its reward
-            return Step(reward=float(self.reward(self.row, action)), done=True,
-                        info={"tool_calls": 0, "tool_errors": 0})  # fmt: skip
+            return Step(
+                reward=float(self.reward(self.row, action)),
+                done=True,
+                info={"tool_calls": 0, "tool_errors": 0},
+            )
         result, error = self._run(*call)
         if self.format == "bracket":
             observation: str | list[dict] = (

@@ -109,15 +109,7 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
     what "one method's frontier is above another's" and "more variance across seeds at the same KL"
     are read from. None when fewer than two methods have ``min_seeds`` seeds with two points or more.
     """
-    curves: dict[str, list[list[tuple[float, float]]]] = {}
-    for method, m in methods.items():
-        by_seed: dict[int, list[tuple[float, float]]] = {}
-        for p in m["points"]:
-            for s in p["per_seed"]:
-                by_seed.setdefault(s["seed"], []).append((s["kl"], s["gold"]))
-        usable = [c for c in by_seed.values() if len([k for k, _ in c if k > 0]) >= 2]
-        if len(usable) >= min_seeds:
-            curves[method] = usable
+    curves = _seed_curves(methods, min_seeds)
     if len(curves) < 2:
         return None
 
@@ -142,6 +134,27 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
             mean, std = _mean_std(golds) if golds else (None, None)
             rows.append({"kl": kl, "gold_mean": mean, "gold_std": std, "seeds": len(golds)})
         table[method] = rows
+    return {"kl_grid": grid, "methods": table, "vs_ppo": _differences_to_ppo(table)}
+
+
+def _seed_curves(methods: dict[str, Any], min_seeds: int) -> dict[str, list[list[tuple[float, float]]]]:
+    """Per method, each seed's (KL, gold) points, for the methods with ``min_seeds`` seeds of two points
+    or more at a KL above 0 (:func:`matched_kl`)."""
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for method, m in methods.items():
+        by_seed: dict[int, list[tuple[float, float]]] = {}
+        for p in m["points"]:
+            for s in p["per_seed"]:
+                by_seed.setdefault(s["seed"], []).append((s["kl"], s["gold"]))
+        usable = [c for c in by_seed.values() if len([k for k, _ in c if k > 0]) >= 2]
+        if len(usable) >= min_seeds:
+            curves[method] = usable
+    return curves
+
+
+def _differences_to_ppo(table: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Per method of :func:`matched_kl`'s ``table`` but PPO: PPO's mean gold minus the method's at each grid
+    KL that both reach with two seeds or more, with its standard error; empty without PPO."""
     vs_ppo: dict[str, list[dict[str, Any]]] = {}
     if "ppo" in table:
         for method, rows in table.items():
@@ -153,7 +166,7 @@ def matched_kl(methods: dict[str, Any], grid_points: int = 5, min_seeds: int = 2
                     se = math.sqrt(a["gold_std"] ** 2 / a["seeds"] + b["gold_std"] ** 2 / b["seeds"])
                     diffs.append({"kl": a["kl"], "ppo_minus": a["gold_mean"] - b["gold_mean"], "se": se})
             vs_ppo[method] = diffs
-    return {"kl_grid": grid, "methods": table, "vs_ppo": vs_ppo}
+    return vs_ppo
 
 
 def vs_ppo_pairwise(methods: dict[str, Any], grid_points: int = 3, min_seeds: int = 2) -> dict[str, Any]:
@@ -172,8 +185,10 @@ def vs_ppo_pairwise(methods: dict[str, Any], grid_points: int = 3, min_seeds: in
         if mk and mk["vs_ppo"].get(method):
             ppo_rows = {r["kl"]: r for r in mk["methods"]["ppo"]}
             other = {r["kl"]: r for r in mk["methods"][method]}
-            out[method] = [d | {"ppo": ppo_rows[d["kl"]]["gold_mean"], method: other[d["kl"]]["gold_mean"]}
-                           for d in mk["vs_ppo"][method]]  # fmt: skip
+            out[method] = [
+                d | {"ppo": ppo_rows[d["kl"]]["gold_mean"], method: other[d["kl"]]["gold_mean"]}
+                for d in mk["vs_ppo"][method]
+            ]
     return out
 
 
@@ -188,8 +203,15 @@ def gold_per_cpu(methods: dict[str, Any], sft_gold: float) -> dict[str, list[dic
             rates = [(s["gold"] - sft_gold) / s["train_cpu_seconds"] * 60 for s in p["per_seed"]]
             mean, std = _mean_std(rates)
             cpu, _ = _mean_std([s["train_cpu_seconds"] for s in p["per_seed"]])
-            rows.append({"point": p["point"], "gain_per_cpu_minute": mean,
-                         "se": std / math.sqrt(len(rates)), "cpu_seconds": cpu, "seeds": len(rates)})  # fmt: skip
+            rows.append(
+                {
+                    "point": p["point"],
+                    "gain_per_cpu_minute": mean,
+                    "se": std / math.sqrt(len(rates)),
+                    "cpu_seconds": cpu,
+                    "seeds": len(rates),
+                }
+            )
         out[method] = rows
     return out
 
@@ -209,8 +231,16 @@ def plot(frontier: dict[str, Any], path: Path) -> Path:
         if not pts:
             continue
         cpu = [sum(s["train_cpu_seconds"] for s in p["per_seed"]) / len(p["per_seed"]) for p in pts]
-        ax_cpu.errorbar(cpu, [p["gold_mean"] for p in pts], yerr=[p["gold_std"] for p in pts], marker="o",
-                        linestyle="none", capsize=3, color=colour, label=method)  # fmt: skip
+        ax_cpu.errorbar(
+            cpu,
+            [p["gold_mean"] for p in pts],
+            yerr=[p["gold_std"] for p in pts],
+            marker="o",
+            linestyle="none",
+            capsize=3,
+            color=colour,
+            label=method,
+        )
         cost = frontier["methods"][method]["train_seconds_per_run"]
         ax.errorbar(
             [base["kl"]] + [p["kl_mean"] for p in pts],
@@ -284,12 +314,19 @@ def summary_table(report: dict[str, Any]) -> str:
     if pairs:
         lines.append("PPO against each method on the KL range the two share (gold, PPO minus it ± s.e.):")
     for method, diffs in pairs.items():
-        lines.append(f"ppo - {method}: " + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.2f}"
-                                                      for d in diffs))  # fmt: skip
+        lines.append(
+            f"ppo - {method}: "
+            + ", ".join(f"{d['ppo_minus']:+.3f}±{d['se']:.3f} @ {d['kl']:.2f}" for d in diffs)
+        )
     lines.append("gold gained over SFT per CPU-minute of training (mean±s.e. over seeds; CPU s/run):")
     for method, rows in report.get("gold_per_cpu", {}).items():
-        lines.append(f"{method:14s} " + ", ".join(
-            f"{r['point']} {r['gain_per_cpu_minute']:+.4f}±{r['se']:.4f} ({r['cpu_seconds']:.0f} s)" for r in rows))  # fmt: skip
+        lines.append(
+            f"{method:14s} "
+            + ", ".join(
+                f"{r['point']} {r['gain_per_cpu_minute']:+.4f}±{r['se']:.4f} ({r['cpu_seconds']:.0f} s)"
+                for r in rows
+            )
+        )
     for method, m in report["methods"].items():
         if m.get("gold_std_at_kl") is not None:
             lines.append(

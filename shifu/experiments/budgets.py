@@ -16,10 +16,33 @@ from shifu.experiments.pipeline import (
 )
 from shifu.experiments.quickstart import PLANS, PairsPlan, check_stage
 
-METHODS = ("ppo", "dpo", "reinforce", "grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline",
-           "gspo")  # fmt: skip
-COLOURS = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                             "tab:pink", "tab:olive", "tab:cyan")))  # fmt: skip
+METHODS = (
+    "ppo",
+    "dpo",
+    "reinforce",
+    "grpo",
+    "rloo",
+    "reinforce_pp",
+    "dr_grpo",
+    "reinforce_pp_baseline",
+    "gspo",
+)
+COLOURS = dict(
+    zip(
+        METHODS,
+        (
+            "tab:blue",
+            "tab:orange",
+            "tab:green",
+            "tab:red",
+            "tab:purple",
+            "tab:brown",
+            "tab:pink",
+            "tab:olive",
+            "tab:cyan",
+        ),
+    )
+)
 
 
 def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[str, Any]:
@@ -42,13 +65,33 @@ def critic_free(ppo: dict, reinforce: dict, betas: tuple[float, ...]) -> dict[st
             {"advantage_estimator": "rloo", "group_size": 4},
         ),
         "reinforce_pp": _merge(ppo, {"advantage_estimator": "reinforce_pp"}),
-        "dr_grpo": _merge(ppo, {"advantage_estimator": "dr_grpo", "group_size": 4, "kl": {"penalty": "loss"},
-                                "loss_aggregation": "token_sum_norm"}),
-        "reinforce_pp_baseline": _merge(ppo, {"advantage_estimator": "reinforce_pp_baseline", "group_size": 4}),
-        "gspo": _merge(ppo, {"algo": "gspo", "advantage_estimator": "grpo", "group_size": 4, "kl": {"penalty": "loss"},
-                             "clip_low": 3e-4, "clip_high": 4e-4}),
-        "points": {m: fixed for m in ("grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline", "gspo")},
-    }  # fmt: skip
+        "dr_grpo": _merge(
+            ppo,
+            {
+                "advantage_estimator": "dr_grpo",
+                "group_size": 4,
+                "kl": {"penalty": "loss"},
+                "loss_aggregation": "token_sum_norm",
+            },
+        ),
+        "reinforce_pp_baseline": _merge(
+            ppo, {"advantage_estimator": "reinforce_pp_baseline", "group_size": 4}
+        ),
+        "gspo": _merge(
+            ppo,
+            {
+                "algo": "gspo",
+                "advantage_estimator": "grpo",
+                "group_size": 4,
+                "kl": {"penalty": "loss"},
+                "clip_low": 3e-4,
+                "clip_high": 4e-4,
+            },
+        ),
+        "points": {
+            m: fixed for m in ("grpo", "rloo", "reinforce_pp", "dr_grpo", "reinforce_pp_baseline", "gspo")
+        },
+    }
 
 
 def with_critic_free(budget: dict[str, Any], betas: tuple[float, ...]) -> dict[str, Any]:

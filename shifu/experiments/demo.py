@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
             args.lr,
             method=m,
             kl_budget=args.kl_budget,
-        )  # fmt: skip
+        )
         for m in methods
     }
     print_budget_summary(runs, args.kl_budget)

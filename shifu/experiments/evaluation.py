@@ -20,8 +20,11 @@ def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
     """The final evaluation's settings (:func:`evaluate`'s ``ev``): the plan's ``eval`` keys, with the
     held-out prompts cut and rendered as PPO's were (``ppo.data.max_prompt_len``, ``chat_template``)."""
     data = plan["ppo"].get("data", {})
-    return {"max_prompt_len": data.get("max_prompt_len"), "chat_template": data.get("chat_template", True),
-            **plan["eval"]}  # fmt: skip
+    return {
+        "max_prompt_len": data.get("max_prompt_len"),
+        "chat_template": data.get("chat_template", True),
+        **plan["eval"],
+    }
 
 
 def standard_error(xs: list[float]) -> float:

@@ -149,13 +149,15 @@ def mark_done(stage_dir: Path, t0: tuple[float, float], **extra: Any) -> None:
 
 # What shifu's stages write in a stage directory (trainers' run files, task files, preference pairs, a
 # merge, study results): a stage that starts again deletes these, and refuses while anything else is there
-STAGE_FILES = (
-    ".shifu-stage", ".shifu-run", ".shifu-lock", ".write-test", ".trackers.json", ".trackers.json.tmp",
-    "DONE", "RESULT.json", "config.yaml", "metrics.jsonl", "summary.json", "samples.jsonl", "checkpoints",
-    "tb", "wandb", "mlruns", "member-*", "final", "best", "critic", ".tmp-final", ".tmp-best", ".tmp-critic",
-    ".old-final", ".old-best", ".old-critic", "sft_*.jsonl", "prompts_*.jsonl", "tokenizer", "base",
-    "pairs.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl", "sft_samples.jsonl",
-)  # fmt: skip
+STAGE_FILES = tuple(
+    """
+    .shifu-stage .shifu-run .shifu-lock .write-test .trackers.json .trackers.json.tmp DONE RESULT.json
+    config.yaml metrics.jsonl summary.json samples.jsonl checkpoints tb wandb mlruns member-* final best
+    critic .tmp-final .tmp-best .tmp-critic .old-final .old-best .old-critic
+    sft_*.jsonl prompts_*.jsonl tokenizer base pairs.jsonl pairs_train.jsonl pairs_eval.jsonl
+    sft_samples.jsonl
+    """.split()
+)
 
 
 def _listing(names: list[str], at: Path) -> str:
@@ -171,8 +173,10 @@ def claim_stage(stage_dir: Path, name: str) -> None:
     from shifu.runs.checkpoint import LOCK_FILE, RUN_MARKER, STAGE_MARKER
 
     if stage_dir.exists() and not stage_dir.is_dir():
-        raise ShifuError(f"stage {name}: '{stage_dir}' is a file, not a directory; move it out of the run "
-                         "directory, or use a new --out")  # fmt: skip
+        raise ShifuError(
+            f"stage {name}: '{stage_dir}' is a file, not a directory; move it out of the run "
+            "directory, or use a new --out"
+        )
     found = sorted(p.name for p in stage_dir.iterdir() if p.name != LOCK_FILE) if stage_dir.exists() else []
     if found and not any((stage_dir / m).exists() for m in (STAGE_MARKER, "DONE", RUN_MARKER)):
         raise ShifuError(

@@ -107,8 +107,9 @@ class EvalPlan:
 
     max_new_tokens: int | None = opt(None, "tokens per sampled response (required; ppo.env: its budgets)")
     temperature: float | None = opt(None, "sampling temperature (required)")
-    num_prompts: int | None = opt(None, "held-out prompts evaluated: the first N of data/prompts_eval.jsonl "
-                                  "(default: all of them)")  # fmt: skip
+    num_prompts: int | None = opt(
+        None, "held-out prompts evaluated: the first N of data/prompts_eval.jsonl (default: all of them)"
+    )
     greedy: bool = opt(True, "arith: greedy accuracies as well")
     batch_size: int = opt(
         64, "prompts sampled and scored together (fewer: less memory for a large vocabulary)"
@@ -342,8 +343,11 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
         return out / "ppo" / "final"
     dirs = [out / "ppo" / "final"]
     for i in range(1, members):
-        stages.train(f"ppo-{i + 1}", "shifu.trainers.ppo",
-                     ppo_overrides(plan["ppo"], sft_final, files, reward, seed + 1000 * i))  # fmt: skip
+        stages.train(
+            f"ppo-{i + 1}",
+            "shifu.trainers.ppo",
+            ppo_overrides(plan["ppo"], sft_final, files, reward, seed + 1000 * i),
+        )
         dirs.append(out / f"ppo-{i + 1}" / "final")
 
     same_settings(out, [d.parent for d in dirs])
@@ -395,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a built-in task end to end: prepare -> SFT -> (pairs -> RM) -> PPO -> evaluation "
         "-> report. Finished stages are kept; rerunning with the same --out continues.",
     )
-    ap.add_argument("--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)")  # fmt: skip
+    ap.add_argument(
+        "--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)"
+    )
     ap.add_argument(
         "--preset",
         choices=["tiny", "small", "smollm2"],

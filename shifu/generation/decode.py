@@ -161,11 +161,22 @@ class _GPT2Decoder(_FastDecoder):
         self.approximate = self.ACTIVATIONS[cfg.activation_function]
         # the weights each step reads, looked up once (module attribute access costs ~2 us a time)
         self.blocks = [
-            (b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
-             b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias, b.mlp.c_fc.weight, b.mlp.c_fc.bias,
-             b.mlp.c_proj.weight, b.mlp.c_proj.bias)
+            (
+                b.ln_1.weight,
+                b.ln_1.bias,
+                b.attn.c_attn.weight,
+                b.attn.c_attn.bias,
+                b.attn.c_proj.weight,
+                b.attn.c_proj.bias,
+                b.ln_2.weight,
+                b.ln_2.bias,
+                b.mlp.c_fc.weight,
+                b.mlp.c_fc.bias,
+                b.mlp.c_proj.weight,
+                b.mlp.c_proj.bias,
+            )
             for b in tr.h
-        ]  # fmt: skip
+        ]
 
     def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
         """(B, T) ids at (B, T) positions -> (B, V) logits of the last position; advances the cache."""

@@ -63,8 +63,11 @@ class Episodes:
         n = max(1, len(self.spans))
         out = {f"{prefix}{k}": sum(v) / n for k, v in self.counts.items()}
         out[f"{prefix}tool_use"] = sum(c > 0 for c in self.counts["tool_calls"]) / n
-        return out | {f"{prefix}truncated": float(self.truncated.float().mean()), f"{prefix}errors":
-                      float(self.failed.float().mean()), f"{prefix}return": float(self.returns.mean())}  # fmt: skip
+        return out | {
+            f"{prefix}truncated": float(self.truncated.float().mean()),
+            f"{prefix}errors": float(self.failed.float().mean()),
+            f"{prefix}return": float(self.returns.mean()),
+        }
 
     def scores(self, per_turn: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(scores (B,), token_rewards (B, R) or None, step ends (B, R) or None)`` as a trainer's estimator
@@ -156,8 +159,10 @@ def run_episodes(
         ep.fmt = turn_encoder(tok, chat)
         ep.prompt = _located(env, ep, None, ep.fmt.first, first)
         if not ep.prompt or (max_prompt_len and len(ep.prompt) > max_prompt_len):
-            raise ShifuError(f"{env.where(ep.row, None)}: the first input is {len(ep.prompt)} tokens; it must be "
-                             f"1 to data.max_prompt_len={max_prompt_len}")  # fmt: skip
+            raise ShifuError(
+                f"{env.where(ep.row, None)}: the first input is {len(ep.prompt)} tokens; it must be "
+                f"1 to data.max_prompt_len={max_prompt_len}"
+            )
         ep.spans.append(("input", tok.decode(ep.prompt)))
     positions = getattr(getattr(model, "config", None), "n_positions", None)  # GPT-2's learned positions
     positions = positions if isinstance(positions, int) else None
@@ -269,8 +274,14 @@ def _take_turn(env: Environment, tok, ep: _Episode, turn: int, out: Sample, j: i
         return
     obs = _located(env, ep, turn, ep.fmt.observation, action, eos, step.observation)
     if len(obs) > env.max_total_tokens:
-        _fault(env, ep, EnvFault(f"{env.where(ep.row, turn)}: the observation is {len(obs)} tokens, over "
-                                 f"ppo.env.max_total_tokens={env.max_total_tokens} on its own"))  # fmt: skip
+        _fault(
+            env,
+            ep,
+            EnvFault(
+                f"{env.where(ep.row, turn)}: the observation is {len(obs)} tokens, over "
+                f"ppo.env.max_total_tokens={env.max_total_tokens} on its own"
+            ),
+        )
         return
     if len(ep.ids) + len(obs) >= env.max_total_tokens:  # no room left for another turn
         ep.end(truncated=True)
@@ -299,8 +310,13 @@ def _rows(eps: list[_Episode], tok, with_log_probs: bool, with_values: bool) -> 
         turn_ends[i, ep.ends] = True
         for pos, r in ep.rewards.items():
             rewards[i, pos] = r
-    sample_ = Sample(ids, sampled, stats[0] if with_log_probs else None, stats[1] if with_log_probs else None,
-                     stats[2] if with_values else None)  # fmt: skip
+    sample_ = Sample(
+        ids,
+        sampled,
+        stats[0] if with_log_probs else None,
+        stats[1] if with_log_probs else None,
+        stats[2] if with_values else None,
+    )
     return Episodes(
         prompt_ids=prompts["input_ids"],
         prompt_mask=prompts["attention_mask"],

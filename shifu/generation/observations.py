@@ -41,8 +41,10 @@ class PlainTurns:
 
     def _text(self, value, what: str) -> str:
         if isinstance(value, list):
-            raise TemplateError(f"the environment's {what} is a list of chat messages, but the tokenizer has no chat "
-                                "template (or data.chat_template=false): return text, or use a chat model")  # fmt: skip
+            raise TemplateError(
+                f"the environment's {what} is a list of chat messages, but the tokenizer has no chat "
+                "template (or data.chat_template=false): return text, or use a chat model"
+            )
         return value or ""
 
     def first(self, first) -> list[int]:

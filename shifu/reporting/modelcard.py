@@ -188,66 +188,71 @@ def collect_results(kind: str, run_dir: Path, config: dict[str, Any], notes: lis
     summary = read_json(run_dir / "summary.json", notes) or {}
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     rows: list[tuple[str, str]] = []
-
-    def first_last(key: str) -> tuple[float | None, float | None]:
-        vals = [_num(r.get(key)) for r in metrics]
-        vals = [v for v in vals if v is not None]
-        return (vals[0], vals[-1]) if vals else (None, None)
-
-    def add(label: str, value: Any, digits: int = 4) -> None:
-        x = _num(value)
-        if x is not None:
-            rows.append((label, f"{x:.{digits}f}"))
-
     if kind == "sft":
-        first, last = first_last("eval/sft/loss")
+        first, last = _first_last(metrics, "eval/sft/loss")
         if first is not None and first != last:
             rows.append(("held-out SFT loss, before -> after (nats/token)", f"{first:.4f} -> {last:.4f}"))
         else:
-            add("held-out SFT loss (nats/token)", summary.get("eval/sft/loss", last))
-        add("training loss, last window (nats/token)", summary.get("sft/loss"))
-        add("steps", summary.get("step"), 0)
+            _add(rows, "held-out SFT loss (nats/token)", summary.get("eval/sft/loss", last))
+        _add(rows, "training loss, last window (nats/token)", summary.get("sft/loss"))
+        _add(rows, "steps", summary.get("step"), 0)
     elif kind == "rm":
-        add("reward-model accuracy, held-out pairs", summary.get("eval/rm/accuracy"))
-        add("reward-model margin, held-out pairs", summary.get("eval/rm/margin"))
-        add("length correlation of held-out scores", summary.get("eval/rm/len_corr"))
-        add("accuracy, training pairs (last window)", summary.get("rm/accuracy"))
+        _add(rows, "reward-model accuracy, held-out pairs", summary.get("eval/rm/accuracy"))
+        _add(rows, "reward-model margin, held-out pairs", summary.get("eval/rm/margin"))
+        _add(rows, "length correlation of held-out scores", summary.get("eval/rm/len_corr"))
+        _add(rows, "accuracy, training pairs (last window)", summary.get("rm/accuracy"))
     elif kind == "dpo":
-        add("implicit-reward accuracy, held-out pairs", summary.get("eval/dpo/accuracy"))
-        add("implicit-reward margin, held-out pairs", summary.get("eval/dpo/margin"))
-        add("DPO loss, held-out pairs", summary.get("eval/dpo/loss"))
-        add("steps", summary.get("step"), 0)
+        _add(rows, "implicit-reward accuracy, held-out pairs", summary.get("eval/dpo/accuracy"))
+        _add(rows, "implicit-reward margin, held-out pairs", summary.get("eval/dpo/margin"))
+        _add(rows, "DPO loss, held-out pairs", summary.get("eval/dpo/loss"))
+        _add(rows, "steps", summary.get("step"), 0)
     elif kind == "ppo":
-        samples = _read_jsonl(run_dir / "samples.jsonl")
-        its = sorted({r["iteration"] for r in samples if isinstance(r.get("iteration"), int)})
-        if len(its) >= 2:
-            gold = gold_comparison(
-                [r for r in samples if r.get("iteration") == its[0]],
-                [r for r in samples if r.get("iteration") == its[-1]],
-            )
-            if gold is not None:
-                label = f"gold, held-out prompts, iteration {its[0]} -> {its[-1]} (n = {gold['n']})"
-                rows += _gold_rows(gold, label)
-        evals = [e for e in summary.get("evals", []) if isinstance(e, dict)]
-        if evals:
-            s0, s1 = _num(evals[0].get("eval/score")), _num(evals[-1].get("eval/score"))
-            if s0 is not None and s1 is not None:
-                rows.append(
-                    ("reward-model score, held-out, first -> last evaluation", f"{s0:.4f} -> {s1:.4f}")
-                )
-            add("KL to the reference at the last evaluation (nats/response)", evals[-1].get("eval/kl"))
-        _, kl = first_last("objective/kl")
-        add("KL of the last rollout (nats/response)", kl)
-        add("final beta (KL coefficient)", summary.get("kl_coef"))
-        add("iterations", summary.get("iterations"), 0)
-        if summary.get("guard"):
-            rows.append(("stopped by the guard", str(summary["guard"])))
-        add("reward-model accuracy, held-out pairs", _reward_model_accuracy(config, notes))
+        rows += _ppo_results(run_dir, summary, metrics, config, notes)
     quick = quickstart_summary(run_dir, notes) if kind in ("ppo", "dpo") else None
     if quick is not None:
         rows += _quickstart_rows(*quick)
     if not rows:
         notes.append("no results recorded (summary.json / metrics.jsonl missing or empty)")
+    return rows
+
+
+def _first_last(metrics: list[dict], key: str) -> tuple[float | None, float | None]:
+    vals = [_num(r.get(key)) for r in metrics]
+    vals = [v for v in vals if v is not None]
+    return (vals[0], vals[-1]) if vals else (None, None)
+
+
+def _add(rows: list[tuple[str, str]], label: str, value: Any, digits: int = 4) -> None:
+    x = _num(value)
+    if x is not None:
+        rows.append((label, f"{x:.{digits}f}"))
+
+
+def _ppo_results(run_dir: Path, summary: dict, metrics: list[dict], config: dict, notes: list[str]) -> list:
+    """:func:`collect_results` of a ppo run: gold and score from first to last evaluation, KL, beta."""
+    rows: list[tuple[str, str]] = []
+    samples = _read_jsonl(run_dir / "samples.jsonl")
+    its = sorted({r["iteration"] for r in samples if isinstance(r.get("iteration"), int)})
+    if len(its) >= 2:
+        gold = gold_comparison(
+            [r for r in samples if r.get("iteration") == its[0]],
+            [r for r in samples if r.get("iteration") == its[-1]],
+        )
+        if gold is not None:
+            label = f"gold, held-out prompts, iteration {its[0]} -> {its[-1]} (n = {gold['n']})"
+            rows += _gold_rows(gold, label)
+    evals = [e for e in summary.get("evals", []) if isinstance(e, dict)]
+    if evals:
+        s0, s1 = _num(evals[0].get("eval/score")), _num(evals[-1].get("eval/score"))
+        if s0 is not None and s1 is not None:
+            rows.append(("reward-model score, held-out, first -> last evaluation", f"{s0:.4f} -> {s1:.4f}"))
+        _add(rows, "KL to the reference at the last evaluation (nats/response)", evals[-1].get("eval/kl"))
+    _add(rows, "KL of the last rollout (nats/response)", _first_last(metrics, "objective/kl")[1])
+    _add(rows, "final beta (KL coefficient)", summary.get("kl_coef"))
+    _add(rows, "iterations", summary.get("iterations"), 0)
+    if summary.get("guard"):
+        rows.append(("stopped by the guard", str(summary["guard"])))
+    _add(rows, "reward-model accuracy, held-out pairs", _reward_model_accuracy(config, notes))
     return rows
 
 
@@ -369,10 +374,13 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
     parts += [f"Started from: `{base}`." if base else "Started from: not recorded.", ""]
     if (merged := final_dir / "merge.json").is_file():  # written by shifu merge (a quickstart soup plan)
         m = json.loads(merged.read_text(encoding="utf-8"))
-        parts += [f"Merged (`shifu merge`): `{m['base']}` + {m['scale']} x the mean change of "
-                  f"{len(m['policies'])} runs ({', '.join(f'`{p}`' for p in m['policies'])}); the recipe, config and "
-                  "training rows below are the first run's; the quickstart's held-out rows (when present) are "
-                  "the merged policy's.", ""]  # fmt: skip
+        parts += [
+            f"Merged (`shifu merge`): `{m['base']}` + {m['scale']} x the mean change of "
+            f"{len(m['policies'])} runs ({', '.join(f'`{p}`' for p in m['policies'])}); the recipe, config and "
+            "training rows below are the first run's; the quickstart's held-out rows (when present) are "
+            "the merged policy's.",
+            "",
+        ]
     data = [
         (k, f"`{lookup(config, k)}`{_count_rows(lookup(config, k))}") for k in DATA_KEYS if lookup(config, k)
     ]

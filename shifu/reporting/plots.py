@@ -62,14 +62,26 @@ PLOTS: tuple[Plot, ...] = (
     Plot("clipfrac", "Clipped fraction", "fraction of tokens", "ppo", ("policy/clipfrac", "value/clipfrac")),
     Plot("entropy", "Policy entropy", "nats per token", "ppo", ("objective/entropy",)),
     Plot("response_len", "Response length", "tokens", "ppo", ("rollout/response_len",)),
-    Plot("rm_accuracy", "Reward-model accuracy", "pairwise accuracy", "rm", ("rm/accuracy", "eval/rm/accuracy")),
+    Plot(
+        "rm_accuracy", "Reward-model accuracy", "pairwise accuracy", "rm", ("rm/accuracy", "eval/rm/accuracy")
+    ),
     Plot("sft_loss", "SFT loss", "nats per token", "sft", ("sft/loss", "eval/sft/loss")),
     Plot("dpo_loss", "DPO loss", "nats per pair", "dpo", ("dpo/loss", "eval/dpo/loss")),
-    Plot("dpo_accuracy", "DPO implicit-reward accuracy", "pairwise accuracy", "dpo",
-         ("dpo/accuracy", "eval/dpo/accuracy")),
-    Plot("dpo_margin", "DPO implicit-reward margin", "beta * log-ratio margin", "dpo",
-         ("dpo/margin", "eval/dpo/margin")),
-)  # fmt: skip
+    Plot(
+        "dpo_accuracy",
+        "DPO implicit-reward accuracy",
+        "pairwise accuracy",
+        "dpo",
+        ("dpo/accuracy", "eval/dpo/accuracy"),
+    ),
+    Plot(
+        "dpo_margin",
+        "DPO implicit-reward margin",
+        "beta * log-ratio margin",
+        "dpo",
+        ("dpo/margin", "eval/dpo/margin"),
+    ),
+)
 GOLD_VS_KL = "gold_vs_kl"
 
 
@@ -181,8 +193,14 @@ def gold_vs_kl_figure(rows: list[dict[str, Any]], data: RunData):
     fig, ax = figure()
     if points:
         how = f" ({data.ppo_eval})" if data.ppo_eval else ""
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=5, linestyle="none",
-                label=f"PPO evaluations{how}")  # fmt: skip
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            markersize=5,
+            linestyle="none",
+            label=f"PPO evaluations{how}",
+        )
         every = math.ceil(len(points) / MAX_POINT_LABELS)
         for i, (kl, gold, step) in enumerate(points):
             if i % every == 0 or i == len(points) - 1:

@@ -172,14 +172,19 @@ def _caption(plot, data: RunData) -> str:
     return text
 
 
-def _render(data: RunData, max_samples: int) -> Path:
-    run = data.run_dir
-    notes = list(data.notes)
-    img_dir = run / "report"
-    img_dir.mkdir(exist_ok=True)
-    for name in [p.name for p in PLOTS] + [GOLD_VS_KL]:  # drop plots of an earlier render
-        (img_dir / f"{name}.png").unlink(missing_ok=True)
+def _title(data: RunData) -> str:
+    """The page's title: the task of a pipeline run, the kind and name of a trainer's run."""
+    s = data.summary or {}
+    if "task" in s:
+        return f"shifu run report: {s['task']}"
+    if data.kind in STAGES:
+        return f"shifu run report: shifu {data.kind} run {data.run_dir.resolve().name}"
+    return "shifu run report"
 
+
+def _figures(data: RunData, img_dir: Path, notes: list[str]) -> list[tuple[str, str]]:
+    """Draw the run's plots into ``img_dir``; returns ``(name, caption)`` of each drawn, and adds to
+    ``notes`` why any expected plot was omitted or is partial."""
     figures = []
     ppo_rows = data.stages.get("ppo", [])
     for plot in PLOTS:
@@ -210,7 +215,18 @@ def _render(data: RunData, max_samples: int) -> Path:
             figures.append((GOLD_VS_KL, caption))
         else:
             notes.append(f"{GOLD_VS_KL}.png omitted: {why}")
+    return figures
 
+
+def _render(data: RunData, max_samples: int) -> Path:
+    run = data.run_dir
+    notes = list(data.notes)
+    img_dir = run / "report"
+    img_dir.mkdir(exist_ok=True)
+    for name in [p.name for p in PLOTS] + [GOLD_VS_KL]:  # drop plots of an earlier render
+        (img_dir / f"{name}.png").unlink(missing_ok=True)
+
+    figures = _figures(data, img_dir, notes)
     if data.summary is None:
         notes.append("no summary.json: the summary table is omitted")
     # sft, rm and dpo runs generate nothing: no sample table to miss
@@ -218,13 +234,7 @@ def _render(data: RunData, max_samples: int) -> Path:
     samples = _samples_html(data, max_samples, notes) if has_samples else None
     n_prompts = len(data.before or data.after or []) or None
 
-    s = data.summary or {}
-    if "task" in s:
-        title = f"shifu run report: {s['task']}"
-    elif data.kind in STAGES:
-        title = f"shifu run report: shifu {data.kind} run {run.resolve().name}"
-    else:
-        title = "shifu run report"
+    title = _title(data)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',

@@ -33,8 +33,20 @@ LABELS = {
 }
 TIME_KEYS = ("seconds", "cpu_seconds", "seconds_total", "cpu_seconds_total")
 # the final evaluation's figures (:func:`final_evaluation_rows`)
-FINAL_KEYS = {"gold_before", "gold_after", "gold_gain", "gold_before_se", "gold_after_se", "gold_gain_se",
-              "gold_greedy_before", "gold_greedy_after", "kl", "kl_k1", "response_len_before", "response_len_after"}  # fmt: skip
+FINAL_KEYS = {
+    "gold_before",
+    "gold_after",
+    "gold_gain",
+    "gold_before_se",
+    "gold_after_se",
+    "gold_gain_se",
+    "gold_greedy_before",
+    "gold_greedy_after",
+    "kl",
+    "kl_k1",
+    "response_len_before",
+    "response_len_after",
+}
 Row = tuple[str, str, str]  # (label, value, kind: "num", "up", "down" or "" for text)
 
 

@@ -184,8 +184,10 @@ class RemoteReward:
             scores.append(self._floats(answer, "scores", n, start))
             got = answer.get("steps", [[]] * n)
             if not isinstance(got, list) or len(got) != n:
-                raise RewardServiceError(f"reward service {self.url} answered 'steps' for rows {start}.."
-                                         f"{start + n - 1} that is not a list of {n}")  # fmt: skip
+                raise RewardServiceError(
+                    f"reward service {self.url} answered 'steps' for rows {start}.."
+                    f"{start + n - 1} that is not a list of {n}"
+                )
             for i, row in enumerate(got):
                 try:  # a non-finite reward (null) travels as NaN: the trainer drops that response
                     row = [(e, math.nan if r is None else r) for e, r in row]

@@ -101,9 +101,12 @@ class RewardSource:
         )
         self.dense = dense
         if dense and not (self.token_path and callable(getattr(model, "read_score", None))):
-            why = ("a reward function gives no prefix scores" if model is None else
-                   "this reward model is not one causal model with the policy's tokenizer (an encoder, an "
-                   "ensemble, or another tokenizer)")  # fmt: skip
+            why = (
+                "a reward function gives no prefix scores"
+                if model is None
+                else "this reward model is not one causal model with the policy's tokenizer (an encoder, an "
+                "ensemble, or another tokenizer)"
+            )
             raise ConfigError(
                 f"reward.dense needs the prefix scores of a causal reward model that reads the policy's token "
                 f"ids, but {why}; train one with rm.model.path=bag-of-tokens (model.tokenizer: the policy's) "
@@ -184,8 +187,10 @@ class RewardSource:
             return torch.cat(outs)
         if getattr(self.model, "is_causal", False):  # the prompt as the reward model saw it in training
             # a row without its own prompt (a caller's bare rows) is prompted with the string given
-            prompts = [prompt_text(self.model.tokenizer, {"prompt": p} | r, self.chat_template)
-                       for p, r in zip(prompts, rows)]  # fmt: skip
+            prompts = [
+                prompt_text(self.model.tokenizer, {"prompt": p} | r, self.chat_template)
+                for p, r in zip(prompts, rows)
+            ]
         return self.model.score_texts(prompts, responses, batch_size=self.micro_batch).float()
 
 

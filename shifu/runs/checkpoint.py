@@ -139,8 +139,12 @@ def lock_run_dir(d: Path) -> None:
             "running; taking its lock over",
             file=sys.stderr,
         )
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "command": " ".join(["shifu", *sys.argv[1:]])[:300]}  # fmt: skip
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(["shifu", *sys.argv[1:]])[:300],
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     if not _held:
@@ -183,8 +187,10 @@ def release_run_dirs() -> None:
 
 def _who(holder: dict[str, Any]) -> str:
     """A lock owner (:func:`_lock_owner`) in words: pid, host, start time and command."""
-    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('started', '?')}: "
-            f"{holder.get('command', '?')}")  # fmt: skip
+    return (
+        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('started', '?')}: "
+        f"{holder.get('command', '?')}"
+    )
 
 
 def _lock_owner(fd: int) -> dict[str, Any]:
@@ -202,8 +208,11 @@ def trained_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | Non
     params = dict(module.named_parameters(remove_duplicate=False))
     if all(p.requires_grad for p in params.values()):
         return None
-    return {name: t.detach().clone().contiguous() for name, t in module.state_dict(keep_vars=True).items()
-            if name not in params or params[name].requires_grad}  # fmt: skip
+    return {
+        name: t.detach().clone().contiguous()
+        for name, t in module.state_dict(keep_vars=True).items()
+        if name not in params or params[name].requires_grad
+    }
 
 
 def save_checkpoint(

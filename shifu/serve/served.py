@@ -199,9 +199,11 @@ class Served:
     def call(self, req: ScoreRequest) -> tuple[list[float] | None, list[list[float]] | None]:
         """Score a request in one call: a reward function, or an ensemble whose members' tokenizers differ."""
         if self.function is None:
-            return {"scores": self.model.score_texts(
-                self.prompts(req), req.responses, max(1, req.size), MAX_LENGTH
-            ).tolist()}  # fmt: skip
+            return {
+                "scores": self.model.score_texts(
+                    self.prompts(req), req.responses, max(1, req.size), MAX_LENGTH
+                ).tolist()
+            }
         rows = req.rows if req.rows is not None else [{} for _ in req.prompts]
         try:
             out = self.function(req.prompts, req.responses, rows)

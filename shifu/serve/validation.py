@@ -119,20 +119,7 @@ def check_tree(value, max_depth: int = MAX_DEPTH) -> None:
                 if type(v) is not int:  # ids and masks: the bulk of a body, nothing to check
                     stack.append((v, f"{path}[{i}]", depth + 1))
         elif kind is dict or kind is _Duplicated:
-            if depth > max_depth:
-                raise _too_deep(path, max_depth)
-            if kind is _Duplicated:
-                where = field_path(path, node.key)
-                raise RequestError(
-                    400,
-                    where,
-                    f"{where}: the key {json.dumps(node.key)} appears twice in one object; "
-                    "send each key once (RFC 8259: the names within an object should be unique)",
-                )
-            for k, v in node.items():
-                if not k.isascii():
-                    _check_text(k, field_path(path, k))
-                stack.append((v, field_path(path, k), depth + 1))
+            stack += _object_children(node, path, depth, max_depth)
         elif kind is str:
             if not node.isascii():
                 _check_text(node, path)
@@ -144,6 +131,27 @@ def check_tree(value, max_depth: int = MAX_DEPTH) -> None:
                 f"{where}: {node.text} is not a JSON number (RFC 8259 has no NaN or Infinity, and this "
                 "server takes numbers that fit a double); send a finite number or null",
             )
+
+
+def _object_children(node, path: str, depth: int, max_depth: int) -> list[tuple]:
+    """:func:`check_tree` of an object at ``path``: a RequestError for too deep a nesting, a key named twice
+    (``_Duplicated``) or a lone surrogate in a key; else its values to check, as ``(value, path, depth)``."""
+    if depth > max_depth:
+        raise _too_deep(path, max_depth)
+    if type(node) is _Duplicated:
+        where = field_path(path, node.key)
+        raise RequestError(
+            400,
+            where,
+            f"{where}: the key {json.dumps(node.key)} appears twice in one object; "
+            "send each key once (RFC 8259: the names within an object should be unique)",
+        )
+    children = []
+    for k, v in node.items():
+        if not k.isascii():
+            _check_text(k, field_path(path, k))
+        children.append((v, field_path(path, k), depth + 1))
+    return children
 
 
 def decode_body(raw: bytes):
@@ -242,55 +250,71 @@ def parse_score_request(body, vocab_rows: int | None = None) -> ScoreRequest:
             "missing: give prompts and responses (text) or input_ids and attention_mask (token ids)",
         )
     if has_text:
-        for name in ("prompts", "responses"):
-            if name not in body:
-                raise unprocessable(name, "missing: prompts and responses come together")
-        req.prompts, req.responses = _str_list(body, "prompts"), _str_list(body, "responses")
-        if len(req.responses) != len(req.prompts):
-            raise unprocessable(
-                "responses",
-                f"has {len(req.responses)} items, prompts has {len(req.prompts)}: one response per prompt",
-            )
+        _read_text(body, req)
     if "rows" in body:
-        rows = body["rows"]
-        if not has_text:
-            raise unprocessable("rows", "rows come with prompts and responses")
-        if not isinstance(rows, list) or len(rows) != len(req.prompts):
-            got = f"{len(rows)} items" if isinstance(rows, list) else json_type(rows)
-            raise unprocessable("rows", f"expected an array of {len(req.prompts)} objects, got {got}")
-        for i, r in enumerate(rows):
-            if not isinstance(r, dict):
-                raise unprocessable(f"rows[{i}]", f"expected an object, got {json_type(r)}")
-        req.rows = rows
+        _read_rows(body, req, has_text)
     if has_tokens:
-        for name in ("input_ids", "attention_mask"):
-            if name not in body:
-                raise unprocessable(name, "missing: input_ids and attention_mask come together")
-        if vocab_rows is None:
-            high, what = 2**63, "not a token id (ids are integers >= 0)"
-        else:
-            high = vocab_rows
-            what = (
-                f"outside the reward model's vocabulary 0..{vocab_rows - 1}; send text when the policy's "
-                "tokenizer differs (compare /v1/metadata tokenizer.fingerprint)"
-            )
-        ids = _int_matrix(body, "input_ids", 0, high, what)
-        mask = _int_matrix(body, "attention_mask", 0, 2, "not 0 (padding) or 1 (a real token)")
-        if len(mask) != len(ids) or (ids and len(mask[0]) != len(ids[0])):
-            shape = f"({len(mask)}, {len(mask[0]) if mask else 0})"
-            raise unprocessable(
-                "attention_mask",
-                f"shape {shape} differs from input_ids ({len(ids)}, {len(ids[0]) if ids else 0})",
-            )
-        for i, row in enumerate(mask):
-            if not any(row):
-                raise unprocessable(f"attention_mask[{i}]", "no real token (every value is 0)")
-        width = len(ids[0]) if ids else 0
-        req.input_ids = torch.tensor(ids, dtype=torch.long).reshape(len(ids), width)
-        req.attention_mask = torch.tensor(mask, dtype=torch.long).reshape(len(ids), width)
-        if has_text and len(req.prompts) != len(ids):
-            raise unprocessable("input_ids", f"has {len(ids)} rows, prompts has {len(req.prompts)}")
+        _read_tokens(body, req, vocab_rows, has_text)
     return req
+
+
+def _read_text(body: dict, req: ScoreRequest) -> None:
+    """:func:`parse_score_request`'s ``prompts`` and ``responses`` (equal lengths) into ``req``."""
+    for name in ("prompts", "responses"):
+        if name not in body:
+            raise unprocessable(name, "missing: prompts and responses come together")
+    req.prompts, req.responses = _str_list(body, "prompts"), _str_list(body, "responses")
+    if len(req.responses) != len(req.prompts):
+        raise unprocessable(
+            "responses",
+            f"has {len(req.responses)} items, prompts has {len(req.prompts)}: one response per prompt",
+        )
+
+
+def _read_rows(body: dict, req: ScoreRequest, has_text: bool) -> None:
+    """:func:`parse_score_request`'s ``rows``: one object per prompt, only with text."""
+    rows = body["rows"]
+    if not has_text:
+        raise unprocessable("rows", "rows come with prompts and responses")
+    if not isinstance(rows, list) or len(rows) != len(req.prompts):
+        got = f"{len(rows)} items" if isinstance(rows, list) else json_type(rows)
+        raise unprocessable("rows", f"expected an array of {len(req.prompts)} objects, got {got}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise unprocessable(f"rows[{i}]", f"expected an object, got {json_type(r)}")
+    req.rows = rows
+
+
+def _read_tokens(body: dict, req: ScoreRequest, vocab_rows: int | None, has_text: bool) -> None:
+    """:func:`parse_score_request`'s ``input_ids`` and ``attention_mask`` (ids below ``vocab_rows``, 0/1
+    mask with a real token per row, one shape; as many rows as prompts with text) into ``req``."""
+    for name in ("input_ids", "attention_mask"):
+        if name not in body:
+            raise unprocessable(name, "missing: input_ids and attention_mask come together")
+    if vocab_rows is None:
+        high, what = 2**63, "not a token id (ids are integers >= 0)"
+    else:
+        high = vocab_rows
+        what = (
+            f"outside the reward model's vocabulary 0..{vocab_rows - 1}; send text when the policy's "
+            "tokenizer differs (compare /v1/metadata tokenizer.fingerprint)"
+        )
+    ids = _int_matrix(body, "input_ids", 0, high, what)
+    mask = _int_matrix(body, "attention_mask", 0, 2, "not 0 (padding) or 1 (a real token)")
+    if len(mask) != len(ids) or (ids and len(mask[0]) != len(ids[0])):
+        shape = f"({len(mask)}, {len(mask[0]) if mask else 0})"
+        raise unprocessable(
+            "attention_mask",
+            f"shape {shape} differs from input_ids ({len(ids)}, {len(ids[0]) if ids else 0})",
+        )
+    for i, row in enumerate(mask):
+        if not any(row):
+            raise unprocessable(f"attention_mask[{i}]", "no real token (every value is 0)")
+    width = len(ids[0]) if ids else 0
+    req.input_ids = torch.tensor(ids, dtype=torch.long).reshape(len(ids), width)
+    req.attention_mask = torch.tensor(mask, dtype=torch.long).reshape(len(ids), width)
+    if has_text and len(req.prompts) != len(ids):
+        raise unprocessable("input_ids", f"has {len(ids)} rows, prompts has {len(req.prompts)}")
 
 
 def check_bearer(header: str | None, token: str | None) -> None:

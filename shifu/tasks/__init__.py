@@ -221,5 +221,9 @@ def evaluate_policy(
         elif ref is not None:
             kl.extend([0.0] * ids.shape[0]), kl_k3.extend([0.0] * ids.shape[0])
     with_ref = ref is not None
-    return {"responses": responses, "kl": kl if with_ref else None, "kl_k3": kl_k3 if with_ref else None,
-            "lengths": lengths}  # fmt: skip
+    return {
+        "responses": responses,
+        "kl": kl if with_ref else None,
+        "kl_k3": kl_k3 if with_ref else None,
+        "lengths": lengths,
+    }

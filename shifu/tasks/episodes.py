@@ -99,8 +99,10 @@ def compare(
     after = evaluate_episodes(final_dir, sft_dir, rows, env_cfg, T, seed + 777, C, L, **kw)
     bar.close()
     for name, res in (("samples_before.jsonl", before), ("samples_after.jsonl", after)):
-        lines = [{"prompt": r["prompt"], "response": t, "gold": g, "tool_use": u, "turns": n}
-                 for r, t, g, u, n in zip(rows, res["transcripts"], res["returns"], res["tool_use"], res["turns"])]  # fmt: skip
+        lines = [
+            {"prompt": r["prompt"], "response": t, "gold": g, "tool_use": u, "turns": n}
+            for r, t, g, u, n in zip(rows, res["transcripts"], res["returns"], res["tool_use"], res["turns"])
+        ]
         if res["kl"]:
             lines = [x | {"kl": k} for x, k in zip(lines, res["kl"])]
         (out / name).write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
@@ -109,10 +111,22 @@ def compare(
     (ub, ub_se), (ua, ua_se) = _mean_se(before["tool_use"]), _mean_se(after["tool_use"])
     n = len(rows)
     return {
-        "gold_before": gb, "gold_after": ga, "gold_gain": gain, "gold_before_se": gb_se, "gold_after_se": ga_se,
-        "gold_gain_se": gain_se, "tool_use_before": ub, "tool_use_after": ua, "tool_use_before_se": ub_se,
-        "tool_use_after_se": ua_se, "kl": sum(after["kl"]) / n, "kl_k1": sum(after["kl_k1"]) / n,
-        "turns_before": sum(before["turns"]) / n, "turns_after": sum(after["turns"]) / n,
-        "truncated_after": sum(after["truncated"]) / n, "eval_prompts": n, "eval_temperature": T,
+        "gold_before": gb,
+        "gold_after": ga,
+        "gold_gain": gain,
+        "gold_before_se": gb_se,
+        "gold_after_se": ga_se,
+        "gold_gain_se": gain_se,
+        "tool_use_before": ub,
+        "tool_use_after": ua,
+        "tool_use_before_se": ub_se,
+        "tool_use_after_se": ua_se,
+        "kl": sum(after["kl"]) / n,
+        "kl_k1": sum(after["kl_k1"]) / n,
+        "turns_before": sum(before["turns"]) / n,
+        "turns_after": sum(after["turns"]) / n,
+        "truncated_after": sum(after["truncated"]) / n,
+        "eval_prompts": n,
+        "eval_temperature": T,
         "gold_judge": f"episode return of {env_cfg.factory}",
-    }  # fmt: skip
+    }

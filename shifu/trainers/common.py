@@ -113,8 +113,14 @@ def tracker(cfg, run_dir: Path, strategy, resume_step: int | None = None):
     from shifu.config.loader import to_dict
     from shifu.runs.tracking import Tracker
 
-    return Tracker(run_dir, enabled=strategy.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step,
-                   trackers=cfg.trackers, config=to_dict(cfg))  # fmt: skip
+    return Tracker(
+        run_dir,
+        enabled=strategy.is_main,
+        tensorboard=cfg.tensorboard,
+        resume_step=resume_step,
+        trackers=cfg.trackers,
+        config=to_dict(cfg),
+    )
 
 
 def save_policy(strategy, model, fresh, tokenizer, path: Path) -> None:

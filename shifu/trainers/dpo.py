@@ -155,8 +155,10 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     model = load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False)
     ref = load_causal_lm(cfg.model.ref_path or cfg.model.path, trust_remote_code=trust, dropout=False)
     check_own_tokenizer(tokenizer, model, cfg.model.path, "model.path")
-    longest = max(len(x["prompt_ids"]) + max(len(x["chosen_ids"]), len(x["rejected_ids"]))
-                  for x in train_pairs + eval_pairs)  # fmt: skip
+    longest = max(
+        len(x["prompt_ids"]) + max(len(x["chosen_ids"]), len(x["rejected_ids"]))
+        for x in train_pairs + eval_pairs
+    )
     check_length(model, longest, cfg.data.train)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
@@ -203,8 +205,13 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         summary["precision/bf16_update"] = float(run.bf16)
 
     # 4. the DPO policy, loadable by transformers (rank 0 writes; sharded weights gathered first)
-    common.save_policy(strategy, model, lambda: load_causal_lm(cfg.model.path, trust_remote_code=trust), tokenizer,
-                run_dir / "final")  # fmt: skip
+    common.save_policy(
+        strategy,
+        model,
+        lambda: load_causal_lm(cfg.model.path, trust_remote_code=trust),
+        tokenizer,
+        run_dir / "final",
+    )
     acc, margin = (summary.get(f"eval/dpo/{k}", float("nan")) for k in ("accuracy", "margin"))
     line = f"shifu dpo: {summary['step']} steps, held-out implicit-reward accuracy {acc:.3f}, margin {margin:.3f}"
     return common.finish_run(run_dir, summary, strategy, "dpo", line + f"; model in {run_dir / 'final'}")

@@ -79,14 +79,22 @@ class Window:
 
     def __init__(self, keys: tuple[str, ...], state: dict | None = None):
         self.keys = keys
-        self.sums, self.steps, self.count = (state["sums"], state["steps"], state["count"]) if state else (
-            dict.fromkeys(keys, 0.0), 0, 0)  # fmt: skip
+        self.sums, self.steps, self.count = (
+            (state["sums"], state["steps"], state["count"]) if state else (dict.fromkeys(keys, 0.0), 0, 0)
+        )
 
     def state(self) -> dict:
         return {"sums": self.sums, "steps": self.steps, "count": self.count}
 
     def means(self) -> dict[str, float]:
         return {k: v / self.steps if self.steps else float("nan") for k, v in self.sums.items()}
+
+    def add(self, stats: dict[str, float] | None, count: int) -> None:
+        """One step more: its statistics if it was taken (None: skipped), its throughput count either way."""
+        if stats is not None:
+            self.sums = {k: self.sums[k] + stats[k] for k in self.keys}
+            self.steps += 1
+        self.count += count
 
 
 def steps_of(cfg: SupervisedConfig, n_rows: int) -> int:
@@ -100,13 +108,11 @@ def length(cfg: SupervisedConfig, n_rows: int) -> tuple[str, int]:
     return ("max_steps" if cfg.max_steps > 0 else "epochs", steps_of(cfg, n_rows))
 
 
-def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resume: bool) -> dict:
-    """Train ``job`` in ``run_dir`` (metrics, checkpoints) for :func:`steps_of` steps. Returns ``{"step",
-    <name>/<stat> of the last log line, the last evaluation}``, or ``{"stopped": True, "step"}`` after a
-    signal (the checkpoint is written)."""
-    main, desc = strategy.is_main, job.desc or job.name
-    trained = {next(iter(job.modules)): job.trained}  # checkpoints name the optimiser after its model
-    n_steps = steps_of(cfg, job.n_rows)
+def start(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resume: bool, trained: dict):
+    """Where :func:`run` starts: ``(step, batch stream, logging window, skipped steps, metric sinks)``, at step
+    0, or resumed from the latest checkpoint (its weights, optimiser and RNG states loaded into ``trained``
+    and ``job.modules``): the sinks then drop what the interrupted run logged after it (``--resume``
+    without a checkpoint yet: everything)."""
     lengths = job.lengths if cfg.data.group_by_length else None
     stream = BatchStream(job.n_rows, cfg.batch_size, job.seed, lengths=lengths)
     step, state = 0, {}
@@ -120,7 +126,43 @@ def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resu
     resume_step = step if latest is not None else (-1 if resume else None)
     tracker = common.tracker(cfg, run_dir, strategy, resume_step)
     window = Window(job.stat_keys, state.get("window"))
-    skipped = SkippedSteps(cfg.max_nonfinite_steps, state.get("nonfinite"))
+    return step, stream, window, SkippedSteps(cfg.max_nonfinite_steps, state.get("nonfinite")), tracker
+
+
+def forward_backward(job: Job, batches: list[list[int]], strategy: Strategy) -> tuple[dict[str, float], int]:
+    """The forward and backward passes of one step's micro-``batches`` of row indices (this rank takes its
+    share of each), the loss the mean over every rank's rows or tokens. Returns the step's statistics (the
+    mean over ranks) and this rank's throughput count."""
+    shares = [strategy.share(b) for b in batches]
+    divisor = strategy.token_mean_divisor(torch.tensor(sum(job.count(i) for i, real in shares if real)))
+    stats, count = dict.fromkeys(job.stat_keys, 0.0), 0
+    for j, (rows, real) in enumerate(shares):
+        with strategy.accumulating([job.trained], sync=j == len(shares) - 1):
+            loss, st, n = job.loss(rows, divisor)
+            if not real:  # a stand-in share (a short last batch): same forwards, weight 0
+                loss, st, n = loss * 0.0, {}, 0
+            strategy.backward([(job.trained, loss)])
+        for k, v in st.items():
+            stats[k] += v
+        count += n
+    return strategy.mean_over_ranks(stats), count
+
+
+def step_extras(job: Job, rate: float, skipped: SkippedSteps) -> dict[str, float]:
+    """What a log line adds to the window's means: the learning rate, the skipped steps, the throughput."""
+    lr = job.trained.scheduler.get_last_lr()[0]
+    extra = {f"{job.name}/lr": lr, f"{job.name}/skipped_steps": skipped.total}
+    return extra | {f"perf/{job.unit}_per_s": rate}
+
+
+def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resume: bool) -> dict:
+    """Train ``job`` in ``run_dir`` (metrics, checkpoints) for :func:`steps_of` steps. Returns ``{"step",
+    <name>/<stat> of the last log line, the last evaluation}``, or ``{"stopped": True, "step"}`` after a
+    signal (the checkpoint is written)."""
+    main, desc = strategy.is_main, job.desc or job.name
+    trained = {next(iter(job.modules)): job.trained}  # checkpoints name the optimiser after its model
+    n_steps = steps_of(cfg, job.n_rows)
+    step, stream, window, skipped, tracker = start(job, cfg, strategy, run_dir, resume, trained)
     summary: dict[str, float] = {}
     if step == 0:  # the starting point of the curves
         sizes = derived_sizes(cfg, strategy.world) | {"total_optimizer_steps": n_steps}
@@ -140,29 +182,12 @@ def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resu
     with GracefulStop() as stop:
         while step < n_steps:
             # 1. forward and backward of the step's micro-batches (each rank its share), loss = global mean
-            shares = [strategy.share(stream.next()) for _ in range(cfg.grad_accum)]
-            divisor = strategy.token_mean_divisor(
-                torch.tensor(sum(job.count(i) for i, real in shares if real))
-            )
-            stats, count = dict.fromkeys(job.stat_keys, 0.0), 0
-            for j, (rows, real) in enumerate(shares):
-                with strategy.accumulating([job.trained], sync=j == len(shares) - 1):
-                    loss, st, n = job.loss(rows, divisor)
-                    if not real:  # a stand-in share (a short last batch): same forwards, weight 0
-                        loss, st, n = loss * 0.0, {}, 0
-                    strategy.backward([(job.trained, loss)])
-                for k, v in st.items():
-                    stats[k] += v
-                count += n
-            stats = strategy.mean_over_ranks(stats)
+            stats, count = forward_backward(job, [stream.next() for _ in range(cfg.grad_accum)], strategy)
             # 2. the optimiser step, unless the loss or a gradient is NaN/Inf on any rank
             taken = strategy.optimizer_step([job.trained], finite=math.isfinite(stats[job.stat_keys[0]]))
             step += 1
             bar.update(1)
-            if taken:
-                window.sums = {k: window.sums[k] + stats[k] for k in job.stat_keys}
-                window.steps += 1
-            window.count += int(strategy.batch_sums({"count": count})["count"])
+            window.add(stats if taken else None, int(strategy.batch_sums({"count": count})["count"]))
             if not taken and main:
                 print(
                     f"shifu {desc}: step {step}: non-finite loss or gradient, step skipped", file=sys.stderr
@@ -177,9 +202,7 @@ def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resu
             if step % cfg.log_every == 0 or step == n_steps:
                 last = {f"{job.name}/{k}": v for k, v in window.means().items()}
                 rate = window.count / max(time.perf_counter() - t0, 1e-9)
-                lr = job.trained.scheduler.get_last_lr()[0]
-                extra = {f"{job.name}/lr": lr, f"{job.name}/skipped_steps": skipped.total}
-                tracker.log(step, last | extra | {f"perf/{job.unit}_per_s": rate})
+                tracker.log(step, last | step_extras(job, rate, skipped))
                 summary.update(last)
                 bar.set_postfix({k.split("/")[1]: f"{v:.3f}" for k, v in list(last.items())[:2]})
                 window, t0 = Window(job.stat_keys), time.perf_counter()

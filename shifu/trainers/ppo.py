@@ -1,8 +1,9 @@
 """Stage 3, ``shifu ppo``: PPO with four models — actor, critic, frozen reference, frozen reward model.
 
 One iteration in :func:`iteration`: 1. rollout -> 2. score processing -> 3. reward shaping -> 4. advantages ->
-5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL controller; :func:`train` loops and 7.
-logs, evaluates, guards, saves. Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
+5. ``ppo_epochs`` x minibatches of :func:`minibatch_loss` -> 6. KL controller; :func:`train` loads and
+:func:`iterate` loops, and after each iteration 7. (:func:`after_iteration`) evaluates, logs, guards, saves.
+Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
 
 Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
 ``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
@@ -18,49 +19,62 @@ from typing import Any
 import torch
 
 from shifu import core
-from shifu.config.loader import to_dict, with_values
-from shifu.config.schema import PPOConfig, check_world_size, derived_sizes
-from shifu.data.batches import PromptStream, encode_prompts, ptx_batches
-from shifu.data.rows import load_rows, split_prompts
+from shifu.config.loader import with_values
+from shifu.config.schema import PPOConfig, check_world_size
+from shifu.data.batches import PromptStream
 from shifu.generation.rollout import Rollout, check_positions
-from shifu.models.loading import load_tokenizer
-from shifu.models.padding import pad_left
 from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt
-from shifu.runs import jsonfile, rng
+from shifu.runs import rng
 from shifu.runs.tracking import progress
-from shifu.trainers import common, ppo_eval
+from shifu.trainers import common, ppo_eval, ppo_run
 from shifu.trainers.common import (
     GracefulStop,
     announce_stop,
     check_resume_config,
-    finish_run,
     prepare_run,
     seed_everything,
 )
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
+from shifu.trainers.ppo_load import load_prompts, ptx_stream
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
-from shifu.trainers.ppo_rollout import collect_rollout, sampling_params
+from shifu.trainers.ppo_rollout import collect_rollout, prompt_batch, sampling_params
 from shifu.trainers.ppo_update import update
 
 Config = PPOConfig
 # keys a resumed run may change: they do not alter what the finished iterations computed
-SAFE_RESUME_KEYS = {"iterations", "save_every", "keep_last", "eval.every", "eval.num_prompts", "guard.kl_ceiling",
-                    "guard.divergence_patience", "max_nonfinite_steps", "progress", "tensorboard",
-                    "distributed.timeout_s", "trackers", "reward.url", "reward.timeout_s", "reward.retries"}  # fmt: skip
+SAFE_RESUME_KEYS = {
+    "iterations",
+    "save_every",
+    "keep_last",
+    "eval.every",
+    "eval.num_prompts",
+    "guard.kl_ceiling",
+    "guard.divergence_patience",
+    "max_nonfinite_steps",
+    "progress",
+    "tensorboard",
+    "distributed.timeout_s",
+    "trackers",
+    "reward.url",
+    "reward.timeout_s",
+    "reward.retries",
+}
 
 
-def iteration(m: PPOModels, s: PPOState, cfg: PPOConfig, prompt_ids, prompt_mask, rows, params, ptx=None,
-              warmup=False):  # fmt: skip
+def iteration(
+    m: PPOModels, s: PPOState, cfg: PPOConfig, prompt_ids, prompt_mask, rows, params, ptx=None, warmup=False
+):
     """One PPO iteration on a batch of left-padded prompts (this rank's share): 1. the rollout, then phases
     2-6 in :func:`learn`. Returns the iteration's metrics."""
     device, failed = m.strategy.device, None
     # 1. rollout: sample responses; old / reference log-probs, values and scores without gradients
     try:
-        rollout, info = collect_rollout(m, cfg, prompt_ids.to(device), prompt_mask.to(device), rows, params,
-                                        s.sample_gen)  # fmt: skip
+        rollout, info = collect_rollout(
+            m, cfg, prompt_ids.to(device), prompt_mask.to(device), rows, params, s.sample_gen
+        )
     except RewardServiceUnavailable as e:  # (every rank stops alike, before anything trained)
         failed = e
     if m.strategy.any_true(failed is not None):
@@ -85,8 +99,13 @@ def learn(
     n_rows = strategy.batch_sums({"rows": len(rollout)})["rows"]  # over every rank
     if n_rows == 0:  # every score was NaN/Inf: no update, controllers untouched
         nan = float("nan")
-        return {"objective/score": nan, "objective/kl": nan, "objective/kl_k3": nan, "objective/kl_coef": s.kl_ctl.value,
-                "optim/skipped_steps": s.skipped.total}  # fmt: skip
+        return {
+            "objective/score": nan,
+            "objective/kl": nan,
+            "objective/kl_k3": nan,
+            "objective/kl_coef": s.kl_ctl.value,
+            "optim/skipped_steps": s.skipped.total,
+        }
     r, mask = cfg.reward, rollout.response_mask
     # 2. score processing (each optional): missing-EOS penalty, running normalisation, clipping
     raw = core.penalize_missing_eos(
@@ -111,8 +130,16 @@ def learn(
         keep, n_dropped = core.dynamic_sampling_mask(totals(scores, rollout), cfg.group_size)
         train = mask & keep.unsqueeze(1)
         extra["rollout/groups_dropped"] = strategy.batch_sums({"n": n_dropped})["n"]
-    signals = Signals(scores, rollout.token_rewards, kl, beta if cfg.kl.penalty == "reward" else 0.0, train,
-                      rollout.values, mask, rollout.step_mask)  # fmt: skip
+    signals = Signals(
+        scores,
+        rollout.token_rewards,
+        kl,
+        beta if cfg.kl.penalty == "reward" else 0.0,
+        train,
+        rollout.values,
+        mask,
+        rollout.step_mask,
+    )
     learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
     nothing = (torch.zeros_like(kl), torch.zeros_like(kl))  # every group dropped: no advantage to estimate
     advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else nothing
@@ -123,17 +150,19 @@ def learn(
         stats = core.rollout_mismatch(rollout.old_log_probs, rollout.rollout_log_probs, mask, cfg.tis_cap)
         extra |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
     rollout = dataclasses.replace(rollout, advantages=advantages, returns=returns, response_mask=train)
-    metrics = strategy.batch_means({
-        "objective/score": (raw, None),
-        "objective/score_processed": (scores, None),
-        "objective/kl": (kl_seq, None),
-        "objective/kl_k3": (kl3_seq, None),
-        "objective/kl_per_token": (kl1, mask),
-        "objective/rlhf_reward": (scores - beta * kl_seq, None),
-        "objective/entropy": (rollout.entropy, mask),
-        "rollout/response_len": (mask.sum(1).float(), None),
-        "rollout/eos_frac": (rollout.eos_found.float(), None),
-    })  # fmt: skip
+    metrics = strategy.batch_means(
+        {
+            "objective/score": (raw, None),
+            "objective/score_processed": (scores, None),
+            "objective/kl": (kl_seq, None),
+            "objective/kl_k3": (kl3_seq, None),
+            "objective/kl_per_token": (kl1, mask),
+            "objective/rlhf_reward": (scores - beta * kl_seq, None),
+            "objective/entropy": (rollout.entropy, mask),
+            "rollout/response_len": (mask.sum(1).float(), None),
+            "rollout/eos_frac": (rollout.eos_found.float(), None),
+        }
+    )
     metrics |= extra | {"objective/kl_coef": beta, "rollout/rows": n_rows}
     if rollout.token_rewards is not None:
         metrics |= strategy.batch_means({"objective/process_reward": (rollout.token_rewards.sum(1), None)})
@@ -158,142 +187,101 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     seed_everything(cfg.seed)  # the shared seed on every rank (init, data order); sampling uses rank_seed
     strategy.launch(cfg.device)
     check_world_size(cfg, strategy.world)
-    main = strategy.is_main
     # 0. load and validate every input before the output directory is touched
-    rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
-    if cfg.data.eval:
-        eval_rows = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad)
-    else:
-        rows, eval_rows = split_prompts(rows, cfg.data.eval_fraction, cfg.seed)
-    tok = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    tok.padding_side = "left"
-    d = cfg.data
-    ids, rows, dropped = encode_prompts(
-        tok, rows, d.max_prompt_len, d.prompt_policy, d.train, d.chat_template
-    )
-    eval_ids, eval_rows, _ = encode_prompts(tok, eval_rows[: cfg.eval.num_prompts], d.max_prompt_len,
-                                            d.prompt_policy, d.eval or d.train, d.chat_template)  # fmt: skip
+    tok, ids, rows, dropped, eval_ids, eval_rows = load_prompts(cfg)
     gold_fn = load_function(cfg.eval.gold_function, "eval.gold_function") if cfg.eval.gold_function else None
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
     check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.max_response_tokens)
-    ptx = None
-    if cfg.ptx_coef > 0:
-        ptx = ptx_batches(tok, d.ptx, cfg.minibatch_size // cfg.grad_accum, d.max_prompt_len,
-                          cfg.generation.max_new_tokens, cfg.seed + 7, d.skip_bad, d.chat_template)  # fmt: skip
+    ptx = ptx_stream(cfg, tok)
     G = cfg.group_size  # each prompt's G responses are sampled, scored and kept together on one rank
     s, stream = PPOState.new(cfg, strategy), PromptStream(len(ids), cfg.batch_size // G, cfg.seed)
     loop: dict[str, Any] = {"iteration": 0, "best": None, "best_iteration": None, "evals": []}
     # the output directory, once every input is loaded (a failed start leaves nothing behind)
     out = prepare_run(cfg, strategy, resume, overwrite, ("iterations", cfg.iterations))
-    if G > 1 and main:  # batch_size counts responses: a group method sees G times fewer prompts
-        print(f"shifu ppo: {cfg.batch_size // G} prompts x {G} responses per iteration (batch_size {cfg.batch_size} counts responses)", file=sys.stderr)  # fmt: skip
+    if G > 1 and strategy.is_main:  # batch_size counts responses: a group method sees G times fewer prompts
+        print(
+            f"shifu ppo: {cfg.batch_size // G} prompts x {G} responses per iteration "
+            f"(batch_size {cfg.batch_size} counts responses)",
+            file=sys.stderr,
+        )
     latest = ckpt.latest_checkpoint(out) if resume else None
-    if resume and latest is None and main:
-        print(f"shifu ppo: --resume: no checkpoint in '{out}' yet; starting from the beginning", file=sys.stderr)  # fmt: skip
     if latest is not None:
         check_resume_config(ckpt.read_state(latest)["config"], cfg, SAFE_RESUME_KEYS, out)
-        js = strategy.load_checkpoint(latest, m.optimizers, m.plain)
-        s.load_state_dict(js["ppo"], strategy)
-        stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **js["data"]["prompts"])
-        for _ in range(js["data"]["ptx_served"]):  # the ptx stream continues where it was
-            next(ptx)
-        loop = js["loop"]
-        if main:
-            print(f"shifu ppo: resumed from {latest} at iteration {loop['iteration']}", file=sys.stderr)
-    # resuming: drop what the interrupted run logged after its checkpoint (-1: no checkpoint, start over)
-    resume_step = loop["iteration"] if latest is not None else (-1 if resume else None)
-    tracker = common.tracker(cfg, out, strategy, resume_step)
-    if main and resume_step is not None:
-        ppo_eval.trim_samples(out / "samples.jsonl", resume_step)
-    if latest is None:
-        sizes = {f"sizes/{k}": v for k, v in derived_sizes(cfg, strategy.world).items()}
-        tracker.log(0, sizes | {"data/prompts_dropped": dropped})
-    params = sampling_params(cfg)
+        position, loop = ppo_run.restore(latest, m, s, ptx)
+        stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **position)
+    tracker = ppo_run.open_tracker(cfg, out, strategy, resume, latest, loop["iteration"], dropped)
+    run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, (eval_ids, eval_rows), gold_fn)
+    return iterate(run, ids, rows)
 
-    def save(it: int) -> None:
-        data = {"prompts": stream.state(), "ptx_served": ptx.served if ptx is not None else 0}
-        js = {"ppo": s.state_dict(strategy), "data": data, "loop": loop, "config": to_dict(cfg)}
-        strategy.save_checkpoint(out, it, m.optimizers, m.plain, js, cfg.keep_last)
 
-    def evaluate(it: int) -> dict[str, float]:
-        metrics, samples = ppo_eval.evaluate(m, eval_ids, eval_rows, gold_fn, cfg)
-        if main:
-            with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
-                f.writelines(jsonfile.dumps({"iteration": it, **x}) + "\n" for x in samples)
-        value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
-        if value is not None and (loop["best"] is None or value > loop["best"]):
-            loop["best"], loop["best_iteration"] = value, it
-            ppo_eval.save_actor(m, cfg, out / "best")
-        loop["evals"].append({"iteration": it, **metrics})
-        return metrics
-
-    stop_reason, warned_empty = None, False
+def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[str, Any]:
+    """``run``'s iterations from ``run.loop["iteration"]`` on, each on the next prompts of ``ids`` /
+    ``rows``: :func:`iteration` (phases 1-6), then :func:`after_iteration` (7.); then the end of the run
+    (``best/`` back as the actor if the guard stopped it, ``final/``, ``summary.json``). A SIGINT/SIGTERM
+    stops the run after an iteration, with a checkpoint: returns ``{"stopped": True, "iteration"}``."""
+    m, s, cfg, loop = run.models, run.state, run.cfg, run.loop
+    G, params = cfg.group_size, sampling_params(cfg)
     if loop["iteration"] == 0 and cfg.eval.every > 0:
-        tracker.log(0, evaluate(0))
-    bar = progress(cfg.iterations, "ppo", initial=loop["iteration"], enabled=main and cfg.progress)
+        run.tracker.log(0, run.evaluate(0))
+    enabled = m.strategy.is_main and cfg.progress
+    run.bar = progress(cfg.iterations, "ppo", initial=loop["iteration"], enabled=enabled)
+    stop_reason = None
     with GracefulStop() as stop:
         while loop["iteration"] < cfg.iterations or loop.get("pending") is not None:
             # a run stopped by its reward service in an evaluation resumes with that iteration's metrics
             metrics = loop.pop("pending", None)
             if metrics is None:
-                before = stream.state(), s.sample_gen.get_state(), rng.rng_state()
-                mine, _ = strategy.share(stream.next())  # this rank's batch_size / G / W prompts, G rows each
-                mine = [i for i in mine for _ in range(G)]
-                b = pad_left([ids[i] for i in mine], tok.pad_token_id)
+                before = run.stream.state(), s.sample_gen.get_state(), rng.rng_state()
+                batch = prompt_batch(run.stream.next(), m.strategy, G, ids, rows, m.tokenizer.pad_token_id)
                 warmup = loop["iteration"] < cfg.critic_warmup  # the first critic_warmup: critic only
                 try:
-                    metrics = iteration(m, s, cfg, b["input_ids"], b["attention_mask"], [rows[i] for i in mine],
-                                        params, ptx, warmup)  # fmt: skip
+                    metrics = iteration(m, s, cfg, *batch, params, run.ptx, warmup)
                 except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
                     # yet, so checkpoint the state before this iteration; --resume redoes it
-                    stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
+                    run.stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
                     s.sample_gen.set_state(before[1])
                     rng.set_rng_state(before[2])
-                    save(loop["iteration"]), bar.close(), tracker.close()
-                    raise ppo_eval.service_stopped(e, loop["iteration"], out) from None
+                    raise run.service_stopped(e, loop["iteration"]) from None
                 loop["iteration"] += 1
-            # 7. log, evaluate, guard, save
-            it = loop["iteration"]
-            if (cfg.eval.every > 0 and it % cfg.eval.every == 0) or it == cfg.iterations:
-                try:
-                    metrics |= evaluate(it)
-                except RewardServiceUnavailable as e:  # trained but not logged: --resume evaluates it again
-                    loop["pending"] = metrics
-                    save(it), bar.close(), tracker.close()
-                    raise ppo_eval.service_stopped(e, it, out) from None
-            tracker.log(it, metrics)
-            if main and not warned_empty and metrics.get("rollout/response_len", 2.0) < 1.5:
-                warned_empty = ppo_eval.warn_empty_responses(it, metrics, tok, cfg)
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['objective/score'] + metrics.get('objective/process_reward', 0):.3f}",
-                            kl=f"{metrics['objective/kl_k3']:.2f}", beta=f"{metrics['objective/kl_coef']:.3g}")  # fmt: skip
-            try:
-                s.skipped.check(f"iteration {it}", out, "check the reward")
-            except Exception:
-                bar.close(), tracker.close()
-                raise
-            stop_reason = ppo_eval.guard(cfg, metrics, loop["evals"])
-            stopping = strategy.any_true(stop.requested)  # a signal seen by any rank stops every rank here
-            if stop_reason or stopping or (cfg.save_every and it % cfg.save_every == 0):
-                save(it)
+            stop_reason, stopping = after_iteration(run, loop["iteration"], metrics, stop)
             if stop_reason:
                 break
             if stopping:
-                bar.close(), tracker.close()
-                if main:
-                    announce_stop("ppo", f"iteration {it}", out)
-                return {"stopped": True, "iteration": it}
-    bar.close()
+                run.close()
+                if m.strategy.is_main:
+                    announce_stop("ppo", f"iteration {loop['iteration']}", run.out)
+                return {"stopped": True, "iteration": loop["iteration"]}
+    run.bar.close()
     if stop_reason is not None:
-        ppo_eval.restore_best(m, cfg, out / "best", stop_reason, loop["best_iteration"])
-    save(loop["iteration"])
-    ppo_eval.save_actor(m, cfg, out / "final")
-    if m.critic is not None:
-        ppo_eval.save_critic(m, cfg, out / "critic")
-    summary = {"iterations": loop["iteration"], "best": loop["best"], "best_iteration": loop["best_iteration"],
-               "guard": stop_reason, "evals": loop["evals"], "skipped_steps": s.skipped.total,
-               "kl_coef": s.kl_ctl.value}  # fmt: skip
-    tracker.close()
-    line = ppo_eval.closing_line(loop, s.kl_ctl.value, out, main, cfg, len(eval_ids))
-    return finish_run(out, summary, strategy, "ppo", line)
+        ppo_eval.restore_best(m, cfg, run.out / "best", stop_reason, loop["best_iteration"])
+    run.save(loop["iteration"])
+    return ppo_run.finish(m, cfg, run.out, loop, s, stop_reason, run.tracker, len(run.eval_prompts[0]))
+
+
+def after_iteration(run: ppo_run.Run, it: int, metrics: dict[str, float], stop: GracefulStop):
+    """7. after iteration ``it``: evaluate (every ``eval.every`` iterations, and the last), log, warn once of
+    empty responses, end the run after too many skipped steps, the guard, a checkpoint (every
+    ``save_every`` iterations, and before any stop). Returns ``(the guard's reason to stop or None, whether
+    a signal stops the run)``."""
+    cfg, strategy, loop = run.cfg, run.models.strategy, run.loop
+    if (cfg.eval.every > 0 and it % cfg.eval.every == 0) or it == cfg.iterations:
+        try:
+            metrics |= run.evaluate(it)
+        except RewardServiceUnavailable as e:  # trained but not logged: --resume evaluates it again
+            loop["pending"] = metrics
+            raise run.service_stopped(e, it) from None
+    run.tracker.log(it, metrics)
+    if strategy.is_main and not run.warned_empty and metrics.get("rollout/response_len", 2.0) < 1.5:
+        run.warned_empty = ppo_run.warn_empty_responses(it, metrics, run.models.tokenizer, cfg)
+    ppo_run.show_progress(run.bar, metrics)
+    try:
+        run.state.skipped.check(f"iteration {it}", run.out, "check the reward")
+    except Exception:
+        run.close()
+        raise
+    stop_reason = ppo_eval.guard(cfg, metrics, loop["evals"])
+    stopping = strategy.any_true(stop.requested)  # a signal seen by any rank stops every rank here
+    if stop_reason or stopping or (cfg.save_every and it % cfg.save_every == 0):
+        run.save(it)
+    return stop_reason, stopping

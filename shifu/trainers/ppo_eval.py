@@ -1,9 +1,9 @@
-"""``shifu ppo``'s watch-keep-roll back (spec, stage 3 step 7): held-out evaluation, the reward-hacking
-guard, and the actor / critic written as plain directories (``best/``, ``final/``, ``critic/``)."""
+"""``shifu ppo``'s watch-keep-roll back (spec, stage 3 step 7): held-out evaluation (its samples, the best
+iteration kept in ``best/``), the reward-hacking guard, and the actor / critic written as plain directories
+(``best/``, ``final/``, ``critic/``)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,14 +13,13 @@ import torch
 from shifu.config.schema import PPOConfig
 from shifu.core import kl_estimate, masked_sum
 from shifu.envs.base import Environment
-from shifu.errors import ShifuError
 from shifu.generation.episodes import run_episodes
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
 from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
-from shifu.runs import files
+from shifu.runs import files, jsonfile
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
 
@@ -95,8 +94,11 @@ def evaluate(
     scores_t = torch.cat([p[1] for p in parts])[where]
     kl_t = torch.cat([p[2] for p in parts])[where]
     kl3_t = torch.cat([p[4] for p in parts])[where]
-    metrics = {"eval/score": float(scores_t[torch.isfinite(scores_t)].mean()), "eval/kl": float(kl_t.mean()),
-               "eval/kl_k3": float(kl3_t.mean())}  # fmt: skip
+    metrics = {
+        "eval/score": float(scores_t[torch.isfinite(scores_t)].mean()),
+        "eval/kl": float(kl_t.mean()),
+        "eval/kl_k3": float(kl3_t.mean()),
+    }
     golds = [None] * len(rows)
     if gold_fn is not None:
         golds = [float(g) for g in gold_fn([r["prompt"] for r in rows], responses, rows)]
@@ -131,16 +133,39 @@ def evaluate_episodes(
         lp = policy_forward(actor, full, am, P, T)[0]
         with models.reference() as ref:
             ref_lp = policy_forward(ref, full, am, P, T)[0]
-        kl = {"eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
-              "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean()}  # fmt: skip
+        kl = {
+            "eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
+            "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean(),
+        }
         for k, v in (eps.metrics("eval/env/") | {k: float(v) for k, v in kl.items()}).items():
             sums[k] = sums.get(k, 0.0) + v * len(part)
-        samples += [{"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
-                    for r, t, g, n, c in zip(part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"],
-                                             eps.truncated.tolist())]  # fmt: skip
+        samples += [
+            {"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
+            for r, t, g, n, c in zip(
+                part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"], eps.truncated.tolist()
+            )
+        ]
     metrics = {k: v / len(rows) for k, v in sums.items()}
     gold = metrics["eval/env/return"]
     return metrics | {"eval/score": gold, "gold/score": gold}, samples
+
+
+def evaluate_and_keep(
+    models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn, loop: dict[str, Any], out: Path, it: int
+) -> dict[str, float]:
+    """:func:`evaluate` at iteration ``it`` on the held-out ``prompts`` (``(ids, rows)``): its samples appended
+    to ``samples.jsonl`` (rank 0), the actor kept in ``best/`` when ``eval.best_metric`` is the best so far,
+    the metrics added to ``loop["evals"]``; returns the metrics."""
+    metrics, samples = evaluate(models, *prompts, gold_fn, cfg)
+    if models.strategy.is_main:
+        with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
+            f.writelines(jsonfile.dumps({"iteration": it, **x}) + "\n" for x in samples)
+    value = metrics.get(cfg.eval.best_key())  # the same value on every rank (global evaluation)
+    if value is not None and (loop["best"] is None or value > loop["best"]):
+        loop["best"], loop["best_iteration"] = value, it
+        save_actor(models, cfg, out / "best")
+    loop["evals"].append({"iteration": it, **metrics})
+    return metrics
 
 
 def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]) -> str | None:
@@ -160,49 +185,6 @@ def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]
     return None
 
 
-HACKED_DROP = 0.05  # gold below its best by more than this at the end, while the score rose: a warning
-
-
-def closing_line(
-    loop: dict[str, Any], kl_coef: float, out: Path, main: bool, cfg: PPOConfig, n_eval: int
-) -> str:
-    """The run's last line on stderr, with the last evaluation's held-out gold and how it was measured
-    (``n_eval`` prompts sampled at ``eval.temperature``); before it (rank 0), a warning when the held-out
-    judge's gold/score ended more than ``HACKED_DROP`` below its best while the reward model's eval/score
-    rose past that point: the policy learned to please the reward model, not the judge (best/ keeps the
-    judge's best iteration)."""
-    evals = [e for e in loop["evals"] if "gold/score" in e and "eval/score" in e]
-    gold = loop["evals"][-1].get("gold/score") if loop["evals"] else None
-    if main and evals:
-        top, last = max(evals, key=lambda e: e["gold/score"]), evals[-1]
-        if last["gold/score"] < top["gold/score"] - HACKED_DROP and last["eval/score"] > top["eval/score"]:
-            print(
-                f"warning: shifu ppo: reward hacking? held-out gold/score fell from {top['gold/score']:.3f} "
-                f"(iteration {top['iteration']}) to {last['gold/score']:.3f} (iteration {last['iteration']}) while "
-                f"the reward model's eval/score rose from {top['eval/score']:.3f} to {last['eval/score']:.3f}. "
-                f"final/ is the last iteration; best/ holds iteration {loop['best_iteration']}",
-                file=sys.stderr,
-            )
-    line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {kl_coef:.3g}"
-    if gold is not None:
-        how = f"last evaluation: {n_eval} prompts sampled at T={cfg.eval.temperature:g}"
-        line += f", held-out gold {gold:.3f} ({how})"
-    return line + f"; actor in {out / 'final'}"
-
-
-def warn_empty_responses(it: int, metrics: dict, tok, cfg: PPOConfig) -> bool:
-    """Say once that the responses are (almost) all empty, and the likely reason (an untemplated prompt)."""
-    template = "has a chat template" if getattr(tok, "chat_template", None) else "has no chat template"
-    print(
-        f"warning: shifu ppo: iteration {it}: responses are {metrics['rollout/response_len']:.2f} tokens long on "
-        f"average: the policy ends (EOS) at once. An instruct model does that when a prompt is not in its chat "
-        f"format: data.chat_template={str(cfg.data.chat_template).lower()} and the tokenizer {template} "
-        "(rows with `messages` are always rendered); check the prompts in samples.jsonl",
-        file=sys.stderr,
-    )
-    return True
-
-
 def restore_best(models: PPOModels, cfg: PPOConfig, best_dir: Path, reason: str, best_iteration) -> None:
     """The guard stopped the run: the actor goes back to ``best/`` (kept at the best evaluation)."""
     if not best_dir.exists():
@@ -215,8 +197,11 @@ def restore_best(models: PPOModels, cfg: PPOConfig, best_dir: Path, reason: str,
     best = load_causal_lm(best_dir, dropout=False)
     if cfg.lora.enabled:
         if models.strategy.is_main:
-            print("warning: shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the "
-                  "last actor", file=sys.stderr)  # fmt: skip
+            print(
+                "warning: shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the "
+                "last actor",
+                file=sys.stderr,
+            )
         return
     models.strategy.load_full_state_dict(models.actor, best.state_dict())
 
@@ -245,18 +230,3 @@ def save_critic(models: PPOModels, cfg: PPOConfig, path: Path) -> None:
     if strategy.is_main:  # a LoRA critic: its adapters merged into a plain copy (a ScalarModel directory)
         files.save_scalar_dir(L.merged_copy(plain) if L.is_lora_critic(plain) else plain, path)
     strategy.barrier()
-
-
-def trim_samples(path: Path, last_iteration: int) -> None:
-    """Resuming: drop the evaluation samples an interrupted run wrote after ``last_iteration``."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [x for x in lines if x.strip() and json.loads(x)["iteration"] <= last_iteration]
-    path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-
-
-def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
-    """The error of a run whose reward service went away, after the checkpoint of iteration ``it``."""
-    return ShifuError(f"{e}. A checkpoint of iteration {it} is in {out}: start the service again, then continue "
-                      f"with: shifu ppo --out {out} --resume")  # fmt: skip

@@ -1,7 +1,8 @@
 """The four models of ``shifu ppo`` and the state a checkpoint keeps besides their weights.
 
 :func:`build` loads the actor, the frozen reference, the reward (a model or a function) and the critic
-(:func:`load`), places them with the strategy and builds the optimisers (:func:`place`).
+(:func:`shifu.trainers.ppo_load.load`), places them with the strategy and builds the optimisers
+(:func:`place`).
 """
 
 from __future__ import annotations
@@ -16,22 +17,14 @@ from torch import nn
 
 from shifu import core
 from shifu.config.schema import PPOConfig
-from shifu.envs.base import Environment
-from shifu.errors import ShifuError
 from shifu.generation.rollout import check_exact_kl_memory
 from shifu.models import lora as L
-from shifu.models.loading import (
-    check_own_tokenizer,
-    check_vocab,
-    disable_dropout,
-    fuse_tanh_gelu,
-    load_causal_lm,
-)
-from shifu.models.scalar import ScalarModel, new_value_head
+from shifu.models.loading import fuse_tanh_gelu
 from shifu.parallel import precision as bf16
 from shifu.parallel.strategy import Strategy, Trained, decay_groups
-from shifu.rewards.sources import RewardSource, load_function, load_reward_model, same_tokenizer
+from shifu.rewards.sources import RewardSource
 from shifu.trainers.common import SkippedSteps
+from shifu.trainers.ppo_load import load
 
 
 @dataclasses.dataclass
@@ -50,7 +43,7 @@ class PPOModels:
     strategy: Strategy
     optimizers: dict[str, Trained]
     plain: dict[str, nn.Module]
-    # config keys that could not run as written -> the value that ran (config.yaml records it; see `load`)
+    # config keys that could not run as written -> the value that ran (config.yaml records it; ppo_load.load)
     used: dict[str, Any] = dataclasses.field(default_factory=dict)
     precision: bf16.Precision = bf16.FP32  # phases run in bf16 (bf16=true: measured, parallel.precision)
     decode_copy: nn.Module | None = None  # the actor's bf16 copy that generation reads (precision.decode)
@@ -136,97 +129,6 @@ class PPOState:
         self.skipped.total, self.skipped.in_a_row = js["skipped"]
 
 
-def load(cfg: PPOConfig, tok, strategy: Strategy):
-    """``(actor, critic, value_head, ref, reward, used)`` as loaded from ``cfg``, on this device, not yet placed
-    by the strategy. The critic starts from the reward model (``critic.init=reward``; when it cannot value
-    tokens, from the SFT model), the SFT model's trunk with a new head (``sft``), or is a value head on the
-    actor's trunk (``shared``); the critic-free estimators (and REINFORCE) have none. Also returns ``used``:
-    each config key that could not run as written, with the value that ran (critic.init=reward falls back to
-    sft, said on stderr; critic.init=shared always trains in one optimiser, joint_optimizer=true)."""
-    trust, device = cfg.model.trust_remote_code, strategy.device
-
-    def load_actor():
-        actor = load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False)
-        check_own_tokenizer(tok, actor, cfg.model.path, "model.path")
-        if cfg.lora.enabled:
-            actor = L.wrap_lora(actor, cfg.lora)
-            if strategy.is_main:
-                print(f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled",
-                      file=sys.stderr, flush=True)  # fmt: skip
-        return actor.to(device)
-
-    zero3 = getattr(strategy, "zero3_init", None)  # ZeRO-3 builds trained HF models straight into shards
-    actor = load_actor() if zero3 is None else None
-    ref = None
-    if not cfg.lora.enabled:
-        ref = load_causal_lm(cfg.model.ref_path or cfg.model.path, trust_remote_code=trust, dropout=False).to(
-            device
-        )
-        if cfg.model.ref_path:  # another model family would crash mid-run or give a meaningless KL
-            check_vocab(tok, ref, cfg.model.ref_path, "model.ref_path")
-    if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
-        reward = Environment(cfg.env)
-    elif cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
-        from shifu.rewards.remote import RemoteReward
-
-        r = cfg.reward
-        reward = RemoteReward(
-            r.url, tok, batch_size=cfg.micro_batch_size, timeout_s=r.timeout_s, retries=r.retries
-        )
-    elif cfg.reward.function:
-        reward = RewardSource(function=load_function(cfg.reward.function), micro_batch=cfg.micro_batch_size)
-    else:
-        rm = load_reward_model(cfg.reward.model_path)
-        if isinstance(rm, nn.Module):
-            rm = rm.to(device)
-        reward = RewardSource(model=rm, policy_tokenizer=tok, micro_batch=cfg.micro_batch_size,
-                              chat_template=cfg.data.chat_template, dense=cfg.reward.dense)  # fmt: skip
-    sharded_init = zero3() if zero3 is not None else None  # (frozen models load before and after it)
-    if zero3 is not None:
-        actor = load_actor()
-    critic, value_head, init, used = None, None, cfg.critic.init, {}
-    if cfg.uses_critic:  # GAE; every other estimator (and algo=reinforce) runs without a critic
-        if init == "reward":
-            why = "it needs a causal trunk with the policy's tokenizer to value each token"
-            try:
-                if not (start := cfg.critic.path or cfg.reward.model_path):
-                    raise ShifuError("the reward is a function or a service: there is no reward model")
-                critic = ScalarModel.from_pretrained(start, trust_remote_code=trust)
-            except ShifuError as e:
-                critic, why = None, str(e)
-            if critic is None or not critic.is_causal or not same_tokenizer(critic.tokenizer, tok):
-                print(
-                    f"shifu ppo: critic.init=reward fell back to critic.init=sft: the reward model cannot be a "
-                    f"critic ({why}); config.yaml records critic.init: sft",
-                    file=sys.stderr,
-                )
-                init, critic, used["critic.init"] = "sft", None, "sft"
-            else:
-                critic.gain.fill_(1.0), critic.bias.fill_(0.0)
-        if init == "sft":
-            critic = ScalarModel.from_backbone(
-                cfg.critic.path or cfg.model.path, seed=cfg.seed, trust_remote_code=trust
-            )
-        if critic is not None and cfg.critic.path:
-            check_vocab(tok, critic, cfg.critic.path, "critic.path")
-        if init == "shared":
-            value_head = new_value_head(actor.config.get_text_config().hidden_size, cfg.seed).to(device)
-            if not cfg.joint_optimizer:  # the value head trains in the actor's optimiser (see `place`)
-                used["joint_optimizer"] = True
-    if critic is not None:
-        critic = disable_dropout(critic)
-        if cfg.lora.critic:  # adapters on the frozen trunk; the value head trains fully
-            critic = L.wrap_lora_critic(critic, cfg.lora)
-            shared = L.share_frozen_trunk(actor, critic) if actor is not None else 0  # one copy of the base
-            if strategy.is_main:
-                print(f"shifu ppo: LoRA critic, {L.trainable_summary(critic)}"
-                      + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""),
-                      file=sys.stderr, flush=True)  # fmt: skip
-        critic = critic.to(device)
-    del sharded_init
-    return actor, critic, value_head, ref, reward, used
-
-
 def place(
     actor, critic, value_head, ref, reward: RewardSource, tok, cfg: PPOConfig, strategy: Strategy
 ) -> PPOModels:
@@ -269,13 +171,23 @@ def with_precision(m: PPOModels, cfg: PPOConfig, reward_model: nn.Module | None)
     said on stderr: bf16 copies of the frozen reference and reward model (cast once), a bf16 decode copy of
     the actor, bf16 autocast in the update (master weights and optimiser state fp32)."""
     actor, strategy, g, rows = m.actor_module, m.strategy, cfg.generation, cfg.batch_size // m.strategy.world
-    work = bf16.Workload(*bf16.linear_shapes(actor), rows, min(cfg.micro_batch_size, rows),
-                         cfg.minibatch_size // strategy.world // cfg.grad_accum,
-                         cfg.data.max_prompt_len + g.max_new_tokens, g.max_new_tokens)  # fmt: skip
+    work = bf16.Workload(
+        *bf16.linear_shapes(actor),
+        rows,
+        min(cfg.micro_batch_size, rows),
+        cfg.minibatch_size // strategy.world // cfg.grad_accum,
+        cfg.data.max_prompt_len + g.max_new_tokens,
+        g.max_new_tokens,
+    )
     probe, reuse = bf16.Probe(strategy.device), m.reuses_decode_log_probs(cfg, False) and cfg.tis_cap is None
     plain = not strategy.sharded and not L.is_lora(actor)  # a whole, plain actor can have a bf16 copy
-    scorer = None if reward_model is None else dataclasses.replace(  # the reward model at its own shapes
-        work, trunk=bf16.linear_shapes(reward_model)[0], head=None)  # fmt: skip
+    scorer = (
+        None
+        if reward_model is None
+        else dataclasses.replace(  # the reward model at its own shapes
+            work, trunk=bf16.linear_shapes(reward_model)[0], head=None
+        )
+    )
     precision = strategy.on_main(lambda: bf16.choose(work, probe, reuse, plain, scorer))  # rank 0's, for all
     probe.save()
     for chosen, frozen in ((precision.frozen, m.ref), (precision.reward, reward_model)):
@@ -293,7 +205,8 @@ def _grouped(params) -> list:
 
 
 def build(cfg: PPOConfig, tok, strategy: Strategy) -> PPOModels:
-    """The four models from ``cfg``, placed, with their optimisers (``used``: see :func:`load`)."""
+    """The four models from ``cfg``, placed, with their optimisers (``used``: see
+    :func:`shifu.trainers.ppo_load.load`)."""
     *models, used = load(cfg, tok, strategy)
     m = dataclasses.replace(place(*models, tok, cfg, strategy), used=used)
     check_exact_kl_memory(cfg, m.actor_module, strategy)  # the rollout's (B, R, V) reference log-probs fit

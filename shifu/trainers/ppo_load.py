@@ -1,0 +1,184 @@
+"""What ``shifu ppo`` loads before its run directory is touched: the prompts (rollout and held-out), PPO-ptx's
+demonstrations, and the four models (:func:`load`: actor, frozen reference, reward or environment, critic),
+on this device, not yet placed by the strategy (:func:`shifu.trainers.ppo_models.build` places them)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from shifu.config.schema import PPOConfig
+from shifu.data.batches import encode_prompts, ptx_batches
+from shifu.data.rows import load_rows, split_prompts
+from shifu.envs.base import Environment
+from shifu.errors import ShifuError
+from shifu.models import lora as L
+from shifu.models.loading import (
+    check_own_tokenizer,
+    check_vocab,
+    disable_dropout,
+    load_causal_lm,
+    load_tokenizer,
+)
+from shifu.models.scalar import ScalarModel, new_value_head
+from shifu.parallel.strategy import Strategy
+from shifu.rewards.sources import RewardSource, load_function, load_reward_model, same_tokenizer
+
+
+def load_prompts(cfg: PPOConfig) -> tuple:
+    """The policy's tokenizer (left padding) and the encoded prompts, ``(tok, ids, rows, dropped, eval_ids,
+    eval_rows)``: rollout prompts and at most ``eval.num_prompts`` held-out ones (``data.eval``, or a
+    ``data.eval_fraction`` split of ``data.train``); ``dropped`` counts the rollout prompts left out."""
+    rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
+    if cfg.data.eval:
+        eval_rows = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad)
+    else:
+        rows, eval_rows = split_prompts(rows, cfg.data.eval_fraction, cfg.seed)
+    tok = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    tok.padding_side = "left"
+    d = cfg.data
+    ids, rows, dropped = encode_prompts(
+        tok, rows, d.max_prompt_len, d.prompt_policy, d.train, d.chat_template
+    )
+    held_out = eval_rows[: cfg.eval.num_prompts]
+    eval_ids, eval_rows, _ = encode_prompts(
+        tok, held_out, d.max_prompt_len, d.prompt_policy, d.eval or d.train, d.chat_template
+    )
+    return tok, ids, rows, dropped, eval_ids, eval_rows
+
+
+def ptx_stream(cfg: PPOConfig, tok):
+    """PPO-ptx's endless batches of ``data.ptx`` demonstrations (``ptx_coef > 0``), else None."""
+    if cfg.ptx_coef > 0:
+        d, rows_per_batch = cfg.data, cfg.minibatch_size // cfg.grad_accum
+        limits = (d.max_prompt_len, cfg.generation.max_new_tokens)
+        return ptx_batches(tok, d.ptx, rows_per_batch, *limits, cfg.seed + 7, d.skip_bad, d.chat_template)
+    return None
+
+
+def load(cfg: PPOConfig, tok, strategy: Strategy):
+    """``(actor, critic, value_head, ref, reward, used)`` as loaded from ``cfg``, on this device, not yet
+    placed by the strategy. The critic starts from the reward model (``critic.init=reward``; when it cannot
+    value tokens, from the SFT model), the SFT model's trunk with a new head (``sft``), or is a value head on
+    the actor's trunk (``shared``); the critic-free estimators (and REINFORCE) have none. Also returns
+    ``used``: each config key that could not run as written, with the value that ran (critic.init=reward
+    falls back to sft, said on stderr; critic.init=shared always trains in one optimiser,
+    joint_optimizer=true)."""
+    zero3 = getattr(strategy, "zero3_init", None)  # ZeRO-3 builds trained HF models straight into shards
+    actor = load_actor(cfg, tok, strategy) if zero3 is None else None
+    ref = None
+    if not cfg.lora.enabled:
+        ref = load_causal_lm(
+            cfg.model.ref_path or cfg.model.path, trust_remote_code=cfg.model.trust_remote_code, dropout=False
+        ).to(strategy.device)
+        if cfg.model.ref_path:  # another model family would crash mid-run or give a meaningless KL
+            check_vocab(tok, ref, cfg.model.ref_path, "model.ref_path")
+    reward = load_reward(cfg, tok, strategy.device)
+    sharded_init = zero3() if zero3 is not None else None  # (frozen models load before and after it)
+    if zero3 is not None:
+        actor = load_actor(cfg, tok, strategy)
+    critic, value_head, used = None, None, {}
+    if cfg.uses_critic:  # GAE; every other estimator (and algo=reinforce) runs without a critic
+        critic, value_head, used = load_critic(cfg, tok, actor, strategy)
+    del sharded_init
+    return actor, critic, value_head, ref, reward, used
+
+
+def load_actor(cfg: PPOConfig, tok, strategy: Strategy) -> nn.Module:
+    """The actor from ``model.path`` (LoRA adapters added with ``lora.enabled``), on this device."""
+    actor = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code, dropout=False)
+    check_own_tokenizer(tok, actor, cfg.model.path, "model.path")
+    if cfg.lora.enabled:
+        actor = L.wrap_lora(actor, cfg.lora)
+        if strategy.is_main:
+            print(
+                f"shifu ppo: LoRA actor, {L.trainable_summary(actor)}; reference = adapters disabled",
+                file=sys.stderr,
+                flush=True,
+            )
+    return actor.to(strategy.device)
+
+
+def load_reward(cfg: PPOConfig, tok, device):
+    """What scores the rollouts: an environment (``env.factory``), the reward service (``reward.url``), a
+    function (``reward.function``), or a reward model or ensemble (``reward.model_path``)."""
+    if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
+        return Environment(cfg.env)
+    if cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
+        from shifu.rewards.remote import RemoteReward
+
+        r = cfg.reward
+        return RemoteReward(
+            r.url, tok, batch_size=cfg.micro_batch_size, timeout_s=r.timeout_s, retries=r.retries
+        )
+    if cfg.reward.function:
+        return RewardSource(function=load_function(cfg.reward.function), micro_batch=cfg.micro_batch_size)
+    rm = load_reward_model(cfg.reward.model_path)
+    if isinstance(rm, nn.Module):
+        rm = rm.to(device)
+    return RewardSource(
+        model=rm,
+        policy_tokenizer=tok,
+        micro_batch=cfg.micro_batch_size,
+        chat_template=cfg.data.chat_template,
+        dense=cfg.reward.dense,
+    )
+
+
+def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, Any, dict[str, Any]]:
+    """``(critic, value_head, used)`` of GAE's critic as ``critic.init`` says (see :func:`load`): a
+    ScalarModel (LoRA adapters on its trunk with ``lora.critic``) on this device, or a value head on the
+    actor's trunk."""
+    critic, value_head, init, used = None, None, cfg.critic.init, {}
+    if init == "reward":
+        critic = critic_from_reward_model(cfg, tok)
+        if critic is None:
+            init, used["critic.init"] = "sft", "sft"
+    if init == "sft":
+        critic = ScalarModel.from_backbone(
+            cfg.critic.path or cfg.model.path, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code
+        )
+    if critic is not None and cfg.critic.path:
+        check_vocab(tok, critic, cfg.critic.path, "critic.path")
+    if init == "shared":
+        value_head = new_value_head(actor.config.get_text_config().hidden_size, cfg.seed).to(strategy.device)
+        if not cfg.joint_optimizer:  # the value head trains in the actor's optimiser (see `place`)
+            used["joint_optimizer"] = True
+    if critic is not None:
+        critic = disable_dropout(critic)
+        if cfg.lora.critic:  # adapters on the frozen trunk; the value head trains fully
+            critic = L.wrap_lora_critic(critic, cfg.lora)
+            shared = L.share_frozen_trunk(actor, critic) if actor is not None else 0  # one copy of the base
+            if strategy.is_main:
+                print(
+                    f"shifu ppo: LoRA critic, {L.trainable_summary(critic)}"
+                    + (f"; {shared:,} frozen trunk weights shared with the actor" if shared else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+        critic = critic.to(strategy.device)
+    return critic, value_head, used
+
+
+def critic_from_reward_model(cfg: PPOConfig, tok) -> ScalarModel | None:
+    """``critic.init=reward``: the reward model (or ``critic.path``) with its gain 1 and bias 0; None, said on
+    stderr, when it cannot be a critic (no reward model, not causal, another tokenizer): the run falls back to
+    ``critic.init=sft``."""
+    why = "it needs a causal trunk with the policy's tokenizer to value each token"
+    try:
+        if not (start := cfg.critic.path or cfg.reward.model_path):
+            raise ShifuError("the reward is a function or a service: there is no reward model")
+        critic = ScalarModel.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code)
+    except ShifuError as e:
+        critic, why = None, str(e)
+    if critic is None or not critic.is_causal or not same_tokenizer(critic.tokenizer, tok):
+        print(
+            f"shifu ppo: critic.init=reward fell back to critic.init=sft: the reward model cannot be a "
+            f"critic ({why}); config.yaml records critic.init: sft",
+            file=sys.stderr,
+        )
+        return None
+    critic.gain.fill_(1.0), critic.bias.fill_(0.0)
+    return critic
