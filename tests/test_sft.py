@@ -168,3 +168,34 @@ def test_cli_sft_bad_data_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
     assert f"{bad}, line 2, field 'response': missing field" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.integration
+def test_sft_with_lora_trains_only_adapters_and_saves_them_merged(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+
+    lora = {"enabled": True, "r": 8, "target_modules": ["c_attn", "c_proj", "c_fc"]}
+    cfg = make_cfg(tiny_model_dir, tmp_path, lora=lora, optim={"lr": 1e-2})
+    summary = sft.train(cfg)
+    evals = [
+        r["eval/sft/loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval/sft/loss" in r
+    ]
+    print(f"sft (LoRA) held-out loss {evals[0]:.3f} -> {evals[-1]:.3f}")
+    assert evals[-1] < 0.9 * evals[0] and summary["eval/sft/loss"] == evals[-1]
+    final = tmp_path / "run" / "final"
+    with safe_open(str(final / "model.safetensors"), "pt") as st:
+        assert not any("lora_" in k for k in st.keys())  # a plain model: the adapters merged in
+    base, tuned = load_causal_lm(tiny_model_dir), load_causal_lm(final)
+    changed = {n for n, p in tuned.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])}
+    assert changed and all(n.endswith(".weight") and ("attn" in n or "mlp" in n) for n in changed)
+    assert not any("wte" in n or "wpe" in n or "ln_" in n for n in changed)  # frozen: never adapted
+
+
+@pytest.mark.unit
+def test_sft_lora_settings_that_cannot_work_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="lora.critic is a setting of shifu ppo"):
+        make_cfg(tiny_model_dir, tmp_path, lora={"critic": True})
+    with pytest.raises(
+        ConfigError, match="lora.enabled=true with distributed.strategy=fsdp2 is not supported"
+    ):
+        make_cfg(tiny_model_dir, tmp_path, lora={"enabled": True}, distributed={"strategy": "fsdp2"})

@@ -129,6 +129,17 @@ class SFTConfig(SupervisedConfig):
     model: SFTModelConfig = opt(SFTModelConfig(), "the model to fine-tune")
     optim: OptimConfig = opt(OptimConfig(), "AdamW and learning-rate schedule")
     eval: EvalConfig = opt(EvalConfig(batch_size=16), "held-out loss")
+    lora: LoraConfig = opt(
+        LoraConfig(),
+        "train LoRA adapters instead of all weights (final/ holds them merged); lora.critic: ppo only",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.lora.critic:
+            raise ConfigError("lora.critic is a setting of shifu ppo (its critic); sft has none: drop it")
+        if self.lora.enabled:
+            self.lora.check_adapters(self.distributed.strategy)
 
 
 @frozen
@@ -355,12 +366,7 @@ class PPOConfig(RunConfig):
         """LoRA actor / critic, and what the multi-process strategies do not support."""
         d = self.distributed
         if self.lora.enabled:
-            self.lora.validate()
-            if d.strategy in ("fsdp2", "deepspeed"):
-                raise ConfigError(
-                    f"lora.enabled=true with distributed.strategy={d.strategy} is not supported (final/ is "
-                    "written by merging the adapters into a full copy of the actor): use strategy=ddp"
-                )
+            self.lora.check_adapters(d.strategy)
             if self.model.ref_path:
                 raise ConfigError(
                     "lora.enabled=true uses the actor with adapters disabled as the reference: drop model.ref_path"

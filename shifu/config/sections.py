@@ -117,6 +117,16 @@ class LoraConfig:
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"{prefix}.dropout must be in [0, 1) (got {self.dropout})")
 
+    def check_adapters(self, strategy: str) -> None:
+        """``lora.enabled`` with the process strategy ``strategy``: the fields, and a strategy that shards the
+        weights refused (final/ is written by merging the adapters into a full copy of the model)."""
+        self.validate()
+        if strategy in ("fsdp2", "deepspeed"):
+            raise ConfigError(
+                f"lora.enabled=true with distributed.strategy={strategy} is not supported (final/ is written by "
+                "merging the adapters into a full copy of the model): use strategy=ddp"
+            )
+
 
 @frozen
 class ModelConfig:

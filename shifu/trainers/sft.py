@@ -8,6 +8,8 @@ cadence, skipped steps) is :mod:`shifu.trainers.loop`; this module gives it the 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from shifu.config.schema import SFTConfig, check_world_size
@@ -51,6 +53,19 @@ def evaluate(model, examples: list[dict], pad_id: int, cfg: SFTConfig, strategy:
     return summed["total"] / max(int(summed["count"]), 1)
 
 
+def with_lora(model, cfg: SFTConfig, is_main: bool):
+    """``model`` with LoRA adapters when ``cfg.lora.enabled`` (adapters only train: no gradient or optimiser
+    state for the frozen weights), else ``model`` itself."""
+    if not cfg.lora.enabled:
+        return model
+    from shifu.models.lora import trainable_summary, wrap_lora
+
+    model = wrap_lora(model, cfg.lora)
+    if is_main:
+        print(f"shifu sft: LoRA, {trainable_summary(model)}", file=sys.stderr)
+    return model
+
+
 def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict[str, float]:
     """Run SFT as ``cfg`` says; returns the final metrics (``eval/sft/loss``, ``sft/loss``)."""
     strategy = build_strategy(cfg.distributed)
@@ -82,12 +97,14 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # a pad token was added
+    model = with_lora(model, cfg, strategy.is_main)
     model.train()
     lengths = [len(x["prompt_ids"]) + len(x["response_ids"]) for x in train_ex]
     run = common.with_bf16_decision(cfg, model, lengths, strategy, "sft")
     model = strategy.wrap(model)  # before the optimiser (FSDP2 shards the parameters)
     strategy.seed_per_rank(cfg.seed)  # dropout: a different stream per rank
-    trained = strategy.optimize(model, model.parameters(), cfg.optim, loop.steps_of(cfg, len(train_ex)))
+    params = [p for p in model.parameters() if p.requires_grad] if cfg.lora.enabled else model.parameters()
+    trained = strategy.optimize(model, params, cfg.optim, loop.steps_of(cfg, len(train_ex)))
     pad = tokenizer.pad_token_id
 
     def loss(rows: list[int], divisor: torch.Tensor):
