@@ -324,6 +324,7 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     import importlib
 
     from shifu.config.loader import load_config
+    from shifu.parallel.threads import release_freed_memory
     from shifu.runs import checkpoint as ckpt
 
     module = importlib.import_module(module_name)
@@ -334,6 +335,7 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     if not resume:
         clear_stage(stage_dir, stage_dir.name)  # an unfinished stage without a checkpoint starts again
     result = module.train(cfg, resume=resume, overwrite=False) or {}
+    release_freed_memory()  # the next stage starts from what is live, not from this one's heap
     if result.get("stopped"):  # SIGINT/SIGTERM: the stage checkpointed; the same command again resumes it
         raise SystemExit(0)
     return result
