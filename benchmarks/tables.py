@@ -172,10 +172,13 @@ GOLD = {"arith": "exact match", "imdb": "VADER"}
 
 # ------------------------------------------------------------------------------------------- quickstart
 def default_runs(records: list[dict]) -> list[dict]:
+    """Runs of a task's default plan; the SmolLM2 presets have a table of their own (``smollm2``)."""
     return [
         r
         for r in select(records, "quickstart")
-        if r["params"].get("plan") == "default" and not r["params"].get("rejudged")
+        if r["params"].get("plan") == "default"
+        and not r["params"].get("rejudged")
+        and r["params"].get("preset") != "smollm2"
     ]
 
 
@@ -320,7 +323,7 @@ def smollm2(records: list[dict]) -> str:
         "KL (nats)",
         "tool use before → after",
         "time",
-        "peak MB",
+        "peak RSS (MiB)",
         "CPU",
         "commit",
     ]
