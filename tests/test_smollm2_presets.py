@@ -196,6 +196,7 @@ def test_arith_tool_smollm2_quickstart_sft_then_lora_rloo_episodes(chat_cached_m
     sets = [
         "sft.max_steps=2",
         "sft.batch_size=4",
+        "sft.lora.target_modules=null",  # the stand-in is a GPT-2: peft's default layers (c_attn)
         "ppo.iterations=1",
         "ppo.batch_size=8",
         "ppo.minibatch_size=8",
