@@ -89,13 +89,14 @@ def make_splits(max_operand: int, n_heldout: int, n_sft_eval: int) -> dict[str, 
     }
 
 
-def build_tokenizer(out_dir: str | Path):
-    """Character-level ``PreTrainedTokenizerFast`` (one token per character, ``<eos>``/``<pad>``/``<bos>``),
-    saved to ``out_dir``. Decoding joins characters without spaces (``Fuse`` decoder)."""
+def build_tokenizer(out_dir: str | Path, alphabet: str = ALPHABET):
+    """Character-level ``PreTrainedTokenizerFast`` over ``alphabet`` (one token per character after
+    :data:`SPECIALS`: ``<pad>``/``<bos>``/``<eos>``/``<unk>``), saved to ``out_dir``. Decoding joins characters
+    without spaces (``Fuse`` decoder)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(ALPHABET))}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(alphabet)))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()

@@ -29,7 +29,6 @@ from pathlib import Path
 from shifu.config.loader import read_shipped_table, shipped
 
 SPLIT_SEED = 4321  # fixed: the held-out set does not depend on the run seed
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # digits and the call syntax, plus what a calculator error reads like ("{error: ZeroDivisionError: ...}")
 ALPHABET = "0123456789+-*/=()[]{}:. " + "abcdefghijklmnopqrstuvwxyzDEZV"
 
@@ -159,19 +158,10 @@ def demonstration(a: int, b: int, call: bool) -> str:
 
 
 def build_tokenizer(out_dir: str | Path):
-    """Character-level ``PreTrainedTokenizerFast`` over :data:`ALPHABET` (decoding joins characters)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """Character-level tokenizer over :data:`ALPHABET` (:func:`shifu.tasks.arith.build_tokenizer`)."""
+    from shifu.tasks import arith
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(ALPHABET)))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
-    tok.save_pretrained(str(out_dir))
-    return tok
+    return arith.build_tokenizer(out_dir, ALPHABET)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -103,8 +103,8 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     run = common.with_bf16_decision(cfg, model, lengths, strategy, "sft")
     model = strategy.wrap(model)  # before the optimiser (FSDP2 shards the parameters)
     strategy.seed_per_rank(cfg.seed)  # dropout: a different stream per rank
-    params = [p for p in model.parameters() if p.requires_grad] if cfg.lora.enabled else model.parameters()
-    trained = strategy.optimize(model, params, cfg.optim, loop.steps_of(cfg, len(train_ex)))
+    # (the optimiser takes only what requires grad: with LoRA, the adapters)
+    trained = strategy.optimize(model, model.parameters(), cfg.optim, loop.steps_of(cfg, len(train_ex)))
     pad = tokenizer.pad_token_id
 
     def loss(rows: list[int], divisor: torch.Tensor):
