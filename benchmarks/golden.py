@@ -1,6 +1,6 @@
 """Golden outputs for a refactor: short runs of every stage, then a bit-for-bit comparison of two trees' runs.
 
-Record before a refactor, record again after, compare (CPU, one thread; ~40 s per record):
+Record before a refactor, record again after, compare (CPU, one thread; a few minutes per record):
 
     python benchmarks/golden.py record runs/golden-before     # on the parent commit's checkout
     python benchmarks/golden.py record runs/golden-after      # on the refactored tree
@@ -8,11 +8,13 @@ Record before a refactor, record again after, compare (CPU, one thread; ~40 s pe
 
 ``record`` builds a tiny GPT-2 with a BPE tokenizer and small JSONL files (fixed seeds), then runs ``shifu sft``
 (12 steps, evaluations and a checkpoint), ``shifu rm`` and ``shifu dpo`` (10 steps) from the SFT model, and
-four ``shifu ppo`` variants of 4 iterations from it: (a) shared-trunk critic, adaptive KL, score
+six ``shifu ppo`` variants of 4 iterations from it: (a) shared-trunk critic, adaptive KL, score
 normalisation, ptx; (b) a critic from the reward model, fixed KL, score clipping, missing-EOS penalty,
-``grad_accum=2``; (c) ``algo=reinforce``; (d) ``algo=ppo_penalty``. ``compare`` checks every
+``grad_accum=2``; (c) ``algo=reinforce``; (d) ``algo=ppo_penalty``; (e) GRPO with a k3 KL loss; (f) REINFORCE++
+on dense rewards with GSPO's sequence-level ratio; then ``shifu quickstart`` of arith and arith_tool (episodes with an
+environment) shortened to 4 PPO iterations, and GRPO on arith_tool's episodes. ``compare`` checks every
 ``metrics.jsonl`` value (``time/`` and ``perf/`` keys excluded), every tensor of ``final/``, ``best/`` and
-``critic/`` and ``samples.jsonl``; keys only one side has are listed, not failed (a refactor may add
+``critic/`` ``samples.jsonl`` and a quickstart's ``samples_before/after.jsonl``; keys only one side has are listed, not failed (a refactor may add
 metrics). Exit status 1 on any difference.
 """
 
@@ -132,9 +134,41 @@ def record(out: Path) -> None:
         ],
         "ppo_c": ["algo=reinforce", "critic.init=reward", "ppo_epochs=1"],
         "ppo_d": ["algo=ppo_penalty", "critic.init=sft"],
+        "ppo_e": ["advantage_estimator=grpo", "group_size=4", "kl.penalty=loss", "kl.loss_estimator=k3"],
+        "ppo_f": [
+            "advantage_estimator=reinforce_pp",
+            "group_size=2",
+            "reward.dense=true",
+            "algo=gspo",
+            "clip_low=0.003",
+            "clip_high=0.004",
+        ],
     }
     for name, extra in variants.items():
         _shifu("ppo", "--out", str(out / name), *ppo, *extra)
+    # the built-in tasks end to end, shortened: single-turn arith (a reward function) and arith_tool (episodes
+    # with an environment, GAE across turns), then a critic-free run on arith_tool's SFT policy
+    short = ["--seed", "0", "--threads", "1", "--set", "ppo.iterations=4", "--set", "ppo.eval.every=2"]
+    for task in ("arith", "arith_tool"):
+        _shifu("quickstart", "--task", task, "--out", str(out / f"quickstart_{task}"), *short)
+    tool = out / "quickstart_arith_tool"
+    _shifu(
+        "ppo",
+        "--config",
+        str(tool / "ppo" / "config.yaml"),
+        "--out",
+        str(out / "env_grpo"),
+        f"model.path={tool / 'sft' / 'final'}",
+        "advantage_estimator=grpo",
+        "group_size=4",
+        "critic.init=sft",
+        "iterations=3",
+        "batch_size=32",
+        "minibatch_size=16",
+        "eval.every=3",
+        "eval.num_prompts=16",
+        *quiet,
+    )
 
 
 def _rows(path: Path) -> dict:
@@ -155,7 +189,7 @@ def compare(a: Path, b: Path) -> int:
     from safetensors.torch import load_file
 
     bad = 0
-    for run in sorted(p.name for p in a.iterdir() if (p / "metrics.jsonl").exists()):
+    for run in sorted(str(p.parent.relative_to(a)) for p in a.rglob("metrics.jsonl")):
         ra, rb = _rows(a / run / "metrics.jsonl"), _rows(b / run / "metrics.jsonl")
         diffs, only = [], set()
         for step in set(ra) | set(rb):
@@ -173,6 +207,11 @@ def compare(a: Path, b: Path) -> int:
             same = (a / run / "samples.jsonl").read_bytes() == (b / run / "samples.jsonl").read_bytes()
             diffs += [] if same else [("samples.jsonl", "", "", "")]
             line += f"; samples {'identical' if same else 'DIFFER'}"
+        for name in ("samples_before.jsonl", "samples_after.jsonl"):  # a quickstart's final evaluation
+            if (a / run / ".." / name).exists() and run.endswith("ppo"):
+                same = (a / run / ".." / name).read_bytes() == (b / run / ".." / name).read_bytes()
+                diffs += [] if same else [(name, "", "", "")]
+                line += f"; {name} {'identical' if same else 'DIFFER'}"
         print(line + (f"; keys on one side only: {sorted(only)}" if only else ""))
         for d in diffs[:5]:
             print("   ", d)
