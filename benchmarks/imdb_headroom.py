@@ -38,10 +38,11 @@ from pathlib import Path
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 import torch
 
+from shifu.config.imports import load_callable
 from shifu.experiments import evaluation as ev_mod
 from shifu.experiments import quickstart as qs
 from shifu.experiments.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
-from shifu.rewards.sources import load_function, load_reward_model
+from shifu.rewards.sources import load_reward_model
 from shifu.tasks import evaluate_policy
 
 PRESET = "small"
@@ -76,7 +77,7 @@ def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> lis
     prompts = [r["prompt"] for r in read_jsonl(run / "data" / "prompts_eval.jsonl")][:num_prompts]
     responses = sample(run, prompts, n, plan, seed + 777)
     rep = [p for p in prompts for _ in range(n)]
-    gold = torch.tensor(load_function(qs.GOLD["imdb"], "gold judge")(rep, responses, None)).view(-1, n)
+    gold = torch.tensor(load_callable(qs.GOLD["imdb"], "gold judge")(rep, responses, None)).view(-1, n)
     score = load_reward_model(run / "rm" / "final").score_texts(rep, responses).view(-1, n)
     rows, k = [], 1
     while k <= n:

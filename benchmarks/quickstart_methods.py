@@ -29,7 +29,7 @@ from pathlib import Path
 
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 
-from shifu.experiments.evaluation import standard_error
+from shifu.core.stats import mean_se
 from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, _plan
 
 G = 4  # responses per prompt of the group methods
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     for method, rs in rows.items():
         gains = [r["gold_gain"] for r in rs]
-        se = standard_error(gains) if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
+        se = mean_se(gains)[1] if len(gains) > 1 else float("nan")  # (one seed: no spread to report)
         rl = [rl_cpu_seconds(r) for r in rs]
         per_minute = [g / (c / 60) for g, c in zip(gains, rl)]
         summary = {
@@ -207,14 +207,14 @@ def plot(rows: dict[str, list[dict]], path: Path) -> None:
     for i, (method, rs) in enumerate(rows.items()):
         colour = f"C{i}"
         gains = [r["gold_gain"] for r in rs]
-        se = standard_error(gains) if len(gains) > 1 else 0.0
+        se = mean_se(gains)[1] if len(gains) > 1 else 0.0
         for ax, xs in zip(axes, ([r["kl"] for r in rs], [rl_cpu_seconds(r) for r in rs])):
             ax.scatter(xs, gains, color=colour, s=14, alpha=0.5)
             ax.errorbar(
                 [statistics.mean(xs)],
                 [statistics.mean(gains)],
                 yerr=[se],
-                xerr=[standard_error(xs) if len(xs) > 1 else 0.0],
+                xerr=[mean_se(xs)[1] if len(xs) > 1 else 0.0],
                 color=colour,
                 marker="o",
                 markersize=7,

@@ -62,3 +62,13 @@ def test_explained_variance():
     assert explained_variance(poisoned, returns, mask).item() == 1.0
     # undefined without variance in the returns
     assert torch.isnan(explained_variance(constant, constant, mask))
+
+
+def test_mean_se_is_the_standard_error_of_the_mean():
+    from shifu.core import mean_se
+
+    # hand-computed: mean 2, sample std 1 (ddof=1), n = 3 -> se = 1/sqrt(3)
+    assert mean_se([1.0, 2.0, 3.0]) == pytest.approx((2.0, 1 / 3**0.5))
+    assert mean_se([5.0]) == (5.0, None)  # one value has no spread
+    with pytest.raises(ValueError):
+        mean_se([])

@@ -65,6 +65,7 @@ def test_public_names():
         "PenaltyKLController",
         "build_kl_controller",
         "RunningMoments",
+        "mean_se",
         "explained_variance",
         "penalize_missing_eos",
         "normalize_scores",

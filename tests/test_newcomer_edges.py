@@ -17,9 +17,9 @@ from conftest import write_jsonl
 from test_sft import corpus
 
 from shifu.cli import main as cli
+from shifu.config.imports import load_callable
 from shifu.config.loader import load_config, read_yaml
 from shifu.errors import ConfigError
-from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo, sft
 
@@ -106,10 +106,10 @@ def test_a_reward_function_next_to_the_working_directory_is_found(tmp_path, monk
     # as under the `shifu` console script: the working directory is not on sys.path
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), ".")])
     monkeypatch.delitem(sys.modules, "mytask", raising=False)
-    fn = load_function("mytask.rewards:fn")
+    fn = load_callable("mytask.rewards:fn", "reward.function")
     assert fn(["a"], ["b"], [{}]) == [1.0]
     with pytest.raises(ConfigError, match=r"run shifu from the directory that holds nosuch/"):
-        load_function("nosuch.rewards:fn")
+        load_callable("nosuch.rewards:fn", "reward.function")
 
 
 def test_ctrl_c_with_the_console_reader_gone_still_checkpoints(tiny_model_dir, tmp_path):

@@ -218,7 +218,8 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
 def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp_path):
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
-    from shifu.experiments.evaluation import evaluate, standard_error
+    from shifu.core.stats import mean_se
+    from shifu.experiments.evaluation import evaluate
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
     path = tmp_path / "prompts.jsonl"
@@ -230,7 +231,7 @@ def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp
     assert s["gold_before_se"] == s["gold_after_se"] > 0  # VADER differs between the sampled responses
     after = _read(tmp_path / "samples_after.jsonl")
     assert all(r["kl"] == 0.0 and r["kl_k1"] == 0.0 for r in after)
-    assert standard_error([1.0, 3.0]) == pytest.approx(1.0) and standard_error([2.0]) == 0.0
+    assert mean_se([1.0, 3.0])[1] == pytest.approx(1.0) and mean_se([2.0])[1] is None
 
 
 @pytest.mark.unit

@@ -46,10 +46,11 @@ from .losses import (
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .offpolicy import rollout_mismatch, truncated_is_weights
 from .scores import normalize_scores, penalize_missing_eos
-from .stats import RunningMoments, explained_variance
+from .stats import RunningMoments, explained_variance, mean_se
 from .trust_region import conjugate_gradient
 
 __all__ = [
+    "mean_se",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",

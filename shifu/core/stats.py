@@ -1,4 +1,5 @@
-"""Streaming moments (for score normalisation) and the explained variance of a critic."""
+"""Streaming moments (for score normalisation), the explained variance of a critic, and the mean with its
+standard error (every judged figure shifu reports)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,15 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     var_error = masked_var(returns - values, mask, unbiased=False)
     nan = torch.full((), float("nan"), dtype=var_returns.dtype, device=var_returns.device)
     return torch.where(var_returns > 0, 1 - var_error / var_returns, nan)
+
+
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    """The mean of ``values`` and its standard error, ``std(ddof=1) / sqrt(n)`` (None for fewer than two
+    values: one number has no spread to measure). A paired gain is ``mean_se([a - b for a, b in pairs])``."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_se of no values")
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n)

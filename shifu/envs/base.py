@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from shifu.config.imports import load_callable, typed_key
 from shifu.errors import ConfigError, ShifuError
 
 ON_ERROR = ("raise", "end_episode")
@@ -51,18 +52,7 @@ class EnvFault(ShifuError):
 
 def load_factory(spec: str) -> Callable[..., Any]:
     """The class or factory ``"package.module:Name"`` names; ConfigError saying what to write otherwise."""
-    from shifu.rewards.sources import import_module_from_cwd
-
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(
-            f"ppo.env.factory '{spec}' must look like 'package.module:Name' (a class or a factory)"
-        )
-    mod_name, name = spec.split(":")
-    module = import_module_from_cwd(mod_name, f"ppo.env.factory '{spec}'")
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ConfigError(f"ppo.env.factory '{spec}': module '{mod_name}' has no class or function '{name}'")
-    return factory
+    return load_callable(spec, typed_key("env.factory"), "class or function")
 
 
 def check_messages(value: Any) -> bool:

@@ -4,10 +4,10 @@ and paired standard errors."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from shifu.core.stats import mean_se
 from shifu.experiments.pipeline import (
     read_jsonl,
     write_jsonl,
@@ -27,15 +27,6 @@ def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def standard_error(xs: list[float]) -> float:
-    """The standard error of the mean of ``xs``: sample std (n - 1) / sqrt(n); 0 for fewer than 2."""
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mean = sum(xs) / n
-    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
-
-
 def evaluate(
     task: str,
     sft_dir: Path,
@@ -50,14 +41,14 @@ def evaluate(
     writes samples_before/after.jsonl. ``gold``: the judge (``package.module:function``; the task's own by
     default); ``ev["greedy"]`` false skips arith's greedy accuracies. One progress bar on stderr counts the
     prompts of every pass (sampled before and after, then greedy before and after)."""
-    from shifu.rewards.sources import load_function
+    from shifu.config.imports import load_callable
     from shifu.runs.tracking import progress
     from shifu.tasks import evaluate_policy
 
     rows = read_jsonl(prompts_path)[: ev.get("num_prompts")]
     prompts = [r["prompt"] for r in rows]
     gold = gold or GOLD[task]
-    gold_fn = load_function(gold, "gold judge")
+    gold_fn = load_callable(gold, "gold judge")
     T, R = ev["temperature"], ev["max_new_tokens"]
     # prompts cut to PPO's data.max_prompt_len (keeping their last tokens) as in training: an untruncated
     # long prompt + R new tokens can run past the model's positions (imdb small: 64)
@@ -98,9 +89,9 @@ def evaluate(
         "gold_before": sum(g_before) / n,
         "gold_after": sum(g_after) / n,
         "gold_gain": sum(gains) / n,
-        "gold_before_se": standard_error(g_before),
-        "gold_after_se": standard_error(g_after),
-        "gold_gain_se": standard_error(gains),
+        "gold_before_se": mean_se(g_before)[1],
+        "gold_after_se": mean_se(g_after)[1],
+        "gold_gain_se": mean_se(gains)[1],
         "kl": sum(after["kl_k3"]) / n,  # the k3 estimate: never negative
         "kl_k1": sum(after["kl"]) / n,
         "eval_prompts": n,

@@ -323,6 +323,7 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     else start it again (:func:`clear_stage`)."""
     import importlib
 
+    from shifu.config.imports import key_prefix
     from shifu.config.loader import load_config
     from shifu.parallel.threads import release_freed_memory
     from shifu.runs import checkpoint as ckpt
@@ -334,7 +335,8 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     resume = ckpt.latest_checkpoint(stage_dir) is not None
     if not resume:
         clear_stage(stage_dir, stage_dir.name)  # an unfinished stage without a checkpoint starts again
-    result = module.train(cfg, resume=resume, overwrite=False) or {}
+    with key_prefix(f"{stage_dir.name}."):  # messages name the plan's keys (ppo.env.factory)
+        result = module.train(cfg, resume=resume, overwrite=False) or {}
     release_freed_memory()  # the next stage starts from what is live, not from this one's heap
     if result.get("stopped"):  # SIGINT/SIGTERM: the stage checkpointed; the same command again resumes it
         raise SystemExit(0)

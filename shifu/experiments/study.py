@@ -255,7 +255,7 @@ def _trainer_overrides(method: str, plan: dict, point: dict, shared: dict, seed:
 
 def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out: Path, ev: dict) -> dict:
     """Train one (method, point, seed) from the SFT policy and measure it; cached in RESULT.json."""
-    from shifu.rewards.sources import load_function
+    from shifu.config.imports import load_callable
 
     run_dir = out / "runs" / f"{method}-{label.replace('=', '')}-s{seed}"
     result_file = run_dir / "RESULT.json"
@@ -278,7 +278,7 @@ def run_point(method: str, label: str, seed: int, plan: dict, shared: dict, out:
         run_dir / "final",
         shared["sft"],
         rows,
-        load_function(ev["gold"], "gold judge"),
+        load_callable(ev["gold"], "gold judge"),
         ev["max_new_tokens"],
         ev["temperature"],
         ev["seed"],
@@ -372,13 +372,13 @@ def frontier(
         "seed": 777,
         "max_prompt_len": e.get("max_prompt_len"),
     }
-    from shifu.rewards.sources import load_function
+    from shifu.config.imports import load_callable
 
     base = measure(
         shared["sft"],
         shared["sft"],
         ev["rows"],
-        load_function(ev["gold"], "gold judge"),
+        load_callable(ev["gold"], "gold judge"),
         ev["max_new_tokens"],
         ev["temperature"],
         ev["seed"],

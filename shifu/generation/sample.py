@@ -161,12 +161,15 @@ class Sampler:
             self.reward.model.to(self.device)
 
     def _load_reward(self, args: argparse.Namespace):
-        from shifu.rewards.sources import RewardSource, load_function, load_reward_model
+        from shifu.config.imports import load_callable
+        from shifu.rewards.sources import RewardSource, load_reward_model
 
         if args.reward_model:
             return RewardSource(model=load_reward_model(args.reward_model), policy_tokenizer=self.tok)
         if args.reward_function:
-            return RewardSource(function=load_function(args.reward_function), policy_tokenizer=self.tok)
+            return RewardSource(
+                function=load_callable(args.reward_function, "--reward-function"), policy_tokenizer=self.tok
+            )
         return None
 
     @torch.no_grad()

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from shifu.config.loader import lookup
+from shifu.core.stats import mean_se
 from shifu.errors import ShifuError
 from shifu.reporting.run_data import read_json
 
@@ -129,16 +130,6 @@ def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return float(v) if math.isfinite(v) else None
-
-
-def mean_se(values: list[float]) -> tuple[float, float | None]:
-    """Mean and its standard error ``std(ddof=1) / sqrt(n)`` (None for fewer than two values)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    var = sum((x - mean) ** 2 for x in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 def gold_comparison(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -21,9 +21,6 @@ shares, so with ``gamma = 1`` the KL-regularised objective and its optimum are t
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,35 +30,6 @@ from shifu.data.rows import prompt_text
 from shifu.errors import ConfigError, ShifuError
 
 RewardFn = Callable[[list[str], list[str], list[dict]], list[float]]
-
-
-def import_module_from_cwd(mod_name: str, what: str):
-    """Import ``mod_name`` as ``python -m`` would from the working directory: the directory the command runs
-    in is searched after the installed packages (as uvicorn and gunicorn do for ``module:app``), so a
-    ``mytask/rewards.py`` next to where ``shifu`` is started is found. ConfigError naming ``what`` if not."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-    try:
-        return importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"{what}: cannot import module '{mod_name}' ({e}). It is looked up in the installed packages, the "
-            f"working directory ({cwd}) and PYTHONPATH: run shifu from the directory that holds "
-            f"{mod_name.split('.')[0]}/ (or {mod_name.split('.')[0]}.py), or add that directory to PYTHONPATH"
-        ) from None
-
-
-def load_function(spec: str, what: str = "reward function") -> RewardFn:
-    """Import ``"package.module:function"``; errors say what to write instead."""
-    if ":" not in spec:
-        raise ConfigError(f"{what} '{spec}' must look like 'package.module:function'")
-    mod_name, fn_name = spec.split(":", 1)
-    module = import_module_from_cwd(mod_name, f"{what} '{spec}'")
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"{what} '{spec}': module '{mod_name}' has no function '{fn_name}'")
-    return fn
 
 
 def same_tokenizer(a, b) -> bool:

@@ -241,9 +241,9 @@ def load_served(
             positions=model_positions(model),
         )
     if ":" in source and not Path(source).exists():
-        from shifu.rewards.sources import load_function
+        from shifu.config.imports import load_callable
 
-        return Served(source, function=load_function(source))
+        return Served(source, function=load_callable(source, "reward function"))
     raise ConfigError(
         f"'{source}' is neither a reward model directory nor a reward function: give a `shifu rm` output "
         "directory (a model, an ensemble, or a run with final/) or 'package.module:function'"

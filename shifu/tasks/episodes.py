@@ -11,7 +11,6 @@ gold is the episode return, the environment's own count.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,13 +70,6 @@ def evaluate_episodes(
     return out
 
 
-def _mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    mean = sum(xs) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n) if n > 1 else 0.0
-    return mean, se
-
-
 def compare(
     sft_dir: Path, final_dir: Path, rows: list[dict], env: dict, ev: dict, seed: int, out: Path
 ) -> dict[str, Any]:
@@ -87,6 +79,7 @@ def compare(
     ``out/samples_before.jsonl`` and ``samples_after.jsonl``. ``ev``: the plan's final evaluation settings."""
     from shifu.config.loader import from_dict
     from shifu.config.sections import EnvConfig
+    from shifu.core.stats import mean_se
     from shifu.runs.tracking import progress
 
     env_cfg = from_dict(EnvConfig, env)
@@ -106,9 +99,9 @@ def compare(
         if res["kl"]:
             lines = [x | {"kl": k} for x, k in zip(lines, res["kl"])]
         (out / name).write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    (gb, gb_se), (ga, ga_se) = _mean_se(before["returns"]), _mean_se(after["returns"])
-    gain, gain_se = _mean_se([a - b for a, b in zip(after["returns"], before["returns"])])
-    (ub, ub_se), (ua, ua_se) = _mean_se(before["tool_use"]), _mean_se(after["tool_use"])
+    (gb, gb_se), (ga, ga_se) = mean_se(before["returns"]), mean_se(after["returns"])
+    gain, gain_se = mean_se([a - b for a, b in zip(after["returns"], before["returns"])])
+    (ub, ub_se), (ua, ua_se) = mean_se(before["tool_use"]), mean_se(after["tool_use"])
     n = len(rows)
     return {
         "gold_before": gb,

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from shifu import core
+from shifu.config.imports import load_callable, typed_key
 from shifu.config.loader import with_values
 from shifu.config.schema import PPOConfig, check_world_size
 from shifu.data.batches import PromptStream
 from shifu.generation.rollout import Rollout, check_positions
 from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
-from shifu.rewards.sources import load_function
 from shifu.runs import checkpoint as ckpt
 from shifu.runs import rng
 from shifu.runs.tracking import progress
@@ -189,7 +189,11 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     check_world_size(cfg, strategy.world)
     # 0. load and validate every input before the output directory is touched
     tok, ids, rows, dropped, eval_ids, eval_rows = load_prompts(cfg)
-    gold_fn = load_function(cfg.eval.gold_function, "eval.gold_function") if cfg.eval.gold_function else None
+    gold_fn = (
+        load_callable(cfg.eval.gold_function, typed_key("eval.gold_function"))
+        if cfg.eval.gold_function
+        else None
+    )
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
     check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.max_response_tokens)

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from shifu.config.imports import load_callable, typed_key
 from shifu.config.schema import PPOConfig
 from shifu.data.batches import encode_prompts, ptx_batches
 from shifu.data.rows import load_rows, split_prompts
@@ -24,7 +25,7 @@ from shifu.models.loading import (
 )
 from shifu.models.scalar import ScalarModel, new_value_head
 from shifu.parallel.strategy import Strategy
-from shifu.rewards.sources import RewardSource, load_function, load_reward_model, same_tokenizer
+from shifu.rewards.sources import RewardSource, load_reward_model, same_tokenizer
 
 
 def load_prompts(cfg: PPOConfig) -> tuple:
@@ -114,7 +115,10 @@ def load_reward(cfg: PPOConfig, tok, device):
             r.url, tok, batch_size=cfg.micro_batch_size, timeout_s=r.timeout_s, retries=r.retries
         )
     if cfg.reward.function:
-        return RewardSource(function=load_function(cfg.reward.function), micro_batch=cfg.micro_batch_size)
+        return RewardSource(
+            function=load_callable(cfg.reward.function, typed_key("reward.function")),
+            micro_batch=cfg.micro_batch_size,
+        )
     rm = load_reward_model(cfg.reward.model_path)
     if isinstance(rm, nn.Module):
         rm = rm.to(device)
