@@ -42,8 +42,9 @@ from shifu.config.imports import load_callable
 from shifu.experiments import evaluation as ev_mod
 from shifu.experiments import quickstart as qs
 from shifu.experiments.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.generation.rollout import SamplingParams
 from shifu.rewards.sources import load_reward_model
-from shifu.tasks import evaluate_policy
+from shifu.rollout.sources import SingleTurn
 
 PRESET = "small"
 
@@ -61,16 +62,11 @@ def sample(run: Path, prompts: list[str], n: int, plan: dict, seed: int) -> list
     """n responses per prompt from run's SFT policy (prompt-major: response j of prompt i at i * n + j)."""
     ev = ev_mod.eval_settings(plan)
     rep = [p for p in prompts for _ in range(n)]
-    return evaluate_policy(
-        str(run / "sft" / "final"),
-        None,
-        rep,
-        ev["max_new_tokens"],
-        ev["temperature"],
-        seed,
-        max_prompt_len=ev["max_prompt_len"],
-        chat_template=ev["chat_template"],
-    )["responses"]
+    params = SamplingParams(ev["max_new_tokens"], ev["temperature"])
+    rows = [{"prompt": p} for p in rep]
+    return ev_mod.judge_policy(
+        run / "sft" / "final", None, rows, SingleTurn(None), params, seed, ev
+    ).responses
 
 
 def best_of_n(run: Path, n: int, num_prompts: int, plan: dict, seed: int) -> list[dict]:

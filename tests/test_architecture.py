@@ -155,6 +155,35 @@ def test_trainers_are_short_and_have_no_world_size_or_deepspeed_branch():
                 assert not re.search(r"world|deepspeed|rank", test, re.I), f"{path.name}: branch on `{test}`"
 
 
+SOURCE_TYPES = {
+    "Environment",
+    "Episodes",
+    "SingleTurn",
+    "AgentSource",
+    "RewardSource",
+    "RemoteReward",
+    "Gateway",
+}
+
+
+def test_trainers_never_ask_which_source_made_a_batch():
+    """The trainers read the one trajectory batch (shifu.rollout): no trainer module imports the environments or
+    the gateway, or tests the type of a source, an environment or a reward (a new way to make trajectories is a
+    new source, not a branch in a trainer)."""
+    for name, path in modules().items():
+        if not name.startswith("shifu.trainers"):
+            continue
+        deps = imports(name, path)
+        assert not any(d.startswith(("shifu.envs", "shifu.gateway")) for d in deps), f"{name} imports {deps}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "type"):
+                named = {n.id for a in node.args[1:] for n in ast.walk(a) if isinstance(n, ast.Name)}
+                named |= {n.attr for a in node.args[1:] for n in ast.walk(a) if isinstance(n, ast.Attribute)}
+                assert not named & SOURCE_TYPES, (
+                    f"{name}:{node.lineno} tests a source's type: {ast.unparse(node)}"
+                )
+
+
 def wing_of(name: str) -> str | None:
     """The wing of a dotted module name (``shifu.runs.checkpoint`` -> ``runs``); None for a flat module."""
     parts = name.split(".")

@@ -34,6 +34,8 @@ from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
 from shifu.parallel import build_strategy
 from shifu.rewards.sources import RewardSource
+from shifu.rollout.batch import PromptBatch
+from shifu.rollout.sources import SingleTurn
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 
 HERE = Path(__file__).resolve().parent
@@ -239,13 +241,14 @@ class _Run:
         r = load_causal_lm(task["model"], dropout=False) if ref else None
         strategy = build_strategy(self.cfg.distributed)
         strategy.launch("cpu")
-        reward = RewardSource(function=ppo_task.frac_a)
-        self.m = ppo_models.place(actor, critic, None, r, reward, self.tok, self.cfg, strategy)
+        source = SingleTurn(RewardSource(function=ppo_task.frac_a))
+        self.m = ppo_models.place(actor, critic, None, r, source, None, self.tok, self.cfg, strategy)
         self.s = ppo_models.PPOState.new(self.cfg, strategy)
 
     def rollout(self, pids, pmask, rows):
         params = ppo.sampling_params(self.cfg)
-        return ppo_rollout.collect_rollout(self.m, self.cfg, pids, pmask, rows, params, self.s.sample_gen)[0]
+        batch = PromptBatch(pids, pmask, rows)
+        return ppo_rollout.collect_rollout(self.m, self.cfg, batch, params, self.s.sample_gen)[0]
 
 
 def _prompts(tok, n=8):

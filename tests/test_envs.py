@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from shifu.config.loader import from_dict
 from shifu.config.schema import EnvConfig, PPOConfig
 from shifu.errors import ConfigError
-from shifu.generation.observations import ChatTurns, PlainTurns, TemplateError
+from shifu.rollout.turns import ChatTurns, PlainTurns, TemplateError
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def env_cfg(**over) -> EnvConfig:
         (
             "scripted_envs:Scripted",
             {"colour": 1},
-            "could not be built with ppo.env.kwargs {'colour': 1}: TypeError",
+            "could not be built with env.kwargs {'colour': 1}: TypeError",
         ),
         ("scripted_envs:NoStep", {}, "builds a NoStep, which has no step() method"),
     ],
@@ -66,6 +66,17 @@ def test_a_bad_factory_is_a_config_error_naming_it(factory, kwargs, said):
     with pytest.raises(ConfigError) as e:
         Environment(env_cfg(factory=factory, kwargs=kwargs))
     assert said in str(e.value) and factory in str(e.value)
+
+
+def test_messages_name_the_key_as_the_user_typed_it():
+    """``env.factory`` in ``shifu ppo``'s own config; ``ppo.env.factory`` in a quickstart plan's ppo stage."""
+    from shifu.config.imports import key_prefix
+    from shifu.envs.base import Environment
+
+    with pytest.raises(ConfigError, match=r"^env\.factory 'scripted_envs:Missing'"):
+        Environment(env_cfg(factory="scripted_envs:Missing"))
+    with key_prefix("ppo."), pytest.raises(ConfigError, match=r"^ppo\.env\.factory 'scripted_envs:Missing'"):
+        Environment(env_cfg(factory="scripted_envs:Missing"))
 
 
 def test_env_settings_are_validated_with_the_rest_of_the_config():
@@ -80,15 +91,15 @@ def test_env_settings_are_validated_with_the_rest_of_the_config():
     bad = [
         (
             {"reward": {"function": "ppo_task:frac_a"}},
-            "ppo.env.factory rewards the episodes: unset reward.model_path",
+            "env.factory rewards the episodes: unset reward.model_path",
         ),
         ({"eval": {"gold_function": "ppo_task:frac_a"}}, "the held-out gold is the mean episode return"),
-        ({"env": {"max_turns": 0}}, "ppo.env.max_turns must be >= 1"),
-        ({"env": {"max_total_tokens": 4, "max_tokens_per_turn": 8}}, "max_total_tokens (4) must be >="),
-        ({"env": {"stop": [""]}}, "ppo.env.stop must be a list of non-empty strings"),
-        ({"env": {"step_timeout_s": 0}}, "ppo.env.step_timeout_s must be > 0"),
+        ({"generation": {"max_turns": 0}}, "generation.max_turns must be >= 1"),
+        ({"generation": {"max_total_tokens": 4, "max_new_tokens": 8}}, "max_total_tokens (4) must be >="),
+        ({"generation": {"stop": [""]}}, "generation.stop must be a list of non-empty strings"),
+        ({"env": {"step_timeout_s": 0}}, "env.step_timeout_s must be > 0"),
+        ({"env": {"concurrency": 0}}, "env.concurrency must be >= 1"),
         ({"env": {"on_error": "ignore"}}, "'ignore' is not one of 'raise', 'end_episode'"),
-        ({"distributed": {"strategy": "ddp"}}, "episodes in one process"),
     ]
     for over, said in bad:
         cfg = {k: v | over.get(k, {}) if isinstance(v, dict) else v for k, v in base.items()} | {
@@ -97,6 +108,22 @@ def test_env_settings_are_validated_with_the_rest_of_the_config():
         with pytest.raises(ConfigError) as e:
             from_dict(PPOConfig, cfg).validate()
         assert said in str(e.value), (over, str(e.value))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("env.max_turns", "generation.max_turns"),
+        ("env.max_tokens_per_turn", "generation.max_new_tokens"),
+        ("env.max_total_tokens", "generation.max_total_tokens"),
+        ("env.stop", "generation.stop"),
+    ],
+)
+def test_the_episode_budgets_moved_to_the_sampler_and_the_old_keys_say_where(old, new):
+    from shifu.config.loader import load_config
+
+    with pytest.raises(ConfigError, match=f"config key '{old}' was renamed to '{new}'"):
+        load_config(PPOConfig, None, ["out_dir=run", "model.path=x", "data.train=p.jsonl", f"{old}=3"])
 
 
 def calculator_env(fmt: str):

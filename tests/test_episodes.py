@@ -1,4 +1,4 @@
-"""The episode rollout (shifu.generation.episodes) on a real tiny model: token in / token out, the decode's
+"""The episode source (shifu.rollout.episodes) on a real tiny model: token in / token out, the decode's
 log-probs against the trainer's forward, masks, per-turn rewards, budgets, and environment faults."""
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from shifu import core
 from shifu.config.loader import from_dict
 from shifu.config.schema import EnvConfig
 from shifu.envs.base import EnvFault, Environment
-from shifu.generation.episodes import run_episodes
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.models.loading import load_causal_lm, load_tokenizer
+from shifu.rollout.batch import PromptBatch
+from shifu.rollout.episodes import EpisodeLimits, Episodes
+from shifu.rollout.sources import Policy
+from shifu.trainers.ppo_rollout import reward_signals
 
 pytestmark = pytest.mark.unit
 
@@ -36,30 +39,36 @@ def rows(n: int = 12) -> list[dict]:
     return [{"prompt": "".join("abcdefghijkl"[(i * 7 + j) % 12] for j in range(3 + i % 3))} for i in range(n)]
 
 
-def env(**over) -> Environment:
-    cfg = {
-        "factory": "scripted_envs:Scripted",
-        "max_turns": 3,
-        "max_tokens_per_turn": 6,
-        "max_total_tokens": 24,
-        "stop": STOPS,
-        "step_timeout_s": None,
-    } | over
-    return Environment(from_dict(EnvConfig, cfg))
+LIMITS = ("max_turns", "max_new_tokens", "max_total_tokens", "stop")
 
 
-def run(char, e: Environment, seed: int = 0, **kw):
+def env(**over) -> Episodes:
+    """An episode source on the scripted environment: 3 turns of at most 6 tokens, 24 in all, every letter a stop
+    (``over``: the limits' keys and the environment's)."""
+    limits = {"max_turns": 3, "max_new_tokens": 6, "max_total_tokens": 24, "stop": STOPS}
+    limits |= {k: over.pop(k) for k in LIMITS if k in over}
+    cfg = {"factory": "scripted_envs:Scripted", "step_timeout_s": None} | over
+    e = Environment(from_dict(EnvConfig, cfg))
+    return Episodes(
+        e, EpisodeLimits(**(limits | {"stop": tuple(limits["stop"])})), chat=False, max_prompt_len=16
+    )
+
+
+def run(char, source: Episodes, seed: int = 0, with_log_probs: bool = False, sampler=sample):
     model, tok = char
-    params = SamplingParams(1, temperature=1.0)
-    return run_episodes(model, tok, e, rows(), params, torch.Generator().manual_seed(seed), False, 16, **kw)
+    policy = Policy(model, tok, with_log_probs, sampler=sampler)
+    batch = PromptBatch(torch.zeros(12, 1, dtype=torch.long), torch.ones(12, 1, dtype=torch.long), rows())
+    return source.collect(
+        policy, batch, SamplingParams(1, temperature=1.0), torch.Generator().manual_seed(seed)
+    )
 
 
-def final_rows(eps) -> list[list[int]]:
+def final_rows(t) -> list[list[int]]:
     """Each episode's real ids: its first input, then every sampled and observation token."""
     out = []
-    for i in range(len(eps.spans)):
-        prompt = eps.prompt_ids[i][eps.prompt_mask[i].bool()].tolist()
-        out.append(prompt + eps.sample.response_ids[i][eps.attention[i]].tolist())
+    for i in range(len(t)):
+        prompt = t.prompt_ids[i][t.prompt_mask[i].bool()].tolist()
+        out.append(prompt + t.ids[i][t.attention[i]].tolist())
     return out
 
 
@@ -80,22 +89,22 @@ def test_every_turn_reads_a_prefix_of_its_final_row_and_the_decode_log_probs_are
     assert max(eps.counts["turns"]) >= 2 and sum(eps.counts["observation_tokens"]) > 0
     # the sampler's own log-probs at the sampled tokens = the trainer's one forward over the whole trajectory
     P = eps.prompt_ids.shape[1]
-    ids = torch.cat([eps.prompt_ids, eps.sample.response_ids], 1)
-    am = torch.cat([eps.prompt_mask, eps.attention.long()], 1)
+    ids = eps.input_ids
+    am = eps.attention_mask
     lp, ent, _ = policy_forward(model, ids, am, P, 1.0, with_entropy=True)
-    mask = eps.sample.response_mask
+    mask = eps.trainable
     assert mask.sum() > 0 and (mask & ~eps.attention).sum() == 0
-    torch.testing.assert_close(lp[mask], eps.sample.log_probs[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent[mask], eps.sample.entropy[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp[mask], eps.log_probs[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[mask], eps.entropy[mask], atol=1e-5, rtol=0)
     # observation tokens are read (attention) but not sampled (mask), and hold the environment's text
     obs = eps.attention & ~mask
     assert obs.sum() == sum(eps.counts["observation_tokens"])
-    assert set(tok.decode(eps.sample.response_ids[obs].tolist()).split()) <= {"k"}
+    assert set(tok.decode(eps.ids[obs].tolist()).split()) <= {"k"}
 
 
 def test_per_turn_rewards_sit_on_each_turns_last_sampled_token(char):
     eps = run(char, env(kwargs={"rewards": [0.5, 1.0, 2.0], "done_after": 3}))
-    mask = eps.sample.response_mask
+    mask = eps.trainable
     for i in range(12):
         ends = eps.turn_ends[i].nonzero().flatten().tolist()
         assert len(ends) == eps.counts["turns"][i] and all(mask[i, p] for p in ends)
@@ -112,21 +121,21 @@ def test_per_turn_rewards_sit_on_each_turns_last_sampled_token(char):
     assert done.any() and (eps.returns[done] == 3.5).all()
     # the trainer's two views: per turn (last turn's reward as the score, the rest as process rewards) or the
     # whole return as one score (group estimators)
-    scores, token_rewards, steps = eps.scores(per_turn=True)
+    scores, token_rewards, steps = reward_signals(eps, per_turn=True)
     last = (mask.long().cumsum(1) == mask.sum(1, keepdim=True)) & mask
     torch.testing.assert_close(scores + token_rewards.sum(1), eps.returns)
     assert (token_rewards[last] == 0).all() and torch.equal(steps, eps.turn_ends)
     core_rewards = core.shape_rewards(scores, torch.zeros_like(token_rewards), mask, 0.0) + token_rewards
     torch.testing.assert_close(core_rewards, eps.rewards)
-    whole, none, _ = eps.scores(per_turn=False)
+    whole, none, _ = reward_signals(eps, per_turn=False)
     assert none is None and torch.equal(whole, eps.returns)
 
 
 def _ended_by_stop(char, eps, i) -> bool:
     """Whether episode i's last turn ended at EOS or a stop letter (then the environment saw it)."""
     _, tok = char
-    mask = eps.sample.response_mask[i]
-    last = eps.sample.response_ids[i][mask][-1].item()
+    mask = eps.trainable[i]
+    last = eps.ids[i][mask][-1].item()
     return last == tok.eos_token_id or tok.decode([last]).strip() in STOPS
 
 
@@ -134,14 +143,14 @@ def test_max_turns_and_the_token_budgets_end_episodes_truncated(char):
     scripted_envs.STEPS.clear()
     eps = run(char, env(max_turns=2, kwargs={"rewards": [1.0, 1.0]}))  # never done
     assert eps.truncated.all() and max(eps.counts["turns"]) == 2
-    assert eps.sample.response_mask.sum(1).min() >= 1
+    assert eps.trainable.sum(1).min() >= 1
     # no stop strings, 2 tokens a turn: a turn that reaches 2 tokens without EOS is cut and never stepped
     scripted_envs.STEPS.clear()
-    eps = run(char, env(stop=[], max_tokens_per_turn=2, kwargs={"done_after": 1}))
+    eps = run(char, env(stop=[], max_new_tokens=2, kwargs={"done_after": 1}))
     for i in range(12):
-        n, ended = int(eps.sample.response_mask[i].sum()), bool(eps.truncated[i])
+        n, ended = int(eps.trainable[i].sum()), bool(eps.truncated[i])
         assert n <= 2 and eps.counts["turns"][i] == 1
-        assert ended == (eps.sample.response_ids[i][n - 1].item() != char[1].eos_token_id)
+        assert ended == (eps.ids[i][n - 1].item() != char[1].eos_token_id)
     assert len(scripted_envs.STEPS) == int((~eps.truncated).sum())
     # the episode's budget: sampled + observation tokens never pass max_total_tokens; the episode that
     # would is truncated
@@ -155,8 +164,8 @@ def test_max_turns_and_the_token_budgets_end_episodes_truncated(char):
         ("raise", "step() raised ValueError: scripted failure"),
         ("type", "step() returned dict {'observation': 'x'}, not a shifu.Step"),
         ("nan", "step() returned the reward nan; it must be a finite number"),
-        ("sleep", "step() took longer than ppo.env.step_timeout_s=0.2 s"),
-        ("long", "the observation is 500 tokens, over ppo.env.max_total_tokens=24 on its own"),
+        ("sleep", "step() took longer than env.step_timeout_s=0.2 s"),
+        ("long", "the observation is 500 tokens, over generation.max_total_tokens=24 on its own"),
         ("reset", "reset() raised RuntimeError: cannot start"),
     ],
 )
@@ -170,20 +179,20 @@ def test_a_faulty_environment_is_named_with_the_row_and_turn_or_ends_its_episode
         run(char, env(**kw))
     turn = "reset" if fault == "reset" else "turn 2"
     assert f"environment scripted_envs:Scripted, row {bad!r}, {turn}: {said}" in str(e.value)
-    assert "ppo.env.on_error=end_episode" in str(e.value)
+    assert "env.on_error=end_episode" in str(e.value)
     # on_error=end_episode: that episode ends with reward 0, counted; the others are untouched
     eps = run(char, env(**kw, on_error="end_episode"))
     i = 3
     assert eps.failed[i] and eps.failed.sum() == 1 and eps.returns[i] == 0 and eps.rewards[i].abs().sum() == 0
-    assert eps.metrics()["env/errors"] == pytest.approx(1 / 12)
+    assert eps.metrics["env/errors"] == pytest.approx(1 / 12)
     if fault == "reset":  # no turn at all: no sampled token, and a NaN score (the trainer drops the row)
-        assert not eps.started[i] and math.isnan(eps.scores(True)[0][i])
+        assert not eps.trainable[i].any() and math.isnan(reward_signals(eps, True)[0][i])
     else:
-        assert eps.started[i] and eps.counts["turns"][i] == 2
+        assert eps.trainable[i].any() and eps.counts["turns"][i] == 2
 
 
 def test_chat_messages_for_a_plain_tokenizer_are_refused_by_name(char):
-    from shifu.generation.observations import TemplateError
+    from shifu.rollout.turns import TemplateError
 
     with pytest.raises(TemplateError, match="row .*reset: the environment's first input is a list of chat "):
         run(char, env(kwargs={"fault": "messages"}))
@@ -214,9 +223,9 @@ def test_no_gradient_reaches_the_logits_of_observation_positions(char):
     sampled)."""
     model, _ = char
     eps = run(char, env(kwargs={"rewards": [1.0, 0.5]}), with_log_probs=True)
-    P, mask = eps.prompt_ids.shape[1], eps.sample.response_mask
-    ids = torch.cat([eps.prompt_ids, eps.sample.response_ids], 1)
-    am = torch.cat([eps.prompt_mask, eps.attention.long()], 1)
+    P, mask = eps.prompt_ids.shape[1], eps.trainable
+    ids = eps.input_ids
+    am = eps.attention_mask
     from shifu.models.padding import position_ids_from_mask
 
     logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
@@ -224,7 +233,7 @@ def test_no_gradient_reaches_the_logits_of_observation_positions(char):
     logits.retain_grad()
     lp, ent = core.log_probs_and_entropy(logits, ids[:, P:], 1.0)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
-    pg, _ = core.ppo_policy_loss(lp, eps.sample.log_probs.detach() - 0.1, adv, mask)
+    pg, _ = core.ppo_policy_loss(lp, eps.log_probs.detach() - 0.1, adv, mask)
     kl, _ = core.kl_loss(lp, lp.detach() + 0.3, mask)
     loss = pg + 0.1 * kl - 0.01 * core.masked_mean(ent, mask)
     loss.backward()
@@ -236,7 +245,7 @@ def test_no_gradient_reaches_the_logits_of_observation_positions(char):
 
 def test_samples_and_metrics_are_json(char):
     eps = run(char, env(kwargs={"rewards": [1.0], "done_after": 2}))
-    m = eps.metrics()
+    m = eps.metrics
     assert set(m) == {
         f"env/{k}"
         for k in (
@@ -251,4 +260,4 @@ def test_samples_and_metrics_are_json(char):
         )
     }
     json.dumps(m)
-    assert all(t.startswith("\u27e6") and "\u27e7" in t for t in eps.transcripts())
+    assert all(t.startswith("\u27e6") and "\u27e7" in t for t in [t.response for t in eps.transcripts])

@@ -45,6 +45,7 @@ def test_core_sources_import_only_torch_and_the_standard_library():
 def test_public_names():
     expected = {
         "masked_sum",
+        "last_true",
         "masked_mean",
         "masked_var",
         "masked_whiten",

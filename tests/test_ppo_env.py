@@ -31,9 +31,9 @@ def argv(data, out, *extra: str) -> list[str]:
         f"data.train={data['prompts']}",
         f"data.eval={data['prompts']}",
         "env.factory=thirdparty_env:Echo",
-        "env.stop=[g,h,i,j,k,l]",
-        "env.max_tokens_per_turn=6",
-        "env.max_total_tokens=24",
+        "generation.stop=[g,h,i,j,k,l]",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
         "iterations=12",
         "batch_size=32",
         "minibatch_size=16",
@@ -112,7 +112,7 @@ def test_a_bad_factory_is_refused_before_anything_is_written(data, tmp_path, cap
         assert said in err and "Traceback" not in err
         assert not out.exists()
     assert cli.main(argv(data, tmp_path / "never", "reward.function=ppo_task:frac_a")) == 2
-    assert "ppo.env.factory rewards the episodes" in capsys.readouterr().err
+    assert "error: env.factory rewards the episodes" in capsys.readouterr().err
 
 
 def test_a_faulty_environment_stops_by_name_with_its_checkpoints_or_ends_its_episodes(data, tmp_path, capsys):
@@ -137,7 +137,7 @@ def test_a_faulty_environment_stops_by_name_with_its_checkpoints_or_ends_its_epi
         "scripted failure",
         err,
     ), err
-    assert "Traceback" not in err and "ppo.env.on_error=end_episode" in err
+    assert "Traceback" not in err and "set env.on_error=end_episode" in err
     latest = ckpt.latest_checkpoint(out)
     assert latest is not None and latest.name.endswith("2")
     ckpt.load_checkpoint(latest, {})  # loadable: --resume would continue from it

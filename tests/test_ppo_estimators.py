@@ -16,10 +16,10 @@ from test_ppo import task as task  # the module's fixture: the char model and it
 
 from shifu.errors import ConfigError, ShifuError
 from shifu.models.loading import load_tokenizer
+from shifu.rollout.sources import place_steps
 from shifu.runs import checkpoint as ckpt
 from shifu.trainers import ppo
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals
-from shifu.trainers.ppo_rollout import step_rewards
 
 QUIET = ("progress=false", "tensorboard=false")
 METHODS = {
@@ -296,7 +296,7 @@ def test_step_rewards_land_on_the_token_that_completes_the_step(tiny_model_dir):
     for i, e in enumerate(enc):
         ids[i, : len(e)], mask[i, : len(e)] = torch.tensor(e), True
     steps = [[(5, 1.0), (11, 0.0), (20, 3.0)], [(1, 0.5), (2, 0.25)]]
-    out, ends = step_rewards(tok, ids, mask, steps)
+    out, ends = place_steps(tok, ids, mask, steps)
     expected, expected_ends = torch.zeros(2, R), torch.zeros(2, R, dtype=torch.bool)
     for i, row in enumerate(steps):
         for end, reward in row:  # the first token whose decoded prefix reaches `end` characters

@@ -372,9 +372,9 @@ def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
     ends with the weights, metrics (env/* included) and evaluation transcripts of the uninterrupted run."""
     env = [
         "env.factory=thirdparty_env:Echo",
-        "env.stop=[g,h,i,j,k,l]",
-        "env.max_tokens_per_turn=6",
-        "env.max_total_tokens=24",
+        "generation.stop=[g,h,i,j,k,l]",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
     ]
 
     def argv(out):

@@ -18,7 +18,6 @@ from transformers import (
 
 from shifu.generation.decode import decoder
 from shifu.generation.rollout import (
-    Rollout,
     SamplingParams,
     critic_forward,
     generate,
@@ -28,6 +27,7 @@ from shifu.generation.rollout import (
 )
 from shifu.models.padding import position_ids_from_mask
 from shifu.models.scalar import ScalarModel
+from shifu.trainers.ppo_rollout import Rollout
 
 pytestmark = pytest.mark.unit
 
@@ -262,8 +262,6 @@ def test_rollout_select_keeps_rows_together_and_is_frozen():
         prompt_len=P,
         scores=torch.arange(B, dtype=torch.float),
         eos_found=torch.tensor([True, False, True, False]),
-        prompts=[f"p{i}" for i in range(B)],
-        responses=[f"r{i}" for i in range(B)],
         rows=[{"i": i} for i in range(B)],
         **per_token,
     )
@@ -271,7 +269,7 @@ def test_rollout_select_keeps_rows_together_and_is_frozen():
     idx = torch.tensor([3, 1])
     sub = rollout.select(idx)
     assert len(sub) == 2 and sub.prompt_len == P and sub.advantages is None
-    assert sub.prompts == ["p3", "p1"] and sub.rows == [{"i": 3}, {"i": 1}]
+    assert sub.rows == [{"i": 3}, {"i": 1}]
     for name in ("input_ids", "response_mask", "scores", "eos_found", *per_token):
         assert torch.equal(getattr(sub, name), getattr(rollout, name)[idx]), name
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -167,14 +167,14 @@ def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
     """The quickstart's before/after evaluation encodes prompts with the run's data.chat_template: the
     tokenizer's template when on (the default), the bare string when a run switched it off."""
     from shifu.models.loading import load_tokenizer
-    from shifu.tasks import encode_prompts
+    from shifu.rollout.evaluate import encode_prompts
 
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = "{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}assistant:"
     plain = tok("the movie was", add_special_tokens=False)["input_ids"]
     templated = tok("user: the movie was\nassistant:", add_special_tokens=False)["input_ids"]
-    on = encode_prompts(tok, ["the movie was"])["input_ids"][0].tolist()
-    off = encode_prompts(tok, ["the movie was"], chat_template=False)["input_ids"][0].tolist()
+    on = encode_prompts(tok, [{"prompt": "the movie was"}], None, chat_template=True)[0]
+    off = encode_prompts(tok, [{"prompt": "the movie was"}], None, chat_template=False)[0]
     assert on == templated and off == plain and on != off
 
 

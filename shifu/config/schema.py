@@ -225,6 +225,11 @@ class PPOConfig(RunConfig):
         "trust_remote_code": "model.trust_remote_code",
         "data.prompts": "data.train",
         "data.eval_prompts": "data.eval",
+        # the episode's budgets belong to the sampler
+        "env.max_turns": "generation.max_turns",
+        "env.max_tokens_per_turn": "generation.max_new_tokens",
+        "env.max_total_tokens": "generation.max_total_tokens",
+        "env.stop": "generation.stop",
     }
 
     model: PolicyModelConfig = opt(
@@ -320,7 +325,8 @@ class PPOConfig(RunConfig):
         self.data.validate()
         r = self.reward
         if self.env.factory is not None:  # the environment rewards the episodes
-            self.env.validate_alongside(r, self.eval.gold_function, self.distributed.strategy)
+            self.env.validate_alongside(r, self.eval.gold_function)
+            self.generation.validate_episodes()
         elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
             raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
         r.validate()
@@ -399,8 +405,9 @@ class PPOConfig(RunConfig):
     @property
     def max_response_tokens(self) -> int:
         """The most tokens a rollout row holds after its prompt: ``generation.max_new_tokens``, or with an
-        environment ``ppo.env.max_total_tokens`` (sampled and observation tokens of an episode)."""
-        return self.env.max_total_tokens if self.env.factory is not None else self.generation.max_new_tokens
+        environment ``generation.max_total_tokens`` (sampled and observation tokens of an episode)."""
+        g = self.generation
+        return g.max_total_tokens if self.env.factory is not None else g.max_new_tokens
 
     @property
     def uses_critic(self) -> bool:

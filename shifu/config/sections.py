@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from shifu.config.imports import typed_key
 from shifu.config.loader import opt
 from shifu.errors import ConfigError
 
@@ -242,18 +243,42 @@ class PolicyEvalConfig:
 
 @frozen
 class GenerationConfig:
-    max_new_tokens: int = opt(48, "maximum response length R in tokens")
+    max_new_tokens: int = opt(
+        48, "tokens the policy samples in one turn (a single-turn response: R); a turn cut here is truncated"
+    )
     temperature: float = opt(1.0, "sampling temperature T (log-probs use logits/T too)")
     top_k: int = opt(0, "top-k sampling; 0 disables")
     top_p: float = opt(1.0, "nucleus sampling; 1.0 disables")
+    stop: list[str] = opt(
+        [], 'strings that end a turn besides EOS (the string is part of the turn), e.g. ["]"]'
+    )
+    max_turns: int = opt(
+        3,
+        "multi-turn episodes (env.factory): turns (policy replies) per episode; one still going is truncated",
+    )
+    max_total_tokens: int = opt(
+        128,
+        "multi-turn episodes: sampled plus observation tokens after the first input; reaching it truncates",
+    )
 
     def validate(self) -> None:
         if self.temperature <= 0:
             raise ConfigError("generation.temperature must be > 0")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"generation.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        for key in ("max_new_tokens", "max_turns", "max_total_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"generation.{key} must be >= 1 (got {getattr(self, key)})")
         if not 0 < self.top_p <= 1:
             raise ConfigError("generation.top_p must be in (0, 1]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"generation.stop must be a list of non-empty strings (got {self.stop!r})")
+
+    def validate_episodes(self) -> None:
+        """What multi-turn episodes add: a turn fits in the episode's budget."""
+        if self.max_total_tokens < self.max_new_tokens:
+            raise ConfigError(
+                f"generation.max_total_tokens ({self.max_total_tokens}) must be >= "
+                f"generation.max_new_tokens ({self.max_new_tokens}), the tokens of one turn"
+            )
 
 
 @frozen
@@ -346,23 +371,16 @@ class GuardConfig:
 class EnvConfig:
     factory: str | None = opt(
         None,
-        "an environment 'package.module:Name' (a class, or a factory of ppo.env.kwargs): rollouts, validation "
-        "and the held-out evaluation become multi-turn episodes rewarded by it, instead of reward.* (docs/how-to/"
-        "multi-turn.md); null: one response per prompt",
+        "an environment 'package.module:Name' (a class, or a factory of env.kwargs): rollouts, validation and "
+        "the held-out evaluation become multi-turn episodes rewarded by it, instead of reward.* (docs/how-to/"
+        "multi-turn.md; the episode's budgets are generation.max_turns, max_new_tokens, max_total_tokens, stop); "
+        "null: one response per prompt",
     )
     kwargs: dict = opt({}, "keyword arguments of the factory, one fresh instance per episode")
-    max_turns: int = opt(
-        3, "turns (policy replies) per episode; an episode still going after them is truncated"
-    )
-    max_tokens_per_turn: int = opt(
-        32, "tokens the policy samples in one turn; a turn cut here truncates the episode"
-    )
-    max_total_tokens: int = opt(
-        128,
-        "sampled plus observation tokens per episode, after its first input; reaching it truncates the episode",
-    )
-    stop: list[str] = opt(
-        [], 'strings that end a turn besides EOS (the string is part of the turn), e.g. ["]"]'
+    concurrency: int = opt(
+        32,
+        "environment calls (resets, steps) run at once, each on a thread: environments wait on tools, judges "
+        "and services; results are applied in episode order, so a run does not depend on it",
     )
     step_timeout_s: float | None = opt(
         60.0, "seconds one reset() or step() may take (a fault past it); null: no limit"
@@ -376,22 +394,14 @@ class EnvConfig:
     def validate(self) -> None:
         if self.factory is None:
             return
-        for key in ("max_turns", "max_tokens_per_turn", "max_total_tokens"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"ppo.env.{key} must be >= 1 (got {getattr(self, key)})")
-        if self.max_total_tokens < self.max_tokens_per_turn:
-            raise ConfigError(
-                f"ppo.env.max_total_tokens ({self.max_total_tokens}) must be >= "
-                f"ppo.env.max_tokens_per_turn ({self.max_tokens_per_turn})"
-            )
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"ppo.env.stop must be a list of non-empty strings (got {self.stop!r})")
+        if self.concurrency < 1:
+            raise ConfigError(f"{typed_key('env.concurrency')} must be >= 1 (got {self.concurrency})")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ConfigError(
-                f"ppo.env.step_timeout_s must be > 0 (got {self.step_timeout_s}); null: no limit"
+                f"{typed_key('env.step_timeout_s')} must be > 0 (got {self.step_timeout_s}); null: no limit"
             )
 
-    def validate_alongside(self, reward: RewardConfig, gold_function: str | None, strategy: str) -> None:
+    def validate_alongside(self, reward: RewardConfig, gold_function: str | None) -> None:
         """:meth:`validate`, and what an environment excludes in the rest of a PPO config."""
         self.validate()
         if (
@@ -401,17 +411,13 @@ class EnvConfig:
             or reward.dense
         ):
             raise ConfigError(
-                "ppo.env.factory rewards the episodes: unset reward.model_path, reward.function, "
-                "reward.url and reward.dense (or unset ppo.env.factory)"
+                f"{typed_key('env.factory')} rewards the episodes: unset reward.model_path, reward.function, "
+                f"reward.url and reward.dense (or unset {typed_key('env.factory')})"
             )
         if gold_function is not None:
             raise ConfigError(
-                "with ppo.env.factory the held-out gold is the mean episode return of the "
+                f"with {typed_key('env.factory')} the held-out gold is the mean episode return of the "
                 "environment: unset eval.gold_function"
-            )
-        if strategy != "none":
-            raise ConfigError(
-                "ppo.env.factory runs its episodes in one process: set distributed.strategy=none"
             )
 
 

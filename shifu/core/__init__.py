@@ -43,7 +43,7 @@ from .losses import (
     ppo_value_loss,
     reinforce_loss,
 )
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .masked import last_true, masked_mean, masked_sum, masked_var, masked_whiten
 from .offpolicy import rollout_mismatch, truncated_is_weights
 from .scores import normalize_scores, penalize_missing_eos
 from .stats import RunningMoments, explained_variance, mean_se
@@ -75,6 +75,7 @@ __all__ = [
     "kl_loss",
     "log_probs_and_entropy",
     "log_probs_from_logits",
+    "last_true",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -29,6 +29,13 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return selected.sum() if dim is None else selected.sum(dim)
 
 
+def last_true(mask: Tensor) -> Tensor:
+    """Bool, True on the last True of each row of ``mask`` (..., R) (where a response's score goes: its last
+    real token); a row without a True has none."""
+    mask = mask.bool()
+    return (mask.long().cumsum(-1) == mask.sum(-1, keepdim=True)) & mask
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is True (over all elements, or along ``dim``).
 

@@ -2,4 +2,4 @@
 against (:class:`shifu.envs.base.Step`, an object with ``reset(row)`` and ``step(action)``, loaded by
 ``package.module:Name`` from ``ppo.env.factory``), the checks that turn a misbehaving environment into a clear
 error naming it, the row and the turn, and :class:`shifu.envs.tool.ToolEnv`, typed Python functions offered
-to the policy as tools. No torch here: the episode rollout itself is :mod:`shifu.generation.episodes`."""
+to the policy as tools. No torch here: the episode source itself is :mod:`shifu.rollout.episodes`."""

@@ -8,11 +8,12 @@ An environment is any class (or a factory taking keyword arguments) whose instan
                                             # this turn (stop string included, special tokens skipped)
 
 ``row`` is the prompt file's row (extra fields such as ``answer`` reach it). One fresh instance per episode,
-built as ``factory(**ppo.env.kwargs)``; ``ppo.env.factory`` names it ``"package.module:Name"``, imported like
-reward functions (installed packages, then the working directory). :class:`Environment` holds the factory and
-the limits of ``ppo.env`` and makes every call through checks: an exception, a return value of the wrong
-type, a call over ``step_timeout_s`` or an observation that can never fit the token budget becomes an
-:class:`EnvFault` whose message names the environment, the row and the turn.
+built as ``factory(**env.kwargs)``; ``env.factory`` names it ``"package.module:Name"``, imported like reward
+functions (installed packages, then the working directory). :class:`Environment` holds the factory and makes
+every call through checks, several at once on a bounded pool of threads: an exception, a return value of the
+wrong type or a call over ``env.step_timeout_s`` becomes an :class:`EnvFault` whose message names the
+environment, the row and the turn. How long an episode may run (turns, tokens) is the sampler's business
+(:mod:`shifu.rollout.episodes`), not the environment's.
 
 ``Step.info`` is the environment's own; two keys are counted when present (numbers): ``tool_calls`` and
 ``tool_errors`` (the metrics ``env/tool_calls``, ``env/tool_errors``; :class:`shifu.envs.tool.ToolEnv` sets
@@ -23,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from shifu.config.imports import load_callable, typed_key
+from shifu.envs.pool import TIMED_OUT, CallPool
 from shifu.errors import ConfigError, ShifuError
 
 ON_ERROR = ("raise", "end_episode")
@@ -77,61 +78,86 @@ def describe_row(row: dict) -> str:
 
 
 class Environment:
-    """``ppo.env`` made usable: the loaded factory, its kwargs and the episode limits.
+    """``env`` made usable: the loaded factory and its kwargs, and every call to an instance checked.
 
-    :meth:`make`, :meth:`reset` and :meth:`step` call the environment through the checks of the module
-    docstring. Building one imports the factory and makes one instance, so a bad ``ppo.env.factory`` or
-    ``ppo.env.kwargs`` is refused before a run writes anything."""
-
-    model = None  # (an environment is the reward of its episodes: no reward model to place)
+    :meth:`start` builds one instance per row and resets it, :meth:`step` steps several instances; both run
+    their calls at once on a pool of ``env.concurrency`` threads (environments wait on tools, judges and
+    services) with the time limit ``env.step_timeout_s`` per call, and return the outcomes in the order asked:
+    the checked result, or the :class:`EnvFault` that names the environment, the row and the turn.
+    :meth:`fault` applies ``env.on_error``. Building one imports the factory and makes one instance, so a bad
+    ``env.factory`` or ``env.kwargs`` is refused before a run writes anything."""
 
     def __init__(self, cfg: Any):
         self.name = cfg.factory
         self.factory = load_factory(cfg.factory)
         self.kwargs = dict(cfg.kwargs or {})
-        self.max_turns, self.stop = cfg.max_turns, tuple(cfg.stop)
-        self.max_tokens_per_turn, self.max_total_tokens = cfg.max_tokens_per_turn, cfg.max_total_tokens
         self.step_timeout_s, self.on_error = cfg.step_timeout_s, cfg.on_error
+        key = typed_key("env")
         try:
             probe = self.factory(**self.kwargs)
         except Exception as e:  # noqa: BLE001 (whatever the user's code raises is reported, not re-raised)
             raise ConfigError(
-                f"ppo.env.factory '{self.name}' could not be built with ppo.env.kwargs {self.kwargs}: "
+                f"{key}.factory '{self.name}' could not be built with {key}.kwargs {self.kwargs}: "
                 f"{type(e).__name__}: {e}"
             ) from None
         missing = [m for m in ("reset", "step") if not callable(getattr(probe, m, None))]
         if missing:
             raise ConfigError(
-                f"ppo.env.factory '{self.name}' builds a {type(probe).__name__}, which has no "
+                f"{key}.factory '{self.name}' builds a {type(probe).__name__}, which has no "
                 f"{' and no '.join(f'{m}()' for m in missing)} method: an environment needs reset(row) -> first "
                 "input and step(action) -> shifu.Step"
             )
+        self.pool = CallPool(cfg.concurrency, f"shifu-env {self.name}")
 
     def where(self, row: dict, turn: int | None) -> str:
         at = "reset" if turn is None else f"turn {turn + 1}"
         return f"environment {self.name}, row {describe_row(row)}, {at}"
 
-    def make(self, row: dict) -> Any:
-        """A fresh instance for one episode."""
-        return self._call(lambda: self.factory(**self.kwargs), row, None, "building it")
+    def start(self, rows: list[dict]) -> list[tuple[Any, str | list[dict]] | EnvFault]:
+        """A fresh instance per row, reset: ``(instance, first input)`` (text or chat messages) or the fault."""
 
-    def reset(self, env: Any, row: dict) -> str | list[dict]:
-        """``env.reset(row)``, checked: text or chat messages."""
-        first = self._call(lambda: env.reset(row), row, None, "reset()")
-        if isinstance(first, str) and first:
-            return first
-        if check_messages(first):
-            return first
+        def new(row: dict) -> tuple[Any, Any]:
+            instance = self.factory(**self.kwargs)
+            return instance, instance.reset(row)
+
+        outcomes = self.pool.run([lambda r=row: new(r) for row in rows], self.step_timeout_s)
+        return [self._checked(o, row, None, "reset()", self._first) for o, row in zip(outcomes, rows)]
+
+    def step(self, calls: list[tuple[Any, str, dict, int]]) -> list[Step | EnvFault]:
+        """``instance.step(action)`` for each ``(instance, action, row, turn)``: the checked :class:`Step` or
+        the fault."""
+        outcomes = self.pool.run([lambda c=c: c[0].step(c[1]) for c in calls], self.step_timeout_s)
+        return [
+            self._checked(o, row, turn, "step()", self._step) for o, (_, _, row, turn) in zip(outcomes, calls)
+        ]
+
+    def _checked(
+        self, outcome: tuple[Any, BaseException | None], row: dict, turn: int | None, what: str, check
+    ):
+        value, error = outcome
+        where = self.where(row, turn)
+        if value is TIMED_OUT:
+            key = typed_key("env.step_timeout_s")
+            return EnvFault(f"{where}: {what} took longer than {key}={self.step_timeout_s} s")
+        if error is not None:
+            return EnvFault(f"{where}: {what} raised {type(error).__name__}: {error}")
+        try:
+            return check(value, where)
+        except EnvFault as e:
+            return e
+
+    def _first(self, value: tuple[Any, Any], where: str) -> tuple[Any, str | list[dict]]:
+        instance, first = value
+        if (isinstance(first, str) and first) or check_messages(first):
+            return instance, first
         raise EnvFault(
-            f"{self.where(row, None)}: reset() returned {_shown(first)}; it must return the first input, a "
-            "non-empty string or a list of {'role': ..., 'content': ...} messages"
+            f"{where}: reset() returned {_shown(first)}; it must return the first input, a non-empty string or "
+            "a list of {'role': ..., 'content': ...} messages"
         )
 
-    def step(self, env: Any, action: str, row: dict, turn: int) -> Step:
-        """``env.step(action)``, checked: a :class:`Step` with a finite reward, an observation of text,
-        messages or None, a bool ``done`` and a dict ``info``."""
-        out = self._call(lambda: env.step(action), row, turn, "step()")
-        where = self.where(row, turn)
+    def _step(self, out: Any, where: str) -> Step:
+        """A :class:`Step` with a finite reward, an observation of text, messages or None, a bool ``done`` and
+        a dict ``info``."""
         if not isinstance(out, Step):
             raise EnvFault(
                 f"{where}: step() returned {_shown(out)}, not a shifu.Step (from shifu import Step)"
@@ -155,38 +181,14 @@ class Environment:
             )
         return out
 
-    def _call(self, fn: Callable[[], Any], row: dict, turn: int | None, what: str) -> Any:
-        """``fn()`` with the per-call timeout (a thread; one that never returns is left behind, daemonic)."""
-        where = self.where(row, turn)
-        if self.step_timeout_s is None:
-            try:
-                return fn()
-            except Exception as e:  # noqa: BLE001
-                raise EnvFault(f"{where}: {what} raised {type(e).__name__}: {e}") from e
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread below)
-                box["error"] = e
-
-        worker = threading.Thread(target=run, name=f"shifu-env {self.name}", daemon=True)
-        worker.start()
-        worker.join(self.step_timeout_s)
-        if worker.is_alive():
-            raise EnvFault(f"{where}: {what} took longer than ppo.env.step_timeout_s={self.step_timeout_s} s")
-        if "error" in box:
-            e = box["error"]
-            raise EnvFault(f"{where}: {what} raised {type(e).__name__}: {e}") from e
-        return box["value"]
-
-    def fault(self, e: EnvFault) -> EnvFault:
-        """The error a run stops with (``on_error=raise``): the fault and what to do about it."""
-        return EnvFault(
-            f"{e}. Fix the environment, or set ppo.env.on_error=end_episode to end such episodes "
-            "with reward 0 (counted as env/errors)"
-        )
+    def fault(self, e: EnvFault) -> None:
+        """``env.on_error``: ``raise`` stops the run with the fault and what to do about it; ``end_episode``
+        returns (the caller ends that episode with reward 0)."""
+        if self.on_error == "raise":
+            raise EnvFault(
+                f"{e}. Fix the environment, or set {typed_key('env.on_error')}=end_episode to end such episodes "
+                "with reward 0 (counted as env/errors)"
+            ) from None
 
 
 def _shown(value: Any) -> str:

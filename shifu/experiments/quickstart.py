@@ -303,15 +303,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     t0 = clock()
     ev = eval_settings(plan)
     with writing(out, RESULTS):
-        if plan["ppo"].get(
-            "env"
-        ):  # held-out episodes through the environment: gold = the mean episode return
-            from shifu.tasks.episodes import compare
-
-            rows = read_jsonl(files["prompts_eval"])[: ev.get("num_prompts")]
-            summary = compare(sft_final, policy, rows, plan["ppo"]["env"], ev, seed, out)
-        else:
-            summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold)
+        summary = evaluate(task, sft_final, policy, files["prompts_eval"], ev, seed, out, gold, plan["ppo"])
         took = elapsed(t0)
         seconds["eval"], cpu["eval"] = took["seconds"], took["cpu_seconds"]
         summary.update(

@@ -95,29 +95,26 @@ def measure(
     One sample per prompt at ``temperature`` (sampling generator seeded with ``seed``: every policy is
     drawn with the same random numbers); ``gold`` = mean of ``gold_fn`` over the samples; ``kl`` = mean
     over prompts of the k1 sum over response tokens of ``log pi - log pi_ref`` (nats per response,
-    :func:`shifu.tasks.evaluate_policy`); ``response_len`` = mean real tokens, EOS included.
+    :func:`shifu.rollout.evaluate.evaluate`); ``response_len`` = mean real tokens, EOS included.
     ``max_prompt_len`` keeps each prompt's last tokens, as the RL trainers' ``data.max_prompt_len``.
     """
-    from shifu.tasks import evaluate_policy
+    from shifu.experiments.evaluation import judge_policy
+    from shifu.generation.rollout import SamplingParams
+    from shifu.rollout.sources import SingleTurn
 
     prompts = [r["prompt"] for r in rows]
-    ev = evaluate_policy(
-        str(policy_dir),
-        str(ref_dir),
-        prompts,
-        max_new_tokens,
-        temperature,
-        seed,
-        max_prompt_len=max_prompt_len,
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    ev = judge_policy(
+        policy_dir, ref_dir, rows, SingleTurn(None), params, seed, {"max_prompt_len": max_prompt_len}
     )
-    gold = [float(g) for g in gold_fn(prompts, ev["responses"], rows)]
+    gold = [float(g) for g in gold_fn(prompts, ev.responses, rows)]
     n = len(prompts)
     return {
         "gold": sum(gold) / n,
-        "kl": sum(ev["kl"]) / n,
-        "response_len": sum(ev["lengths"]) / n,
+        "kl": sum(ev.kl) / n,
+        "response_len": sum(ev.lengths) / n,
         "samples": [
-            {"prompt": p, "response": y, "gold": g} for p, y, g in zip(prompts[:8], ev["responses"], gold)
+            {"prompt": p, "response": y, "gold": g} for p, y, g in zip(prompts[:8], ev.responses, gold)
         ],
     }
 

@@ -1,9 +1,11 @@
-"""The rollout engine: sampling responses, the batched scoring forwards of PPO, and the rollout itself.
+"""The sampler and the scoring forwards: :func:`sample` (one response per left-padded prompt, to EOS, a stop or
+a budget), :func:`policy_forward` and :func:`critic_forward` (log-probs, entropy, values of a sequence's tokens).
 
-Conventions (docs/reference/architecture.md): prompts are left-padded ``(B, P)``, responses right-padded
-``(B, R)``; a rollout row is ``cat(prompt, response)`` with position ids ``cumsum(attention_mask) - 1``. The
-log-prob / value of response token ``t`` is read at sequence position ``P - 1 + t``. ``response_mask`` is
-True on real response tokens, the first EOS included; everything after it is ``pad_token_id``.
+Conventions (docs/reference/architecture.md): prompts are left-padded ``(B, P)``, what follows right-padded
+``(B, R)``; a row is ``cat(prompt, rest)`` with position ids ``cumsum(attention_mask) - 1``. The log-prob / value
+of token ``t`` of the rest is read at sequence position ``P - 1 + t``. A sampled response's mask is True from its
+first token to its first EOS (included) or stop; everything after is ``pad_token_id``. What trains and what is
+only read in a multi-turn trajectory is the rollout's business (:mod:`shifu.rollout.batch`).
 """
 
 from __future__ import annotations
@@ -19,52 +21,6 @@ from shifu.core import log_probs_and_entropy, log_probs_from_logits
 from shifu.errors import ShifuError
 from shifu.generation.decode import decoder
 from shifu.models.padding import position_ids_from_mask
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """One PPO rollout: ``B`` responses (this process's share of the batch) and what the update needs.
-
-    Sequences are ``cat(left-padded prompt (B, P), right-padded response (B, R))``; per-token tensors (B, R)
-    are over the response, token t read at sequence position ``P - 1 + t``. ``advantages`` and ``returns``
-    are filled in after the rollout (``dataclasses.replace``).
-    """
-
-    input_ids: Tensor  # (B, P+R) prompt + response token ids
-    attention_mask: Tensor  # (B, P+R) 1 on real tokens
-    response_mask: Tensor  # (B, R) bool, True on real response tokens (the first EOS included)
-    prompt_len: int  # P
-    old_log_probs: Tensor  # (B, R) log pi_old(a_t | s_t), logits / T
-    ref_log_probs: Tensor  # (B, R) log pi_ref(a_t | s_t), logits / T
-    values: Tensor  # (B, R) critic values V(s_t) (zeros without a critic)
-    entropy: Tensor  # (B, R) entropy of pi_old at each position
-    scores: Tensor  # (B,) reward of each response, finite
-    eos_found: Tensor  # (B,) bool: the response ended with EOS within the token limit
-    prompts: list[str]  # B prompt texts
-    responses: list[str]  # B decoded responses
-    rows: list[dict]  # B prompt rows of the data file
-    advantages: Tensor | None = None  # (B, R)
-    returns: Tensor | None = None  # (B, R) value targets
-    rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
-    token_rewards: Tensor | None = None  # (B, R) process rewards on the tokens that end a step, else 0
-    step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
-    ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, idx: Tensor) -> Rollout:
-        """The rows ``idx`` (a 1-D index tensor) of every per-row field."""
-        rows = idx.tolist()
-
-        def pick(v):
-            if isinstance(v, Tensor):
-                return v[idx]
-            if isinstance(v, list):
-                return [v[i] for i in rows]
-            return v  # prompt_len, unset optional fields
-
-        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 @dataclasses.dataclass
@@ -215,11 +171,16 @@ def sample(
 
     ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
-    episode rollout (:mod:`shifu.generation.episodes`). ``running`` marks the rows that have not ended."""
+    episode source (:class:`shifu.generation.stopping.StopAt`). ``running`` marks the rows that have not ended."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
-    check_positions(model, P, R)
+    if all_done is None:
+        check_positions(model, P, R)
+    # ranks stepping in step (all_done) keep forwarding rows that ended, whose positions may then run past a
+    # model's learned positions: they are held at the last one (a row still sampling never gets there)
+    last_position = getattr(getattr(model, "config", None), "n_positions", None)
+    last_position = last_position - 1 if isinstance(last_position, int) and all_done is not None else None
     all_done = all_done or (lambda local: local)
     buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)
     # index of the first EOS per row (R = none yet): response_mask = position <= eos_seen_at
@@ -257,7 +218,8 @@ def sample(
             if all_done(bool((eos_seen_at < R).all())):
                 break
         if t + 1 < R:
-            logits = dec.forward(buf[:, t : t + 1], next_pos + t)
+            pos = next_pos + t if last_position is None else (next_pos + t).clamp(max=last_position)
+            logits = dec.forward(buf[:, t : t + 1], pos)
     return _finish(buf, eos_seen_at, steps, pad_token_id, stats, value_head)
 
 

@@ -228,6 +228,15 @@ def all_true(flag: bool) -> bool:
     return _reduce_flag(flag, dist.ReduceOp.MIN)
 
 
+def largest(n: int) -> int:
+    """The largest of every rank's ``n`` (one collective; every rank must call it)."""
+    if not is_distributed():
+        return n
+    t = torch.tensor([int(n)], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (the others' argument is ignored)."""
     if not is_distributed():

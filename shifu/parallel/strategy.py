@@ -208,6 +208,10 @@ class Strategy:
         """True if ``flag`` is true on any rank (every rank must call it)."""
         return bool(flag)
 
+    def largest(self, n: int) -> int:
+        """The largest of every rank's ``n`` (every rank must call it): one process, ``n``."""
+        return n
+
     def barrier(self) -> None:
         """Wait for every rank."""
 

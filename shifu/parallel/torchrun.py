@@ -119,6 +119,9 @@ class DistributedStrategy(Strategy):
     def any_true(self, flag: bool) -> bool:
         return D.any_true(flag)
 
+    def largest(self, n: int) -> int:
+        return D.largest(n)
+
     def barrier(self) -> None:
         D.barrier()
 

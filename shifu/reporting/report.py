@@ -94,7 +94,7 @@ def _summary_html(data: RunData, n_prompts: int | None) -> str:
 
 def _response(row: dict[str, Any]) -> str:
     """A sample's response cell: a multi-turn episode's transcript shows the policy's turns (the trained spans,
-    between the marks of :data:`shifu.generation.episodes.MARKS`) highlighted."""
+    between the marks of :data:`shifu.rollout.batch.MARKS`) highlighted."""
     return esc(row.get("response", "")).replace("\u27e6", "<mark>").replace("\u27e7", "</mark>")
 
 

@@ -72,8 +72,9 @@ METRICS: dict[str, str] = {
     "precision/bf16_update": "bf16=true: 1 when the update's forwards (ppo) or the training steps (sft, rm, dpo: "
     "in summary.json) run under bf16 autocast (fp32 master weights and optimiser state), else 0",
     "time/rollout_s": "seconds spent generating and scoring the rollout",
-    "time/generation_s": "seconds of the rollout spent generating responses",
-    "time/scoring_s": "seconds of the rollout spent on log-probs, values and scores (rollout minus generation)",
+    "time/generation_s": "seconds of the rollout spent in its source: sampling, and the reward or environment it "
+    "calls",
+    "time/scoring_s": "seconds of the rollout spent on the trainer's log-probs and values (rollout minus generation)",
     "time/update_s": "seconds spent in the PPO update epochs",
     "perf/tokens_per_s": "tokens processed per second (PPO: rollout + update; SFT: training tokens)",
     "optim/lr": "learning rate of the PPO optimiser after this iteration",
@@ -82,19 +83,19 @@ METRICS: dict[str, str] = {
     "data/prompts_dropped": "prompts dropped at load time (e.g. longer than the prompt limit), logged at step 0",
     "rollout/rows": "responses in the rollout after non-finite scores were dropped",
     # multi-turn episodes with an environment (ppo.env.factory), means over the rollout's episodes
-    "env/turns": "ppo.env: policy turns per episode (each ends at EOS, a stop string or its token budget)",
-    "env/tool_calls": "ppo.env: tool calls per episode, as the environment counts them (Step.info['tool_calls'])",
-    "env/tool_errors": "ppo.env: tool errors per episode (Step.info['tool_errors']: a call that could not be parsed, "
+    "env/turns": "env.factory: policy turns per episode (each ends at EOS, a stop string or its token budget)",
+    "env/tool_calls": "env.factory: tool calls per episode, as the environment counts them (Step.info['tool_calls'])",
+    "env/tool_errors": "env.factory: tool errors per episode (Step.info['tool_errors']: a call that could not be parsed, "
     "named an unknown tool, or raised)",
-    "env/tool_use": "ppo.env: fraction of episodes with at least one tool call",
-    "env/observation_tokens": "ppo.env: observation tokens per episode (attended to, never trained on or counted as "
+    "env/tool_use": "env.factory: fraction of episodes with at least one tool call",
+    "env/observation_tokens": "env.factory: observation tokens per episode (attended to, never trained on or counted as "
     "response tokens)",
-    "env/truncated": "ppo.env: fraction of episodes cut by max_turns or a token budget (counted as responses "
+    "env/truncated": "env.factory: fraction of episodes cut by max_turns or a token budget (counted as responses "
     "without EOS: reward.missing_eos_penalty applies)",
-    "env/errors": "ppo.env: fraction of episodes ended by an environment fault (on_error=end_episode; reward 0; "
+    "env/errors": "env.factory: fraction of episodes ended by an environment fault (on_error=end_episode; reward 0; "
     "a fault before the first turn drops the episode as rollout/dropped_nonfinite)",
-    "env/return": "ppo.env: episode return, the sum of its turns' rewards",
-    "eval/env/*": "ppo.env: the env/* metrics of the held-out episodes of an evaluation (eval/env/return is "
+    "env/return": "env.factory: episode return, the sum of its turns' rewards",
+    "eval/env/*": "env.factory: the env/* metrics of the held-out episodes of an evaluation (eval/env/return is "
     "gold/score)",
     "sft/skipped_steps": "SFT optimiser steps skipped so far because the loss or gradients were not finite",
     # DPO (shifu dpo)
@@ -112,11 +113,12 @@ METRICS: dict[str, str] = {
     "eval/dpo/chosen_reward": "mean implicit reward of the held-out chosen responses",
     "eval/dpo/rejected_reward": "mean implicit reward of the held-out rejected responses",
     # PPO evaluation rows (step 0 and every eval.every iterations, held-out prompts)
-    "eval/score": "mean reward-model score on the held-out prompts",
+    "eval/score": "mean return on the held-out prompts from the run's source: the reward's score, or the episode "
+    "return",
     "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
     "eval/kl_k3": "k3 estimate of eval/kl (nats per response, never negative)",
     "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM; "
-    "with ppo.env, the mean episode return (the environment's own count)",
+    "with env.factory, the mean episode return (the environment's own count)",
 }
 
 

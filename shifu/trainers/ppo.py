@@ -23,9 +23,10 @@ from shifu.config.imports import load_callable, typed_key
 from shifu.config.loader import with_values
 from shifu.config.schema import PPOConfig, check_world_size
 from shifu.data.batches import PromptStream
-from shifu.generation.rollout import Rollout, check_positions
+from shifu.generation.rollout import check_positions
 from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
+from shifu.rollout.batch import PromptBatch
 from shifu.runs import checkpoint as ckpt
 from shifu.runs import rng
 from shifu.runs.tracking import progress
@@ -40,7 +41,7 @@ from shifu.trainers.common import (
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
 from shifu.trainers.ppo_load import load_prompts, ptx_stream
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
-from shifu.trainers.ppo_rollout import collect_rollout, prompt_batch, sampling_params
+from shifu.trainers.ppo_rollout import Rollout, collect_rollout, prompt_batch, sampling_params
 from shifu.trainers.ppo_update import update
 
 Config = PPOConfig
@@ -64,17 +65,13 @@ SAFE_RESUME_KEYS = {
 }
 
 
-def iteration(
-    m: PPOModels, s: PPOState, cfg: PPOConfig, prompt_ids, prompt_mask, rows, params, ptx=None, warmup=False
-):
-    """One PPO iteration on a batch of left-padded prompts (this rank's share): 1. the rollout, then phases
-    2-6 in :func:`learn`. Returns the iteration's metrics."""
-    device, failed = m.strategy.device, None
-    # 1. rollout: sample responses; old / reference log-probs, values and scores without gradients
+def iteration(m: PPOModels, s: PPOState, cfg: PPOConfig, batch: PromptBatch, params, ptx=None, warmup=False):
+    """One PPO iteration on a batch of prompts (this rank's share): 1. the rollout, then phases 2-6 in
+    :func:`learn`. Returns the iteration's metrics."""
+    failed = None
+    # 1. rollout: trajectories from the source; old / reference log-probs, values and scores without gradients
     try:
-        rollout, info = collect_rollout(
-            m, cfg, prompt_ids.to(device), prompt_mask.to(device), rows, params, s.sample_gen
-        )
+        rollout, info = collect_rollout(m, cfg, batch, params, s.sample_gen)
     except RewardServiceUnavailable as e:  # (every rank stops alike, before anything trained)
         failed = e
     if m.strategy.any_true(failed is not None):
@@ -240,7 +237,7 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
                 batch = prompt_batch(run.stream.next(), m.strategy, G, ids, rows, m.tokenizer.pad_token_id)
                 warmup = loop["iteration"] < cfg.critic_warmup  # the first critic_warmup: critic only
                 try:
-                    metrics = iteration(m, s, cfg, *batch, params, run.ptx, warmup)
+                    metrics = iteration(m, s, cfg, batch, params, run.ptx, warmup)
                 except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
                     # yet, so checkpoint the state before this iteration; --resume redoes it
                     run.stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])

@@ -99,7 +99,7 @@ def group(method: str) -> Callable[[Signals, PPOConfig, Strategy], tuple[Tensor,
             )
         # a step ends where the reward says so and on each response's last token, which carries the score
         # and the KL of the tokens after its last step
-        last = (x.real.long().cumsum(1) == x.real.sum(1, keepdim=True)) & x.real
+        last = core.last_true(x.real)
         advantages = core.group_step_advantages(
             _token_rewards(x, x.scores), (x.steps | last) & x.mask, x.mask, cfg.group_size, method
         )

@@ -11,14 +11,13 @@ from typing import Any
 import torch
 
 from shifu.config.schema import PPOConfig
-from shifu.core import kl_estimate, masked_sum
-from shifu.envs.base import Environment
-from shifu.generation.episodes import run_episodes
-from shifu.generation.rollout import SamplingParams, policy_forward, sample
+from shifu.generation.rollout import SamplingParams
 from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
-from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
+from shifu.rollout.batch import PromptBatch
+from shifu.rollout.evaluate import Evaluated, prompt_batches
+from shifu.rollout.evaluate import evaluate as rollout_evaluate
 from shifu.runs import files, jsonfile
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
@@ -28,126 +27,52 @@ from shifu.trainers.ppo_models import PPOModels
 def evaluate(
     models: PPOModels, ids: list[list[int]], rows: list[dict], gold_fn, cfg: PPOConfig
 ) -> tuple[dict, list]:
-    """Held-out prompts, a low-temperature sample each: reward-model score, KL to the reference, gold score.
+    """Held-out prompts through the run's rollout source (:func:`shifu.rollout.evaluate.evaluate`), sampled at
+    the evaluation temperature: ``eval/score`` (the mean return: the reward's score, or an episode's return),
+    the KL to the reference, the gold score; an environment's counts as ``eval/env/*``.
 
-    ``eval/kl`` is the k1 estimate (nats per response) between the actor and the reference, both with
-    logits divided by the evaluation temperature, on the evaluation samples; ``eval/kl_k3`` the k3
-    estimate of the same KL (never negative). A private generator makes
-    evaluation leave the training RNG untouched. Each rank evaluates the prompts ``rank::W`` (padded with
-    repeats to the same count: every rank runs the same forwards); the results are gathered back into the
-    prompts' order, so every rank returns the same metrics.
+    ``eval/kl`` is the k1 estimate (nats per trajectory, over its sampled tokens) between the actor and the
+    reference, both with logits divided by the evaluation temperature; ``eval/kl_k3`` the k3 estimate of the
+    same KL (never negative). The gold is ``gold_fn`` on the responses, or without one (an environment) the
+    return. A private generator makes evaluation leave the training RNG untouched. Each rank evaluates the
+    prompts ``rank::W`` (padded with repeats to the same count: every rank runs the same forwards); the results
+    are gathered back into the prompts' order, so every rank returns the same metrics.
     """
-    tok, T, strategy = models.tokenizer, cfg.eval.temperature, models.strategy
+    tok, g, strategy = models.tokenizer, cfg.generation, models.strategy
     gen = torch.Generator().manual_seed(strategy.rank_seed(cfg.seed + 4242))
-    if isinstance(models.reward, Environment):
-        return evaluate_episodes(models, rows, cfg, gen)
-    params = SamplingParams(cfg.generation.max_new_tokens, T, cfg.generation.top_k, cfg.generation.top_p)
+    params = SamplingParams(g.max_new_tokens, cfg.eval.temperature, g.top_k, g.top_p)
     models.actor.eval()
-    n_all, W = len(ids), strategy.world
+    n_all, W = len(rows), strategy.world
     mine = list(range(strategy.rank, n_all, W))
     n_mine = len(mine)
     mine += [mine[-1] if mine else 0] * (-(-n_all // W) - n_mine)
-    actor = models.actor_module
     reuse = models.reuses_decode_log_probs(cfg, bf16_autocast=False)  # evaluation runs without autocast
-    responses, scores, kls, kls3 = [], [], [], []
-    for i in range(0, len(mine), cfg.micro_batch_size):
-        part = mine[i : i + cfg.micro_batch_size]
-        b = pad_left([ids[j] for j in part], tok.pad_token_id)
-        pids, pmask = b["input_ids"].to(strategy.device), b["attention_mask"].to(strategy.device)
-        out = sample(
-            actor,
-            pids,
-            pmask,
-            params,
-            tok.eos_token_id,
-            tok.pad_token_id,
-            generator=gen,
-            with_log_probs=reuse,
-            **strategy.generation_kwargs(),
-        )
-        rids, rmask = out.response_ids, out.response_mask
-        full, am = torch.cat([pids, rids], 1), torch.cat([pmask, rmask.long()], 1)
-        P = pids.shape[1]
-        lp = out.log_probs if out.log_probs is not None else policy_forward(actor, full, am, P, T)[0]
-        with models.reference() as ref:
-            ref_lp = policy_forward(ref, full, am, P, T)[0]
-        kls.append(((lp - ref_lp) * rmask).sum(1).float().cpu())
-        kls3.append(masked_sum(kl_estimate(lp, ref_lp, "k3"), rmask, dim=1).float().cpu())
-        texts = [tok.decode(rids[j][rmask[j]], skip_special_tokens=True) for j in range(len(rids))]
-        part_rows = [rows[j] for j in part]
-        scores.append(models.reward([r["prompt"] for r in part_rows], texts, part_rows, full, am).float())
-        responses += texts
-    # back to the prompts' order 0..n-1 on every rank (rank r held r, r+W, ...)
-    parts = strategy.gather(
-        (
-            responses[:n_mine],
-            torch.cat(scores)[:n_mine].cpu(),
-            torch.cat(kls)[:n_mine],
-            mine[:n_mine],
-            torch.cat(kls3)[:n_mine],
-        )
+    policy = models.policy(models.actor_module, with_log_probs=reuse)
+    dev = strategy.device
+    batches = (
+        PromptBatch(b.prompt_ids.to(dev), b.prompt_mask.to(dev), b.rows)
+        for b in prompt_batches(tok, [rows[j] for j in mine], [ids[j] for j in mine], cfg.micro_batch_size)
     )
-    order = [i for p in parts for i in p[3]]
-    where = sorted(range(n_all), key=lambda j: order[j])
-    responses = [r for p in parts for r in p[0]]
-    responses = [responses[j] for j in where]
-    scores_t = torch.cat([p[1] for p in parts])[where]
-    kl_t = torch.cat([p[2] for p in parts])[where]
-    kl3_t = torch.cat([p[4] for p in parts])[where]
+    done = rollout_evaluate(policy, models.source, batches, params, gen, models.reference)
+    # back to the prompts' order 0..n-1 on every rank (rank r held r, r+W, ...)
+    parts = strategy.gather((done.select(list(range(n_mine))), mine[:n_mine]))
+    order = [i for p in parts for i in p[1]]
+    done = Evaluated()
+    for p in parts:
+        done.extend(p[0])
+    done = done.select(sorted(range(n_all), key=lambda j: order[j]))
     metrics = {
-        "eval/score": float(scores_t[torch.isfinite(scores_t)].mean()),
-        "eval/kl": float(kl_t.mean()),
-        "eval/kl_k3": float(kl3_t.mean()),
-    }
-    golds = [None] * len(rows)
+        "eval/score": done.mean_return(),
+        "eval/kl": float(torch.tensor(done.kl).mean()),
+        "eval/kl_k3": float(torch.tensor(done.kl_k3).mean()),
+    } | done.metrics("eval/")  # what the source counts (an environment's turns, tool calls, ...)
+    golds = None
     if gold_fn is not None:
-        golds = [float(g) for g in gold_fn([r["prompt"] for r in rows], responses, rows)]
+        golds = [float(x) for x in gold_fn([r["prompt"] for r in done.rows], done.responses, done.rows)]
         metrics["gold/score"] = sum(golds) / len(golds)
-    samples = [
-        {"prompt": r["prompt"], "response": y, "score": float(s), "gold": g}
-        for r, y, s, g in zip(rows, responses, scores_t.tolist(), golds)
-    ]
-    return metrics, samples
-
-
-@torch.no_grad()
-def evaluate_episodes(
-    models: PPOModels, rows: list[dict], cfg: PPOConfig, gen: torch.Generator
-) -> tuple[dict, list]:
-    """:func:`evaluate` with an environment: one episode per held-out row at the evaluation temperature. The
-    gold (``gold/score``, also ``eval/score``) is the mean episode return, the environment's own count;
-    ``eval/kl`` and ``eval/kl_k3`` sum over the sampled tokens; ``eval/env/*`` as the rollout's ``env/*``.
-    Samples hold each transcript after the first input, the policy's turns marked (``episodes.MARKS``)."""
-    tok, T, dev, env = models.tokenizer, cfg.eval.temperature, models.strategy.device, models.reward
-    params = SamplingParams(cfg.env.max_tokens_per_turn, T, cfg.generation.top_k, cfg.generation.top_p)
-    models.actor.eval()
-    actor, sums, samples = models.actor_module, {}, []
-    for i in range(0, len(rows), cfg.micro_batch_size):
-        part = rows[i : i + cfg.micro_batch_size]
-        eps = run_episodes(
-            actor, tok, env, part, params, gen, cfg.data.chat_template, cfg.data.max_prompt_len
-        )
-        mask, P = eps.sample.response_mask.to(dev), eps.prompt_ids.shape[1]
-        full = torch.cat([eps.prompt_ids, eps.sample.response_ids], 1).to(dev)
-        am = torch.cat([eps.prompt_mask, eps.attention.long()], 1).to(dev)
-        lp = policy_forward(actor, full, am, P, T)[0]
-        with models.reference() as ref:
-            ref_lp = policy_forward(ref, full, am, P, T)[0]
-        kl = {
-            "eval/kl": masked_sum(lp - ref_lp, mask, dim=1).mean(),
-            "eval/kl_k3": masked_sum(kl_estimate(lp, ref_lp, "k3"), mask, dim=1).mean(),
-        }
-        for k, v in (eps.metrics("eval/env/") | {k: float(v) for k, v in kl.items()}).items():
-            sums[k] = sums.get(k, 0.0) + v * len(part)
-        samples += [
-            {"prompt": r["prompt"], "response": t, "score": g, "gold": g, "turns": n, "truncated": c}
-            for r, t, g, n, c in zip(
-                part, eps.transcripts(), eps.returns.tolist(), eps.counts["turns"], eps.truncated.tolist()
-            )
-        ]
-    metrics = {k: v / len(rows) for k, v in sums.items()}
-    gold = metrics["eval/env/return"]
-    return metrics | {"eval/score": gold, "gold/score": gold}, samples
+    elif models.source.gold:  # the return is the task's own measure (an environment's count)
+        golds, metrics["gold/score"] = done.returns, metrics["eval/score"]
+    return metrics, done.records(golds)
 
 
 def evaluate_and_keep(

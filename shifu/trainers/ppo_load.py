@@ -1,5 +1,6 @@
 """What ``shifu ppo`` loads before its run directory is touched: the prompts (rollout and held-out), PPO-ptx's
-demonstrations, and the four models (:func:`load`: actor, frozen reference, reward or environment, critic),
+demonstrations, and the four models (:func:`load`: actor, frozen reference, the rollout source with its reward
+model, critic),
 on this device, not yet placed by the strategy (:func:`shifu.trainers.ppo_models.build` places them)."""
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from typing import Any
 
 from torch import nn
 
-from shifu.config.imports import load_callable, typed_key
 from shifu.config.schema import PPOConfig
 from shifu.data.batches import encode_prompts, ptx_batches
 from shifu.data.rows import load_rows, split_prompts
-from shifu.envs.base import Environment
 from shifu.errors import ShifuError
 from shifu.models import lora as L
 from shifu.models.loading import (
@@ -25,7 +24,8 @@ from shifu.models.loading import (
 )
 from shifu.models.scalar import ScalarModel, new_value_head
 from shifu.parallel.strategy import Strategy
-from shifu.rewards.sources import RewardSource, load_reward_model, same_tokenizer
+from shifu.rewards.sources import same_tokenizer
+from shifu.rollout.build import build_source
 
 
 def load_prompts(cfg: PPOConfig) -> tuple:
@@ -60,8 +60,9 @@ def ptx_stream(cfg: PPOConfig, tok):
 
 
 def load(cfg: PPOConfig, tok, strategy: Strategy):
-    """``(actor, critic, value_head, ref, reward, used)`` as loaded from ``cfg``, on this device, not yet
-    placed by the strategy. The critic starts from the reward model (``critic.init=reward``; when it cannot
+    """``(actor, critic, value_head, ref, source, reward_model, used)`` as loaded from ``cfg``, on this device,
+    not yet placed by the strategy (the rollout source and the frozen reward model it reads:
+    :func:`shifu.rollout.build.build_source`). The critic starts from the reward model (``critic.init=reward``; when it cannot
     value tokens, from the SFT model), the SFT model's trunk with a new head (``sft``), or is a value head on
     the actor's trunk (``shared``); the critic-free estimators (and REINFORCE) have none. Also returns
     ``used``: each config key that could not run as written, with the value that ran (critic.init=reward
@@ -76,7 +77,7 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         ).to(strategy.device)
         if cfg.model.ref_path:  # another model family would crash mid-run or give a meaningless KL
             check_vocab(tok, ref, cfg.model.ref_path, "model.ref_path")
-    reward = load_reward(cfg, tok, strategy.device)
+    source, reward_model = build_source(cfg, tok, strategy)
     sharded_init = zero3() if zero3 is not None else None  # (frozen models load before and after it)
     if zero3 is not None:
         actor = load_actor(cfg, tok, strategy)
@@ -84,7 +85,7 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
     if cfg.uses_critic:  # GAE; every other estimator (and algo=reinforce) runs without a critic
         critic, value_head, used = load_critic(cfg, tok, actor, strategy)
     del sharded_init
-    return actor, critic, value_head, ref, reward, used
+    return actor, critic, value_head, ref, source, reward_model, used
 
 
 def load_actor(cfg: PPOConfig, tok, strategy: Strategy) -> nn.Module:
@@ -100,35 +101,6 @@ def load_actor(cfg: PPOConfig, tok, strategy: Strategy) -> nn.Module:
                 flush=True,
             )
     return actor.to(strategy.device)
-
-
-def load_reward(cfg: PPOConfig, tok, device):
-    """What scores the rollouts: an environment (``env.factory``), the reward service (``reward.url``), a
-    function (``reward.function``), or a reward model or ensemble (``reward.model_path``)."""
-    if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
-        return Environment(cfg.env)
-    if cfg.reward.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
-        from shifu.rewards.remote import RemoteReward
-
-        r = cfg.reward
-        return RemoteReward(
-            r.url, tok, batch_size=cfg.micro_batch_size, timeout_s=r.timeout_s, retries=r.retries
-        )
-    if cfg.reward.function:
-        return RewardSource(
-            function=load_callable(cfg.reward.function, typed_key("reward.function")),
-            micro_batch=cfg.micro_batch_size,
-        )
-    rm = load_reward_model(cfg.reward.model_path)
-    if isinstance(rm, nn.Module):
-        rm = rm.to(device)
-    return RewardSource(
-        model=rm,
-        policy_tokenizer=tok,
-        micro_batch=cfg.micro_batch_size,
-        chat_template=cfg.data.chat_template,
-        dense=cfg.reward.dense,
-    )
 
 
 def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, Any, dict[str, Any]]:

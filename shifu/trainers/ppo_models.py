@@ -22,7 +22,7 @@ from shifu.models import lora as L
 from shifu.models.loading import fuse_tanh_gelu
 from shifu.parallel import precision as bf16
 from shifu.parallel.strategy import Strategy, Trained, decay_groups
-from shifu.rewards.sources import RewardSource
+from shifu.rollout.sources import Policy, RolloutSource
 from shifu.trainers.common import SkippedSteps
 from shifu.trainers.ppo_load import load
 
@@ -30,15 +30,17 @@ from shifu.trainers.ppo_load import load
 @dataclasses.dataclass
 class PPOModels:
     """The actor (trained), the critic (trained: a ScalarModel, or ``value_head`` on the actor's trunk, or
-    neither for REINFORCE and the critic-free estimators), the frozen reference (``None`` with LoRA: the actor with its adapters disabled)
-    and the frozen reward, each as the strategy placed it; ``optimizers`` "actor" (with the value head, and
+    neither for REINFORCE and the critic-free estimators), the frozen reference (``None`` with LoRA: the actor
+    with its adapters disabled), the rollout source and the frozen reward model it reads, each as the strategy
+    placed it; ``optimizers`` "actor" (with the value head, and
     the critic under ``joint_optimizer``) and "critic"; ``plain`` the modules a checkpoint saves."""
 
     actor: nn.Module
     critic: nn.Module | None
     value_head: nn.Module | None
     ref: nn.Module | None
-    reward: RewardSource  # (or a rewards.remote.RemoteReward: the same call; an envs.base.Environment)
+    source: RolloutSource  # what makes the rollouts (and scores them): shifu.rollout
+    reward_model: nn.Module | None  # the frozen reward model the source reads, if any
     tokenizer: Any
     strategy: Strategy
     optimizers: dict[str, Trained]
@@ -69,6 +71,13 @@ class PPOModels:
         differently."""
         fp32 = not bf16_autocast and next(self.actor_module.parameters()).dtype == torch.float32
         return cfg.reuse_generation_log_probs and fp32
+
+    def policy(
+        self, model: nn.Module, with_log_probs: bool = False, value_head: nn.Module | None = None
+    ) -> Policy:
+        """``model`` as a rollout source samples from it, in step with the other ranks under torchrun."""
+        s = self.strategy
+        return Policy(model, self.tokenizer, with_log_probs, value_head, s.generation_kwargs(), s.largest)
 
     def decoder(self) -> nn.Module:
         """The model generation reads: the actor, or its bf16 copy refreshed from the actor's current
@@ -130,12 +139,19 @@ class PPOState:
 
 
 def place(
-    actor, critic, value_head, ref, reward: RewardSource, tok, cfg: PPOConfig, strategy: Strategy
+    actor,
+    critic,
+    value_head,
+    ref,
+    source: RolloutSource,
+    reward_model,
+    tok,
+    cfg: PPOConfig,
+    strategy: Strategy,
 ) -> PPOModels:
     """The models placed by the strategy (trained ones wrapped, frozen ones frozen) and their optimisers."""
     plain = {"actor": actor} | ({"critic": critic} if critic is not None else {})
     plain |= {"value_head": value_head} if value_head is not None else {}
-    reward_model = reward.model if isinstance(reward.model, nn.Module) else None
     for m in (actor, critic, ref, reward_model):
         if m is not None:
             fuse_tanh_gelu(m)  # same function, one fused kernel
@@ -162,7 +178,7 @@ def place(
         )
     actor = optimizers["actor"].model  # a DeepSpeed engine, else the wrapped model
     critic = optimizers["critic"].model if separate_critic else critic
-    m = PPOModels(actor, critic, value_head, ref, reward, tok, strategy, optimizers, plain)
+    m = PPOModels(actor, critic, value_head, ref, source, reward_model, tok, strategy, optimizers, plain)
     return with_precision(m, cfg, reward_model) if cfg.bf16 else m
 
 
@@ -205,7 +221,7 @@ def _grouped(params) -> list:
 
 
 def build(cfg: PPOConfig, tok, strategy: Strategy) -> PPOModels:
-    """The four models from ``cfg``, placed, with their optimisers (``used``: see
+    """The four models (and the rollout source) from ``cfg``, placed, with their optimisers (``used``: see
     :func:`shifu.trainers.ppo_load.load`)."""
     *models, used = load(cfg, tok, strategy)
     m = dataclasses.replace(place(*models, tok, cfg, strategy), used=used)

@@ -1,19 +1,20 @@
-"""Phase 1 of a PPO iteration, the rollout: sample responses from the actor, then the old and reference
-log-probs, the entropy, the values and the scores, all without gradients, as a :class:`shifu.generation.rollout.Rollout`."""
+"""Phase 1 of a PPO iteration, the rollout: trajectories from the run's rollout source (:mod:`shifu.rollout`),
+then the old and reference log-probs, the entropy, the values and what the rewards mean to the estimator, all
+without gradients, as a :class:`Rollout`."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
-from torch import nn
+from torch import Tensor
 
 from shifu import core
 from shifu.config.schema import PPOConfig
-from shifu.envs.base import Environment
-from shifu.generation.episodes import run_episodes
-from shifu.generation.rollout import Rollout, Sample, SamplingParams, critic_forward, policy_forward, sample
+from shifu.generation.rollout import Sample, SamplingParams, critic_forward, policy_forward
 from shifu.models.padding import pad_left
+from shifu.rollout.batch import PromptBatch, Trajectories
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels
 
@@ -21,105 +22,98 @@ from shifu.trainers.ppo_models import PPOModels
 PER_TURN = ("gae", "reinforce_pp")
 
 
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One PPO rollout as the update reads it: ``B`` trajectories (this process's share of the batch) with the
+    old and reference log-probs, values and scores of phase 1.
+
+    Sequences are ``cat(left-padded first input (B, P), right-padded rest (B, R))`` (:mod:`shifu.rollout.batch`);
+    per-token tensors (B, R) are over the rest, token t read at sequence position ``P - 1 + t``. ``advantages``
+    and ``returns`` are filled in after the rollout (``dataclasses.replace``).
+    """
+
+    input_ids: Tensor  # (B, P+R) first input + sampled and read ids
+    attention_mask: Tensor  # (B, P+R) 1 on real tokens
+    response_mask: Tensor  # (B, R) bool, True on the tokens the policy sampled (the ones that train)
+    prompt_len: int  # P
+    old_log_probs: Tensor  # (B, R) log pi_old(a_t | s_t), logits / T
+    ref_log_probs: Tensor  # (B, R) log pi_ref(a_t | s_t), logits / T
+    values: Tensor  # (B, R) critic values V(s_t) (zeros without a critic)
+    entropy: Tensor  # (B, R) entropy of pi_old at each position
+    scores: Tensor  # (B,) the reward on each trajectory's last sampled token (or its return), finite
+    eos_found: (
+        Tensor  # (B,) bool: the trajectory ended as it should (EOS, a stop string, done), not by a budget
+    )
+    rows: list[dict]  # B prompt rows of the data file
+    advantages: Tensor | None = None  # (B, R)
+    returns: Tensor | None = None  # (B, R) value targets
+    rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
+    token_rewards: Tensor | None = (
+        None  # (B, R) rewards on the tokens that end a step or an earlier turn, else 0
+    )
+    step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
+    ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: Tensor) -> Rollout:
+        """The rows ``idx`` (a 1-D index tensor) of every per-row field."""
+        rows = idx.tolist()
+
+        def pick(v):
+            if isinstance(v, Tensor):
+                return v[idx]
+            if isinstance(v, list):
+                return [v[i] for i in rows]
+            return v  # prompt_len, unset optional fields
+
+        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
 @torch.no_grad()
 def collect_rollout(
-    models: PPOModels,
-    cfg: PPOConfig,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    rows: list[dict],
-    params: SamplingParams,
-    generator: torch.Generator,
+    models: PPOModels, cfg: PPOConfig, batch: PromptBatch, params: SamplingParams, generator: torch.Generator
 ) -> tuple[Rollout, dict[str, float]]:
-    """Phase 1: sample a response to each left-padded prompt (B, P), then the rollout's old and reference
-    log-probs (logits / T), entropy, values and scores. A response whose score is NaN/Inf is dropped
-    (counted). Returns the rollout and ``{"time/generation_s", "time/rollout_s",
-    "rollout/dropped_nonfinite"}``."""
-    tok, strategy = models.tokenizer, models.strategy
+    """Phase 1: trajectories from the run's rollout source (``models.source``: responses scored by a reward,
+    episodes with an environment, ...) for this rank's prompts, then their old and reference log-probs
+    (logits / T), entropy, values and what their rewards mean to the estimator (:func:`reward_signals`). A
+    trajectory whose score is NaN/Inf is dropped (counted). Returns the rollout and ``{"time/generation_s",
+    "time/rollout_s", "rollout/dropped_nonfinite"}`` and the source's own metrics (e.g. ``env/*``)."""
+    strategy, dev = models.strategy, models.strategy.device
     t0 = time.perf_counter()
     models.actor.eval()
-    # sample responses (B, R), right-padded; everything after the first EOS is pad (mask False). In fp32 the
-    # decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's old_log_probs: the
-    # same logits as a second forward up to float rounding, one forward pass fewer.
+    # In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
+    # old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer.
     # With truncated importance sampling (tis_cap) the decode's log-probs are kept apart as the rollout
     # engine's (rollout_log_probs) and the trainer's forward computes old_log_probs.
     # With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward then
     # computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*).
-    tis, prec, dev = cfg.tis_cap is not None, models.precision, strategy.device
+    tis, prec = cfg.tis_cap is not None, models.precision
     reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not tis
     keep_decode = tis or prec.decode  # the decode's own log-probs, kept apart as rollout_log_probs
-    kw = {"with_log_probs": reuse or keep_decode, "value_head": models.value_head if reuse else None}
-    env = models.reward if isinstance(models.reward, Environment) else None
-    if env is not None:  # multi-turn episodes: first inputs from env.reset, observations between the turns
-        eps = run_episodes(
-            models.decoder(),
-            tok,
-            env,
-            rows,
-            params,
-            generator,
-            cfg.data.chat_template,
-            cfg.data.max_prompt_len,
-            **kw,
-            **strategy.generation_kwargs(),
-        )
-        prompt_ids, prompt_mask = eps.prompt_ids.to(dev), eps.prompt_mask.to(dev)
-        sampled = Sample(*(x if x is None else x.to(dev) for x in eps.sample))
-    else:
-        sampled = sample(
-            models.decoder(),
-            prompt_ids,
-            prompt_mask,
-            params,
-            tok.eos_token_id,
-            tok.pad_token_id,
-            generator=generator,
-            **kw,
-            **strategy.generation_kwargs(),
-        )
-    response_ids, response_mask = sampled.response_ids, sampled.response_mask
+    policy = models.policy(models.decoder(), reuse or keep_decode, models.value_head if reuse else None)
+    made = models.source.collect(policy, batch, params, generator).to(dev)
     t_gen = time.perf_counter() - t0
-    P = prompt_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    # (B, R) what the model reads: the response, and an episode's observations
-    read = response_mask if env is None else eps.attention.to(dev)
-    attention_mask = torch.cat([prompt_mask.long(), read.long()], dim=1)
-    decoded = sampled if reuse else None
+    input_ids, attention_mask, P = made.input_ids, made.attention_mask, made.prompt_ids.shape[1]
+    decoded = Sample(made.ids, made.trainable, made.log_probs, made.entropy, made.values) if reuse else None
     old_log_probs, ref_log_probs, entropy, values, ref_log_softmax = scoring_forwards(
         models, cfg, input_ids, attention_mask, P, decoded
     )
-    # scores of prompt + response from the reward model(s) or function, or the episodes' rewards
-    prompts = [r["prompt"] for r in rows]
-    responses = [
-        tok.decode(response_ids[i][response_mask[i]], skip_special_tokens=True) for i in range(len(rows))
-    ]
-    last = (response_mask.long().cumsum(1) == response_mask.sum(1, keepdim=True)) & response_mask
-    eos_found = (response_ids == tok.eos_token_id).logical_and(last).any(1)
-    if env is not None:  # an episode cut by a budget or max_turns counts as a response without EOS
-        scores, token_rewards, step_mask = eps.scores(cfg.estimator in PER_TURN)
-        responses, eos_found = eps.transcripts(), ~eps.truncated.to(dev)
-    else:
-        scores, token_rewards, step_mask = reward_scores(
-            models, tok, prompts, responses, rows, input_ids, attention_mask, P, response_ids, response_mask
-        )
-    scores = scores.to(old_log_probs.device)
-    token_rewards = token_rewards.to(dev) if token_rewards is not None else None
-    step_mask = step_mask.to(dev) if step_mask is not None else None
+    scores, token_rewards, step_mask = reward_signals(made, cfg.estimator in PER_TURN)
     rollout = Rollout(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        response_mask=response_mask,
+        response_mask=made.trainable,
         prompt_len=P,
         old_log_probs=old_log_probs,
         ref_log_probs=ref_log_probs,
         values=values,
         entropy=entropy,
-        scores=scores,
-        eos_found=eos_found,
-        prompts=prompts,
-        responses=responses,
-        rows=rows,
-        rollout_log_probs=sampled.log_probs.float() if keep_decode else None,
+        scores=scores.to(old_log_probs.device),
+        eos_found=~made.truncated,
+        rows=made.rows,
+        rollout_log_probs=made.log_probs.float() if keep_decode else None,
         token_rewards=token_rewards,
         step_mask=step_mask,
         ref_log_softmax=ref_log_softmax,
@@ -129,9 +123,7 @@ def collect_rollout(
         "time/generation_s": t_gen,
         "time/rollout_s": time.perf_counter() - t0,
         "rollout/dropped_nonfinite": dropped,
-    }
-    if env is not None:
-        info |= eps.metrics()
+    } | made.metrics
     if cfg.bf16:  # what the probe chose; the bf16 decode's mismatch (with tis_cap, learn() logs it)
         info |= prec.metrics()
         if prec.decode and not tis:
@@ -139,6 +131,27 @@ def collect_rollout(
             stats = core.rollout_mismatch(r.old_log_probs, r.rollout_log_probs, r.response_mask)
             info |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
     return rollout, info
+
+
+def reward_signals(t: Trajectories, per_turn: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(scores (B,), token_rewards (B, R) or None, step ends (B, R) or None)``: what the trajectories' rewards
+    mean to the estimator. One turn each: its reward is the score (on the last sampled token, where a response's
+    score goes) and the steps inside it (process or dense rewards) are token rewards. Several turns, ``per_turn``
+    (GAE, REINFORCE++): the last turn's reward is the score and the earlier turns' rewards are token rewards on
+    their own last tokens; otherwise the return is the one score (the group estimators compare episodes). A
+    trajectory with no sampled token (a fault before its first turn) scores NaN: it is dropped as a non-finite
+    score is."""
+    mask = t.trainable
+    last = core.last_true(mask)
+    final = t.rewards.gather(1, (mask.shape[1] - 1 - mask.flip(1).long().argmax(1)).unsqueeze(1)).squeeze(1)
+    if t.turn_ends is None:
+        score, token_rewards, steps = final, t.step_rewards, t.step_ends
+    elif per_turn:
+        score, token_rewards, steps = final, t.rewards * ~last, t.turn_ends
+    else:
+        score, token_rewards, steps = t.returns, t.step_rewards, t.step_ends
+    nan = torch.full_like(score, float("nan"))
+    return torch.where(mask.any(1), score, nan), token_rewards, steps
 
 
 @torch.no_grad()
@@ -197,64 +210,20 @@ def drop_nonfinite(rollout: Rollout, G: int) -> tuple[Rollout, int]:
     return rollout, int((~finite).sum())
 
 
-def reward_scores(
-    models, tok, prompts, responses, rows, input_ids, attention_mask, P, response_ids, response_mask
-):
-    """``(scores (B,), token_rewards (B, R) or None, step ends (B, R) or None)`` of the reward model(s) or
-    function: process rewards from steps a function returns, dense rewards (reward.dense) per token."""
-    reward_model = models.reward.model if isinstance(models.reward.model, nn.Module) else None
-    dense = getattr(models.reward, "dense", False)  # reward.dense: each token's change of the prefix score
-    with models.strategy.offloaded(reward_model):
-        scores, steps = models.reward.score_with_steps(prompts, responses, rows, input_ids, attention_mask)
-        token_rewards = models.reward.dense_rewards(input_ids, attention_mask, P) if dense else None
-    step_mask = response_mask if dense else None  # dense: every token is a step of its own
-    if steps is not None:
-        token_rewards, step_mask = step_rewards(tok, response_ids, response_mask, steps)
-    return scores, token_rewards, step_mask
-
-
-def step_rewards(
-    tok, response_ids: torch.Tensor, response_mask: torch.Tensor, steps: list
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Process rewards (B, R) and the step ends (B, R) bool: response i's step ``(end, reward)`` (``end`` a
-    character offset into its decoded text, :mod:`shifu.rewards.sources`) lands on the first token whose decoded
-    prefix reaches ``end`` characters, the token that completes the step (:func:`shifu.core.place_step_rewards`);
-    a step of reward 0 still ends there (the group estimators count it)."""
-    S = max(1, max(len(x) for x in steps))
-    ends = torch.full((len(steps), S), -1, dtype=torch.long)
-    values = torch.zeros(len(steps), S)
-    for i, row in enumerate(steps):
-        ids, j = response_ids[i][response_mask[i]].tolist(), -1
-        for end, reward in row:
-            lo, hi = 0, len(ids) - 1  # binary search on the prefix length (decoding is monotone in tokens)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if len(tok.decode(ids[: mid + 1], skip_special_tokens=True)) >= end:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            if j < 0 or ends[i, j] != lo:  # two steps completed by one token share it: their rewards add
-                j += 1
-            ends[i, j], values[i, j] = lo, values[i, j] + reward
-    dev = response_mask.device
-    ends = ends.to(dev)
-    used = ends >= 0
-    hits = torch.zeros(response_mask.shape, dtype=torch.long, device=dev)
-    step_mask = hits.scatter_add(1, torch.where(used, ends, 0), used.long()) > 0
-    return core.place_step_rewards(values.to(dev), ends, response_mask), step_mask
-
-
 def sampling_params(cfg: PPOConfig) -> SamplingParams:
     """How rollouts are sampled (``generation.*``)."""
     g = cfg.generation
     return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p)
 
 
-def prompt_batch(indices: list[int], strategy, G: int, ids: list, rows: list[dict], pad_id: int) -> tuple:
+def prompt_batch(
+    indices: list[int], strategy, G: int, ids: list, rows: list[dict], pad_id: int
+) -> PromptBatch:
     """A rollout's prompts on this rank: its share of the prompt ``indices`` (batch_size / G / W prompts),
-    each repeated ``G`` times (a group stays on one rank), as ``(prompt_ids, prompt_mask, rows)``,
-    left-padded."""
+    each repeated ``G`` times (a group stays on one rank), left-padded."""
     mine, _ = strategy.share(indices)
     mine = [i for i in mine for _ in range(G)]
     b = pad_left([ids[i] for i in mine], pad_id)
-    return b["input_ids"], b["attention_mask"], [rows[i] for i in mine]
+    return PromptBatch(
+        b["input_ids"].to(strategy.device), b["attention_mask"].to(strategy.device), [rows[i] for i in mine]
+    )

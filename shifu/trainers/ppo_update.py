@@ -10,9 +10,10 @@ import torch
 
 from shifu import core
 from shifu.config.schema import PPOConfig
-from shifu.generation.rollout import Rollout, critic_forward, policy_forward
+from shifu.generation.rollout import critic_forward, policy_forward
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels, PPOState
+from shifu.trainers.ppo_rollout import Rollout
 
 
 def update(

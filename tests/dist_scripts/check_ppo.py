@@ -33,7 +33,6 @@ import ppo_task  # noqa: E402
 from shifu import core  # noqa: E402
 from shifu.config.loader import load_config  # noqa: E402
 from shifu.config.schema import PPOConfig as Config  # noqa: E402
-from shifu.generation.rollout import Rollout  # noqa: E402
 from shifu.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from shifu.models.padding import pad_left  # noqa: E402
 from shifu.models.scalar import ScalarModel  # noqa: E402
@@ -41,7 +40,10 @@ from shifu.parallel import build_strategy  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
 from shifu.parallel.strategy import Strategy  # noqa: E402
 from shifu.rewards.sources import RewardSource  # noqa: E402
+from shifu.rollout.batch import PromptBatch  # noqa: E402
+from shifu.rollout.sources import SingleTurn  # noqa: E402
 from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
+from shifu.trainers.ppo_rollout import Rollout  # noqa: E402
 from shifu.trainers.ppo_update import minibatch_loss  # noqa: E402
 
 B = 8  # global rollouts
@@ -75,8 +77,8 @@ def models_for(cfg: Config, model: Path, world_one: bool = False):
     actor = load_causal_lm(model, dropout=False).to(strategy.device)
     ref = load_causal_lm(model, dropout=False).to(strategy.device)
     critic = ScalarModel.from_backbone(model, seed=cfg.seed).to(strategy.device)
-    reward = RewardSource(function=ppo_task.frac_a, micro_batch=cfg.micro_batch_size)
-    m = ppo_models.place(actor, critic, None, ref, reward, tok, cfg, strategy)
+    source = SingleTurn(RewardSource(function=ppo_task.frac_a, micro_batch=cfg.micro_batch_size))
+    m = ppo_models.place(actor, critic, None, ref, source, None, tok, cfg, strategy)
     return m, ppo_models.PPOState.new(cfg, strategy)
 
 
@@ -105,9 +107,8 @@ def fixed_rollout(cfg: Config, model: Path) -> Rollout:
         m, s = models_for(cfg, model, world_one=True)
         pids, pmask, rows = prompts(m.tokenizer, B)
         dev = m.strategy.device
-        rollout, _ = ppo_rollout.collect_rollout(
-            m, cfg, pids.to(dev), pmask.to(dev), rows, ppo.sampling_params(cfg), s.sample_gen
-        )
+        batch = PromptBatch(pids.to(dev), pmask.to(dev), rows)
+        rollout, _ = ppo_rollout.collect_rollout(m, cfg, batch, ppo.sampling_params(cfg), s.sample_gen)
         rollout = moved(rollout, "cpu")
     return D.broadcast_object(rollout)
 

@@ -1,0 +1,98 @@
+"""A bounded pool of worker threads for slow user calls (environment resets and steps): many calls run at once,
+each with its own time limit, and the caller reads the outcomes in the order it submitted them.
+
+Workers are daemon threads, so a call that never returns cannot keep the process alive; the worker it holds is
+given up and replaced, so the pool keeps its size. A call that returns a coroutine (an ``async def`` method) is
+run to completion on an event loop of its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+TIMED_OUT = object()  # an outcome: the call was still running when its time was up
+
+
+class _Call:
+    __slots__ = ("fn", "started", "done", "value", "error", "abandoned")
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.started, self.done = fn, None, threading.Event()
+        self.value, self.error, self.abandoned = None, None, False
+
+
+class CallPool:
+    """``size`` daemon workers named ``name``; :meth:`run` runs a list of calls on them."""
+
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+        self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._workers = 0
+        for _ in range(size):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        with self._lock:
+            self._workers += 1
+            n = self._workers
+        threading.Thread(target=self._work, name=f"{self.name} #{n}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            call = self._queue.get()
+            call.started = time.monotonic()
+            try:
+                out = call.fn()
+                if inspect.isawaitable(out):
+                    out = asyncio.run(_awaited(out))
+                call.value = out
+            except BaseException as e:  # noqa: BLE001 (handed to the caller, who reports it)
+                call.error = e
+            call.done.set()
+            if call.abandoned:  # its replacement took this worker's place while the call ran on
+                return
+
+    def run(
+        self, fns: list[Callable[[], Any]], timeout_s: float | None
+    ) -> list[tuple[Any, BaseException | None]]:
+        """Run every ``fn()`` on the pool (at most ``size`` at once); returns ``(value, error)`` per call in
+        the order given: ``error`` is what the call raised, or None; ``value`` is :data:`TIMED_OUT` when the call
+        ran longer than ``timeout_s`` seconds after it started (None: no limit)."""
+        calls = [_Call(fn) for fn in fns]
+        for call in calls:
+            self._queue.put(call)
+        out = []
+        for call in calls:
+            if not _wait(call, timeout_s):
+                call.abandoned = True
+                self._spawn()  # the stuck worker is given up: a fresh one keeps the pool's size
+                out.append((TIMED_OUT, None))
+                continue
+            out.append((call.value, call.error))
+        return out
+
+
+def _wait(call: _Call, timeout_s: float | None) -> bool:
+    """Whether ``call`` finished within ``timeout_s`` of its start (it may wait its turn in the queue first)."""
+    while not call.done.is_set():
+        if timeout_s is None:
+            call.done.wait()
+            break
+        if call.started is None:  # queued behind busy workers: its clock has not started
+            call.done.wait(0.01)
+            continue
+        left = call.started + timeout_s - time.monotonic()
+        if left <= 0 or not call.done.wait(left):
+            return call.done.is_set()
+    return True
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

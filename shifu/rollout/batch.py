@@ -1,0 +1,109 @@
+"""The one trajectory batch every rollout source makes (:class:`Trajectories`), and the prompts it starts from.
+
+A trajectory is the ids the policy read before its first sampled token (its *first input*: a prompt, or what an
+environment's ``reset`` or an agent's first call rendered), then every id after it in the order it was made: the
+tokens the policy sampled and the tokens it only read (an environment's observations, a tool's result, what a chat
+template wrote between two calls). Ids are kept as made, never re-tokenised from text.
+
+Layout: first inputs left-padded ``(B, P)``; the rest right-padded ``(B, R)``, position ``t`` of the rest read at
+sequence position ``P + t`` of ``cat(prompt, rest)`` (positions from the attention mask). Three masks over the rest:
+
+- ``trainable``: the tokens the policy sampled, the only ones in a policy loss, a KL, an entropy, a value loss or a
+  token count. A single-turn response is sampled from its first token to its EOS (included when sampled);
+- ``attention``: every token the model reads, sampled or not; False only on padding;
+- ``turn_ends``: the last sampled token of each turn, where that turn's reward sits (``rewards``). None when every
+  trajectory is one turn, whose end is its last trainable token.
+
+Rewards are data; what they mean to an estimator (a turn's reward as a process reward, or the return as one score)
+is the trainer's business (:mod:`shifu.trainers.ppo_rollout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+MARKS = ("\u27e6", "\u27e7")  # around a policy turn in a multi-turn transcript (the report highlights it)
+COUNTS = ("turns", "tool_calls", "tool_errors", "observation_tokens")
+
+
+class PromptBatch(NamedTuple):
+    """What a rollout starts from: the data rows, and their prompts encoded as a single-turn source samples them
+    (left-padded ``(B, P)``; sources that render their own first input, from an environment or an agent, read the
+    rows only)."""
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    rows: list[dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcript:
+    """One trajectory as text: ``spans`` of ``(kind, text)`` in order, kind ``input`` (the first input as the
+    policy read it), ``policy`` (a sampled turn) or ``observation`` (what it read between turns); ``response``:
+    what a reader is shown as the trajectory's answer (a single-turn response's text; a multi-turn episode's
+    turns and observations with the policy's turns between :data:`MARKS`)."""
+
+    spans: tuple[tuple[str, str], ...]
+    response: str
+
+    @property
+    def first_input(self) -> str:
+        return next((text for kind, text in self.spans if kind == "input"), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectories:
+    """``B`` trajectories as a source made them (module docstring for the layout and the masks)."""
+
+    prompt_ids: Tensor  # (B, P) left-padded first inputs
+    prompt_mask: Tensor  # (B, P)
+    ids: Tensor  # (B, R) sampled and read ids after the first input, right-padded with pad ids
+    trainable: Tensor  # (B, R) bool, sampled by the policy
+    attention: Tensor  # (B, R) bool, read by the model (sampled or not); False on padding
+    rewards: Tensor  # (B, R) each turn's reward on its last sampled token, 0 elsewhere (NaN: no valid reward)
+    truncated: Tensor  # (B,) bool, ended by a budget (tokens, turns) instead of EOS, a stop string or done
+    failed: Tensor  # (B,) bool, ended by a fault of the environment or agent (its rewards are 0)
+    rows: list[dict]  # B data rows
+    transcripts: list[Transcript]  # B transcripts
+    # per sampled token, read off the sampler's own decode steps (with_log_probs), 0 elsewhere; else None
+    log_probs: Tensor | None = None  # (B, R) log pi(a_t | s_t) under logits / T
+    entropy: Tensor | None = None  # (B, R)
+    values: Tensor | None = None  # (B, R) a shared-trunk value head's values
+    turn_ends: Tensor | None = None  # (B, R) bool, the last sampled token of each turn; None: one turn each
+    step_rewards: Tensor | None = None  # (B, R) rewards inside a turn (process steps, dense), else None
+    step_ends: Tensor | None = None  # (B, R) bool, the tokens that end such a step (with step_rewards)
+    counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # COUNTS per trajectory, if kept
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the source's own, e.g. env/turns
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def returns(self) -> Tensor:
+        """(B,) each trajectory's return: the sum of its turn rewards (its step rewards not included)."""
+        return self.rewards.sum(1)
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B, P + R) what a forward over the whole trajectories reads."""
+        return torch.cat([self.prompt_ids, self.ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B, P + R) long, 1 on every real token."""
+        return torch.cat([self.prompt_mask.long(), self.attention.long()], dim=1)
+
+    def to(self, device: Any) -> Trajectories:
+        """The batch with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: v.to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(v := getattr(self, f.name), Tensor)
+            },
+        )

@@ -1,0 +1,326 @@
+"""The episode source: multi-turn episodes with an environment, token in and token out.
+
+An episode's trajectory is the ids of its first input (``env.reset(row)``, :mod:`shifu.rollout.turns`), then per
+turn the ids the policy sampled and the ids of the environment's observation, appended as they were made: every
+turn's sampler input is a prefix of the final row, and nothing is ever re-tokenised. All episodes of a batch
+advance together, one sampler call per turn over the episodes still running (left-padded contexts, positions from
+the mask, as the trainer's forward sees the final row); the environment calls of a turn run at once
+(:class:`shifu.envs.base.Environment`), their results applied in episode order.
+
+A turn ends at EOS or at the first token whose decoded turn text contains a ``stop`` string (the token is kept).
+The action given to ``env.step`` is that turn's tokens decoded with special tokens skipped. An episode ends:
+
+- when a step says ``done``;
+- truncated, when ``max_turns`` turns have been taken without ``done``, when a turn reaches its token budget
+  (``max_new_tokens``, or what is left of ``max_total_tokens``, or of the model's positions) before EOS or a stop
+  string (the cut turn is not given to the environment), or when an observation does not fit in what is left of
+  ``max_total_tokens``;
+- failed, on an environment fault with ``env.on_error=end_episode``: every reward of the episode is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from shifu.config.imports import typed_key
+from shifu.envs.base import EnvFault, Environment
+from shifu.errors import ShifuError
+from shifu.generation.rollout import Sample, SamplingParams
+from shifu.generation.stopping import StopAt
+from shifu.models.padding import pad_left
+from shifu.rollout.batch import COUNTS, MARKS, PromptBatch, Trajectories, Transcript
+from shifu.rollout.sources import Policy
+from shifu.rollout.turns import turn_encoder
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    """How long an episode may run (the sampler's settings, ``generation.*``): turns, tokens per turn, sampled
+    plus observation tokens after the first input, and the strings that end a turn besides EOS."""
+
+    max_turns: int
+    max_new_tokens: int
+    max_total_tokens: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class _Part:
+    """A run of ids in an episode's trajectory: sampled by the policy (with the decode's log-prob, entropy and
+    value per token) or read (an observation)."""
+
+    ids: list[int]
+    sampled: bool
+    stats: list[tuple[float, float, float]] | None = None
+
+
+class _Episode:
+    def __init__(self, row: dict):
+        self.row, self.env, self.fmt = row, None, None
+        self.prompt: list[int] = []
+        self.parts: list[_Part] = []
+        self.length = 0  # ids after the first input
+        self.rewards: dict[int, float] = {}  # part index of a turn -> its reward
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.spans: list[tuple[str, str]] = []
+        self.over = self.truncated = self.failed = False
+
+    def add(self, part: _Part) -> None:
+        self.parts.append(part)
+        self.length += len(part.ids)
+
+    def end(self, truncated: bool = False, failed: bool = False) -> None:
+        self.over, self.truncated, self.failed = True, truncated, failed
+        if failed:
+            self.rewards = {}
+
+
+class Episodes:
+    """The rollout source of ``env.factory``: one episode per row, a fresh environment instance each.
+
+    ``chat``: render first inputs and observations through the chat template when the tokenizer has one
+    (``data.chat_template``). ``max_prompt_len``: a first input longer than this is an error naming the row."""
+
+    gold = True  # the environment's own count of success
+
+    def __init__(
+        self, env: Environment, limits: EpisodeLimits, chat: bool = True, max_prompt_len: int | None = None
+    ):
+        self.env, self.limits, self.chat, self.max_prompt_len = env, limits, chat, max_prompt_len
+
+    @property
+    def name(self) -> str:
+        return f"environment {self.env.name}"
+
+    @torch.no_grad()
+    def collect(
+        self, policy: Policy, batch: PromptBatch, params: SamplingParams, generator: torch.Generator | None
+    ) -> Trajectories:
+        """One episode per row of ``batch`` (its prompt ids are not read: the environment gives the first
+        input); ``params``: how turns are sampled (its ``max_new_tokens`` is replaced by each turn's budget)."""
+        eps = self._start(policy.tokenizer, batch.rows)
+        model, L = policy.model, self.limits
+        positions = getattr(getattr(model, "config", None), "n_positions", None)  # GPT-2's learned positions
+        positions = positions if isinstance(positions, int) else None
+        for turn in range(L.max_turns):
+            groups = self._batches([ep for ep in eps if not ep.over], positions)
+            for group in policy.in_step(groups):
+                out = self._sample(policy, group, positions, params, generator)
+                if group:
+                    self._turn(policy.tokenizer, group, turn, out)
+        for ep in eps:
+            if not ep.over:  # still going after max_turns
+                ep.end(truncated=True)
+        return _trajectories(eps, policy)
+
+    def _start(self, tok, rows: list[dict]) -> list[_Episode]:
+        """A started episode per row: its environment instance reset, its first input's ids."""
+        eps = [_Episode(row) for row in rows]
+        for ep, started in zip(eps, self.env.start(rows)):
+            if isinstance(started, EnvFault):
+                self.env.fault(started)
+                ep.end(failed=True)
+                ep.prompt = [tok.eos_token_id]  # (a placeholder: the row has no turn and leaves the rollout)
+                continue
+            ep.env, first = started
+            ep.fmt = turn_encoder(tok, self.chat)
+            ep.prompt = self._located(ep, None, ep.fmt.first, first)
+            if not ep.prompt or (self.max_prompt_len and len(ep.prompt) > self.max_prompt_len):
+                raise ShifuError(
+                    f"{self.env.where(ep.row, None)}: the first input is {len(ep.prompt)} tokens; it must be "
+                    f"1 to {typed_key('data.max_prompt_len')}={self.max_prompt_len}"
+                )
+            ep.spans.append(("input", tok.decode(ep.prompt)))
+        return eps
+
+    def _budget(self, ep: _Episode, positions: int | None) -> int:
+        """The tokens ``ep`` may sample this turn: the turn's budget, what is left of the episode's, and of the
+        model's learned positions (GPT-2's ``n_positions``), if it has them."""
+        L = self.limits
+        left = min(L.max_new_tokens, L.max_total_tokens - ep.length)
+        return left if positions is None else min(left, positions - len(ep.prompt) - ep.length)
+
+    def _batches(self, running: list[_Episode], positions: int | None) -> list[list[_Episode]]:
+        """The running episodes as sampler batches: all of them, unless the longest context plus the largest
+        turn budget passes a model's learned positions; then by context length, longest first, each batch as
+        large as its longest context allows. An episode with no position left ends here, truncated."""
+        for ep in running:
+            if self._budget(ep, positions) < 1:
+                ep.end(truncated=True)
+        running = [ep for ep in running if not ep.over]
+        if positions is None or not running:
+            return [running] if running else []
+
+        def size(ep: _Episode) -> int:
+            return len(ep.prompt) + ep.length
+
+        if max(map(size, running)) + max(self._budget(ep, positions) for ep in running) <= positions:
+            return [running]
+        batches: list[list[_Episode]] = []
+        for ep in sorted(running, key=size, reverse=True):
+            if batches and size(batches[-1][0]) + max(self._budget(ep, positions), 0) <= positions:
+                batches[-1].append(ep)
+            else:
+                batches.append([ep])
+        return batches
+
+    def _sample(self, policy: Policy, group: list[_Episode], positions, params, generator) -> Sample:
+        """One sampler call over ``group``'s contexts (an empty group, under torchrun, steps a stand-in row so
+        that every rank's forwards stay in step)."""
+        tok = policy.tokenizer
+        contexts = [ep.prompt + [p for part in ep.parts for p in part.ids] for ep in group] or [
+            [tok.eos_token_id]
+        ]
+        limits = [self._budget(ep, positions) for ep in group] or [1]
+        b = pad_left(contexts, tok.pad_token_id)
+        device = next(policy.model.parameters()).device
+        return policy.sampler(
+            policy.model,
+            b["input_ids"].to(device),
+            b["attention_mask"].to(device),
+            dataclasses.replace(params, max_new_tokens=policy.largest(max(limits))),
+            tok.eos_token_id,
+            tok.pad_token_id,
+            generator=generator,
+            with_log_probs=policy.with_log_probs,
+            value_head=policy.value_head,
+            stop=StopAt(tok, self.limits.stop, limits),
+            **policy.sample_kwargs,
+        )
+
+    def _turn(self, tok, group: list[_Episode], turn: int, out: Sample) -> None:
+        """Append each episode's sampled turn; step the environments whose turn ended (at once), then append
+        their observations in episode order."""
+        stepping = []
+        for j, ep in enumerate(group):
+            action, ended = self._append_turn(tok, ep, out, j)
+            if ended:
+                stepping.append((ep, action))
+            else:  # cut by a token budget: the turn never ends
+                ep.end(truncated=True)
+        calls = [(ep.env, action, ep.row, turn) for ep, action in stepping]
+        for (ep, action), step in zip(stepping, self.env.step(calls)):
+            if isinstance(step, EnvFault):
+                self.env.fault(step)
+                ep.end(failed=True)
+                continue
+            self._observe(tok, ep, turn, action, step)
+
+    def _append_turn(self, tok, ep: _Episode, out: Sample, j: int) -> tuple[str, bool]:
+        """Row ``j`` of the turn's sample appended to ``ep``: ``(the action's text, whether the turn ended at EOS
+        or a stop string)``."""
+        mask = out.response_mask[j]
+        ids = out.response_ids[j][mask].tolist()
+        stats = [
+            s[j][mask].tolist() if s is not None else [0.0] * len(ids)
+            for s in (out.log_probs, out.entropy, out.values)
+        ]
+        ep.add(_Part(ids, True, list(zip(*stats))))
+        ep.counts["turns"] += 1
+        action = tok.decode(ids, skip_special_tokens=True)
+        ep.spans.append(("policy", tok.decode(ids)))
+        return action, ids[-1] == tok.eos_token_id or any(s in action for s in self.limits.stop)
+
+    def _observe(self, tok, ep: _Episode, turn: int, action: str, step) -> None:
+        """``step``'s reward on the turn just taken, its counts, then its observation appended (or the end)."""
+        ep.rewards[len(ep.parts) - 1] = float(step.reward)
+        for k in ("tool_calls", "tool_errors"):
+            value = step.info.get(k, 0)
+            ep.counts[k] += int(value) if isinstance(value, (int, float)) else 0
+        if step.done:
+            ep.end()
+            return
+        if turn + 1 == self.limits.max_turns:
+            ep.end(truncated=True)
+            return
+        eos = ep.parts[-1].ids[-1] == tok.eos_token_id
+        obs = self._located(ep, turn, ep.fmt.observation, action, eos, step.observation)
+        budget = self.limits.max_total_tokens
+        if len(obs) > budget:
+            self.env.fault(
+                EnvFault(
+                    f"{self.env.where(ep.row, turn)}: the observation is {len(obs)} tokens, over "
+                    f"{typed_key('generation.max_total_tokens')}={budget} on its own"
+                )
+            )
+            ep.end(failed=True)
+            return
+        if ep.length + len(obs) >= budget:  # no room left for another turn
+            ep.end(truncated=True)
+            return
+        ep.add(_Part(obs, False))
+        ep.counts["observation_tokens"] += len(obs)
+        ep.spans.append(("observation", tok.decode(obs)))
+
+    def _located(self, ep: _Episode, turn: int | None, fn, *args: Any):
+        """``fn(*args)`` with a template or format error located at the environment, row and turn."""
+        try:
+            return fn(*args)
+        except ShifuError as e:
+            raise type(e)(f"{self.env.where(ep.row, turn)}: {e}") from None
+
+
+def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:
+    """The episodes as left-padded first inputs and right-padded trajectories (:mod:`shifu.rollout.batch`)."""
+    tok = policy.tokenizer
+    B, R = len(eps), max(1, max(ep.length for ep in eps))
+    prompts = pad_left([ep.prompt for ep in eps], tok.pad_token_id)
+    ids = torch.full((B, R), tok.pad_token_id, dtype=torch.long)
+    sampled, attention, turn_ends = (torch.zeros(B, R, dtype=torch.bool) for _ in range(3))
+    stats, rewards = torch.zeros(3, B, R), torch.zeros(B, R)
+    for i, ep in enumerate(eps):
+        at = 0
+        for k, part in enumerate(ep.parts):
+            n = len(part.ids)
+            ids[i, at : at + n] = torch.tensor(part.ids, dtype=torch.long)
+            attention[i, at : at + n] = True
+            if part.sampled:
+                sampled[i, at : at + n] = True
+                stats[:, i, at : at + n] = torch.tensor(part.stats).T
+                turn_ends[i, at + n - 1] = True
+                rewards[i, at + n - 1] = ep.rewards.get(k, 0.0)
+            at += n
+    with_stats = policy.with_log_probs
+    counts = {k: [ep.counts[k] for ep in eps] for k in COUNTS}
+    truncated = torch.tensor([ep.truncated for ep in eps])
+    failed = torch.tensor([ep.failed for ep in eps])
+    out = Trajectories(
+        prompt_ids=prompts["input_ids"],
+        prompt_mask=prompts["attention_mask"],
+        ids=ids,
+        trainable=sampled,
+        attention=attention,
+        rewards=rewards,
+        truncated=truncated,
+        failed=failed,
+        rows=[ep.row for ep in eps],
+        transcripts=[_transcript(ep.spans) for ep in eps],
+        log_probs=stats[0] if with_stats else None,
+        entropy=stats[1] if with_stats else None,
+        values=stats[2] if policy.value_head is not None else None,
+        turn_ends=turn_ends,
+        counts=counts,
+    )
+    return dataclasses.replace(out, metrics=metrics(out))
+
+
+def _transcript(spans: list[tuple[str, str]]) -> Transcript:
+    """The episode after its first input as text, the policy's turns (what trains) between ``MARKS``."""
+    shown = "".join(MARKS[0] + t + MARKS[1] if k == "policy" else t for k, t in spans if k != "input")
+    return Transcript(tuple(spans), shown)
+
+
+def metrics(t: Trajectories, prefix: str = "env/") -> dict[str, float]:
+    """Means over the episodes: turns, tool calls and errors, observation tokens, the fractions truncated,
+    failed and with a tool call (``tool_use``), the return."""
+    n = max(1, len(t))
+    out = {f"{prefix}{k}": sum(v) / n for k, v in t.counts.items()}
+    out[f"{prefix}tool_use"] = sum(c > 0 for c in t.counts["tool_calls"]) / n
+    return out | {
+        f"{prefix}truncated": float(t.truncated.float().mean()),
+        f"{prefix}errors": float(t.failed.float().mean()),
+        f"{prefix}return": float(t.returns.mean()),
+    }
