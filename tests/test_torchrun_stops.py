@@ -124,3 +124,22 @@ def test_a_slow_checkpoint_completes_within_the_shutdown_timeout(tiny_model_dir,
     latest = ckpt.latest_checkpoint(done_out)
     assert latest is not None and latest.name == f"step-{stopped:08d}"
     assert ckpt.checkpoint_problem(latest) is None
+
+
+def test_ctrl_c_twice_stops_every_rank_at_once(tiny_model_dir, data, tmp_path):  # noqa: F811
+    """Ctrl-C, then Ctrl-C again while the ranks write their checkpoint (a slow one here, 30 s): torchrun
+    answers the second with a SIGTERM to every rank, which is not the signal that started the stop, so the
+    ranks end at once, without the checkpoint, and the launcher exits 130. (Waiting for the checkpoint
+    would have given exit statuses 0 and a checkpoint.)"""
+    out = tmp_path / "run"
+    argv = sft_argv(tiny_model_dir, data, out, "max_steps=100000", "save_every=0", *COMMON[2:])
+    run = Launch(tmp_path, "twice", *argv, launcher="shifu", script=("slow_checkpoint.py", "30"))
+    run.wait_for(lambda: logged_step(out) >= 2, "step 2")
+    os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal sends its foreground process group
+    run.wait_for(lambda: "slow disk: .tmp-step-" in run.output(), "the checkpoint write")
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, log = run.wait(120), run.output()
+    codes = run.exit_codes()  # rank 0 killed inside its write; rank 1 killed, or first sees it gone (2)
+    assert code == 130 and 0 not in codes and codes.get(1, 2) == 2, (code, codes, log[-3000:])
+    assert latest_step(out) == -1, log[-3000:]
+    assert log.count("shifu: got SIGINT; finishing this step") == 2, log[-3000:]
