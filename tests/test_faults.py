@@ -545,3 +545,48 @@ def test_graceful_stop_only_sets_a_flag_and_says_so_on_the_raw_stderr(capfd):
     # written with os.write (a print could collide with a progress-bar write already in progress)
     assert "got SIGTERM; finishing this step and writing a checkpoint" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
+
+
+def _raise_and_wait(sig: signal.Signals) -> None:
+    os.kill(os.getpid(), sig)
+    for _ in range(100):  # Python runs the handler between bytecodes
+        pass
+
+
+@pytest.mark.unit
+def test_under_torchrun_the_first_signal_again_is_the_same_request(monkeypatch, capfd):
+    """A signal sent to every process of a torchrun job reaches a rank twice (directly and forwarded by the
+    launcher): the second must not end the rank before its checkpoint. Another signal still does, and
+    outside torchrun a second signal stops at once, as before."""
+    from shifu.trainers.common import GracefulStop
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun sets in each rank's environment
+    with GracefulStop() as stop:
+        _raise_and_wait(signal.SIGINT)
+        _raise_and_wait(signal.SIGINT)  # the launcher's copy: no KeyboardInterrupt
+        assert stop.requested and stop.first == signal.SIGINT
+    assert capfd.readouterr().err.count("got SIGINT; finishing this step") == 1
+    with pytest.raises(KeyboardInterrupt), GracefulStop() as stop:
+        _raise_and_wait(signal.SIGTERM)
+        assert stop.requested
+        _raise_and_wait(signal.SIGINT)  # another signal (torchrun's answer to a second Ctrl-C is SIGTERM)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with pytest.raises(KeyboardInterrupt), GracefulStop() as stop:
+        _raise_and_wait(signal.SIGINT)
+        assert stop.requested
+        _raise_and_wait(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.unit
+def test_shifu_launch_waits_long_enough_for_a_checkpoint_unless_told_otherwise(monkeypatch):
+    from shifu.parallel import launch
+
+    for var in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    args = launch.parse_args(["--standalone", "--nproc_per_node", "2", "sft", "--out", "run"])
+    assert args.shutdown_timeout == launch.SHUTDOWN_TIMEOUT_S >= 300  # torchrun's own default: 30 s
+    assert args.module and args.training_script == "shifu" and args.training_script_args[0] == "sft"
+    assert launch.parse_args(["--shutdown-timeout", "45", "sft"]).shutdown_timeout == 45
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")  # torch reads it when no option is given
+    assert launch.parse_args(["sft"]).shutdown_timeout is None

@@ -91,6 +91,17 @@ class DeepSpeedStrategy(DistributedStrategy):
             sd = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
         return sd if (self.is_main or not rank0_only) else {}
 
+    def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        if not is_engine(model):
+            return super().load_full_state_dict(model, state_dict)
+        if model.zero_optimization_partition_weights():
+            load_partitioned(self.unwrap(model), state_dict, self.is_main)
+        else:
+            self.unwrap(model).load_state_dict(state_dict)
+        # the optimiser steps fp32 master copies of the weights: without this its next step (and the
+        # checkpoint, which holds them) would bring the old weights back
+        model.optimizer.refresh_fp32_params()
+
 
 def _deepspeed():
     if not torch.cuda.is_available():
@@ -169,6 +180,28 @@ def zero3_init(ds_config: str | Path | dict) -> Any:
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(load_config(ds_config))
+
+
+def load_partitioned(module: nn.Module, state_dict: dict[str, torch.Tensor], main: bool) -> None:
+    """Load complete weights into a ZeRO-3 module (call on every rank; rank 0's ``state_dict`` is the one
+    read): each weight is gathered, overwritten and partitioned again, one at a time, so no rank ever holds
+    the whole model. Keys must match as for ``load_state_dict(strict=True)``."""
+    deepspeed = _deepspeed()
+    params = dict(module.named_parameters())  # a tied weight once, under its first name
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise ShifuError(
+            f"the weights to load do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, p in params.items():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            if main:
+                p.copy_(state_dict[name])
+    with torch.no_grad():
+        for name, b in module.named_buffers():  # buffers are whole on every rank
+            if name in state_dict:
+                b.copy_(state_dict[name])
 
 
 def is_engine(model: nn.Module) -> bool:

@@ -119,6 +119,11 @@ def lost_peer(error: BaseException) -> str | None:
     return first.split(". This is typically caused", 1)[0]
 
 
+def launched_by_torchrun() -> bool:
+    """Whether torchrun's launcher started this process (it then forwards the stop signals it gets)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -294,8 +294,10 @@ class Strategy:
 
 
 def decay_groups(params: list) -> tuple[list, list]:
-    """(matrices, vectors): weight decay applies to the first group only (biases, norms are not decayed)."""
-    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    """(matrices, vectors): weight decay applies to the first group only (biases, norms are not decayed).
+    A ZeRO-3 parameter is an empty placeholder for its shard: its own shape is ``ds_shape``."""
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    return [p for p, m in zip(params, matrix) if m], [p for p, m in zip(params, matrix) if not m]
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:

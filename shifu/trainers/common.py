@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shifu.config.loader import to_dict, with_values
 from shifu.errors import ConfigError, ShifuError
+from shifu.parallel import distributed as D
 from shifu.parallel import precision
 from shifu.runs import checkpoint as ckpt
 from shifu.runs import files, jsonfile
@@ -148,19 +149,28 @@ def check_resume_config(saved: dict[str, Any], cfg, safe: set[str] | tuple[str, 
 class GracefulStop:
     """SIGINT/SIGTERM set ``requested``; the trainer finishes its step, checkpoints and exits 0.
 
-    A second signal restores the default handler's behaviour (raise KeyboardInterrupt / terminate).
+    A second signal restores the default handler's behaviour (raise KeyboardInterrupt / terminate), except,
+    in a process that torchrun launched (``launched``), the first signal again: a signal sent to every
+    process of a job (Slurm's ``scancel``, systemd stopping a service) reaches each rank twice, directly
+    and forwarded by the launcher, and is one request to stop. There the launcher owns the deadline: it
+    kills the ranks after its shutdown timeout, and answers a second signal of its own with a SIGTERM,
+    which after a SIGINT (Ctrl-C twice) still stops a rank at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, launched: bool | None = None) -> None:
         self.requested = False
+        self.first: int | None = None  # the signal that asked to stop
+        self.launched = D.launched_by_torchrun() if launched is None else launched
         self._old: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         if self.requested:
+            if self.launched and signum == self.first:
+                return  # the same request, delivered again by the launcher
             signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return
-        self.requested = True
+        self.requested, self.first = True, signum
         # os.write, not print: the signal may land while the main thread is inside a write to sys.stderr
         # (a progress bar), and a buffered stream refuses a reentrant write (RuntimeError)
         msg = f"\nshifu: got {signal.Signals(signum).name}; finishing this step and writing a checkpoint\n"

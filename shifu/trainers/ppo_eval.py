@@ -112,16 +112,20 @@ def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]
 
 def restore_best(models: PPOModels, cfg: PPOConfig, best_dir: Path, reason: str, best_iteration) -> None:
     """The guard stopped the run: the actor goes back to ``best/`` (kept at the best evaluation)."""
+    main = models.strategy.is_main
     if not best_dir.exists():
-        print(f"shifu ppo: guard stopped the run: {reason} (no best/ to restore)", file=sys.stderr)
+        if main:
+            print(f"shifu ppo: guard stopped the run: {reason} (no best/ to restore)", file=sys.stderr)
         return
-    print(
-        f"shifu ppo: guard stopped the run: {reason}; restoring best/ (iteration {best_iteration}) as final/",
-        file=sys.stderr,
-    )
+    if main:
+        print(
+            f"shifu ppo: guard stopped the run: {reason}; restoring best/ (iteration {best_iteration}) as "
+            "final/",
+            file=sys.stderr,
+        )
     best = load_causal_lm(best_dir, dropout=False)
     if cfg.lora.enabled:
-        if models.strategy.is_main:
+        if main:
             print(
                 "warning: shifu ppo: a LoRA actor cannot be restored from the merged best/; final/ is the "
                 "last actor",
