@@ -39,42 +39,22 @@ model's positions, wrong content types, oversized or deeply nested bodies) is al
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import socket
 
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ConfigError
+from shifu.http.runner import (
+    bind_socket,
+    check_exposure,
+    is_loopback,
+    require_uvicorn,
+    serve_forever,
+    socket_url,
+)
 from shifu.rewards.remote import TOKEN_ENV
 from shifu.serve.app import create_app
 from shifu.serve.served import load_served
 
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and 127.0.0.0/8 / ::1 literals (anything else may be reachable from outside)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: a free one); connections queue from here on."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as e:
-        raise ShifuError(f"cannot listen on {host}:{port} ({e}); choose another --port or --host") from None
-    sock.listen(512)
-    return sock
-
-
-def socket_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+__all__ = ["bind_socket", "build_parser", "is_loopback", "main", "socket_url"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,11 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     token = args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
-    if not is_loopback(args.host) and not token:
-        raise ConfigError(
-            f"--host {args.host} is not a loopback address: anyone who reaches it could use the reward "
-            f"model. Give --token (or ${TOKEN_ENV}), or bind 127.0.0.1"
-        )
+    check_exposure(args.host, token, "the reward model", TOKEN_ENV)
     for name in ("max_batch_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -147,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(
             f"need --body-timeout > 0 and 0 <= --port < 65536; got {args.body_timeout}, {args.port}"
         )
-    try:
-        import uvicorn
-    except ImportError:
-        raise ShifuError(
-            "shifu serve needs its extra: pip install 'shifu-rlhf[serve]' (starlette, uvicorn)"
-        ) from None
+    require_uvicorn()
     from shifu.parallel.threads import set_threads
 
     set_threads(args.threads)
@@ -164,6 +135,5 @@ def main(argv: list[str] | None = None) -> int:
         f"(token {'required' if token else 'off'}; stop with Ctrl-C)",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_forever(app, sock, args.log_level, args.access_log)
     return 0
