@@ -18,11 +18,25 @@ import math
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP ``status`` with a message naming the ``field`` to fix."""
+    """A request the server refuses: HTTP ``status`` with a message naming the ``field`` to fix; ``code``: a
+    short machine-readable kind where the service has one (the gateway's OpenAI-style ``error.code``)."""
 
-    def __init__(self, status: int, field_name: str | None, message: str, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        field_name: str | None,
+        message: str,
+        headers: dict | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.field, self.message, self.headers = status, field_name, message, headers
+        self.status, self.field, self.message, self.headers, self.code = (
+            status,
+            field_name,
+            message,
+            headers,
+            code,
+        )
 
 
 MAX_DEPTH = 64  # nesting levels of objects and arrays in a request body (the body itself is level 1)

@@ -12,11 +12,14 @@ from collections.abc import Callable
 
 from shifu.http.requests import RequestError
 
-Render = Callable[[int, "str | None", str, "dict | None"], object]
+Render = Callable[..., object]  # (status, field, message, headers, code) -> a Starlette response
 
 
-def json_error(status: int, field_name: str | None, message: str, headers: dict | None = None):
-    """``{"error": {"status", "field", "message"}}`` with HTTP ``status`` (the reward service's errors)."""
+def json_error(
+    status: int, field_name: str | None, message: str, headers: dict | None = None, code: str | None = None
+):
+    """``{"error": {"status", "field", "message"}}`` with HTTP ``status`` (the reward service's errors; it
+    has no ``code``)."""
     from starlette.responses import JSONResponse
 
     body = {"error": {"status": status, "field": field_name, "message": message}}
@@ -33,7 +36,7 @@ def error_handlers(
     from starlette.exceptions import HTTPException
 
     async def on_request_error(request, exc: RequestError):
-        return render(exc.status, exc.field, exc.message, exc.headers)
+        return render(exc.status, exc.field, exc.message, exc.headers, exc.code)
 
     async def on_http_error(request, exc: HTTPException):
         where = {404: "path", 405: "method"}.get(exc.status_code)
@@ -42,7 +45,7 @@ def error_handlers(
         )
 
     async def on_failure(request, exc: Exception):
-        return render(500, None, failed(exc), None)
+        return render(500, None, failed(exc), None, None)
 
     handlers = {RequestError: on_request_error, HTTPException: on_http_error, Exception: on_failure}
     return handlers | {kind: on_failure for kind in expected}
