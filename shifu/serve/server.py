@@ -1,4 +1,5 @@
-"""``shifu serve SOURCE``: a reward model, an ensemble or a rule reward over HTTP (Starlette on uvicorn).
+"""``shifu serve SOURCE``: a reward model, an ensemble or a rule reward over HTTP (Starlette on uvicorn);
+``shifu serve --policy MODEL``: a policy behind an OpenAI-compatible endpoint (:mod:`shifu.serve.policy`).
 
 SOURCE is what ``shifu ppo`` takes in process: a reward model directory (one ``shifu rm`` model, an
 ensemble directory, or a run directory with ``final/``; loaded by :func:`shifu.rewards.ensemble.load_reward`) or
@@ -65,8 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "source",
+        nargs="?",
         metavar="RM_DIR|module:function",
-        help="reward model/ensemble/run directory, or a rule reward",
+        help="reward model/ensemble/run directory, or a rule reward (or --policy)",
+    )
+    p.add_argument(
+        "--policy",
+        metavar="MODEL",
+        default=None,
+        help="serve a policy instead (a run directory with final/, or an HF model directory) on an "
+        "OpenAI-compatible /v1/chat/completions (docs/how-to/policy-endpoint.md)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)"
@@ -78,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bearer token clients must send (default: ${TOKEN_ENV}; none: no check)",
     )
     p.add_argument(
-        "--max-batch-tokens", type=int, default=16384, help="rows x padded width merged into one forward"
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="rows x padded width merged into one forward (default 16384; with --policy: rows x (prompt + "
+        "budget) of one sampler call, default 65536)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=16 * 2**20, help="largest request body accepted (413 above)"
@@ -105,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)"
     )
+    from shifu.serve.policy import add_policy_arguments
+
+    add_policy_arguments(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--access-log", action="store_true", help="log every request (off: it costs time under load)"
@@ -114,8 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (args.source is None) == (args.policy is None):
+        raise ConfigError(
+            "shifu serve takes a reward model or function (SOURCE) or a policy (--policy MODEL): give one"
+        )
     token = args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
-    check_exposure(args.host, token, "the reward model", TOKEN_ENV)
+    check_exposure(args.host, token, "the policy" if args.policy else "the reward model", TOKEN_ENV)
+    if args.max_batch_tokens is None:
+        args.max_batch_tokens = 65536 if args.policy else 16384
     for name in ("max_batch_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -127,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     from shifu.parallel.threads import set_threads
 
     set_threads(args.threads)
+    if args.policy is not None:
+        from shifu.serve.policy import serve_policy
+
+        return serve_policy(args, token)
     served = load_served(args.source, args.device, args.aggregate, args.std_coef)
     app = create_app(served, token, args.max_batch_tokens, args.max_body_bytes, args.body_timeout, args.exact)
     sock = bind_socket(args.host, args.port)
