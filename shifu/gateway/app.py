@@ -51,6 +51,8 @@ def openapi_document(gateway=None) -> dict:
     doc["info"]["x-shifu-version"] = __version__
     if gateway is not None:
         doc["components"]["schemas"]["ChatRequest"]["properties"]["model"]["enum"] = [gateway.name]
+        if not gateway.recording:  # the /rl routes exist on a recording gateway only
+            doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/rl/")}
         doc["info"]["x-shifu-served"] = {
             "model": gateway.name,
             "recording": gateway.recording,

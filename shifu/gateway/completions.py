@@ -29,11 +29,16 @@ from shifu.generation.stops import cut_at_stop
 from shifu.http.requests import RequestError
 from shifu.models.tool_calls import ToolFormat, parse_tool_calls, render_messages
 
+MIN_TEMPERATURE = 1e-5  # below: greedy (logits / T would overflow float32), as vLLM does
+MIN_TOP_P = 1e-6  # below: the same set (the most likely token alone), kept representable in float32
+
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the gateway samples: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` and the token cap
-    ``max_tokens`` of one completion. In recording mode the trainer's, for every request."""
+    """How the gateway samples: ``temperature`` (below :data:`MIN_TEMPERATURE`: greedy, its log-probs under
+    T = 1), ``top_k`` (0: off), ``top_p`` (below :data:`MIN_TOP_P` it keeps the most likely token alone, as at
+    that value) and the token cap ``max_tokens`` of one completion. In recording mode the trainer's, for every
+    request."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -117,15 +122,16 @@ def make_job(
         temperature = req.temperature if req.temperature is not None else sampling.temperature
         top_p = req.top_p if req.top_p is not None else sampling.top_p
         seed = req.seed
+    greedy = temperature < MIN_TEMPERATURE
     return Job(
         prompt_ids=ids,
         n=req.n,
         budget=budget,
         stops=req.stop,
-        temperature=temperature if temperature > 0 else 1.0,
-        top_p=top_p,
+        temperature=1.0 if greedy else temperature,
+        top_p=max(top_p, MIN_TOP_P),
         top_k=sampling.top_k,
-        greedy=temperature == 0,
+        greedy=greedy,
         seed=seed,
         top_logprobs=req.top_logprobs if req.logprobs else 0,
     )

@@ -94,9 +94,12 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
 
 
 def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+    """An integer field; a number with no fraction (``3.0``) counts, as in JSON Schema."""
     value = body.get(name)
     if value is None:
         return None
+    if type(value) is float and value.is_integer():
+        value = int(value)
     _typed(value, name, (int,), "an integer")
     if value < low or (high is not None and value > high):
         raise bad(name, f"{value} is outside [{low}, {high if high is not None else 'any'}]")
@@ -152,7 +155,7 @@ def _tool_calls(calls, path: str) -> list[dict]:
 def _message(m, path: str) -> dict:
     _typed(m, path, (dict,), "an object")
     role = m.get("role")
-    if role not in ROLE_KEYS:
+    if not isinstance(role, str) or role not in ROLE_KEYS:
         raise bad(f"{path}.role", f"{role!r} is not one of {', '.join(ROLE_KEYS)}")
     unknown = sorted(set(m) - ROLE_KEYS[role])
     if unknown:
@@ -164,7 +167,7 @@ def _message(m, path: str) -> dict:
         if m.get("refusal") is not None:
             _typed(m["refusal"], f"{path}.refusal", (str,), "a string or null")
         out["content"] = _text(m.get("content"), f"{path}.content", nullable=True)
-        if m.get("tool_calls"):
+        if m.get("tool_calls") is not None:
             out["tool_calls"] = _tool_calls(m["tool_calls"], f"{path}.tool_calls")
         return out
     out["content"] = _text(m.get("content"), f"{path}.content", nullable=False)
@@ -218,7 +221,7 @@ def _stop(value) -> list[str]:
 def _tool_choice(value) -> str:
     if value is None:
         return "auto"
-    if value in ("auto", "none"):
+    if isinstance(value, str) and value in ("auto", "none"):
         return value
     raise bad(
         "tool_choice",
@@ -246,7 +249,7 @@ def parse_chat_request(body) -> ChatRequest:
     messages = _typed(body["messages"], "messages", (list,), "an array of messages")
     if not messages:
         raise bad("messages", "empty: give at least one message")
-    if body.get("stream") not in (None, False):
+    if body.get("stream") is not None and body["stream"] is not False:
         raise bad("stream", "streaming is not supported: leave stream out or send false", "unsupported_value")
     if body.get("user") is not None:
         _typed(body["user"], "user", (str,), "a string")
