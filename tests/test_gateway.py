@@ -170,11 +170,11 @@ def test_seeds_greedy_stops_and_budgets(served):
     assert out.model_extra["shifu"]["max_tokens"] == 12 and len(capped[0]) <= 12
     # a stop string: the content stops before it, the token ids keep every sampled token
     text = tok.decode(g1[0], skip_special_tokens=True)
-    if len(text) >= 4:
-        stop = text[2:4]
-        stopped, out = ids(temperature=0, stop=[stop])
-        assert out.choices[0].finish_reason == "stop" and stop not in out.choices[0].message.content
-        assert stop in tok.decode(stopped[0]) and stopped[0] == g1[0][: len(stopped[0])]
+    assert len(text) >= 4  # the greedy answer of this model: 12 tokens of text
+    stop = text[2:4]
+    stopped, out = ids(temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop" and stop not in out.choices[0].message.content
+    assert stop in tok.decode(stopped[0]) and stopped[0] == g1[0][: len(stopped[0])]
 
 
 def test_refusals_name_the_field(served):
