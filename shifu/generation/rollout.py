@@ -171,7 +171,7 @@ def sample(
 
     ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
-    episode source (:class:`shifu.generation.stopping.StopAt`). ``running`` marks the rows that have not ended."""
+    episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens

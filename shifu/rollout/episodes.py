@@ -29,7 +29,7 @@ from shifu.config.imports import typed_key
 from shifu.envs.base import EnvFault, Environment
 from shifu.errors import ShifuError
 from shifu.generation.rollout import Sample, SamplingParams
-from shifu.generation.stopping import StopAt
+from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
 from shifu.rollout.batch import COUNTS, MARKS, PromptBatch, Trajectories, Transcript
 from shifu.rollout.sources import Policy
@@ -187,7 +187,7 @@ class Episodes:
             generator=generator,
             with_log_probs=policy.with_log_probs,
             value_head=policy.value_head,
-            stop=StopAt(tok, self.limits.stop, limits),
+            stop=RowStops(tok, limits, [self.limits.stop] * len(limits)),
             **policy.sample_kwargs,
         )
 

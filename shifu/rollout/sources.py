@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from shifu.core import last_true, place_step_rewards
 from shifu.generation.rollout import Sample, SamplingParams, sample
-from shifu.generation.stopping import StopAt
+from shifu.generation.stops import RowStops
 from shifu.rollout.batch import PromptBatch, Trajectories, Transcript
 
 
@@ -107,7 +107,9 @@ class SingleTurn:
             generator=generator,
             with_log_probs=policy.with_log_probs,
             value_head=policy.value_head,
-            stop=StopAt(tok, self.stop) if self.stop else None,
+            stop=RowStops(tok, [params.max_new_tokens] * len(rows), [self.stop] * len(rows))
+            if self.stop
+            else None,
             **policy.sample_kwargs,
         )
         ids, mask = out.response_ids, out.response_mask

@@ -12,16 +12,11 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from shifu.http.requests import check_bearer, check_content_headers, decode_body, read_body
+from shifu.http.responses import error_handlers, json_error
 from shifu.serve.batcher import Batcher
 from shifu.serve.served import ScoringError, Served
-from shifu.serve.validation import (
-    RequestError,
-    check_bearer,
-    check_content_headers,
-    decode_body,
-    parse_score_request,
-    read_body,
-)
+from shifu.serve.validation import parse_score_request
 
 OPENAPI_FILE = Path(__file__).with_name("openapi.json")
 
@@ -49,13 +44,6 @@ def openapi_document(served: Served | None = None, limits: dict | None = None) -
     return doc
 
 
-def _json_error(status: int, field_name: str | None, message: str, headers: dict | None = None):
-    from starlette.responses import JSONResponse
-
-    body = {"error": {"status": status, "field": field_name, "message": message}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def _finite(values: list[float]) -> list[float | None]:
     """Non-finite scores as JSON null (standard JSON has no NaN; the client reads null as NaN)."""
     return [v if math.isfinite(v) else None for v in values]
@@ -72,7 +60,6 @@ def create_app(
     """The Starlette app serving ``served`` (see the module docstring); run it with uvicorn."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -130,20 +117,10 @@ def create_app(
             return JSONResponse({"scores": _finite(answer["scores"])})
         return JSONResponse({"scores": _finite((await b.score_blocks(blocks)).tolist())})
 
-    async def on_request_error(request, exc: RequestError):
-        return _json_error(exc.status, exc.field, exc.message, exc.headers)
-
-    async def on_http_error(request, exc: HTTPException):
-        where = {404: "path", 405: "method"}.get(exc.status_code)
-        return _json_error(
-            exc.status_code, where, f"{request.method} {request.url.path}: {exc.detail}", exc.headers
-        )
-
-    async def on_scoring_error(request, exc: ScoringError):
-        return _json_error(500, None, f"{served.source}: {exc}")
-
-    async def on_unexpected(request, exc: Exception):
-        return _json_error(500, None, f"{served.source}: scoring failed ({type(exc).__name__}: {exc})")
+    def failed(exc: Exception) -> str:
+        if isinstance(exc, ScoringError):
+            return f"{served.source}: {exc}"
+        return f"{served.source}: scoring failed ({type(exc).__name__}: {exc})"
 
     return Starlette(
         routes=[
@@ -152,11 +129,6 @@ def create_app(
             Route("/v1/score", score, methods=["POST"]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
-        exception_handlers={
-            RequestError: on_request_error,
-            HTTPException: on_http_error,
-            ScoringError: on_scoring_error,
-            Exception: on_unexpected,
-        },
+        exception_handlers=error_handlers(json_error, failed, expected=(ScoringError,)),
         lifespan=lifespan,
     )

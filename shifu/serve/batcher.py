@@ -1,18 +1,19 @@
-"""The batching queue of ``shifu serve``: one asyncio task feeds one scoring thread, one forward at a time, in
-arrival order. The blocks pending when a forward ends are merged into the next one, right-padded to one width
-(:func:`stack_blocks`), up to ``--max-batch-tokens`` (rows x width); ``--exact`` runs each request alone, as
-sent. A failed forward fails the requests in it, never the server.
+"""The reward service's batching: token blocks merged into one forward by the shared queue
+(:class:`shifu.http.batching.BatchQueue`), one forward at a time, the oldest request first. The blocks pending
+when a forward ends are merged into the next one, right-padded to one width (:func:`stack_blocks`), up to
+``--max-batch-tokens`` (rows x width); ``--exact`` runs each request alone, as sent. A failed forward fails
+the requests in it, never the server.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+from shifu.http.batching import BatchQueue
 
 
 def split_rows(
@@ -45,16 +46,9 @@ def stack_blocks(
 
 
 @dataclass
-class _Job:
-    future: asyncio.Future
-    block: tuple[torch.Tensor, torch.Tensor] | None = None  # a (n, T) block, merged with others
-    call: Callable | None = None  # run alone (reward functions, ensembles of several tokenizers)
-
-
-@dataclass
 class Batcher:
-    """The batching queue: one asyncio task takes pending jobs and runs them on ``executor`` (one thread:
-    one forward at a time, in arrival order).
+    """The reward service's queue (:class:`shifu.http.batching.BatchQueue`): one scoring thread (``executor``),
+    one forward at a time, the oldest request first.
 
     ``merge=True``: the blocks pending when a forward ends go into the next forward together, right-padded
     to one width (:func:`stack_blocks`), up to ``max_batch_tokens`` = rows x width; a larger request is cut
@@ -70,79 +64,36 @@ class Batcher:
     stats: dict = field(default_factory=lambda: {"requests": 0, "forwards": 0, "rows": 0})
 
     def __post_init__(self):
-        self.queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._held: _Job | None = None
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self.queue = BatchQueue(self._forward, self.executor, self._joins if self.merge else None)
+
+    def _joins(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], block) -> bool:
+        rows = sum(b[0].shape[0] for b in blocks) + block[0].shape[0]
+        width = max(max(b[0].shape[1] for b in blocks), block[0].shape[1])
+        return rows * width <= self.max_batch_tokens
 
     async def score_blocks(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """(sum n_i,) float32 scores of a request's (n_i, T_i) blocks, once the batcher has run them."""
-        loop = asyncio.get_running_loop()
         if self.merge:
             blocks = [piece for ids, mask in blocks for piece in split_rows(ids, mask, self.max_batch_tokens)]
-        jobs = [_Job(loop.create_future(), block=b) for b in blocks]
-        for job in jobs:
-            self.queue.put_nowait(job)
         self.stats["requests"] += 1
-        parts = [await job.future for job in jobs]
+        parts = await self.queue.submit_many(blocks)
         return torch.cat(parts) if parts else torch.zeros(0)
 
     async def run_alone(self, fn: Callable):
         """``fn()`` on the scoring thread, between two forwards."""
-        job = _Job(asyncio.get_running_loop().create_future(), call=fn)
-        self.queue.put_nowait(job)
         self.stats["requests"] += 1
-        return await job.future
+        return await self.queue.run_alone(fn)
 
     def pending(self) -> int:
-        return self.queue.qsize() + (self._held is not None)
+        return self.queue.pending()
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await self.queue.close()
 
     def _forward(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """On the scoring thread: one forward over the blocks, split back into each block's scores."""
         ids, mask = blocks[0] if len(blocks) == 1 else stack_blocks(blocks, self.pad_id)
-        return list(self.score(ids, mask).split([b[0].shape[0] for b in blocks]))
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            job = self._held or await self.queue.get()
-            self._held = None
-            if job.call is not None:
-                await self._settle([job], loop.run_in_executor(self.executor, job.call), forward=False)
-                continue
-            batch, rows, width = [job], job.block[0].shape[0], job.block[0].shape[1]
-            while self.merge and not self.queue.empty():  # what arrived during the last forward
-                nxt = self.queue.get_nowait()
-                if nxt.call is not None:
-                    self._held = nxt
-                    break
-                n, t = nxt.block[0].shape
-                if (rows + n) * max(width, t) > self.max_batch_tokens:
-                    self._held = nxt
-                    break
-                batch.append(nxt)
-                rows, width = rows + n, max(width, t)
-            await self._settle(
-                batch, loop.run_in_executor(self.executor, self._forward, [j.block for j in batch])
-            )
-
-    async def _settle(self, jobs: list[_Job], work: asyncio.Future, forward: bool = True) -> None:
-        """Await the scoring thread's ``work`` and hand each job its part (or the exception)."""
-        try:
-            result = await work
-        except Exception as e:  # a failed forward or function fails the requests in it, not the server
-            for j in jobs:
-                if not j.future.done():
-                    j.future.set_exception(e)
-            return
-        parts = result if forward else [result]
-        if forward:
-            self.stats["forwards"] += 1
-            self.stats["rows"] += sum(int(p.shape[0]) for p in parts)
-        for j, part in zip(jobs, parts):
-            if not j.future.done():  # a client that went away leaves a cancelled future
-                j.future.set_result(part)
+        parts = list(self.score(ids, mask).split([b[0].shape[0] for b in blocks]))
+        self.stats["forwards"] += 1
+        self.stats["rows"] += ids.shape[0]
+        return parts

@@ -1,4 +1,5 @@
-"""``shifu serve SOURCE``: a reward model, an ensemble or a rule reward over HTTP (Starlette on uvicorn).
+"""``shifu serve SOURCE``: a reward model, an ensemble or a rule reward over HTTP (Starlette on uvicorn);
+``shifu serve --policy MODEL``: a policy behind an OpenAI-compatible endpoint (:mod:`shifu.serve.policy`).
 
 SOURCE is what ``shifu ppo`` takes in process: a reward model directory (one ``shifu rm`` model, an
 ensemble directory, or a run directory with ``final/``; loaded by :func:`shifu.rewards.ensemble.load_reward`) or
@@ -39,42 +40,22 @@ model's positions, wrong content types, oversized or deeply nested bodies) is al
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import socket
 
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ConfigError
+from shifu.http.runner import (
+    bind_socket,
+    check_exposure,
+    is_loopback,
+    require_uvicorn,
+    serve_forever,
+    socket_url,
+)
 from shifu.rewards.remote import TOKEN_ENV
 from shifu.serve.app import create_app
 from shifu.serve.served import load_served
 
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and 127.0.0.0/8 / ::1 literals (anything else may be reachable from outside)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: a free one); connections queue from here on."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as e:
-        raise ShifuError(f"cannot listen on {host}:{port} ({e}); choose another --port or --host") from None
-    sock.listen(512)
-    return sock
-
-
-def socket_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+__all__ = ["bind_socket", "build_parser", "is_loopback", "main", "socket_url"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "source",
+        nargs="?",
         metavar="RM_DIR|module:function",
-        help="reward model/ensemble/run directory, or a rule reward",
+        help="reward model/ensemble/run directory, or a rule reward (or --policy)",
+    )
+    p.add_argument(
+        "--policy",
+        metavar="MODEL",
+        default=None,
+        help="serve a policy instead (a run directory with final/, or an HF model directory) on an "
+        "OpenAI-compatible /v1/chat/completions (docs/how-to/policy-endpoint.md)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)"
@@ -98,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bearer token clients must send (default: ${TOKEN_ENV}; none: no check)",
     )
     p.add_argument(
-        "--max-batch-tokens", type=int, default=16384, help="rows x padded width merged into one forward"
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="rows x padded width merged into one forward (default 16384; with --policy: rows x (prompt + "
+        "budget) of one sampler call, default 65536)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=16 * 2**20, help="largest request body accepted (413 above)"
@@ -125,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: SHIFU_THREADS or torch's)"
     )
+    from shifu.serve.policy import add_policy_arguments
+
+    add_policy_arguments(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--access-log", action="store_true", help="log every request (off: it costs time under load)"
@@ -134,12 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    token = args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
-    if not is_loopback(args.host) and not token:
+    if (args.source is None) == (args.policy is None):
         raise ConfigError(
-            f"--host {args.host} is not a loopback address: anyone who reaches it could use the reward "
-            f"model. Give --token (or ${TOKEN_ENV}), or bind 127.0.0.1"
+            "shifu serve takes a reward model or function (SOURCE) or a policy (--policy MODEL): give one"
         )
+    token = args.token if args.token is not None else (os.environ.get(TOKEN_ENV) or None)
+    check_exposure(args.host, token, "the policy" if args.policy else "the reward model", TOKEN_ENV)
+    if args.max_batch_tokens is None:
+        args.max_batch_tokens = 65536 if args.policy else 16384
     for name in ("max_batch_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -147,15 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(
             f"need --body-timeout > 0 and 0 <= --port < 65536; got {args.body_timeout}, {args.port}"
         )
-    try:
-        import uvicorn
-    except ImportError:
-        raise ShifuError(
-            "shifu serve needs its extra: pip install 'shifu-rlhf[serve]' (starlette, uvicorn)"
-        ) from None
+    require_uvicorn()
     from shifu.parallel.threads import set_threads
 
     set_threads(args.threads)
+    if args.policy is not None:
+        from shifu.serve.policy import serve_policy
+
+        return serve_policy(args, token)
     served = load_served(args.source, args.device, args.aggregate, args.std_coef)
     app = create_app(served, token, args.max_batch_tokens, args.max_body_bytes, args.body_timeout, args.exact)
     sock = bind_socket(args.host, args.port)
@@ -164,6 +161,5 @@ def main(argv: list[str] | None = None) -> int:
         f"(token {'required' if token else 'off'}; stop with Ctrl-C)",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_forever(app, sock, args.log_level, args.access_log)
     return 0

@@ -1,0 +1,239 @@
+"""One chat completion from request to answer: the prompt rendered through the chat template
+(:func:`prompt_ids`), the sampler job (:func:`make_job`), and the OpenAI-style answer with vLLM's token fields
+(:func:`answer`), which also yields the segments a recording session keeps.
+
+**Prompts.** Messages always go through the tokenizer's chat template, with the generation prompt: tools
+natively where the template renders them, else in a Hermes system message
+(:mod:`shifu.models.tool_calls`). An assistant message this gateway produced is rendered as the text the
+policy sampled, as the ids it sampled (:class:`shifu.gateway.sessions.CompletionMemory`), so that the next
+prompt extends the previous one token for token wherever the template renders earlier turns unchanged.
+
+**Answers.** ``message.content`` is the completion's text without special tokens, cut before the earliest
+stop string (OpenAI's rule); tool calls in the model's syntax become ``message.tool_calls`` with
+``finish_reason: "tool_calls"`` (content: the text before the first call, or null). ``token_ids`` (with
+``return_token_ids``) are every sampled id, the ending EOS and the stop string's tokens included, and
+``logprobs.content`` has one entry per sampled id: both describe what was sampled, not only the text.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+from shifu.gateway.engine import Choice, Job
+from shifu.gateway.protocol import ChatRequest, bad
+from shifu.gateway.sessions import CompletionMemory, Segment
+from shifu.generation.stops import cut_at_stop
+from shifu.http.requests import RequestError
+from shifu.models.tool_calls import ToolFormat, parse_tool_calls, render_messages
+
+MIN_TEMPERATURE = 1e-5  # below: greedy (logits / T would overflow float32), as vLLM does
+MIN_TOP_P = 1e-6  # below: the same set (the most likely token alone), kept representable in float32
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the gateway samples: ``temperature`` (below :data:`MIN_TEMPERATURE`: greedy, its log-probs under
+    T = 1), ``top_k`` (0: off), ``top_p`` (below :data:`MIN_TOP_P` it keeps the most likely token alone, as at
+    that value) and the token cap ``max_tokens`` of one completion. In recording mode the trainer's, for every
+    request."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 256
+
+
+def offered_tools(req: ChatRequest) -> list[dict] | None:
+    return req.tools if req.tools and req.tool_choice != "none" else None
+
+
+def prompt_ids(tokenizer, req: ChatRequest, fmt: ToolFormat, memory: CompletionMemory) -> list[int]:
+    """The prompt's ids: the messages through the chat template (module docstring), each assistant message
+    this gateway produced spliced in as the ids the policy sampled; a 400 when the template refuses them."""
+    nonce = secrets.token_hex(4)
+    messages, sampled = [], []
+    for m in req.messages:
+        found = memory.lookup(m)
+        if found is None:
+            messages.append(m)
+            continue
+        messages.append({"role": "assistant", "content": f"<<shifu-sampled-{nonce}-{len(sampled)}>>"})
+        sampled.append(found)
+    try:
+        text = render_messages(tokenizer, messages, offered_tools(req), fmt)
+    except Exception as e:  # jinja's raise_exception, a template reading a key the messages lack
+        raise bad(
+            "messages", f"the chat template refused them ({type(e).__name__}: {e})", "template_error"
+        ) from None
+    ids = _spliced(tokenizer, text, nonce, sampled)
+    if not ids:
+        raise bad("messages", "they render to no tokens", "template_error")
+    return ids
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _spliced(tokenizer, text: str, nonce: str, sampled: list[tuple[str, list[int]]]) -> list[int]:
+    """``text``'s ids with each placeholder replaced by the sampled ids it stands for: the text between
+    placeholders tokenised piece by piece. Where the template changed a placeholder (it trims or rewrites
+    assistant content), or the pieces do not decode back to the text (a tokenizer that adds a prefix space
+    to each piece), the whole text with the raw completions in it is tokenised instead."""
+    marks = [f"<<shifu-sampled-{nonce}-{k}>>" for k in range(len(sampled))]
+    if all(text.count(m) == 1 for m in marks) and all(
+        text.index(a) < text.index(b) for a, b in zip(marks, marks[1:])
+    ):
+        ids, rest = [], text
+        for mark, (_, sampled_ids) in zip(marks, sampled):
+            before, rest = rest.split(mark, 1)
+            ids += _encode(tokenizer, before) + sampled_ids
+        ids += _encode(tokenizer, rest)
+        plain = text
+        for mark, (raw, _) in zip(marks, sampled):
+            plain = plain.replace(mark, raw)
+        if tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == plain:
+            return ids
+    for mark, (raw, _) in zip(marks, sampled):
+        text = text.replace(mark, raw)
+    return _encode(tokenizer, text)
+
+
+def make_job(
+    req: ChatRequest, ids: list[int], sampling: Sampling, positions: int | None, recording: bool
+) -> Job:
+    """The sampler job of a request: its budget (the request's ``max_tokens`` within the gateway's cap and
+    the model's positions) and its sampling setting (the request's, or the trainer's when recording)."""
+    room = sampling.max_tokens if positions is None else min(sampling.max_tokens, positions - len(ids))
+    if room < 1:
+        raise bad(
+            "messages",
+            f"the prompt has {len(ids)} tokens, which leaves no room in the model's {positions} positions; "
+            "send a shorter conversation",
+            "context_length_exceeded",
+        )
+    budget = min(room, req.max_tokens) if req.max_tokens is not None else room
+    if recording:
+        temperature, top_p, seed = sampling.temperature, sampling.top_p, None
+    else:
+        temperature = req.temperature if req.temperature is not None else sampling.temperature
+        top_p = req.top_p if req.top_p is not None else sampling.top_p
+        seed = req.seed
+    greedy = temperature < MIN_TEMPERATURE
+    return Job(
+        prompt_ids=ids,
+        n=req.n,
+        budget=budget,
+        stops=req.stop,
+        temperature=1.0 if greedy else temperature,
+        top_p=max(top_p, MIN_TOP_P),
+        top_k=sampling.top_k,
+        greedy=greedy,
+        seed=seed,
+        top_logprobs=req.top_logprobs if req.logprobs else 0,
+    )
+
+
+def _finite(lp: float) -> float:
+    """A log-prob as JSON takes it: -9999.0 for an impossible token (OpenAI's value for "very unlikely")."""
+    return lp if math.isfinite(lp) else -9999.0
+
+
+def _logprobs(tokenizer, choice: Choice, top: int) -> dict:
+    content = []
+    for k, (t, lp) in enumerate(zip(choice.ids, choice.log_probs)):
+        text = tokenizer.decode([t])
+        entry = {
+            "token": text,
+            "logprob": _finite(lp),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [],
+        }
+        if top and choice.top is not None:
+            for alt, alt_lp in choice.top[k]:
+                alt_text = tokenizer.decode([alt])
+                entry["top_logprobs"].append(
+                    {"token": alt_text, "logprob": _finite(alt_lp), "bytes": list(alt_text.encode("utf-8"))}
+                )
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def _message(tokenizer, req: ChatRequest, fmt: ToolFormat, choice: Choice, memory: CompletionMemory):
+    """``(message, finish_reason)`` of one choice; remembers its raw text (module docstring)."""
+    text_ids = choice.ids[:-1] if choice.ended == "eos" else choice.ids
+    raw = tokenizer.decode(text_ids, skip_special_tokens=False)
+    text = tokenizer.decode(text_ids, skip_special_tokens=True)
+    content, calls = (text, [])
+    if offered_tools(req):
+        content, calls = parse_tool_calls(text, fmt.syntax)
+        calls = calls if req.parallel_tool_calls else calls[:1]
+    if not calls:
+        content = cut_at_stop(text, req.stop) if choice.ended == "stop" else text
+    memory.remember(content, calls, raw, text_ids)
+    message = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
+        return message, "tool_calls"
+    return message, "length" if choice.ended == "length" else "stop"
+
+
+def answer(
+    tokenizer,
+    req: ChatRequest,
+    fmt: ToolFormat,
+    ids: list[int],
+    job: Job,
+    choices: list[Choice],
+    memory: CompletionMemory,
+    served_name: str,
+    recording: bool,
+) -> tuple[dict, list[Segment]]:
+    """The response body of a completion and one :class:`Segment` per choice (for a recording session)."""
+    out, segments = [], []
+    for i, choice in enumerate(choices):
+        message, finish = _message(tokenizer, req, fmt, choice, memory)
+        item = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+        if req.logprobs:
+            item["logprobs"] = _logprobs(tokenizer, choice, job.top_logprobs)
+        if req.return_token_ids:
+            item["token_ids"] = choice.ids
+        out.append(item)
+        segments.append(Segment([], choice.ids, choice.log_probs, None, finish, choice.version))
+    sampled = sum(len(c.ids) for c in choices)
+    body = {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served_name,
+        "choices": out,
+        "usage": {
+            "prompt_tokens": len(ids),
+            "completion_tokens": sampled,
+            "total_tokens": len(ids) + sampled,
+        },
+        "shifu": {
+            "policy_version": choices[0].version,
+            "temperature": 0.0 if job.greedy else job.temperature,
+            "top_p": job.top_p,
+            "top_k": job.top_k,
+            "max_tokens": job.budget,
+            "recorded": recording,
+        },
+    }
+    if req.return_token_ids:
+        body["prompt_token_ids"] = ids
+    return body, segments
+
+
+def check_model(req: ChatRequest, served_name: str) -> None:
+    if req.model != served_name:
+        raise RequestError(
+            404,
+            "model",
+            f"model: {req.model!r} is not served here; this gateway serves {served_name!r} (GET /v1/models)",
+            code="model_not_found",
+        )

@@ -1,0 +1,172 @@
+"""The gateway's sampler: chat completions merged into calls of shifu's own sampler
+(:func:`shifu.generation.rollout.sample`, the one PPO samples with).
+
+A :class:`Job` is one request's prompt ids with its ``n``, token budget, stop strings and sampling setting.
+Jobs of one setting (greedy or not, temperature, top-p, top-k) merge into one call (:meth:`Engine.joins`,
+through :class:`shifu.http.batching.BatchQueue`): their prompts left-padded to one width, ``n`` rows each,
+within ``max_batch_rows`` rows, ``max_batch_tokens`` rows x (prompt + budget) tokens and the model's
+positions. Per-row budgets, end-of-turn ids other than EOS and stop strings end rows through
+:class:`shifu.generation.stops.RowStops`. A job with a ``seed`` is sampled in a call of its own with a
+generator seeded by it (the same request with the same seed gets the same tokens); the others share the
+engine's generator.
+
+Each choice comes back with its sampled ids (the ending EOS or end-of-turn id included when sampled) and
+their float32 log-probs under ``logits / T`` at the sampling temperature (T = 1 when greedy), read off the
+decode steps: the values :func:`shifu.generation.rollout.policy_forward` recomputes at the same T up to
+float rounding. ``top_logprobs`` come from one scoring forward of the finished row.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from shifu.generation.rollout import SamplingParams, policy_forward, sample
+from shifu.generation.stops import RowStops
+from shifu.models.padding import pad_left
+
+
+@dataclass
+class Job:
+    """One request's rows for the sampler (see the module docstring)."""
+
+    prompt_ids: list[int]
+    n: int
+    budget: int
+    stops: list[str]
+    temperature: float  # > 0; ignored when greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    seed: int | None = None
+    top_logprobs: int = 0
+
+    @property
+    def setting(self) -> tuple:
+        return (self.greedy, self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class Choice:
+    """One sampled completion: ``ids`` and their ``log_probs``; ``ended``: ``"eos"`` (EOS or another
+    end-of-turn id, the last of ``ids``), ``"stop"`` (the stop string ``stop_hit``) or ``"length"``;
+    ``top``: per token the ``top_logprobs`` most likely ``(id, log-prob)``; ``version``: the policy's."""
+
+    ids: list[int]
+    log_probs: list[float]
+    ended: str
+    stop_hit: str | None
+    top: list[list[tuple[int, float]]] | None
+    version: int
+
+
+def end_ids(model, tokenizer) -> list[int]:
+    """Ids that end a turn: the tokenizer's EOS and every ``eos_token_id`` of the model's generation config
+    (Llama 3's ``<|eot_id|>`` and ``<|end_of_text|>``)."""
+    ids = {tokenizer.eos_token_id}
+    cfg = getattr(model, "generation_config", None)
+    extra = getattr(cfg, "eos_token_id", None)
+    ids |= set(extra if isinstance(extra, (list, tuple)) else [extra])
+    return sorted(i for i in ids if isinstance(i, int))
+
+
+def model_positions(model) -> int | None:
+    """The most positions a row may use: GPT-2's ``n_positions`` or ``max_position_embeddings``."""
+    cfg = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+class Engine:
+    """The policy and its sampling calls (module docstring). :meth:`run` runs on the queue's one worker
+    thread; :meth:`set_policy` swaps the model between calls (a call samples with the model and version it
+    started with)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        version: int = 0,
+        max_batch_rows: int = 64,
+        max_batch_tokens: int = 65536,
+        seed: int = 0,
+    ):
+        self.tok = tokenizer
+        self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self._lock = threading.Lock()
+        self.calls = 0  # sampler calls run
+        self.set_policy(model, version)
+
+    def set_policy(self, model, version: int) -> None:
+        with self._lock:
+            self.model, self.version = model.eval(), int(version)
+            self.positions = model_positions(model)
+            self.end_ids = end_ids(model, self.tok)
+
+    def joins(self, jobs: list[Job], job: Job) -> bool:
+        """Whether ``job`` may be sampled in one call with ``jobs`` (module docstring)."""
+        if job.seed is not None or jobs[0].seed is not None or job.setting != jobs[0].setting:
+            return False
+        rows = sum(j.n for j in jobs) + job.n
+        width = max(len(j.prompt_ids) for j in (*jobs, job)) + max(j.budget for j in (*jobs, job))
+        fits = self.positions is None or width <= self.positions
+        return fits and rows <= self.max_batch_rows and rows * width <= self.max_batch_tokens
+
+    @torch.no_grad()
+    def run(self, jobs: list[Job]) -> list[list[Choice]]:
+        """One sampler call for ``jobs`` (on the worker thread): each job's ``n`` choices."""
+        with self._lock:
+            model, version = self.model, self.version
+        first = jobs[0]
+        rows = [j for j in jobs for _ in range(j.n)]
+        device = next(model.parameters()).device
+        enc = pad_left([j.prompt_ids for j in rows], self.tok.pad_token_id)
+        params = SamplingParams(
+            max_new_tokens=max(j.budget for j in rows),
+            temperature=1.0 if first.greedy else first.temperature,
+            top_k=first.top_k,
+            top_p=first.top_p,
+            greedy=first.greedy,
+        )
+        gen = self.generator if first.seed is None else torch.Generator().manual_seed(first.seed)
+        ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
+        stops = RowStops(self.tok, [j.budget for j in rows], [j.stops for j in rows], ends)
+        out = sample(
+            model,
+            enc["input_ids"].to(device),
+            enc["attention_mask"].to(device),
+            params,
+            self.tok.eos_token_id,
+            self.tok.pad_token_id,
+            generator=gen,
+            with_log_probs=True,
+            stop=stops,
+        )
+        self.calls += 1
+        choices = []
+        for b, job in enumerate(rows):
+            mask = out.response_mask[b].cpu()
+            ids = out.response_ids[b].cpu()[mask].tolist()
+            log_probs = out.log_probs[b].cpu()[mask].tolist()
+            ended = "eos" if ids and ids[-1] in self.end_ids else (stops.reasons[b] or "length")
+            top = self._top(model, job, ids, params.temperature, device) if job.top_logprobs else None
+            choices.append(Choice(ids, log_probs, ended, stops.hits[b], top, version))
+        grouped, at = [], 0
+        for j in jobs:
+            grouped.append(choices[at : at + j.n])
+            at += j.n
+        return grouped
+
+    def _top(self, model, job: Job, ids: list[int], temperature: float, device) -> list[list[tuple]]:
+        """Per sampled token, the ``job.top_logprobs`` most likely ids and log-probs (one scoring forward)."""
+        full = torch.tensor([job.prompt_ids + ids], device=device)
+        mask = torch.ones_like(full)
+        _, _, _, dist = policy_forward(model, full, mask, len(job.prompt_ids), temperature, log_softmax=True)
+        values, index = dist[0].topk(job.top_logprobs, dim=-1)
+        return [list(zip(i.tolist(), v.tolist())) for i, v in zip(index, values)]

@@ -1,0 +1,118 @@
+"""The batching queue of shifu's services: concurrent requests merged into one call of a batch function.
+
+One asyncio task feeds one worker thread (the ``executor``, one thread: one call at a time). While a call
+runs, the event loop keeps accepting requests; when it ends, the oldest pending item starts the next call
+and every other pending item that :attr:`BatchQueue.joins` it goes along, in arrival order (an item that
+does not join, being of another kind or over the call's budget, waits for a later call; the oldest item
+always goes first, so none waits forever). The reward service merges token blocks into one forward
+(:mod:`shifu.serve.batcher`); the gateway merges chat completions of one sampling setting into one sampler
+call (:mod:`shifu.gateway.engine`). A failed call fails the requests in it, never the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _Job:
+    future: asyncio.Future
+    item: Any = None  # merged with other items into one call of the batch function
+    alone: Callable | None = None  # a function run by itself between two calls
+
+
+class BatchQueue:
+    """Pending items merged into calls of ``run(items) -> results`` (one result per item, in order) on
+    ``executor`` (see the module docstring).
+
+    ``joins(batch, item) -> bool`` says whether ``item`` may go into the call that holds the items ``batch``
+    (the oldest first); None: every item is a call of its own (no merging)."""
+
+    def __init__(
+        self,
+        run: Callable[[list], list],
+        executor: ThreadPoolExecutor,
+        joins: Callable[[list, Any], bool] | None = None,
+    ):
+        self.run, self.executor, self.joins = run, executor, joins
+        self._jobs: deque[_Job] = deque()
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def submit(self, item) -> Any:
+        """The result of ``item`` once a call of the batch function has run it (with whatever joined it)."""
+        return (await self.submit_many([item]))[0]
+
+    async def submit_many(self, items: list) -> list:
+        """The results of ``items``, queued together (they may still run in different calls)."""
+        loop = asyncio.get_running_loop()
+        jobs = [_Job(loop.create_future(), item=x) for x in items]
+        self._jobs.extend(jobs)
+        self._wake.set()
+        return [await j.future for j in jobs]
+
+    async def run_alone(self, fn: Callable) -> Any:
+        """``fn()`` on the worker thread by itself, after the calls that were pending before it started."""
+        job = _Job(asyncio.get_running_loop().create_future(), alone=fn)
+        self._jobs.append(job)
+        self._wake.set()
+        return await job.future
+
+    def pending(self) -> int:
+        """Items and functions waiting for the worker thread (not counting the call that runs)."""
+        return len(self._jobs)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    def _take(self) -> list[_Job]:
+        """The next call's jobs: the oldest, then each later one that joins it (arrival order)."""
+        head = self._jobs.popleft()
+        if head.alone is not None or self.joins is None:
+            return [head]
+        batch, items, left = [head], [head.item], deque()
+        while self._jobs:
+            job = self._jobs.popleft()
+            if job.alone is None and self.joins(items, job.item):
+                batch.append(job)
+                items.append(job.item)
+            else:
+                left.append(job)
+        self._jobs = left
+        return batch
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._jobs:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._take()
+            if batch[0].alone is not None:
+                await _settle(batch, loop.run_in_executor(self.executor, batch[0].alone), alone=True)
+            else:
+                work = loop.run_in_executor(self.executor, self.run, [j.item for j in batch])
+                await _settle(batch, work)
+
+
+async def _settle(jobs: list[_Job], work: asyncio.Future, alone: bool = False) -> None:
+    """Await the worker thread's ``work`` and hand each job its result (or the exception)."""
+    try:
+        result = await work
+    except Exception as e:  # a failed call fails the requests in it, not the server
+        for j in jobs:
+            if not j.future.done():
+                j.future.set_exception(e)
+        return
+    for j, part in zip(jobs, [result] if alone else result):
+        if not j.future.done():  # a client that went away leaves a cancelled future
+            j.future.set_result(part)
