@@ -378,7 +378,7 @@ class EnvConfig:
     )
     kwargs: dict = opt({}, "keyword arguments of the factory, one fresh instance per episode")
     concurrency: int = opt(
-        32,
+        64,
         "environment calls (resets, steps) run at once, each on a thread: environments wait on tools, judges "
         "and services; results are applied in episode order, so a run does not depend on it",
     )
