@@ -136,8 +136,12 @@ def test_tool_env_bracket_format_calls_the_tool_and_returns_errors_as_text():
     from shifu import Step
 
     env = calculator_env("bracket")
-    assert env.schemas[0]["function"]["name"] == "calculator"
-    assert env.schemas[0]["function"]["parameters"]["properties"]["expression"]["type"] == "string"
+    assert env.tools is None and list(env.functions) == ["calculator"]  # no schemas offered in brackets
+    schema = calculator_env("json").tools[0]["function"]
+    assert (
+        schema["name"] == "calculator"
+        and schema["parameters"]["properties"]["expression"]["type"] == "string"
+    )
     row = {"prompt": "347*29=", "answer": "10063"}
     assert env.reset(row) == "347*29="
     assert env.step("[347*29]") == Step(observation="{10063}", info={"tool_calls": 1, "tool_errors": 0})
@@ -151,12 +155,31 @@ def test_tool_env_bracket_format_calls_the_tool_and_returns_errors_as_text():
 
 
 def test_tool_env_json_format_speaks_in_chat_messages():
-    env = calculator_env("json")
+    from shifu import ToolEnv
+    from shifu.tasks.arith_tool import calculator, exact_answer
+
+    env = ToolEnv([calculator], exact_answer)
     first = env.reset({"prompt": "What is 347*29?", "answer": "10063"})
-    assert [m["role"] for m in first] == ["system", "user"] and '"calculator"' in first[0]["content"]
+    # the tools are offered by the episode, in the model's format: the first input is the conversation alone
+    assert (
+        first == [{"role": "user", "content": "What is 347*29?"}]
+        and env.tools[0]["function"]["name"] == "calculator"
+    )
+    assert '"calculator"' in env.tools_system and "<tool_call>" in env.tools_system
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "347*29"}}</tool_call>'
     step = env.step("Let me compute. " + call)
     assert step.observation == [{"role": "tool", "content": "10063"}] and not step.done
+    # every call of a turn runs, its results in order; Llama 3's JSON calls are read too
+    two = env.step(call + '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
+    assert two.observation == [{"role": "tool", "content": "10063"}, {"role": "tool", "content": "5"}]
+    assert two.info == {"tool_calls": 2, "tool_errors": 0}
+    llama = env.step('{"name": "calculator", "parameters": {"expression": "6*7"}}')
+    assert llama.observation == [{"role": "tool", "content": "42"}]
+    broken = env.step("<tool_call>{not json</tool_call>")
+    assert "not valid" in broken.observation[0]["content"] and broken.info == {
+        "tool_calls": 1,
+        "tool_errors": 1,
+    }
     bad = env.step('<tool_call>{"name": "abacus", "arguments": {}}</tool_call>')
     assert "unknown tool 'abacus'" in bad.observation[0]["content"] and bad.info["tool_errors"] == 1
     wrong = env.step('<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>')
@@ -270,7 +293,7 @@ def test_arith_tool_smollm2_demonstrations_hold_the_ids_the_episodes_make():
     row = {"prompt": "What is 347*29?", "answer": "10063"}
     call_row, answer_row = arith_tool.chat_demonstrations(row, 347, 29, call=True)
     env = arith_tool.calculator_env("json")
-    turns = ChatTurns(tok)
+    turns = ChatTurns(tok, env.tools, env.tools_system)  # SmolLM2 renders no tools: the system message
     first = turns.first(env.reset(row))
     p1, call = sft_texts(tok, call_row)
     assert ids(p1) == first
@@ -279,3 +302,34 @@ def test_arith_tool_smollm2_demonstrations_hold_the_ids_the_episodes_make():
     p2, answer = sft_texts(tok, answer_row)
     assert ids(p2) == first + ids(call) + obs and answer == "10063"
     assert env.step(answer).reward == 1.0 and env.step(answer).done
+
+
+def test_tool_env_offers_its_tools_through_a_template_that_renders_them():
+    """A Qwen2.5-style template renders ``tools=``: the episode's first input is rendered with the tool schemas
+    in the template's own format (not a system message of ours), every render of the episode keeps them, and a
+    turn's two calls come back as two tool messages whose ids are what the template appends."""
+    from test_tool_calls import QWEN_STYLE, tokenizer_with
+
+    from shifu import ToolEnv
+    from shifu.rollout.turns import turn_encoder
+    from shifu.tasks.arith_tool import calculator, exact_answer
+
+    tok = tokenizer_with(QWEN_STYLE)  # byte-level BPE: any text; ChatML's markers, EOS <|im_end|> (as Qwen's)
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    env = ToolEnv([calculator], exact_answer)
+    turns = turn_encoder(tok, True, env)
+    assert isinstance(turns, ChatTurns) and turns.native
+    first = turns.first(env.reset({"prompt": "What is 347*29?", "answer": "10063"}))
+    text = tok.decode(first)
+    assert "# Tools" in text and '"calculator"' in text and "You can call these tools" not in text
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "347*29"}}\n</tool_call>'
+    action = call + call.replace("347*29", "2+3")
+    step = env.step(action)
+    assert [m["content"] for m in step.observation] == ["10063", "5"]
+    obs = turns.observation(action, True, step.observation)
+    shown = tok.decode(obs)
+    assert shown.index("10063") < shown.index("5") and shown.count("<tool_response>") == 2
+    # token in, token out: the conversation rendered whole equals first input + the turn + the observation
+    whole = turns.render(turns.messages, True)
+    said = tok(action, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert whole == first + said + obs

@@ -152,6 +152,7 @@ def test_arith_tool_smollm2_demonstrations_are_the_environments_own_conversation
     first_turns, calls = 0, 0
     for i, msgs in enumerate(rows):
         assert msgs[0] == {"role": "system", "content": arith_tool.CHAT_SYSTEM} and msgs[1]["role"] == "user"
+        assert env.tools_system == arith_tool.CHAT_SYSTEM  # what the episode's first input shows SmolLM2
         a, b = (int(x) for x in msgs[1]["content"].removeprefix("What is ").removesuffix("?").split("*"))
         if len(msgs) == 3:  # a first turn: the call, or the product written directly
             first_turns += 1

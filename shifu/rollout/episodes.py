@@ -126,7 +126,7 @@ class Episodes:
                 ep.prompt = [tok.eos_token_id]  # (a placeholder: the row has no turn and leaves the rollout)
                 continue
             ep.env, first = started
-            ep.fmt = turn_encoder(tok, self.chat)
+            ep.fmt = turn_encoder(tok, self.chat, ep.env)
             ep.prompt = self._located(ep, None, ep.fmt.first, first)
             if not ep.prompt or (self.max_prompt_len and len(ep.prompt) > self.max_prompt_len):
                 raise ShifuError(

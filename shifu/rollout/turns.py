@@ -6,7 +6,11 @@ text, encoded as they are (no special tokens added); the trajectory reads ``firs
 turn 2, ...`` with nothing in between.
 
 **Chat models**: the first input is a message list (a string becomes one user message), rendered with the
-generation prompt. After a turn the policy's action becomes an assistant message and the observation's
+generation prompt. An environment that offers tools (a ``tools`` attribute: OpenAI function schemas, as
+:class:`shifu.envs.tool.ToolEnv` has) has them rendered in the model's own format: through the template's
+``tools=`` where the template renders tools (Qwen, Llama 3.1, Hermes), else in a system message
+(:mod:`shifu.models.tool_calls`; the environment's ``tools_system`` text when it has one, else every tool's schema
+and the Hermes call syntax), in every render of the episode. After a turn the policy's action becomes an assistant message and the observation's
 messages follow (a string becomes a user message, None none). The observation's ids are the difference of
 two renders of the conversation: ``B`` (with the new messages and the generation prompt) minus ``A`` (up to
 the assistant message), which must be a prefix of ``B`` token for token, else :class:`TemplateError`. What
@@ -57,13 +61,31 @@ class PlainTurns:
 
 class ChatTurns:
     """One episode's ids for a chat model: the conversation so far as messages, each observation's ids the
-    difference of two renders (module docstring)."""
+    difference of two renders (module docstring); ``tools`` offered in the model's own format, or in the
+    system message ``tools_system`` where the template has none."""
 
-    def __init__(self, tok):
-        self.tok, self.messages = tok, []
+    def __init__(self, tok, tools: list[dict] | None = None, tools_system: str | None = None):
+        from shifu.models.tool_calls import tool_format, tools_system_message
+
+        self.tok, self.messages, self.tools = tok, [], tools or None
+        self.native = self.tools is not None and tool_format(tok).native
+        self.system = None  # the system text that offers the tools on a template that does not render them
+        if self.tools is not None and not self.native:
+            self.system = tools_system if tools_system is not None else tools_system_message(self.tools)
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        if self.system is not None:  # the tools in a system message (before the environment's own, if any)
+            if messages and messages[0]["role"] == "system":
+                messages = [
+                    {"role": "system", "content": f"{self.system}\n\n{messages[0]['content']}"},
+                    *messages[1:],
+                ]
+            else:
+                messages = [{"role": "system", "content": self.system}, *messages]
+        tools = self.tools if self.native else None
+        text = self.tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
         return _ids(self.tok, text)
 
     def first(self, first) -> list[int]:
@@ -97,6 +119,9 @@ class ChatTurns:
         return a[k + 1 if ended_with_eos else k :] + b[len(a) :]
 
 
-def turn_encoder(tok, chat: bool) -> PlainTurns | ChatTurns:
-    """A fresh encoder for one episode: :class:`ChatTurns` when ``chat`` and the tokenizer has a template."""
-    return ChatTurns(tok) if chat and getattr(tok, "chat_template", None) else PlainTurns(tok)
+def turn_encoder(tok, chat: bool, env: object = None) -> PlainTurns | ChatTurns:
+    """A fresh encoder for one episode: :class:`ChatTurns` when ``chat`` and the tokenizer has a template (with
+    the tools the environment instance ``env`` offers, its ``tools`` and ``tools_system`` attributes)."""
+    if not (chat and getattr(tok, "chat_template", None)):
+        return PlainTurns(tok)
+    return ChatTurns(tok, getattr(env, "tools", None), getattr(env, "tools_system", None))

@@ -117,7 +117,8 @@ CHAT_SYSTEM = (
 def calculator_env(format: str = "bracket", system: str | None = None):
     """The task's environment: :func:`calculator` as a tool, :func:`exact_answer` as the final reward
     (``ppo.env.factory: shifu.tasks.arith_tool:calculator_env``). ``format="json"`` (chat models) describes
-    the tool in the system message ``system`` (default :data:`CHAT_SYSTEM`)."""
+    the tool in the system message ``system`` (default :data:`CHAT_SYSTEM`) where the chat template does not
+    render tools itself."""
     from shifu.envs.tool import ToolEnv
 
     if format == "json" and system is None:
@@ -141,7 +142,7 @@ def chat_demonstrations(row: dict, a: int, b: int, call: bool) -> list[dict]:
     two rows, the call (``<tool_call>...</tool_call>``) and, after the tool's result, the product. Each row
     trains its last message; the conversation is the environment's own (:func:`calculator_env`, json)."""
     env = calculator_env("json")
-    start = env.reset(row)
+    start = [{"role": "system", "content": env.tools_system}, *env.reset(row)]  # as SmolLM2 reads the episode
     product = str(a * b)
     if not call:
         return [{"messages": [*start, {"role": "assistant", "content": product}]}]
