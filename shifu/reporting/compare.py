@@ -27,7 +27,7 @@ import yaml
 
 from shifu.errors import ShifuError
 from shifu.reporting import report
-from shifu.reporting.modelcard import gold_comparison
+from shifu.reporting.card_results import gold_comparison
 from shifu.reporting.plots import figure, series
 from shifu.reporting.report import CSS, esc
 from shifu.reporting.run_data import RunData, load_run, num, reward_source
