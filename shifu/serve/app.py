@@ -9,9 +9,12 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from shifu.errors import UserCodeError, verbose
 from shifu.serve.batcher import Batcher
 from shifu.serve.served import ScoringError, Served
 from shifu.serve.validation import (
@@ -59,6 +62,14 @@ def _json_error(status: int, field_name: str | None, message: str, headers: dict
 def _finite(values: list[float]) -> list[float | None]:
     """Non-finite scores as JSON null (standard JSON has no NaN; the client reads null as NaN)."""
     return [v if math.isfinite(v) else None for v in values]
+
+
+def _print_scoring_error(exc: ScoringError) -> None:
+    """A failed request on the server's console too (a reward function's name and file:line, as the client
+    gets it), with the user's traceback under ``--verbose``."""
+    if verbose() and exc.__cause__ is not None:
+        traceback.print_exception(exc)
+    print(f"shifu serve: request failed: {exc}", file=sys.stderr, flush=True)
 
 
 def create_app(
@@ -140,7 +151,9 @@ def create_app(
         )
 
     async def on_scoring_error(request, exc: ScoringError):
-        return _json_error(500, None, f"{served.source}: {exc}")
+        _print_scoring_error(exc)
+        user = isinstance(exc.__cause__, UserCodeError)  # (its message names the function already)
+        return _json_error(500, None, str(exc) if user else f"{served.source}: {exc}")
 
     async def on_unexpected(request, exc: Exception):
         return _json_error(500, None, f"{served.source}: scoring failed ({type(exc).__name__}: {exc})")
