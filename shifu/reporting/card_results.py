@@ -21,7 +21,7 @@ import yaml
 
 from shifu.config.loader import lookup
 from shifu.core.stats import mean_se
-from shifu.reporting.run_data import read_json
+from shifu.reporting.run_data import read_json, reward_source
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -157,13 +157,16 @@ def _ppo_results(run_dir: Path, summary: dict, metrics: list[dict], config: dict
             [r for r in samples if r.get("iteration") == its[-1]],
         )
         if gold is not None:
-            label = f"gold, held-out prompts, iteration {its[0]} -> {its[-1]} (n = {gold['n']})"
+            label = (
+                f"{_gold_name(config)}, held-out prompts, iteration {its[0]} -> {its[-1]} (n = {gold['n']})"
+            )
             rows += _gold_rows(gold, label)
     evals = [e for e in summary.get("evals", []) if isinstance(e, dict)]
     if evals:
         s0, s1 = _num(evals[0].get("eval/score")), _num(evals[-1].get("eval/score"))
-        if s0 is not None and s1 is not None:
-            rows.append(("reward-model score, held-out, first -> last evaluation", f"{s0:.4f} -> {s1:.4f}"))
+        if s0 is not None and s1 is not None and not lookup(config, "env.factory"):  # (episodes: the return)
+            label = f"score by {reward_source(config, run_dir)[1]}, held-out, first -> last evaluation"
+            rows.append((label, f"{s0:.4f} -> {s1:.4f}"))
         _add(rows, "KL to the reference at the last evaluation (nats/response)", evals[-1].get("eval/kl"))
     _add(rows, "KL of the last rollout (nats/response)", _first_last(metrics, "objective/kl")[1])
     _add(rows, "final beta (KL coefficient)", summary.get("kl_coef"))
@@ -172,6 +175,14 @@ def _ppo_results(run_dir: Path, summary: dict, metrics: list[dict], config: dict
         rows.append(("stopped by the guard", str(summary["guard"])))
     _add(rows, "reward-model accuracy, held-out pairs", _reward_model_accuracy(config, notes))
     return rows
+
+
+def _gold_name(config: dict[str, Any]) -> str:
+    """What a PPO run's per-prompt ``gold`` is: its judge's score (named), or an environment's episode return."""
+    if lookup(config, "env.factory"):
+        return f"episode return of `{lookup(config, 'env.factory')}`"
+    judge = lookup(config, "eval.gold_function")
+    return f"gold (`{judge}`)" if judge else "gold"
 
 
 def _pm(value: tuple[float, float | None], signed: bool = False) -> str:

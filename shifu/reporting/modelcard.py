@@ -23,17 +23,18 @@ import yaml
 
 from shifu.config.loader import lookup
 from shifu.errors import ShifuError
-from shifu.reporting.card_recipe import (
-    COMMON_CONFIG,
-    DATA_KEYS,
-    KEY_CONFIG,
-    KINDS,
-    RECIPE,
-    TITLES,
-    count_rows,
-    metadata,
-)
 from shifu.reporting.card_results import collect_results, read_config
+from shifu.reporting.names import run_name, shown_config, shown_path
+from shifu.reporting.recipe import (
+    DATA_KEYS,
+    KINDS,
+    count_rows,
+    key_values,
+    metadata,
+    recipe,
+    title,
+    without_unused,
+)
 
 __all__ = ["infer_kind", "main", "read_card_metadata", "render_card", "write_model_card"]
 
@@ -51,26 +52,99 @@ def _value(v: Any) -> str:
     return "`" + (v if isinstance(v, str) else json.dumps(v)) + "`"
 
 
-def _run_name(run_dir: Path) -> str:
-    """The run's name: its directory, with the parent for a quickstart stage (``quickstart-arith/ppo``)."""
-    run = run_dir.resolve()
-    return f"{run.parent.name}/{run.name}" if run.name in KINDS else run.name
+def _merged(final_dir: Path, run_dir: Path) -> list[str]:
+    """The lines on a merged policy (``merge.json``, written by ``shifu merge``: a quickstart soup plan)."""
+    if not (final_dir / "merge.json").is_file():
+        return []
+    m = json.loads((final_dir / "merge.json").read_text(encoding="utf-8"))
+    runs = ", ".join(f"`{shown_path(p, run_dir)}`" for p in m["policies"])
+    return [
+        f"Merged (`shifu merge`): `{shown_path(m['base'], run_dir)}` + {m['scale']} x the mean change of "
+        f"{len(m['policies'])} runs ({runs}); the recipe, config and training rows below are the first run's; "
+        "the quickstart's held-out rows (when present) are the merged policy's.",
+        "",
+    ]
+
+
+def _how_to_use(kind: str, model: str) -> list[str]:
+    """Loading the model, ``model`` named from the directory that holds the run."""
+    if kind == "rm":
+        code = [
+            "from shifu.rewards.sources import load_reward_model",
+            "",
+            f'rm = load_reward_model("{model}")',
+            'scores = rm.score_texts(["a prompt"], ["a response"])',
+        ]
+    else:
+        code = [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{model}", local_files_only=True)',
+            f'tokenizer = AutoTokenizer.from_pretrained("{model}", local_files_only=True)',
+        ]
+    parts = ["## How to use", "", "```python", *code, "```", ""]
+    if kind != "rm":
+        parts += [f'Or from the command line: `shifu sample {model} --prompt "..."`.', ""]
+    return parts
+
+
+def _config_sections(kind: str, config: dict[str, Any], run_dir: Path) -> list[str]:
+    """The Data and Key config tables."""
+    data = [
+        (k, f"`{shown_path(lookup(config, k), run_dir)}`{count_rows(lookup(config, k))}")
+        for k in DATA_KEYS
+        if lookup(config, k)
+    ]
+    parts = ["## Data", ""]
+    parts += [_table(data, ("config key", "file")) if data else "Not recorded (no config.yaml).", ""]
+    keys = [(k, _value(v)) for k, v in key_values(kind, config, run_dir)]
+    parts += ["## Key config", ""]
+    parts += [_table(keys, ("key", "value")) if keys else "Not recorded (no config.yaml).", ""]
+    return parts
+
+
+def _full_config(kind: str, config: dict[str, Any], run_dir: Path) -> list[str]:
+    if not config:
+        return []
+    shown = shown_config(without_unused(config) if kind == "ppo" else config, run_dir)
+    note = (
+        [
+            "Settings without effect in this run are left out; the run directory's config.yaml has them all.",
+            "",
+        ]
+        if kind == "ppo"
+        else []
+    )
+    full = yaml.safe_dump(shown, sort_keys=False, allow_unicode=True).rstrip()
+    return [
+        "<details><summary>Full config</summary>",
+        "",
+        *note,
+        "```yaml",
+        full,
+        "```",
+        "",
+        "</details>",
+        "",
+    ]
 
 
 def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
-    """The model card's text (see the module docstring for what it reads)."""
+    """The model card's text (see the module docstring for what it reads). Paths are never absolute: inside
+    the run relative to it, elsewhere a model's own name or a file's name (:mod:`shifu.reporting.names`)."""
     if kind not in KINDS:
         raise ShifuError(f"unknown model kind '{kind}'; choose one of {', '.join(KINDS)}")
     notes: list[str] = []
     config = read_config(run_dir, notes)
-    meta = metadata(kind, config)
+    meta = metadata(kind, config, run_dir)
     results = collect_results(kind, run_dir, config, notes)
+    base = meta.get("base_model")
     parts = [
         "---",
         yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(),
         "---",
         "",
-        f"# {_run_name(run_dir)}: {TITLES[kind]}",
+        f"# {run_name(run_dir)}: {title(kind, config)}",
         "",
         f"Trained with shifu (`shifu-rlhf`, `shifu {kind}`); this card was generated "
         "from the run's own files (config.yaml, summary.json, metrics.jsonl"
@@ -79,33 +153,15 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
         "",
         "## Training recipe",
         "",
-        RECIPE[kind],
+        recipe(kind, config, run_dir),
+        "",
+        f"Started from: `{base}`." if base else "Started from: not recorded.",
+        "",
+        *_merged(final_dir, run_dir),
+        *_config_sections(kind, config, run_dir),
+        "## Results",
         "",
     ]
-    base = meta.get("base_model")
-    parts += [f"Started from: `{base}`." if base else "Started from: not recorded.", ""]
-    if (merged := final_dir / "merge.json").is_file():  # written by shifu merge (a quickstart soup plan)
-        m = json.loads(merged.read_text(encoding="utf-8"))
-        parts += [
-            f"Merged (`shifu merge`): `{m['base']}` + {m['scale']} x the mean change of "
-            f"{len(m['policies'])} runs ({', '.join(f'`{p}`' for p in m['policies'])}); the recipe, config and "
-            "training rows below are the first run's; the quickstart's held-out rows (when present) are "
-            "the merged policy's.",
-            "",
-        ]
-    data = [
-        (k, f"`{lookup(config, k)}`{count_rows(lookup(config, k))}") for k in DATA_KEYS if lookup(config, k)
-    ]
-    parts += ["## Data", ""]
-    parts += [_table(data, ("config key", "file")) if data else "Not recorded (no config.yaml).", ""]
-    keys = [
-        (k, _value(lookup(config, k)))
-        for k in (*KEY_CONFIG[kind], *COMMON_CONFIG)
-        if lookup(config, k) not in (None, "", [], {})
-    ]
-    parts += ["## Key config", ""]
-    parts += [_table(keys, ("key", "value")) if keys else "Not recorded (no config.yaml).", ""]
-    parts += ["## Results", ""]
     if results:
         parts += [
             "Means over held-out prompts or pairs; ± is one standard error. KL is against the frozen "
@@ -116,29 +172,12 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
         ]
     else:
         parts += ["No results were recorded.", ""]
-    parts += ["## How to use", "", "```python"]
-    if kind == "rm":
-        parts += [
-            "from shifu.rewards.sources import load_reward_model",
-            "",
-            f'rm = load_reward_model("{final_dir}")',
-            'scores = rm.score_texts(["a prompt"], ["a response"])',
-        ]
-    else:
-        parts += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{final_dir}", local_files_only=True)',
-            f'tokenizer = AutoTokenizer.from_pretrained("{final_dir}", local_files_only=True)',
-        ]
-    parts += ["```", ""]
-    if kind != "rm":
-        parts += [f'Or from the command line: `shifu sample {final_dir} --prompt "..."`.', ""]
+    # the model, named from the directory that holds the run (as `shifu sample` takes it from there)
+    model = f"{Path(run_name(run_dir)).parts[0]}/{shown_path(str(final_dir.resolve()), run_dir)}"
+    parts += _how_to_use(kind, model)
     if notes:
         parts += ["## Not recorded", ""] + [f"- {n}" for n in notes] + [""]
-    if config:
-        full = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).rstrip()
-        parts += ["<details><summary>Full config</summary>", "", "```yaml", full, "```", "", "</details>", ""]
+    parts += _full_config(kind, config, run_dir)
     return "\n".join(parts)
 
 

@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from shifu.reporting.run_data import num
+from shifu.reporting.recipe import method_summary
+from shifu.reporting.run_data import num, reward_source
 
 # scalar summary keys and their labels; the final evaluation's keys are labelled by :func:`summary_sections`
 LABELS = {
@@ -116,12 +117,18 @@ def final_evaluation_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def summary_sections(
-    s: dict[str, Any], ppo_rows: list[dict[str, Any]], ppo_eval: str
+    s: dict[str, Any], ppo_rows: list[dict[str, Any]], ppo_eval: str, ppo_config: dict[str, Any] | None = None
 ) -> list[tuple[str, list[Row]]]:
-    """(heading, rows) of the report's summary table: the run, the final evaluation, PPO's last held-out
-    evaluation (from ``ppo_rows``, sampled as ``ppo_eval`` says), then every other key the run recorded."""
+    """(heading, rows) of the report's summary table: the run (with ``ppo_config``, the PPO run's recorded
+    config: the method and the reward that ran), the final evaluation, PPO's last held-out evaluation (from
+    ``ppo_rows``, sampled as ``ppo_eval`` says), then every other key the run recorded."""
     shown = set(TIME_KEYS) | {"eval_prompts", "eval_temperature", "gold_judge"}
     run = [(LABELS[k], _text(s[k])[0], "") for k in ("task", "preset", "seed", "policy") if k in s]
+    if ppo_config:
+        run += [
+            ("method (shifu ppo)", method_summary(ppo_config), ""),
+            ("reward", reward_source(ppo_config)[1], ""),
+        ]
     shown |= {"task", "preset", "seed", "policy"}
     final = final_evaluation_rows(s)
     shown |= FINAL_KEYS
