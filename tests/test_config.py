@@ -144,3 +144,19 @@ def test_world_size_is_checked_at_launch_not_by_validate(monkeypatch):
     ddp = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, strategy="ddp"))
     with pytest.raises(ConfigError, match=r"minibatch_size \(3\).*multiple of the number of processes \(2\)"):
         check_world_size(ddp, 2)
+
+
+@pytest.mark.unit
+def test_a_batch_of_broken_groups_says_what_to_set():
+    """batch_size=32 with group_size=3: the message names batch sizes and group sizes that work, and they do."""
+    grpo = [*PPO_BASE, "advantage_estimator=grpo"]
+    with pytest.raises(ConfigError) as e:
+        load_config(ppo.Config, None, [*grpo, "batch_size=32", "group_size=3"])
+    assert "set batch_size=24 or batch_size=48 (a multiple of group_size and of minibatch_size 8)" in str(
+        e.value
+    )
+    assert "or a group_size that divides 32 (2, 4, 8, 16, 32)" in str(e.value)
+    for fix in (["batch_size=24", "group_size=3"], ["batch_size=48", "group_size=3"], ["group_size=16"]):
+        load_config(ppo.Config, None, [*grpo, "batch_size=32", *fix])
+    with pytest.raises(ConfigError, match=r"^group_size must be >= 1 \(got 0\)"):
+        load_config(ppo.Config, None, [*PPO_BASE, "group_size=0"])

@@ -5,6 +5,7 @@ and speaks of the product only."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 import subprocess
@@ -245,3 +246,33 @@ def test_readme_is_short_and_keeps_its_commands():
     ):
         assert command in text, command
     assert "<!-- BEGIN results:quickstart -->" in text and "<!-- END results:quickstart -->" in text
+
+
+def test_your_own_data_ppo_table_states_the_defaults():
+    """The getting-started page's table of PPO settings gives each key's default as the schema has it
+    (``off`` / ``none``: null)."""
+    import yaml
+
+    from shifu.config.loader import lookup, to_dict
+    from shifu.config.schema import PPOConfig
+
+    text = (DOCS / "getting-started" / "your-own-data.md").read_text(encoding="utf-8")
+    table = text.split("The settings to look at first:", 1)[1].split("\n\n", 2)[1]
+    defaults = to_dict(PPOConfig())
+    checked = 0
+    for row in table.splitlines()[2:]:
+        keys_cell, values_cell = row.strip("|").split(" | ")[:2]
+        keys = re.findall(r"`([^`]+)`", keys_cell)
+        values = [v.strip() for v in values_cell.split(",")]
+        if len(values) == 1:  # one value for every key of the row
+            values *= len(keys)
+        assert len(values) == len(keys), row
+        for key, shown in zip(keys, values):
+            value = None if shown in ("off", "none") else yaml.safe_load(shown.strip("`"))
+            with contextlib.suppress(TypeError, ValueError):  # (YAML 1.1 reads 1e-5 as a string)
+                value = float(value) if isinstance(value, str) else value
+            assert value == lookup(defaults, key), (
+                f"{key}: the page says {shown}, the default is {lookup(defaults, key)}"
+            )
+            checked += 1
+    assert checked >= 15

@@ -640,6 +640,7 @@ def test_a_run_that_fails_after_it_started_can_be_resumed_or_overwritten(tmp_pat
     only found inside the first iteration (a reward function that raises) stops with exit 2 and one message
     after the directory exists: the corrected command then continues with --resume (no checkpoint yet: from
     the beginning) or replaces it with --overwrite."""
+    import ppo_task
     from ppo_task import build_char_model, write_prompts
 
     model, prompts = build_char_model(tmp_path / "model"), write_prompts(tmp_path / "prompts.jsonl")
@@ -664,7 +665,11 @@ def test_a_run_that_fails_after_it_started_can_be_resumed_or_overwritten(tmp_pat
     assert not out.exists()
     code, err = run_cli(base + ["reward.function=ppo_task:raises"], capsys)
     line = _one_error_line(err, "ppo")
-    assert code == 2 and "reward function raised" in line, line
+    raising = 1 + Path(ppo_task.__file__).read_text().splitlines().index(
+        '    raise ValueError("the judge is broken")'
+    )
+    where = f"ppo_task.py:{raising}): ValueError: the judge is broken"
+    assert code == 2 and "reward.function ppo_task:raises (" in line and where in line, line
     assert (out / "config.yaml").exists() and not (out / "checkpoints").exists()
     fixed = base + ["reward.function=ppo_task:frac_a"]
     code, err = run_cli(fixed, capsys)

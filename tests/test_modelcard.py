@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import write_jsonl
 from ppo_task import ALPHABET, build_char_model, write_prompts
 
@@ -88,12 +90,7 @@ def card_table(text: str) -> dict[str, str]:
 def test_every_stage_gets_a_card_with_metadata_and_results(runs):
     from huggingface_hub import ModelCard
 
-    base_of = {
-        "sft": runs["base"],
-        "rm": runs["sft"] / "final",
-        "ppo": runs["sft"] / "final",
-        "dpo": runs["sft"] / "final",
-    }
+    base_of = {"sft": "base", "rm": "sft/final", "ppo": "sft/final", "dpo": "sft/final"}
     tags = {"sft": "sft", "rm": "reward-model", "ppo": "ppo", "dpo": "dpo"}
     for kind in ("sft", "rm", "ppo", "dpo"):
         written = (runs[kind] / "final" / "README.md").read_text(encoding="utf-8")  # by the run itself
@@ -102,7 +99,7 @@ def test_every_stage_gets_a_card_with_metadata_and_results(runs):
         assert path == runs[kind] / "final" / "README.md"
         meta = ModelCard.load(path).data.to_dict()  # the Hub's own parser
         assert meta == read_card_metadata(path)
-        assert meta["base_model"] == str(base_of[kind])
+        assert meta["base_model"] == base_of[kind]  # relative to the run (quickstart-style layout)
         assert meta["library_name"] == ("shifu" if kind == "rm" else "transformers")
         assert meta["tags"] == ["shifu", "rlhf", tags[kind]]
         assert ("pipeline_tag" in meta) == (kind != "rm")
@@ -113,7 +110,7 @@ def test_every_stage_gets_a_card_with_metadata_and_results(runs):
     summary = {k: json.loads((runs[k] / "summary.json").read_text()) for k in ("sft", "rm", "dpo")}
     rm = card_table((runs["rm"] / "final" / "README.md").read_text())
     assert rm["reward-model accuracy, held-out pairs"] == f"{summary['rm']['eval/rm/accuracy']:.4f}"
-    assert rm["data.train"] == f"`{runs['pairs']}` (64 rows)"
+    assert rm["data.train"] == "`pairs.jsonl` (64 rows)"
     dpo = card_table((runs["dpo"] / "final" / "README.md").read_text())
     assert dpo["implicit-reward accuracy, held-out pairs"] == f"{summary['dpo']['eval/dpo/accuracy']:.4f}"
     assert dpo["beta"] == "`0.1`"
@@ -133,12 +130,12 @@ def test_every_stage_gets_a_card_with_metadata_and_results(runs):
     def pm(xs: list[float], sign: str = "") -> str:
         return f"{statistics.mean(xs):{sign}.4f} ± {statistics.stdev(xs) / n**0.5:.4f}"
 
-    label = f"gold, held-out prompts, iteration 0 -> 4 (n = {n})"
+    label = f"gold (`ppo_task:frac_a`), held-out prompts, iteration 0 -> 4 (n = {n})"
     assert ppo[f"{label}: before"] == pm(before)
     assert ppo[f"{label}: after"] == pm(after)
     assert ppo[f"{label}: gain (paired standard error)"] == pm([a - b for a, b in zip(after, before)], "+")
     assert ppo["reward-model accuracy, held-out pairs"] == f"{summary['rm']['eval/rm/accuracy']:.4f}"
-    assert ppo["kl.controller"] == "`adaptive`" and ppo["reward.model_path"] == f"`{runs['rm'] / 'final'}`"
+    assert ppo["kl.controller"] == "`adaptive`" and ppo["reward.model_path"] == "`rm/final`"
 
 
 def test_quickstart_layout_and_missing_files(runs, tmp_path, capsys):
@@ -190,3 +187,183 @@ def test_quickstart_layout_and_missing_files(runs, tmp_path, capsys):
     assert "no config.yaml in the run directory" in text and "No results were recorded." in text
     with pytest.raises(Exception, match="unknown model kind 'ppx'"):
         write_model_card(bare / "final", bare, "ppx")
+
+
+# a path that starts at the root or the home directory, wherever it stands in the text
+ABSOLUTE = re.compile(r"(^|[\s`'\"(=:\[])(/|~/)[\w.]")
+
+
+@pytest.fixture(scope="module")
+def families(runs, tmp_path_factory) -> dict[str, Path]:
+    """Short real runs of the other estimator families, from the same SFT policy: GRPO (KL in the loss),
+    RLOO (KL in the reward), and REINFORCE on a third-party environment's episodes."""
+    root = runs["sft"].parent
+    common = [
+        f"model.path={runs['sft'] / 'final'}",
+        f"data.train={root / 'prompts.jsonl'}",
+        "iterations=2",
+        "batch_size=8",
+        "minibatch_size=8",
+        "eval.every=1",
+        "eval.num_prompts=8",
+        "save_every=0",
+        *QUIET,
+    ]
+    rewarded = ["reward.function=ppo_task:frac_a", "eval.gold_function=ppo_task:frac_a"]
+    argvs = {
+        "grpo": [*rewarded, "advantage_estimator=grpo", "group_size=4", "kl.penalty=loss"],
+        "rloo": [*rewarded, "advantage_estimator=rloo", "group_size=4"],
+        "env": [
+            "env.factory=thirdparty_env:Echo",
+            "env.stop=[g,h,i,j,k,l]",
+            "env.max_tokens_per_turn=6",
+            "env.max_total_tokens=24",
+            "algo=reinforce",
+            "ppo_epochs=1",
+        ],
+    }
+    for name, extra in argvs.items():
+        assert (
+            cli.main(["ppo", "--out", str(root / name), *common, "generation.max_new_tokens=6", *extra]) == 0
+        )
+    return {name: root / name for name in argvs}
+
+
+def check_card(run: Path, must: list[str], never: list[str]) -> str:
+    """The card of ``run``: no absolute path, each of ``must`` in it, none of ``never``; every row of its Key
+    config table is the value config.yaml recorded (a path as the card shows it, relative to the run)."""
+    from shifu.config.loader import lookup
+    from shifu.reporting.names import shown_path
+
+    text = (run / "final" / "README.md").read_text(encoding="utf-8")
+    assert not ABSOLUTE.search(text), ABSOLUTE.search(text)
+    assert str(run.resolve().parent) not in text and str(Path.home()) not in text
+    assert [m for m in must if m not in text] == [], text
+    assert [n for n in never if n in text] == [], text
+    config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    keys = card_table(text.split("## Key config", 1)[1].split("## Results", 1)[0])
+    assert keys.pop("key") == "value" and len(keys) > 10  # (the header row)
+    for key, shown in keys.items():
+        recorded = lookup(config, key)
+        if key == "advantage_estimator" and recorded is None:  # the default, shown as it ran
+            continue
+        value = shown_path(recorded, run)
+        assert shown == "`" + (value if isinstance(value, str) else json.dumps(value)) + "`", key
+    return text
+
+
+# what a card of a critic-free run never says
+NO_CRITIC = ["GAE", "critic", "vf_coef", "lambda", "| lam |", "lam:", "value_clip"]
+
+
+def test_each_estimator_familys_card_says_what_ran_and_no_absolute_path(runs, families):
+    """GRPO, RLOO, PPO with a critic, DPO and an environment run (REINFORCE): each card names its estimator,
+    group size, critic (only when there was one), where the KL went and the reward as the config named it."""
+    grpo = check_card(
+        families["grpo"],
+        [
+            "# grpo: policy aligned with GRPO",
+            "RL with `shifu ppo` (GRPO): the policy samples a group of 4 responses to each training prompt, "
+            "scored by the reward function ppo_task:frac_a.",
+            "minus the mean of its group of 4, divided by the group's standard deviation",
+            "| group_size | `4` |",
+            "| advantage_estimator | `grpo` |",
+            "is a term of the loss, not of the reward",
+            "| kl.loss_estimator | `k3` |",
+            "score by the reward function ppo_task:frac_a, held-out",
+            'from_pretrained("grpo/final"',
+        ],
+        [*NO_CRITIC, "reward model", "reward-model", "| kl.estimator |", "env"],
+    )
+    assert read_card_metadata(families["grpo"] / "final" / "README.md")["tags"] == ["shifu", "rlhf", "grpo"]
+    assert "base_model: cards0/sft/final" in grpo  # a model outside the run: its run's name
+    check_card(
+        families["rloo"],
+        [
+            "RL with `shifu ppo` (RLOO)",
+            "minus the mean of the other 3 responses to its prompt",
+            "| group_size | `4` |",
+            "is subtracted from the reward",
+            "| kl.estimator | `k1` |",
+        ],
+        [*NO_CRITIC, "reward model", "reward-model", "loss_estimator"],
+    )
+    check_card(
+        runs["ppo"],
+        [
+            "RL with `shifu ppo` (PPO): the policy samples one response to each training prompt, scored by "
+            "the reward model rm/final.",
+            "GAE (gamma 1.0, lambda 0.95) on a learned critic (critic.init=sft; value loss weight vf_coef 0.1)",
+            "the clipped PPO objective (ratio clipped to [1 - 0.2, 1 + 0.2])",
+            "| critic.init | `sft` |",
+            "| vf_coef | `0.1` |",
+            "| lam | `0.95` |",
+            "score by the reward model rm/final, held-out",
+        ],
+        ["| group_size |", "GRPO", "reward function", "reward-model score"],
+    )
+    check_card(
+        runs["dpo"],
+        ["# cards0/dpo: policy aligned with DPO", "Direct preference optimisation", "| beta | `0.1` |"],
+        ["GAE", "critic", "group_size", "PPO", "reward model"],
+    )
+    env = check_card(
+        families["env"],
+        [
+            "RL with `shifu ppo` (REINFORCE): the policy plays an episode per training prompt with the "
+            "environment thirdparty_env:Echo",
+            "the episode's return is its reward",
+            "each response's whole-sequence return minus the batch mean",
+            "| env.factory | `thirdparty_env:Echo` |",
+            "episode return of `thirdparty_env:Echo`, held-out prompts, iteration 0 -> 2",
+        ],
+        [
+            *NO_CRITIC,
+            "reward function",
+            "reward model",
+            "reward-model",
+            "| group_size |",
+            "max_new_tokens",
+            "clip_",
+        ],
+    )
+    assert read_card_metadata(families["env"] / "final" / "README.md")["tags"] == [
+        "shifu",
+        "rlhf",
+        "reinforce",
+        "environment",
+    ]
+    assert "| env.max_turns | `3` |" in env
+
+
+def test_records_name_paths_relative_to_the_run_or_by_the_models_own_name(tmp_path):
+    from shifu.reporting.names import shown_config, shown_path
+
+    cache = tmp_path / "cache" / "smollm2-135m-instruct"
+    cache.mkdir(parents=True)
+    (cache / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": str(cache)}))
+    hub = tmp_path / "cache" / "snapshot-1"
+    hub.mkdir()
+    (hub / "config.json").write_text(json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    run = tmp_path / "runs" / "quickstart-x" / "ppo"
+    (run / "final").mkdir(parents=True)
+    other = tmp_path / "runs" / "grpo-1"
+    (other / "final").mkdir(parents=True)
+    (other / "config.yaml").write_text("seed: 0\n")
+    config = {
+        "model": {"path": str(cache), "ref_path": str(hub)},
+        "data": {"train": str(tmp_path / "data" / "prompts.jsonl"), "eval": "data/held_out.jsonl"},
+        "reward": {"model_path": str(run.parent / "rm" / "final"), "function": "mytask.rewards:score"},
+        "critic": {"path": str(other / "final")},
+        "out_dir": str(run),
+        "trackers": ["wandb"],
+    }
+    assert shown_config(config, run) == {
+        "model": {"path": "smollm2-135m-instruct", "ref_path": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        "data": {"train": "prompts.jsonl", "eval": "data/held_out.jsonl"},  # relative paths as typed
+        "reward": {"model_path": "rm/final", "function": "mytask.rewards:score"},  # inside the quickstart run
+        "critic": {"path": "grpo-1/final"},  # another shifu run's model: by its run's name
+        "out_dir": "ppo",
+        "trackers": ["wandb"],
+    }
+    assert shown_path("~/x/model.safetensors", run) == "model.safetensors"

@@ -381,3 +381,42 @@ def test_report_loads_in_headless_chromium(tmp_path: Path):
     assert console == [], "\n".join(console)
     # the escaped sample text reached the DOM as text, not markup
     assert "&lt;b&gt;bold&lt;/b&gt;" in r.stdout and "<b>bold</b>" not in r.stdout
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("reported", [True, False])
+def test_tool_use_is_a_share_or_not_reported_never_a_false_zero(tmp_path: Path, reported: bool):
+    """An environment run's summary: tool use before/after with its standard error when the environment
+    reported ``tool_calls``; ``None`` (null in summary.json) when it did not, shown as "not reported" on the
+    console and in the report, never as 0.000."""
+    from shifu.reporting.summary import result_lines
+
+    run = tmp_path / "run"
+    write_run(run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary |= {
+        "gold_gain": 0.6,
+        "gold_gain_se": 0.1,
+        "eval_prompts": 3,
+        "eval_temperature": 0.7,
+        "seconds_total": 12.0,
+        "policy": "ppo/final",
+        "tool_use_before": 0.25 if reported else None,
+        "tool_use_after": 0.75 if reported else None,
+        "tool_use_before_se": 0.125 if reported else None,
+        "tool_use_after_se": 0.1 if reported else None,
+    }
+    (run / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    lines = result_lines(json.loads((run / "summary.json").read_text()), "game", "tiny", 0, Path("runs/game"))
+    tool = [x for x in lines if x.startswith("  tool use: ")]
+    page = render_report(run).read_text(encoding="utf-8")
+    if reported:
+        assert tool == ["  tool use: before 0.250 -> after 0.750"]
+        assert (
+            '<th>tool use, final policy (share of episodes that called a tool)</th><td class="num">0.750 ± 0.100'
+            in page
+        )
+    else:
+        assert tool == ["  tool use: not reported (no Step.info of the environment had tool_calls)"]
+        assert page.count("not reported (no Step.info of the environment had tool_calls)") == 2
+        assert "<th>tool_use" not in page  # (no raw key shown as "—")

@@ -186,6 +186,12 @@ def test_ppo_run_shows_its_samples(runs):
         row = cells[i * 7 : i * 7 + 7]
         assert row[1:6] == [a["prompt"], a["response"], f"{a['gold']:.3f}", b["response"], f"{b['gold']:.3f}"]
     assert "Not shown" not in page  # nothing missing: curves, gold and both evaluations are there
+    # what ran, in words, and where the run lies never as an absolute path
+    method = "PPO (GAE on a learned critic, critic.init=sft; KL to the reference in the reward, k1)"
+    assert f'<th>method (shifu ppo)</th><td class="">{method}</td>' in page
+    reward = f"the reward model {runs['dir'].name}/rm/final"  # another run's model: by its run's name
+    assert f'<th>reward</th><td class="">{reward}</td>' in page
+    assert str(runs["dir"]) not in page and not re.search(r'[\s>"(]/(tmp|home|root)/', page)
 
 
 def test_ppo_run_with_one_evaluation(runs, tmp_path):

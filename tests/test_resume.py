@@ -414,6 +414,36 @@ def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_chec
     ScalarModel.from_pretrained(tmp_path / "clean" / "critic")
 
 
+def test_a_stopped_ppo_run_names_best_as_the_model_to_use_meanwhile(data, tmp_path):
+    """SIGTERM mid-run: the message says how to resume and that best/ is the model to use until then, with the
+    iteration and the gold score that put it there (the best mean gold of samples.jsonl's evaluations)."""
+    out = tmp_path / "run"
+    argv = ppo_argv(data, out)
+    for old, new in (
+        ("iterations=12", "iterations=200"),
+        ("eval.every=3", "eval.every=1"),
+        ("save_every=3", "save_every=0"),
+    ):
+        argv[argv.index(old)] = new
+
+    def evaluations() -> dict[int, list[float]]:
+        golds: dict[int, list[float]] = {}
+        path = out / "samples.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        for row in (json.loads(x) for x in lines if x.endswith("}")):
+            golds.setdefault(row["iteration"], []).append(row["gold"])
+        return golds
+
+    r = Run(argv, tmp_path / "run.log")
+    assert r.signal_when(lambda: len(evaluations()) >= 3, signal.SIGTERM), r.output()
+    assert r.rc == 0, r.output()
+    line = next(x for x in r.output().splitlines() if "stopped at iteration" in x)
+    means = {it: sum(g) / len(g) for it, g in sorted(evaluations().items())}
+    best = max(means, key=lambda it: (means[it], -it))  # the first evaluation with the highest mean
+    assert f"--out {out} --resume. Until then, the model to use is {out / 'best'} (iteration {best}, " in line
+    assert line.endswith(f"gold/score {means[best]:.4g}): the best evaluation so far"), line
+
+
 @pytest.mark.slow
 def test_ppo_real_subprocess_sigterm_and_resume(data, tmp_path):
     """SIGTERM and --resume in fresh interpreters (``run_shifu.py`` = ``python -m shifu`` + test hooks)."""

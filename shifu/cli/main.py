@@ -15,6 +15,7 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from shifu.cli import quiet
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nshifu: error: unknown command '{argv[0]}'", file=sys.stderr)
             return 2
         return 0
-    from shifu.errors import ShifuError
+    from shifu.errors import ShifuError, UserCodeError
 
     cmd, rest = argv[0], argv[1:]
     quiet.configure(verbose)  # before transformers & co. are imported
@@ -234,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before the first large tensor
     quiet.import_deepspeed_on_use()
     try:
-        if cmd in TRAINERS:
-            return run_trainer(cmd, rest)
-        return int(importlib.import_module(TOOLS[cmd][0]).main(rest) or 0)
+        with quiet.verbose_while(verbose):
+            if cmd in TRAINERS:
+                return run_trainer(cmd, rest)
+            return int(importlib.import_module(TOOLS[cmd][0]).main(rest) or 0)
     except ShifuError as e:
-        print(f"shifu {cmd}: error: {e}", file=sys.stderr)
+        if verbose and e.__cause__ is not None:  # the user's exception (or the library's) with its traceback
+            traceback.print_exception(e)
+        hint = " (--verbose prints the traceback)" if isinstance(e, UserCodeError) and not verbose else ""
+        print(f"shifu {cmd}: error: {e}{hint}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"shifu {cmd}: interrupted", file=sys.stderr)

@@ -27,13 +27,16 @@ it is not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 
-VERBOSE_ENV = "SHIFU_VERBOSE"
+from shifu.errors import VERBOSE_ENV, verbose
+
 # the libraries whose warnings are hidden (Python `warnings` issued from inside them)
 LIBRARIES = ("transformers", "huggingface_hub", "datasets", "accelerate", "peft", "deepspeed")
 # read by those libraries when they are imported
@@ -51,8 +54,23 @@ def verbose_requested(argv: list[str]) -> tuple[bool, list[str]]:
     without the flag). Any command takes the flag, anywhere among its arguments."""
     end = argv.index("--") if "--" in argv else len(argv)
     rest = [a for a in argv[:end] if a != "--verbose"] + argv[end:]
-    env = os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
-    return env or len(rest) < len(argv), rest
+    return verbose() or len(rest) < len(argv), rest
+
+
+@contextlib.contextmanager
+def verbose_while(on: bool) -> Iterator[None]:
+    """``SHIFU_VERBOSE=1`` while a command runs with ``--verbose`` (read by :func:`shifu.errors.verbose` and by
+    the processes it starts), as it was before afterwards."""
+    old = os.environ.get(VERBOSE_ENV)
+    if on:
+        os.environ[VERBOSE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(VERBOSE_ENV, None)
+        else:
+            os.environ[VERBOSE_ENV] = old
 
 
 def configure(verbose: bool) -> None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shifu.errors import ConfigError
+from shifu.errors import ConfigError, user_code
 
 # the prefix of every config key a message names: "" for a trainer's own config, "ppo." while a pipeline
 # runs its ppo stage (the plan's keys are ppo.env.factory, ...)
@@ -52,10 +53,25 @@ def import_from_cwd(mod_name: str, what: str):
         ) from None
 
 
+class UserFunction:
+    """A user's function loaded from ``"package.module:name"`` (a reward function, a gold judge), called as the
+    function itself: an exception raised inside becomes a :class:`UserCodeError` naming ``key`` and ``spec``
+    and the user's file:line (:func:`shifu.errors.describe_exception`), raised from the original."""
+
+    def __init__(self, fn: Callable[..., Any], spec: str, key: str):
+        self.fn, self.spec, self.key = fn, spec, key
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with user_code(f"{self.key} {self.spec}"):
+            return self.fn(*args, **kwargs)
+
+
 def load_callable(spec: Any, key: str, kind: str = "function") -> Callable[..., Any]:
     """The function or class ``"package.module:Name"`` names, for the config key ``key`` (as the user typed it,
     :func:`typed_key`); ``kind`` says what is expected (``function``, ``class or factory``). A ConfigError says
-    what to write otherwise."""
+    what to write otherwise. A ``function`` comes back as a :class:`UserFunction`: its exceptions name it and
+    the user's file:line."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ConfigError(f"{key} '{spec}' must look like 'package.module:Name' (a {kind})")
     mod_name, name = spec.split(":")
@@ -63,4 +79,4 @@ def load_callable(spec: Any, key: str, kind: str = "function") -> Callable[..., 
     found = getattr(module, name, None)
     if not callable(found):
         raise ConfigError(f"{key} '{spec}': module '{mod_name}' has no {kind} '{name}'")
-    return found
+    return UserFunction(found, spec, key) if kind == "function" else found

@@ -433,3 +433,21 @@ def check_section(cls: type, section: Any, where: str, fill: dict[str, Any] | No
         load_config(cls, base=_merge(fill or {}, section))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def group_size_advice(batch_size: int, group_size: int, minibatch_size: int) -> str:
+    """What to change when ``batch_size`` (responses per rollout) is not a whole number of groups of
+    ``group_size``: the nearest batch sizes that are (and stay multiples of ``minibatch_size``), or a group
+    size that divides it."""
+    B, G, mb = batch_size, group_size, minibatch_size
+    if G < 1:
+        return f"group_size must be >= 1 (got {G}): the number of responses sampled per prompt"
+    step = math.lcm(G, mb)
+    sizes = [n for n in ((B // step) * step, (B // step + 1) * step) if n > 0]
+    fits = [g for g in range(2, B + 1) if B % g == 0]
+    return (
+        f"batch_size ({B}) counts responses, group_size ({G}) of them per prompt, so it must be a multiple of "
+        f"group_size: set batch_size={' or batch_size='.join(map(str, sizes))} (a multiple of group_size and of "
+        f"minibatch_size {mb}), or a group_size that divides {B} ({', '.join(map(str, fits[:5]))}"
+        f"{', ...' if len(fits) > 5 else ''})"
+    )

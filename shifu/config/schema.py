@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from shifu.config.loader import opt, require_finite, require_positive
+from shifu.config.loader import group_size_advice, opt, require_finite, require_positive
 from shifu.config.sections import (
     CriticConfig,
     DistributedConfig,
@@ -417,7 +417,7 @@ class PPOConfig(RunConfig):
     def _validate_estimators(self) -> None:
         G, est = self.group_size, self.estimator
         if G < 1 or self.batch_size % G:
-            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of group_size ({G} >= 1)")
+            raise ConfigError(group_size_advice(self.batch_size, G, self.minibatch_size))
         grouped = est in ("grpo", "dr_grpo", "rloo", "bon", "reinforce_pp_baseline") or self.dynamic_sampling
         if grouped and G < 2:
             what = f"advantage_estimator={est}" if est != "gae" else "dynamic_sampling=true"

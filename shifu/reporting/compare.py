@@ -27,7 +27,8 @@ import yaml
 
 from shifu.errors import ShifuError
 from shifu.reporting import report
-from shifu.reporting.modelcard import gold_comparison
+from shifu.reporting.card_results import gold_comparison
+from shifu.reporting.names import run_name, shown_config
 from shifu.reporting.plots import figure, series
 from shifu.reporting.report import CSS, esc
 from shifu.reporting.run_data import RunData, load_run, num, reward_source
@@ -73,6 +74,11 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
         depth += 1
 
 
+def _beside(run: Path, page: Path) -> str:
+    """A run directory as the comparison page ``page`` reaches it (a relative path, never an absolute one)."""
+    return Path(os.path.relpath(run.resolve(), page.resolve().parent)).as_posix()
+
+
 def tail_mean(rows: list[dict[str, Any]], key: str, n: int = LAST) -> float | None:
     """Mean of the last ``n`` finite values of ``key`` (None when there are none)."""
     values = [y for y in series(rows, key)[1] if math.isfinite(y)]
@@ -103,7 +109,8 @@ def flat_config(run: Path) -> dict[str, str]:
         except yaml.YAMLError:
             continue
         if isinstance(config, dict):
-            out.update({f"{stage}:{k}": v for k, v in flatten_config(config).items() if k != "out_dir"})
+            flat = flatten_config(shown_config(config, run))  # (paths never absolute, as in a model card)
+            out.update({f"{stage}:{k}": v for k, v in flat.items() if k != "out_dir"})
     return out
 
 
@@ -274,7 +281,7 @@ def summary_table(runs: list[RunData], labels: list[str], colors: list) -> str:
             cells.append(f'<td class="{cls}">{esc(text)}</td>')
         swatch = f'<span class="swatch" style="background:{_hex(color)}"></span>'
         body.append(
-            f'<tr><th title="{esc(data.run_dir.resolve())}">{swatch}{esc(label)}</th>'
+            f'<tr><th title="{esc(run_name(data.run_dir))}">{swatch}{esc(label)}</th>'
             + "".join(cells)
             + "</tr>"
         )
@@ -338,7 +345,7 @@ def render_comparison(run_dirs: list[str | Path], out: str | Path, labels: list[
         f"<title>{esc(title)}</title><style>{CSS}{_EXTRA_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
         '<p class="sub">'
-        + "<br>".join(f"{esc(x)}: {esc(d.resolve())}" for x, d in zip(labels, dirs))
+        + "<br>".join(f"{esc(x)}: {esc(_beside(d, Path(out)))}" for x, d in zip(labels, dirs))
         + "</p>",
         "<h2>Summary</h2>",
         f"<p>End-of-run values; (last {LAST}) is the mean of the last {LAST} iterations. ± is one standard "

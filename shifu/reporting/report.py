@@ -21,6 +21,7 @@ from typing import Any
 
 from shifu.errors import ShifuError
 from shifu.reporting import summary as words
+from shifu.reporting.names import run_name
 from shifu.reporting.plots import GOLD_VS_KL, PLOTS, X_LABEL, draw, draw_gold_vs_kl, title
 from shifu.reporting.run_data import (
     QUICKSTART_STAGES,
@@ -76,7 +77,9 @@ def _summary_html(data: RunData, n_prompts: int | None) -> str:
     if n_prompts and "eval_prompts" not in s:
         s.setdefault("held-out prompts in the sample table", n_prompts)
     rows = []
-    for heading, section in words.summary_sections(s, data.stages.get("ppo", []), data.ppo_eval):
+    for heading, section in words.summary_sections(
+        s, data.stages.get("ppo", []), data.ppo_eval, data.ppo_config
+    ):
         if heading:
             rows.append(f'<tr><th colspan="2" class="section">{esc(heading)}</th></tr>')
         for label, value, kind in section:
@@ -241,7 +244,7 @@ def _render(data: RunData, max_samples: int) -> Path:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{esc(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
-        f'<p class="sub">{esc(run.resolve())}</p>',
+        f'<p class="sub">{esc(run_name(run))}</p>',  # (never an absolute path: reports are shared)
     ]
     if data.summary is not None:
         parts += ["<h2>Summary</h2>", _summary_html(data, n_prompts)]

@@ -19,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from shifu.errors import ShifuError
+from shifu.reporting.names import model_name, shown_path
 
 STAGES = ("sft", "rm", "dpo", "ppo")
 QUICKSTART_STAGES = ("sft", "rm", "ppo")  # the stages a quickstart run is expected to have
@@ -203,21 +205,31 @@ def ppo_eval_settings(config: dict[str, Any] | None, samples: list[dict[str, Any
     return f"{n} prompts sampled at T={num(ev['temperature']):g}"
 
 
-def reward_source(config: dict[str, Any] | None) -> tuple[str, str]:
-    """(plot title, description) of what a PPO run's reward is, from its config's ``reward`` section: a reward
-    function (named), a reward model or an ensemble of them (its directory), or a reward service (its URL)."""
-    reward = (config or {}).get("reward")
-    reward = reward if isinstance(reward, dict) else {}
+def reward_source(config: dict[str, Any] | None, run_dir: Path | None = None) -> tuple[str, str]:
+    """(plot title, description) of what a PPO run's reward is, named as its config names it: a reward function
+    (``reward.function``), a reward model or an ensemble of them (the model's own name,
+    :func:`shifu.reporting.names.model_name`), a reward service (its URL), or an environment (``env.factory``:
+    the episode's return). With ``run_dir``, a model inside the run is named relative to it."""
+    config = config or {}
+    reward = config.get("reward") if isinstance(config.get("reward"), dict) else {}
+    env = config.get("env") if isinstance(config.get("env"), dict) else {}
+    if env.get("factory"):
+        name = str(env["factory"])
+        return (
+            f"Episode return: environment {name.rsplit(':', 1)[-1]}",
+            f"the environment {name} (its episode return)",
+        )
     if reward.get("url"):
         return "Reward-service score", f"the reward service at {reward['url']}"
     if reward.get("function"):
         name = str(reward["function"])
         return f"Reward: function {name.rsplit(':', 1)[-1]}", f"the reward function {name}"
     if reward.get("model_path"):
-        path = Path(str(reward["model_path"]))
+        path = Path(os.path.expanduser(str(reward["model_path"])))
+        name = model_name(path) if run_dir is None else shown_path(str(reward["model_path"]), run_dir)
         if (path / "ensemble.json").is_file():  # shifu.rewards.ensemble.ENSEMBLE_FILE
-            return "Reward-model ensemble score", f"the reward-model ensemble in {path}"
-        return "Reward-model score", f"the reward model in {path}"
+            return "Reward-model ensemble score", f"the reward-model ensemble {name}"
+        return "Reward-model score", f"the reward model {name}"
     return "Reward score", "the run's reward (its config.yaml does not say which)"
 
 

@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from shifu.reporting.run_data import num
+from shifu.reporting.recipe import method_summary
+from shifu.reporting.run_data import num, reward_source
 
 # scalar summary keys and their labels; the final evaluation's keys are labelled by :func:`summary_sections`
 LABELS = {
@@ -32,6 +33,9 @@ LABELS = {
     "kl_coef": "final KL coefficient beta",
 }
 TIME_KEYS = ("seconds", "cpu_seconds", "seconds_total", "cpu_seconds_total")
+# an environment's episodes: the share that called a tool (None: no episode's Step.info reported tool_calls)
+TOOL_USE_KEYS = ("tool_use_before", "tool_use_after", "tool_use_before_se", "tool_use_after_se")
+NOT_REPORTED = "not reported (no Step.info of the environment had tool_calls)"
 # the final evaluation's figures (:func:`final_evaluation_rows`)
 FINAL_KEYS = {
     "gold_before",
@@ -46,6 +50,7 @@ FINAL_KEYS = {
     "kl_k1",
     "response_len_before",
     "response_len_after",
+    *TOOL_USE_KEYS,
 }
 Row = tuple[str, str, str]  # (label, value, kind: "num", "up", "down" or "" for text)
 
@@ -96,6 +101,10 @@ def final_evaluation_rows(s: dict[str, Any]) -> list[Row]:
     ):
         if key in s:
             rows.append((f"gold, {who}, greedy", _f(s[key]), "num"))
+    if any(k in s for k in TOOL_USE_KEYS):  # episodes with an environment
+        for key, who in (("tool_use_before", "SFT policy"), ("tool_use_after", "final policy")):
+            shown = _with_se(s, key) if num(s.get(key)) is not None else NOT_REPORTED
+            rows.append((f"tool use, {who} (share of episodes that called a tool)", shown, "num"))
     at = f", T={T:g}" if T is not None else ""
     if "kl" in s:
         rows.append((f"KL final policy to SFT policy (k3, nats per response{at})", _f(s["kl"]), "num"))
@@ -108,12 +117,18 @@ def final_evaluation_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def summary_sections(
-    s: dict[str, Any], ppo_rows: list[dict[str, Any]], ppo_eval: str
+    s: dict[str, Any], ppo_rows: list[dict[str, Any]], ppo_eval: str, ppo_config: dict[str, Any] | None = None
 ) -> list[tuple[str, list[Row]]]:
-    """(heading, rows) of the report's summary table: the run, the final evaluation, PPO's last held-out
-    evaluation (from ``ppo_rows``, sampled as ``ppo_eval`` says), then every other key the run recorded."""
+    """(heading, rows) of the report's summary table: the run (with ``ppo_config``, the PPO run's recorded
+    config: the method and the reward that ran), the final evaluation, PPO's last held-out evaluation (from
+    ``ppo_rows``, sampled as ``ppo_eval`` says), then every other key the run recorded."""
     shown = set(TIME_KEYS) | {"eval_prompts", "eval_temperature", "gold_judge"}
     run = [(LABELS[k], _text(s[k])[0], "") for k in ("task", "preset", "seed", "policy") if k in s]
+    if ppo_config:
+        run += [
+            ("method (shifu ppo)", method_summary(ppo_config), ""),
+            ("reward", reward_source(ppo_config)[1], ""),
+        ]
     shown |= {"task", "preset", "seed", "policy"}
     final = final_evaluation_rows(s)
     shown |= FINAL_KEYS
@@ -179,8 +194,12 @@ def result_lines(summary: dict[str, Any], task: str, preset: str, seed: int, out
         f"{s['gold_gain']:+.3f} +- {s['gold_gain_se']:.3f}, paired standard error) at KL {s['kl']:.2f} "
         "nats/response (k3)",
     ]
-    if "tool_use_after" in s:  # an environment with tools (ppo.env): episodes that called one
-        lines.append(f"  tool use: before {s['tool_use_before']:.3f} -> after {s['tool_use_after']:.3f}")
+    if any(
+        k in s for k in TOOL_USE_KEYS
+    ):  # an environment (ppo.env): the share of episodes that called a tool
+        before, after = num(s.get("tool_use_before")), num(s.get("tool_use_after"))
+        said = f"before {before:.3f} -> after {after:.3f}" if before is not None and after is not None else ""
+        lines.append(f"  tool use: {said or NOT_REPORTED}")
     if "gold_greedy_after" in s:
         greedy = f"before {s['gold_greedy_before']:.3f} -> after {s['gold_greedy_after']:.3f}"
         lines.append(f"  greedy:{' ' * (len(f'sampled at T={T:g}') - 5)}{greedy}")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from shifu.data.rows import prompt_text
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ConfigError, ShifuError, function_name, user_code
 
 RewardFn = Callable[[list[str], list[str], list[dict]], list[float]]
 
@@ -111,10 +111,8 @@ class RewardSource:
             return torch.zeros(len(prompts)), None
         if self.function is None:
             return self._model_scores(prompts, responses, rows, input_ids, attention_mask), None
-        try:
+        with user_code(f"reward function {function_name(self.function)}"):  # a loaded one names itself
             out = list(self.function(prompts, responses, rows))
-        except Exception as e:  # a user's function: say whose fault it is
-            raise ShifuError(f"reward function raised {type(e).__name__}: {e}") from e
         if len(out) != len(prompts):
             raise ShifuError(f"reward function returned {len(out)} scores for {len(prompts)} responses")
         if not any(isinstance(x, (list, tuple)) for x in out):

@@ -9,9 +9,12 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from shifu.errors import UserCodeError, verbose
 from shifu.http.requests import check_bearer, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers, json_error
 from shifu.serve.batcher import Batcher
@@ -47,6 +50,14 @@ def openapi_document(served: Served | None = None, limits: dict | None = None) -
 def _finite(values: list[float]) -> list[float | None]:
     """Non-finite scores as JSON null (standard JSON has no NaN; the client reads null as NaN)."""
     return [v if math.isfinite(v) else None for v in values]
+
+
+def _print_scoring_error(exc: ScoringError) -> None:
+    """A failed request on the server's console too (a reward function's name and file:line, as the client
+    gets it), with the user's traceback under ``--verbose``."""
+    if verbose() and exc.__cause__ is not None:
+        traceback.print_exception(exc)
+    print(f"shifu serve: request failed: {exc}", file=sys.stderr, flush=True)
 
 
 def create_app(
@@ -119,7 +130,9 @@ def create_app(
 
     def failed(exc: Exception) -> str:
         if isinstance(exc, ScoringError):
-            return f"{served.source}: {exc}"
+            _print_scoring_error(exc)
+            user = isinstance(exc.__cause__, UserCodeError)  # (its message names the function already)
+            return str(exc) if user else f"{served.source}: {exc}"
         return f"{served.source}: scoring failed ({type(exc).__name__}: {exc})"
 
     return Starlette(

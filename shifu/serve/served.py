@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from shifu.errors import ConfigError
+from shifu.errors import ConfigError, UserCodeError, function_name, user_code
 from shifu.rewards.remote import tokenizer_fingerprint
 from shifu.serve.validation import RequestError, ScoreRequest, unprocessable
 
@@ -206,9 +206,10 @@ class Served:
             }
         rows = req.rows if req.rows is not None else [{} for _ in req.prompts]
         try:
-            out = self.function(req.prompts, req.responses, rows)
-        except Exception as e:  # a user's function: say whose fault it is
-            raise ScoringError(f"reward function raised {type(e).__name__}: {e}") from e
+            with user_code(f"reward function {function_name(self.function)}"):
+                out = self.function(req.prompts, req.responses, rows)
+        except UserCodeError as e:  # the user's function: its name, file:line (the cause: the traceback)
+            raise ScoringError(str(e)) from e
         return function_scores(out, req.size)
 
 

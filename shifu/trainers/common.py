@@ -190,13 +190,17 @@ class GracefulStop:
             signal.signal(s, h)
 
 
-def announce_stop(cmd: str, where: str, out_dir) -> None:
-    """The message of a run stopped by SIGINT/SIGTERM after its checkpoint: where it stopped, how to resume."""
-    print(
-        f"shifu {cmd}: stopped at {where} with a checkpoint. Resume with: shifu {cmd} "
-        f"--out {out_dir} --resume",
-        file=sys.stderr,
-    )
+def announce_stop(cmd: str, where: str, out_dir, best: tuple[Any, str, Any] | None = None) -> None:
+    """The message of a run stopped by SIGINT/SIGTERM after its checkpoint: where it stopped, how to resume, and,
+    when the run keeps a ``best/`` (PPO), that it is the model to use meanwhile; ``best``: (its iteration, the
+    metric that picked it, its value)."""
+    text = f"shifu {cmd}: stopped at {where} with a checkpoint. Resume with: shifu {cmd} --out {out_dir} --resume"
+    if (Path(out_dir) / "best").is_dir():
+        which = f" (iteration {best[0]}, {best[1]} {best[2]:.4g})" if best and best[2] is not None else ""
+        text += (
+            f". Until then, the model to use is {Path(out_dir) / 'best'}{which}: the best evaluation so far"
+        )
+    print(text, file=sys.stderr)
 
 
 class SkippedSteps:

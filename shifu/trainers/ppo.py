@@ -251,7 +251,8 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
             if stopping:
                 run.close()
                 if m.strategy.is_main:
-                    announce_stop("ppo", f"iteration {loop['iteration']}", run.out)
+                    best = (loop["best_iteration"], cfg.eval.best_key(), loop["best"])
+                    announce_stop("ppo", f"iteration {loop['iteration']}", run.out, best)
                 return {"stopped": True, "iteration": loop["iteration"]}
     run.bar.close()
     if stop_reason is not None:
