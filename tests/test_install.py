@@ -86,7 +86,7 @@ def build_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
     setuptools of this environment (no isolated build environment to download)."""
     src = tmp_path / "src"
     shutil.copytree(ROOT / "shifu", src / "shifu", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path / "dist"
     # the source as an absolute path: a bare name would be looked up on the package index
@@ -113,6 +113,11 @@ def check_wheel(wheel: Path) -> None:
     fields = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line]
     assert {v for k, v in fields if k == "Provides-Extra"} == set(extras())
     assert ["License-Expression", "Apache-2.0"] in fields and ["Name", "shifu-rlhf"] in fields
+    # the license's text, not only its name (PEP 639: License-File, under .dist-info/licenses/)
+    assert ["License-File", "LICENSE"] in fields
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read(license_file) == (ROOT / "LICENSE").read_bytes()
     assert re.search(r"^\[console_scripts\]\nshifu = shifu\.cli\.main:main$", entry_points, re.M)
 
 
