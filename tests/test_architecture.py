@@ -39,9 +39,9 @@ WINGS = [
     "cli",
 ]
 FLAT = {"__init__.py", "__main__.py", "errors.py"}
-DATA = {"configs"}  # folders of shipped settings (YAML), not code
+DATA = {"presets"}  # folders of shipped settings (YAML), not code
 MAX_LINES = 500
-# numeric literals in one module-level assignment: more make a table of settings, which goes to shifu/configs
+# numeric literals in one module-level assignment: more make a table of settings, which goes to shifu/presets
 MAX_NUMBERS = 10
 
 
@@ -230,7 +230,7 @@ def numbers_in(node: ast.AST) -> int:
 
 
 def test_no_module_level_constant_holds_more_than_ten_numbers():
-    """Settings (plans, budgets, presets) live in shifu/configs/*.yaml, checked by the config schema; a
+    """Settings (plans, budgets, presets) live in shifu/presets/*.yaml, checked by the config schema; a
     module-level assignment with more than MAX_NUMBERS numeric literals is a table of settings in code."""
 
     def top_level(body: list[ast.stmt]):
@@ -249,7 +249,7 @@ def test_no_module_level_constant_holds_more_than_ten_numbers():
             if (n := numbers_in(stmt)) > MAX_NUMBERS:
                 big[f"{path.relative_to(ROOT)}:{stmt.lineno}"] = n
     assert not big, (
-        f"module-level constants with more than {MAX_NUMBERS} numbers (move them to shifu/configs): {big}"
+        f"module-level constants with more than {MAX_NUMBERS} numbers (move them to shifu/presets): {big}"
     )
 
 

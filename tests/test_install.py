@@ -107,7 +107,7 @@ def check_wheel(wheel: Path) -> None:
         for p in (ROOT / "shifu").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     }
-    data = {n for n in package if n.startswith("shifu/configs/") and n.endswith(".yaml")}
+    data = {n for n in package if n.startswith("shifu/presets/") and n.endswith(".yaml")}
     assert len(data) >= 10 and "shifu/serve/openapi.json" in package
     assert sorted(package - names) == [], "files of shifu/ the wheel does not hold"
     fields = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line]

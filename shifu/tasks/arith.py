@@ -60,7 +60,7 @@ class ArithPreset:
     prompt_template: str = "{a}+{b}="
 
 
-# the presets: shifu/configs/tasks/arith.yaml, each checked against ArithPreset's fields
+# the presets: shifu/presets/tasks/arith.yaml, each checked against ArithPreset's fields
 PRESETS: dict[str, ArithPreset] = read_shipped_table(shipped("tasks", "arith.yaml"), ArithPreset)
 
 

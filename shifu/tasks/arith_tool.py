@@ -47,7 +47,7 @@ class ArithToolPreset:
     prompt_template: str = "{a}*{b}="
 
 
-# the presets: shifu/configs/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
+# the presets: shifu/presets/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
 PRESETS: dict[str, ArithToolPreset] = read_shipped_table(shipped("tasks", "arith_tool.yaml"), ArithToolPreset)
 
 

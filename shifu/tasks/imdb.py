@@ -61,7 +61,7 @@ class ImdbPreset:
     prompt_template: str = "{text}"
 
 
-# the presets: shifu/configs/tasks/imdb.yaml, each checked against ImdbPreset's fields
+# the presets: shifu/presets/tasks/imdb.yaml, each checked against ImdbPreset's fields
 PRESETS: dict[str, ImdbPreset] = read_shipped_table(shipped("tasks", "imdb.yaml"), ImdbPreset)
 
 
