@@ -118,6 +118,7 @@ def test_no_import_cycle():
 def test_layering():
     allowed_trainer_users = {
         "shifu.cli.main",
+        "shifu.experiments.bench",
         "shifu.experiments.pipeline",
         "shifu.experiments.quickstart",
         "shifu.experiments.study",

@@ -1,10 +1,10 @@
 """shifu as a user installs it. The wheel built from a copy of the sources holds the whole package with its
 data files, names the console script and every extra; installed with pip into a fresh virtual environment
 (torch first, the same build as the one running these tests, then the wheel under ``constraints.txt``), its
-``shifu`` command runs a short arith quickstart from a directory outside the checkout. Packages come from
-the package index pip is configured with; nothing is downloaded from a model hub (the hub's address is a
-closed local port in that run). The SmolLM2 presets' assets are one command, ``shifu install smollm2``, which
-the error of a preset run without them names."""
+``shifu`` command runs ``shifu bench --short`` and a short arith quickstart from a directory outside the
+checkout. Packages come from the package index pip is configured with; nothing is downloaded from a model hub
+(the hub's address is a closed local port in that run). The SmolLM2 presets' assets are one command, ``shifu
+install smollm2``, which the error of a preset run without them names."""
 
 from __future__ import annotations
 
@@ -152,6 +152,10 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     assert "quickstart" in run([shifu, "--help"], cwd=work, env=env, timeout=120).stdout
     dry = run([shifu, "install", "smollm2", "--dry-run"], cwd=work, env=env, timeout=120).stdout
     assert dry.startswith(f"{py} -m pip install "), dry  # pip of the environment that runs shifu
+    # the benchmark is part of the package (no benchmarks/ folder beside a wheel): one timed PPO iteration
+    bench = run([shifu, "bench", "--short"], cwd=work, env=env, timeout=600).stdout
+    (line,) = [ln for ln in bench.splitlines() if ln.startswith("{")]
+    assert json.loads(line)["optimizer_steps_per_iter"] == 16, line
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t_run = time.monotonic()
