@@ -43,6 +43,10 @@ from typing import Any
 
 from shifu.errors import ShifuError
 
+# the JSON Lines reader and writer of shifu.runs.jsonfile, under the names quickstart and evaluation import
+from shifu.runs.jsonfile import read_jsonl as read_jsonl
+from shifu.runs.jsonfile import write_jsonl as write_jsonl
+
 # ------------------------------------------------------------------------------------------- helpers
 
 
@@ -52,15 +56,6 @@ def merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 def log(who: str, msg: str) -> None:

@@ -67,15 +67,14 @@ from shifu.experiments.pipeline import (
     digest,
     log,
     ppo_overrides,
-    read_jsonl,
     train_stage,
-    write_jsonl,
     writing,
 )
 from shifu.experiments.pipeline import (
     merge as _merge,  # a budget's keys on top of quickstart's plan (private here)
 )
 from shifu.experiments.quickstart import PLANS, plan_yaml
+from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 # ------------------------------------------------------------------------------------- the measurement
 

@@ -24,11 +24,11 @@ number."``, rendered with the chat template) and is judged by :func:`shifu.tasks
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 
 from shifu.config.loader import read_shipped_table, shipped
+from shifu.runs.jsonfile import write_jsonl
 from shifu.tasks.judges import exact_match
 
 __all__ = [
@@ -122,10 +122,6 @@ def build_model(tokenizer, preset: ArithPreset, seed: int):
     )
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
 def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
     """Write the data files, the tokenizer (``tokenizer/``) and an untrained model (``base/``).
 
@@ -145,12 +141,12 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     def sft_row(a: int, b: int) -> dict:
         return {"prompt": p.prompt_template.format(a=a, b=b), "response": str(a + b)}
 
-    _write_jsonl(out / "sft_train.jsonl", [sft_row(a, b) for a, b in sft_pairs])
-    _write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
-    _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
-    _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+    write_jsonl(out / "sft_train.jsonl", [sft_row(a, b) for a, b in sft_pairs])
+    write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
+    write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
+    write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
-    _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
+    write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
 
     if p.pretrained == "smollm2":
         from shifu.tasks import link_pretrained

@@ -27,6 +27,7 @@ import random
 from pathlib import Path
 
 from shifu.config.loader import read_shipped_table, shipped
+from shifu.runs.jsonfile import write_jsonl
 
 SPLIT_SEED = 4321  # fixed: the held-out set does not depend on the run seed
 # digits and the call syntax, plus what a calculator error reads like ("{error: ZeroDivisionError: ...}")
@@ -164,10 +165,6 @@ def build_tokenizer(out_dir: str | Path):
     return arith.build_tokenizer(out_dir, ALPHABET)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
 def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
     """Write the data files, the tokenizer (``tokenizer/``) and the base model (``base/``: an untrained GPT-2,
     or for preset ``smollm2`` a link to the cached SmolLM2 conversion); returns name -> path for
@@ -189,16 +186,16 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
         return [{"prompt": prompt_row(a, b)["prompt"], "response": demonstration(a, b, call)}]
 
     eval_calls = [random.Random(SPLIT_SEED + i).random() < p.call_fraction for i in range(p.n_sft_eval)]
-    _write_jsonl(
+    write_jsonl(
         out / "sft_train.jsonl", [r for (a, b), c in zip(sft_pairs, calls) for r in sft_rows(a, b, c)]
     )
-    _write_jsonl(
+    write_jsonl(
         out / "sft_eval.jsonl",
         [r for (a, b), c in zip(splits["sft_eval"], eval_calls) for r in sft_rows(a, b, c)],
     )
-    _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
-    _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
-    _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
+    write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
+    write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+    write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
     if p.pretrained == "smollm2":
         from shifu.tasks import link_pretrained
         from shifu.tasks.imdb import converted_smollm2

@@ -25,7 +25,6 @@ import csv
 import dataclasses
 import hashlib
 import importlib.util
-import json
 import os
 import random
 import re
@@ -37,6 +36,7 @@ import numpy as np
 from shifu.config.loader import read_shipped_table, shipped
 from shifu.errors import ConfigError, ShifuError
 from shifu.models.bpe import train_tokenizer
+from shifu.runs.jsonfile import write_jsonl
 from shifu.tasks.judges import bradley_terry_labels, vader_compound
 
 SPLIT_SEED = 4321  # fixed: the held-out reviews do not depend on the run seed
@@ -162,10 +162,6 @@ def cached_tokenizer(train_reviews: list[str], vocab_size: int, n_reviews: int, 
 # ------------------------------------------------------------------------------------------------ prepare
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
 def _pairs(reviews: list[str], p: ImdbPreset) -> list[tuple[str, str]]:
     out = []
     for r in reviews:
@@ -208,16 +204,16 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     heldout = [ask(a) for a in heldout]
 
     sft = usable(train[: p.n_sft])
-    _write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
+    write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
     sft_eval = usable(splits["sft_eval"])
-    _write_jsonl(out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in sft_eval])
+    write_jsonl(out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in sft_eval])
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
-    _write_jsonl(out / "prompts_val.jsonl", [{"prompt": a} for a, _ in sft_eval])
+    write_jsonl(out / "prompts_val.jsonl", [{"prompt": a} for a, _ in sft_eval])
     # preference and PPO prompts: training reviews (the RM and PPO may see SFT prompts; never held-out ones)
     pair_prompts = [a for a, _ in usable(train[-p.n_pairs :])]
-    _write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
-    _write_jsonl(out / "prompts_train.jsonl", [{"prompt": a} for a, _ in sft])
-    _write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a in heldout])
+    write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
+    write_jsonl(out / "prompts_train.jsonl", [{"prompt": a} for a, _ in sft])
+    write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a in heldout])
 
     if p.pretrained == "smollm2":
         from shifu.tasks import link_pretrained
@@ -297,10 +293,10 @@ def make_preference_pairs(
         raise ShifuError(f"only {len(rows)} preference pairs with two non-empty responses; train SFT longer")
     # every non-empty sample once, for the reward model's normalisation fit (SFT policy, training prompts)
     samples = [{"prompt": p, "response": y} for p, y in zip(doubled, responses) if y.strip()]
-    _write_jsonl(out / "sft_samples.jsonl", samples)
+    write_jsonl(out / "sft_samples.jsonl", samples)
     n_eval = max(1, int(round(eval_fraction * len(rows))))
-    _write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
-    _write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
+    write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
+    write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
     decided = g_a != g_b
     agree = float(np.mean(a_wins[decided] == (g_a > g_b)[decided])) if decided.any() else float("nan")
     return {
