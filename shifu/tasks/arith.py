@@ -27,8 +27,8 @@ import dataclasses
 import random
 from pathlib import Path
 
-from shifu.config.loader import read_shipped_table, shipped
 from shifu.runs.jsonfile import write_jsonl
+from shifu.tasks.common import data_paths, preset_of, read_presets, write_base
 from shifu.tasks.judges import exact_match
 
 __all__ = [
@@ -61,15 +61,7 @@ class ArithPreset:
 
 
 # the presets: shifu/presets/tasks/arith.yaml, each checked against ArithPreset's fields
-PRESETS: dict[str, ArithPreset] = read_shipped_table(shipped("tasks", "arith.yaml"), ArithPreset)
-
-
-def get_preset(name: str) -> ArithPreset:
-    from shifu.errors import ConfigError
-
-    if name not in PRESETS:
-        raise ConfigError(f"task arith has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
+PRESETS: dict[str, ArithPreset] = read_presets("arith", ArithPreset)
 
 
 def prompt_of(a: int, b: int) -> str:
@@ -128,7 +120,7 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     Returns name -> path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``,
     ``tokenizer``, ``base``.
     """
-    p = get_preset(preset)
+    p = preset_of("arith", PRESETS, preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = make_splits(p.max_operand, p.n_heldout, p.n_sft_eval)
@@ -148,17 +140,9 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
     write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
 
-    if p.pretrained == "smollm2":
-        from shifu.tasks import link_pretrained
-        from shifu.tasks.imdb import converted_smollm2
-
-        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
-    else:
+    def untrained() -> tuple:
         tok = build_tokenizer(out / "tokenizer")
-        model = build_model(tok, p, seed)
-        model.save_pretrained(str(out / "base"))
-        tok.save_pretrained(str(out / "base"))
-    names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
-    paths = {n: str(out / f"{n}.jsonl") for n in names}
-    paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
-    return paths
+        return tok, build_model(tok, p, seed)
+
+    write_base(out, p.pretrained, untrained)
+    return data_paths(out, ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"])
