@@ -11,7 +11,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from shifu.config.loader import from_dict
-from shifu.config.schema import EnvConfig, PPOConfig
+from shifu.config.schema import PPOConfig
+from shifu.config.sections import EnvConfig
 from shifu.errors import ConfigError
 from shifu.generation.observations import ChatTurns, PlainTurns, TemplateError
 
