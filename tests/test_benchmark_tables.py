@@ -26,6 +26,7 @@ def load(name: str):
 
 provenance = load("provenance")
 tables = load("tables")
+parts = load("table_parts")
 
 
 def test_committed_tables_match_what_the_records_generate(capsys):
@@ -144,7 +145,7 @@ def test_cpu_info_reads_model_flags_and_cores():
     )
     assert info["model"] == "Some Xeon"
     assert info["flags"] == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
-    assert tables.cpu_label({"cpu": info}).startswith("Some Xeon, AMX")
+    assert parts.cpu_label({"cpu": info}).startswith("Some Xeon, AMX")
 
 
 def test_render_fills_only_the_marked_blocks_and_names_an_unknown_one():

@@ -74,7 +74,7 @@ def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
 # a process that frees 64 MiB tensors and allocates three more of the same size: their minor page faults
 _REUSE = """
 import resource, sys, torch
-from shifu.cli.main import keep_freed_memory
+from shifu.parallel.threads import keep_freed_memory
 print(keep_freed_memory(), file=sys.stderr)
 for _ in range(24):  # 64 MiB, freed at once: the heap grows until a freed block fits (<= 14 seen), then stops
     torch.empty(16 << 20).fill_(1.0)

@@ -11,7 +11,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from shifu.config.loader import from_dict
-from shifu.config.schema import EnvConfig, PPOConfig
+from shifu.config.schema import PPOConfig
+from shifu.config.sections import EnvConfig
 from shifu.errors import ConfigError
 from shifu.rollout.turns import ChatTurns, PlainTurns, TemplateError
 
@@ -252,7 +253,7 @@ def test_a_template_that_does_not_extend_the_conversation_is_refused():
 def test_smollm2_template_extends_conversations_by_appending():
     """SmolLM2-135M-Instruct's own template, where its assets are installed (else the ChatML tests above)."""
     from shifu.errors import ShifuError
-    from shifu.tasks.imdb import converted_smollm2
+    from shifu.tasks.assets import converted_smollm2
 
     try:
         path = converted_smollm2()
@@ -280,7 +281,7 @@ def test_arith_tool_smollm2_demonstrations_hold_the_ids_the_episodes_make():
     from shifu.data.rows import sft_texts
     from shifu.errors import ShifuError
     from shifu.tasks import arith_tool
-    from shifu.tasks.imdb import converted_smollm2
+    from shifu.tasks.assets import converted_smollm2
 
     try:
         path = converted_smollm2()

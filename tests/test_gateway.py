@@ -287,7 +287,7 @@ def test_tool_calls_in_the_models_text_come_back_as_openai_tool_calls(template):
 def smollm2_tokenizer():
     from shifu.errors import ShifuError
     from shifu.models.loading import load_tokenizer
-    from shifu.tasks.imdb import converted_smollm2
+    from shifu.tasks.assets import converted_smollm2
 
     try:
         return load_tokenizer(converted_smollm2())

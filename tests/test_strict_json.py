@@ -10,7 +10,8 @@ import pytest
 from conftest import write_jsonl
 
 from shifu.cli import main as cli
-from shifu.runs.jsonfile import dumps, finite_or_null
+from shifu.runs.jsonfile import dumps, finite_or_null, keep_rows, read_jsonl
+from shifu.runs.jsonfile import write_jsonl as write_strict_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +44,18 @@ def test_dumps_writes_null_for_what_is_not_a_finite_number():
     assert finite_or_null({"x": 0.5}) == {"x": 0.5}
     with pytest.raises(TypeError):
         dumps({"x": object()})
+
+
+def test_jsonl_files_are_written_strict_read_back_and_trimmed_line_for_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    write_strict_jsonl(path, [{"step": 1, "x": float("nan")}, {"step": 2, "x": 0.1 + 0.2}, {"step": 3}])
+    text = path.read_text(encoding="utf-8")
+    assert text == '{"step": 1, "x": null}\n{"step": 2, "x": 0.30000000000000004}\n{"step": 3}\n'
+    assert [strict_load(line) for line in text.splitlines()] == read_jsonl(path)
+    # a line another writer spelled its own way (and a blank line) is kept as it was, or dropped whole
+    path.write_text(text.replace("null", '"nan"') + "\n", encoding="utf-8")
+    keep_rows(path, lambda row: row["step"] != 2)
+    assert path.read_text(encoding="utf-8") == '{"step": 1, "x": "nan"}\n{"step": 3}\n'
 
 
 def test_a_reward_model_whose_pairs_never_have_a_longer_chosen_writes_strict_json(tiny_model_dir, tmp_path):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shifu.cli.main import main as cli_main
-from shifu.experiments import analysis, budgets, study
+from shifu.experiments import analysis, budgets, study, study_runs
+from shifu.experiments.pipeline import merge
 
 torch.set_num_threads(1)
 
@@ -175,7 +176,7 @@ def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
 
     plan = budgets.BUDGETS[("imdb", "reduced")]
     assert plan["preset"] == "small"
-    pairs = study._merge(PLANS[("imdb", "small")]["pairs"], plan["pairs"])
+    pairs = merge(PLANS[("imdb", "small")]["pairs"], plan["pairs"])
     assert pairs["drop_ties"] is True and pairs["num_prompts"] == 3000
     # evaluation prompts are cut as the RL trainers cut them (the small model has 64 positions)
     assert plan["eval"]["max_prompt_len"] == plan["ppo"]["data"]["max_prompt_len"]
@@ -184,7 +185,7 @@ def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
 @pytest.mark.unit
 def test_measure_of_the_reference_itself_has_zero_kl(tiny_model_dir):
     rows = [{"prompt": p} for p in ("the movie", "hello there", "tell me a story")]
-    m = study.measure(
+    m = study_runs.measure(
         tiny_model_dir, tiny_model_dir, rows, lambda ps, ys, rs: [float(len(y)) for y in ys], 6, 1.0, 0
     )
     assert m["kl"] == pytest.approx(0.0, abs=1e-6)

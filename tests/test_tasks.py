@@ -200,3 +200,14 @@ def test_task_presets_are_read_from_their_yaml_and_checked(tmp_path):
         with pytest.raises(ConfigError) as e:
             read_shipped_table(path, arith.ArithPreset)
         assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)
+    # every task's prepare refuses a preset it does not have, naming those it has, before writing anything
+    from shifu.tasks import arith_tool, imdb
+
+    for task, presets in (
+        (arith, "tiny, small, smollm2"),
+        (arith_tool, "tiny, smollm2"),
+        (imdb, "tiny, small, smollm2"),
+    ):
+        with pytest.raises(ConfigError, match=f"has no preset 'huge'. Choose one of: {presets}$"):
+            task.prepare(tmp_path / "data", preset="huge")
+        assert not (tmp_path / "data").exists()

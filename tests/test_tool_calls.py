@@ -80,7 +80,7 @@ def tokenizer_with(template: str):
 
 def smollm2_tokenizer():
     from shifu.errors import ShifuError
-    from shifu.tasks.imdb import converted_smollm2
+    from shifu.tasks.assets import converted_smollm2
 
     try:
         path = converted_smollm2()

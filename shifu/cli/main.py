@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import os
 import signal
 import sys
 import traceback
 from pathlib import Path
 
 from shifu.cli import quiet
-from shifu.parallel.threads import set_threads
+from shifu.parallel.threads import keep_freed_memory, set_threads
 
 # command -> (module, description); trainer modules expose `Config` and `train`
 TRAINERS = {
@@ -40,7 +39,10 @@ TOOLS = {
         "generate from a policy; optionally score it with a reward model/function",
     ),
     "demo": ("shifu.experiments.demo", "toy demos: `shifu demo bandit`"),
-    "bench": ("shifu.experiments.bench", "time PPO iterations (benchmarks/ppo_iteration.py)"),
+    "bench": (
+        "shifu.experiments.bench",
+        "time full PPO iterations on a fixed offline setup (random weights)",
+    ),
     "study": ("shifu.experiments.study", "studies: `shifu study frontier`"),
     "init-model": (
         "shifu.data.starter",
@@ -57,42 +59,6 @@ TOOLS = {
         "torchrun for shifu: a command on several processes; SIGTERM checkpoints and exits 143",
     ),
 }
-
-
-MALLOC_ENV = "SHIFU_MALLOC"
-
-
-def keep_freed_memory() -> str:
-    """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
-
-    By default glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh ``mmap``
-    and unmaps it on ``free``, so each new one page-faults all its pages in again, zero-filled by the
-    kernel. Training allocates such tensors several times a step (a (V, d) gradient of SmolLM2's 49152 x 576
-    embedding is 113 MB; so are the logits of a few long rows). With ``M_MMAP_MAX = 0`` every block comes
-    from the heap and with ``M_TRIM_THRESHOLD`` at 2 GiB the heap is not shrunk after each free, so a step
-    reuses the last step's pages: a PPO iteration at the SmolLM2-135M shape spends far less kernel CPU on page
-    faults, with no higher peak RSS (docs/benchmarks/throughput.md). The price: freed memory stays with the
-    process until it exits, and glibc's heap may hold more than the live tensors need (a loop of one 64 MiB
-    tensor settles at ~0.9 GB).
-
-    Called once by ``shifu`` before any command. ``SHIFU_MALLOC=system``, or any ``MALLOC_*`` /
-    ``GLIBC_TUNABLES`` setting or preloaded malloc of your own, leaves malloc as it is.
-    Returns what was done: ``"kept"``, ``"system"`` (left as asked) or ``"unavailable"`` (not glibc)."""
-    own = "GLIBC_TUNABLES" in os.environ or "malloc" in os.environ.get("LD_PRELOAD", "")  # jemalloc, tcmalloc
-    if os.environ.get(MALLOC_ENV, "") == "system" or own or any(k.startswith("MALLOC_") for k in os.environ):
-        return "system"
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        return "unavailable"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return "unavailable"
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    ok = mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1
-    return "kept" if ok else "unavailable"
 
 
 def trainer_parser(cmd: str, description: str) -> argparse.ArgumentParser:

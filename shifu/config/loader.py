@@ -1,7 +1,7 @@
 """The config machinery: frozen dataclasses, YAML presets, ``key.sub=value`` overrides.
 
 The settings shifu ships (quickstart plans, study budgets, task presets) are YAML files under
-``shifu/configs/`` (:func:`shipped`), each section checked by the schema of what reads it
+``shifu/presets/`` (:func:`shipped`), each section checked by the schema of what reads it
 (:func:`check_section`, :func:`read_shipped`), so a wrong key in one is reported as in a user's config.
 
 Every field is declared with :func:`opt`, whose ``help`` is the field's documentation (shown by
@@ -374,11 +374,11 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
 
 
 # ------------------------------------------------------------------------------------ shipped settings
-SHIPPED = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = Path(__file__).resolve().parents[1] / "presets"
 
 
 def shipped(*parts: str) -> Path:
-    """A file or folder of the settings shipped inside the package: ``shifu/configs/<parts>``."""
+    """A file or folder of the settings shipped inside the package: ``shifu/presets/<parts>``."""
     return SHIPPED.joinpath(*parts)
 
 

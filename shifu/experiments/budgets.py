@@ -1,5 +1,5 @@
 """The study budgets of ``shifu study frontier``: the methods compared, their KL knobs per point (read from
-``shifu/configs/study/TASK-BUDGET.yaml`` and checked like a user's config), and the critic-free methods built from
+``shifu/presets/study/TASK-BUDGET.yaml`` and checked like a user's config), and the critic-free methods built from
 the PPO and REINFORCE sections."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def with_critic_free(budget: dict[str, Any], betas: tuple[float, ...]) -> dict[s
     return {**budget, **extra, "points": points}
 
 
-# Per (task, budget), in shifu/configs/study/<task>-<budget>.yaml: the shared stages, each method's training
+# Per (task, budget), in shifu/presets/study/<task>-<budget>.yaml: the shared stages, each method's training
 # overrides, and the points of each method (a label -> the overrides that set its KL budget). ``points`` are
 # ordered strong -> weak KL control; ``--points N`` keeps N of them spread over the list. The critic-free
 # methods are added to each budget (:func:`with_critic_free`) at its ``critic_free_betas``.

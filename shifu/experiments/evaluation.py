@@ -14,7 +14,7 @@ import torch
 
 from shifu.config.imports import load_callable
 from shifu.core.stats import mean_se
-from shifu.experiments.pipeline import read_jsonl, write_jsonl
+from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}
 

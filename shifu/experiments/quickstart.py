@@ -67,7 +67,7 @@ from shifu.experiments.pipeline import (
 from shifu.runs import jsonfile
 
 # ----------------------------------------------------------------------------------------- stage plans
-# Config overrides per (task, preset) for each stage, in shifu/configs/quickstart/<task>-<preset>.yaml; data
+# Config overrides per (task, preset) for each stage, in shifu/presets/quickstart/<task>-<preset>.yaml; data
 # and model paths are filled in at run time. Every section is checked when a plan is read: a trainer stage
 # (STAGE_CONFIGS) as a user's config of that trainer with what a run fills in (FILLED) under it, the others
 # against their section (SECTIONS).

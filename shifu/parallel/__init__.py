@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shifu.config.schema import DistributedConfig
+    from shifu.config.sections import DistributedConfig
     from shifu.parallel.strategy import Strategy
 
 

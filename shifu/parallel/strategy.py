@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from shifu import core
-from shifu.config.schema import DistributedConfig, OptimConfig
+from shifu.config.sections import DistributedConfig, OptimConfig
 from shifu.errors import ConfigError, ShifuError
 from shifu.runs import checkpoint as ckpt
 from shifu.runs import rng

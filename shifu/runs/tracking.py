@@ -35,6 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from shifu.errors import ConfigError
+from shifu.runs import jsonfile
 from shifu.runs.metrics import is_defined
 
 IDS_FILE = ".trackers.json"
@@ -259,12 +260,7 @@ class Tracker:
         run = self.path.parent
         run.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+            jsonfile.keep_rows(self.path, lambda row: row.get("step", 0) <= resume_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard or "tensorboard" in names:
             try:
@@ -313,7 +309,7 @@ class Tracker:
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(jsonfile.dumps(row) + "\n")
         self._file.flush()
         if self._tb is None and not self._sinks:
             return
@@ -351,7 +347,4 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> t
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``metrics.jsonl`` file (for reports and tests)."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    return [json.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return jsonfile.read_jsonl(path) if Path(path).exists() else []

@@ -24,11 +24,11 @@ number."``, rendered with the chat template) and is judged by :func:`shifu.tasks
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 
-from shifu.config.loader import read_shipped_table, shipped
+from shifu.runs.jsonfile import write_jsonl
+from shifu.tasks.common import data_paths, preset_of, read_presets, write_base
 from shifu.tasks.judges import exact_match
 
 __all__ = [
@@ -60,16 +60,8 @@ class ArithPreset:
     prompt_template: str = "{a}+{b}="
 
 
-# the presets: shifu/configs/tasks/arith.yaml, each checked against ArithPreset's fields
-PRESETS: dict[str, ArithPreset] = read_shipped_table(shipped("tasks", "arith.yaml"), ArithPreset)
-
-
-def get_preset(name: str) -> ArithPreset:
-    from shifu.errors import ConfigError
-
-    if name not in PRESETS:
-        raise ConfigError(f"task arith has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
+# the presets: shifu/presets/tasks/arith.yaml, each checked against ArithPreset's fields
+PRESETS: dict[str, ArithPreset] = read_presets("arith", ArithPreset)
 
 
 def prompt_of(a: int, b: int) -> str:
@@ -122,17 +114,13 @@ def build_model(tokenizer, preset: ArithPreset, seed: int):
     )
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
 def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
     """Write the data files, the tokenizer (``tokenizer/``) and an untrained model (``base/``).
 
     Returns name -> path for ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``,
     ``tokenizer``, ``base``.
     """
-    p = get_preset(preset)
+    p = preset_of("arith", PRESETS, preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = make_splits(p.max_operand, p.n_heldout, p.n_sft_eval)
@@ -145,24 +133,16 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
     def sft_row(a: int, b: int) -> dict:
         return {"prompt": p.prompt_template.format(a=a, b=b), "response": str(a + b)}
 
-    _write_jsonl(out / "sft_train.jsonl", [sft_row(a, b) for a, b in sft_pairs])
-    _write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
-    _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
-    _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+    write_jsonl(out / "sft_train.jsonl", [sft_row(a, b) for a, b in sft_pairs])
+    write_jsonl(out / "sft_eval.jsonl", [sft_row(a, b) for a, b in splits["sft_eval"]])
+    write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
+    write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
-    _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
+    write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
 
-    if p.pretrained == "smollm2":
-        from shifu.tasks import link_pretrained
-        from shifu.tasks.imdb import converted_smollm2
-
-        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
-    else:
+    def untrained() -> tuple:
         tok = build_tokenizer(out / "tokenizer")
-        model = build_model(tok, p, seed)
-        model.save_pretrained(str(out / "base"))
-        tok.save_pretrained(str(out / "base"))
-    names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
-    paths = {n: str(out / f"{n}.jsonl") for n in names}
-    paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
-    return paths
+        return tok, build_model(tok, p, seed)
+
+    write_base(out, p.pretrained, untrained)
+    return data_paths(out, ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"])

@@ -26,7 +26,8 @@ import operator
 import random
 from pathlib import Path
 
-from shifu.config.loader import read_shipped_table, shipped
+from shifu.runs.jsonfile import write_jsonl
+from shifu.tasks.common import data_paths, preset_of, read_presets, write_base
 
 SPLIT_SEED = 4321  # fixed: the held-out set does not depend on the run seed
 # digits and the call syntax, plus what a calculator error reads like ("{error: ZeroDivisionError: ...}")
@@ -47,16 +48,8 @@ class ArithToolPreset:
     prompt_template: str = "{a}*{b}="
 
 
-# the presets: shifu/configs/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
-PRESETS: dict[str, ArithToolPreset] = read_shipped_table(shipped("tasks", "arith_tool.yaml"), ArithToolPreset)
-
-
-def get_preset(name: str) -> ArithToolPreset:
-    from shifu.errors import ConfigError
-
-    if name not in PRESETS:
-        raise ConfigError(f"task arith_tool has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
+# the presets: shifu/presets/tasks/arith_tool.yaml, each checked against ArithToolPreset's fields
+PRESETS: dict[str, ArithToolPreset] = read_presets("arith_tool", ArithToolPreset)
 
 
 _OPS = {
@@ -165,15 +158,11 @@ def build_tokenizer(out_dir: str | Path):
     return arith.build_tokenizer(out_dir, ALPHABET)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
 def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[str, str]:
     """Write the data files, the tokenizer (``tokenizer/``) and the base model (``base/``: an untrained GPT-2,
     or for preset ``smollm2`` a link to the cached SmolLM2 conversion); returns name -> path for
     ``sft_train``, ``sft_eval``, ``prompts_train``, ``prompts_val``, ``prompts_eval``, ``tokenizer``, ``base``."""
-    p = get_preset(preset)
+    p = preset_of("arith_tool", PRESETS, preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = make_splits(p.n_heldout, p.n_sft_eval)
@@ -190,22 +179,18 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
         return [{"prompt": prompt_row(a, b)["prompt"], "response": demonstration(a, b, call)}]
 
     eval_calls = [random.Random(SPLIT_SEED + i).random() < p.call_fraction for i in range(p.n_sft_eval)]
-    _write_jsonl(
+    write_jsonl(
         out / "sft_train.jsonl", [r for (a, b), c in zip(sft_pairs, calls) for r in sft_rows(a, b, c)]
     )
-    _write_jsonl(
+    write_jsonl(
         out / "sft_eval.jsonl",
         [r for (a, b), c in zip(splits["sft_eval"], eval_calls) for r in sft_rows(a, b, c)],
     )
-    _write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
-    _write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
-    _write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
-    if p.pretrained == "smollm2":
-        from shifu.tasks import link_pretrained
-        from shifu.tasks.imdb import converted_smollm2
+    write_jsonl(out / "prompts_train.jsonl", [prompt_row(a, b) for a, b in splits["train"]])
+    write_jsonl(out / "prompts_eval.jsonl", [prompt_row(a, b) for a, b in splits["heldout"]])
+    write_jsonl(out / "prompts_val.jsonl", [prompt_row(a, b) for a, b in splits["sft_eval"]])
 
-        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
-    else:
+    def untrained() -> tuple:
         from shifu.models.loading import build_tiny_gpt2
 
         tok = build_tokenizer(out / "tokenizer")
@@ -213,8 +198,7 @@ def prepare(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> dict[st
         model = build_tiny_gpt2(
             tok, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_positions=48, seed=seed
         )
-        model.save_pretrained(str(out / "base"))
-        tok.save_pretrained(str(out / "base"))
-    names = ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"]
-    paths = {n: str(out / f"{n}.jsonl") for n in names}
-    return paths | {"tokenizer": str(out / "tokenizer"), "base": str(out / "base")}
+        return tok, model
+
+    write_base(out, p.pretrained, untrained)
+    return data_paths(out, ["sft_train", "sft_eval", "prompts_train", "prompts_val", "prompts_eval"])

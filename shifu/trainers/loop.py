@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -222,3 +223,30 @@ def run(job: Job, cfg: SupervisedConfig, strategy: Strategy, run_dir: Path, resu
     bar.close()
     tracker.close()
     return {"step": step, **summary}
+
+
+def train_policy(
+    job: Job,
+    cfg: SupervisedConfig,
+    strategy: Strategy,
+    resume: bool,
+    overwrite: bool,
+    bf16: bool,
+    policy: tuple[nn.Module, Callable[[], nn.Module], Any],
+    closing: Callable[[dict], str],
+) -> dict:
+    """A policy trainer's run once its :class:`Job` is built (sft, dpo): :func:`run` in the run directory
+    (``--resume`` continues its latest checkpoint); then, unless it stopped, ``bf16`` (the precision the update
+    ran in) in the summary, the policy in ``final/`` loadable by transformers (``policy`` = (model as trained,
+    ``fresh()`` for an unsharded copy, tokenizer); rank 0 writes, sharded weights gathered first),
+    ``summary.json``, the model card and the closing line ``closing(summary)`` with the model's directory."""
+    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, length(cfg, job.n_rows))
+    summary = run(job, cfg, strategy, run_dir, resume)
+    if summary.get("stopped"):
+        return summary
+    if cfg.bf16:
+        summary["precision/bf16_update"] = float(bf16)
+    model, fresh, tokenizer = policy
+    common.save_policy(strategy, model, fresh, tokenizer, run_dir / "final")
+    line = f"{closing(summary)}; model in {run_dir / 'final'}"
+    return common.finish_run(run_dir, summary, strategy, job.name, line)

@@ -6,7 +6,6 @@ warning)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from shifu.config.loader import to_dict
 from shifu.config.schema import PPOConfig, derived_sizes
 from shifu.data.batches import PromptStream
 from shifu.errors import ShifuError
+from shifu.runs import jsonfile
 from shifu.trainers import common
 from shifu.trainers.common import finish_run
 from shifu.trainers.ppo_eval import evaluate_and_keep, save_actor, save_critic
@@ -184,11 +184,8 @@ def warn_empty_responses(it: int, metrics: dict, tok, cfg: PPOConfig) -> bool:
 
 def trim_samples(path: Path, last_iteration: int) -> None:
     """Resuming: drop the evaluation samples an interrupted run wrote after ``last_iteration``."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [x for x in lines if x.strip() and json.loads(x)["iteration"] <= last_iteration]
-    path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    if path.exists():
+        jsonfile.keep_rows(path, lambda row: row["iteration"] <= last_iteration)
 
 
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:

@@ -185,9 +185,7 @@ def log_final_report(cfg: RMConfig, run_dir: Path, strategy: Strategy, step: int
     killed after logging it wrote."""
     metrics_file = run_dir / "metrics.jsonl"
     if strategy.is_main and resume and metrics_file.exists():
-        rows = [json.loads(x) for x in metrics_file.read_text(encoding="utf-8").splitlines() if x.strip()]
-        kept = [r for r in rows if not (r["step"] == step and set(report) <= set(r))]
-        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        jsonfile.keep_rows(metrics_file, lambda r: not (r["step"] == step and set(report) <= set(r)))
     tracker = common.tracker(cfg, run_dir, strategy)
     tracker.log(step, report)
     tracker.close()

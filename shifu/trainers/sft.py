@@ -129,22 +129,18 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
         lengths=lengths,
     )
 
-    # 3. the loop, in the run directory (--resume continues its latest checkpoint)
-    run_dir = common.prepare_run(cfg, strategy, resume, overwrite, loop.length(cfg, job.n_rows))
-    summary = loop.run(job, cfg, strategy, run_dir, resume)
-    if summary.get("stopped"):
-        return summary
-    if cfg.bf16:
-        summary["precision/bf16_update"] = float(run.bf16)
-
-    # 4. the fine-tuned model, loadable by transformers (rank 0 writes; sharded weights gathered first)
-    def fresh():
+    def fresh():  # the model unsharded, to gather the trained weights into
         plain = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         if len(tokenizer) > plain.get_input_embeddings().num_embeddings:
             plain.resize_token_embeddings(len(tokenizer))
         return plain
 
-    common.save_policy(strategy, model, fresh, tokenizer, run_dir / "final")
-    loss = summary.get("eval/sft/loss", float("nan"))
-    line = f"shifu sft: {summary['step']} steps, eval/sft/loss {loss:.4f}; model in {run_dir / 'final'}"
-    return common.finish_run(run_dir, summary, strategy, "sft", line)
+    def closing(summary: dict) -> str:
+        loss = summary.get("eval/sft/loss", float("nan"))
+        return f"shifu sft: {summary['step']} steps, eval/sft/loss {loss:.4f}"
+
+    # 3. the loop, in the run directory (--resume continues its latest checkpoint); 4. the fine-tuned model
+    # in final/, loadable by transformers
+    return loop.train_policy(
+        job, cfg, strategy, resume, overwrite, run.bf16, (model, fresh, tokenizer), closing
+    )
