@@ -15,8 +15,9 @@ class Scripted:
     """Turn k (0-based) gets reward ``rewards[k]`` (0 past the list) and the observation ``observation`` (its
     turn number appended with ``numbered``); the episode is done after ``done_after`` turns (None: never).
     ``fault`` at turn ``fault_turn``: ``raise``, ``type`` (returns a dict), ``nan`` (reward NaN), ``sleep``
-    (sleeps ``sleep_s``), ``long`` (an observation of 500 characters), ``reset`` (reset raises) or
-    ``messages`` (chat messages as the first input); only for the prompt ``fault_prompt`` (None: any) once more
+    (sleeps ``sleep_s``), ``long`` (an observation of 500 characters), ``reset`` (reset raises), ``truncate``
+    (truncate raises) or ``messages`` (chat messages as the first input); ``truncate_reward``: what ``truncate()``
+    returns for an episode a budget cut; ``report_tools``: whether ``Step.info`` counts a tool call; only for the prompt ``fault_prompt`` (None: any) once more
     than ``fault_after`` steps were taken by any instance (:data:`STEPS`)."""
 
     def __init__(
@@ -30,10 +31,13 @@ class Scripted:
         numbered=False,
         fault_prompt=None,
         fault_after=0,
+        truncate_reward=None,
+        report_tools=True,
     ):
         self.rewards, self.observation, self.done_after = list(rewards), observation, done_after
         self.fault, self.fault_turn, self.sleep_s, self.numbered = fault, fault_turn, sleep_s, numbered
         self.fault_prompt, self.fault_after, self.turn, self.prompt = fault_prompt, fault_after, 0, ""
+        self.truncate_reward, self.report_tools = truncate_reward, report_tools
 
     def _faulty(self) -> bool:
         return (self.fault_prompt is None or self.prompt == self.fault_prompt) and len(
@@ -65,7 +69,14 @@ class Scripted:
         reward = self.rewards[k] if k < len(self.rewards) else 0.0
         done = self.done_after is not None and self.turn >= self.done_after
         obs = self.observation + (str(k) if self.numbered else "")
-        return Step(observation=None if done else obs, reward=reward, done=done, info={"tool_calls": 1})
+        info = {"tool_calls": 1} if self.report_tools else {}
+        return Step(observation=None if done else obs, reward=reward, done=done, info=info)
+
+    def truncate(self):
+        """The final reward of an episode cut by a budget (``truncate_reward``; ``fault="truncate"`` raises)."""
+        if self.fault == "truncate":
+            raise RuntimeError("cannot score a cut game")
+        return self.truncate_reward
 
 
 class NoStep:

@@ -161,19 +161,19 @@ def test_max_turns_and_the_token_budgets_end_episodes_truncated(char):
 @pytest.mark.parametrize(
     "fault, said",
     [
-        ("raise", "step() raised ValueError: scripted failure"),
+        ("raise", "step() raised at tests/scripted_envs.py:"),
         ("type", "step() returned dict {'observation': 'x'}, not a shifu.Step"),
         ("nan", "step() returned the reward nan; it must be a finite number"),
-        ("sleep", "step() took longer than env.step_timeout_s=0.2 s"),
+        ("sleep", "step() took longer than env.step_timeout_s=1.0 s"),
         ("long", "the observation is 500 tokens, over generation.max_total_tokens=24 on its own"),
-        ("reset", "reset() raised RuntimeError: cannot start"),
+        ("reset", "reset() raised at tests/scripted_envs.py:"),
     ],
 )
 def test_a_faulty_environment_is_named_with_the_row_and_turn_or_ends_its_episode(char, fault, said):
     bad = rows()[3]["prompt"]
     kw = {
         "kwargs": {"fault": fault, "fault_turn": 1, "fault_prompt": bad, "sleep_s": 3.0, "rewards": [1.0]},
-        "step_timeout_s": 0.2,
+        "step_timeout_s": 1.0,  # (12 calls at once on a loaded machine: a fast step takes well under it)
     }
     with pytest.raises(EnvFault) as e:
         run(char, env(**kw))
@@ -254,6 +254,7 @@ def test_samples_and_metrics_are_json(char):
             "tool_errors",
             "observation_tokens",
             "tool_use",
+            "terminated",
             "truncated",
             "errors",
             "return",
@@ -261,3 +262,38 @@ def test_samples_and_metrics_are_json(char):
     }
     json.dumps(m)
     assert all(t.startswith("\u27e6") and "\u27e7" in t for t in [t.response for t in eps.transcripts])
+
+
+def test_a_budget_tells_the_environment_and_its_final_reward_lands_on_the_last_sampled_token(char):
+    """gymnasium's truncated vs terminated: an episode cut by max_turns calls the environment's truncate(), whose
+    reward is added on the episode's last sampled token; done episodes are not asked; the metrics keep the two
+    apart. A truncate() that raises is a fault naming it."""
+    eps = run(char, env(max_turns=2, kwargs={"rewards": [0.25, 0.5], "truncate_reward": 0.75}))  # never done
+    assert (
+        eps.truncated.all() and eps.metrics["env/truncated"] == 1.0 and eps.metrics["env/terminated"] == 0.0
+    )
+    last = core.last_true(eps.trainable)
+    for i in range(12):
+        stepped = 2 if _ended_by_stop(char, eps, i) else 1  # a turn cut by its token budget is not stepped
+        want = [0.25, 0.5][:stepped]
+        assert eps.rewards[i][last[i]].item() == pytest.approx((want[-1] if stepped == 2 else 0.0) + 0.75)
+        assert eps.returns[i].item() == pytest.approx(sum(want) + 0.75)
+    done = run(char, env(kwargs={"rewards": [1.0], "done_after": 1, "truncate_reward": 5.0}))
+    ended = ~done.truncated
+    assert ended.any() and (done.returns[ended] == 1.0).all()  # done: truncate() is not asked
+    assert done.metrics["env/terminated"] == pytest.approx(float(ended.float().mean()))
+    with pytest.raises(
+        EnvFault, match=r"truncate\(\) raised at .*scripted_envs\.py:\d+ RuntimeError: cannot score"
+    ):
+        run(char, env(max_turns=1, kwargs={"fault": "truncate"}))
+
+
+def test_an_environment_that_does_not_report_tool_calls_has_no_tool_metrics(char):
+    eps = run(char, env(kwargs={"done_after": 2, "report_tools": False}))  # Step.info says nothing of tools
+    assert (
+        "env/tool_use" not in eps.metrics
+        and "env/tool_calls" not in eps.metrics
+        and "env/turns" in eps.metrics
+    )
+    reported = run(char, env(kwargs={"done_after": 2}))  # Scripted reports tool_calls
+    assert reported.metrics["env/tool_use"] == 1.0

@@ -133,8 +133,8 @@ def test_a_faulty_environment_stops_by_name_with_its_checkpoints_or_ends_its_epi
     assert cli.main(argv(data, out, *faulty)) == 2
     err = capsys.readouterr().err
     assert re.search(
-        r"environment scripted_envs:Scripted, row '[a-l]+', turn 2: step\(\) raised ValueError: "
-        "scripted failure",
+        r"environment scripted_envs:Scripted, row '[a-l]+', turn 2: step\(\) raised at "
+        r"tests/scripted_envs\.py:\d+ ValueError: scripted failure",
         err,
     ), err
     assert "Traceback" not in err and "set env.on_error=end_episode" in err

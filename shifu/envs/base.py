@@ -17,7 +17,15 @@ environment, the row and the turn. How long an episode may run (turns, tokens) i
 
 ``Step.info`` is the environment's own; two keys are counted when present (numbers): ``tool_calls`` and
 ``tool_errors`` (the metrics ``env/tool_calls``, ``env/tool_errors``; :class:`shifu.envs.tool.ToolEnv` sets
-them).
+them). An environment that never reports ``tool_calls`` has its tool use reported as not measured, not as 0.
+
+Optionally, an instance may have::
+
+    truncate() -> float | None    # the episode was cut by a budget (generation.max_turns, a token budget)
+                                  # instead of ending with done: its final reward (None: nothing)
+
+as gymnasium tells an environment *truncated* apart from *terminated*: a game scored at its end can still score
+an episode the sampler cut. The reward lands on the last sampled token of the episode, added to its last turn's.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 
 from shifu.config.imports import load_callable, typed_key
 from shifu.envs.pool import TIMED_OUT, CallPool
-from shifu.errors import ConfigError, ShifuError
+from shifu.errors import ConfigError, ShifuError, user_location
 
 ON_ERROR = ("raise", "end_episode")
 
@@ -123,6 +131,29 @@ class Environment:
         outcomes = self.pool.run([lambda r=row: new(r) for row in rows], self.step_timeout_s)
         return [self._checked(o, row, None, "reset()", self._first) for o, row in zip(outcomes, rows)]
 
+    def truncate(self, calls: list[tuple[Any, dict, int]]) -> list[float | EnvFault]:
+        """``instance.truncate()`` for each ``(instance, row, turn)`` whose instance has one (the episode was
+        cut by a budget): its final reward, a finite number (0.0 for None or no such method), or the fault."""
+
+        def call(instance: Any) -> Any:
+            end = getattr(instance, "truncate", None)
+            return end() if callable(end) else None
+
+        outcomes = self.pool.run([lambda c=c: call(c[0]) for c in calls], self.step_timeout_s)
+        return [
+            self._checked(o, row, turn, "truncate()", self._final)
+            for o, (_, row, turn) in zip(outcomes, calls)
+        ]
+
+    def _final(self, value: Any, where: str) -> float:
+        if value is None:
+            return 0.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise EnvFault(
+                f"{where}: truncate() returned {_shown(value)}; it must be a finite number or None"
+            )
+        return float(value)
+
     def step(self, calls: list[tuple[Any, str, dict, int]]) -> list[Step | EnvFault]:
         """``instance.step(action)`` for each ``(instance, action, row, turn)``: the checked :class:`Step` or
         the fault."""
@@ -139,8 +170,13 @@ class Environment:
         if value is TIMED_OUT:
             key = typed_key("env.step_timeout_s")
             return EnvFault(f"{where}: {what} took longer than {key}={self.step_timeout_s} s")
-        if error is not None:
-            return EnvFault(f"{where}: {what} raised {type(error).__name__}: {error}")
+        if error is not None:  # the user's file:line; --verbose prints the traceback (the fault's cause)
+            at = user_location(error)
+            fault = EnvFault(
+                f"{where}: {what} raised {f'at {at} ' if at else ''}{type(error).__name__}: {error}"
+            )
+            fault.__cause__ = error
+            return fault
         try:
             return check(value, where)
         except EnvFault as e:
@@ -188,7 +224,7 @@ class Environment:
             raise EnvFault(
                 f"{e}. Fix the environment, or set {typed_key('env.on_error')}=end_episode to end such episodes "
                 "with reward 0 (counted as env/errors)"
-            ) from None
+            ) from e.__cause__
 
 
 def _shown(value: Any) -> str:

@@ -164,15 +164,16 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
         after = judge_policy(final_dir, sft_dir, rows, source, params, seed + 777, ev, bar.update)
     bar.close()
     for name, res in (("samples_before.jsonl", before), ("samples_after.jsonl", after)):
+        uses = res.tool_use() or [None] * len(rows)  # (None: the environment does not report tool calls)
         lines = [
             {"prompt": r["prompt"], "response": t.response, "gold": g, "tool_use": u, "turns": n}
-            for r, t, g, u, n in zip(rows, res.transcripts, res.returns, res.tool_use(), res.counts["turns"])
+            for r, t, g, u, n in zip(rows, res.transcripts, res.returns, uses, res.counts["turns"])
         ]
         if res.kl_k3:
             lines = [x | {"kl": k} for x, k in zip(lines, res.kl_k3)]
         write_jsonl(out / name, lines)
     n = len(rows)
-    (ub, ub_se), (ua, ua_se) = mean_se(before.tool_use()), mean_se(after.tool_use())
+    (ub, ub_se), (ua, ua_se) = _tool_use(before), _tool_use(after)
     return _paired(before.returns, after.returns) | {
         "tool_use_before": ub,
         "tool_use_after": ua,
@@ -187,6 +188,12 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
         "eval_temperature": T,
         "gold_judge": f"episode return of {env_cfg.factory}",
     }
+
+
+def _tool_use(res) -> tuple[float | None, float | None]:
+    """Mean and standard error of the fraction of episodes that called a tool; None where not reported."""
+    uses = res.tool_use()
+    return (None, None) if uses is None else mean_se(uses)
 
 
 def _paired(before: list[float], after: list[float]) -> dict[str, Any]:

@@ -27,7 +27,9 @@ import torch
 from torch import Tensor
 
 MARKS = ("\u27e6", "\u27e7")  # around a policy turn in a multi-turn transcript (the report highlights it)
-COUNTS = ("turns", "tool_calls", "tool_errors", "observation_tokens")
+# per trajectory, where the source counts them (episodes): turns, tool calls and errors, observation tokens, and
+# the steps whose Step.info reported tool calls at all (none: tool use is not measured, rather than 0)
+COUNTS = ("turns", "tool_calls", "tool_errors", "observation_tokens", "tool_reports")
 
 
 class PromptBatch(NamedTuple):

@@ -14,7 +14,7 @@ The action given to ``env.step`` is that turn's tokens decoded with special toke
 - truncated, when ``max_turns`` turns have been taken without ``done``, when a turn reaches its token budget
   (``max_new_tokens``, or what is left of ``max_total_tokens``, or of the model's positions) before EOS or a stop
   string (the cut turn is not given to the environment), or when an observation does not fit in what is left of
-  ``max_total_tokens``;
+  ``max_total_tokens``; an environment with a ``truncate()`` method is then asked for a final reward;
 - failed, on an environment fault with ``env.on_error=end_episode``: every reward of the episode is 0.
 """
 
@@ -114,7 +114,21 @@ class Episodes:
         for ep in eps:
             if not ep.over:  # still going after max_turns
                 ep.end(truncated=True)
+        self._truncated(eps)
         return _trajectories(eps, policy)
+
+    def _truncated(self, eps: list[_Episode]) -> None:
+        """The final rewards of the episodes a budget cut (``truncate()``, at once), on their last sampled token."""
+        cut = [ep for ep in eps if ep.truncated and ep.env is not None and ep.parts]
+        calls = [(ep.env, ep.row, ep.counts["turns"] - 1) for ep in cut]
+        for ep, final in zip(cut, self.env.truncate(calls)):
+            if isinstance(final, EnvFault):
+                self.env.fault(final)
+                ep.end(failed=True)
+                continue
+            last = max(k for k, part in enumerate(ep.parts) if part.sampled)
+            if final:
+                ep.rewards[last] = ep.rewards.get(last, 0.0) + final
 
     def _start(self, tok, rows: list[dict]) -> list[_Episode]:
         """A started episode per row: its environment instance reset, its first input's ids."""
@@ -230,6 +244,7 @@ class Episodes:
         for k in ("tool_calls", "tool_errors"):
             value = step.info.get(k, 0)
             ep.counts[k] += int(value) if isinstance(value, (int, float)) else 0
+        ep.counts["tool_reports"] += "tool_calls" in step.info
         if step.done:
             ep.end()
             return
@@ -314,12 +329,18 @@ def _transcript(spans: list[tuple[str, str]]) -> Transcript:
 
 
 def metrics(t: Trajectories, prefix: str = "env/") -> dict[str, float]:
-    """Means over the episodes: turns, tool calls and errors, observation tokens, the fractions truncated,
-    failed and with a tool call (``tool_use``), the return."""
+    """Means over the episodes: turns, observation tokens, tool calls and errors and the fraction with a tool
+    call (``tool_use``; only where the environment reports tool calls in ``Step.info``), the fractions
+    terminated (done), truncated (a budget) and failed (a fault), the return."""
     n = max(1, len(t))
-    out = {f"{prefix}{k}": sum(v) / n for k, v in t.counts.items()}
-    out[f"{prefix}tool_use"] = sum(c > 0 for c in t.counts["tool_calls"]) / n
+    reported = sum(t.counts["tool_reports"]) > 0
+    tools = ("tool_calls", "tool_errors") if reported else ()
+    out = {f"{prefix}{k}": sum(t.counts[k]) / n for k in ("turns", *tools, "observation_tokens")}
+    if reported:
+        out[f"{prefix}tool_use"] = sum(c > 0 for c in t.counts["tool_calls"]) / n
+    ended = ~(t.truncated | t.failed)
     return out | {
+        f"{prefix}terminated": float(ended.float().mean()),
         f"{prefix}truncated": float(t.truncated.float().mean()),
         f"{prefix}errors": float(t.failed.float().mean()),
         f"{prefix}return": float(t.returns.mean()),

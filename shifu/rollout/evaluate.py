@@ -74,18 +74,23 @@ class Evaluated:
 
     def tool_use(self) -> list[int] | None:
         """Per trajectory 1 when it called a tool, 0 when not; None when the source does not report tool calls."""
-        calls = self.counts.get("tool_calls")
-        return None if calls is None else [int(n > 0) for n in calls]
+        if not sum(self.counts.get("tool_reports", [])):
+            return None
+        return [int(n > 0) for n in self.counts["tool_calls"]]
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Where the source counts turns (episodes): the means over the trajectories of what it counts (turns,
-        tool calls, tool errors, observation tokens, ``tool_use``), the fractions truncated and failed and the
-        return, keyed ``prefix + "env/" + name`` as the rollout's ``env/*``; else nothing."""
+        observation tokens; tool calls, tool errors and ``tool_use`` where reported), the fractions terminated,
+        truncated and failed and the return, keyed ``prefix + "env/" + name`` as the rollout's ``env/*``; else
+        nothing."""
         if not self.counts:
             return {}
-        n, prefix = max(1, len(self)), prefix + "env/"
-        out = {f"{prefix}{k}": sum(v) / n for k, v in self.counts.items()}
-        out[f"{prefix}tool_use"] = sum(self.tool_use() or []) / n
+        n, prefix, uses = max(1, len(self)), prefix + "env/", self.tool_use()
+        tools = ("tool_calls", "tool_errors") if uses is not None else ()
+        out = {f"{prefix}{k}": sum(self.counts[k]) / n for k in ("turns", *tools, "observation_tokens")}
+        if uses is not None:
+            out[f"{prefix}tool_use"] = sum(uses) / n
+        out[f"{prefix}terminated"] = sum(not (t or f) for t, f in zip(self.truncated, self.failed)) / n
         out[f"{prefix}truncated"] = sum(self.truncated) / n
         out[f"{prefix}errors"] = sum(self.failed) / n
         return out | {f"{prefix}return": self.mean_return()}

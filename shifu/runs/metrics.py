@@ -87,9 +87,12 @@ METRICS: dict[str, str] = {
     "env/tool_calls": "env.factory: tool calls per episode, as the environment counts them (Step.info['tool_calls'])",
     "env/tool_errors": "env.factory: tool errors per episode (Step.info['tool_errors']: a call that could not be parsed, "
     "named an unknown tool, or raised)",
-    "env/tool_use": "env.factory: fraction of episodes with at least one tool call",
+    "env/tool_use": "env.factory: fraction of episodes with at least one tool call (env/tool_*: only when the "
+    "environment reports tool calls in Step.info)",
     "env/observation_tokens": "env.factory: observation tokens per episode (attended to, never trained on or counted as "
     "response tokens)",
+    "env/terminated": "env.factory: fraction of episodes the environment ended (Step.done), neither truncated nor "
+    "failed",
     "env/truncated": "env.factory: fraction of episodes cut by max_turns or a token budget (counted as responses "
     "without EOS: reward.missing_eos_penalty applies)",
     "env/errors": "env.factory: fraction of episodes ended by an environment fault (on_error=end_episode; reward 0; "
