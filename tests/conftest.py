@@ -36,8 +36,9 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_tokenizer(pad_equals_eos: bool = False):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on a tiny corpus (milliseconds, offline)."""
+def build_tiny_tokenizer(pad_equals_eos: bool = False, corpus: list[str] | None = None, vocab_size: int = 400):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on a tiny corpus (milliseconds, offline): ``corpus``
+    (default :data:`CORPUS`) with ``vocab_size`` tokens at most."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,9 +47,9 @@ def build_tiny_tokenizer(pad_equals_eos: bool = False):
     tok.decoder = decoders.ByteLevel()
     specials = [EOS] if pad_equals_eos else [EOS, PAD]
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.train_from_iterator(CORPUS if corpus is None else corpus, trainer=trainer)
     kwargs = {"eos_token": EOS, "bos_token": EOS}
     if not pad_equals_eos:
         kwargs["pad_token"] = PAD

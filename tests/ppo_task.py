@@ -14,21 +14,33 @@ ALPHABET = list("abcdefghijkl")
 EOS, PAD = "<eos>", "<pad>"
 
 
-def build_char_model(path: Path, pad_equals_eos: bool = False, seed: int = 0) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def build_char_model(
+    path: Path,
+    pad_equals_eos: bool = False,
+    seed: int = 0,
+    alphabet: list[str] | None = None,
+    n_positions: int = 64,
+) -> Path:
+    """A random tiny GPT-2 over single characters: ``alphabet`` (default ``a``..``l``) and a space; any other
+    character encodes as EOS. The default decodes ids with a space between characters; with an ``alphabet``,
+    ids decode to the text they encode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
     specials = [EOS] if pad_equals_eos else [EOS, PAD]
-    vocab = {t: i for i, t in enumerate(specials + ALPHABET + [" "])}
+    chars = ALPHABET if alphabet is None else [c for c in alphabet if c != " "]
+    vocab = {t: i for i, t in enumerate(specials + chars + [" "])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    if alphabet is not None:
+        tok.decoder = decoders.Fuse()
     kwargs = {"eos_token": EOS, "bos_token": EOS} | ({} if pad_equals_eos else {"pad_token": PAD})
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
     fast.save_pretrained(str(path))
     fast = load_tokenizer(path)
-    build_tiny_gpt2(fast, n_layer=2, n_embd=32, n_head=2, n_positions=64, seed=seed).save_pretrained(
+    build_tiny_gpt2(fast, n_layer=2, n_embd=32, n_head=2, n_positions=n_positions, seed=seed).save_pretrained(
         str(path)
     )
     return path

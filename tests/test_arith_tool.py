@@ -1,9 +1,10 @@
 """Task arith_tool: its data and calculator, and the quickstart with a calculator environment written by
-someone else (tests/thirdparty_calc.py, only ``from shifu import Step``) that RL learns to call."""
+someone else (examples/envs/calculator.py, only ``from shifu import Step``) that RL learns to call."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from shifu.cli.main import main as cli_main
 from shifu.tasks import arith_tool
 
 pytestmark = pytest.mark.integration
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "envs"
 
 
 def _read(path) -> list[dict]:
@@ -41,10 +44,11 @@ def test_arith_tool_data_calculator_and_demonstrations(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_call_it(tmp_path, capsys):
+def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_call_it(tmp_path, capsys, monkeypatch):
     """The issue's bar: held-out accuracy (the environment's own count) at least +0.15 over the SFT policy with
     PPO, calculator use >= 0.8 after RL, the summary's gold equal to the environment's count, and no action
     that contains the prompt or an observation."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # as `cd examples/envs` would
     out, log = tmp_path / "run", tmp_path / "env.jsonl"
     argv = [
         "quickstart",
@@ -55,7 +59,7 @@ def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_cal
         "--seed",
         "0",
         "--set",
-        "ppo.env.factory=thirdparty_calc:Calculator",
+        "ppo.env.factory=calculator:Calculator",
         "--set",
         f"ppo.env.kwargs={{log: {log}}}",
     ]

@@ -1,10 +1,13 @@
-"""A calculator environment for task arith_tool written only against shifu's public interface (``from shifu
-import Step``), as someone else would write it: ``shifu quickstart --task arith_tool --set
-ppo.env.factory=thirdparty_calc:Calculator``.
+"""A calculator environment for the built-in task ``arith_tool``, written only against shifu's public interface
+(``from shifu import Step``), as someone else would write it. RL learns to call it::
 
-It speaks the task's protocol (``[347*29]`` -> ``{10063}``, then the answer) without shifu's ToolEnv, and with
-``log=PATH`` appends one JSON line per reset and per step, so a test can count the episodes' rewards itself and
-check that no action ever contained the prompt or an earlier observation.
+    cd examples/envs && shifu quickstart --task arith_tool --set ppo.env.factory=calculator:Calculator
+
+It speaks the task's protocol without shifu's ToolEnv: the policy writes a call ``[347*29]`` and reads ``{10063}``,
+then writes the answer (reward 1.0 when it is the product, else 0; ``{?}`` answers a call it cannot read). With
+``--set 'ppo.env.kwargs={log: env.jsonl}'`` it appends one JSON line per reset and per step, so that the
+episodes' rewards can be counted outside shifu, and whether an action ever contained the prompt or an earlier
+observation (``leaked``) checked.
 """
 
 from __future__ import annotations
