@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents,examples]"
 	# DeepSpeed is an sdist whose build imports torch: build it against the torch above, never in an
 	# isolated env (that would download a multi-GB CUDA torch)
 	$(PY) -m pip install --quiet setuptools wheel && $(PY) -m pip install --quiet --no-build-isolation -c constraints.txt "deepspeed>=0.16"
@@ -34,8 +34,8 @@ quickstart: setup
 	SHIFU_THREADS=$(THREADS) $(VENV)/bin/shifu quickstart
 
 test: setup
-	$(VENV)/bin/ruff check shifu tests benchmarks
-	$(VENV)/bin/ruff format --check shifu tests benchmarks
+	$(VENV)/bin/ruff check shifu tests benchmarks examples
+	$(VENV)/bin/ruff format --check shifu tests benchmarks examples
 	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 # the unit lane (pure functions and tiny models, no trainer run or subprocess): about a minute on two cores
@@ -43,8 +43,8 @@ test-fast: setup
 	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m unit
 
 format: setup
-	$(VENV)/bin/ruff format shifu tests benchmarks
-	$(VENV)/bin/ruff check --fix shifu tests benchmarks
+	$(VENV)/bin/ruff format shifu tests benchmarks examples
+	$(VENV)/bin/ruff check --fix shifu tests benchmarks examples
 
 bench: setup
 	$(PY) benchmarks/ppo_iteration.py

@@ -281,8 +281,9 @@ def test_reasoning_gym_reward_is_score_answer_on_the_extracted_answer(rewards):
 
 @pytest.mark.integration
 def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
-    """A tiny policy fine-tuned on the answer format, trained with GRPO on the reward and judged by it on the
-    held-out file: each held-out sample's gold is reasoning-gym's score_answer of the answer in its response."""
+    """A tiny policy fine-tuned on the answer format (not on sums: it writes a random number in the tag), trained
+    with GRPO on the reward and judged by it on the held-out file: each held-out sample's gold is reasoning-gym's
+    score_answer of the answer in its response."""
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     from reasoning_gym_sums import write_prompts
@@ -301,7 +302,7 @@ def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
     sft = [
         *("sft", "--out", str(tmp_path / "sft"), f"model.path={model}"),
         f"data.train={_write(tmp_path / 'demos.jsonl', demos)}",
-        *("batch_size=32", "max_steps=40", "optim.lr=3e-3", "progress=false", "tensorboard=false"),
+        *("batch_size=32", "max_steps=200", "optim.lr=3e-3", "progress=false", "tensorboard=false"),
     ]
     assert cli_main(sft) == 0
     out = tmp_path / "run"
@@ -309,7 +310,7 @@ def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
         *("ppo", "--out", str(out), f"model.path={tmp_path / 'sft' / 'final'}"),
         *(f"data.train={files['train']}", f"data.eval={files['heldout']}"),
         *("reward.function=reasoning_gym_sums:score", "eval.gold_function=reasoning_gym_sums:score"),
-        *("advantage_estimator=grpo", "group_size=4", "kl.penalty=loss", "generation.max_new_tokens=8"),
+        *("advantage_estimator=grpo", "group_size=4", "kl.penalty=loss", "generation.max_new_tokens=12"),
         *("iterations=2", "batch_size=32", "minibatch_size=16", "ppo_epochs=1", "eval.every=2"),
         *(
             "eval.num_prompts=32",
@@ -328,8 +329,9 @@ def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
         numbers = re.findall(r"-?\d+", s["response"])
         answer = tagged if tagged is not None else (numbers[-1] if numbers else None)
         assert s["gold"] == pytest.approx(scorer(answer, row)), s
-    assert sum(s["gold"] > 0 for s in samples) >= 2, samples  # the format is learned: some answers score
-    assert all("<answer>" in s["response"] for s in samples[:8])
+    # the policy writes the format, so the scores above went through the tag (the untagged path and the
+    # values of score_answer: test_reasoning_gym_reward_is_score_answer_on_the_extracted_answer)
+    assert sum(extract_answer(s["response"]) is not None for s in samples) >= 24, samples
 
 
 # --- rule and process rewards (examples/rewards/sums.py) ----------------------------------------------------
