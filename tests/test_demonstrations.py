@@ -293,3 +293,9 @@ def test_a_prompt_is_never_trained_and_parquet_segments_read_as_jsonl(tiny_model
     from_parquet = load_rows(tmp_path / "s.parquet", "sft")
     assert from_parquet[0]["response"][0] == {"text": " the cat", "train": None}
     assert encode_demonstration(tok, from_parquet[0]) == encode_demonstration(tok, ROW)
+
+
+def test_init_model_fits_its_tokenizer_to_every_segment_too():
+    from shifu.data.starter import row_texts
+
+    assert row_texts(ROW) == [ROW["prompt"], " the cat", OBSERVATION, " good"]

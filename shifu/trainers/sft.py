@@ -40,7 +40,7 @@ def sft_nll_sum(model, batch: dict[str, torch.Tensor], device, bf16: bool) -> tu
 
 @torch.no_grad()
 def evaluate(model, examples: list[dict], pad_id: int, cfg: SFTConfig, strategy: Strategy) -> float:
-    """Token-mean NLL of the response tokens of ``examples`` (the held-out loss). Each rank scores its
+    """Token-mean NLL of the trained response tokens of ``examples`` (the held-out loss). Each rank scores its
     share of every ``eval.batch_size`` chunk; sums and counts are added over ranks."""
     model.eval()
     total, count = 0.0, 0
