@@ -17,7 +17,7 @@ class Scripted:
     ``fault`` at turn ``fault_turn``: ``raise``, ``type`` (returns a dict), ``nan`` (reward NaN), ``sleep``
     (sleeps ``sleep_s``), ``long`` (an observation of 500 characters), ``reset`` (reset raises), ``truncate``
     (truncate raises) or ``messages`` (chat messages as the first input); ``truncate_reward``: what ``truncate()``
-    returns for an episode a budget cut; ``report_tools``: whether ``Step.info`` counts a tool call; ``intro``: text the first input starts with; only for the prompt ``fault_prompt`` (None: any) once more
+    returns for an episode a budget cut; ``report_tools``: whether ``Step.info`` counts a tool call; ``intro``: text the first input starts with; ``done_after_for``: prompt -> its own ``done_after``; only for the prompt ``fault_prompt`` (None: any) once more
     than ``fault_after`` steps were taken by any instance (:data:`STEPS`)."""
 
     def __init__(
@@ -34,11 +34,13 @@ class Scripted:
         truncate_reward=None,
         report_tools=True,
         intro="",
+        done_after_for=None,
     ):
         self.rewards, self.observation, self.done_after = list(rewards), observation, done_after
         self.fault, self.fault_turn, self.sleep_s, self.numbered = fault, fault_turn, sleep_s, numbered
         self.fault_prompt, self.fault_after, self.turn, self.prompt = fault_prompt, fault_after, 0, ""
         self.truncate_reward, self.report_tools, self.intro = truncate_reward, report_tools, intro
+        self.done_after_for = done_after_for or {}
 
     def _faulty(self) -> bool:
         return (self.fault_prompt is None or self.prompt == self.fault_prompt) and len(
@@ -47,6 +49,7 @@ class Scripted:
 
     def reset(self, row: dict):
         self.prompt, self.turn = row["prompt"], 0
+        self.done_after = self.done_after_for.get(self.prompt, self.done_after)
         if self.fault == "reset" and self._faulty():
             raise RuntimeError("cannot start")
         if self.fault == "messages":
