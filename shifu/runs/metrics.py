@@ -116,8 +116,8 @@ METRICS: dict[str, str] = {
     "eval/dpo/chosen_reward": "mean implicit reward of the held-out chosen responses",
     "eval/dpo/rejected_reward": "mean implicit reward of the held-out rejected responses",
     # PPO evaluation rows (step 0 and every eval.every iterations, held-out prompts)
-    "eval/score": "mean return on the held-out prompts from the run's source: the reward's score, or the episode "
-    "return",
+    "eval/score": "mean return on the held-out prompts from the run's source: the reward's score (with its process "
+    "steps or dense per-token rewards), or the episode return",
     "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
     "eval/kl_k3": "k3 estimate of eval/kl (nats per response, never negative)",
     "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM; "
