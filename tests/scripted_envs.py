@@ -88,3 +88,25 @@ class NoStep:
 
     def reset(self, row):
         return row["prompt"]
+
+
+class AsyncEcho:
+    """An environment written with ``async def``: it waits ``wait_s`` in each call (a remote service), then
+    answers ``k``; done after ``turns`` turns, reward 1 on the last."""
+
+    def __init__(self, wait_s: float = 0.05, turns: int = 2):
+        self.wait_s, self.turns, self.taken = wait_s, turns, 0
+
+    async def reset(self, row: dict) -> str:
+        import asyncio
+
+        await asyncio.sleep(self.wait_s)
+        return row["prompt"]
+
+    async def step(self, action: str):
+        import asyncio
+
+        await asyncio.sleep(self.wait_s)
+        self.taken += 1
+        done = self.taken >= self.turns
+        return Step(observation=None if done else "k", reward=1.0 if done else 0.0, done=done)

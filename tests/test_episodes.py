@@ -316,3 +316,9 @@ def test_the_transcript_keeps_the_first_input_as_the_policy_read_it(char):
     assert [r["prompt"] for r in records] == [r["prompt"] for r in rows()] and all(
         "turns" in r for r in records
     )
+
+
+def test_an_async_environment_is_awaited(char):
+    eps = run(char, env(factory="scripted_envs:AsyncEcho", kwargs={"turns": 2}))
+    ended = ~eps.truncated
+    assert ended.any() and (eps.returns[ended] == 1.0).all() and max(eps.counts["turns"]) == 2

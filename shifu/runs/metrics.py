@@ -54,7 +54,8 @@ METRICS: dict[str, str] = {
     "loss/entropy": "mean response entropy as it enters the loss term -ent_coef * H",
     "loss/ptx": "PPO-ptx: SFT negative log-likelihood on a batch of demonstrations (logged when ptx_coef > 0)",
     "loss/kl": "kl.penalty=loss: the KL to the reference as a loss term (kl.loss_estimator, nats per token), before beta",
-    "rollout/response_len": "mean number of real response tokens per rollout response (first EOS included)",
+    "rollout/response_len": "mean number of sampled tokens per trajectory (a response's first EOS included; an "
+    "episode's observations not)",
     "rollout/eos_frac": "fraction of rollout responses that produced EOS within the token limit",
     "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite "
     "(with group_size > 1, every response of their group)",
