@@ -28,17 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import check_dist as C  # noqa: E402
 import ppo_task  # noqa: E402
+from check_ppo import models_for  # noqa: E402
 
 from shifu.config.loader import load_config  # noqa: E402
 from shifu.config.schema import PPOConfig as Config  # noqa: E402
 from shifu.generation.rollout import SamplingParams  # noqa: E402
-from shifu.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
-from shifu.models.scalar import ScalarModel  # noqa: E402
-from shifu.parallel import build_strategy  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
-from shifu.parallel.strategy import Strategy  # noqa: E402
-from shifu.rollout.build import build_source  # noqa: E402
-from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
+from shifu.trainers import ppo, ppo_rollout  # noqa: E402
 
 B = 8
 # prompt i goes to rank i % 2 (strategy.share): the even ones end after one turn, the odd ones after three
@@ -68,19 +64,6 @@ def make_cfg(out: Path, model: Path, *extra: str) -> Config:
         "critic.optim.lr=1e-2",
     ]
     return load_config(Config, overrides=base + list(extra))
-
-
-def models_for(cfg: Config, model: Path, world_one: bool = False):
-    strategy = Strategy(cfg.distributed) if world_one else build_strategy(cfg.distributed)
-    strategy.device = D.local_device()
-    tok = load_tokenizer(model)
-    tok.padding_side = "left"
-    actor = load_causal_lm(model, dropout=False).to(strategy.device)
-    ref = load_causal_lm(model, dropout=False).to(strategy.device)
-    critic = ScalarModel.from_backbone(model, seed=cfg.seed).to(strategy.device)
-    source, reward_model = build_source(cfg, tok, strategy)
-    m = ppo_models.place(actor, critic, None, ref, source, reward_model, tok, cfg, strategy)
-    return m, ppo_models.PPOState.new(cfg, strategy)
 
 
 def rollout_of(m, s, cfg: Config, indices: list[int]):
