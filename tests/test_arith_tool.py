@@ -27,14 +27,27 @@ def test_arith_tool_data_calculator_and_demonstrations(tmp_path):
     a, b = held_out[0]["prompt"].rstrip("=").split("*")
     assert 100 <= int(a) <= 999 and 10 <= int(b) <= 99 and held_out[0]["answer"] == str(int(a) * int(b))
     sft = _read(files["sft_train"])
-    calls = [r for r in sft if r["response"].startswith("[")]
+    calls = [r for r in sft if isinstance(r["response"], list)]
     assert 0.2 < len(calls) / len(sft) < 0.3  # a minority calls the calculator, the rest guess
     x, y = calls[0]["prompt"].rstrip("=").split("*")
-    assert calls[0]["response"] == f"[{x}*{y}]{{{int(x) * int(y)}}}{int(x) * int(y)}"
+    product = str(int(x) * int(y))
+    # the calculator's output is read, not trained: the environment writes it, never the policy
+    assert calls[0]["response"] == [
+        {"text": f"[{x}*{y}]"},
+        {"text": f"{{{product}}}", "train": False},
+        {"text": product},
+    ]
+    from shifu.data.batches import encode_sft
+    from shifu.data.rows import load_rows
     from shifu.models.loading import load_tokenizer
 
     tok = load_tokenizer(files["tokenizer"])
-    for text in (calls[0]["prompt"] + calls[0]["response"], "{error: bad expression}"):
+    (ex,), _ = encode_sft(tok, load_rows(files["sft_train"], "sft")[sft.index(calls[0]) :][:1], 16, 32)
+    assert tok.decode(ex["response_ids"][:-1]) == f"[{x}*{y}]{{{product}}}{product}"
+    assert ex["response_mask"] == [True] * len(f"[{x}*{y}]") + [False] * (len(product) + 2) + [True] * (
+        len(product) + 1
+    )
+    for text in (calls[0]["prompt"] + tok.decode(ex["response_ids"][:-1]), "{error: bad expression}"):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.unk_token_id not in ids and tok.decode(ids) == text
     assert arith_tool.calculator("347*29") == "10063" and arith_tool.calculator("(2+3)*4") == "20"

@@ -132,11 +132,18 @@ def test_encode_sft_eos_and_prompt_policies(tiny_model_dir):
 
 def test_collate_sft_masks_only_response_tokens():
     batch = collate_sft(
-        [{"prompt_ids": [5, 6], "response_ids": [7, 0]}, {"prompt_ids": [5], "response_ids": [0]}], 0
+        [
+            {"prompt_ids": [5, 6], "response_ids": [7, 8, 0], "response_mask": [True, False, True]},
+            {"prompt_ids": [5], "response_ids": [0], "response_mask": [True]},
+        ],
+        0,
     )
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [5, 0, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
-    assert batch["loss_mask"].tolist() == [[False, False, True, True], [False, True, False, False]]
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 0], [5, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [
+        [False, False, True, False, True],  # a read-only response token (8) is not trained
+        [False, True, False, False, False],
+    ]
 
 
 def test_batch_stream_resumes_from_epoch_and_index():

@@ -120,6 +120,22 @@ def test_ppo_update_on_two_ranks_equals_one_process(ppo_results, check):
     assert results[check]["ok"], results[check]["detail"]
 
 
+@pytest.fixture(scope="module")
+def episode_results(tmp_path_factory):
+    return launch("check_episodes.py", tmp_path_factory.mktemp("episodes_eq"), timeout=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["episodes_ddp_equals_single", "episodes_fsdp2_equals_single"])
+def test_episodes_on_two_ranks_equal_one_process(episode_results, check):
+    """Each rank runs its share of the episodes (rank 0's end after one turn, rank 1's after three: rank 0
+    samples stand-ins in step) and gets exactly the one-process episodes; the PPO update agrees."""
+    results, log = episode_results
+    assert check in results, f"check '{check}' never ran; torchrun output:\n{log}"
+    assert results[check]["ok"], results[check]["detail"]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
@@ -171,6 +187,37 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     assert (out / "best" / "model.safetensors").exists()
     assert load_causal_lm(out / "final") is not None
     assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cli_fsdp2_episodes_train_and_evaluate_on_two_processes(task, tmp_path):
+    """torchrun -m shifu ppo with an environment under FSDP2: each process runs its share of the episodes
+    (rollouts and the held-out evaluation), the run directory holds one copy of every record."""
+    out = tmp_path / "episodes"
+    args = [
+        a
+        for a in cli_args(task, out, "distributed.strategy=fsdp2", "iterations=2", "eval.every=1")
+        if not a.startswith("reward.function=")
+    ]
+    torchrun_ppo(
+        *args,
+        "env.factory=thirdparty_env:Echo",
+        "generation.stop=[g,h,i,j,k,l]",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
+        "eval.num_prompts=6",
+    )
+    metrics = rows_of(out / "metrics.jsonl")
+    rolled = [r for r in metrics if "env/turns" in r]
+    assert len(rolled) == 2 and all(r["rollout/rows"] == 8 and 1 <= r["env/turns"] <= 2 for r in rolled)
+    evals = [r for r in metrics if "eval/env/return" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(r["gold/score"] == r["eval/score"] for r in evals)
+    samples = rows_of(out / "samples.jsonl")
+    per_eval = [sum(x["iteration"] == i for x in samples) for i in (0, 1, 2)]
+    assert per_eval[0] > 1 and per_eval == [per_eval[0]] * 3, per_eval  # each held-out prompt once per eval
+    assert all(x["turns"] >= 1 and "input" in x for x in samples)
+    assert (out / "final" / "model.safetensors").exists()
 
 
 @pytest.mark.distributed

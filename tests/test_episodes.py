@@ -297,3 +297,28 @@ def test_an_environment_that_does_not_report_tool_calls_has_no_tool_metrics(char
     )
     reported = run(char, env(kwargs={"done_after": 2}))  # Scripted reports tool_calls
     assert reported.metrics["env/tool_use"] == 1.0
+
+
+def test_the_transcript_keeps_the_first_input_as_the_policy_read_it(char):
+    """What ``reset(row)`` returned, as ids the policy read (not the data row's prompt): recorded in the
+    transcript and in an evaluation's sample records."""
+    from shifu.rollout.evaluate import evaluate
+
+    src = env(kwargs={"done_after": 1, "intro": "kkk "})
+    eps = run(char, src)
+    model, tok = char
+    read = [tok.decode(tok("kkk " + r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows()]
+    assert [t.first_input for t in eps.transcripts] == read
+    batch = PromptBatch(torch.zeros(12, 1, dtype=torch.long), torch.ones(12, 1, dtype=torch.long), rows())
+    done = evaluate(Policy(model, tok), src, [batch], SamplingParams(1), torch.Generator().manual_seed(0))
+    records = done.records(None)
+    assert [r["input"] for r in records] == read
+    assert [r["prompt"] for r in records] == [r["prompt"] for r in rows()] and all(
+        "turns" in r for r in records
+    )
+
+
+def test_an_async_environment_is_awaited(char):
+    eps = run(char, env(factory="scripted_envs:AsyncEcho", kwargs={"turns": 2}))
+    ended = ~eps.truncated
+    assert ended.any() and (eps.returns[ended] == 1.0).all() and max(eps.counts["turns"]) == 2

@@ -379,3 +379,28 @@ def test_bad_combinations_are_refused_before_anything_runs(task, tmp_path, extra
     with pytest.raises(ConfigError, match=match):
         make_cfg(task, tmp_path / "run", *extra)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.unit
+def test_an_evaluations_return_counts_the_process_steps(task):
+    """A process-reward function scores a response by its steps: the evaluation's return (eval/score) is their
+    sum, not the 0 its number slot holds."""
+    import ppo_task
+
+    from shifu.generation.rollout import SamplingParams
+    from shifu.models.loading import load_causal_lm
+    from shifu.rewards.sources import RewardSource
+    from shifu.rollout.evaluate import encode_prompts, evaluate, prompt_batches
+    from shifu.rollout.sources import Policy, SingleTurn
+
+    tok = load_tokenizer(task["model"])
+    model = load_causal_lm(task["model"], dropout=False).eval()
+    rows = [{"prompt": p} for p in ("abc", "def", "ghij", "kl")]
+    batches = prompt_batches(tok, rows, encode_prompts(tok, rows, None, False), 4)
+    source = SingleTurn(RewardSource(function=ppo_task.a_steps))
+    done = evaluate(Policy(model, tok), source, batches, SamplingParams(6), torch.Generator().manual_seed(0))
+    want = [
+        sum(r for _, r in steps)
+        for steps in ppo_task.a_steps([r["prompt"] for r in rows], done.responses, rows)
+    ]
+    assert done.returns == pytest.approx(want, abs=1e-6) and any(w != 0 for w in want)

@@ -161,7 +161,8 @@ def test_arith_tool_smollm2_demonstrations_are_the_environments_own_conversation
                 calls += 1
                 call = json.loads(reply.removeprefix("<tool_call>").removesuffix("</tool_call>"))
                 assert call == {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
-                assert rows[i + 1][:3] == msgs  # followed by the turn after the tool's result
+                # followed by the turn after the tool's result, where the call is read (trained here)
+                assert rows[i + 1][:3] == [*msgs[:2], {**msgs[2], "train": False}]
                 env.reset({"prompt": msgs[1]["content"]})
                 assert (
                     rows[i + 1][3]

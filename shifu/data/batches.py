@@ -1,10 +1,10 @@
 """Rows to model inputs: tokenising and collating SFT and preference rows, and the resumable streams of
 micro-batches, rollout prompts and PPO-ptx demonstrations.
 
-Tokenisation conventions (``encode_sft``, ``encode_prompts``): prompt and response are tokenised
-separately without special tokens; EOS is appended to every response that fits; prompts longer than
-``max_prompt_len`` are cut from the left (``truncate_left``) or the row is dropped (``drop``), and both are
-counted.
+Tokenisation conventions (``encode_sft``, ``encode_prompts``): no special tokens are added; a demonstration's
+ids and the mask of its trained tokens are :func:`shifu.data.demonstrations.encode_demonstration`'s (prompt
+and response tokenised separately, EOS appended and trained); prompts longer than ``max_prompt_len`` are cut
+from the left (``truncate_left``) or the row is dropped (``drop``), and both are counted.
 
 Streams: :class:`BatchStream` (shuffled micro-batches, sft/rm/dpo), :class:`PromptStream` (full rollout
 batches across epochs, ppo) and :func:`ptx_batches` (PPO-ptx demonstrations), each resumable from a
@@ -18,7 +18,8 @@ from collections import Counter
 
 import torch
 
-from shifu.data.rows import load_rows, prompt_text, sft_texts
+from shifu.data.demonstrations import encode_demonstration
+from shifu.data.rows import load_rows, prompt_text
 from shifu.errors import ConfigError, DataError, ShifuError
 
 UNKNOWN_SHARE = 0.05  # a larger share of the tokenizer's unknown token in training text is refused
@@ -55,11 +56,13 @@ def encode_sft(
     prompt_policy: str = "truncate_left",
     chat_template: bool = True,
 ) -> tuple[list[dict[str, list[int]]], Counter]:
-    """Tokenise SFT rows -> ([{"prompt_ids", "response_ids"}], counts).
+    """Tokenise SFT rows -> ([{"prompt_ids", "response_ids", "response_mask"}], counts).
 
-    ``response_ids`` end with EOS, except when ``prompt + response + EOS`` exceeds ``max_len``: the response
-    is then cut on the right and carries no EOS (it did not end there; teaching the model to stop would be
-    wrong). ``counts`` has ``truncated_prompts``, ``dropped_prompts`` and ``truncated_responses``.
+    ``response_mask`` (one bool per response id) is True on the tokens trained on (:func:`encode_demonstration`:
+    the response segments not marked ``"train": false``, the assistant turns of ``messages``, and EOS).
+    ``response_ids`` end with EOS, except when ``prompt + response`` exceeds ``max_len``: the response is then
+    cut on the right and carries no EOS (it did not end there; teaching the model to stop would be wrong).
+    ``counts`` has ``truncated_prompts``, ``dropped_prompts`` and ``truncated_responses``.
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -67,9 +70,7 @@ def encode_sft(
     counts: Counter = Counter()
     out = []
     for row in rows:
-        prompt, response = sft_texts(tokenizer, row, chat_template)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+        p_ids, r_ids, r_mask = encode_demonstration(tokenizer, row, chat_template)
         if len(p_ids) > max_prompt_len:
             if prompt_policy == "drop":
                 counts["dropped_prompts"] += 1
@@ -78,9 +79,9 @@ def encode_sft(
             counts["truncated_prompts"] += 1
         room = max_len - len(p_ids)
         if len(r_ids) > room:
-            r_ids = r_ids[:room]
+            r_ids, r_mask = r_ids[:room], r_mask[:room]
             counts["truncated_responses"] += 1
-        out.append({"prompt_ids": p_ids, "response_ids": r_ids})
+        out.append({"prompt_ids": p_ids, "response_ids": r_ids, "response_mask": r_mask})
     check_unknown_share(
         tokenizer, [x["prompt_ids"] + x["response_ids"][:-1] for x in out], getattr(rows, "path", None)
     )
@@ -125,11 +126,19 @@ def encode_reward_pairs(
     return out, counts
 
 
-def collate_sft(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+def trained_tokens(example: dict) -> int:
+    """The tokens the NLL of one encoded example sums over: its trained response tokens, less the sequence's
+    first token when that is one (no position predicts it)."""
+    mask = example["response_mask"]
+    return sum(mask) - bool(not example["prompt_ids"] and mask and mask[0])
+
+
+def collate_sft(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad prompt+response -> ``input_ids``, ``attention_mask`` (B,T) and ``loss_mask`` (B,T) bool.
 
-    ``loss_mask[b, t]`` is True where token t is a response token (EOS included). The NLL of token t is
-    read from the logits at position t-1, so the loss uses ``loss_mask[:, 1:]`` against ``logits[:, :-1]``.
+    ``loss_mask[b, t]`` is True where token t is a trained response token (``response_mask``, EOS included).
+    The NLL of token t is read from the logits at position t-1, so the loss uses ``loss_mask[:, 1:]`` against
+    ``logits[:, :-1]``.
     """
     T = max(len(e["prompt_ids"]) + len(e["response_ids"]) for e in examples)
     B = len(examples)
@@ -140,7 +149,7 @@ def collate_sft(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, 
         P, R = len(e["prompt_ids"]), len(e["response_ids"])
         input_ids[b, : P + R] = torch.tensor(e["prompt_ids"] + e["response_ids"], dtype=torch.long)
         attention_mask[b, : P + R] = 1
-        loss_mask[b, P : P + R] = True
+        loss_mask[b, P : P + R] = torch.tensor(e["response_mask"], dtype=torch.bool)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
@@ -294,23 +303,26 @@ def ptx_batches(
     chat_template: bool = True,
 ) -> Counted:
     """Endless right-padded batches of SFT demonstrations for the PPO-ptx term: ``input_ids``,
-    ``attention_mask`` and ``loss_mask`` (True on response tokens and the appended EOS), shuffled by a
-    generator seeded with ``seed``; prompts keep their last ``max_prompt_len`` tokens, responses their first
-    ``max_new_tokens``."""
+    ``attention_mask`` and ``loss_mask`` (1 on the trained response tokens and the closing EOS, as SFT trains
+    them: :func:`encode_demonstration`), shuffled by a generator seeded with ``seed``; prompts keep their last
+    ``max_prompt_len`` tokens, responses their first ``max_new_tokens`` and then the EOS."""
     from shifu.models.padding import pad_right
 
-    rows = [sft_texts(tokenizer, r, chat_template) for r in load_rows(path, "sft", skip_bad=skip_bad)]
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("the tokenizer has no EOS token; PPO-ptx appends EOS to every response")
+    rows = [
+        encode_demonstration(tokenizer, r, chat_template) for r in load_rows(path, "sft", skip_bad=skip_bad)
+    ]
 
     def batches():
         gen = torch.Generator().manual_seed(seed)
         while True:
             for i in torch.randperm(len(rows), generator=gen).tolist():
                 seqs, masks = [], []
-                for prompt, response in (rows[(i + j) % len(rows)] for j in range(rows_per_batch)):
-                    p = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_len:]
-                    r = tokenizer(response, add_special_tokens=False)["input_ids"][:max_new_tokens]
-                    seqs.append(p + r + [tokenizer.eos_token_id])
-                    masks.append([0] * len(p) + [1] * (len(r) + 1))
+                for p, r, m in (rows[(i + j) % len(rows)] for j in range(rows_per_batch)):
+                    p, body, trained = p[-max_prompt_len:], r[:-1][:max_new_tokens], m[:-1][:max_new_tokens]
+                    seqs.append(p + body + r[-1:])  # (r[-1] is the EOS: encode_demonstration ends there)
+                    masks.append([0] * len(p) + [int(t) for t in trained] + [1])
                 b = pad_right(seqs, tokenizer.pad_token_id)
                 b["loss_mask"] = pad_right(masks, 0)["input_ids"]
                 yield b

@@ -3,18 +3,23 @@
 Three row kinds, from JSONL (one JSON object per line), Parquet, or a directory written by
 ``datasets.Dataset.save_to_disk``:
 
-- ``"sft"``: ``prompt`` + ``response`` strings, or ``messages`` (a chat: a list of ``{"role", "content"}``
-  whose last message is the assistant's reply).
+- ``"sft"``: ``prompt`` + ``response``, or ``messages`` (a chat: a list of ``{"role", "content"}`` whose last
+  message is the assistant's). ``response`` is a string, or a list of segments ``{"text", "train"}``
+  (``train`` defaults to true; ``false`` marks text the model reads but is not trained to write, such as a
+  tool's output). In ``messages`` every assistant message is trained unless it says ``"train": false``; an
+  assistant message may carry ``tool_calls`` (then its ``content`` may be empty or absent).
 - ``"preference"``: ``prompt``, ``chosen``, ``rejected`` strings (``chosen != rejected``), optional
   numeric ``margin``.
 - ``"prompt"``: ``prompt`` string; every other field is kept and reaches reward functions unchanged.
 
 Every problem is a :class:`shifu.errors.DataError` naming the file, the 1-based line (JSONL) or 0-based
-row (Parquet / datasets) and the field. With ``skip_bad=True`` bad rows are skipped instead and counted by
-reason (``LoadedRows.skipped``); a missing or unreadable file is always an error.
+row (Parquet / datasets) and the field (each field's checks: :mod:`shifu.data.checks`). With
+``skip_bad=True`` bad rows are skipped instead and counted by reason (``LoadedRows.skipped``); a missing or
+unreadable file is always an error.
 
 A row's text (:func:`prompt_text`, :func:`sft_texts`) renders ``messages`` and, when the tokenizer has one,
-a ``prompt`` string through the chat template. Tokenising and batching are in :mod:`shifu.data.batches`.
+a ``prompt`` string through the chat template. An SFT row's ids and what of them is trained are
+:mod:`shifu.data.demonstrations`; tokenising and batching are in :mod:`shifu.data.batches`.
 """
 
 from __future__ import annotations
@@ -30,9 +35,19 @@ from typing import Any
 import torch
 
 from shifu.config.sections import DataConfig
+from shifu.data.checks import check_messages, check_prompt, check_segments, check_text, trained
 from shifu.errors import DataError
 
 KINDS = ("sft", "preference", "prompt")
+
+
+class Row(dict):
+    """A validated SFT row that remembers where it was read (``where``: the file text and its line, as
+    :class:`DataError` takes them), for the errors found when it is tokenised."""
+
+    def __init__(self, row: dict, where: tuple[str, int | None]):
+        super().__init__(row)
+        self.where = where
 
 
 class LoadedRows(list):
@@ -181,74 +196,6 @@ def _read_datasets_dir(path: str, split: str) -> list[tuple[int, Any, DataError 
 # validation
 
 
-def _check_text(row: dict, key: str, where: tuple[str, int | None], required: bool = True) -> None:
-    path, line = where
-    if key not in row or row[key] is None:
-        if required:
-            raise DataError(path, line, key, "missing field", f"every row needs a '{key}' string")
-        return
-    value = row[key]
-    if not isinstance(value, str):
-        raise DataError(path, line, key, f"expected a string, got {type(value).__name__}")
-    if not value.strip():
-        raise DataError(path, line, key, "empty string", "remove the row or fill in the text")
-    _check_unicode(value, path, line, key)
-
-
-def _check_unicode(value: str, path: str, line: int | None, key: str) -> None:
-    """A JSON escape of half a UTF-16 surrogate pair (``"\\ud83d"`` alone) is no character: tokenizers fail
-    on it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DataError(
-            path,
-            line,
-            key,
-            f"invalid Unicode escape at character {e.start} (a lone surrogate \\u{ord(value[e.start]):04x})",
-            "write the character itself, or escape the whole surrogate pair",
-        ) from None
-
-
-def _check_messages(row: dict, where: tuple[str, int | None], reply: bool = True) -> None:
-    path, line = where
-    msgs = row["messages"]
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(path, line, "messages", "expected a non-empty list of {role, content} objects")
-    for j, m in enumerate(msgs):
-        field = f"messages[{j}]"
-        if not isinstance(m, dict):
-            raise DataError(path, line, field, f"expected an object, got {type(m).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise DataError(path, line, f"{field}.{key}", "missing or not a string")
-        if not m["content"].strip():
-            raise DataError(path, line, f"{field}.content", "empty string")
-        _check_unicode(m["content"], path, line, f"{field}.content")
-    last = f"messages[{len(msgs) - 1}].role"
-    if reply and msgs[-1]["role"] != "assistant":
-        raise DataError(
-            path, line, last, f"the last message must be the assistant's reply (got '{msgs[-1]['role']}')"
-        )
-    if not reply and msgs[-1]["role"] == "assistant":
-        raise DataError(
-            path,
-            line,
-            last,
-            "the last message is the assistant's: a prompt's conversation ends on the user's turn",
-        )
-
-
-def _check_prompt(row: dict, where: tuple[str, int | None]) -> None:
-    """A prompt is a ``prompt`` string or a ``messages`` conversation up to the user's turn; with only
-    ``messages``, ``prompt`` becomes its last message's text (what reward functions and judges read)."""
-    if row.get("messages") is not None:
-        _check_messages(row, where, reply=False)
-        row.setdefault("prompt", row["messages"][-1]["content"])
-        return
-    _check_text(row, "prompt", where)
-
-
 def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
     """Check one parsed row of ``kind``; return it (as a dict) or raise DataError."""
     path, line = where
@@ -256,7 +203,7 @@ def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
         raise DataError(path, line, None, f"expected a JSON object, got {type(row).__name__}")
     if kind == "sft":
         if "messages" in row and row["messages"] is not None:
-            _check_messages(row, where)
+            check_messages(row, where)
         else:
             if "prompt" not in row and "response" not in row:
                 raise DataError(
@@ -266,19 +213,23 @@ def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
                     "missing field",
                     "SFT rows need 'prompt' and 'response', or 'messages'",
                 )
-            _check_text(row, "prompt", where)
-            _check_text(row, "response", where)
+            check_text(row, "prompt", where)
+            if isinstance(row.get("response"), list):
+                check_segments(row, where)
+            else:
+                check_text(row, "response", where)
+        row = Row(row, where)
     elif kind == "preference":
-        _check_prompt(row, where)
+        check_prompt(row, where)
         for key in ("chosen", "rejected"):
-            _check_text(row, key, where)
+            check_text(row, key, where)
         if row["chosen"] == row["rejected"]:
             raise DataError(path, line, "rejected", "chosen == rejected: the pair carries no preference")
         m = row.get("margin")
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)):
             raise DataError(path, line, "margin", f"expected a finite number, got {m!r}")
     elif kind == "prompt":
-        _check_prompt(row, where)
+        check_prompt(row, where)
     else:
         raise ValueError(f"unknown row kind {kind!r}; expected one of {KINDS}")
     return row
@@ -372,7 +323,7 @@ def _render(tokenizer, history: list[dict]) -> str:
 def render_messages(tokenizer, messages: list[dict]) -> tuple[str, str]:
     """An SFT chat -> (prompt text, response text); the response is the last (assistant) message and the
     prompt the conversation before it (:func:`_render`)."""
-    return _render(tokenizer, messages[:-1]), messages[-1]["content"]
+    return _render(tokenizer, messages[:-1]), messages[-1].get("content") or ""
 
 
 def prompt_text(tokenizer, row: dict, chat_template: bool = True) -> str:
@@ -387,9 +338,18 @@ def prompt_text(tokenizer, row: dict, chat_template: bool = True) -> str:
     return row["prompt"]
 
 
+def response_segments(row: dict) -> list[tuple[str, bool]]:
+    """A validated plain SFT row's response as ``[(text, trained)]``: one trained segment for a string."""
+    response = row["response"]
+    if isinstance(response, str):
+        return [(response, True)]
+    return [(seg["text"], trained(seg)) for seg in response]
+
+
 def sft_texts(tokenizer, row: dict, chat_template: bool = True) -> tuple[str, str]:
-    """(prompt, response) text of a validated SFT row (``messages`` rendered by :func:`render_messages`;
-    a ``prompt`` string by :func:`prompt_text`)."""
+    """(prompt, response) text of a validated SFT row, as a scorer reads it (``messages`` rendered by
+    :func:`render_messages`; a ``prompt`` string by :func:`prompt_text`; a response's segments joined,
+    untrained ones included). What SFT trains on is :mod:`shifu.data.demonstrations`."""
     if row.get("messages") is not None:
         return render_messages(tokenizer, row["messages"])
-    return prompt_text(tokenizer, row, chat_template), row["response"]
+    return prompt_text(tokenizer, row, chat_template), "".join(t for t, _ in response_segments(row))

@@ -20,8 +20,11 @@ TEXT_FIELDS = ("prompt", "response", "chosen", "rejected")
 
 
 def row_texts(row: dict) -> list[str]:
-    """The texts of a validated row of any kind (its strings and its messages' contents)."""
+    """The texts of a validated row of any kind (its strings, its response's segments and its messages'
+    contents)."""
     texts = [row[k] for k in TEXT_FIELDS if isinstance(row.get(k), str)]
+    if isinstance(row.get("response"), list):
+        texts += [seg["text"] for seg in row["response"]]
     for key in ("messages", "prompt"):
         if isinstance(row.get(key), list):
             texts += [

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shifu.config.imports import load_callable, typed_key
-from shifu.envs.pool import TIMED_OUT, CallPool
+from shifu.envs.pool import TIMED_OUT, CallPool, resolved
 from shifu.errors import ConfigError, ShifuError, user_location
 
 ON_ERROR = ("raise", "end_episode")
@@ -126,7 +126,7 @@ class Environment:
 
         def new(row: dict) -> tuple[Any, Any]:
             instance = self.factory(**self.kwargs)
-            return instance, instance.reset(row)
+            return instance, resolved(instance.reset(row))
 
         outcomes = self.pool.run([lambda r=row: new(r) for row in rows], self.step_timeout_s)
         return [self._checked(o, row, None, "reset()", self._first) for o, row in zip(outcomes, rows)]

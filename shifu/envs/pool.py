@@ -49,10 +49,7 @@ class CallPool:
             call = self._queue.get()
             call.started = time.monotonic()
             try:
-                out = call.fn()
-                if inspect.isawaitable(out):
-                    out = asyncio.run(_awaited(out))
-                call.value = out
+                call.value = resolved(call.fn())
             except BaseException as e:  # noqa: BLE001 (handed to the caller, who reports it)
                 call.error = e
             call.done.set()
@@ -92,6 +89,12 @@ def _wait(call: _Call, timeout_s: float | None) -> bool:
         if left <= 0 or not call.done.wait(left):
             return call.done.is_set()
     return True
+
+
+def resolved(value: Any) -> Any:
+    """``value``, or what it resolves to when it is awaitable (an ``async def`` method's coroutine), run to
+    completion on an event loop of this thread."""
+    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
 
 
 async def _awaited(awaitable: Any) -> Any:

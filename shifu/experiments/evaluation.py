@@ -166,7 +166,14 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
     for name, res in (("samples_before.jsonl", before), ("samples_after.jsonl", after)):
         uses = res.tool_use() or [None] * len(rows)  # (None: the environment does not report tool calls)
         lines = [
-            {"prompt": r["prompt"], "response": t.response, "gold": g, "tool_use": u, "turns": n}
+            {
+                "prompt": r["prompt"],
+                "input": t.first_input,
+                "response": t.response,
+                "gold": g,
+                "tool_use": u,
+                "turns": n,
+            }
             for r, t, g, u, n in zip(rows, res.transcripts, res.returns, uses, res.counts["turns"])
         ]
         if res.kl_k3:

@@ -35,8 +35,9 @@ KEY_CONFIG = {
 COMMON_CONFIG = ("optim.lr", "optim.schedule", "optim.warmup_steps", "seed", "bf16", "distributed.strategy")
 DATA_KEYS = ("data.train", "data.eval", "data.ptx")
 RECIPE = {
-    "sft": "Supervised fine-tuning (`shifu sft`): next-token loss on the response tokens of (prompt, response) "
-    "demonstrations; prompt and padding positions are masked out.",
+    "sft": "Supervised fine-tuning (`shifu sft`): next-token loss on the trained response tokens of (prompt, "
+    "response) or chat demonstrations; prompt, read-only spans (tool outputs, non-assistant turns) and padding "
+    "positions are masked out.",
     "rm": "Reward modelling (`shifu rm`): a scalar head on the backbone trained with the Bradley-Terry loss "
     "-log sigmoid(r(chosen) - r(rejected)) on preference pairs.",
     "dpo": "Direct preference optimisation (`shifu dpo`): the policy is trained on preference pairs to "

@@ -122,7 +122,8 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
     for i in range(min(n, max_samples)):
         b = before[i] if i < len(before) else {}
         a = after[i] if i < len(after) else {}
-        prompt = b.get("prompt", a.get("prompt", ""))
+        # an episode's first input as the policy read it (the environment's reset), else the row's prompt
+        prompt = b.get("input", b.get("prompt", a.get("input", a.get("prompt", ""))))
         if b and a and b.get("prompt") != a.get("prompt"):
             mismatched += 1
             prompt = f"{b.get('prompt', '')}\n[after: {a.get('prompt', '')}]"
@@ -145,7 +146,8 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
     if data.kind == "quickstart" and T is not None:  # how the final evaluation sampled them
         label_before, label_after = (f"{x}, sampled at T={T:g}" for x in (label_before, label_after))
     value = "gold" if key == "gold" else "score (reward)"
-    head = "<tr><th>#</th><th>prompt</th>"
+    first = "first input (what the policy read)" if any("input" in r for r in before + after) else "prompt"
+    head = f"<tr><th>#</th><th>{first}</th>"
     if not one_side:
         head += f"<th>{esc(label_before)}</th><th>{value}</th>"
     head += f"<th>{esc(label_after)}</th><th>{value}</th>"

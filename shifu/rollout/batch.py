@@ -86,8 +86,11 @@ class Trajectories:
 
     @property
     def returns(self) -> Tensor:
-        """(B,) each trajectory's return: the sum of its turn rewards (its step rewards not included)."""
-        return self.rewards.sum(1)
+        """(B,) each trajectory's return: the sum of its turn rewards and of its step rewards (a process reward's
+        steps, a dense reward model's per-token changes)."""
+        if self.step_rewards is None:
+            return self.rewards.sum(1)
+        return self.rewards.sum(1) + self.step_rewards.to(self.rewards.dtype).sum(1)
 
     @property
     def input_ids(self) -> Tensor:

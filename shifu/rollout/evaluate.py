@@ -98,7 +98,8 @@ class Evaluated:
     def records(self, golds: list[float] | None) -> list[dict[str, Any]]:
         """One sample record per trajectory (``samples.jsonl``): the prompt row's prompt, the response as a
         reader sees it, the return as ``score``, the gold (None without a judge); with counted turns (episodes)
-        also ``turns`` and ``truncated``."""
+        also ``input`` (the first input as the policy read it: what the environment's ``reset`` gave, rendered),
+        ``turns`` and ``truncated``."""
         golds = golds if golds is not None else [None] * len(self)
         out = [
             {"prompt": r["prompt"], "response": t.response, "score": s, "gold": g}
@@ -106,7 +107,8 @@ class Evaluated:
         ]
         if "turns" in self.counts:
             out = [
-                x | {"turns": n, "truncated": c} for x, n, c in zip(out, self.counts["turns"], self.truncated)
+                {"prompt": x["prompt"], "input": t.first_input, **x} | {"turns": n, "truncated": c}
+                for x, t, n, c in zip(out, self.transcripts, self.counts["turns"], self.truncated)
             ]
         return out
 

@@ -54,7 +54,8 @@ METRICS: dict[str, str] = {
     "loss/entropy": "mean response entropy as it enters the loss term -ent_coef * H",
     "loss/ptx": "PPO-ptx: SFT negative log-likelihood on a batch of demonstrations (logged when ptx_coef > 0)",
     "loss/kl": "kl.penalty=loss: the KL to the reference as a loss term (kl.loss_estimator, nats per token), before beta",
-    "rollout/response_len": "mean number of real response tokens per rollout response (first EOS included)",
+    "rollout/response_len": "mean number of sampled tokens per trajectory (a response's first EOS included; an "
+    "episode's observations not)",
     "rollout/eos_frac": "fraction of rollout responses that produced EOS within the token limit",
     "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite "
     "(with group_size > 1, every response of their group)",
@@ -116,8 +117,8 @@ METRICS: dict[str, str] = {
     "eval/dpo/chosen_reward": "mean implicit reward of the held-out chosen responses",
     "eval/dpo/rejected_reward": "mean implicit reward of the held-out rejected responses",
     # PPO evaluation rows (step 0 and every eval.every iterations, held-out prompts)
-    "eval/score": "mean return on the held-out prompts from the run's source: the reward's score, or the episode "
-    "return",
+    "eval/score": "mean return on the held-out prompts from the run's source: the reward's score (with its process "
+    "steps or dense per-token rewards), or the episode return",
     "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
     "eval/kl_k3": "k3 estimate of eval/kl (nats per response, never negative)",
     "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM; "

@@ -7,7 +7,8 @@ turns. The environment is :func:`calculator_env`, a :class:`shifu.envs.tool.Tool
 in the ``bracket`` format.
 
 SFT demonstrations mix the two ways to answer: a minority (``call_fraction``) call the calculator
-(``[347*29]{10063}10063``), the rest write the product directly, which a sub-million-parameter model can only
+(``[347*29]{10063}10063``, the calculator's ``{10063}`` a segment marked ``"train": false``: read, not
+trained, as in an episode), the rest write the product directly, which a sub-million-parameter model can only
 guess. Stopped early, the SFT policy calls sometimes and copies the result it reads; RL has to discover that
 calling pays. The held-out gold is the exact-match accuracy of episodes through the environment.
 
@@ -132,8 +133,9 @@ def make_splits(n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, in
 
 def chat_demonstrations(row: dict, a: int, b: int, call: bool) -> list[dict]:
     """SFT rows (``messages``) of one chat demonstration: without a call, the product as the reply; with one,
-    two rows, the call (``<tool_call>...</tool_call>``) and, after the tool's result, the product. Each row
-    trains its last message; the conversation is the environment's own (:func:`calculator_env`, json)."""
+    two rows, the call (``<tool_call>...</tool_call>``) and, after the tool's result, the product, the call
+    marked ``"train": false`` there (it is trained in the first row). Each row trains its last message; the
+    conversation is the environment's own (:func:`calculator_env`, json)."""
     env = calculator_env("json")
     start = [{"role": "system", "content": env.tools_system}, *env.reset(row)]  # as SmolLM2 reads the episode
     product = str(a * b)
@@ -142,13 +144,17 @@ def chat_demonstrations(row: dict, a: int, b: int, call: bool) -> list[dict]:
     args = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
     said = [*start, {"role": "assistant", "content": f"<tool_call>{args}</tool_call>"}]
     result = env.step(said[-1]["content"]).observation
-    return [{"messages": said}, {"messages": [*said, *result, {"role": "assistant", "content": product}]}]
+    read = [*said[:-1], {**said[-1], "train": False}]
+    return [{"messages": said}, {"messages": [*read, *result, {"role": "assistant", "content": product}]}]
 
 
-def demonstration(a: int, b: int, call: bool) -> str:
-    """An SFT response: ``[a*b]{a*b's value}value`` when it calls the calculator, else the value alone."""
+def demonstration(a: int, b: int, call: bool) -> str | list[dict]:
+    """An SFT response: the value alone, or when it calls the calculator the segments ``[a*b]``, the
+    calculator's ``{value}`` (read, not trained: the environment writes it) and ``value``."""
     product = str(a * b)
-    return f"[{a}*{b}]{{{product}}}{product}" if call else product
+    if not call:
+        return product
+    return [{"text": f"[{a}*{b}]"}, {"text": f"{{{product}}}", "train": False}, {"text": product}]
 
 
 def build_tokenizer(out_dir: str | Path):

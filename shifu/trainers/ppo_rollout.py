@@ -149,7 +149,7 @@ def reward_signals(t: Trajectories, per_turn: bool) -> tuple[Tensor, Tensor | No
     elif per_turn:
         score, token_rewards, steps = final, t.rewards * ~last, t.turn_ends
     else:
-        score, token_rewards, steps = t.returns, t.step_rewards, t.step_ends
+        score, token_rewards, steps = t.rewards.sum(1), t.step_rewards, t.step_ends  # (steps: token rewards)
     nan = torch.full_like(score, float("nan"))
     return torch.where(mask.any(1), score, nan), token_rewards, steps
 

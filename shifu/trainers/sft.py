@@ -1,7 +1,8 @@
 """Stage 1, ``shifu sft``: supervised fine-tuning on (prompt, response) demonstrations.
 
-Loss: mean next-token negative log-likelihood over the response tokens of the whole (accumulated, global)
-batch, EOS included; prompt and padding positions are masked out. Output: ``OUT/final/``, an HF model +
+Loss: mean next-token negative log-likelihood over the trained response tokens of the whole (accumulated,
+global) batch, EOS included; prompt, read-only spans (:mod:`shifu.data.demonstrations`: tool outputs, the
+non-assistant turns of a chat) and padding positions are masked out. Output: ``OUT/final/``, an HF model +
 tokenizer directory (``AutoModelForCausalLM.from_pretrained`` loads it). The loop (resume, signals,
 cadence, skipped steps) is :mod:`shifu.trainers.loop`; this module gives it the loss and the held-out loss.
 """
@@ -14,7 +15,7 @@ import torch
 
 from shifu.config.schema import SFTConfig, check_world_size
 from shifu.core import log_probs_from_logits, masked_sum
-from shifu.data.batches import collate_sft, encode_sft
+from shifu.data.batches import collate_sft, encode_sft, trained_tokens
 from shifu.data.rows import load_train_eval
 from shifu.errors import ConfigError
 from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
@@ -27,10 +28,10 @@ Config = SFTConfig
 
 
 def sft_nll_sum(model, batch: dict[str, torch.Tensor], device, bf16: bool) -> tuple[torch.Tensor, int]:
-    """(sum of response-token NLL, number of response tokens) of one right-padded batch."""
+    """(sum of the trained response tokens' NLL, number of those tokens) of one right-padded batch."""
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
-    target_mask = batch["loss_mask"][:, 1:].to(device)  # (B, T-1): token t+1 is a response token
+    target_mask = batch["loss_mask"][:, 1:].to(device)  # (B, T-1): token t+1 is a trained response token
     with autocast(bf16, device):
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     log_probs = log_probs_from_logits(logits[:, :-1].float(), input_ids[:, 1:])  # (B, T-1)
@@ -39,7 +40,7 @@ def sft_nll_sum(model, batch: dict[str, torch.Tensor], device, bf16: bool) -> tu
 
 @torch.no_grad()
 def evaluate(model, examples: list[dict], pad_id: int, cfg: SFTConfig, strategy: Strategy) -> float:
-    """Token-mean NLL of the response tokens of ``examples`` (the held-out loss). Each rank scores its
+    """Token-mean NLL of the trained response tokens of ``examples`` (the held-out loss). Each rank scores its
     share of every ``eval.batch_size`` chunk; sums and counts are added over ranks."""
     model.eval()
     total, count = 0.0, 0
@@ -113,8 +114,8 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
         loss = nll_sum / divisor
         return loss, {"loss": float(loss.detach())}, int(batch["attention_mask"].sum())
 
-    def n_tokens(rows: list[int]) -> int:  # the response tokens the NLL sums over (see sft_nll_sum)
-        return sum(len(train_ex[i]["response_ids"]) - (not train_ex[i]["prompt_ids"]) for i in rows)
+    def n_tokens(rows: list[int]) -> int:  # the tokens the NLL sums over (see sft_nll_sum)
+        return sum(trained_tokens(train_ex[i]) for i in rows)
 
     job = loop.Job(
         name="sft",

@@ -39,9 +39,8 @@ from shifu.models.scalar import ScalarModel  # noqa: E402
 from shifu.parallel import build_strategy  # noqa: E402
 from shifu.parallel import distributed as D  # noqa: E402
 from shifu.parallel.strategy import Strategy  # noqa: E402
-from shifu.rewards.sources import RewardSource  # noqa: E402
 from shifu.rollout.batch import PromptBatch  # noqa: E402
-from shifu.rollout.sources import SingleTurn  # noqa: E402
+from shifu.rollout.build import build_source  # noqa: E402
 from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
 from shifu.trainers.ppo_rollout import Rollout  # noqa: E402
 from shifu.trainers.ppo_update import minibatch_loss  # noqa: E402
@@ -77,8 +76,8 @@ def models_for(cfg: Config, model: Path, world_one: bool = False):
     actor = load_causal_lm(model, dropout=False).to(strategy.device)
     ref = load_causal_lm(model, dropout=False).to(strategy.device)
     critic = ScalarModel.from_backbone(model, seed=cfg.seed).to(strategy.device)
-    source = SingleTurn(RewardSource(function=ppo_task.frac_a, micro_batch=cfg.micro_batch_size))
-    m = ppo_models.place(actor, critic, None, ref, source, None, tok, cfg, strategy)
+    source, reward_model = build_source(cfg, tok, strategy)  # the config's reward or environment
+    m = ppo_models.place(actor, critic, None, ref, source, reward_model, tok, cfg, strategy)
     return m, ppo_models.PPOState.new(cfg, strategy)
 
 

@@ -1,0 +1,98 @@
+"""The arith_tool table's figures: ``shifu quickstart --task arith_tool`` (the tiny preset) per method, environment
+and seed, each run in its own process with one torch thread, recorded in ``benchmarks/results/arith_tool.jsonl``.
+
+Besides the held-out accuracy before and after RL (the paired gain and its standard error), the calculator use and
+the CPU time, each record counts the held-out episodes in which the policy itself wrote the calculator's output
+syntax (``{`` or ``}`` inside one of its turns, between the transcript's marks): the environment writes
+``{10063}``, a policy that writes braces has learned to imitate what it should only read.
+
+    python benchmarks/arith_tool_runs.py --seeds 0,1,2 --record                       # PPO, the built-in calculator
+    python benchmarks/arith_tool_runs.py --method grpo --seeds 0,1,2 --record
+    python benchmarks/arith_tool_runs.py --env calculator:Calculator --cwd examples/envs --seeds 3 --record
+
+``--env``: an environment ``package.module:Name`` importable from ``--cwd`` (the directory the quickstart runs in,
+relative to the repository); a finished run in ``--root`` is not repeated. Not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILT_IN = "shifu.tasks.arith_tool:calculator_env"
+METHODS = {"ppo": [], "grpo": ["ppo.advantage_estimator=grpo", "ppo.group_size=4"]}
+TURN = re.compile("\u27e6(.*?)\u27e7", re.S)  # a policy turn in a transcript (shifu.rollout.batch.MARKS)
+
+
+def braces_written(samples: Path) -> int:
+    """Held-out episodes in which a policy turn holds ``{`` or ``}`` (the calculator's output syntax)."""
+    rows = [json.loads(x) for x in samples.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return sum(any("{" in t or "}" in t for t in TURN.findall(r["response"])) for r in rows)
+
+
+def run(method: str, env: str, seed: int, root: Path, cwd: Path) -> tuple[dict, list[str]]:
+    """One quickstart (skipped when its summary exists); its figures and the ``--set`` options it ran with."""
+    name = f"{method}-{env.replace(':', '-').replace('.', '_')}-s{seed}"
+    out = (root / name).resolve()
+    sets = METHODS[method] + ([] if env == BUILT_IN else [f"ppo.env.factory={env}"])
+    if not (out / "summary.json").exists():
+        cmd = [sys.executable, "-m", "shifu", "quickstart", "--task", "arith_tool", "--seed", str(seed)]
+        cmd += ["--threads", "1", "--out", str(out), *(x for s in sets for x in ("--set", s))]
+        env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.with_suffix(".log"), "w") as log:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env_vars, stdout=log, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{name} failed: see {out.with_suffix('.log')}")
+        (out / "process.json").write_text(
+            json.dumps({"process_user_sys_s": round(usage.ru_utime + usage.ru_stime, 2)})
+        )
+    s = json.loads((out / "summary.json").read_text())
+    keys = ("gold_before", "gold_after", "gold_gain", "gold_before_se", "gold_after_se", "gold_gain_se")
+    keys += (
+        "tool_use_before",
+        "tool_use_after",
+        "kl",
+        "kl_k1",
+        "turns_after",
+        "truncated_after",
+        "eval_prompts",
+    )
+    metrics = {k: s[k] for k in keys if k in s}
+    metrics |= {"cpu_seconds": s["cpu_seconds"], "cpu_seconds_total": s["cpu_seconds_total"]}
+    metrics |= json.loads((out / "process.json").read_text()) if (out / "process.json").exists() else {}
+    metrics["braces_written_before"] = braces_written(out / "samples_before.jsonl")
+    metrics["braces_written_after"] = braces_written(out / "samples_after.jsonl")
+    return metrics, sets
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", choices=sorted(METHODS), default="ppo")
+    ap.add_argument("--env", default=BUILT_IN, help="the environment, package.module:Name")
+    ap.add_argument(
+        "--cwd", default=".", help="the directory the quickstart runs in (relative to the repository)"
+    )
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--root", default=".bench/arith_tool", help="where the runs go")
+    provenance.add_arguments(ap)
+    args = ap.parse_args()
+    cwd = (ROOT / args.cwd).resolve()
+    for seed in (int(x) for x in args.seeds.split(",")):
+        metrics, sets = run(args.method, args.env, seed, Path(args.root), cwd)
+        print(json.dumps({"method": args.method, "env": args.env, "seed": seed, **metrics}), flush=True)
+        params = {"task": "arith_tool", "preset": "tiny", "seed": seed, "method": args.method, "sets": sets}
+        provenance.record(args, "arith_tool", metrics, params=params | {"env": args.env}, threads=1)
+
+
+if __name__ == "__main__":
+    main()
