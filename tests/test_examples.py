@@ -64,6 +64,35 @@ def _replay(game, row: dict, response: str, ended, specials: tuple[str, ...]) ->
     return total + game.truncate(), shown
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "script, args, files",
+    [
+        ("envs/guess_number.py", ["p.jsonl", "--rows", "5"], {"p.jsonl": 5}),
+        ("envs/textarena_game.py", ["p.jsonl", "--rows", "5", "--first-seed", "10"], {"p.jsonl": 5}),
+        (
+            "rewards/reasoning_gym_sums.py",
+            ["d", "--train", "20", "--heldout", "4"],
+            {"d/train.jsonl": 20, "d/heldout.jsonl": 4},
+        ),
+    ],
+)
+def test_each_example_writes_the_prompt_file_its_docstring_names(script, args, files, tmp_path, monkeypatch):
+    """``python SCRIPT ARGS`` from the script's folder, as its docstring says: the prompt files a run reads."""
+    import runpy
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str((EXAMPLES / script).parent))
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    for name, n in files.items():
+        rows = _read(tmp_path / name)
+        assert len(rows) == n and all(isinstance(r["prompt"], str) and r["prompt"] for r in rows), name
+    if script.startswith("envs/textarena"):
+        assert [r["seed"] for r in _read(tmp_path / "p.jsonl")] == list(range(10, 15))
+
+
 # --- a guessing game with truncate() (examples/envs/guess_number.py) ---------------------------------------
 
 
@@ -107,7 +136,7 @@ def test_guess_number_trains_and_its_episodes_are_the_games(envs, tmp_path):
     evals = [r for r in _read(out / "metrics.jsonl") if "gold/score" in r]
     assert evals[-1]["gold/score"] > evals[0]["gold/score"] + 0.15, evals
     samples = [s for s in _read(out / "samples.jsonl") if s["iteration"] == 40]
-    assert len(samples) == 64
+    assert len(samples) == 64 and all(s["input"] == "Guess my number from 1 to 9:" for s in samples)
     for s, row in zip(samples, held_out):
         expected, shown = _replay(
             GuessNumber(), row, s["response"], lambda t: t.endswith((" ", "<eos>")), ("<eos>", "<pad>")
@@ -183,7 +212,8 @@ def _game_demonstrations(n_games: int) -> tuple[list[dict], list[str]]:
 def test_textarena_game_in_a_grpo_run_scores_as_the_game(envs, tmp_path):
     """A tiny policy fine-tuned on a random player's moves plays GuessTheNumber-v0 through the wrapper in a GRPO
     run: every held-out episode's return is what textarena gives for its moves (a win, the game's end after
-    invalid moves, the truncation score of a game the turn budget cut), and each observation is the game's."""
+    invalid moves, the truncation score of a game the turn budget cut), each observation is the game's, and the
+    first input the policy read is textarena's own."""
     from textarena_game import TextArenaGame
 
     from shifu.models.loading import build_tiny_gpt2, load_tokenizer
@@ -217,6 +247,11 @@ def test_textarena_game_in_a_grpo_run_scores_as_the_game(envs, tmp_path):
     ]
     assert cli_main(ppo) == 0
     samples = [s for s in _read(out / "samples.jsonl") if s["iteration"] == 2]
+    import textarena as ta
+
+    game = ta.make("GuessTheNumber-v0")  # the first input the policy read: textarena's own text for an LLM
+    game.reset(num_players=1, seed=1000)
+    assert samples[0]["input"] == game.get_observation()[1] and samples[0]["prompt"] == held_out[0]["prompt"]
     eos = "<|endoftext|>"
     for s, row in zip(samples, held_out, strict=True):
         expected, shown = _replay(
