@@ -316,16 +316,17 @@ def test_reasoning_gym_reward_is_score_answer_on_the_extracted_answer(rewards):
 
 @pytest.mark.integration
 def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
-    """A tiny policy fine-tuned on the answer format (not on sums: it writes a random number in the tag), trained
-    with GRPO on the reward and judged by it on the held-out file: each held-out sample's gold is reasoning-gym's
-    score_answer of the answer in its response."""
+    """A tiny policy fine-tuned on 64 questions' tagged answers (it learns them by heart, but no sums; SFT holds
+    3 of them out), trained with GRPO on the reward and judged by it on 32 of those questions: each sample's gold
+    is reasoning-gym's score_answer of the answer in its response, right ones and wrong ones. (That held-out
+    questions are never trained on: test_reasoning_gym_split_holds_out_questions_never_trained_on.)"""
     import reasoning_gym
     from reasoning_gym.utils import extract_answer
     from reasoning_gym_sums import write_prompts
 
     from shifu.models.loading import build_tiny_gpt2, load_tokenizer
 
-    files = write_prompts(tmp_path / "data", 512, 32)
+    files = write_prompts(tmp_path / "data", 64, 32)
     train = _read(files["train"])
     demos = [{"prompt": r["prompt"], "response": f"<answer>{r['answer']}</answer>"} for r in train]
     model = tmp_path / "model"
@@ -337,29 +338,24 @@ def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
     sft = [
         *("sft", "--out", str(tmp_path / "sft"), f"model.path={model}"),
         f"data.train={_write(tmp_path / 'demos.jsonl', demos)}",
-        *("batch_size=32", "max_steps=200", "optim.lr=3e-3", "progress=false", "tensorboard=false"),
+        *("batch_size=32", "max_steps=400", "optim.lr=3e-3", "optim.schedule=constant"),
+        *("progress=false", "tensorboard=false"),
     ]
     assert cli_main(sft) == 0
     out = tmp_path / "run"
     ppo = [
         *("ppo", "--out", str(out), f"model.path={tmp_path / 'sft' / 'final'}"),
-        *(f"data.train={files['train']}", f"data.eval={files['heldout']}"),
+        *(f"data.train={files['train']}", f"data.eval={files['train']}"),
         *("reward.function=reasoning_gym_sums:score", "eval.gold_function=reasoning_gym_sums:score"),
         *("advantage_estimator=grpo", "group_size=4", "kl.penalty=loss", "generation.max_new_tokens=12"),
         *("iterations=2", "batch_size=32", "minibatch_size=16", "ppo_epochs=1", "eval.every=2"),
-        *(
-            "eval.num_prompts=32",
-            "eval.temperature=1.0",
-            "optim.lr=1e-3",
-            "progress=false",
-            "tensorboard=false",
-        ),
+        *("eval.num_prompts=32", "eval.temperature=1.0", "optim.lr=1e-3"),
+        *("progress=false", "tensorboard=false"),
     ]
     assert cli_main(ppo) == 0
-    held_out = _read(files["heldout"])
     scorer = reasoning_gym.get_score_answer_fn("basic_arithmetic")
     samples = [s for s in _read(out / "samples.jsonl") if s["iteration"] == 2]
-    for s, row in zip(samples, held_out, strict=True):
+    for s, row in zip(samples, train[:32], strict=True):
         tagged = extract_answer(s["response"])
         numbers = re.findall(r"-?\d+", s["response"])
         answer = tagged if tagged is not None else (numbers[-1] if numbers else None)
@@ -367,6 +363,7 @@ def test_reasoning_gym_reward_in_a_grpo_run(rewards, tmp_path):
     # the policy writes the format, so the scores above went through the tag (the untagged path and the
     # values of score_answer: test_reasoning_gym_reward_is_score_answer_on_the_extracted_answer)
     assert sum(extract_answer(s["response"]) is not None for s in samples) >= 24, samples
+    assert 0 < sum(s["gold"] > 0 for s in samples) and any(s["gold"] < 1 for s in samples), samples
 
 
 # --- rule and process rewards (examples/rewards/sums.py) ----------------------------------------------------

@@ -12,7 +12,7 @@ Prompt rows carry the range and the secret: ``{"prompt": "Guess my number from 1
 
     cd examples/envs && python guess_number.py prompts.jsonl --rows 256
     shifu ppo --out runs/guess model.path=PATH/TO/POLICY data.train=prompts.jsonl critic.init=sft \\
-        env.factory=guess_number:GuessNumber generation.max_turns=3 'generation.stop=[":", " "]'
+        env.factory=guess_number:GuessNumber generation.max_turns=3 'generation.stop=[" "]'
 """
 
 from __future__ import annotations
