@@ -36,7 +36,9 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_tokenizer(pad_equals_eos: bool = False, corpus: list[str] | None = None, vocab_size: int = 400):
+def build_tiny_tokenizer(
+    pad_equals_eos: bool = False, corpus: list[str] | None = None, vocab_size: int = 400
+):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on a tiny corpus (milliseconds, offline): ``corpus``
     (default :data:`CORPUS`) with ``vocab_size`` tokens at most."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
