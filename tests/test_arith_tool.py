@@ -57,7 +57,9 @@ def test_arith_tool_data_calculator_and_demonstrations(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_call_it(tmp_path, capsys, monkeypatch):
+def test_a_third_party_calculator_plugs_into_the_quickstart_and_rl_learns_to_call_it(
+    tmp_path, capsys, monkeypatch
+):
     """The issue's bar: held-out accuracy (the environment's own count) at least +0.15 over the SFT policy with
     PPO, calculator use >= 0.8 after RL, the summary's gold equal to the environment's count, and no action
     that contains the prompt or an observation."""
