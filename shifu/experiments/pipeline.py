@@ -159,7 +159,8 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
 def ppo_overrides(plan: dict, sft_final: str | Path, files: dict[str, str], reward: dict, seed: int) -> dict:
     """A PPO (or REINFORCE) run's config: ``plan`` from the SFT policy (the actor's start and the
     reference), on the task's training prompts with its validation prompts held out, rewarded by
-    ``reward`` (``model_path``, ``function`` or a service's ``url``)."""
+    ``reward`` (``model_path``, ``function`` or a service's ``url``), without the trainer's final evaluation
+    (``eval.final_prompts=0``: the pipeline measures its policies on its own held-out prompts)."""
     over = merge(
         plan,
         {
@@ -167,6 +168,7 @@ def ppo_overrides(plan: dict, sft_final: str | Path, files: dict[str, str], rewa
             "model": {"path": str(sft_final)},
             "reward": dict(reward),
             "data": {"train": files["prompts_train"], "eval": files["prompts_val"]},
+            "eval": {"final_prompts": 0},
         },
     )
     if "function" not in reward:  # a reward model or service replaces the plan's reward function

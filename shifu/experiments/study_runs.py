@@ -54,8 +54,8 @@ def measure(
     :func:`shifu.rollout.evaluate.evaluate`); ``response_len`` = mean real tokens, EOS included.
     ``max_prompt_len`` keeps each prompt's last tokens, as the RL trainers' ``data.max_prompt_len``.
     """
-    from shifu.experiments.evaluation import judge_policy
     from shifu.generation.rollout import SamplingParams
+    from shifu.rollout.compare import judge_policy
     from shifu.rollout.sources import SingleTurn
 
     prompts = [r["prompt"] for r in rows]
