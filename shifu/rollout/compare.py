@@ -79,6 +79,17 @@ def judge_loaded(
     return evaluate(Policy(model, tok), source, batches, params, gen, plain_reference(ref), on_batch)
 
 
+def judge_scores(fn, res: Evaluated) -> list[float]:
+    """A judge ``fn(prompts, responses, rows)`` (a gold judge or a reward function) on the trajectories of
+    ``res``, one float each (a process reward's ``[[end, reward], ...]`` summed, as PPO totals it)."""
+    from shifu.errors import ShifuError, function_name
+
+    out = list(fn([r["prompt"] for r in res.rows], res.responses, res.rows))
+    if len(out) != len(res):
+        raise ShifuError(f"{function_name(fn)} returned {len(out)} scores for {len(res)} responses")
+    return [sum(float(r) for _, r in x) if isinstance(x, (list, tuple)) else float(x) for x in out]
+
+
 def paired(before: list[float], after: list[float]) -> dict[str, Any]:
     """Gold before and after (means, standard errors) and the paired gain: the same prompts and sampling seed."""
     (gb, gb_se), (ga, ga_se) = mean_se(before), mean_se(after)

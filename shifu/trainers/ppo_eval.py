@@ -17,7 +17,7 @@ from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
 from shifu.models.scalar import ScalarModel
 from shifu.rollout.batch import PromptBatch
-from shifu.rollout.compare import paired_summary, sample_records
+from shifu.rollout.compare import judge_scores, paired_summary, sample_records
 from shifu.rollout.evaluate import Evaluated, prompt_batches
 from shifu.rollout.evaluate import evaluate as rollout_evaluate
 from shifu.runs import files, jsonfile
@@ -62,7 +62,7 @@ def judged(models: PPOModels, done: Evaluated, gold_fn) -> list[float] | None:
     """Each trajectory's gold: ``gold_fn`` on the responses, or the return where it is the task's own
     measure (an environment's count); None without either."""
     if gold_fn is not None:
-        return [float(x) for x in gold_fn([r["prompt"] for r in done.rows], done.responses, done.rows)]
+        return judge_scores(gold_fn, done)
     return done.returns if models.source.gold else None
 
 
