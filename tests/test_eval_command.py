@@ -116,6 +116,21 @@ def test_ppo_with_a_judge_ends_with_the_paired_final_evaluation(task, run):
     assert re.search(r"final evaluation: 100%.*32/32", err), err[-2000:]
 
 
+def test_the_report_of_a_ppo_run_shows_its_final_evaluation(run):
+    """shifu report of the run: the summary table's final evaluation with its standard errors, and the sample
+    table of the same prompts, the run's start beside its final policy."""
+    from shifu.reporting.report import render_report
+
+    s = run["summary"]
+    page = render_report(run["out"]).read_text()
+    assert "Final evaluation on 16 held-out prompts, gold judge ppo_task:frac_a" in page
+    assert f"{s['gold_gain']:+.3f} ± {s['gold_gain_se']:.3f}" in page
+    table = page[page.index("Samples on held-out prompts") :]
+    assert "before PPO (SFT policy), sampled at T=0.7" in table
+    first = rows_of(run["out"] / "samples_before.jsonl")[0]
+    assert f'<td class="text">{first["prompt"]}</td>' in table
+
+
 def test_progress_false_keeps_stderr_quiet_and_final_prompts_0_turns_it_off(task, tmp_path, capsys):
     out = tmp_path / "quiet"
     args = ppo_args(task, out, "progress=false", "eval.final_prompts=0", "iterations=2")
@@ -193,6 +208,20 @@ def test_eval_one_policy_against_itself_gains_exactly_zero(task, tmp_path, capsy
     )
     single = _check_record(json.loads(one.read_text()), printed)
     assert "paired" not in single and single["policies"]["A"]["mean"] == rec["policies"]["A"]["mean"]
+
+
+def test_eval_with_a_reward_model_agrees_with_its_record(task, run, tmp_path, capsys):
+    """A reward model (a shifu rm run directory) scores each response as PPO would; the record's figures are
+    its own rows' (this untrained model's scores still differ from prompt to prompt)."""
+    from shifu.models.scalar import ScalarModel
+
+    rm = tmp_path / "rm_run"
+    ScalarModel.from_backbone(task["model"], seed=0).save_pretrained(rm / "final")
+    out = tmp_path / "rm.json"
+    argv = [task["model"], run["out"], "--prompts", task["eval"], "--reward-model", rm]
+    printed = _eval(capsys, *argv, "--max-new-tokens", 6, "--out", out, "--no-progress")
+    rec = _check_record(json.loads(out.read_text()), printed)
+    assert rec["judge"] == f"reward model {rm}" and rec["policies"]["A"]["se"] > 0
 
 
 def test_eval_with_an_environment_agrees_with_its_record(task, run, tmp_path, capsys):

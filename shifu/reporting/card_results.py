@@ -81,14 +81,15 @@ def gold_comparison(before: list[dict[str, Any]], after: list[dict[str, Any]]) -
     return {"before": (mb, sb), "after": (ma, sa), "gain": (ma - mb, sg), "n": len(ga), "paired": paired}
 
 
-def quickstart_summary(run_dir: Path, notes: list[str]) -> tuple[dict[str, Any], Path] | None:
-    """The end-to-end summary of a quickstart run this stage belongs to (``summary.json`` with
-    ``gold_before`` here or one level up), and the directory it is in."""
+def final_summaries(run_dir: Path, notes: list[str]) -> list[tuple[dict[str, Any], Path]]:
+    """The summaries with a final evaluation (``gold_before``) of this run and of the quickstart run it
+    belongs to (one level up), each with the directory it is in."""
+    out = []
     for d in (run_dir, run_dir.parent):
         s = read_json(d / "summary.json", notes)
         if s is not None and "gold_before" in s:
-            return s, d
-    return None
+            out.append((s, d))
+    return out
 
 
 def _reward_model_accuracy(config: dict[str, Any], notes: list[str]) -> float | None:
@@ -128,9 +129,8 @@ def collect_results(kind: str, run_dir: Path, config: dict[str, Any], notes: lis
         _add(rows, "steps", summary.get("step"), 0)
     elif kind == "ppo":
         rows += _ppo_results(run_dir, summary, metrics, config, notes)
-    quick = quickstart_summary(run_dir, notes) if kind in ("ppo", "dpo") else None
-    if quick is not None:
-        rows += _final_rows(*quick, _gold_name(config) if quick[1] == run_dir else None)
+    for final, d in final_summaries(run_dir, notes) if kind in ("ppo", "dpo") else []:
+        rows += _final_rows(final, d, _gold_name(config) if d == run_dir else None)
     if not rows:
         notes.append("no results recorded (summary.json / metrics.jsonl missing or empty)")
     return rows

@@ -71,10 +71,8 @@ def held_out_rows(cfg) -> tuple[list[dict], str]:
     d = cfg.data
     if d.eval:
         return load_rows(d.eval, "prompt", skip_bad=d.skip_bad), d.eval
-    rows = load_rows(d.train, "prompt", skip_bad=d.skip_bad)
-    return split_prompts(rows, d.eval_fraction, cfg.seed)[
-        1
-    ], f"{d.train} (held-out split, data.eval_fraction)"
+    _, held_out = split_prompts(load_rows(d.train, "prompt", skip_bad=d.skip_bad), d.eval_fraction, cfg.seed)
+    return held_out, f"{d.train} (held-out split, data.eval_fraction)"
 
 
 def policies(args: argparse.Namespace, cfg) -> list[tuple[str, Path]]:
@@ -154,8 +152,8 @@ def setup(args: argparse.Namespace) -> Setup:
         "chat_template": not args.no_chat_template and (data.chat_template if data else True),
         "batch_size": args.batch_size or (cfg.micro_batch_size if cfg is not None else 16),
     }
-    judge = judge_of(args, cfg, gen, ev)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    judge = judge_of(args, cfg, gen, ev | {"device": device})
     settings = gen | ev | {"seed": args.seed, "device": str(device)}
     return Setup(policies(args, cfg), rows, where, judge, params, ev, args.seed, device, settings)
 
@@ -249,6 +247,8 @@ def model_judge(path: str, gen: dict[str, Any], ev: dict[str, Any], micro_batch:
     from shifu.rollout.sources import SingleTurn
 
     model = load_reward_model(path)
+    if isinstance(model, torch.nn.Module):
+        model.to(ev["device"])
 
     def source(tok):
         reward = RewardSource(

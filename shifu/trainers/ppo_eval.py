@@ -1,6 +1,6 @@
 """``shifu ppo``'s watch-keep-roll back (spec, stage 3 step 7): held-out evaluation (its samples, the best
-iteration kept in ``best/``), the reward-hacking guard, and the actor / critic written as plain directories
-(``best/``, ``final/``, ``critic/``)."""
+iteration kept in ``best/``), the reward-hacking guard, the actor / critic written as plain directories
+(``best/``, ``final/``, ``critic/``), and the final paired evaluation of the run's start and its final policy."""
 
 from __future__ import annotations
 
@@ -161,8 +161,9 @@ def final_evaluation(models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn,
 
 @contextlib.contextmanager
 def run_start(models: PPOModels, cfg: PPOConfig):
-    """The policy the run started from (``model.path``), for sampling: the reference as the run holds it, or
-    with another reference (``model.ref_path``) ``model.path`` loaded on this device."""
+    """The policy the run started from (``model.path``), for sampling: the reference as the run holds it (the
+    LoRA actor with its adapters disabled; a bf16 copy where ``bf16=true`` chose one), or with another
+    reference (``model.ref_path``) ``model.path`` loaded on this device."""
     if not cfg.model.ref_path:
         with models.reference() as ref:
             yield ref
