@@ -299,10 +299,18 @@ def test_sample_with_a_reward_function_ends_with_the_mean_and_its_standard_error
 
 
 def test_pipelines_turn_the_trainers_final_evaluation_off(tmp_path):
-    """The quickstart and the study measure their policies on their own held-out prompts: the ppo stage's
-    final evaluation is off (eval.final_prompts=0), so nothing is evaluated twice."""
-    from shifu.experiments.pipeline import ppo_overrides
+    """The quickstart and the study measure their policies on their own held-out prompts: a ppo stage runs
+    without the trainer's final evaluation (eval.final_prompts=0, unless its plan sets it), and its recorded
+    plan (what it trains) does not change."""
+    from shifu.config.schema import PPOConfig, SFTConfig
+    from shifu.experiments.pipeline import ppo_overrides, stage_overrides
 
     files = {"prompts_train": "t.jsonl", "prompts_val": "v.jsonl"}
-    over = ppo_overrides({"eval": {"final_prompts": 64, "every": 2}}, tmp_path, files, {"function": "m:f"}, 0)
-    assert over["eval"] == {"final_prompts": 0, "every": 2}
+    plan = ppo_overrides({"eval": {"every": 2}}, tmp_path / "sft", files, {"function": "m:f"}, 0)
+    assert plan["eval"] == {"every": 2}
+    over = stage_overrides(PPOConfig, plan, tmp_path / "ppo")
+    assert over["eval"] == {"final_prompts": 0, "every": 2} and over["out_dir"] == str(tmp_path / "ppo")
+    assert load_config(PPOConfig, None, over).eval.final_prompts == 0
+    mine = stage_overrides(PPOConfig, {**plan, "eval": {"final_prompts": 32}}, tmp_path / "ppo")
+    assert mine["eval"]["final_prompts"] == 32
+    assert "eval" not in stage_overrides(SFTConfig, {"seed": 0}, tmp_path / "sft")
