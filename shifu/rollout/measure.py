@@ -122,29 +122,30 @@ def result_lines(rec: dict[str, Any]) -> list[str]:
     """The record in words: what was measured, each policy's mean ± standard error, the paired gain, the KL."""
     st = rec["settings"]
     how = "greedy" if st["temperature"] == 0 else f"sampled at T={st['temperature']:g}"
-    lines = [
+    head = (
         f"shifu eval: {rec['prompts']['count']} prompts of {rec['prompts']['from']}, judged by {rec['judge']}, "
         f"{how} (seed {st['seed']})"
-    ]
-    width = max(len(p["path"]) for p in rec["policies"].values())
+    )
+    shown: list[tuple[str, str]] = []
     for label, p in rec["policies"].items():
-        value = "no finite score" if p["mean"] is None else _pm(p["mean"], p["se"])
-        extra = f" ({p['not_finite']} not finite, left out)" if p["not_finite"] else ""
+        value = "no finite score" if p["mean"] is None else _pm(p["mean"], p["se"], " ")
+        value += f" ({p['not_finite']} not finite, left out)" if p["not_finite"] else ""
         if "tool_use" in p:
-            extra += f"; tool use {_pm(p['tool_use'], p['tool_use_se'])}"
-        lines.append(f"  {label}  {p['path']:<{width}}  {value}{extra}")
+            value += f"; tool use {_pm(p['tool_use'], p['tool_use_se'])}"
+        shown.append((f"{label}  {p['path']}", value))
     paired = rec.get("paired")
     if paired is not None and paired["gain"] is not None:
-        lines.append(
-            f"  B - A{' ' * (width - 1)}  {_pm(paired['gain'], paired['gain_se'], '+')} (paired over "
-            f"{paired['pairs']} prompts: same prompts, same sampling seed)"
+        value = _pm(paired["gain"], paired["gain_se"], "+")
+        shown.append(
+            ("B - A", f"{value} (paired over {paired['pairs']} prompts: same prompts, same sampling seed)")
         )
     if paired is not None:
         kl = "not measured (A and B read different tokens)"
         if paired["kl"] is not None:
-            kl = f"{paired['kl']:.4f} nats per response (k3; k1 {paired['kl_k1']:.4f})"
-        lines.append(f"  KL(B || A){' ' * (width - 6)}  {kl}")
-    return lines
+            kl = f" {paired['kl']:.4f} nats per response (k3; k1 {paired['kl_k1']:.4f})"
+        shown.append(("KL(B || A)", kl))
+    width = max(len(name) for name, _ in shown)
+    return [head] + [f"  {name:<{width}}  {value}" for name, value in shown]
 
 
 def _pm(mean: float, se: float | None, sign: str = "") -> str:
