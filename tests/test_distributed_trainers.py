@@ -28,6 +28,7 @@ from test_distributed import launch
 
 from shifu.config.loader import load_config
 from shifu.config.schema import PPOConfig as Config
+from shifu.core.stats import mean_se
 from shifu.generation.rollout import policy_forward
 from shifu.models.loading import fuse_tanh_gelu, load_causal_lm, load_tokenizer
 from shifu.models.padding import pad_left
@@ -172,6 +173,8 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
             "eval.every=1",
             "eval.num_prompts=6",
             "save_every=1",
+            "eval.gold_function=ppo_task:frac_a",
+            "eval.final_prompts=4",
         )
     )
     metrics = rows_of(out / "metrics.jsonl")
@@ -187,6 +190,13 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     assert (out / "best" / "model.safetensors").exists()
     assert load_causal_lm(out / "final") is not None
     assert not any(p.name.startswith(".tmp") for p in out.rglob("*"))
+    # the final evaluation: each rank its share of the held-out prompts (3: 5% of 64), gathered back in order
+    summary = json.loads((out / "summary.json").read_text())
+    before, after = rows_of(out / "samples_before.jsonl"), rows_of(out / "samples_after.jsonl")
+    assert summary["eval_prompts"] == 3 and [r["prompt"] for r in before] == [r["prompt"] for r in after]
+    assert [r["prompt"] for r in before] == [r["prompt"] for r in samples if r["iteration"] == 0][:3]
+    gain, gain_se = mean_se([a["gold"] - b["gold"] for b, a in zip(before, after)])
+    assert summary["gold_gain"] == pytest.approx(gain) and summary["gold_gain_se"] == pytest.approx(gain_se)
 
 
 @pytest.mark.distributed

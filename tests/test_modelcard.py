@@ -215,9 +215,9 @@ def families(runs, tmp_path_factory) -> dict[str, Path]:
         "rloo": [*rewarded, "advantage_estimator=rloo", "group_size=4"],
         "env": [
             "env.factory=thirdparty_env:Echo",
-            "env.stop=[g,h,i,j,k,l]",
-            "env.max_tokens_per_turn=6",
-            "env.max_total_tokens=24",
+            "generation.stop=[g,h,i,j,k,l]",
+            "generation.max_new_tokens=6",
+            "generation.max_total_tokens=24",
             "algo=reinforce",
             "ppo_epochs=1",
         ],

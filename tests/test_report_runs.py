@@ -105,6 +105,7 @@ def runs(tmp_path_factory, tiny_model_dir):
         "generation.max_new_tokens=4",
         "eval.every=1",
         "eval.num_prompts=6",
+        "eval.final_prompts=0",  # its evaluations' samples are the report's table (test_eval_command: the final one)
         "save_every=1",
         *COMMON,
     ]

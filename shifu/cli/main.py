@@ -38,6 +38,10 @@ TOOLS = {
         "shifu.generation.sample",
         "generate from a policy; optionally score it with a reward model/function",
     ),
+    "eval": (
+        "shifu.rollout.measure",
+        "measure a policy on your prompts and judge, or two paired: mean, gain and standard errors",
+    ),
     "demo": ("shifu.experiments.demo", "toy demos: `shifu demo bandit`"),
     "bench": (
         "shifu.experiments.bench",

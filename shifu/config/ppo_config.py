@@ -149,8 +149,7 @@ class PPOConfig(RunConfig):
             raise ConfigError("ptx_coef > 0 needs data.ptx (an SFT data file)")
         if self.algo == "reinforce" and self.ppo_epochs != 1:
             raise ConfigError("algo=reinforce is on-policy: set ppo_epochs=1")
-        if self.eval.every < 0:
-            raise ConfigError(f"eval.every must be >= 0 (got {self.eval.every})")
+        self.eval.validate()
         self._validate_estimators()
         self.optim.validate("optim")
         self.critic.optim.validate("critic.optim")

@@ -233,6 +233,19 @@ class PolicyEvalConfig:
         "auto",
         "metric that picks best/ (higher is better); auto: gold/score with a gold_function, else eval/score",
     )
+    final_prompts: int = opt(
+        128,
+        "with a gold_function or an environment (env.factory): at the end, the run's start (model.path) and "
+        "the final policy sampled on the first N held-out prompts with one seed at "
+        "eval.temperature, gold before/after and the paired gain with standard errors in summary.json and the "
+        "model card (samples_before/after.jsonl); at most the held-out rows there are; 0: off",
+    )
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0 (got {self.every})")
+        if self.final_prompts < 0:
+            raise ConfigError(f"eval.final_prompts must be >= 0 (got {self.final_prompts}; 0: off)")
 
     def best_key(self) -> str:
         """The metric that picks best/: ``best_metric``, with ``auto`` resolved (the judge when there is one)."""

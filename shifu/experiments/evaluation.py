@@ -3,17 +3,16 @@ evaluator (:func:`shifu.rollout.evaluate.evaluate`), with the same prompts and s
 paired. A single-turn plan is judged by the task's gold judge on the responses (sampled at the plan's
 temperature, and greedy for arith); a plan with an environment (``ppo.env``) runs held-out episodes through it,
 the gold being the episode return, the environment's own count. Both report the KL to the SFT policy and
-standard errors (:func:`shifu.core.stats.mean_se`)."""
+standard errors through the paired comparison of :mod:`shifu.rollout.compare`, as ``shifu eval`` and the end of
+``shifu ppo`` do."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from shifu.config.imports import load_callable
-from shifu.core.stats import mean_se
+from shifu.rollout.compare import judge_policy, paired_summary, sample_records
 from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}
@@ -28,38 +27,6 @@ def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
         "chat_template": data.get("chat_template", True),
         **plan["eval"],
     }
-
-
-def judge_policy(
-    policy_dir: str | Path,
-    reference_dir: str | Path | None,
-    rows: list[dict],
-    source,
-    params,
-    seed: int,
-    ev: dict[str, Any],
-    on_batch=None,
-):
-    """:func:`shifu.rollout.evaluate.evaluate` of the policy directory ``policy_dir`` (KL to ``reference_dir``
-    when given) on ``rows`` with ``source``, sampled with ``params`` from a generator seeded ``seed``: prompts
-    rendered and cut as PPO's (``ev``'s ``max_prompt_len``, ``chat_template``; a model with learned positions
-    keeps room for ``params.max_new_tokens``), ``ev["batch_size"]`` prompts at a time (64 by default)."""
-    from shifu.models.loading import load_causal_lm, load_tokenizer
-    from shifu.rollout.evaluate import encode_prompts, evaluate, plain_reference, prompt_batches
-    from shifu.rollout.sources import Policy
-
-    tok = load_tokenizer(policy_dir)
-    model = load_causal_lm(policy_dir, dropout=False).eval()
-    ref = load_causal_lm(reference_dir, dropout=False).eval() if reference_dir else None
-    L = ev.get("max_prompt_len")
-    n_positions = getattr(model.config, "n_positions", None)  # GPT-2: prompt + response fit its positions
-    if n_positions is not None:
-        room = n_positions - params.max_new_tokens
-        L = room if L is None else min(L, room)
-    ids = encode_prompts(tok, rows, L, ev.get("chat_template", True))
-    batches = prompt_batches(tok, rows, ids, ev.get("batch_size", 64))
-    gen = torch.Generator().manual_seed(seed)
-    return evaluate(Policy(model, tok), source, batches, params, gen, plain_reference(ref), on_batch)
 
 
 def evaluate(
@@ -109,27 +76,10 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
     prompts = [r["prompt"] for r in rows]
     g_before = [float(x) for x in gold_fn(prompts, before.responses, rows)]
     g_after = [float(x) for x in gold_fn(prompts, after.responses, rows)]
-    write_jsonl(
-        out / "samples_before.jsonl",
-        [{"prompt": p, "response": y, "gold": g} for p, y, g in zip(prompts, before.responses, g_before)],
-    )
-    write_jsonl(
-        out / "samples_after.jsonl",
-        [
-            {"prompt": p, "response": y, "gold": g, "kl": k3, "kl_k1": k1}
-            for p, y, g, k3, k1 in zip(prompts, after.responses, g_after, after.kl_k3, after.kl)
-        ],
-    )
+    write_jsonl(out / "samples_before.jsonl", sample_records(before, g_before))
+    write_jsonl(out / "samples_after.jsonl", sample_records(after, g_after))
     n = len(rows)
-    summary = _paired(g_before, g_after) | {
-        "kl": sum(after.kl_k3) / n,  # the k3 estimate: never negative
-        "kl_k1": sum(after.kl) / n,
-        "eval_prompts": n,
-        "eval_temperature": T,
-        "response_len_before": sum(before.lengths) / n,
-        "response_len_after": sum(after.lengths) / n,
-        "gold_judge": gold,
-    }
+    summary = paired_summary(before, after, g_before, g_after, T) | {"gold_judge": gold}
     if greedy:
         gb = run("SFT policy, greedy", sft_dir, None, seed, True).responses
         ga = run("final policy, greedy", final_dir, None, seed, True).responses
@@ -163,55 +113,7 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
         bar.set_postfix_str(f"final policy, episodes at T={T:g}", refresh=True)
         after = judge_policy(final_dir, sft_dir, rows, source, params, seed + 777, ev, bar.update)
     bar.close()
-    for name, res in (("samples_before.jsonl", before), ("samples_after.jsonl", after)):
-        uses = res.tool_use() or [None] * len(rows)  # (None: the environment does not report tool calls)
-        lines = [
-            {
-                "prompt": r["prompt"],
-                "input": t.first_input,
-                "response": t.response,
-                "gold": g,
-                "tool_use": u,
-                "turns": n,
-            }
-            for r, t, g, u, n in zip(rows, res.transcripts, res.returns, uses, res.counts["turns"])
-        ]
-        if res.kl_k3:
-            lines = [x | {"kl": k} for x, k in zip(lines, res.kl_k3)]
-        write_jsonl(out / name, lines)
-    n = len(rows)
-    (ub, ub_se), (ua, ua_se) = _tool_use(before), _tool_use(after)
-    return _paired(before.returns, after.returns) | {
-        "tool_use_before": ub,
-        "tool_use_after": ua,
-        "tool_use_before_se": ub_se,
-        "tool_use_after_se": ua_se,
-        "kl": sum(after.kl_k3) / n,
-        "kl_k1": sum(after.kl) / n,
-        "turns_before": sum(before.counts["turns"]) / n,
-        "turns_after": sum(after.counts["turns"]) / n,
-        "truncated_after": sum(after.truncated) / n,
-        "eval_prompts": n,
-        "eval_temperature": T,
-        "gold_judge": f"episode return of {env_cfg.factory}",
-    }
-
-
-def _tool_use(res) -> tuple[float | None, float | None]:
-    """Mean and standard error of the fraction of episodes that called a tool; None where not reported."""
-    uses = res.tool_use()
-    return (None, None) if uses is None else mean_se(uses)
-
-
-def _paired(before: list[float], after: list[float]) -> dict[str, Any]:
-    """Gold before and after (means, standard errors) and the paired gain: the same prompts and sampling seed."""
-    (gb, gb_se), (ga, ga_se) = mean_se(before), mean_se(after)
-    gain, gain_se = mean_se([a - b for a, b in zip(after, before)])
-    return {
-        "gold_before": gb,
-        "gold_after": ga,
-        "gold_gain": gain,
-        "gold_before_se": gb_se,
-        "gold_after_se": ga_se,
-        "gold_gain_se": gain_se,
-    }
+    write_jsonl(out / "samples_before.jsonl", sample_records(before, before.returns))
+    write_jsonl(out / "samples_after.jsonl", sample_records(after, after.returns))
+    summary = paired_summary(before, after, before.returns, after.returns, T)
+    return summary | {"gold_judge": f"episode return of {env_cfg.factory}"}

@@ -131,6 +131,16 @@ def mark_done(stage_dir: Path, t0: tuple[float, float], **extra: Any) -> None:
     (stage_dir / "DONE").write_text(json.dumps({**elapsed(t0), **extra}), encoding="utf-8")
 
 
+def stage_overrides(config: type, overrides: dict, stage_dir: Path) -> dict:
+    """A trainer stage's config overrides: the stage's plan in ``stage_dir``; a PPO stage without the trainer's
+    final evaluation unless the plan sets ``eval.final_prompts`` (a pipeline measures its policies on its own
+    held-out prompts; kept out of the recorded plan, which says what the stage trains)."""
+    from shifu.config.schema import PPOConfig
+
+    base = {"eval": {"final_prompts": 0}} if config is PPOConfig else {}
+    return merge(merge(base, overrides), {"out_dir": str(stage_dir)})
+
+
 def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     """Run a trainer (``Config`` + ``train``) in ``stage_dir``; resume from its checkpoint if it has one,
     else start it again (:func:`clear_stage`)."""
@@ -142,7 +152,7 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
     from shifu.runs import checkpoint as ckpt
 
     module = importlib.import_module(module_name)
-    cfg = load_config(module.Config, None, merge(overrides, {"out_dir": str(stage_dir)}))
+    cfg = load_config(module.Config, None, stage_overrides(module.Config, overrides, stage_dir))
     claim_stage(stage_dir, stage_dir.name)
     ckpt.lock_run_dir(stage_dir)  # a trainer running there on its own is refused before anything is deleted
     resume = ckpt.latest_checkpoint(stage_dir) is not None

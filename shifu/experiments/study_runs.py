@@ -54,15 +54,25 @@ def measure(
     :func:`shifu.rollout.evaluate.evaluate`); ``response_len`` = mean real tokens, EOS included.
     ``max_prompt_len`` keeps each prompt's last tokens, as the RL trainers' ``data.max_prompt_len``.
     """
-    from shifu.experiments.evaluation import judge_policy
     from shifu.generation.rollout import SamplingParams
+    from shifu.rollout.compare import judge_policy
     from shifu.rollout.sources import SingleTurn
+    from shifu.runs.tracking import progress
 
     prompts = [r["prompt"] for r in rows]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    bar = progress(len(rows), f"measuring {Path(policy_dir).parent.name}", leave=False)
     ev = judge_policy(
-        policy_dir, ref_dir, rows, SingleTurn(None), params, seed, {"max_prompt_len": max_prompt_len}
+        policy_dir,
+        ref_dir,
+        rows,
+        SingleTurn(None),
+        params,
+        seed,
+        {"max_prompt_len": max_prompt_len},
+        bar.update,
     )
+    bar.close()
     gold = [float(g) for g in gold_fn(prompts, ev.responses, rows)]
     n = len(prompts)
     return {

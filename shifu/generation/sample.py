@@ -300,9 +300,13 @@ def main(argv: list[str] | None = None) -> int:
             batches = ([r] for r in stdin_prompts(sys.stdin, sys.stdin.isatty()))
         else:
             batches = [rows]
-        n = 0
+        n, scores = 0, []
         for batch in batches:
-            for r in sampler.run(batch):
+            results = sampler.run(batch)
+            k = args.num_samples  # each prompt's samples are consecutive
+            if sampler.reward is not None:
+                scores += [[r["score"] for r in results[i : i + k]] for i in range(0, len(results), k)]
+            for r in results:
                 n += 1
                 print(format_result(n, r), flush=True)
                 if out is not None:
@@ -311,9 +315,36 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if out is not None:
             out.close()
+    if sampler.reward is not None and n:
+        print(score_line(scores, args), flush=True)
     if out is not None:
         print(f"shifu sample: wrote {n} responses to {args.out}", file=sys.stderr)
     return 0
+
+
+def score_line(scores: list[list[float]], args: argparse.Namespace) -> str:
+    """The mean score ± its standard error over the prompts (``scores``: each prompt's samples; with several
+    samples a prompt counts once, by its mean: the prompts are what is drawn independently); non-finite
+    scores left out, and said."""
+    import math
+
+    from shifu.core.stats import mean_se
+
+    finite = [[x for x in row if math.isfinite(x)] for row in scores]
+    per_prompt = [sum(row) / len(row) for row in finite if row]
+    dropped = sum(len(row) for row in scores) - sum(len(row) for row in finite)
+    judge = (
+        f"reward model {args.reward_model}"
+        if args.reward_model
+        else f"reward function {args.reward_function}"
+    )
+    if not per_prompt:
+        return f"### mean score: none of the {sum(map(len, scores))} scores is finite ({judge})"
+    mean, se = mean_se(per_prompt)
+    each = f", each the mean of its {args.num_samples} responses" if args.num_samples > 1 else ""
+    text = f"### mean score {mean:.4f}" + (f" ± {se:.4f} (standard error)" if se is not None else "")
+    text += f" over {len(per_prompt)} prompts{each} ({judge})"
+    return text + (f"; {dropped} non-finite scores left out" if dropped else "")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 - ``RUN/summary.json`` and ``RUN/metrics.jsonl``: the stage's final and first held-out metrics;
 - ``RUN/samples.jsonl`` (PPO): per-prompt gold scores at each evaluation; the first and the last evaluation
   give gold before/after with standard errors (the same prompts, so the gain's error is the paired one);
-- a ``shifu quickstart`` run (``RUN/..`` holds ``summary.json`` with ``gold_before``): its gold before/after,
-  KL and reward-model accuracy, standard errors from ``samples_before.jsonl`` / ``samples_after.jsonl``;
+- the final evaluation of a ``shifu ppo`` run with a gold judge or an environment (its ``summary.json`` holds
+  ``gold_before``), or of the ``shifu quickstart`` run it belongs to (``RUN/..``): gold before/after, the paired
+  gain and KL (and the quickstart's reward-model accuracy), standard errors from ``samples_before.jsonl`` /
+  ``samples_after.jsonl``;
 - the reward model's own ``summary.json`` (next to ``reward.model_path``) for its held-out accuracy.
 """
 
@@ -79,14 +81,15 @@ def gold_comparison(before: list[dict[str, Any]], after: list[dict[str, Any]]) -
     return {"before": (mb, sb), "after": (ma, sa), "gain": (ma - mb, sg), "n": len(ga), "paired": paired}
 
 
-def quickstart_summary(run_dir: Path, notes: list[str]) -> tuple[dict[str, Any], Path] | None:
-    """The end-to-end summary of a quickstart run this stage belongs to (``summary.json`` with
-    ``gold_before`` here or one level up), and the directory it is in."""
+def final_summaries(run_dir: Path, notes: list[str]) -> list[tuple[dict[str, Any], Path]]:
+    """The summaries with a final evaluation (``gold_before``) of this run and of the quickstart run it
+    belongs to (one level up), each with the directory it is in."""
+    out = []
     for d in (run_dir, run_dir.parent):
         s = read_json(d / "summary.json", notes)
         if s is not None and "gold_before" in s:
-            return s, d
-    return None
+            out.append((s, d))
+    return out
 
 
 def _reward_model_accuracy(config: dict[str, Any], notes: list[str]) -> float | None:
@@ -126,9 +129,8 @@ def collect_results(kind: str, run_dir: Path, config: dict[str, Any], notes: lis
         _add(rows, "steps", summary.get("step"), 0)
     elif kind == "ppo":
         rows += _ppo_results(run_dir, summary, metrics, config, notes)
-    quick = quickstart_summary(run_dir, notes) if kind in ("ppo", "dpo") else None
-    if quick is not None:
-        rows += _quickstart_rows(*quick)
+    for final, d in final_summaries(run_dir, notes) if kind in ("ppo", "dpo") else []:
+        rows += _final_rows(final, d, _gold_name(config) if d == run_dir else None)
     if not rows:
         notes.append("no results recorded (summary.json / metrics.jsonl missing or empty)")
     return rows
@@ -200,10 +202,19 @@ def _gold_rows(gold: dict[str, Any], label: str) -> list[tuple[str, str]]:
     ]
 
 
-def _quickstart_rows(s: dict[str, Any], d: Path) -> list[tuple[str, str]]:
-    """Gold before/after of the end-to-end evaluation (with standard errors from the sample files)."""
+def _final_rows(s: dict[str, Any], d: Path, own: str | None) -> list[tuple[str, str]]:
+    """Gold before/after of a final evaluation (with standard errors from the sample files): the quickstart's
+    end-to-end one, or (``own``: what its gold is) the ppo run's own, of its start and its final policy."""
     gold = gold_comparison(_read_jsonl(d / "samples_before.jsonl"), _read_jsonl(d / "samples_after.jsonl"))
     n = s.get("eval_prompts") or (gold["n"] if gold else None)
+    T = _num(s.get("eval_temperature"))
+    if own is not None:
+        how = ", ".join(x for x in (f"n = {n}" if n else "", f"T = {T:g}" if T is not None else "") if x)
+        label = f"{own}, final evaluation: model.path -> final policy, held-out prompts ({how})"
+        rows = _gold_rows(gold, label) if gold is not None else []
+        if _num(s.get("kl")) is not None:
+            rows.append(("KL to the reference, final evaluation (nats/response)", f"{_num(s['kl']):.4f}"))
+        return rows
     label = "gold, end-to-end evaluation" + (f" (n = {n})" if n else "")
     if gold is not None:
         rows = _gold_rows(gold, label)

@@ -143,7 +143,7 @@ def _samples_html(data: RunData, max_samples: int, notes: list[str]) -> str:
         notes.append(f"{mismatched} sample row(s) have different prompts before and after; both are shown")
     label_before, label_after = data.sample_labels
     T = num((data.summary or {}).get("eval_temperature"))
-    if data.kind == "quickstart" and T is not None:  # how the final evaluation sampled them
+    if "gold_before" in (data.summary or {}) and T is not None:  # how the final evaluation sampled them
         label_before, label_after = (f"{x}, sampled at T={T:g}" for x in (label_before, label_after))
     value = "gold" if key == "gold" else "score (reward)"
     first = "first input (what the policy read)" if any("input" in r for r in before + after) else "prompt"

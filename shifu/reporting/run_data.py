@@ -161,14 +161,20 @@ def load_run(run_dir: str | Path) -> RunData:
     before = read_jsonl_rows(run / "samples_before.jsonl", notes, run)
     after = read_jsonl_rows(run / "samples_after.jsonl", notes, run)
     labels = RunData.sample_labels
-    if before is None and after is None:  # a `shifu ppo` run: its evaluations' samples
+    if (
+        before is None and after is None
+    ):  # a `shifu ppo` run without a final evaluation: its evaluations' samples
         before, after, labels = _ppo_samples(read_jsonl_rows(run / "samples.jsonl", notes, run), notes)
     if summary is None and not any(stages.values()) and not before and not after:
         raise ShifuError(
             f"{run}: nothing to report: none of {', '.join(_INPUTS)} (or a top-level metrics.jsonl) "
             "exists with content (pass the --out directory of `shifu quickstart` or a trainer)"
         )
-    if any((run / stage / "metrics.jsonl").is_file() for stage in STAGES) or "gold_before" in (summary or {}):
+    # a quickstart: stage directories, or its final evaluation without them (a ppo run's own final evaluation
+    # has its metrics.jsonl at the top)
+    if any((run / stage / "metrics.jsonl").is_file() for stage in STAGES) or (
+        "gold_before" in (summary or {}) and not top
+    ):
         kind = "quickstart"
     else:  # a trainer's run: the stage its metric keys name
         kind = next((s for s in STAGES if s in stages), "ppo" if after else "run")

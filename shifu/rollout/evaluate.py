@@ -58,9 +58,9 @@ class Evaluated:
         return self
 
     def select(self, idx: list[int]) -> Evaluated:
-        """The trajectories ``idx``, in that order."""
+        """The trajectories ``idx``, in that order (the KL lists stay empty without a reference)."""
         pick = {
-            f.name: [getattr(self, f.name)[i] for i in idx]
+            f.name: [v[i] for i in idx] if (v := getattr(self, f.name)) else []
             for f in dataclasses.fields(self)
             if f.name != "counts"
         }

@@ -332,8 +332,9 @@ class Tracker:
         self._sinks = {}
 
 
-def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> tqdm:
-    """A progress bar on stderr; silent when not a rank-0 process or when disabled."""
+def progress(total: int, desc: str, enabled: bool = True, initial: int = 0, leave: bool = True) -> tqdm:
+    """A progress bar on stderr; silent when not a rank-0 process or when disabled. ``leave=False``: cleared
+    when closed (a bar shown below another one that goes on)."""
     return tqdm(
         total=total,
         desc=desc,
@@ -341,7 +342,7 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> t
         disable=not enabled,
         file=sys.stderr,
         dynamic_ncols=True,
-        leave=True,
+        leave=leave,
     )
 
 

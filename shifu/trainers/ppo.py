@@ -52,6 +52,7 @@ SAFE_RESUME_KEYS = {
     "keep_last",
     "eval.every",
     "eval.num_prompts",
+    "eval.final_prompts",
     "guard.kl_ceiling",
     "guard.divergence_patience",
     "max_nonfinite_steps",
@@ -185,7 +186,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     strategy.launch(cfg.device)
     check_world_size(cfg, strategy.world)
     # 0. load and validate every input before the output directory is touched
-    tok, ids, rows, dropped, eval_ids, eval_rows = load_prompts(cfg)
+    tok, ids, rows, dropped, held_out, final_prompts = load_prompts(cfg)
     gold_fn = (
         load_callable(cfg.eval.gold_function, typed_key("eval.gold_function"))
         if cfg.eval.gold_function
@@ -193,7 +194,9 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
-    check_positions(m.actor_module, max(map(len, ids + eval_ids)), cfg.max_response_tokens)
+    check_positions(
+        m.actor_module, max(map(len, ids + held_out[0] + final_prompts[0])), cfg.max_response_tokens
+    )
     ptx = ptx_stream(cfg, tok)
     G = cfg.group_size  # each prompt's G responses are sampled, scored and kept together on one rank
     s, stream = PPOState.new(cfg, strategy), PromptStream(len(ids), cfg.batch_size // G, cfg.seed)
@@ -212,7 +215,7 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         position, loop = ppo_run.restore(latest, m, s, ptx)
         stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **position)
     tracker = ppo_run.open_tracker(cfg, out, strategy, resume, latest, loop["iteration"], dropped)
-    run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, (eval_ids, eval_rows), gold_fn)
+    run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, held_out, gold_fn, final_prompts)
     return iterate(run, ids, rows)
 
 
@@ -258,7 +261,7 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
     if stop_reason is not None:
         ppo_eval.restore_best(m, cfg, run.out / "best", stop_reason, loop["best_iteration"])
     run.save(loop["iteration"])
-    return ppo_run.finish(m, cfg, run.out, loop, s, stop_reason, run.tracker, len(run.eval_prompts[0]))
+    return ppo_run.finish(run, stop_reason)
 
 
 def after_iteration(run: ppo_run.Run, it: int, metrics: dict[str, float], stop: GracefulStop):

@@ -1,9 +1,10 @@
 """``shifu ppo``'s watch-keep-roll back (spec, stage 3 step 7): held-out evaluation (its samples, the best
-iteration kept in ``best/``), the reward-hacking guard, and the actor / critic written as plain directories
-(``best/``, ``final/``, ``critic/``)."""
+iteration kept in ``best/``), the reward-hacking guard, the actor / critic written as plain directories
+(``best/``, ``final/``, ``critic/``), and the final paired evaluation of the run's start and its final policy."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,63 +17,99 @@ from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
 from shifu.models.scalar import ScalarModel
 from shifu.rollout.batch import PromptBatch
+from shifu.rollout.compare import judge_scores, paired_summary, sample_records
 from shifu.rollout.evaluate import Evaluated, prompt_batches
 from shifu.rollout.evaluate import evaluate as rollout_evaluate
 from shifu.runs import files, jsonfile
+from shifu.runs.tracking import progress
 from shifu.trainers.common import save_policy
 from shifu.trainers.ppo_models import PPOModels
 
 
 @torch.no_grad()
 def evaluate(
-    models: PPOModels, ids: list[list[int]], rows: list[dict], gold_fn, cfg: PPOConfig
+    models: PPOModels, ids: list[list[int]], rows: list[dict], gold_fn, cfg: PPOConfig, it: int = 0
 ) -> tuple[dict, list]:
-    """Held-out prompts through the run's rollout source (:func:`shifu.rollout.evaluate.evaluate`), sampled at
-    the evaluation temperature: ``eval/score`` (the mean return: the reward's score, or an episode's return),
-    the KL to the reference, the gold score; an environment's counts as ``eval/env/*``.
+    """Held-out prompts through the run's rollout source (:func:`evaluated`), sampled from the actor at the
+    evaluation temperature: ``eval/score`` (the mean return: the reward's score, or an episode's return),
+    the KL to the reference, the gold score; an environment's counts as ``eval/env/*``. A progress bar over
+    the prompts of iteration ``it`` (rank 0, ``progress=true``), cleared when done.
 
     ``eval/kl`` is the k1 estimate (nats per trajectory, over its sampled tokens) between the actor and the
     reference, both with logits divided by the evaluation temperature; ``eval/kl_k3`` the k3 estimate of the
     same KL (never negative). The gold is ``gold_fn`` on the responses, or without one (an environment) the
-    return. A private generator makes evaluation leave the training RNG untouched. Each rank evaluates the
-    prompts ``rank::W`` (padded with repeats to the same count: every rank runs the same forwards); the results
-    are gathered back into the prompts' order, so every rank returns the same metrics.
+    return. A private generator makes evaluation leave the training RNG untouched.
     """
-    tok, g, strategy = models.tokenizer, cfg.generation, models.strategy
-    gen = torch.Generator().manual_seed(strategy.rank_seed(cfg.seed + 4242))
-    params = SamplingParams(g.max_new_tokens, cfg.eval.temperature, g.top_k, g.top_p)
     models.actor.eval()
+    reuse = models.reuses_decode_log_probs(cfg, bf16_autocast=False)  # evaluation runs without autocast
+    bar = eval_bar(models, cfg, len(rows), f"evaluation (iteration {it})", leave=False)
+    done = evaluated(
+        models, ids, rows, cfg, models.actor_module, cfg.seed + 4242, models.reference, reuse, bar
+    )
+    bar.close()
+    metrics = {
+        "eval/score": done.mean_return(),
+        "eval/kl": float(torch.tensor(done.kl).mean()),
+        "eval/kl_k3": float(torch.tensor(done.kl_k3).mean()),
+    } | done.metrics("eval/")  # what the source counts (an environment's turns, tool calls, ...)
+    golds = judged(models, done, gold_fn)
+    if golds is not None:
+        metrics["gold/score"] = sum(golds) / len(golds) if gold_fn is not None else metrics["eval/score"]
+    return metrics, done.records(golds)
+
+
+def judged(models: PPOModels, done: Evaluated, gold_fn) -> list[float] | None:
+    """Each trajectory's gold: ``gold_fn`` on the responses, or the return where it is the task's own
+    measure (an environment's count); None without either."""
+    if gold_fn is not None:
+        return judge_scores(gold_fn, done)
+    return done.returns if models.source.gold else None
+
+
+def eval_bar(models: PPOModels, cfg: PPOConfig, n: int, desc: str, leave: bool = True):
+    """A progress bar over ``n`` held-out prompts of every rank (shown by rank 0 with ``progress=true``)."""
+    return progress(n, desc, enabled=models.strategy.is_main and cfg.progress, leave=leave)
+
+
+def evaluated(
+    models: PPOModels,
+    ids: list[list[int]],
+    rows: list[dict],
+    cfg: PPOConfig,
+    model: torch.nn.Module,
+    seed: int,
+    reference=None,
+    with_log_probs: bool = False,
+    bar=None,
+) -> Evaluated:
+    """The held-out prompts ``(ids, rows)`` through the run's rollout source
+    (:func:`shifu.rollout.evaluate.evaluate`), sampled from ``model`` at ``eval.temperature`` with a private
+    generator seeded from ``seed`` (each rank its own), with the KL to ``reference`` when given. Each rank
+    samples the prompts ``rank::W`` (padded with repeats to the same count: every rank runs the same
+    forwards); the results are gathered back into the prompts' order, so every rank returns the same.
+    ``bar`` (a progress bar over every rank's prompts) advances by each batch of this rank's, times W."""
+    tok, g, strategy = models.tokenizer, cfg.generation, models.strategy
+    gen = torch.Generator().manual_seed(strategy.rank_seed(seed))
+    params = SamplingParams(g.max_new_tokens, cfg.eval.temperature, g.top_k, g.top_p)
     n_all, W = len(rows), strategy.world
     mine = list(range(strategy.rank, n_all, W))
     n_mine = len(mine)
     mine += [mine[-1] if mine else 0] * (-(-n_all // W) - n_mine)
-    reuse = models.reuses_decode_log_probs(cfg, bf16_autocast=False)  # evaluation runs without autocast
-    policy = models.policy(models.actor_module, with_log_probs=reuse)
+    policy = models.policy(model, with_log_probs=with_log_probs)
     dev = strategy.device
     batches = (
         PromptBatch(b.prompt_ids.to(dev), b.prompt_mask.to(dev), b.rows)
         for b in prompt_batches(tok, [rows[j] for j in mine], [ids[j] for j in mine], cfg.micro_batch_size)
     )
-    done = rollout_evaluate(policy, models.source, batches, params, gen, models.reference)
+    step = None if bar is None else lambda k: bar.update(min(k * W, bar.total - bar.n))
+    done = rollout_evaluate(policy, models.source, batches, params, gen, reference, step)
     # back to the prompts' order 0..n-1 on every rank (rank r held r, r+W, ...)
     parts = strategy.gather((done.select(list(range(n_mine))), mine[:n_mine]))
     order = [i for p in parts for i in p[1]]
     done = Evaluated()
     for p in parts:
         done.extend(p[0])
-    done = done.select(sorted(range(n_all), key=lambda j: order[j]))
-    metrics = {
-        "eval/score": done.mean_return(),
-        "eval/kl": float(torch.tensor(done.kl).mean()),
-        "eval/kl_k3": float(torch.tensor(done.kl_k3).mean()),
-    } | done.metrics("eval/")  # what the source counts (an environment's turns, tool calls, ...)
-    golds = None
-    if gold_fn is not None:
-        golds = [float(x) for x in gold_fn([r["prompt"] for r in done.rows], done.responses, done.rows)]
-        metrics["gold/score"] = sum(golds) / len(golds)
-    elif models.source.gold:  # the return is the task's own measure (an environment's count)
-        golds, metrics["gold/score"] = done.returns, metrics["eval/score"]
-    return metrics, done.records(golds)
+    return done.select(sorted(range(n_all), key=lambda j: order[j]))
 
 
 def evaluate_and_keep(
@@ -81,7 +118,7 @@ def evaluate_and_keep(
     """:func:`evaluate` at iteration ``it`` on the held-out ``prompts`` (``(ids, rows)``): its samples appended
     to ``samples.jsonl`` (rank 0), the actor kept in ``best/`` when ``eval.best_metric`` is the best so far,
     the metrics added to ``loop["evals"]``; returns the metrics."""
-    metrics, samples = evaluate(models, *prompts, gold_fn, cfg)
+    metrics, samples = evaluate(models, *prompts, gold_fn, cfg, it)
     if models.strategy.is_main:
         with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
             f.writelines(jsonfile.dumps({"iteration": it, **x}) + "\n" for x in samples)
@@ -91,6 +128,48 @@ def evaluate_and_keep(
         save_actor(models, cfg, out / "best")
     loop["evals"].append({"iteration": it, **metrics})
     return metrics
+
+
+@torch.no_grad()
+def final_evaluation(models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn, out: Path) -> dict[str, Any]:
+    """The paired held-out evaluation at the end of a run with a gold judge or an environment: the run's start
+    (:func:`run_start`) and the actor sampled on the held-out ``prompts`` (``(ids, rows)``, the first
+    ``eval.final_prompts``) with one seed at ``eval.temperature``, the actor with its KL to the reference;
+    gold before/after and the paired gain with standard errors, as the quickstart reports them
+    (:func:`shifu.rollout.compare.paired_summary`), ``samples_before/after.jsonl`` in ``out`` (rank 0). One
+    progress bar over both passes. Empty without prompts (``eval.final_prompts=0``, or no judge)."""
+    ids, rows = prompts
+    if not rows:
+        return {}
+    models.actor.eval()
+    seed, T = cfg.seed + 777, cfg.eval.temperature  # one sampling seed for both policies: a paired gain
+    bar = eval_bar(models, cfg, 2 * len(rows), "final evaluation")
+    bar.set_postfix_str(f"start (model.path), T={T:g}", refresh=True)
+    with run_start(models, cfg) as start:
+        before = evaluated(models, ids, rows, cfg, start, seed, bar=bar)
+    bar.set_postfix_str(f"final policy, T={T:g}", refresh=True)
+    reuse = models.reuses_decode_log_probs(cfg, bf16_autocast=False)
+    after = evaluated(models, ids, rows, cfg, models.actor_module, seed, models.reference, reuse, bar)
+    bar.close()
+    gold_before, gold_after = judged(models, before, gold_fn), judged(models, after, gold_fn)
+    if models.strategy.is_main:
+        jsonfile.write_jsonl(out / "samples_before.jsonl", sample_records(before, gold_before))
+        jsonfile.write_jsonl(out / "samples_after.jsonl", sample_records(after, gold_after))
+    judge = cfg.eval.gold_function or f"episode return of {cfg.env.factory}"
+    return paired_summary(before, after, gold_before, gold_after, T) | {"gold_judge": judge}
+
+
+@contextlib.contextmanager
+def run_start(models: PPOModels, cfg: PPOConfig):
+    """The policy the run started from (``model.path``), for sampling: the reference as the run holds it (the
+    LoRA actor with its adapters disabled; a bf16 copy where ``bf16=true`` chose one), or with another
+    reference (``model.ref_path``) ``model.path`` loaded on this device."""
+    if not cfg.model.ref_path:
+        with models.reference() as ref:
+            yield ref
+        return
+    trust = cfg.model.trust_remote_code
+    yield load_causal_lm(cfg.model.path, trust_remote_code=trust, dropout=False).to(models.strategy.device)
 
 
 def guard(cfg: PPOConfig, metrics: dict[str, float], evals: list[dict[str, Any]]) -> str | None:

@@ -29,9 +29,11 @@ from shifu.rollout.build import build_source
 
 
 def load_prompts(cfg: PPOConfig) -> tuple:
-    """The policy's tokenizer (left padding) and the encoded prompts, ``(tok, ids, rows, dropped, eval_ids,
-    eval_rows)``: rollout prompts and at most ``eval.num_prompts`` held-out ones (``data.eval``, or a
-    ``data.eval_fraction`` split of ``data.train``); ``dropped`` counts the rollout prompts left out."""
+    """The policy's tokenizer (left padding) and the encoded prompts, ``(tok, ids, rows, dropped, held_out,
+    final)``: rollout prompts, and as ``(ids, rows)`` at most ``eval.num_prompts`` held-out ones (``data.eval``,
+    or a ``data.eval_fraction`` split of ``data.train``) and the first ``eval.final_prompts`` of them for the
+    final evaluation (none without a gold judge or an environment); ``dropped`` counts the rollout prompts
+    left out."""
     rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
     if cfg.data.eval:
         eval_rows = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad)
@@ -43,11 +45,15 @@ def load_prompts(cfg: PPOConfig) -> tuple:
     ids, rows, dropped = encode_prompts(
         tok, rows, d.max_prompt_len, d.prompt_policy, d.train, d.chat_template
     )
-    held_out = eval_rows[: cfg.eval.num_prompts]
-    eval_ids, eval_rows, _ = encode_prompts(
-        tok, held_out, d.max_prompt_len, d.prompt_policy, d.eval or d.train, d.chat_template
-    )
-    return tok, ids, rows, dropped, eval_ids, eval_rows
+    judged = cfg.eval.gold_function is not None or cfg.env.factory is not None
+    n_final = cfg.eval.final_prompts if judged else 0
+    source = d.eval or d.train
+
+    def encoded(n: int) -> tuple[list[list[int]], list[dict]]:
+        x = encode_prompts(tok, eval_rows[:n], d.max_prompt_len, d.prompt_policy, source, d.chat_template)
+        return x[0], x[1]
+
+    return tok, ids, rows, dropped, encoded(cfg.eval.num_prompts), encoded(n_final) if n_final else ([], [])
 
 
 def ptx_stream(cfg: PPOConfig, tok):

@@ -17,7 +17,7 @@ from shifu.errors import ShifuError
 from shifu.runs import jsonfile
 from shifu.trainers import common
 from shifu.trainers.common import finish_run
-from shifu.trainers.ppo_eval import evaluate_and_keep, save_actor, save_critic
+from shifu.trainers.ppo_eval import evaluate_and_keep, final_evaluation, save_actor, save_critic
 from shifu.trainers.ppo_models import PPOModels, PPOState
 
 
@@ -27,7 +27,7 @@ class Run:
     directory, the prompt stream and PPO-ptx's (their positions go into checkpoints), the loop's counters
     (``iteration``, ``best``, ``best_iteration``, ``evals``; ``pending``: the metrics of an iteration whose
     evaluation a reward service interrupted), the metric sinks and the progress bar, the held-out prompts
-    ``(ids, rows)`` and the gold judge of the evaluations."""
+    ``(ids, rows)`` and the gold judge of the evaluations, the held-out prompts of the final evaluation."""
 
     models: PPOModels
     state: PPOState
@@ -39,6 +39,7 @@ class Run:
     tracker: Any
     eval_prompts: tuple[list[list[int]], list[dict]]
     gold_fn: Any
+    final_prompts: tuple[list[list[int]], list[dict]] = ([], [])
     bar: Any = None
     warned_empty: bool = False  # the responses were said to be empty (once a run)
 
@@ -109,19 +110,11 @@ def open_tracker(
     return tracker
 
 
-def finish(
-    models: PPOModels,
-    cfg: PPOConfig,
-    out: Path,
-    loop: dict[str, Any],
-    state: PPOState,
-    stop_reason,
-    tracker,
-    n_eval,
-) -> dict[str, Any]:
-    """The end of a run whose last checkpoint is written: ``final/`` (and ``critic/``), ``summary.json``, the
-    metric sinks closed, and the closing line (:func:`closing_line`, ``n_eval`` held-out prompts); returns the
-    summary."""
+def finish(run: Run, stop_reason) -> dict[str, Any]:
+    """The end of a run whose last checkpoint is written: ``final/`` (and ``critic/``), the final evaluation
+    (:func:`shifu.trainers.ppo_eval.final_evaluation`: with a gold judge or an environment), ``summary.json``,
+    the metric sinks closed, and the closing line (:func:`closing_line`); returns the summary."""
+    models, cfg, out, loop, state = run.models, run.cfg, run.out, run.loop, run.state
     save_actor(models, cfg, out / "final")
     if models.critic is not None:
         save_critic(models, cfg, out / "critic")
@@ -134,19 +127,29 @@ def finish(
         "skipped_steps": state.skipped.total,
         "kl_coef": state.kl_ctl.value,
     }
-    tracker.close()
-    line = closing_line(loop, state.kl_ctl.value, out, models.strategy.is_main, cfg, n_eval)
-    return finish_run(out, summary, models.strategy, "ppo", line)
+    final = final_evaluation(models, cfg, run.final_prompts, run.gold_fn, out)
+    run.tracker.close()
+    main, n_eval = models.strategy.is_main, len(run.eval_prompts[0])
+    line = closing_line(loop, state.kl_ctl.value, out, main, cfg, n_eval, final)
+    return finish_run(out, summary | final, models.strategy, "ppo", line)
 
 
 HACKED_DROP = 0.05  # gold below its best by more than this at the end, while the score rose: a warning
 
 
 def closing_line(
-    loop: dict[str, Any], kl_coef: float, out: Path, main: bool, cfg: PPOConfig, n_eval: int
+    loop: dict[str, Any],
+    kl_coef: float,
+    out: Path,
+    main: bool,
+    cfg: PPOConfig,
+    n_eval: int,
+    final: dict[str, Any] | None = None,
 ) -> str:
     """The run's last line on stderr, with the last evaluation's held-out gold and how it was measured
-    (``n_eval`` prompts sampled at ``eval.temperature``); before it (rank 0), a warning when the held-out
+    (``n_eval`` prompts sampled at ``eval.temperature``), or the final evaluation's gold before and after
+    with the paired gain (``final``: :func:`shifu.trainers.ppo_eval.final_evaluation`); before it (rank 0), a
+    warning when the held-out
     judge's gold/score ended more than ``HACKED_DROP`` below its best while the reward model's eval/score
     rose past that point: the policy learned to please the reward model, not the judge (best/ keeps the
     judge's best iteration)."""
@@ -163,10 +166,26 @@ def closing_line(
                 file=sys.stderr,
             )
     line = f"shifu ppo: {loop['iteration']} iterations, final KL coefficient {kl_coef:.3g}"
-    if gold is not None:
+    if final:
+        line += f", held-out gold {paired_result(final)}"
+    elif gold is not None:
         how = f"last evaluation: {n_eval} prompts sampled at T={cfg.eval.temperature:g}"
         line += f", held-out gold {gold:.3f} ({how})"
     return line + f"; actor in {out / 'final'}"
+
+
+def paired_result(s: dict[str, Any]) -> str:
+    """A final evaluation's gold in words: before -> after, the paired gain, each ± one standard error, and
+    how it was measured."""
+
+    def pm(key: str, sign: str = "") -> str:
+        se = s.get(f"{key}_se")
+        return f"{s[key]:{sign}.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
+    return (
+        f"{pm('gold_before')} -> {pm('gold_after')}, gain {pm('gold_gain', '+')} (paired, "
+        f"{s['eval_prompts']} prompts sampled at T={s['eval_temperature']:g}; start vs final policy)"
+    )
 
 
 def warn_empty_responses(it: int, metrics: dict, tok, cfg: PPOConfig) -> bool:
