@@ -323,7 +323,6 @@ def test_each_estimator_familys_card_says_what_ran_and_no_absolute_path(runs, fa
             "reward model",
             "reward-model",
             "| group_size |",
-            "max_new_tokens",
             "clip_",
         ],
     )
@@ -333,7 +332,7 @@ def test_each_estimator_familys_card_says_what_ran_and_no_absolute_path(runs, fa
         "reinforce",
         "environment",
     ]
-    assert "| env.max_turns | `3` |" in env
+    assert "| generation.max_turns | `3` |" in env and "| generation.max_new_tokens | `6` |" in env
 
 
 def test_records_name_paths_relative_to_the_run_or_by_the_models_own_name(tmp_path):

@@ -60,15 +60,20 @@ CRITIC_KEYS = ("critic", "vf_coef", "lam", "value_clip", "critic_warmup", "joint
 
 class Settings:
     """A recorded PPO config read with the schema's defaults for keys it lacks (a run recorded before a key
-    existed ran with its default)."""
+    existed ran with its default), and a key's old name where a run recorded before it was renamed has it."""
 
     def __init__(self, config: dict[str, Any]):
         from shifu.config.schema import PPOConfig
 
         self.config, self.defaults = config, to_dict(PPOConfig())
+        self.old_names = {new: old for old, new in PPOConfig.RENAMED.items()}
 
     def __getitem__(self, key: str) -> Any:
-        return lookup(self.config, key, lookup(self.defaults, key))
+        missing = object()
+        value = lookup(self.config, key, missing)
+        if value is missing and key in self.old_names:
+            value = lookup(self.config, self.old_names[key], missing)
+        return lookup(self.defaults, key) if value is missing else value
 
     @property
     def estimator(self) -> str:
@@ -154,8 +159,8 @@ def ppo_recipe(config: dict[str, Any], run_dir: Path) -> str:
     if s["env.factory"]:
         sampled = (
             f"plays {'a group of ' + str(G) + ' episodes' if G > 1 else 'an episode'} per training prompt with "
-            f"the environment {s['env.factory']} (up to {s['env.max_turns']} turns of up to "
-            f"{s['env.max_tokens_per_turn']} tokens); the episode's return is its reward"
+            f"the environment {s['env.factory']} (up to {s['generation.max_turns']} turns of up to "
+            f"{s['generation.max_new_tokens']} tokens); the episode's return is its reward"
         )
     else:
         responses = f"a group of {G} responses" if G > 1 else "one response"
@@ -230,7 +235,12 @@ def ppo_keys(config: dict[str, Any]) -> list[str]:
     keys = ["model.path", "model.ref_path", "algo", "advantage_estimator"]
     keys += ["group_size"] if s["group_size"] > 1 or s.estimator in GROUPED else []
     if s["env.factory"]:
-        keys += ["env.factory", "env.max_turns", "env.max_tokens_per_turn", "env.max_total_tokens"]
+        keys += [
+            "env.factory",
+            "generation.max_turns",
+            "generation.max_new_tokens",
+            "generation.max_total_tokens",
+        ]
     else:
         keys += ["reward.function", "reward.model_path", "reward.url", "generation.max_new_tokens"]
     keys += ["generation.temperature", "iterations", "batch_size", "minibatch_size", "ppo_epochs"]
@@ -271,7 +281,8 @@ def without_unused(config: dict[str, Any]) -> dict[str, Any]:
     unused += [] if s.estimator == "reinforce" else ["reinforce_baseline"]
     unused += ["kl.estimator"] if s["kl.penalty"] == "loss" else ["kl.loss_estimator"]
     unused += ["kl.horizon"] if s["kl.controller"] != "adaptive" else []
-    unused += ["generation.max_new_tokens"] if s["env.factory"] else ["env"]  # (env.max_tokens_per_turn)
+    # without an environment: its section and the episode budgets
+    unused += [] if s["env.factory"] else ["env", "generation.max_turns", "generation.max_total_tokens"]
     out = dict(config)
     for key in unused:
         *head, last = key.split(".")
