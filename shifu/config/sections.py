@@ -1,6 +1,6 @@
 """The config sections every command shares, each defined once: optimiser, processes (distributed), LoRA,
 model, data, evaluation, generation, reward, critic, KL, reward-hacking guard, environment (multi-turn episodes),
-reward-model ensemble and normalisation.
+outside agent (episodes over the policy gateway), reward-model ensemble and normalisation.
 
 A section is a frozen dataclass whose fields are declared with :func:`shifu.config.loader.opt` (default and
 help text); some check their own values in ``validate(prefix)``. The four command configs that compose them
@@ -419,6 +419,64 @@ class EnvConfig:
                 f"with {typed_key('env.factory')} the held-out gold is the mean episode return of the "
                 "environment: unset eval.gold_function"
             )
+
+
+@frozen
+class AgentConfig:
+    factory: str | None = opt(
+        None,
+        "an agent 'package.module:solve', async solve(client: openai.AsyncOpenAI, row) -> reward or None: "
+        "rollouts and evaluations become its episodes, every call recorded by the policy gateway "
+        "(docs/how-to/agents.md); null: off",
+    )
+    kwargs: dict = opt({}, "keyword arguments of every solve() call")
+    concurrency: int = opt(16, "episodes run at once (their calls share sampler calls)")
+    timeout_s: float | None = opt(300.0, "seconds one episode may take (a fault past it); null: no limit")
+    on_error: Literal["raise", "end_episode"] = opt(
+        "raise",
+        "an agent fault (exception, timeout, a return that is not a number or None): stop the run with an error "
+        "naming the agent and row, or end that episode with reward 0 (agent/errors)",
+    )
+
+    def validate_alongside(self, cfg) -> None:
+        """What an agent needs and excludes in the PPO config ``cfg``."""
+        key, r, strategy = typed_key("agent.factory"), cfg.reward, cfg.distributed.strategy
+        refused = {
+            f"{typed_key('agent.concurrency')} must be >= 1 and {typed_key('agent.timeout_s')} > 0 or null": (
+                self.concurrency < 1 or (self.timeout_s is not None and not self.timeout_s > 0)
+            ),
+            f"give {typed_key('env.factory')} or {key}, not both": cfg.env.factory is not None,
+            f"{key} rewards its episodes: unset reward.model_path, reward.function, reward.url and "
+            "reward.dense": any(x is not None for x in (r.model_path, r.function, r.url)) or r.dense,
+            f"{key}: the held-out gold is the episode return; unset eval.gold_function": bool(
+                cfg.eval.gold_function
+            ),
+            f"{key} samples on each process's own gateway, which needs whole weights and does not step in "
+            f"lockstep with the other processes: use distributed.strategy=ddp or none, not {strategy}": (
+                strategy in ("fsdp2", "deepspeed")
+            ),
+            f"{key}: the agent sends its own stop strings; unset generation.stop": bool(cfg.generation.stop),
+        }
+        for message, wrong in refused.items():
+            if wrong:
+                raise ConfigError(message)
+
+
+def check_source(cfg) -> None:
+    """Exactly one of ``env.factory``, ``agent.factory`` and ``reward.*`` makes and rewards the rollouts of the
+    PPO config ``cfg``, each with what it needs and excludes."""
+    r = cfg.reward
+    if cfg.agent.factory is not None:  # an outside agent's episodes (shifu.rollout.agent)
+        cfg.agent.validate_alongside(cfg)
+    elif cfg.env.factory is not None:  # the environment rewards the episodes
+        cfg.env.validate_alongside(r, cfg.eval.gold_function)
+    elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
+        raise ConfigError(
+            "give exactly one of reward.model_path, reward.function, reward.url, "
+            f"{typed_key('env.factory')} and {typed_key('agent.factory')}"
+        )
+    if cfg.agent.factory is not None or cfg.env.factory is not None:
+        cfg.generation.validate_episodes()
 
 
 @frozen
