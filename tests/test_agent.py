@@ -275,17 +275,16 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- training
-@pytest.fixture(scope="module")
-def echo_task(tmp_path_factory):
+def build_echo_task(d: Path) -> dict[str, Path]:
     """The tests' character model (ppo_task) with a chat template whose end of an assistant turn is EOS, and a
     decoder that joins characters as they are (without one, decoding puts a space between tokens, so the text of
-    a completion does not decode back from its ids and the gateway re-tokenises the history: every call forks)."""
+    a completion does not decode back from its ids and the gateway re-tokenises the history: every call forks);
+    64 prompts."""
     from ppo_task import build_char_model, write_prompts
     from tokenizers import decoders
 
     from shifu.models.loading import load_tokenizer
 
-    d = tmp_path_factory.mktemp("agent_ppo")
     char = build_char_model(d / "char")
     tok = load_tokenizer(char)
     tok.backend_tokenizer.decoder = decoders.Fuse()
@@ -295,6 +294,11 @@ def echo_task(tmp_path_factory):
     )
     tok.save_pretrained(str(char))
     return {"char": char, "prompts": write_prompts(d / "prompts.jsonl", 64)}
+
+
+@pytest.fixture(scope="module")
+def echo_task(tmp_path_factory):
+    return build_echo_task(tmp_path_factory.mktemp("agent_ppo"))
 
 
 @pytest.mark.slow
@@ -345,6 +349,52 @@ def test_shifu_ppo_trains_an_openai_client_agent_with_a_critic(echo_task, tmp_pa
     assert all(r["eval/score"] == r["gold/score"] == r["eval/env/return"] for r in evals)
     assert all(0 < r["rollout/response_len"] <= 2 * 6 for r in train)  # sampled tokens only
     assert "value/explained_var" in train[-1]  # the critic trained
+
+
+async def forking(client, row: dict) -> float:
+    """Two calls, the second starting over from another first message (a fork): returns its fraction of `a`."""
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    retry = [{"role": "user", "content": row["prompt"] + "a"}]
+    text = (await client.chat.completions.create(model="policy", messages=retry)).choices[0].message.content
+    return (text or "").count("a") / max(1, len(text or ""))
+
+
+@pytest.mark.parametrize("estimator", ["gae", "rloo"])
+def test_forks_train_as_rows_of_their_own_unless_an_estimator_compares_groups(echo_task, tmp_path, estimator):
+    """GAE (one process, group_size 1): each episode's fork trajectory is a row of its own, trained with the
+    episode's reward (twice the rows); RLOO (group_size 4): one row per episode, the fork counted."""
+    from shifu.cli import main as cli
+
+    out = tmp_path / estimator
+    argv = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={echo_task['char']}",
+        f"data.train={echo_task['prompts']}",
+        "agent.factory=test_agent:forking",
+        "generation.max_new_tokens=5",
+        "generation.max_total_tokens=12",
+        "iterations=2",
+        "batch_size=16",
+        "minibatch_size=8",
+        "eval.every=0",
+        "eval.num_prompts=4",
+        "critic.init=sft",
+        "progress=false",
+        "tensorboard=false",
+    ]
+    if estimator == "rloo":
+        argv += ["advantage_estimator=rloo", "group_size=4"]
+    assert cli.main(argv) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in rows if "agent/return" in r]
+    assert len(train) == 2 and all(r["agent/forks"] == 1 and r["agent/calls"] == 2 for r in train)
+    forks = 1 if estimator == "gae" else 0
+    assert all(r["agent/fork_rows"] == forks and r["rollout/rows"] == 16 * (1 + forks) for r in train)
+    assert all(abs(r["loss/policy"]) < 1e3 for r in train)
 
 
 def test_the_quickstart_evaluation_runs_held_out_episodes_through_the_plans_agent(
