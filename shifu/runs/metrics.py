@@ -108,6 +108,8 @@ METRICS: dict[str, str] = {
     "agent/tool_use": "agent.factory: fraction of episodes whose main trajectory called a tool",
     "agent/observation_tokens": "agent.factory: ids read between calls per episode (tool results, template headers; "
     "attended to, never trained on)",
+    "agent/batched_calls": "agent.factory: completion calls per sampler call of the rollout (concurrent calls of "
+    "the episodes merged into one call)",
     "agent/length_calls": "agent.factory: fraction of calls that ended at their token cap (finish_reason length)",
     "agent/no_calls": "agent.factory: fraction of episodes without a call (nothing to train: dropped as "
     "rollout/dropped_nonfinite)",
