@@ -232,6 +232,9 @@ def overhead(args, model, tok) -> dict:
         "cpu_s_agent": round(med["agent"], 3),
         "cpu_s_in_process": round(med["episodes"], 3),
         "cpu_ratio": round(med["agent"] / med["episodes"], 3),
+        "overhead_cpu_ms_per_call": round(
+            1000 * (med["agent"] - med["episodes"]) / (args.sessions * args.turns), 2
+        ),
         "cpu_s_agent_all": [round(x, 3) for x in cpu["agent"]],
         "cpu_s_in_process_all": [round(x, 3) for x in cpu["episodes"]],
         "wall_s_agent": round(statistics.median(wall["agent"]), 3),
