@@ -274,6 +274,20 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
     assert load_agent("echo_agent:solve").__name__ == "solve"
 
 
+def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
+    from shifu.experiments.evaluation import episode_source
+    from shifu.experiments.quickstart import _plan
+
+    sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.agent.factory=arith_tool_agent:solve"]
+    plan = _plan("arith_tool", "smollm2", sets)
+    assert (
+        episode_source(plan["ppo"]) == "agent"
+        and episode_source(_plan("arith_tool", "smollm2", [])["ppo"]) == "env"
+    )
+    with pytest.raises(ConfigError, match="give env.factory or agent.factory, not both"):
+        _plan("arith_tool", "smollm2", sets[1:])
+
+
 # ------------------------------------------------------------------------------------- training
 def build_echo_task(d: Path) -> dict[str, Path]:
     """The tests' character model (ppo_task) with a chat template whose end of an assistant turn is EOS, and a
