@@ -288,6 +288,55 @@ def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
         _plan("arith_tool", "smollm2", sets[1:])
 
 
+@pytest.mark.slow
+def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_path, monkeypatch):
+    """The plumbing of `shifu quickstart --task arith_tool --preset smollm2` with ppo.agent.factory (the
+    example's calculator as a tools= function), on a tiny stand-in for SmolLM2 (tests/test_smollm2_presets.py
+    runs the environment path the same way): SFT, LoRA RLOO on the agent's episodes, the final evaluation
+    through the agent."""
+    from conftest import build_tiny_tokenizer
+
+    from shifu.cli.main import main as cli_main
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
+    from shifu.tasks import imdb
+
+    stand_in = tmp_path / "cache" / "smollm2-135m-instruct"
+    build_tiny_tokenizer().save_pretrained(str(stand_in))
+    tok = load_tokenizer(stand_in)
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok.save_pretrained(str(stand_in))
+    build_tiny_gpt2(tok, n_layer=2, n_embd=64, n_head=2, n_positions=2048, seed=0).save_pretrained(
+        str(stand_in)
+    )
+    monkeypatch.setattr(imdb, "converted_smollm2", lambda: stand_in)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    out = tmp_path / "run"
+    sets = [
+        "sft.max_steps=2",
+        "sft.batch_size=4",
+        "sft.lora.target_modules=null",  # the stand-in is a GPT-2: peft's default layers (c_attn)
+        "ppo.iterations=1",
+        "ppo.batch_size=8",
+        "ppo.minibatch_size=8",
+        "ppo.env.factory=null",
+        "ppo.generation.stop=[]",
+        "ppo.generation.max_total_tokens=200",
+        "ppo.agent.factory=arith_tool_agent:solve",
+        "eval.num_prompts=8",
+    ]
+    argv = ["quickstart", "--task", "arith_tool", "--preset", "smollm2", "--out", str(out)]
+    assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_judge"] == "episode return of arith_tool_agent:solve"
+    assert s["eval_prompts"] == 8 and 0 <= s["tool_use_before"] <= 1 and s["kl"] >= 0
+    metrics = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if "agent/calls" in m]
+    assert len(train) == 1 and train[0]["agent/errors"] == 0 and train[0]["rollout/rows"] == 8
+
+
 # ------------------------------------------------------------------------------------- training
 def build_echo_task(d: Path) -> dict[str, Path]:
     """The tests' character model (ppo_task) with a chat template whose end of an assistant turn is EOS, and a
