@@ -150,6 +150,11 @@ class AgentEpisodes:
         renders the first input), sampled as ``params`` says."""
         from shifu.gateway import Gateway, Sampling
 
+        try:
+            import openai  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            raise ShifuError(f"{typed_key('agent.factory')} needs its extras: {AGENTS_EXTRA}") from None
         check_tokenizer(policy.tokenizer)
         self.version += 1
         seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else 0
@@ -189,13 +194,9 @@ class AgentEpisodes:
         return await asyncio.gather(*[self._episode(gateway, gate, row) for row in rows])
 
     async def _episode(self, gateway, gate: asyncio.Semaphore, row: dict) -> _Episode:
-        try:
-            import httpx
-            import openai
-        except ImportError:
-            raise ShifuError(
-                f"{typed_key('agent.factory')} needs the openai client: {AGENTS_EXTRA}"
-            ) from None
+        import httpx
+        import openai
+
         where = f"agent {self.spec}, row {describe_row(row)}"
         async with gate:
             key = gateway.start_session()
