@@ -42,7 +42,7 @@ class Sleepy:
 def rollout_seconds(model_dir: Path, concurrency: int, sleep_s: float) -> tuple[float, int]:
     """Seconds of one rollout of the 64 episodes, and the turns they took."""
     from shifu.config.loader import from_dict
-    from shifu.config.sections import EnvConfig
+    from shifu.config.sources import EnvConfig
     from shifu.envs.base import Environment
     from shifu.generation.rollout import SamplingParams
     from shifu.models.loading import load_causal_lm, load_tokenizer
@@ -81,7 +81,7 @@ def main() -> None:
 
     out = ROOT / ".bench" / "env_concurrency"
     model_dir = build_char_model(out / "char")
-    from shifu.config.sections import EnvConfig
+    from shifu.config.sources import EnvConfig
 
     default = EnvConfig().concurrency
     rollout_seconds(model_dir, default, 0.0)  # warm-up: the first rollout pays for allocations and imports

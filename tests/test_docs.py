@@ -193,6 +193,8 @@ SESSION_TERM = (
     "shifu/gateway/",
     "shifu/rollout/",
     "docs/how-to/policy-endpoint.md",
+    "docs/how-to/agents.md",
+    "tests/test_agent",  # test_agent.py, test_agents_sdk.py
     "tests/test_gateway.py",
     "tests/test_http_fuzz.py",
     "tests/schemathesis_hooks.py",

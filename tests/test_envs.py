@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from shifu.config.loader import from_dict
 from shifu.config.schema import PPOConfig
-from shifu.config.sections import EnvConfig
+from shifu.config.sources import EnvConfig
 from shifu.errors import ConfigError
 from shifu.rollout.turns import ChatTurns, PlainTurns, TemplateError
 

@@ -13,7 +13,7 @@ from ppo_task import build_char_model
 
 from shifu import core
 from shifu.config.loader import from_dict
-from shifu.config.sections import EnvConfig
+from shifu.config.sources import EnvConfig
 from shifu.envs.base import EnvFault, Environment
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.models.loading import load_causal_lm, load_tokenizer

@@ -10,8 +10,6 @@ from shifu.config.commands import RunConfig
 from shifu.config.loader import group_size_advice, opt, require_positive
 from shifu.config.sections import (
     CriticConfig,
-    EnvConfig,
-    GenerationConfig,
     GuardConfig,
     KLConfig,
     LoraConfig,
@@ -19,9 +17,9 @@ from shifu.config.sections import (
     PolicyEvalConfig,
     PolicyModelConfig,
     PromptDataConfig,
-    RewardConfig,
     frozen,
 )
+from shifu.config.sources import AgentConfig, EnvConfig, GenerationConfig, RewardConfig, check_source
 from shifu.errors import ConfigError
 
 
@@ -127,17 +125,15 @@ class PPOConfig(RunConfig):
         LoraConfig(), "LoRA actor (the reference is then the actor with adapters disabled) and critic"
     )
     env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment or tools (factory null: off)")
+    agent: AgentConfig = opt(
+        AgentConfig(), "episodes of an outside agent on the policy gateway (factory null: off)"
+    )
 
     def validate(self) -> None:
         super().validate()
         self.data.validate()
-        r = self.reward
-        if self.env.factory is not None:  # the environment rewards the episodes
-            self.env.validate_alongside(r, self.eval.gold_function)
-            self.generation.validate_episodes()
-        elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
-            raise ConfigError("give exactly one of reward.model_path, reward.function and reward.url")
-        r.validate()
+        check_source(self)  # exactly one of env.factory, agent.factory and reward.*
+        self.reward.validate()
         self._validate_sizes()
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
             raise ConfigError("clip_low must be in (0, 1) and clip_high > 0")
@@ -212,9 +208,9 @@ class PPOConfig(RunConfig):
     @property
     def max_response_tokens(self) -> int:
         """The most tokens a rollout row holds after its prompt: ``generation.max_new_tokens``, or with an
-        environment ``generation.max_total_tokens`` (sampled and observation tokens of an episode)."""
+        environment or an agent ``generation.max_total_tokens`` (sampled and read tokens of an episode)."""
         g = self.generation
-        return g.max_total_tokens if self.env.factory is not None else g.max_new_tokens
+        return g.max_total_tokens if self.env.factory or self.agent.factory else g.max_new_tokens
 
     @property
     def uses_critic(self) -> bool:

@@ -1,6 +1,6 @@
 """The config sections every command shares, each defined once: optimiser, processes (distributed), LoRA,
-model, data, evaluation, generation, reward, critic, KL, reward-hacking guard, environment (multi-turn episodes),
-reward-model ensemble and normalisation.
+model, data, evaluation, critic, KL, reward-hacking guard, reward-model ensemble and normalisation. Where a PPO
+run's trajectories come from (generation, reward, environment, agent) is in :mod:`shifu.config.sources`.
 
 A section is a frozen dataclass whose fields are declared with :func:`shifu.config.loader.opt` (default and
 help text); some check their own values in ``validate(prefix)``. The four command configs that compose them
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from shifu.config.imports import typed_key
 from shifu.config.loader import opt
 from shifu.errors import ConfigError
 
@@ -255,85 +254,6 @@ class PolicyEvalConfig:
 
 
 @frozen
-class GenerationConfig:
-    max_new_tokens: int = opt(
-        48, "tokens the policy samples in one turn (a single-turn response: R); a turn cut here is truncated"
-    )
-    temperature: float = opt(1.0, "sampling temperature T (log-probs use logits/T too)")
-    top_k: int = opt(0, "top-k sampling; 0 disables")
-    top_p: float = opt(1.0, "nucleus sampling; 1.0 disables")
-    stop: list[str] = opt(
-        [], 'strings that end a turn besides EOS (the string is part of the turn), e.g. ["]"]'
-    )
-    max_turns: int = opt(
-        3,
-        "multi-turn episodes (env.factory): turns (policy replies) per episode; one still going is truncated",
-    )
-    max_total_tokens: int = opt(
-        128,
-        "multi-turn episodes: sampled plus observation tokens after the first input; reaching it truncates",
-    )
-
-    def validate(self) -> None:
-        if self.temperature <= 0:
-            raise ConfigError("generation.temperature must be > 0")
-        for key in ("max_new_tokens", "max_turns", "max_total_tokens"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"generation.{key} must be >= 1 (got {getattr(self, key)})")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("generation.top_p must be in (0, 1]")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ConfigError(f"generation.stop must be a list of non-empty strings (got {self.stop!r})")
-
-    def validate_episodes(self) -> None:
-        """What multi-turn episodes add: a turn fits in the episode's budget."""
-        if self.max_total_tokens < self.max_new_tokens:
-            raise ConfigError(
-                f"generation.max_total_tokens ({self.max_total_tokens}) must be >= "
-                f"generation.max_new_tokens ({self.max_new_tokens}), the tokens of one turn"
-            )
-
-
-@frozen
-class RewardConfig:
-    model_path: str | None = opt(None, "reward model directory (shifu rm output, or an ensemble directory)")
-    function: str | None = opt(None, "rule-based reward 'package.module:function' (instead of model_path)")
-    url: str | None = opt(
-        None,
-        "a reward service (`shifu serve`) at http://HOST:PORT instead; its token from $SHIFU_SERVE_TOKEN",
-    )
-    timeout_s: float = opt(60.0, "reward service: seconds one request may take")
-    retries: int = opt(3, "reward service: retries (with backoff) before the run stops with a checkpoint")
-    dense: bool = opt(
-        False,
-        "reward_model: give response token t the change of the model's prefix score, s(<=t) - s(<t), "
-        "instead of one score at the end (same objective with gamma 1, each token's credit on it); needs a "
-        "causal reward model with the policy's tokenizer, e.g. rm.model.path=bag-of-tokens",
-    )
-    normalize: bool = opt(False, "running mean/std normalisation of scores")
-    clip: float | None = opt(None, "clip (normalised) scores to [-clip, clip]; null disables")
-    missing_eos_penalty: float | None = opt(None, "penalty for responses without EOS; null disables")
-    missing_eos_mode: Literal["subtract", "replace"] = opt(
-        "subtract", "subtract the penalty, or replace the score with -penalty"
-    )
-
-    def validate(self) -> None:
-        """What a reward's own keys exclude (which of model_path, function and url: the PPO config)."""
-        if self.dense and self.model_path is None:
-            raise ConfigError(
-                "reward.dense reads a reward model's prefix scores: set reward.model_path (a "
-                "reward function can return per-token steps itself), or reward.dense=false"
-            )
-        if self.dense and (self.normalize or self.clip is not None or self.missing_eos_penalty is not None):
-            raise ConfigError(
-                "reward.normalize, reward.clip and reward.missing_eos_penalty act on one score per "
-                "response, which reward.dense does not give; unset them or set reward.dense=false"
-            )
-        if self.timeout_s <= 0 or self.retries < 0:
-            raise ConfigError("reward.timeout_s must be > 0 and reward.retries >= 0")
-
-
-@frozen
 class CriticConfig:
     init: Literal["reward", "sft", "shared"] = opt(
         "reward", "critic from the reward model, from the SFT model, or a value head on the actor's trunk"
@@ -378,60 +298,6 @@ class GuardConfig:
         "with a gold judge (eval.gold_function): stop and restore best/ after N evaluations in a row where gold "
         "falls while the reward model's score rises (0: off)",
     )
-
-
-@frozen
-class EnvConfig:
-    factory: str | None = opt(
-        None,
-        "an environment 'package.module:Name' (a class, or a factory of env.kwargs): rollouts, validation and "
-        "the held-out evaluation become multi-turn episodes rewarded by it, instead of reward.* (docs/how-to/"
-        "multi-turn.md; the episode's budgets are generation.max_turns, max_new_tokens, max_total_tokens, stop); "
-        "null: one response per prompt",
-    )
-    kwargs: dict = opt({}, "keyword arguments of the factory, one fresh instance per episode")
-    concurrency: int = opt(
-        64,
-        "environment calls (resets, steps) run at once, each on a thread: environments wait on tools, judges "
-        "and services; results are applied in episode order, so a run does not depend on it",
-    )
-    step_timeout_s: float | None = opt(
-        60.0, "seconds one reset() or step() may take (a fault past it); null: no limit"
-    )
-    on_error: Literal["raise", "end_episode"] = opt(
-        "raise",
-        "an environment fault (exception, wrong return type, timeout, observation over budget): stop the "
-        "run with an error naming the environment, row and turn, or end that episode with reward 0 (env/errors)",
-    )
-
-    def validate(self) -> None:
-        if self.factory is None:
-            return
-        if self.concurrency < 1:
-            raise ConfigError(f"{typed_key('env.concurrency')} must be >= 1 (got {self.concurrency})")
-        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
-            raise ConfigError(
-                f"{typed_key('env.step_timeout_s')} must be > 0 (got {self.step_timeout_s}); null: no limit"
-            )
-
-    def validate_alongside(self, reward: RewardConfig, gold_function: str | None) -> None:
-        """:meth:`validate`, and what an environment excludes in the rest of a PPO config."""
-        self.validate()
-        if (
-            reward.model_path is not None
-            or reward.function is not None
-            or reward.url is not None
-            or reward.dense
-        ):
-            raise ConfigError(
-                f"{typed_key('env.factory')} rewards the episodes: unset reward.model_path, reward.function, "
-                f"reward.url and reward.dense (or unset {typed_key('env.factory')})"
-            )
-        if gold_function is not None:
-            raise ConfigError(
-                f"with {typed_key('env.factory')} the held-out gold is the mean episode return of the "
-                "environment: unset eval.gold_function"
-            )
 
 
 @frozen

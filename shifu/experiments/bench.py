@@ -54,7 +54,8 @@ def run_shifu(s: Setup, n_iters: int, warmup: int, fast: bool) -> dict[str, Any]
 
     malloc = keep_freed_memory()  # as the shifu command does before any command (SHIFU_MALLOC=system: not)
     from shifu.config.schema import PPOConfig
-    from shifu.config.sections import GenerationConfig, OptimConfig
+    from shifu.config.sections import OptimConfig
+    from shifu.config.sources import GenerationConfig
     from shifu.models.scalar import ScalarModel, new_value_head
     from shifu.parallel import build_strategy
     from shifu.rewards.sources import RewardSource

@@ -1,8 +1,8 @@
 """The quickstart's final evaluation: the SFT policy and the final policy on the held-out prompts, through the one
 evaluator (:func:`shifu.rollout.evaluate.evaluate`), with the same prompts and sampling seed, so the gain is
 paired. A single-turn plan is judged by the task's gold judge on the responses (sampled at the plan's
-temperature, and greedy for arith); a plan with an environment (``ppo.env``) runs held-out episodes through it,
-the gold being the episode return, the environment's own count. Both report the KL to the SFT policy and
+temperature, and greedy for arith); a plan with an environment (``ppo.env``) or an agent (``ppo.agent``) runs
+held-out episodes through it, the gold being the episode return, the environment's or the agent's own count. Both report the KL to the SFT policy and
 standard errors through the paired comparison of :mod:`shifu.rollout.compare`, as ``shifu eval`` and the end of
 ``shifu ppo`` do."""
 
@@ -29,6 +29,15 @@ def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def episode_source(ppo_plan: dict | None) -> str | None:
+    """``"env"`` or ``"agent"``: the section of a plan's ``ppo`` stage whose factory makes episodes; else None."""
+    for name in ("agent", "env"):
+        section = (ppo_plan or {}).get(name)
+        if isinstance(section, dict) and section.get("factory"):
+            return name
+    return None
+
+
 def evaluate(
     task: str,
     sft_dir: Path,
@@ -41,14 +50,14 @@ def evaluate(
     ppo_plan: dict | None = None,
 ) -> dict[str, Any]:
     """Gold before/after and KL on the held-out prompts (the first ``ev["num_prompts"]``, all by default);
-    writes samples_before/after.jsonl. ``ppo_plan`` with an ``env`` section: held-out episodes through that
-    environment (its ``generation`` budgets); else responses judged by ``gold`` (``package.module:function``;
+    writes samples_before/after.jsonl. ``ppo_plan`` with an ``env`` or ``agent`` factory: held-out episodes
+    through that environment or agent (its ``generation`` budgets); else responses judged by ``gold`` (``package.module:function``;
     the task's own by default), and for arith greedy decoding as well unless ``ev["greedy"]`` is false. One
     progress bar on stderr counts the prompts of every pass."""
     from shifu.runs.tracking import progress
 
     rows = read_jsonl(prompts_path)[: ev.get("num_prompts")]
-    episodes = bool((ppo_plan or {}).get("env"))
+    episodes = episode_source(ppo_plan) is not None
     greedy = not episodes and task == "arith" and ev.get("greedy", True)  # the policy at its mode too
     bar = progress(len(rows) * (4 if greedy else 2), "final evaluation")
     if episodes:
@@ -90,21 +99,25 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
 
 
 def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[str, Any]:
-    """Held-out episodes of both policies through the plan's environment (:func:`evaluate`)."""
+    """Held-out episodes of both policies through the plan's environment or agent (:func:`evaluate`)."""
     from shifu.config.imports import key_prefix
     from shifu.config.loader import from_dict
-    from shifu.config.sections import EnvConfig, GenerationConfig
+    from shifu.config.sources import AgentConfig, EnvConfig, GenerationConfig
     from shifu.envs.base import Environment
     from shifu.generation.rollout import SamplingParams
-    from shifu.rollout.build import episode_limits
+    from shifu.rollout.build import agent_source, episode_limits
     from shifu.rollout.episodes import Episodes
 
-    with key_prefix("ppo."):  # a bad environment is named by the plan's key
-        env_cfg = from_dict(EnvConfig, ppo_plan["env"])
-        limits = episode_limits(from_dict(GenerationConfig, ppo_plan.get("generation", {})))
-        source = Episodes(
-            Environment(env_cfg), limits, ev.get("chat_template", True), ev.get("max_prompt_len")
-        )
+    with key_prefix("ppo."):  # a bad environment or agent is named by the plan's key
+        generation = from_dict(GenerationConfig, ppo_plan.get("generation", {}))
+        limits = episode_limits(generation)
+        kind = episode_source(ppo_plan)
+        section = from_dict(AgentConfig if kind == "agent" else EnvConfig, ppo_plan[kind])
+        if kind == "agent":  # (its forks are counted, not scored)
+            source = agent_source(section, generation)
+        else:
+            chat, cut = ev.get("chat_template", True), ev.get("max_prompt_len")
+            source = Episodes(Environment(section), limits, chat, cut)
     T = ev["temperature"]
     params = SamplingParams(limits.max_new_tokens, T)
     bar.set_postfix_str(f"SFT policy, episodes at T={T:g}", refresh=True)
@@ -116,4 +129,4 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
     write_jsonl(out / "samples_before.jsonl", sample_records(before, before.returns))
     write_jsonl(out / "samples_after.jsonl", sample_records(after, after.returns))
     summary = paired_summary(before, after, before.returns, after.returns, T)
-    return summary | {"gold_judge": f"episode return of {env_cfg.factory}"}
+    return summary | {"gold_judge": f"episode return of {section.factory}"}

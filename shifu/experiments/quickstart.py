@@ -53,7 +53,7 @@ from typing import Any
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.experiments.evaluation import GOLD, eval_settings, evaluate
+from shifu.experiments.evaluation import GOLD, episode_source, eval_settings, evaluate
 from shifu.experiments.pipeline import (
     Stages,
     claim_run,
@@ -140,9 +140,8 @@ def check_stage(cls: type, section: Any, where: str) -> None:
         reward, model = (
             x if isinstance(x, dict) else {} for x in (section.get("reward"), section.get("model"))
         )
-        env = section.get("env") if isinstance(section.get("env"), dict) else {}
-        rewarded = any(reward.get(k) for k in ("model_path", "function", "url")) or env.get("factory")
-        if cls is PPOConfig and not rewarded:  # (an environment rewards its own episodes)
+        rewarded = any(reward.get(k) for k in ("model_path", "function", "url")) or episode_source(section)
+        if cls is PPOConfig and not rewarded:  # (an environment or agent rewards its own episodes)
             fill["reward"] = {"model_path": "<run>/rm/final"}
         if cls is RMConfig and model.get("path") == "bag-of-tokens" and not model.get("tokenizer"):
             fill["model"]["tokenizer"] = "<run>/sft/final"
@@ -164,7 +163,7 @@ def check_plan_sections(plan: dict[str, Any], where: str) -> None:
             check_stage(STAGE_CONFIGS[name], section, f"{where}, section '{name}'")
         elif name in SECTIONS:
             check_section(SECTIONS[name], section, f"{where}, section '{name}'")
-    episodes = isinstance(plan["ppo"], dict) and isinstance(plan["ppo"].get("env"), dict)
+    episodes = isinstance(plan["ppo"], dict) and episode_source(plan["ppo"]) is not None
     if isinstance(plan["eval"], dict) and plan["eval"].get("max_new_tokens") is None and not episodes:
         raise ConfigError(f"{where}, section 'eval': eval needs max_new_tokens and temperature")
 
@@ -284,7 +283,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
     gold = plan.get("gold", GOLD.get(task))
     reward: dict[str, Any] = {"function": plan["ppo"].get("reward", {}).get("function", gold)}
-    if plan["ppo"].get("env"):  # an environment rewards its episodes (ppo.env)
+    if episode_source(plan["ppo"]):  # an environment or agent rewards its episodes (ppo.env, ppo.agent)
         reward = {}
     rm_accuracy = None
     if task == "imdb":

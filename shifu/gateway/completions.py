@@ -202,7 +202,9 @@ def answer(
         if req.return_token_ids:
             item["token_ids"] = choice.ids
         out.append(item)
-        segments.append(Segment([], choice.ids, choice.log_probs, None, finish, choice.version))
+        segments.append(
+            Segment([], choice.ids, choice.log_probs, None, finish, choice.version, choice.entropy)
+        )
     sampled = sum(len(c.ids) for c in choices)
     body = {
         "id": "chatcmpl-" + secrets.token_hex(12),

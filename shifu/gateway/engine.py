@@ -52,7 +52,8 @@ class Job:
 class Choice:
     """One sampled completion: ``ids`` and their ``log_probs``; ``ended``: ``"eos"`` (EOS or another
     end-of-turn id, the last of ``ids``), ``"stop"`` (the stop string ``stop_hit``) or ``"length"``;
-    ``top``: per token the ``top_logprobs`` most likely ``(id, log-prob)``; ``version``: the policy's."""
+    ``top``: per token the ``top_logprobs`` most likely ``(id, log-prob)``; ``version``: the policy's;
+    ``entropy``: per token the entropy of the sampling distribution (``logits / T``), read off the same steps."""
 
     ids: list[int]
     log_probs: list[float]
@@ -60,6 +61,7 @@ class Choice:
     stop_hit: str | None
     top: list[list[tuple[int, float]]] | None
     version: int
+    entropy: list[float] | None = None
 
 
 def end_ids(model, tokenizer) -> list[int]:
@@ -154,9 +156,10 @@ class Engine:
             mask = out.response_mask[b].cpu()
             ids = out.response_ids[b].cpu()[mask].tolist()
             log_probs = out.log_probs[b].cpu()[mask].tolist()
+            entropy = out.entropy[b].cpu()[mask].tolist()
             ended = "eos" if ids and ids[-1] in self.end_ids else (stops.reasons[b] or "length")
             top = self._top(model, job, ids, params.temperature, device) if job.top_logprobs else None
-            choices.append(Choice(ids, log_probs, ended, stops.hits[b], top, version))
+            choices.append(Choice(ids, log_probs, ended, stops.hits[b], top, version, entropy))
         grouped, at = [], 0
         for j in jobs:
             grouped.append(choices[at : at + j.n])

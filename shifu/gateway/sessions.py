@@ -39,7 +39,8 @@ class Segment:
     temperature T (the values a trainer recomputes). ``reward``: set by ``/rl/set_reward`` for this call
     (None: none given); it belongs on the last sampled token. ``finish_reason``: ``"stop"`` (EOS, an
     end-of-turn id or a stop string), ``"length"`` (the token budget) or ``"tool_calls"``. ``version``: the
-    policy version that sampled it (:meth:`shifu.gateway.Gateway.set_policy`)."""
+    policy version that sampled it (:meth:`shifu.gateway.Gateway.set_policy`). ``entropy``: per sampled id the
+    entropy of the distribution it was drawn from (``logits / T``; what a trainer's forward would compute)."""
 
     read_ids: list[int]
     sampled_ids: list[int]
@@ -47,6 +48,7 @@ class Segment:
     reward: float | None
     finish_reason: str
     version: int
+    entropy: list[float] | None = None
 
 
 @dataclass

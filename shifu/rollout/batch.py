@@ -14,6 +14,10 @@ sequence position ``P + t`` of ``cat(prompt, rest)`` (positions from the attenti
 - ``turn_ends``: the last sampled token of each turn, where that turn's reward sits (``rewards``). None when every
   trajectory is one turn, whose end is its last trainable token.
 
+Row ``i < len(batch.rows)`` is the trajectory of prompt row ``i``. A source may append more trajectories of the same
+rows after those (an agent's forks, :mod:`shifu.rollout.agent`): the trainer trains every row, an evaluation reads
+each prompt row's own.
+
 Rewards are data; what they mean to an estimator (a turn's reward as a process reward, or the return as one score)
 is the trainer's business (:mod:`shifu.trainers.ppo_rollout`).
 """
@@ -101,6 +105,21 @@ class Trajectories:
     def attention_mask(self) -> Tensor:
         """(B, P + R) long, 1 on every real token."""
         return torch.cat([self.prompt_mask.long(), self.attention.long()], dim=1)
+
+    def select(self, idx: list[int]) -> Trajectories:
+        """The trajectories ``idx``, in that order (``metrics`` kept as they are)."""
+        index = torch.tensor(idx, dtype=torch.long)
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: v[index.to(v.device)]
+                for f in dataclasses.fields(self)
+                if isinstance(v := getattr(self, f.name), Tensor)
+            },
+            rows=[self.rows[i] for i in idx],
+            transcripts=[self.transcripts[i] for i in idx],
+            counts={k: [v[i] for i in idx] for k, v in self.counts.items()},
+        )
 
     def to(self, device: Any) -> Trajectories:
         """The batch with every tensor on ``device``."""

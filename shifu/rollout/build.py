@@ -1,5 +1,5 @@
-"""The rollout source a PPO config names (:func:`build_source`): an environment (``env.factory``) makes episodes;
-otherwise single-turn responses are scored by the reward service (``reward.url``), a function
+"""The rollout source a PPO config names (:func:`build_source`): an environment (``env.factory``) makes episodes,
+an outside agent (``agent.factory``) makes them over the policy gateway; otherwise single-turn responses are scored by the reward service (``reward.url``), a function
 (``reward.function``) or a reward model or ensemble (``reward.model_path``)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from shifu.config.imports import load_callable, typed_key
 from shifu.config.schema import PPOConfig
 from shifu.envs.base import Environment
 from shifu.rewards.sources import RewardSource, load_reward_model
+from shifu.rollout.agent import AgentEpisodes, check_tokenizer, load_agent
 from shifu.rollout.episodes import EpisodeLimits, Episodes
 from shifu.rollout.sources import RolloutSource, SingleTurn
 
@@ -24,8 +25,13 @@ def episode_limits(generation: Any) -> EpisodeLimits:
 
 def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Module | None]:
     """``(source, reward model)``: the source of ``cfg``'s rollouts, and the frozen reward model it reads (None
-    for an environment, a function or the service), on ``strategy.device``; the strategy places it
+    for an environment, an agent, a function or the service), on ``strategy.device``; the strategy places it
     (``strategy.frozen``) and the source reads it inside ``strategy.offloaded``."""
+    if cfg.agent.factory:  # an outside agent's episodes (shifu.rollout.agent)
+        check_tokenizer(tok)
+        return agent_source(
+            cfg.agent, cfg.generation, train_forks=cfg.group_size == 1 and strategy.world == 1
+        ), None
     if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
         env = Environment(cfg.env)
         return Episodes(
@@ -35,6 +41,14 @@ def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Modul
     model = reward.model if isinstance(reward.model, nn.Module) else None
     offload = lambda: strategy.offloaded(model)  # noqa: E731
     return SingleTurn(reward, tuple(cfg.generation.stop), offload, name), model
+
+
+def agent_source(agent: Any, generation: Any, train_forks: bool = False) -> AgentEpisodes:
+    """The agent source of an ``agent`` config section with a ``generation`` section's budgets; ``train_forks``:
+    fork trajectories train as rows of their own (one process, ``group_size`` 1)."""
+    a, limits = agent, episode_limits(generation)
+    fn = load_agent(a.factory)
+    return AgentEpisodes(fn, a.factory, limits, a.concurrency, a.timeout_s, a.on_error, a.kwargs, train_forks)
 
 
 def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str]:

@@ -94,7 +94,8 @@ def policies(args: argparse.Namespace, cfg) -> list[tuple[str, Path]]:
 def sampling(args: argparse.Namespace, cfg) -> tuple[Any, dict[str, Any]]:
     """``(SamplingParams, the generation settings)``: the run's (``eval.temperature``, ``generation.*``) or
     the defaults, each flag given instead."""
-    from shifu.config.sections import GenerationConfig, PolicyEvalConfig
+    from shifu.config.sections import PolicyEvalConfig
+    from shifu.config.sources import GenerationConfig
     from shifu.generation.rollout import SamplingParams
 
     g = cfg.generation if cfg is not None else GenerationConfig()
@@ -206,7 +207,7 @@ def env_judge(factory: str, kwargs: dict, cfg, gen: dict[str, Any], ev: dict[str
     """Episodes through the environment ``factory(**kwargs)`` (the run's other ``env.*`` settings), the
     return being the score."""
     from shifu.config.imports import load_callable
-    from shifu.config.sections import EnvConfig
+    from shifu.config.sources import EnvConfig
     from shifu.envs.base import Environment
     from shifu.rollout.episodes import EpisodeLimits, Episodes
 

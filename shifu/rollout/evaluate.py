@@ -136,6 +136,8 @@ def evaluate(
     T = params.temperature
     for batch in batches:
         t = source.collect(policy, batch, params, generator)
+        if len(t) > len(batch.rows):  # each prompt row's own trajectory (an agent's forks train, not score)
+            t = t.select(list(range(len(batch.rows))))
         mask = t.trainable
         part = Evaluated(
             rows=list(t.rows),

@@ -99,8 +99,29 @@ METRICS: dict[str, str] = {
     "env/errors": "env.factory: fraction of episodes ended by an environment fault (on_error=end_episode; reward 0; "
     "a fault before the first turn drops the episode as rollout/dropped_nonfinite)",
     "env/return": "env.factory: episode return, the sum of its turns' rewards",
-    "eval/env/*": "env.factory: the env/* metrics of the held-out episodes of an evaluation (eval/env/return is "
+    "eval/env/*": "env.factory or agent.factory: the env/* metrics (an agent's turns, tool calls, observation "
+    "tokens, tool_use, truncated, errors, return) of the held-out episodes of an evaluation (eval/env/return is "
     "gold/score)",
+    # episodes of an outside agent on the policy gateway (ppo.agent.factory), means over the rollout's episodes
+    "agent/calls": "agent.factory: completion calls per episode (every call the gateway answered)",
+    "agent/forks": "agent.factory: calls per episode that extended no earlier call (each starts another trajectory)",
+    "agent/fork_rows": "agent.factory: fork trajectories per episode trained as rows of their own (one process, "
+    "group_size 1; else 0)",
+    "agent/turns": "agent.factory: calls joined into an episode's main trajectory (within max_turns, max_total_tokens)",
+    "agent/tool_calls": "agent.factory: calls per episode answered with tool_calls (main trajectory)",
+    "agent/tool_use": "agent.factory: fraction of episodes whose main trajectory called a tool",
+    "agent/observation_tokens": "agent.factory: ids read between calls per episode (tool results, template headers; "
+    "attended to, never trained on)",
+    "agent/batched_calls": "agent.factory: completion calls per sampler call of the rollout (concurrent calls of "
+    "the episodes merged into one call)",
+    "agent/length_calls": "agent.factory: fraction of calls that ended at their token cap (finish_reason length)",
+    "agent/no_calls": "agent.factory: fraction of episodes without a call (nothing to train: dropped as "
+    "rollout/dropped_nonfinite)",
+    "agent/truncated": "agent.factory: fraction of episodes whose main trajectory was cut by max_turns or "
+    "max_total_tokens, or whose last call ended at its token cap",
+    "agent/errors": "agent.factory: fraction of episodes ended by an agent fault (on_error=end_episode; reward 0)",
+    "agent/timeouts": "agent.factory: fraction of episodes that ran past agent.timeout_s (counted in agent/errors)",
+    "agent/return": "agent.factory: return of an episode's main trajectory (its calls' rewards and the episode's)",
     "sft/skipped_steps": "SFT optimiser steps skipped so far because the loss or gradients were not finite",
     # DPO (shifu dpo)
     "dpo/loss": "DPO loss -log sigmoid(beta*((pi_c - ref_c) - (pi_r - ref_r))), mean over the logging window",
@@ -122,7 +143,7 @@ METRICS: dict[str, str] = {
     "eval/kl": "mean KL(policy || reference) on the held-out prompts, summed over response tokens (nats per response)",
     "eval/kl_k3": "k3 estimate of eval/kl (nats per response, never negative)",
     "gold/score": "mean gold-judge score on the held-out prompts (VADER compound / exact match), never the RM; "
-    "with env.factory, the mean episode return (the environment's own count)",
+    "with env.factory or agent.factory, the mean episode return (the environment's or agent's own count)",
 }
 
 

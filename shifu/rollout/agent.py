@@ -1,0 +1,398 @@
+"""The agent source: episodes of an outside agent written against the ``openai`` client, sampled from the policy
+through an in-process recording gateway (:mod:`shifu.gateway`) and made into trajectories.
+
+The agent is one async function (``agent.factory``)::
+
+    async def solve(client: openai.AsyncOpenAI, row: dict, **agent.kwargs) -> float | None
+
+Per :meth:`AgentEpisodes.collect` a gateway serves the policy on 127.0.0.1 (real HTTP, uvicorn) with the
+trainer's sampling (temperature, top-k, top-p; ``max_new_tokens`` caps every call). Per row a session is opened,
+``solve`` runs with a client whose API key is the session's key (``agent.concurrency`` episodes at once,
+``agent.timeout_s`` each), then the session is ended and its recorded calls become trajectories
+(:mod:`shifu.gateway.sessions`: joined on the server where a call's prompt extends an earlier call token for
+token, never re-tokenised).
+
+**A trajectory** is its first call's prompt as the first input, then per call the ids read since the previous
+call (tool results, the template's headers, an end-of-turn the policy did not sample: attended, not trained) and
+the ids sampled (trained, with the log-probs and entropies the sampler read off its own decode steps). A
+trajectory keeps at most ``max_turns`` calls and ``max_total_tokens`` ids after its first input; a longer one is
+cut before the call that does not fit, and truncated (so is one whose last kept call ended at its token cap).
+
+**Rewards.** A call's reward (``POST /rl/set_reward`` with ``call``, or :func:`set_reward`) sits on that call's
+last sampled token; ``turn_ends`` marks every call's last sampled token. The episode's reward, what ``solve``
+returns (or, when it returns None, the session's reward set without ``call``; giving both is a fault), is added
+on the trajectory's last sampled token. So GAE, the critic and every critic-free estimator read an agent's
+episodes as they read an environment's.
+
+**Forks.** A call that extends no earlier call starts another trajectory of the episode (``agent/forks``). Row
+``i`` of the batch is always row ``i``'s *main* trajectory, the one holding the episode's last call. With
+``train_forks`` (one process, ``group_size`` 1: GAE, REINFORCE, REINFORCE++) each other trajectory is appended
+after the batch's rows as a row of its own, trained with the episode's reward: the batch then has more rows than
+prompts (``agent/fork_rows`` per episode; the minibatches grow with it). Without it (group estimators, which
+need exactly ``G`` rows per prompt to compare; torchrun, whose ranks must train the same number of rows) only
+the main trajectory trains and the others are counted. An evaluation reads the main trajectories.
+
+**Faults.** ``solve`` raising, passing ``agent.timeout_s``, or returning anything but a finite number or None is
+a fault naming the agent and the row: ``agent.on_error=raise`` stops the run with the first one (in row order,
+once the batch's episodes ended); ``end_episode`` keeps what the episode recorded with every reward 0
+(``failed``, ``agent/errors``). An episode with no call has nothing to train: a row with no sampled token, left
+out of the update as a non-finite score is.
+
+**Torchrun.** Each process serves its own share of the rows on its own gateway with its whole actor (DDP's
+module); sharded actors (FSDP2, DeepSpeed) are refused by the config. Which calls share a sampler call depends
+on timing, so an agent's rollouts are not bit-reproducible run to run, unlike the other sources'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import math
+import numbers
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shifu.config.imports import load_callable, typed_key
+from shifu.envs.base import describe_row
+from shifu.errors import ConfigError, ShifuError
+from shifu.generation.rollout import SamplingParams, policy_forward
+from shifu.models.padding import pad_left
+from shifu.rollout.batch import MARKS, PromptBatch, Trajectories, Transcript
+from shifu.rollout.episodes import EpisodeLimits
+from shifu.rollout.sources import Policy
+
+AGENTS_EXTRA = "pip install 'shifu-rlhf[agents]' (the openai client) and 'shifu-rlhf[serve]' (uvicorn)"
+
+
+class AgentFault(ShifuError):
+    """An agent raised, timed out or returned something else than a reward; the message names it and the row."""
+
+
+async def set_reward(client: Any, reward: float, call: str | None = None) -> None:
+    """Set a reward in the session of ``client`` (an ``openai.AsyncOpenAI`` whose API key is a session key):
+    ``call``, a completion's id (``response.id``) or ``"last"``, gets it on its last sampled token; without
+    ``call`` it is the episode's reward (as if ``solve`` returned it). ``POST /rl/set_reward`` over HTTP."""
+    import httpx
+
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    body = {"reward": float(reward)} | ({"call": call} if call is not None else {})
+    await client.post(root + "/rl/set_reward", body=body, cast_to=httpx.Response)
+
+
+@dataclasses.dataclass
+class _Episode:
+    """One row's episode: its recorded session, what ``solve`` returned, and its fault (None: none)."""
+
+    row: dict
+    record: Any  # shifu.gateway.RecordedSession
+    returned: float | None = None
+    fault: str | None = None
+    timed_out: bool = False
+
+    @property
+    def reward(self) -> float:
+        """The episode's reward: the return, else the session's (0 when neither; 0 after a fault)."""
+        if self.fault is not None:
+            return 0.0
+        return float(self.returned if self.returned is not None else (self.record.reward or 0.0))
+
+
+@dataclasses.dataclass
+class _Row:
+    """One trajectory as rows of the batch hold it (see :func:`_row`)."""
+
+    prompt: list[int]
+    ids: list[int]
+    sampled: list[bool]
+    stats: list[tuple[float, float]]  # (log-prob, entropy) per id, 0 where read
+    rewards: dict[int, float]  # position in ids -> reward (each call's last sampled token)
+    truncated: bool
+    counts: dict[str, int]
+    spans: list[tuple[str, str]]
+
+
+class AgentEpisodes:
+    """The rollout source of ``agent.factory`` (module docstring): ``solve`` the loaded function, ``spec`` its
+    name as configured, ``limits`` the trajectories' budgets (``stop`` unused: the agent sends its own),
+    ``train_forks`` whether fork trajectories become rows of their own."""
+
+    gold = True  # what the agent returns is the task's own measure
+
+    def __init__(
+        self,
+        solve: Callable[..., Any],
+        spec: str,
+        limits: EpisodeLimits,
+        concurrency: int = 16,
+        timeout_s: float | None = 300.0,
+        on_error: str = "raise",
+        kwargs: dict | None = None,
+        train_forks: bool = True,
+    ):
+        self.solve, self.spec, self.limits = solve, spec, limits
+        self.concurrency, self.timeout_s, self.on_error = concurrency, timeout_s, on_error
+        self.kwargs, self.train_forks = dict(kwargs or {}), train_forks
+        self.version = 0  # the policy version the gateway records: one per collect
+
+    @property
+    def name(self) -> str:
+        return f"agent {self.spec}"
+
+    @torch.no_grad()
+    def collect(
+        self, policy: Policy, batch: PromptBatch, params: SamplingParams, generator: torch.Generator | None
+    ) -> Trajectories:
+        """One episode of the agent per row of ``batch`` (its prompt ids are not read: the agent's first call
+        renders the first input), sampled as ``params`` says."""
+        from shifu.gateway import Gateway, Sampling
+
+        try:
+            import openai  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            raise ShifuError(f"{typed_key('agent.factory')} needs its extras: {AGENTS_EXTRA}") from None
+        check_tokenizer(policy.tokenizer)
+        self.version += 1
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else 0
+        sampling = Sampling(
+            temperature=0.0 if params.greedy else params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+        )
+        gateway = Gateway(
+            policy.model,
+            policy.tokenizer,
+            recording=True,
+            token=secrets.token_urlsafe(18),
+            version=self.version,
+            sampling=sampling,
+            seed=seed,
+        )
+        with gateway:
+            episodes = asyncio.run(self._run(gateway, batch.rows))
+        sampler_calls = gateway.engine.calls
+        for ep in episodes:
+            if ep.fault is not None and self.on_error == "raise":
+                raise AgentFault(
+                    f"{ep.fault}. Fix the agent, or set {typed_key('agent.on_error')}=end_episode to end such "
+                    "episodes with reward 0 (counted as agent/errors)"
+                )
+        t = self._trajectories(episodes, policy, params)
+        calls = sum(ep.record.calls for ep in episodes)
+        return dataclasses.replace(
+            t, metrics=t.metrics | {"agent/batched_calls": calls / max(1, sampler_calls)}
+        )
+
+    # ------------------------------------------------------------------------------------ the episodes
+    async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:
+        gate = asyncio.Semaphore(self.concurrency)
+        return await asyncio.gather(*[self._episode(gateway, gate, row) for row in rows])
+
+    async def _episode(self, gateway, gate: asyncio.Semaphore, row: dict) -> _Episode:
+        import httpx
+        import openai
+
+        where = f"agent {self.spec}, row {describe_row(row)}"
+        async with gate:
+            key = gateway.start_session()
+            # a connection of its own (a pool shared by many episodes checks each of its connections per request)
+            transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
+            http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
+            client = openai.AsyncOpenAI(
+                base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0
+            )
+            ep = _Episode(row, None)
+            try:
+                async with asyncio.timeout(self.timeout_s) as deadline:
+                    ep.returned = await self.solve(client, row, **self.kwargs)
+            except TimeoutError:
+                if not deadline.expired():
+                    ep.fault = f"{where}: solve() raised TimeoutError"
+                else:
+                    key_t = typed_key("agent.timeout_s")
+                    ep.fault, ep.timed_out = (
+                        f"{where}: solve() took longer than {key_t}={self.timeout_s} s",
+                        True,
+                    )
+            except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
+                ep.fault = f"{where}: solve() raised {type(e).__name__}: {e}"
+            ep.record = gateway.end_session(key)
+            await http.aclose()
+            if ep.fault is None:
+                ep.fault = _bad_return(ep.returned, ep.record.reward, where)
+            return ep
+
+    # ------------------------------------------------------------------------------------ the batch
+    def _trajectories(self, episodes: list[_Episode], policy: Policy, params: SamplingParams) -> Trajectories:
+        """Each episode's main trajectory in row order, then (``train_forks``) its other trajectories."""
+        eos = policy.tokenizer.eos_token_id
+        main, extra = [], []
+        for ep in episodes:
+            trajs = ep.record.trajectories
+            rows = [_row(t, ep, self.limits, policy.tokenizer) for t in trajs]
+            main.append(rows[-1] if rows else _Row([eos], [], [], [], {}, False, _counts(), []))
+            main[-1].counts["forks"] = ep.record.forks
+            if self.train_forks:
+                extra += [(ep, r) for r in rows[:-1]]
+        made = [*zip(episodes, main), *extra]
+        t = _batch([(ep.row, r) for ep, r in made], [ep.fault is not None for ep, _ in made], policy, params)
+        return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
+
+    def _metrics(self, episodes: list[_Episode], t: Trajectories, fork_rows: int) -> dict[str, float]:
+        """Means over the episodes (their main trajectories): see ``agent/*`` in :mod:`shifu.runs.metrics`."""
+        n, B = max(1, len(episodes)), len(episodes)
+        records = [ep.record for ep in episodes]
+        lengths = [s.finish_reason == "length" for r in records for tr in r.trajectories for s in tr.segments]
+        counts = {k: v[:B] for k, v in t.counts.items()}
+        return {
+            "agent/calls": sum(r.calls for r in records) / n,
+            "agent/forks": sum(r.forks for r in records) / n,
+            "agent/fork_rows": fork_rows / n,
+            "agent/turns": sum(counts["turns"]) / n,
+            "agent/tool_calls": sum(counts["tool_calls"]) / n,
+            "agent/tool_use": sum(c > 0 for c in counts["tool_calls"]) / n,
+            "agent/observation_tokens": sum(counts["observation_tokens"]) / n,
+            "agent/length_calls": sum(lengths) / max(1, len(lengths)),
+            "agent/no_calls": sum(r.calls == 0 for r in records) / n,
+            "agent/truncated": float(t.truncated[:B].float().mean()) if B else 0.0,
+            "agent/errors": sum(ep.fault is not None for ep in episodes) / n,
+            "agent/timeouts": sum(ep.timed_out for ep in episodes) / n,
+            "agent/return": float(t.returns[:B].mean()) if B else 0.0,
+        }
+
+
+def _bad_return(value: Any, session_reward: float | None, where: str) -> str | None:
+    """The fault of what ``solve`` returned (None: a finite number, or None), and of a reward given twice."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return f"{where}: solve() returned {type(value).__name__} {shown}; it must return a finite number or None"
+    if session_reward is not None:
+        return (
+            f"{where}: solve() returned {value} and also set the episode's reward {session_reward} (POST "
+            "/rl/set_reward without a call): give it one way"
+        )
+    return None
+
+
+def _counts() -> dict[str, int]:
+    return {"turns": 0, "tool_calls": 0, "observation_tokens": 0, "forks": 0}
+
+
+def _row(traj, ep: _Episode, limits: EpisodeLimits, tok) -> _Row:
+    """A recorded trajectory cut to the budgets (module docstring) as a batch row, with the rewards of its
+    calls and the episode's reward on its last sampled token (all 0 after a fault)."""
+    segments, length = [], 0
+    for k, seg in enumerate(traj.segments):
+        grows = (len(seg.read_ids) if k else 0) + len(seg.sampled_ids)
+        if k == limits.max_turns or length + grows > limits.max_total_tokens:
+            break
+        segments.append(seg)
+        length += grows
+    cut = len(segments) < len(traj.segments)
+    first = segments[0]
+    out = _Row(
+        list(first.read_ids), [], [], [], {}, cut or segments[-1].finish_reason == "length", _counts(), []
+    )
+    out.spans.append(("input", tok.decode(first.read_ids)))
+    for k, seg in enumerate(segments):
+        if k:
+            out.ids += seg.read_ids
+            out.sampled += [False] * len(seg.read_ids)
+            out.stats += [(0.0, 0.0)] * len(seg.read_ids)
+            out.counts["observation_tokens"] += len(seg.read_ids)
+            out.spans.append(("observation", tok.decode(seg.read_ids)))
+        entropy = seg.entropy if seg.entropy is not None else [0.0] * len(seg.sampled_ids)
+        out.ids += seg.sampled_ids
+        out.sampled += [True] * len(seg.sampled_ids)
+        out.stats += list(zip(seg.log_probs, entropy))
+        out.rewards[len(out.ids) - 1] = 0.0 if ep.fault is not None else float(seg.reward or 0.0)
+        out.counts["turns"] += 1
+        out.counts["tool_calls"] += seg.finish_reason == "tool_calls"
+        out.spans.append(("policy", tok.decode(seg.sampled_ids)))
+    out.rewards[len(out.ids) - 1] += ep.reward
+    return out
+
+
+def _batch(made: list[tuple[dict, _Row]], failed: list[bool], policy: Policy, params) -> Trajectories:
+    """The rows as left-padded first inputs and right-padded trajectories (:mod:`shifu.rollout.batch`)."""
+    tok = policy.tokenizer
+    B, R = len(made), max(1, max(len(r.ids) for _, r in made))
+    prompts = pad_left([r.prompt for _, r in made], tok.pad_token_id)
+    ids = torch.full((B, R), tok.pad_token_id, dtype=torch.long)
+    sampled, attention, turn_ends = (torch.zeros(B, R, dtype=torch.bool) for _ in range(3))
+    stats, rewards = torch.zeros(2, B, R), torch.zeros(B, R)
+    for i, (_, r) in enumerate(made):
+        n = len(r.ids)
+        if n:
+            ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+            attention[i, :n] = True
+            sampled[i, :n] = torch.tensor(r.sampled)
+            stats[:, i, :n] = torch.tensor(r.stats).T
+        for at, reward in r.rewards.items():
+            turn_ends[i, at], rewards[i, at] = True, reward
+    out = Trajectories(
+        prompt_ids=prompts["input_ids"],
+        prompt_mask=prompts["attention_mask"],
+        ids=ids,
+        trainable=sampled,
+        attention=attention,
+        rewards=rewards,
+        truncated=torch.tensor([r.truncated for _, r in made]),
+        failed=torch.tensor(failed),
+        rows=[row for row, _ in made],
+        transcripts=[_transcript(r.spans) for _, r in made],
+        log_probs=stats[0] if policy.with_log_probs else None,
+        entropy=stats[1] if policy.with_log_probs else None,
+        turn_ends=turn_ends,
+        counts={k: [r.counts[k] for _, r in made] for k in _counts()},
+    )
+    if (
+        policy.value_head is not None
+    ):  # a shared-trunk critic's values: the gateway's sampler has no value head
+        device = next(policy.model.parameters()).device
+        T = 1.0 if params.greedy else params.temperature
+        values = policy_forward(
+            policy.model,
+            out.input_ids.to(device),
+            out.attention_mask.to(device),
+            out.prompt_ids.shape[1],
+            T,
+            value_head=policy.value_head,
+        )[2]
+        out = dataclasses.replace(out, values=values.float().cpu())
+    return out
+
+
+def _transcript(spans: list[tuple[str, str]]) -> Transcript:
+    """The trajectory after its first input as text, the policy's calls (what trains) between ``MARKS``."""
+    shown = "".join(MARKS[0] + t + MARKS[1] if k == "policy" else t for k, t in spans if k != "input")
+    return Transcript(tuple(spans), shown)
+
+
+def check_tokenizer(tok) -> None:
+    """ConfigError unless the policy's tokenizer has a chat template (the gateway renders every call with it)."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            f"{typed_key('agent.factory')}: the policy's tokenizer has no chat template, and the gateway renders "
+            "every call through one: start from a chat model, or save a Jinja chat_template in its "
+            "tokenizer_config.json"
+        )
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The async function ``agent.factory`` names; ConfigError saying what to write otherwise."""
+    fn = load_callable(spec, typed_key("agent.factory"), "async function")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(
+            f"{typed_key('agent.factory')} '{spec}' is not an async function: write "
+            "`async def solve(client, row): ...` (it awaits client.chat.completions.create)"
+        )
+    return fn

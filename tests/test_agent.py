@@ -1,0 +1,478 @@
+"""The agent source (shifu.rollout.agent): agents written against the real ``openai`` client, on a real recording
+gateway (uvicorn on 127.0.0.1) and real tiny models, become the trajectory batch token for token: every sampled
+token's recorded log-prob is the trainer's recomputation over the whole trajectory, every call extends its
+trajectory or is a counted fork, only sampled ids train, rewards sit on their calls; faults follow on_error;
+budgets cut trajectories; ``shifu ppo`` with ``agent.factory`` learns (GAE with a critic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
+pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
+
+from test_gateway import (  # noqa: E402
+    CALL_TEXT,
+    QUESTION,
+    TOOLS,
+    chat_tokenizer,
+    memorized_policy,
+    smollm2_tokenizer,
+    tiny_llama,
+    tiny_policy,
+)
+from test_tool_calls import QWEN_STYLE  # noqa: E402
+
+from shifu import core  # noqa: E402
+from shifu.config.schema import PPOConfig  # noqa: E402
+from shifu.errors import ConfigError  # noqa: E402
+from shifu.generation.rollout import SamplingParams, policy_forward  # noqa: E402
+from shifu.models.padding import position_ids_from_mask  # noqa: E402
+from shifu.rollout.agent import AgentEpisodes, AgentFault, load_agent, set_reward  # noqa: E402
+from shifu.rollout.batch import PromptBatch  # noqa: E402
+from shifu.rollout.episodes import EpisodeLimits  # noqa: E402
+from shifu.rollout.evaluate import evaluate  # noqa: E402
+from shifu.rollout.sources import Policy  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
+# Qwen2.5-style native tools whose end of turn is the tiny tokenizer's EOS (a turn the policy ends is closed by it)
+NATIVE = QWEN_STYLE.replace("<|im_end|>", "<|endoftext|>")
+T = 0.8
+CALLS: dict[
+    int, list[tuple[list[int], list[int], str]]
+] = {}  # row id -> (prompt ids, sampled ids, id) per call
+
+
+def batch_of(rows: list[dict]) -> PromptBatch:
+    n = len(rows)  # (an agent renders its own first input: the prompt ids are not read)
+    return PromptBatch(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), rows)
+
+
+def collect(source, model, tok, rows, temperature=T, with_log_probs=True, max_new_tokens=8):
+    policy = Policy(model, tok, with_log_probs=with_log_probs)
+    params = SamplingParams(max_new_tokens, temperature)
+    return source.collect(policy, batch_of(rows), params, torch.Generator().manual_seed(0))
+
+
+async def tool_agent(client, row: dict) -> float:
+    """Three calls that send each answer back (a tool result after a tool call, else a user turn), a reward on
+    the first call, and for rows with ``fork`` a fourth call that rewrites the first user message."""
+    messages, log = [{"role": "user", "content": row["prompt"]}], []
+    CALLS[row["id"]] = log
+
+    async def call(msgs):
+        out = await client.chat.completions.create(
+            model="policy", messages=msgs, tools=TOOLS, extra_body={"return_token_ids": True}
+        )
+        log.append((out.model_extra["prompt_token_ids"], out.choices[0].model_extra["token_ids"], out.id))
+        return out
+
+    for _ in range(3):
+        said = (await call(messages)).choices[0].message
+        turn = {"role": "assistant", "content": said.content}
+        if said.tool_calls:
+            turn["tool_calls"] = [c.model_dump() for c in said.tool_calls]
+            messages += [turn, {"role": "tool", "tool_call_id": said.tool_calls[0].id, "content": "5"}]
+        else:
+            messages += [turn, {"role": "user", "content": "and then?"}]
+    await set_reward(client, 0.25, call=log[0][2])
+    if row["fork"]:
+        await call([{"role": "user", "content": "what is one plus one?"}, *messages[1:3]])
+    return 1.0
+
+
+def setup_model(setup: str):
+    if setup == "smollm2_template":
+        tok = smollm2_tokenizer()
+        return tiny_llama(tok), tok
+    if setup == "native_tools":
+        tok = chat_tokenizer(NATIVE)
+        return tiny_policy(tok, positions=1024), tok
+    if (
+        setup == "native_tool_calls"
+    ):  # a model that calls the calculator on the question, in the template's syntax
+        tok = chat_tokenizer(NATIVE)
+        body = {"model": "policy", "messages": QUESTION, "tools": TOOLS}
+        target = CALL_TEXT.replace("{", "\n{", 1).replace("}</", "}\n</")
+        return memorized_policy(tok, body, target), tok
+    tok = chat_tokenizer()
+    return tiny_policy(tok, positions=1024), tok
+
+
+@pytest.mark.parametrize("setup", ["tiny_chatml", "smollm2_template", "native_tools", "native_tool_calls"])
+def test_agent_episodes_are_the_trajectories_the_policy_sampled(setup):
+    model, tok = setup_model(setup)
+    CALLS.clear()
+    rows = [{"id": i, "prompt": QUESTION[0]["content"], "fork": i % 2 == 0} for i in range(6)]
+    cap = 100 if setup == "native_tool_calls" else 8  # (room for the whole call)
+    source = AgentEpisodes(tool_agent, "test_agent:tool_agent", EpisodeLimits(10, cap, 4096), concurrency=4)
+    t = collect(source, model, tok, rows, max_new_tokens=cap)
+    P, mask = t.prompt_ids.shape[1], t.trainable
+    # every call was captured: 3 forks (the even rows), each a trajectory of its own, trained as a row
+    n_calls = sum(len(v) for v in CALLS.values())
+    assert n_calls == 6 * 3 + 3 and sum(t.counts["turns"]) == n_calls
+    assert len(t) == 6 + 3 and t.counts["forks"][:6] == [1, 0] * 3 and t.metrics["agent/forks"] == 0.5
+    assert t.metrics["agent/fork_rows"] == 0.5 and t.metrics["agent/calls"] == n_calls / 6
+    if setup == "native_tool_calls":
+        assert t.metrics["agent/tool_calls"] > 0  # the memorized call, then the tool result read back
+    # the trainable mask is exactly the sampled ids of the calls: each call's prompt + completion is a prefix of
+    # a row of its episode, its completion sits on trainable positions, and nothing else is trainable
+    full = [t.input_ids[i][t.attention_mask[i].bool()].tolist() for i in range(len(t))]
+    covered = torch.zeros_like(mask)
+    for rid, calls in CALLS.items():
+        mine = [i for i in range(len(t)) if t.rows[i]["id"] == rid]
+        for prompt, sampled, _ in calls:
+            i = next(i for i in mine if full[i][: len(prompt) + len(sampled)] == prompt + sampled)
+            pad = P - int(t.prompt_mask[i].sum())  # the row's first input is left-padded to P
+            lo = len(prompt) + pad - P
+            assert mask[i, lo : lo + len(sampled)].all() and t.turn_ends[i, lo + len(sampled) - 1]
+            covered[i, lo : lo + len(sampled)] = True
+    assert torch.equal(covered, mask) and (t.attention & ~mask).any()
+    # faithfulness: the trainer's log-probs over the whole trajectories at the sampling temperature
+    lp, ent, _ = policy_forward(model, t.input_ids, t.attention_mask, P, T, with_entropy=True)
+    # (the memorized model's sharp logits over ~700 tokens round further apart in float32: its decode and one
+    # unpadded forward differ by up to ~2e-5, as its padded and unpadded forwards differ by ~1e-5)
+    tolerance = 5e-5 if setup == "native_tool_calls" else 1e-5
+    assert (lp - t.log_probs)[mask].abs().max() <= tolerance
+    assert (ent - t.entropy)[mask].abs().max() <= 1e-4
+    assert (t.log_probs[~mask] == 0).all()
+    # rewards: the first call's 0.25 on its last token, the episode's 1.0 on each trajectory's last token
+    last = core.last_true(mask)
+    assert torch.allclose(t.rewards[last], torch.full((len(t),), 1.0) + 0.25 * (t.rewards[last] > 1.1))
+    assert t.returns[:6].tolist() == [1.0, 1.25] * 3  # the fork (a new first message) is the main trajectory
+    # no gradient of the policy loss, the KL loss or the entropy reaches the logits that predict read ids
+    ids, am = t.input_ids, t.attention_mask
+    logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
+    logits = logits[:, P - 1 : -1]
+    logits.retain_grad()
+    lp, ent = core.log_probs_and_entropy(logits, ids[:, P:], T)
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    pg, _ = core.ppo_policy_loss(lp, t.log_probs - 0.1, adv, mask)
+    kl, _ = core.kl_loss(lp, lp.detach() + 0.3, mask)
+    (pg + 0.1 * kl - 0.01 * core.masked_mean(ent, mask)).backward()
+    grad = logits.grad.abs().sum(-1)
+    read = t.attention & ~mask
+    assert (grad[read] == 0).all() and (grad[mask] > 0).float().mean() > 0.9
+
+
+def test_without_train_forks_and_in_an_evaluation_each_row_is_its_main_trajectory():
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    CALLS.clear()
+    rows = [{"id": i, "prompt": f"question {i}", "fork": True} for i in range(4)]
+    source = AgentEpisodes(tool_agent, "t:a", EpisodeLimits(10, 6, 4096), train_forks=False)
+    t = collect(source, model, tok, rows)
+    assert len(t) == 4 and t.metrics["agent/forks"] == 1.0 and t.metrics["agent/fork_rows"] == 0.0
+    assert [r["id"] for r in t.rows] == [0, 1, 2, 3] and t.counts["turns"] == [
+        1
+    ] * 4  # the fork holds the last call
+    forking = AgentEpisodes(tool_agent, "t:a", EpisodeLimits(10, 6, 4096), train_forks=True)
+    params = SamplingParams(6, 1.0)
+    done = evaluate(Policy(model, tok), forking, [batch_of(rows[:2]), batch_of(rows[2:])], params, None)
+    assert [r["id"] for r in done.rows] == [0, 1, 2, 3] and done.returns == [1.0] * 4
+    assert done.metrics("eval/")["eval/env/turns"] == 1.0
+
+
+async def moody(client, row: dict):
+    """Per row: an answer, a raise, a hang, a bad return, a reward given twice, no call at all."""
+    kind = row["kind"]
+    if kind != "silent":
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    if kind == "raise":
+        raise ValueError("the tool broke")
+    if kind == "hang":
+        await asyncio.sleep(60)
+    if kind == "twice":
+        await set_reward(client, 2.0)
+        return 1.0
+    if kind == "session":
+        await set_reward(client, 0.5)
+        return None
+    return "yes" if kind == "bad" else 1.0
+
+
+def test_faults_follow_on_error_and_are_counted():
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    kinds = ["ok", "raise", "hang", "bad", "twice", "silent", "session"]
+    rows = [{"prompt": k, "kind": k} for k in kinds]
+    lenient = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0, on_error="end_episode")
+    t = collect(lenient, model, tok, rows)
+    assert t.failed.tolist() == [False, True, True, True, True, False, False]
+    assert t.returns.tolist() == [1.0, 0, 0, 0, 0, 0, 0.5]  # a fault's rewards are 0; the session's reward
+    assert not t.trainable[5].any()  # no call: nothing to train (the trainer drops it as a non-finite score)
+    m = t.metrics
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/no_calls"]) == (4 / 7, 1 / 7, 1 / 7)
+    strict = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0)
+    for kind, said in [
+        ("raise", "solve() raised ValueError: the tool broke"),
+        ("hang", "solve() took longer than agent.timeout_s=3.0 s"),
+        ("bad", "solve() returned str 'yes'; it must return a finite number or None"),
+        ("twice", "solve() returned 1.0 and also set the episode's reward 2.0"),
+    ]:
+        with pytest.raises(AgentFault) as e:
+            collect(
+                strict, model, tok, [{"prompt": "ok", "kind": "ok"}, {"prompt": f"row {kind}", "kind": kind}]
+            )
+        assert f"agent t:moody, row 'row {kind}': {said}" in str(e.value)
+        assert "agent.on_error=end_episode" in str(e.value)
+
+
+async def chatty(client, row: dict) -> float:
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(4):
+        out = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        messages += [{"role": "assistant", "content": out.choices[0].message.content}]
+        messages += [{"role": "user", "content": "more"}]
+    return 1.0
+
+
+def test_budgets_cut_trajectories_before_the_call_that_does_not_fit():
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    rows = [{"prompt": "hello there"}] * 3
+    t = collect(AgentEpisodes(chatty, "t:c", EpisodeLimits(2, 8, 4096)), model, tok, rows)
+    assert t.counts["turns"] == [2] * 3 and t.truncated.all() and t.metrics["agent/calls"] == 4
+    assert t.returns.tolist() == [1.0] * 3  # the episode's reward on the last call kept
+    t = collect(AgentEpisodes(chatty, "t:c", EpisodeLimits(10, 8, 12)), model, tok, rows)
+    after_first = (t.attention.sum(1)).tolist()
+    assert all(n <= 12 for n in after_first) and t.truncated.all() and max(t.counts["turns"]) < 4
+
+
+def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
+    base = {"out_dir": "o", "model": {"path": "m"}, "data": {"train": "p.jsonl"}}
+    base["agent"] = {"factory": "echo_agent:solve"}
+
+    from shifu.config.loader import from_dict
+
+    def check(extra: dict) -> str:
+        with pytest.raises(ConfigError) as e:
+            from_dict(PPOConfig, json.loads(json.dumps(base)) | extra).validate()
+        return str(e.value)
+
+    from_dict(PPOConfig, base).validate()  # alone it is a complete source
+    assert "give env.factory or agent.factory, not both" in check({"env": {"factory": "x:Y"}})
+    assert "agent.factory rewards its episodes" in check({"reward": {"function": "x:f"}})
+    assert "use distributed.strategy=ddp or none, not fsdp2" in check({"distributed": {"strategy": "fsdp2"}})
+    assert "unset generation.stop" in check({"generation": {"stop": ["]"]}})
+    assert "agent.concurrency must be >= 1" in check({"agent": {"factory": "a:b", "concurrency": 0}})
+    with pytest.raises(ConfigError) as e:
+        from_dict(PPOConfig, {k: v for k, v in base.items() if k != "agent"}).validate()
+    assert "reward.url, env.factory and agent.factory" in str(e.value)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    (tmp_path / "sync_agent.py").write_text("def solve(client, row):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="is not an async function"):
+        load_agent("sync_agent:solve")
+    assert load_agent("echo_agent:solve").__name__ == "solve"
+
+
+def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
+    from shifu.experiments.evaluation import episode_source
+    from shifu.experiments.quickstart import _plan
+
+    sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.agent.factory=arith_tool_agent:solve"]
+    plan = _plan("arith_tool", "smollm2", sets)
+    assert (
+        episode_source(plan["ppo"]) == "agent"
+        and episode_source(_plan("arith_tool", "smollm2", [])["ppo"]) == "env"
+    )
+    with pytest.raises(ConfigError, match="give env.factory or agent.factory, not both"):
+        _plan("arith_tool", "smollm2", sets[1:])
+
+
+@pytest.mark.slow
+def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_path, monkeypatch):
+    """The plumbing of `shifu quickstart --task arith_tool --preset smollm2` with ppo.agent.factory (the
+    example's calculator as a tools= function), on a tiny stand-in for SmolLM2 (tests/test_smollm2_presets.py
+    runs the environment path the same way): SFT, LoRA RLOO on the agent's episodes, the final evaluation
+    through the agent."""
+    from conftest import build_tiny_tokenizer
+
+    from shifu.cli.main import main as cli_main
+    from shifu.models.loading import build_tiny_gpt2, load_tokenizer
+    from shifu.tasks import imdb
+
+    stand_in = tmp_path / "cache" / "smollm2-135m-instruct"
+    build_tiny_tokenizer().save_pretrained(str(stand_in))
+    tok = load_tokenizer(stand_in)
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok.save_pretrained(str(stand_in))
+    build_tiny_gpt2(tok, n_layer=2, n_embd=64, n_head=2, n_positions=2048, seed=0).save_pretrained(
+        str(stand_in)
+    )
+    monkeypatch.setattr(imdb, "converted_smollm2", lambda: stand_in)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    out = tmp_path / "run"
+    sets = [
+        "sft.max_steps=2",
+        "sft.batch_size=4",
+        "sft.lora.target_modules=null",  # the stand-in is a GPT-2: peft's default layers (c_attn)
+        "ppo.iterations=1",
+        "ppo.batch_size=8",
+        "ppo.minibatch_size=8",
+        "ppo.env.factory=null",
+        "ppo.generation.stop=[]",
+        "ppo.generation.max_total_tokens=200",
+        "ppo.agent.factory=arith_tool_agent:solve",
+        "eval.num_prompts=8",
+    ]
+    argv = ["quickstart", "--task", "arith_tool", "--preset", "smollm2", "--out", str(out)]
+    assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_judge"] == "episode return of arith_tool_agent:solve"
+    assert s["eval_prompts"] == 8 and 0 <= s["tool_use_before"] <= 1 and s["kl"] >= 0
+    metrics = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if "agent/calls" in m]
+    assert len(train) == 1 and train[0]["agent/errors"] == 0 and train[0]["rollout/rows"] == 8
+
+
+# ------------------------------------------------------------------------------------- training
+def build_echo_task(d: Path) -> dict[str, Path]:
+    """The tests' character model (ppo_task) with a chat template whose end of an assistant turn is EOS, and a
+    decoder that joins characters as they are (without one, decoding puts a space between tokens, so the text of
+    a completion does not decode back from its ids and the gateway re-tokenises the history: every call forks);
+    64 prompts."""
+    from ppo_task import build_char_model, write_prompts
+    from tokenizers import decoders
+
+    from shifu.models.loading import load_tokenizer
+
+    char = build_char_model(d / "char")
+    tok = load_tokenizer(char)
+    tok.backend_tokenizer.decoder = decoders.Fuse()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}"
+        "{% else %}{{ ' ' }}{% endif %}{% endfor %}"
+    )
+    tok.save_pretrained(str(char))
+    return {"char": char, "prompts": write_prompts(d / "prompts.jsonl", 64)}
+
+
+@pytest.fixture(scope="module")
+def echo_task(tmp_path_factory):
+    return build_echo_task(tmp_path_factory.mktemp("agent_ppo"))
+
+
+@pytest.mark.slow
+def test_shifu_ppo_trains_an_openai_client_agent_with_a_critic(echo_task, tmp_path, monkeypatch):
+    """examples/agents/echo_agent.py (two calls, a reward on the second over POST /rl/set_reward, nothing from
+    shifu) trains with PPO, GAE on a critic: the agent's return (the fraction of `a` in its second answer, ~0.08
+    for the random policy) rises in training and on held-out episodes."""
+    from shifu.cli import main as cli
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    out = tmp_path / "run"
+    argv = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={echo_task['char']}",
+        f"data.train={echo_task['prompts']}",
+        f"data.eval={echo_task['prompts']}",
+        "agent.factory=echo_agent:solve",
+        "agent.concurrency=32",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
+        "iterations=12",
+        "batch_size=32",
+        "minibatch_size=16",
+        "ppo_epochs=2",
+        "eval.every=12",
+        "eval.num_prompts=32",
+        "eval.temperature=1.0",
+        "critic.init=sft",
+        "optim.lr=1e-2",
+        "critic.optim.lr=1e-2",
+        "kl.controller=fixed",
+        "kl.init_coef=0.01",
+        "progress=false",
+        "tensorboard=false",
+    ]
+    assert cli.main(argv) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in rows if "agent/return" in r]
+    assert len(train) == 12 and all(r["agent/calls"] == 2 and r["agent/errors"] == 0 for r in train)
+    assert all(r["agent/turns"] == 2 and r["agent/forks"] == 0 for r in train)  # every call joined
+    early = sum(r["agent/return"] for r in train[:3]) / 3
+    late = sum(r["agent/return"] for r in train[-3:]) / 3
+    assert late > early + 0.1, (early, late)
+    evals = [r for r in rows if "gold/score" in r]
+    assert evals[-1]["gold/score"] > evals[0]["gold/score"] + 0.1, evals
+    assert all(r["eval/score"] == r["gold/score"] == r["eval/env/return"] for r in evals)
+    assert all(0 < r["rollout/response_len"] <= 2 * 6 for r in train)  # sampled tokens only
+    assert "value/explained_var" in train[-1]  # the critic trained
+
+
+async def forking(client, row: dict) -> float:
+    """Two calls, the second starting over from another first message (a fork): returns its fraction of `a`."""
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    retry = [{"role": "user", "content": row["prompt"] + "a"}]
+    text = (await client.chat.completions.create(model="policy", messages=retry)).choices[0].message.content
+    return (text or "").count("a") / max(1, len(text or ""))
+
+
+@pytest.mark.parametrize("estimator", ["gae", "rloo"])
+def test_forks_train_as_rows_of_their_own_unless_an_estimator_compares_groups(echo_task, tmp_path, estimator):
+    """GAE (one process, group_size 1): each episode's fork trajectory is a row of its own, trained with the
+    episode's reward (twice the rows); RLOO (group_size 4): one row per episode, the fork counted."""
+    from shifu.cli import main as cli
+
+    out = tmp_path / estimator
+    argv = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={echo_task['char']}",
+        f"data.train={echo_task['prompts']}",
+        "agent.factory=test_agent:forking",
+        "generation.max_new_tokens=5",
+        "generation.max_total_tokens=12",
+        "iterations=2",
+        "batch_size=16",
+        "minibatch_size=8",
+        "eval.every=0",
+        "eval.num_prompts=4",
+        "critic.init=sft",
+        "progress=false",
+        "tensorboard=false",
+    ]
+    if estimator == "rloo":
+        argv += ["advantage_estimator=rloo", "group_size=4"]
+    assert cli.main(argv) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in rows if "agent/return" in r]
+    assert len(train) == 2 and all(r["agent/forks"] == 1 and r["agent/calls"] == 2 for r in train)
+    forks = 1 if estimator == "gae" else 0
+    assert all(r["agent/fork_rows"] == forks and r["rollout/rows"] == 16 * (1 + forks) for r in train)
+    assert all(abs(r["loss/policy"]) < 1e3 for r in train)
+
+
+def test_the_quickstart_evaluation_runs_held_out_episodes_through_the_plans_agent(
+    echo_task, tmp_path, monkeypatch
+):
+    from shifu.experiments.evaluation import evaluate as final_evaluation
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    plan = {
+        "agent": {"factory": "echo_agent:solve"},
+        "generation": {"max_new_tokens": 6, "max_total_tokens": 24},
+    }
+    ev = {"temperature": 1.0, "num_prompts": 8, "batch_size": 4}
+    char = echo_task["char"]
+    summary = final_evaluation("echo", char, char, str(echo_task["prompts"]), ev, 0, tmp_path, ppo_plan=plan)
+    assert summary["eval_prompts"] == 8 and summary["gold_judge"] == "episode return of echo_agent:solve"
+    assert summary["turns_after"] == 2 and 0 <= summary["gold_after"] <= 1
+    assert len((tmp_path / "samples_after.jsonl").read_text().splitlines()) == 8
