@@ -18,7 +18,7 @@ sampling are not included (they are the same for all three). Each linear is time
 read from cache where it fits (a real step streams all 30 layers from memory: slower).
 
 ``--generation``: whole generations instead (the random-weight SmolLM2-135M policy of ``shifu bench``,
-:mod:`shifu.experiments.bench_setup`; 128 new tokens, sampling, fp32), alternating shifu's decoder with the
+:mod:`shifu.bench.workload`; 128 new tokens, sampling, fp32), alternating shifu's decoder with the
 output embedding read as ``F.linear(h, W)``, shifu's decoder with it read as ``(W @ h^T)^T`` (the two orders
 :func:`shifu.generation.decode.head_product` chooses between) and HF ``generate``; one JSON line per row count::
 
@@ -94,8 +94,8 @@ def generation(rows: int, rounds: int = 3) -> dict:
     import dataclasses
 
     import shifu.generation.decode as dec
-    from shifu.experiments.bench import SHAPES
-    from shifu.experiments.bench_setup import build_policy, build_prompts
+    from shifu.bench.timing import SHAPES
+    from shifu.bench.workload import build_policy, build_prompts
     from shifu.generation.rollout import SamplingParams, generate
 
     setup = dataclasses.replace(SHAPES["smollm2-135m"], shape="smollm2-135m", batch=rows, new_tokens=128)

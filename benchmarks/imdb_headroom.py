@@ -39,10 +39,10 @@ import provenance  # benchmarks/provenance.py (this script's own folder is on sy
 import torch
 
 from shifu.config.imports import load_callable
-from shifu.experiments import evaluation as ev_mod
-from shifu.experiments import quickstart as qs
-from shifu.experiments.pipeline import Stages, ppo_overrides, train_stage
 from shifu.generation.rollout import SamplingParams
+from shifu.pipelines import evaluation as ev_mod
+from shifu.pipelines import quickstart as qs
+from shifu.pipelines.stages import Stages, ppo_overrides, train_stage
 from shifu.rewards.sources import load_reward_model
 from shifu.rollout.sources import SingleTurn
 from shifu.runs.jsonfile import read_jsonl, write_jsonl

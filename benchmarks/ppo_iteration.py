@@ -1,6 +1,6 @@
 """Time full PPO iterations of shifu (``shifu bench``), and, with --vs-trl, of TRL's PPO on the identical models.
 
-The setup, the shapes and shifu's timed run are ``shifu bench``'s (:mod:`shifu.experiments.bench`, which works
+The setup, the shapes and shifu's timed run are ``shifu bench``'s (:mod:`shifu.bench.timing`, which works
 from an installed wheel); this script adds what needs a source checkout: TRL in its own virtualenv
 (``.bench/trl-venv``, TRL 1.12.0) building bit-identical models from the same seeds, the token-budget A/B, and
 records with provenance. Prints one JSON line per system.
@@ -34,8 +34,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import provenance  # noqa: E402  (benchmarks/provenance.py: this script's own folder is on sys.path)
 import torch  # noqa: E402
 
-from shifu.experiments import bench  # noqa: E402
-from shifu.experiments.bench_setup import (  # noqa: E402
+from shifu.bench import timing as bench  # noqa: E402
+from shifu.bench.workload import (  # noqa: E402
     SEED,
     Setup,
     build_policy,

@@ -30,7 +30,7 @@ from pathlib import Path
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 
 from shifu.core.stats import mean_se
-from shifu.experiments.quickstart import DEFAULT_PRESET, PLANS, _plan
+from shifu.pipelines.quickstart import DEFAULT_PRESET, PLANS, _plan
 
 G = 4  # responses per prompt of the group methods
 GROUP = [f"ppo.group_size={G}"]

@@ -106,7 +106,7 @@ def main() -> None:
     for r in results:
         print(json.dumps(r), flush=True)
         if "error" not in r:
-            from shifu.experiments.quickstart import _plan
+            from shifu.pipelines.quickstart import _plan
 
             params = {
                 "task": r["task"],

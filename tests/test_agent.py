@@ -275,8 +275,8 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
 
 
 def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
-    from shifu.experiments.evaluation import episode_source
-    from shifu.experiments.quickstart import _plan
+    from shifu.pipelines.evaluation import episode_source
+    from shifu.pipelines.quickstart import _plan
 
     sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.agent.factory=arith_tool_agent:solve"]
     plan = _plan("arith_tool", "smollm2", sets)
@@ -463,7 +463,7 @@ def test_forks_train_as_rows_of_their_own_unless_an_estimator_compares_groups(ec
 def test_the_quickstart_evaluation_runs_held_out_episodes_through_the_plans_agent(
     echo_task, tmp_path, monkeypatch
 ):
-    from shifu.experiments.evaluation import evaluate as final_evaluation
+    from shifu.pipelines.evaluation import evaluate as final_evaluation
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = {

@@ -34,7 +34,10 @@ WINGS = [
     "tasks",
     "reporting",
     "trainers",
-    "experiments",
+    "pipelines",
+    "study",
+    "demo",
+    "bench",
     "serve",
     "cli",
 ]
@@ -118,10 +121,10 @@ def test_no_import_cycle():
 def test_layering():
     allowed_trainer_users = {
         "shifu.cli.main",
-        "shifu.experiments.bench",
-        "shifu.experiments.pipeline",
-        "shifu.experiments.quickstart",
-        "shifu.experiments.study",
+        "shifu.bench.timing",
+        "shifu.pipelines.stages",
+        "shifu.pipelines.quickstart",
+        "shifu.study.frontier",
     }
     for name, path in modules().items():
         deps = imports(name, path)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shifu.experiments.bench import main
+from shifu.bench.timing import main
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from shifu.experiments.demo import main, regularised_optimum, run_bandit, trpo_step
+from shifu.demo.bandit import main, regularised_optimum, run_bandit, trpo_step
 
 torch.set_num_threads(1)
 LINE = re.compile(r"^(\w+)\s+epoch\s+(\d+)\s+kl ([-\d.]+)\s+p\(best\) ([\d.]+)", re.M)

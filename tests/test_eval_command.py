@@ -303,7 +303,7 @@ def test_pipelines_turn_the_trainers_final_evaluation_off(tmp_path):
     without the trainer's final evaluation (eval.final_prompts=0, unless its plan sets it), and its recorded
     plan (what it trains) does not change."""
     from shifu.config.schema import PPOConfig, SFTConfig
-    from shifu.experiments.pipeline import ppo_overrides, stage_overrides
+    from shifu.pipelines.stages import ppo_overrides, stage_overrides
 
     files = {"prompts_train": "t.jsonl", "prompts_val": "v.jsonl"}
     plan = ppo_overrides({"eval": {"every": 2}}, tmp_path / "sft", files, {"function": "m:f"}, 0)

@@ -108,8 +108,8 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     ppo with one) refuses while its directory holds a file shifu did not write; a stage directory shifu did
     not make (rm/, soup/) is refused; a top-level result the user changed is never overwritten. Every
     refusal changes nothing, and a run that needs none of those places leaves them as they are."""
-    from shifu.experiments.pipeline import Stages
-    from shifu.experiments.quickstart import PLANS
+    from shifu.pipelines.quickstart import PLANS
+    from shifu.pipelines.stages import Stages
 
     out = tmp_path / "run"
     assert cli_main(_quickstart(out)) == 0
@@ -154,7 +154,7 @@ def test_user_files_inside_a_pipeline_run_are_never_deleted(tmp_path, capsys):
     for rel in ("notes.txt", "rm/x", "soup/x"):
         assert (out / rel).read_text() == "mine", rel
     assert json.loads(summary.read_text())["task"] == "arith"
-    from shifu.experiments.pipeline_dirs import claim_stage
+    from shifu.pipelines.run_dirs import claim_stage
 
     for stage in ("data", "sft", "ppo", "ppo-2"):
         claim_stage(out / stage, stage)  # all a real run leaves in a stage directory is shifu's

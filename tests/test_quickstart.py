@@ -193,7 +193,7 @@ def test_quickstart_rejects_bad_input(tmp_path, capsys):
 
 @pytest.mark.unit
 def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
-    from shifu.experiments.quickstart import PLANS, preference_prompts
+    from shifu.pipelines.quickstart import PLANS, preference_prompts
 
     files = {"prompts_pairs": str(tmp_path / "pairs.jsonl"), "prompts_train": str(tmp_path / "train.jsonl")}
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
@@ -204,7 +204,7 @@ def test_imdb_pair_prompts_are_topped_up_from_training_prompts(tmp_path):
     assert preference_prompts(files, 100) == ["p0", "p1", "p2", "t0", "t1", "t2", "t3", "t4"]
     # imdb small: 12000 prompts for its bag-of-tokens reward model (3000 gave it 0.71-0.77 held-out
     # accuracy, 12000 0.80-0.81), ties dropped; the imdb "reduced" study keeps 3000 and MiniLM, one epoch
-    from shifu.experiments.budgets import BUDGETS
+    from shifu.study.budgets import BUDGETS
 
     small = PLANS[("imdb", "small")]
     assert small["pairs"]["num_prompts"] == 12000 and small["pairs"]["drop_ties"] is True
@@ -219,7 +219,7 @@ def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
     from shifu.core.stats import mean_se
-    from shifu.experiments.evaluation import evaluate
+    from shifu.pipelines.evaluation import evaluate
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
     path = tmp_path / "prompts.jsonl"
@@ -239,7 +239,7 @@ def test_a_finished_stage_with_another_plan_is_refused_and_kept(tmp_path, capsys
     """A rerun skips a finished stage only when its recorded plan is this run's; another plan is refused
     by key (the stage's files untouched, nothing later runs), in a moved run directory too."""
     from shifu.errors import ShifuError
-    from shifu.experiments.pipeline import Stages
+    from shifu.pipelines.stages import Stages
 
     calls = []
 
@@ -283,7 +283,7 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
     """Members finished before stage plans were recorded are compared by their config.yaml: the seed and
     out_dir may differ, nothing else."""
     from shifu.errors import ShifuError
-    from shifu.experiments.quickstart import same_settings
+    from shifu.pipelines.quickstart import same_settings
 
     for name, seed, lr in (("ppo", 0, 1e-3), ("ppo-2", 1000, 1e-3), ("ppo-3", 2000, 3e-4)):
         (tmp_path / name).mkdir()
@@ -296,7 +296,7 @@ def test_soup_refuses_members_trained_with_other_settings(tmp_path):
 
 @pytest.mark.integration
 def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    from shifu.experiments.quickstart import PLANS
+    from shifu.pipelines.quickstart import PLANS
 
     monkeypatch.chdir(tmp_path)
     argv = [
@@ -331,7 +331,7 @@ def test_print_config_prints_the_resolved_plan_and_writes_nothing(tmp_path, monk
 def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_path):
     from shifu.config.loader import shipped
     from shifu.errors import ConfigError
-    from shifu.experiments.quickstart import PLANS, read_plans
+    from shifu.pipelines.quickstart import PLANS, read_plans
 
     shutil.copytree(shipped("quickstart"), tmp_path, dirs_exist_ok=True)
     assert read_plans(tmp_path) == PLANS  # the shipped files are what quickstart runs

@@ -164,8 +164,8 @@ def test_a_served_process_reward_trains_exactly_like_the_in_process_one(task, tm
 def test_the_study_hands_a_reward_service_to_its_ppo_runs(task):
     """`shifu study frontier --reward-url URL`: a PPO/REINFORCE run's config takes the service in place of
     the plan's reward function, and it validates."""
-    from shifu.experiments.budgets import BUDGETS
-    from shifu.experiments.pipeline import ppo_overrides
+    from shifu.pipelines.stages import ppo_overrides
+    from shifu.study.budgets import BUDGETS
 
     plan = BUDGETS[("arith", "ci")]["ppo"]
     files = {"prompts_train": str(task["prompts"]), "prompts_val": str(task["prompts"])}

@@ -77,7 +77,7 @@ def test_pretrained_presets_link_the_cached_model_and_ask_in_chat_form(task, cac
 
 @pytest.mark.unit
 def test_prepare_runs_again_when_the_cached_model_it_links_to_is_gone(cached_model, tmp_path):
-    from shifu.experiments.pipeline import Stages
+    from shifu.pipelines.stages import Stages
 
     stages = Stages(tmp_path / "run", seed=0, who="test")
     stages.prepare("arith", "smollm2")

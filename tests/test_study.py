@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from shifu.cli.main import main as cli_main
-from shifu.experiments import analysis, budgets, study, study_runs
-from shifu.experiments.pipeline import merge
+from shifu.pipelines.stages import merge
+from shifu.study import analysis, budgets
+from shifu.study import frontier as study
+from shifu.study import runs as study_runs
 
 torch.set_num_threads(1)
 
@@ -172,7 +174,7 @@ def test_only_selects_points_in_budget_order_and_rejects_unknown_ones(tmp_path, 
 
 @pytest.mark.unit
 def test_imdb_reduced_budget_uses_the_small_preset_without_tie_pairs():
-    from shifu.experiments.quickstart import PLANS
+    from shifu.pipelines.quickstart import PLANS
 
     plan = budgets.BUDGETS[("imdb", "reduced")]
     assert plan["preset"] == "small"
@@ -266,7 +268,7 @@ def test_arith_frontier_one_seed_every_method(tmp_path, monkeypatch, capsys):
 def test_print_config_prints_the_budget_as_the_study_runs_it(tmp_path, monkeypatch, capsys):
     import yaml
 
-    from shifu.experiments.quickstart import PLANS
+    from shifu.pipelines.quickstart import PLANS
 
     monkeypatch.chdir(tmp_path)
     assert cli_main(["study", "frontier", "--task", "imdb", "--print-config"]) == 0  # budget reduced

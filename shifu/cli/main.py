@@ -30,7 +30,7 @@ TRAINERS = {
 # command -> (module, description); these modules expose `main(argv) -> int`
 TOOLS = {
     "quickstart": (
-        "shifu.experiments.quickstart",
+        "shifu.pipelines.quickstart",
         "run a built-in task end to end (SFT -> RM -> PPO -> report)",
     ),
     "report": ("shifu.reporting.compare", "render report.html for a run directory, or compare several runs"),
@@ -42,12 +42,12 @@ TOOLS = {
         "shifu.rollout.measure",
         "measure a policy on your prompts and judge, or two paired: mean, gain and standard errors",
     ),
-    "demo": ("shifu.experiments.demo", "toy demos: `shifu demo bandit`"),
+    "demo": ("shifu.demo.bandit", "toy demos: `shifu demo bandit`"),
     "bench": (
-        "shifu.experiments.bench",
+        "shifu.bench.timing",
         "time full PPO iterations on a fixed offline setup (random weights)",
     ),
-    "study": ("shifu.experiments.study", "studies: `shifu study frontier`"),
+    "study": ("shifu.study.frontier", "studies: `shifu study frontier`"),
     "init-model": (
         "shifu.data.starter",
         "a small model with a tokenizer trained on your data, to start in minutes",

@@ -4,7 +4,7 @@ standard errors and the gain with the standard error of its per-prompt differenc
 :func:`shifu.core.stats.mean_se`), the KL of the second policy to the first, tool use where the source reports it
 (:func:`paired_summary`), and one record per prompt (:func:`sample_records`: ``samples_before/after.jsonl``).
 
-The quickstart's final evaluation (:mod:`shifu.experiments.evaluation`), ``shifu eval``
+The quickstart's final evaluation (:mod:`shifu.pipelines.evaluation`), ``shifu eval``
 (:mod:`shifu.rollout.measure`) and the end of ``shifu ppo`` (:func:`shifu.trainers.ppo_eval.final_evaluation`)
 all report through these functions, so their figures mean the same thing.
 """

@@ -43,7 +43,7 @@ MANIFEST = "manifest.json"  # in every checkpoint, written last: {relative path:
 PREV_DIR = ".prev"  # checkpoints/.prev/step-N: step-N's files (hard links) while step-N is being replaced
 SHARDED_DIR = "sharded"  # in a checkpoint of sharded training: every rank's shards, in the backend's format
 RUN_MARKER = ".shifu-run"  # written into every run directory; --overwrite deletes only such directories
-STAGE_MARKER = ".shifu-stage"  # a pipeline's stage directory (experiments.pipeline_dirs), not run content
+STAGE_MARKER = ".shifu-stage"  # a pipeline's stage directory (pipelines.run_dirs), not run content
 PIPELINE_MARKER = ".shifu-pipeline"  # the run directory of a pipeline (shifu quickstart / study)
 
 

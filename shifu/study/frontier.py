@@ -3,7 +3,7 @@ PPO, DPO, REINFORCE and the critic-free methods (GRPO, RLOO, REINFORCE++: :func:
 
 Every method starts from the **same** SFT policy (also the frozen reference), learns from the same judge (PPO
 and REINFORCE through their reward, DPO through preference pairs that judge labelled), and is measured the
-same way by :func:`~shifu.experiments.study_runs.measure`: one sample per held-out prompt (the task's
+same way by :func:`~shifu.study.runs.measure`: one sample per held-out prompt (the task's
 ``prompts_eval.jsonl``, never trained on), at the same temperature, from the same sampling seed; ``gold`` =
 mean gold-judge score; ``kl`` = mean over prompts of ``sum_t log pi(a_t|s_t) - log pi_ref(a_t|s_t)`` over the
 policy's own response tokens (k1, **nats per response**). A method's "KL budget" is its knob: a fixed beta for
@@ -21,11 +21,11 @@ e.g. more seeds at a few points, reusing the shared stages and finished runs of 
 
 Finished stages and runs are kept (``DONE`` / ``RESULT.json`` markers, each with the plan it ran):
 rerunning with the same ``--out`` continues, a finished one whose plan differs is refused by key, and a run
-stopped with a checkpoint (Ctrl-C) resumes from it (:mod:`shifu.experiments.pipeline`). Seeds
+stopped with a checkpoint (Ctrl-C) resumes from it (:mod:`shifu.pipelines.stages`). Seeds
 change the RL/DPO run (sampling, shuffling); the SFT policy and the pairs are shared, so the spread over
 seeds is the method's own variance.
 
-The shared stages, one trained point and the measurement are :mod:`shifu.experiments.study_runs`.
+The shared stages, one trained point and the measurement are :mod:`shifu.study.runs`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ from typing import Any
 
 from shifu.config.loader import shipped
 from shifu.errors import ShifuError
-from shifu.experiments.analysis import (
+from shifu.pipelines.quickstart import plan_yaml
+from shifu.pipelines.run_dirs import claim_run, writing
+from shifu.runs.jsonfile import read_jsonl
+from shifu.study.analysis import (
     aggregate,
     gold_per_cpu,
     matched_kl,
@@ -46,7 +49,7 @@ from shifu.experiments.analysis import (
     summary_table,
     vs_ppo_pairwise,
 )
-from shifu.experiments.budgets import (
+from shifu.study.budgets import (
     BUDGETS,
     DEFAULT_BUDGET,
     METHODS,
@@ -54,10 +57,7 @@ from shifu.experiments.budgets import (
     resolved_budget,
     select_points,
 )
-from shifu.experiments.pipeline_dirs import claim_run, writing
-from shifu.experiments.quickstart import plan_yaml
-from shifu.experiments.study_runs import measure, run_point, shared_stages
-from shifu.runs.jsonfile import read_jsonl
+from shifu.study.runs import measure, run_point, shared_stages
 
 # ------------------------------------------------------------------------------------- the study
 
@@ -88,7 +88,7 @@ def frontier(
     ``only``: ``method:label`` items (e.g. ``ppo:beta=0.3``) — run just these points, instead of
     ``points`` per method of ``methods``.
     """
-    from shifu.experiments.quickstart import GOLD
+    from shifu.pipelines.quickstart import GOLD
 
     if (task, budget) not in BUDGETS:
         choices = ", ".join(f"--task {t} --budget {b}" for t, b in BUDGETS)

@@ -14,7 +14,7 @@ and refuses, naming the keys, a finished stage whose plan differs (it is never k
 place); a trainer stage that was interrupted resumes from its checkpoint, or starts again when it has none.
 
 Nothing shifu did not write is deleted or overwritten: what a pipeline may touch in its run directory and
-its stage directories is :mod:`shifu.experiments.pipeline_dirs`.
+its stage directories is :mod:`shifu.pipelines.run_dirs`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 from shifu.errors import ShifuError
 
 # (`x as x`: names quickstart and evaluation import from here, defined in pipeline_dirs and runs.jsonfile)
-from shifu.experiments.pipeline_dirs import claim_run as claim_run
-from shifu.experiments.pipeline_dirs import claim_stage, clear_stage
-from shifu.experiments.pipeline_dirs import writing as writing
+from shifu.pipelines.run_dirs import claim_run as claim_run
+from shifu.pipelines.run_dirs import claim_stage, clear_stage
+from shifu.pipelines.run_dirs import writing as writing
 from shifu.runs.jsonfile import read_jsonl as read_jsonl
 from shifu.runs.jsonfile import write_jsonl as write_jsonl
 

@@ -21,12 +21,12 @@ Run directory layout (``--out``, default ``runs/quickstart-<task>-<preset>-s<see
                               (the evaluated policy's directory in RUN: ppo/final or soup/final), ...
     RUN/report.html           rendered by shifu.reporting.report (when available)
     RUN/.shifu-pipeline       marks a quickstart run directory; digests of the top-level files it wrote
-    RUN/.shifu-lock           held by the running pipeline (shifu.experiments.pipeline.claim_run)
+    RUN/.shifu-lock           held by the running pipeline (shifu.pipelines.stages.claim_run)
 
 Each stage directory gets a ``DONE`` marker (JSON with the seconds it took) when it finished; a rerun with
 the same ``--out`` skips finished stages and continues from the first missing one (a trainer stage with a
 checkpoint resumes from it). Another ``--out`` that is not empty is refused, as is one a live pipeline runs in;
-nothing the quickstart did not write is deleted or overwritten (:mod:`shifu.experiments.pipeline`).
+nothing the quickstart did not write is deleted or overwritten (:mod:`shifu.pipelines.stages`).
 
 Evaluation (``summary.json``): one sample per held-out prompt (``data/prompts_eval.jsonl``, >= 256, never
 trained on by any stage; the plan's ``eval.num_prompts`` keeps the first N) at the PPO sampling temperature (``generation.temperature``, 1.0 in every preset),
@@ -53,8 +53,8 @@ from typing import Any
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.experiments.evaluation import GOLD, episode_source, eval_settings, evaluate
-from shifu.experiments.pipeline import (
+from shifu.pipelines.evaluation import GOLD, episode_source, eval_settings, evaluate
+from shifu.pipelines.stages import (
     Stages,
     claim_run,
     clock,
@@ -270,7 +270,7 @@ def report_files() -> list[str]:
 
 def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = None) -> dict[str, Any]:
     """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json).
-    ``out`` is held for the rest of the process (:func:`shifu.experiments.pipeline.claim_run`)."""
+    ``out`` is held for the rest of the process (:func:`shifu.pipelines.stages.claim_run`)."""
     plan = _plan(task, preset, sets)
     claim_run(out, "quickstart", RESULTS + report_files())
     stages = Stages(out, seed, "quickstart")

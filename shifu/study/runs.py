@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from shifu.errors import ShifuError
-from shifu.experiments.pipeline import (
+from shifu.pipelines.quickstart import PLANS
+from shifu.pipelines.stages import (
     Stages,
     as_recorded,
     check_plan,
@@ -27,10 +28,9 @@ from shifu.experiments.pipeline import (
     ppo_overrides,
     train_stage,
 )
-from shifu.experiments.pipeline import (
+from shifu.pipelines.stages import (
     merge as _merge,  # a budget's keys on top of quickstart's plan (private here)
 )
-from shifu.experiments.quickstart import PLANS
 from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 # ------------------------------------------------------------------------------------- the measurement
@@ -134,7 +134,7 @@ def arith_pairs(sft_dir: Path, prompt_rows: list[dict], out: Path, pp: dict, see
 def shared_stages(task: str, plan: dict, out: Path, sets_seed: int = 0) -> dict[str, Any]:
     """prepare -> SFT -> pairs (-> reward model for imdb) in ``out/shared``: quickstart's stages and plan for
     the budget's preset, with the budget's overrides on top; every stage is seeded with ``sets_seed``."""
-    from shifu.experiments.quickstart import preference_prompts
+    from shifu.pipelines.quickstart import preference_prompts
 
     qs = PLANS[(task, plan["preset"])]
     stages = Stages(out / "shared", sets_seed, "study")

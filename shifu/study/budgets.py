@@ -11,10 +11,10 @@ from typing import Any
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import DPOConfig, PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.experiments.pipeline import (
+from shifu.pipelines.quickstart import PLANS, PairsPlan, check_stage
+from shifu.pipelines.stages import (
     merge as _merge,  # a budget's keys on top of quickstart's plan (private here)
 )
-from shifu.experiments.quickstart import PLANS, PairsPlan, check_stage
 
 METHODS = (
     "ppo",

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from shifu.experiments.budgets import COLOURS
+from shifu.study.budgets import COLOURS
 
 # ------------------------------------------------------------------------------------- aggregate + plot
 

@@ -1,6 +1,6 @@
 """``shifu bench``: time full PPO iterations of shifu on a fixed offline setup, one JSON line.
 
-Setup (:mod:`shifu.experiments.bench_setup`): random GPT-2-style policy (4 layers, width 256, 4 heads, vocab
+Setup (:mod:`shifu.bench.workload`): random GPT-2-style policy (4 layers, width 256, 4 heads, vocab
 4096, tied embeddings), reward and value models of the same shape; 32 prompts x 16 tokens, 32 new tokens with
 EOS disabled (every response has 32 tokens), 4 PPO epochs of minibatch 8 (16 optimiser steps per iteration),
 fp32, 1 thread, 1 warm-up + 5 measured iterations.
@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from shifu.config.loader import read_shipped_table, shipped
-from shifu.experiments.bench_setup import (
+from shifu.bench.workload import (
     SEED,
     Setup,
     build_policy,
@@ -43,6 +42,7 @@ from shifu.experiments.bench_setup import (
     matmul_peak_gflops,
     summarise,
 )
+from shifu.config.loader import read_shipped_table, shipped
 
 # the shapes: shifu/presets/bench/shapes.yaml, each checked against Setup's fields
 SHAPES: dict[str, Setup] = read_shipped_table(shipped("bench", "shapes.yaml"), Setup)
