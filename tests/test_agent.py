@@ -298,7 +298,7 @@ def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_pa
 
     from shifu.cli.main import main as cli_main
     from shifu.models.loading import build_tiny_gpt2, load_tokenizer
-    from shifu.tasks import imdb
+    from shifu.tasks import assets
 
     stand_in = tmp_path / "cache" / "smollm2-135m-instruct"
     build_tiny_tokenizer().save_pretrained(str(stand_in))
@@ -311,7 +311,7 @@ def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_pa
     build_tiny_gpt2(tok, n_layer=2, n_embd=64, n_head=2, n_positions=2048, seed=0).save_pretrained(
         str(stand_in)
     )
-    monkeypatch.setattr(imdb, "converted_smollm2", lambda: stand_in)
+    monkeypatch.setattr(assets, "converted_smollm2", lambda: stand_in)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     out = tmp_path / "run"
     sets = [

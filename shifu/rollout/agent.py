@@ -283,7 +283,8 @@ def _bad_return(value: Any, session_reward: float | None, where: str) -> str | N
 
 
 def _counts() -> dict[str, int]:
-    return {"turns": 0, "tool_calls": 0, "observation_tokens": 0, "forks": 0}
+    # every call says whether it called a tool (its finish reason): tool use is reported (tool_reports)
+    return {"turns": 0, "tool_calls": 0, "observation_tokens": 0, "forks": 0, "tool_reports": 0}
 
 
 def _row(traj, ep: _Episode, limits: EpisodeLimits, tok) -> _Row:
@@ -315,6 +316,7 @@ def _row(traj, ep: _Episode, limits: EpisodeLimits, tok) -> _Row:
         out.stats += list(zip(seg.log_probs, entropy))
         out.rewards[len(out.ids) - 1] = 0.0 if ep.fault is not None else float(seg.reward or 0.0)
         out.counts["turns"] += 1
+        out.counts["tool_reports"] += 1
         out.counts["tool_calls"] += seg.finish_reason == "tool_calls"
         out.spans.append(("policy", tok.decode(seg.sampled_ids)))
     out.rewards[len(out.ids) - 1] += ep.reward

@@ -87,7 +87,10 @@ class Evaluated:
             return {}
         n, prefix, uses = max(1, len(self)), prefix + "env/", self.tool_use()
         tools = ("tool_calls", "tool_errors") if uses is not None else ()
-        out = {f"{prefix}{k}": sum(self.counts[k]) / n for k in ("turns", *tools, "observation_tokens")}
+        kept = [
+            k for k in ("turns", *tools, "observation_tokens") if k in self.counts
+        ]  # (what the source counts)
+        out = {f"{prefix}{k}": sum(self.counts[k]) / n for k in kept}
         if uses is not None:
             out[f"{prefix}tool_use"] = sum(uses) / n
         out[f"{prefix}terminated"] = sum(not (t or f) for t, f in zip(self.truncated, self.failed)) / n
