@@ -504,3 +504,13 @@ def test_decode_head_layout_follows_the_measurement_and_is_kept_per_machine(arch
             model, torch.cat([ids, out.response_ids], 1), torch.cat([mask, m.long()], 1), P, temperature=0.7
         )
     torch.testing.assert_close(out.log_probs[m], full[m], atol=1e-5, rtol=1e-5)
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p = 1e-50 is 0 in float32: nucleus sampling still keeps the most likely token (it is greedy), never an
+    empty set of candidates."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5], [3.0, 0.0, 0.2, -2.0]])
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        tok = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=1e-50), g)
+        assert tok.tolist() == [1, 0]

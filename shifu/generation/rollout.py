@@ -56,9 +56,10 @@ def sample_next(
             scaled, idx = scaled.sort(dim=-1, descending=True)
         probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
-        # drop a token when the mass strictly before it already reaches p (keeps the first always)
+        # drop a token when the mass strictly before it already reaches p; the first is kept always, also for
+        # a p so small that it rounds to 0 in the probabilities' precision
         before = probs.cumsum(-1) - probs
-        probs = probs.masked_fill(before >= params.top_p, 0.0)
+        probs = probs.masked_fill((before >= params.top_p) & (before > 0), 0.0)
     # inverse-CDF sampling: one uniform per row against the running mass (torch.multinomial draws one
     # exponential per vocabulary entry, ~20x slower at V = 4096 on CPU). With 0 <= u < total,
     # searchsorted(right=True) returns the first i with cdf[i] > u, so a zero-probability token (cdf flat)
