@@ -13,6 +13,7 @@ from test_ppo import built
 from shifu.config.loader import load_config
 from shifu.errors import ConfigError
 from shifu.models.padding import pad_left
+from shifu.rollout.batch import PromptBatch
 from shifu.trainers import ppo, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss, token_budget_split, trim_padding, update
 
@@ -52,9 +53,8 @@ def varied_rollout(task, tmp_path):
     rows = [{"prompt": p} for p in prompts]
     b = pad_left([tok(p, add_special_tokens=False)["input_ids"] for p in prompts], tok.pad_token_id)
     params = dataclasses.replace(ppo.sampling_params(cfg), stop_at_eos=False)
-    r, _ = ppo_rollout.collect_rollout(
-        m, cfg, b["input_ids"], b["attention_mask"], rows, params, s.sample_gen
-    )
+    batch = PromptBatch(b["input_ids"], b["attention_mask"], rows)
+    r, _ = ppo_rollout.collect_rollout(m, cfg, batch, params, s.sample_gen)
     lengths = torch.tensor([3, 8, 1, 6, 2, 8, 5, 4])  # responses stop (EOS) at varied lengths
     R = r.response_mask.shape[1]
     mask = torch.arange(R).unsqueeze(0) < lengths.unsqueeze(1)

@@ -16,6 +16,7 @@ from shifu.generation.rollout import policy_forward
 from shifu.models.loading import load_tokenizer
 from shifu.models.padding import pad_left
 from shifu.parallel import build_strategy
+from shifu.rollout.batch import PromptBatch
 from shifu.trainers import ppo, ppo_models, ppo_rollout
 from shifu.trainers.ppo_update import minibatch_loss
 
@@ -130,22 +131,14 @@ class Run:
 
     def rollout(self):
         b, params = self.batch, ppo.sampling_params(self.cfg)
-        rollout, _ = ppo_rollout.collect_rollout(
-            self.m, self.cfg, b["input_ids"], b["attention_mask"], self.rows, params, self.s.sample_gen
-        )
+        batch = PromptBatch(b["input_ids"], b["attention_mask"], self.rows)
+        rollout, _ = ppo_rollout.collect_rollout(self.m, self.cfg, batch, params, self.s.sample_gen)
         return rollout
 
     def iteration(self) -> dict:
         b = self.batch
-        return ppo.iteration(
-            self.m,
-            self.s,
-            self.cfg,
-            b["input_ids"],
-            b["attention_mask"],
-            self.rows,
-            ppo.sampling_params(self.cfg),
-        )
+        batch = PromptBatch(b["input_ids"], b["attention_mask"], self.rows)
+        return ppo.iteration(self.m, self.s, self.cfg, batch, ppo.sampling_params(self.cfg))
 
 
 def test_ratio_is_one_before_first_step(task, tmp_path):

@@ -19,6 +19,7 @@ from shifu.models.loading import load_causal_lm
 from shifu.models.padding import pad_left
 from shifu.models.scalar import ScalarModel
 from shifu.parallel import precision
+from shifu.rollout.batch import PromptBatch
 from shifu.trainers import ppo, ppo_rollout
 
 
@@ -219,12 +220,14 @@ def test_bf16_where_faster_casts_frozen_models_once_and_keeps_fp32_masters(
     cfg, m, s, rows, b = make_run(task, tmp_path, "bf16=true")
     assert (m.precision.decode, m.precision.frozen, m.precision.update, m.precision.reward) == (True,) * 4
     assert "shifu ppo: bf16 probe" in capsys.readouterr().err  # the choice and why, said once
-    reward = m.reward.model
+    reward = m.reward_model
     assert dtypes(m.ref) == {torch.bfloat16} and dtypes(reward) == {torch.bfloat16}
     assert reward.gain.dtype == torch.float32  # buffers (the normalisation) untouched
     assert dtypes(m.actor) == {torch.float32} and dtypes(m.critic) == {torch.float32}
     assert dtypes(m.decode_copy) == {torch.bfloat16}
-    metrics = ppo.iteration(m, s, cfg, b["input_ids"], b["attention_mask"], rows, ppo.sampling_params(cfg))
+    metrics = ppo.iteration(
+        m, s, cfg, PromptBatch(b["input_ids"], b["attention_mask"], rows), ppo.sampling_params(cfg)
+    )
     # master weights and optimiser state stay fp32; the frozen copies were not cast back or again
     assert dtypes(m.actor) == {torch.float32} and dtypes(m.ref) == {torch.bfloat16}
     opt_state = m.optimizers["actor"].optimizer.state
@@ -255,9 +258,8 @@ def test_bf16_that_measures_slower_falls_back_to_the_fp32_path(task, tmp_path, m
     for flag in ("true", "false"):
         cfg, m, s, rows, b = make_run(task, tmp_path / flag, f"bf16={flag}")
         assert dtypes(m.ref) == {torch.float32} and m.decode_copy is None and not m.precision.any
-        out[flag] = ppo_rollout.collect_rollout(
-            m, cfg, b["input_ids"], b["attention_mask"], rows, ppo.sampling_params(cfg), s.sample_gen
-        )
+        batch = PromptBatch(b["input_ids"], b["attention_mask"], rows)
+        out[flag] = ppo_rollout.collect_rollout(m, cfg, batch, ppo.sampling_params(cfg), s.sample_gen)
     (a, info), (c, _) = out["true"], out["false"]
     assert info["precision/bf16_decode"] == 0.0 and "rollout/mismatch_k3" not in info
     for name in ("input_ids", "old_log_probs", "ref_log_probs", "values", "scores"):

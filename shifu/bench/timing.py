@@ -59,6 +59,8 @@ def run_shifu(s: Setup, n_iters: int, warmup: int, fast: bool) -> dict[str, Any]
     from shifu.models.scalar import ScalarModel, new_value_head
     from shifu.parallel import build_strategy
     from shifu.rewards.sources import RewardSource
+    from shifu.rollout.batch import PromptBatch
+    from shifu.rollout.sources import SingleTurn
     from shifu.trainers import ppo, ppo_models
 
     tmp = Path(tempfile.mkdtemp(prefix="shifu-bench-"))
@@ -81,8 +83,8 @@ def run_shifu(s: Setup, n_iters: int, warmup: int, fast: bool) -> dict[str, Any]
     value_head = new_value_head(s.width, SEED) if fast else None
     strategy = build_strategy(cfg.distributed)
     strategy.launch("cpu")
-    reward_source = RewardSource(model=reward, policy_tokenizer=tok)
-    models = ppo_models.place(actor, critic, value_head, ref, reward_source, tok, cfg, strategy)
+    source = SingleTurn(RewardSource(model=reward, policy_tokenizer=tok))
+    models = ppo_models.place(actor, critic, value_head, ref, source, reward, tok, cfg, strategy)
     state = ppo_models.PPOState.new(cfg, strategy)
     # EOS disabled (every response has s.new_tokens tokens) unless --eos-scale
     params = dataclasses.replace(ppo.sampling_params(cfg), stop_at_eos=bool(s.eos_scale))
@@ -98,7 +100,7 @@ def run_shifu(s: Setup, n_iters: int, warmup: int, fast: bool) -> dict[str, Any]
         rows = [{"prompt": ""} for _ in range(s.batch)]
         sl = slice(i * s.batch, (i + 1) * s.batch)
         t0 = time.perf_counter()
-        m = ppo.iteration(models, state, cfg, prompts[sl], mask[sl], rows, params)
+        m = ppo.iteration(models, state, cfg, PromptBatch(prompts[sl], mask[sl], rows), params)
         total = time.perf_counter() - t0
         if i >= warmup:
             lengths.append(m["rollout/response_len"])
