@@ -180,6 +180,48 @@ def test_without_train_forks_and_in_an_evaluation_each_row_is_its_main_trajector
     assert done.metrics("eval/")["eval/env/turns"] == 1.0
 
 
+async def one_call(client, row: dict) -> float:
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    return 1.0
+
+
+def test_a_trainers_gateway_waits_for_every_episodes_call_before_it_samples():
+    """The episodes' first calls arrive one by one; the recording gateway waits for all of them (every open
+    session has a call pending) and samples them in one call, as the in-process episode source would."""
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    rows = [{"prompt": f"hello {i}"} for i in range(8)]
+    t = collect(AgentEpisodes(one_call, "t:one", EpisodeLimits(2, 6, 64)), model, tok, rows)
+    assert t.metrics["agent/calls"] == 1 and t.metrics["agent/batched_calls"] == 8
+
+
+def test_the_batching_queue_waits_as_long_as_it_is_told():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shifu.http.batching import BatchQueue
+
+    calls = []
+
+    async def main(wait):
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(
+                lambda items: calls.append(list(items)) or items, ex, lambda batch, item: True, wait
+            )
+            first = asyncio.ensure_future(q.submit(1))
+            await asyncio.sleep(0.2)  # the others come later
+            await asyncio.gather(first, q.submit(2), q.submit(3))
+            await q.close()
+
+    asyncio.run(main(lambda n: 0.0 if n >= 3 else 30.0))  # waits for the third
+    assert calls == [[1, 2, 3]]
+    calls.clear()
+    asyncio.run(main(lambda n: 0.0 if n >= 3 else 0.05))  # waits 50 ms, then goes alone
+    asyncio.run(main(None))  # never waits
+    assert calls[0] == [1] and calls[2] == [1]
+
+
 async def moody(client, row: dict):
     """Per row: an answer, a raise, a hang, a bad return, a reward given twice, no call at all."""
     kind = row["kind"]

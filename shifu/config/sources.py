@@ -156,7 +156,7 @@ class AgentConfig:
         "(docs/how-to/agents.md); null: off",
     )
     kwargs: dict = opt({}, "keyword arguments of every solve() call")
-    concurrency: int = opt(16, "episodes run at once (their calls share sampler calls)")
+    concurrency: int = opt(64, "episodes run at once (their calls share sampler calls: 64 fill one)")
     timeout_s: float | None = opt(300.0, "seconds one episode may take (a fault past it); null: no limit")
     on_error: Literal["raise", "end_episode"] = opt(
         "raise",

@@ -91,7 +91,8 @@ class _Routes:
         sampler = ThreadPoolExecutor(1, thread_name_prefix="shifu-sample")
         # one tokenising thread: HF fast tokenizers are not safe to call from several threads at once
         self.state["encoder"] = ThreadPoolExecutor(1, thread_name_prefix="shifu-encode")
-        self.state["queue"] = BatchQueue(self.gw.engine.run, sampler, self.gw.engine.joins)
+        wait = self.gw.batch_wait if self.gw.recording else None
+        self.state["queue"] = BatchQueue(self.gw.engine.run, sampler, self.gw.engine.joins, wait)
         try:
             yield
         finally:

@@ -19,6 +19,7 @@ float rounding. ``top_logprobs`` come from one scoring forward of the finished r
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
         self.calls = 0  # sampler calls run
+        self.last_seconds = 0.0  # how long the last sampler call took
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -139,6 +141,7 @@ class Engine:
         gen = self.generator if first.seed is None else torch.Generator().manual_seed(first.seed)
         ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
         stops = RowStops(self.tok, [j.budget for j in rows], [j.stops for j in rows], ends)
+        t0 = time.perf_counter()
         out = sample(
             model,
             enc["input_ids"].to(device),
@@ -151,6 +154,7 @@ class Engine:
             stop=stops,
         )
         self.calls += 1
+        self.last_seconds = time.perf_counter() - t0
         choices = []
         for b, job in enumerate(rows):
             mask = out.response_mask[b].cpu()

@@ -66,6 +66,7 @@ class Gateway:
         self.memories: dict[str, CompletionMemory] = {}
         self.ended: queue.SimpleQueue[RecordedSession] = queue.SimpleQueue()
         self.server = None
+        self.max_wait_s = 1.0  # recording: the longest a sampler call waits for more completions (batch_wait)
 
     # ---------------------------------------------------------------------------------------- serving
     def app(self):
@@ -155,6 +156,19 @@ class Gateway:
         while not self.ended.empty():
             out.append(self.ended.get())
         return out
+
+    def batch_wait(self, pending: int) -> float:
+        """Recording: how long a sampler call may wait for more completions to join it (the queue's ``wait``,
+        :class:`shifu.http.batching.BatchQueue`). While fewer completions are pending than sessions are open,
+        the episodes just started or answered are about to call: the first sampler call waits for them up to
+        ``max_wait_s``, a later one up to half as long as the last sampler call took (so waiting costs at most
+        a third of the sampler's time) and at most ``max_wait_s``; then, as a trainer's own sampler does, one
+        call serves every episode's next turn."""
+        if pending >= len(self.sessions.open_keys()):
+            return 0.0
+        if self.engine.calls == 0:
+            return self.max_wait_s
+        return min(self.max_wait_s, 0.5 * self.engine.last_seconds)
 
     def memory_of(self, key: str | None) -> CompletionMemory:
         return self.memories.get(key, self.memory) if self.recording else self.memory

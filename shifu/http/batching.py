@@ -4,7 +4,9 @@ One asyncio task feeds one worker thread (the ``executor``, one thread: one call
 runs, the event loop keeps accepting requests; when it ends, the oldest pending item starts the next call
 and every other pending item that :attr:`BatchQueue.joins` it goes along, in arrival order (an item that
 does not join, being of another kind or over the call's budget, waits for a later call; the oldest item
-always goes first, so none waits forever). The reward service merges token blocks into one forward
+always goes first, so none waits forever). With ``wait``, a call does not start as soon as an item is pending:
+it waits up to ``wait(pending)`` seconds after the oldest pending item arrived for more items to join (a
+trainer's gateway waits for the calls of the episodes it is about to answer). The reward service merges token blocks into one forward
 (:mod:`shifu.serve.batcher`); the gateway merges chat completions of one sampling setting into one sampler
 call (:mod:`shifu.gateway.engine`). A failed call fails the requests in it, never the server.
 """
@@ -25,6 +27,7 @@ class _Job:
     future: asyncio.Future
     item: Any = None  # merged with other items into one call of the batch function
     alone: Callable | None = None  # a function run by itself between two calls
+    arrived: float = 0.0  # the event loop's time when it was queued
 
 
 class BatchQueue:
@@ -32,15 +35,18 @@ class BatchQueue:
     ``executor`` (see the module docstring).
 
     ``joins(batch, item) -> bool`` says whether ``item`` may go into the call that holds the items ``batch``
-    (the oldest first); None: every item is a call of its own (no merging)."""
+    (the oldest first); None: every item is a call of its own (no merging). ``wait(pending) -> seconds``: how
+    long after the oldest pending item arrived the next call may wait for more, with ``pending`` items queued
+    (0: start now); None: never wait."""
 
     def __init__(
         self,
         run: Callable[[list], list],
         executor: ThreadPoolExecutor,
         joins: Callable[[list, Any], bool] | None = None,
+        wait: Callable[[int], float] | None = None,
     ):
-        self.run, self.executor, self.joins = run, executor, joins
+        self.run, self.executor, self.joins, self.wait = run, executor, joins, wait
         self._jobs: deque[_Job] = deque()
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -52,14 +58,15 @@ class BatchQueue:
     async def submit_many(self, items: list) -> list:
         """The results of ``items``, queued together (they may still run in different calls)."""
         loop = asyncio.get_running_loop()
-        jobs = [_Job(loop.create_future(), item=x) for x in items]
+        jobs = [_Job(loop.create_future(), item=x, arrived=loop.time()) for x in items]
         self._jobs.extend(jobs)
         self._wake.set()
         return [await j.future for j in jobs]
 
     async def run_alone(self, fn: Callable) -> Any:
         """``fn()`` on the worker thread by itself, after the calls that were pending before it started."""
-        job = _Job(asyncio.get_running_loop().create_future(), alone=fn)
+        loop = asyncio.get_running_loop()
+        job = _Job(loop.create_future(), alone=fn, arrived=loop.time())
         self._jobs.append(job)
         self._wake.set()
         return await job.future
@@ -89,6 +96,16 @@ class BatchQueue:
         self._jobs = left
         return batch
 
+    async def _gather(self, loop) -> None:
+        """Wait for more items while ``wait`` allows it (each arrival asks again)."""
+        while self.wait is not None and self._jobs:
+            left = self._jobs[0].arrived + self.wait(len(self._jobs)) - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -96,6 +113,7 @@ class BatchQueue:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            await self._gather(loop)
             batch = self._take()
             if batch[0].alone is not None:
                 await _settle(batch, loop.run_in_executor(self.executor, batch[0].alone), alone=True)

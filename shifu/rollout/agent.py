@@ -127,7 +127,7 @@ class AgentEpisodes:
         solve: Callable[..., Any],
         spec: str,
         limits: EpisodeLimits,
-        concurrency: int = 16,
+        concurrency: int = 64,
         timeout_s: float | None = 300.0,
         on_error: str = "raise",
         kwargs: dict | None = None,
