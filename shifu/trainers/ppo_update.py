@@ -10,6 +10,7 @@ import torch
 
 from shifu import core
 from shifu.config.schema import PPOConfig
+from shifu.generation.lm_head import token_log_probs
 from shifu.generation.rollout import Rollout, critic_forward, policy_forward
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels, PPOState
@@ -228,11 +229,9 @@ def actor_loss(
     stats["loss/entropy"] = ent.detach()
     ptx_part = None
     if cfg.ptx_coef > 0 and ptx is not None:  # PPO-ptx: SFT NLL on a batch of demonstrations
-        b = next(ptx)
-        logits = m.actor(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-        nll = -core.masked_mean(
-            core.log_probs_from_logits(logits, b["input_ids"][:, 1:]), b["loss_mask"][:, 1:].bool()
-        )
+        b = next(ptx)  # log-probs of tokens 1.. at positions 0..T-2, the model's own position ids
+        ptx_log_probs = token_log_probs(m.actor, b["input_ids"], b["attention_mask"], None, 1)[0]
+        nll = -core.masked_mean(ptx_log_probs, b["loss_mask"][:, 1:].bool())
         stats["loss/ptx"] = (nll * frac).detach()
         ptx_part = cfg.ptx_coef * (nll * frac)
     loss = pg_loss if value_part is None else pg_loss + value_part
