@@ -19,8 +19,8 @@ line:
     python benchmarks/rss_timeline.py episodes --record
     python benchmarks/rss_timeline.py quickstart --record
 
-Keys: ``peak_rss_mb`` (MiB), ``segments`` (``stage``, ``iterations_done``, ``peak_mb``, ``end_rss_mb``,
-``seconds``), ``iteration_peak_mb`` and ``iteration_end_rss_mb`` (PPO iterations in order),
+Keys: ``peak_rss_mb`` (MiB), ``segments`` (``stage``, ``iterations_done``, ``peak_mb``, ``end_rss_mb`` with
+its parts ``end_anon_mb`` and ``end_file_mb``, ``seconds``), ``iteration_peak_mb`` and ``iteration_end_rss_mb`` (PPO iterations in order),
 ``process_cpu_s`` (user + system, ``os.wait4``).
 """
 
@@ -66,7 +66,8 @@ EPISODES = [
 
 
 def status(pid: int) -> dict[str, int]:
-    """VmHWM and VmRSS of ``pid`` in bytes (neither once it is exiting)."""
+    """VmHWM, VmRSS and its anonymous and file-backed parts (RssAnon, RssFile: the model's weights, read
+    from a safetensors file, are file pages) of ``pid`` in bytes (none once it is exiting)."""
     out = {}
     try:
         text = Path(f"/proc/{pid}/status").read_text()
@@ -74,7 +75,7 @@ def status(pid: int) -> dict[str, int]:
         return out
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS"):
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
             out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -144,6 +145,8 @@ def segment(key: tuple[str, int], st: dict[str, int], t0: float) -> dict:
         "iterations_done": key[1],
         "peak_mb": round(st["VmHWM"] / 2**20, 1),
         "end_rss_mb": round(st["VmRSS"] / 2**20, 1),
+        "end_anon_mb": round(st["RssAnon"] / 2**20, 1),
+        "end_file_mb": round(st["RssFile"] / 2**20, 1),
         "seconds": round(time.perf_counter() - t0),
     }
 
@@ -185,6 +188,9 @@ def main() -> None:
         metrics = out / "ppo" / "metrics.jsonl"
     first = "ppo" if args.workload == "episodes" else "load"
     row = watch(cmd, metrics, work / f"{args.workload}.log", env, first)
+    finished = out / ("final" if args.workload == "episodes" else "summary.json")
+    if not finished.exists():  # (a stopped run may exit 0 with a checkpoint)
+        raise SystemExit(f"the run did not finish: no {finished}")
     print(json.dumps({**params, **row}), flush=True)
     if args.record:
         provenance.record(args, "rss_timeline", row, params=params, config=params, threads=1, note=args.note)

@@ -92,16 +92,23 @@ def test_chunked_output_layer_equals_the_full_logits(arch, chunk_elements, monke
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_ptx_log_probs_use_the_models_own_positions():
-    """start=1 and no position ids: the log-prob of every token after the first under the plain forward."""
+@pytest.mark.parametrize("chunk_elements", [2**22, 5 * VOCAB])
+def test_sequence_log_probs_are_the_plain_forwards(chunk_elements, monkeypatch):
+    """The SFT and ptx losses' log-probs: every token after the first under the model's own positions,
+    values and gradients as through the whole logits."""
+    monkeypatch.setattr(lm_head, "CHUNK_ELEMENTS", chunk_elements)
     model = tiny_gpt2(0, VOCAB)
     ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
-    lp = lm_head.token_log_probs(model, ids, mask, None, 1)[0]
+    w = torch.randn(3, 11)
+    lp = lm_head.sequence_log_probs(model, ids, mask)
     logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1], -1)
-    torch.testing.assert_close(
-        lp, logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1), rtol=1e-5, atol=1e-5
-    )
+    ref = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+    head = torch.nn.Linear(1, 1)  # (no value head here)
+    got, want = gradients(model, head, (lp * w).sum()), gradients(model, head, (ref * w).sum())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 class Largest(TorchDispatchMode):

@@ -42,9 +42,10 @@ def output_layer(model: nn.Module) -> nn.Linear | None:
     return head if type(head) is nn.Linear else None
 
 
-def head_input(model: nn.Module, head: nn.Linear, keep: Tensor, **inputs) -> Tensor:
+def head_input(model: nn.Module, head: nn.Linear, keep: Tensor | int, **inputs) -> Tensor:
     """``(B, len(keep), d)``: what ``head`` reads in ``model(**inputs, logits_to_keep=keep)``, the final
-    hidden states at positions ``keep`` (differentiable as the model is); the head computes no logits."""
+    hidden states at positions ``keep`` (0: every position) (differentiable as the model is); the head
+    computes no logits."""
     seen: list[Tensor] = []
 
     def record(module: nn.Module, args: tuple):
@@ -117,3 +118,19 @@ def _from_logits(out, start, tokens, temperature, with_entropy, entropy_grad, va
     if log_softmax:
         return log_probs, entropy, values, torch.log_softmax(logits.float() / temperature, dim=-1)
     return log_probs, entropy, values
+
+
+def sequence_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Log-probs ``(B, T-1)`` of ``input_ids[:, 1:]`` at positions ``0 .. T-2`` under the model's own position
+    ids: the SFT and ptx losses. The output layer reads every position, as in the model's own forward (the
+    last position's log-prob, of a stand-in token, is dropped: no gradient reaches it), so its weight's
+    gradient sums over the same rows."""
+    head = output_layer(model)
+    if head is None:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).logits  # (B, T, V)
+        return core.log_probs_from_logits(logits[:, :-1], input_ids[:, 1:])
+    hidden = head_input(model, head, 0, input_ids=input_ids, attention_mask=attention_mask)  # (B, T, d)
+    tokens = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], 1)
+    return core.log_probs_from_hidden(hidden, head.weight, tokens, 1.0, head.bias, CHUNK_ELEMENTS)[:, :-1]

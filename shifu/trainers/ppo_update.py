@@ -10,7 +10,7 @@ import torch
 
 from shifu import core
 from shifu.config.schema import PPOConfig
-from shifu.generation.lm_head import token_log_probs
+from shifu.generation.lm_head import sequence_log_probs
 from shifu.generation.rollout import Rollout, critic_forward, policy_forward
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels, PPOState
@@ -251,8 +251,8 @@ def actor_loss(
     stats["loss/entropy"] = ent.detach()
     ptx_part = None
     if cfg.ptx_coef > 0 and ptx is not None:  # PPO-ptx: SFT NLL on a batch of demonstrations
-        b = next(ptx)  # log-probs of tokens 1.. at positions 0..T-2, the model's own position ids
-        ptx_log_probs = token_log_probs(m.actor, b["input_ids"], b["attention_mask"], None, 1)[0]
+        b = next(ptx)
+        ptx_log_probs = sequence_log_probs(m.actor, b["input_ids"], b["attention_mask"])  # (B, T-1)
         nll = -core.masked_mean(ptx_log_probs, b["loss_mask"][:, 1:].bool())
         stats["loss/ptx"] = (nll * frac).detach()
         ptx_part = cfg.ptx_coef * (nll * frac)
