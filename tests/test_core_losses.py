@@ -1,5 +1,6 @@
 """PPO policy/value/penalty, Bradley-Terry and DPO losses: hand values, aggregation, masking, gradients."""
 
+import inspect
 import math
 
 import pytest
@@ -237,10 +238,28 @@ def test_token_sum_norm_divides_by_a_constant():
     torch.testing.assert_close(x.grad, -torch.where(mask, adv, 0.0) / 16)
 
 
+def test_every_policy_loss_has_the_one_signature():
+    """The four tensors, then the same keywords for every loss (only the clip range's defaults differ:
+    GSPO's are the paper's sequence-level ones)."""
+    shape = {
+        name: [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+        for name, fn in POLICY_LOSSES.items()
+    }
+    assert all(s == shape["ppo"] for s in shape.values()), shape
+    assert [n for n, k in shape["ppo"] if k is inspect.Parameter.POSITIONAL_OR_KEYWORD] == [
+        "log_probs",
+        "old_log_probs",
+        "advantages",
+        "response_mask",
+    ]
+    with pytest.raises(ValueError, match="beta"):
+        POLICY_LOSSES["ppo_penalty"](*random_batch(3))
+
+
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_every_policy_loss_takes_the_shared_signature_and_aggregations(name):
     lp, old, adv, mask = random_batch(3)
-    options = {"ppo_penalty": {"beta": 0.1}}.get(name, {})
+    options = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "beta": 0.1}  # what the trainer passes
     for aggregation, kw in [
         ("token_mean", {"num_tokens": 40}),
         ("seq_mean", {}),

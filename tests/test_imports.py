@@ -51,6 +51,8 @@ def test_public_names():
         "masked_whiten",
         "log_probs_from_logits",
         "log_probs_and_entropy",
+        "log_probs_from_hidden",
+        "log_probs_and_entropy_from_hidden",
         "entropy_from_logits",
         "kl_estimate",
         "shape_rewards",

@@ -15,7 +15,7 @@ from shifu.errors import ConfigError
 from shifu.models.padding import pad_left
 from shifu.rollout.batch import PromptBatch
 from shifu.trainers import ppo, ppo_rollout
-from shifu.trainers.ppo_update import minibatch_loss, token_budget_split, trim_padding, update
+from shifu.trainers.ppo_update import coefficients, minibatch_loss, token_budget_split, trim_padding, update
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_token_budget_micro_batches_trim_padding_and_keep_the_minibatch_loss(tas
         for micro in split:
             mb = rollout.select(micro)
             mb = trim_padding(mb) if len(split) > 1 else mb
-            for _, loss, _ in minibatch_loss(m, s, cfg, mb, n_tokens, len(micro) / 8):
+            for _, loss, _ in minibatch_loss(m, cfg, mb, n_tokens, len(micro) / 8, **coefficients(s)):
                 loss.backward()  # (the actor's part, then the critic's)
                 total += float(loss.detach())
         params = [*m.actor.parameters(), *m.critic.parameters()]

@@ -18,7 +18,7 @@ from shifu.models.padding import pad_left
 from shifu.parallel import build_strategy
 from shifu.rollout.batch import PromptBatch
 from shifu.trainers import ppo, ppo_models, ppo_rollout
-from shifu.trainers.ppo_update import minibatch_loss
+from shifu.trainers.ppo_update import coefficients, minibatch_loss
 
 pytestmark = pytest.mark.integration
 
@@ -206,12 +206,14 @@ def test_score_lands_on_last_real_token(task, tmp_path, model):
     assert (exp.advantages[~mask] == 0).all() and (exp.returns[~mask] == 0).all()
     # everything after EOS is masked in every loss: garbage in padded positions changes nothing
     n = mask.sum()
-    parts_a = list(minibatch_loss(run.m, run.s, run.cfg, exp, n, 1.0))
+    parts_a = list(minibatch_loss(run.m, run.cfg, exp, n, 1.0, **coefficients(run.s)))
     junk = {
         k: torch.where(mask, getattr(exp, k), torch.full_like(getattr(exp, k), 1e6))
         for k in ("advantages", "old_log_probs", "returns", "values")
     }
-    parts_b = list(minibatch_loss(run.m, run.s, run.cfg, dataclasses.replace(exp, **junk), n, 1.0))
+    parts_b = list(
+        minibatch_loss(run.m, run.cfg, dataclasses.replace(exp, **junk), n, 1.0, **coefficients(run.s))
+    )
     assert [name for name, _, _ in parts_a] == [name for name, _, _ in parts_b] and parts_a
     for (_, loss_a, _), (_, loss_b, _) in zip(parts_a, parts_b):
         torch.testing.assert_close(loss_a, loss_b)

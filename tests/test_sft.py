@@ -81,17 +81,17 @@ def test_gradients_on_prompt_and_padding_positions_are_exactly_zero(tiny_model_d
     ]
     examples, _ = encode_sft(tok, rows, 64, 128)
     batch = collate_sft(examples, tok.pad_token_id)
-    logits_out = {}
+    seen = {}
 
-    def keep(_module, _inputs, output):
-        output.retain_grad()
-        logits_out["logits"] = output
+    def keep(_module, args):  # what the output layer reads: the final hidden states it is given
+        args[0].retain_grad()
+        seen["hidden"] = args[0]
 
-    handle = model.lm_head.register_forward_hook(keep)
+    handle = model.lm_head.register_forward_pre_hook(keep)
     nll_sum, n = sft.sft_nll_sum(model, batch, "cpu", bf16=False)
     (nll_sum / n).backward()
     handle.remove()
-    grad = logits_out["logits"].grad  # (B, T, V): position t predicts token t+1
+    grad = seen["hidden"].grad  # (B, T, d): position t predicts token t+1
     predicts_response = torch.zeros(batch["loss_mask"].shape, dtype=torch.bool)
     predicts_response[:, :-1] = batch["loss_mask"][:, 1:]
     assert (grad[~predicts_response] == 0).all()  # prompt, padding, and the last position: exactly zero

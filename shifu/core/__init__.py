@@ -30,7 +30,13 @@ from .controllers import (
 )
 from .group import dynamic_sampling_mask, group_advantages, group_step_advantages, subtract_group_mean
 from .kl import exact_kl, kl_estimate
-from .logprobs import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from .logprobs import (
+    entropy_from_logits,
+    log_probs_and_entropy,
+    log_probs_and_entropy_from_hidden,
+    log_probs_from_hidden,
+    log_probs_from_logits,
+)
 from .losses import (
     POLICY_LOSSES,
     bradley_terry_loss,
@@ -74,6 +80,8 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "log_probs_and_entropy",
+    "log_probs_and_entropy_from_hidden",
+    "log_probs_from_hidden",
     "log_probs_from_logits",
     "last_true",
     "masked_mean",

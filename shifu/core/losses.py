@@ -18,7 +18,7 @@ aggregated in one of three ways:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,14 +67,16 @@ def ppo_policy_loss(
     old_log_probs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    *,
+    aggregation: str = "token_mean",
+    num_tokens: float | Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
-    aggregation: str = "token_mean",
-    *,
-    num_tokens: float | Tensor | None = None,
+    beta: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), negated to be minimised. All inputs (B, R).
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), negated to be minimised. All inputs (B, R);
+    the :class:`PolicyLoss` signature (``beta`` unused).
 
     ``ratio = exp(log_probs - old_log_probs)``; per token
     ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``. With ``dual_clip = c > 1``
@@ -146,25 +148,30 @@ def ppo_penalty_loss(
     old_log_probs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    beta: float | Tensor,
-    aggregation: str = "token_mean",
     *,
-    estimator: str = "k3",
+    aggregation: str = "token_mean",
     num_tokens: float | Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    beta: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's KL-penalised objective (Schulman et al. 2017, sec. 4, eq. 8), negated: per token
-    ``-(ratio * A - beta * KL(pi_old || pi))``, inputs (B, R).
+    ``-(ratio * A - beta * KL(pi_old || pi))``, inputs (B, R); the :class:`PolicyLoss` signature
+    (``beta`` required; nothing is clipped).
 
-    The KL is estimated per token at tokens sampled from pi_old with ``estimator`` (k3 by default:
-    ``(ratio - 1) - log ratio``, >= 0). Stats: ``kl`` (mean estimate over real tokens), ``ratio_mean``.
-    Adapt ``beta`` with :class:`PenaltyKLController`.
+    The KL is estimated per token at tokens sampled from pi_old with k3 (``(ratio - 1) - log ratio``,
+    >= 0). Stats: ``kl`` (mean estimate over real tokens), ``ratio_mean``. Adapt ``beta`` with
+    :class:`PenaltyKLController`.
     """
+    if beta is None:
+        raise ValueError("ppo_penalty_loss needs beta, the KL penalty's coefficient")
     mask = _check_same(response_mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     new = torch.where(mask, log_probs, zero)
     old = torch.where(mask, old_log_probs, zero)
     ratio = torch.exp(new - old)
-    kl = kl_estimate(old, new, estimator)  # KL(pi_old || pi) from samples of pi_old
+    kl = kl_estimate(old, new, "k3")  # KL(pi_old || pi) from samples of pi_old
     per_token = -(torch.where(mask, advantages, zero) * ratio - beta * kl)
     loss = aggregate(per_token, mask, aggregation, num_tokens)
     with torch.no_grad():
@@ -188,12 +195,17 @@ def reinforce_loss(
     old_log_probs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    aggregation: str = "token_mean",
     *,
+    aggregation: str = "token_mean",
     num_tokens: float | Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    beta: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """REINFORCE (Williams 1992), the score-function gradient: per token ``-A * log pi(a_t | s_t)``,
-    inputs (B, R); ``A`` is the (baselined) whole-sequence return on every token of its row
+    inputs (B, R); the :class:`PolicyLoss` signature (clips nothing, no ``beta``). ``A`` is the
+    (baselined) whole-sequence return on every token of its row
     (:func:`shifu.core.sequence_advantages`). On-policy: ``old_log_probs`` only feed the statistics,
     which carry PPO's keys (``approx_kl``, ``clipfrac`` = 0, ``ratio_mean``) so every policy loss logs
     the same metrics."""
@@ -209,14 +221,17 @@ def gspo_policy_loss(
     old_log_probs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    *,
+    aggregation: str = "token_mean",
+    num_tokens: float | Tensor | None = None,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    aggregation: str = "token_mean",
-    *,
-    num_tokens: float | Tensor | None = None,
+    dual_clip: float | None = None,
+    beta: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, "Group sequence policy optimization"): PPO's clip on a sequence-level
-    importance ratio, negated to be minimised. All inputs (B, R).
+    importance ratio, negated to be minimised. All inputs (B, R); the :class:`PolicyLoss` signature
+    (``dual_clip`` and ``beta`` unused).
 
     ``s_i = exp(1/|y_i| * sum_t (log pi(y_t) - log pi_old(y_t)))`` over the real tokens of response ``i``
     (the length-normalised sequence likelihood ratio), clipped as a whole:
@@ -304,11 +319,30 @@ def exact_kl_loss(
     return loss, {"kl": masked_mean(kl, mask).detach()}
 
 
-# The policy losses by name (the PPO trainer's ``algo``): each takes ``(log_probs, old_log_probs,
-# advantages, response_mask, aggregation, *, num_tokens, **options)`` and returns ``(loss, stats)`` with at
-# least ``approx_kl``, ``clipfrac`` and ``ratio_mean``. Options: ppo ``clip_low``, ``clip_high``,
-# ``dual_clip``; ppo_penalty ``beta``; reinforce none; gspo ``clip_low``, ``clip_high``.
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+class PolicyLoss(Protocol):
+    """The one signature of the policy losses: the four ``(B, R)`` tensors, then keywords only, the same
+    for every loss (each reads the ones it uses: ``clip_low``/``clip_high`` ppo and gspo, ``dual_clip`` ppo,
+    ``beta`` ppo_penalty). Returns ``(loss, stats)`` with at least ``approx_kl``, ``clipfrac`` and
+    ``ratio_mean``."""
+
+    def __call__(
+        self,
+        log_probs: Tensor,
+        old_log_probs: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        *,
+        aggregation: str = "token_mean",
+        num_tokens: float | Tensor | None = None,
+        clip_low: float = ...,
+        clip_high: float = ...,
+        dual_clip: float | None = None,
+        beta: float | Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+# The policy losses by name (the PPO trainer's ``algo``), each a PolicyLoss.
+POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo": ppo_policy_loss,
     "ppo_penalty": ppo_penalty_loss,
     "reinforce": reinforce_loss,

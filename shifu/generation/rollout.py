@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from shifu.core import log_probs_and_entropy, log_probs_from_logits
 from shifu.errors import ShifuError
 from shifu.generation.decode import decoder
+from shifu.generation.lm_head import token_log_probs
 from shifu.models.padding import position_ids_from_mask
 
 
@@ -241,36 +241,24 @@ def policy_forward(
     (B, R) at the same positions if a value head is given (shared-trunk critic). Differentiable.
 
     ``input_ids``/``attention_mask`` (B, P+R) = cat(left-padded prompt, right-padded response). Logits are
-    computed only at the R positions needed (``logits_to_keep`` as an index tensor). With ``log_softmax``
-    a fourth output: the whole next-token log-distribution ``log_softmax(logits / T)`` (B, R, V), float32
-    (the exact KL to the reference, ``kl.loss_estimator=full``).
+    computed only at the R positions needed (``logits_to_keep`` as an index tensor), and for the models
+    :mod:`shifu.generation.lm_head` knows, a chunk at a time: no (B, R, V) tensor exists. With
+    ``log_softmax`` a fourth output: the whole next-token log-distribution ``log_softmax(logits / T)``
+    (B, R, V), float32 (the exact KL to the reference, ``kl.loss_estimator=full``; full logits).
     """
-    P = prompt_len
-    T = input_ids.shape[1]
-    keep = torch.arange(P - 1, T - 1, device=input_ids.device)  # (R,) positions predicting the response
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=keep,
-        output_hidden_states=value_head is not None,
-        use_cache=False,
+    position_ids = position_ids_from_mask(attention_mask)
+    return token_log_probs(
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        prompt_len,
+        temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        value_head=value_head,
+        log_softmax=log_softmax,
     )
-    logits = out.logits  # (B, R, V)
-    entropy = None
-    if with_entropy:  # one pass over the logits for both
-        log_probs, entropy = log_probs_and_entropy(
-            logits, input_ids[:, P:], temperature, entropy_grad=entropy_grad
-        )
-    else:
-        log_probs = log_probs_from_logits(logits, input_ids[:, P:], temperature)
-    values = None
-    if value_head is not None:
-        hidden = out.hidden_states[-1][:, P - 1 : T - 1]  # (B, R, d), after the final norm
-        values = value_head(hidden).squeeze(-1)
-    if log_softmax:
-        return log_probs, entropy, values, torch.log_softmax(logits.float() / temperature, dim=-1)
-    return log_probs, entropy, values
 
 
 def critic_forward(critic, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:

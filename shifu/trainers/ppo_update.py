@@ -10,6 +10,7 @@ import torch
 
 from shifu import core
 from shifu.config.schema import PPOConfig
+from shifu.generation.lm_head import sequence_log_probs
 from shifu.generation.rollout import critic_forward, policy_forward
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels, PPOState
@@ -23,6 +24,7 @@ def update(
     ``grad_accum`` micro-batches; stops the epochs early when ``approx_kl`` passes 1.5 x its target.
     ``actor=False`` (critic warm-up): only the critic's value loss and optimiser."""
     strategy = m.strategy
+    coefs = coefficients(s)  # the controllers move after the update (phase 6)
     trained = list(m.optimizers.values()) if actor else [m.optimizers["critic"]]
     first = "loss/policy" if actor else "loss/value"  # a non-finite loss skips the step
     B, mbs, mask = len(rollout), cfg.minibatch_size // strategy.world, rollout.response_mask
@@ -53,7 +55,7 @@ def update(
                         mb = trim_padding(mb)
                     st = {}
                     for name, loss, part_stats in minibatch_loss(
-                        m, s, cfg, mb, n_tokens, len(micro) / len(idx), ptx, actor
+                        m, cfg, mb, n_tokens, len(micro) / len(idx), ptx, actor, **coefs
                     ):
                         strategy.backward([(m.optimizers[name], loss)])
                         st |= part_stats
@@ -135,8 +137,23 @@ def trim_padding(mb: Rollout) -> Rollout:
     )
 
 
+def coefficients(s: PPOState) -> dict[str, float | None]:
+    """The loss coefficients :func:`minibatch_loss` takes, read off the controllers: ``kl_coef`` (the KL
+    loss term's, kl.penalty=loss) and ``beta`` (algo=ppo_penalty's KL penalty; None for the others)."""
+    return {"kl_coef": s.kl_ctl.value, "beta": s.penalty_ctl.value if s.penalty_ctl else None}
+
+
 def minibatch_loss(
-    m: PPOModels, s: PPOState, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float, ptx=None, actor=True
+    m: PPOModels,
+    cfg: PPOConfig,
+    mb: Rollout,
+    n_tokens,
+    frac: float,
+    ptx=None,
+    actor=True,
+    *,
+    kl_coef: float,
+    beta: float | None,
 ):
     """The loss of one micro-batch ``mb`` of the rollout, as ``(optimiser name, loss, stats)`` parts in the
     order they are back-propagated. A generator: a separate critic's forward runs only once the actor's part
@@ -148,12 +165,13 @@ def minibatch_loss(
     real tokens by ``n_tokens`` (the minibatch's token count, or rows x max_new_tokens, over every rank);
     seq_mean weighs the micro-batch's mean by its share ``frac`` of the rows. With a separate critic
     optimiser the critic's part ``c1 * L_value`` is its own loss; ``actor=False`` (critic warm-up) computes
-    only that. ``L_kl`` (kl.penalty=loss) is the k3 KL to the reference. Stats ``loss/*`` are such partial
-    sums; the others are means over the micro-batch.
+    only that. ``L_kl`` (kl.penalty=loss) is the KL to the reference, weighed by ``kl_coef``; ``beta`` is
+    ppo_penalty's coefficient (:func:`coefficients` reads both off the PPO state). Stats ``loss/*`` are
+    such partial sums; the others are means over the micro-batch.
     """
     separate = "critic" in m.optimizers  # the critic's part goes to its own optimiser
     if actor:
-        loss, stats = actor_loss(m, s, cfg, mb, n_tokens, frac, ptx, with_critic=not separate)
+        loss, stats = actor_loss(m, cfg, mb, n_tokens, frac, ptx, not separate, kl_coef, beta)
         yield "actor", loss, stats
     if separate:
         yield "critic", *critic_loss(m, cfg, mb, n_tokens, frac)
@@ -168,7 +186,15 @@ def _aggregation(cfg: PPOConfig, n_tokens, frac: float):
 
 
 def actor_loss(
-    m: PPOModels, s: PPOState, cfg: PPOConfig, mb: Rollout, n_tokens, frac: float, ptx, with_critic: bool
+    m: PPOModels,
+    cfg: PPOConfig,
+    mb: Rollout,
+    n_tokens,
+    frac: float,
+    ptx,
+    with_critic: bool,
+    kl_coef: float,
+    beta: float | None,
 ):
     """The actor's part of :func:`minibatch_loss` (with the value loss of a critic that shares its
     optimiser, ``with_critic``) -> ``(loss, stats)``."""
@@ -191,12 +217,6 @@ def actor_loss(
         if m.critic is not None and with_critic:
             values = critic_forward(m.critic, mb.input_ids, mb.attention_mask, P)
     log_probs, entropy = log_probs.float(), entropy.float()
-    options = {
-        "ppo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip": cfg.dual_clip},
-        "ppo_penalty": {"beta": s.penalty_ctl.value if s.penalty_ctl else None},
-        "reinforce": {},
-        "gspo": {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high},
-    }
     pg_loss, st = core.POLICY_LOSSES[cfg.algo](
         log_probs,
         mb.old_log_probs,
@@ -204,7 +224,10 @@ def actor_loss(
         mask,
         aggregation=cfg.loss_aggregation,
         **kw,
-        **options[cfg.algo],
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        beta=beta,
     )
     pg_loss = pg_loss * w
     stats = {"loss/policy": pg_loss.detach()} | {
@@ -219,7 +242,7 @@ def actor_loss(
             kl_part, kst = core.kl_loss(
                 log_probs, mb.ref_log_probs, mask, cfg.loss_aggregation, estimator=cfg.kl.loss_estimator, **kw
             )
-        pg_loss = pg_loss + s.kl_ctl.value * kl_part * w
+        pg_loss = pg_loss + kl_coef * kl_part * w
         stats["loss/kl"] = (kl_part * w).detach()
     value_part = None
     if values is not None and cfg.algo != "reinforce":
@@ -230,10 +253,8 @@ def actor_loss(
     ptx_part = None
     if cfg.ptx_coef > 0 and ptx is not None:  # PPO-ptx: SFT NLL on a batch of demonstrations
         b = next(ptx)
-        logits = m.actor(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-        nll = -core.masked_mean(
-            core.log_probs_from_logits(logits, b["input_ids"][:, 1:]), b["loss_mask"][:, 1:].bool()
-        )
+        ptx_log_probs = sequence_log_probs(m.actor, b["input_ids"], b["attention_mask"])  # (B, T-1)
+        nll = -core.masked_mean(ptx_log_probs, b["loss_mask"][:, 1:].bool())
         stats["loss/ptx"] = (nll * frac).detach()
         ptx_part = cfg.ptx_coef * (nll * frac)
     loss = pg_loss if value_part is None else pg_loss + value_part

@@ -14,10 +14,11 @@ import sys
 import torch
 
 from shifu.config.schema import SFTConfig, check_world_size
-from shifu.core import log_probs_from_logits, masked_sum
+from shifu.core import masked_sum
 from shifu.data.batches import collate_sft, encode_sft, trained_tokens
 from shifu.data.rows import load_train_eval
 from shifu.errors import ConfigError
+from shifu.generation.lm_head import sequence_log_probs
 from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
 from shifu.parallel import build_strategy
 from shifu.parallel.strategy import Strategy
@@ -32,9 +33,8 @@ def sft_nll_sum(model, batch: dict[str, torch.Tensor], device, bf16: bool) -> tu
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device)
     target_mask = batch["loss_mask"][:, 1:].to(device)  # (B, T-1): token t+1 is a trained response token
-    with autocast(bf16, device):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
-    log_probs = log_probs_from_logits(logits[:, :-1].float(), input_ids[:, 1:])  # (B, T-1)
+    with autocast(bf16, device):  # without the (B, T, V) logits
+        log_probs = sequence_log_probs(model, input_ids, attention_mask)  # (B, T-1) float32
     return -masked_sum(log_probs, target_mask), int(target_mask.sum())
 
 

@@ -43,7 +43,7 @@ from shifu.rollout.batch import PromptBatch  # noqa: E402
 from shifu.rollout.build import build_source  # noqa: E402
 from shifu.trainers import ppo, ppo_models, ppo_rollout  # noqa: E402
 from shifu.trainers.ppo_rollout import Rollout  # noqa: E402
-from shifu.trainers.ppo_update import minibatch_loss  # noqa: E402
+from shifu.trainers.ppo_update import coefficients, minibatch_loss  # noqa: E402
 
 B = 8  # global rollouts
 
@@ -187,7 +187,7 @@ def check_deepspeed_learns(out: Path, model: Path, stage: int) -> str:
     def loss() -> float:
         with torch.no_grad():
             n = D.token_mean_divisor(mask.sum())
-            parts = [loss for _, loss, _ in minibatch_loss(m, s, cfg, scored, n, 1.0)]
+            parts = [loss for _, loss, _ in minibatch_loss(m, cfg, scored, n, 1.0, **coefficients(s))]
         return D.reduce_metrics({"l": sum(parts)})["l"]
 
     before = loss()
