@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 EPISODES = [
     "env.factory=guess_env:GuessNumber",
-    "env.max_turns=8",
-    "env.max_tokens_per_turn=320",
-    "env.max_total_tokens=320",
+    "generation.max_turns=8",
+    "generation.max_new_tokens=320",
+    "generation.max_total_tokens=320",
     "batch_size=16",
     "group_size=4",
     "advantage_estimator=grpo",
@@ -168,10 +168,7 @@ def main() -> None:
     if args.workload == "episodes":
         import guess_env
 
-        try:
-            from shifu.tasks.assets import converted_smollm2
-        except ImportError:  # a tree where the SmolLM2 helper still lives beside the imdb task
-            from shifu.tasks.imdb import converted_smollm2
+        from shifu.tasks.assets import converted_smollm2
 
         prompts = guess_env.write_prompts(work / "games.jsonl")
         out = work / "episodes"

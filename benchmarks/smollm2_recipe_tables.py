@@ -8,7 +8,7 @@ from table_parts import commit_label, cpu_label, fmt, footer, md, metric, none_y
 def smollm2(records: list[dict]) -> str:
     """The SmolLM2-135M recipe (``benchmarks/smollm2_recipe.py --record``), one row per run."""
     recs = sorted(
-        select(records, "quickstart", preset="smollm2"),
+        [r for r in select(records, "quickstart", preset="smollm2") if r.get("series") not in EQUIVALENCE],
         key=lambda r: (r["params"]["task"], r["date"], r["params"]["seed"]),
     )
     if not recs:
@@ -50,7 +50,46 @@ def tool_use_cell(r: dict) -> str:
     return "-" if before is None or after is None else f"{before:.3f} → {after:.3f}"
 
 
+EQUIVALENCE = ("agent-equivalence-env", "agent-equivalence-agent")
+
+
+def agent_equivalence(records: list[dict]) -> str:
+    """``arith_tool --preset smollm2`` per seed through the in-process environment and through an agent written
+    against the ``openai`` client (``examples/agents/arith_tool_agent.py``): the two gains, their difference
+    with its standard error (independent runs) and the ratio of the runs' process CPU time."""
+    env, agent = (
+        {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)} for name in EQUIVALENCE
+    )
+    if not env or not agent:
+        return none_yet(
+            "quickstart", "python benchmarks/smollm2_recipe.py ... --series agent-equivalence-agent"
+        )
+    rows = []
+    for seed in sorted(set(env) & set(agent)):
+        e, a = env[seed], agent[seed]
+        diff = metric(a, "gold_gain") - metric(e, "gold_gain")
+        diff_se = (metric(a, "gold_gain_se") ** 2 + metric(e, "gold_gain_se") ** 2) ** 0.5
+        rows.append(
+            [
+                seed,
+                pm(metric(e, "gold_gain"), metric(e, "gold_gain_se"))
+                + f" ({metric(e, 'gain_in_se'):.1f} s.e.)",
+                pm(metric(a, "gold_gain"), metric(a, "gold_gain_se"))
+                + f" ({metric(a, 'gain_in_se'):.1f} s.e.)",
+                f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+                f"{metric(e, 'cpu_seconds_total'):.0f} / {metric(a, 'cpu_seconds_total'):.0f}",
+                f"{metric(a, 'cpu_seconds_total') / metric(e, 'cpu_seconds_total'):.2f}x",
+                f"{commit_label(e)} / {commit_label(a)}",
+            ]
+        )
+    headers = ["seed", "environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
+    headers += ["CPU s (environment / agent)", "CPU ratio", "commits"]
+    recs = [*env.values(), *agent.values()]
+    return md(headers, rows) + footer(recs, f"CPU: {cpu_label(recs[0])}. ")
+
+
 # the tables this module renders, by the name of their block in the pages
 TABLES = {
     "smollm2": smollm2,
+    "agent-equivalence": agent_equivalence,
 }

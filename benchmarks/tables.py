@@ -33,6 +33,7 @@ import ppo_iteration_tables  # noqa: E402
 import provenance  # noqa: E402
 import quickstart_methods_tables  # noqa: E402
 import quickstart_tables  # noqa: E402
+import rollout_tables  # noqa: E402
 import serve_load_tables  # noqa: E402
 import smollm2_recipe_tables  # noqa: E402
 import study_frontier_tables  # noqa: E402
@@ -50,6 +51,7 @@ RENDERERS = (
     decode_weights_tables,
     serve_load_tables,
     memory_tables,
+    rollout_tables,
 )
 
 

@@ -1,0 +1,97 @@
+"""The tables of the rollout benchmarks: ``env_concurrency.py`` (a slow environment's share of a rollout),
+``agent_gateway.py`` (the agent source's load and HTTP overhead) and ``rss_timeline.py`` (peak memory per stage
+and per PPO iteration of SmolLM2 runs)."""
+
+from __future__ import annotations
+
+from table_parts import commit_label, cpu_label, fmt, footer, md, none_yet, select
+
+
+def env_concurrency(records: list[dict]) -> str:
+    recs = select(records, "env_concurrency")
+    if not recs:
+        return none_yet("env_concurrency", "python benchmarks/env_concurrency.py --record")
+    rows = [
+        [
+            r["params"]["concurrency"],
+            f"{r['params']['episodes']} x {r['params']['turns']}",
+            fmt(r["params"]["step_sleep_s"] * 1000, ".0f"),
+            fmt(r["metrics"]["rollout_s"], ".2f"),
+            fmt(r["metrics"]["env_share_s"], ".2f"),
+            fmt(r["metrics"]["env_share_over_three_steps"], ".2f") + "x",
+            cpu_label(r),
+            commit_label(r),
+        ]
+        for r in recs
+    ]
+    headers = ["`env.concurrency`", "episodes x turns", "ms per step", "rollout s", "environment's share s"]
+    headers += ["share / three steps' latency", "CPU", "commit"]
+    return md(headers, rows) + footer(recs)
+
+
+def agent_gateway(records: list[dict]) -> str:
+    recs = select(records, "agent_gateway")
+    if not recs:
+        return none_yet("agent_gateway", "python benchmarks/agent_gateway.py --load --overhead --record")
+    rows = []
+    for r in recs:
+        m, p = r["metrics"], r["params"]
+        if p["mode"] == "load":
+            what = f"{p['sessions']} sessions x {p['turns']} calls, {p['repeats']} rollouts"
+            result = (
+                f"{m['calls_answered']}/{m['calls_expected']} answered, p50 {m['p50_ms'] / 1000:.2f} s, "
+                f"p99 {m['p99_ms'] / 1000:.2f} s, {m['calls_per_s']:.1f} calls/s"
+            )
+        else:
+            what = f"{p['sessions']} episodes x {p['turns']} calls, in process vs through the gateway"
+            result = (
+                f"CPU {m['cpu_s_agent']:.2f} s vs {m['cpu_s_in_process']:.2f} s: {m['cpu_ratio']:.2f}x; "
+                f"same trajectories: {'yes' if m['same_trajectories'] else 'NO'}"
+            )
+        rows.append(
+            [
+                p["mode"],
+                what,
+                result,
+                fmt(m.get("completions_per_sampler_call"), ".1f"),
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
+    headers = ["mode", "workload", "result", "completions per sampler call", "CPU", "commit"]
+    return md(headers, rows) + footer(recs, f"Model: {recs[0]['params']['model']}. ")
+
+
+def rss_timeline(records: list[dict]) -> str:
+    recs = select(records, "rss_timeline")
+    if not recs:
+        return none_yet("rss_timeline", "python benchmarks/rss_timeline.py quickstart --record")
+    rows = []
+    for r in recs:
+        m, p = r["metrics"], r["params"]
+        stages: dict[str, float] = {}
+        for s in m["segments"]:
+            if s["stage"] not in ("load", "prepare task"):
+                stages[s["stage"]] = max(stages.get(s["stage"], 0.0), s["peak_mb"])
+        ends = m["iteration_end_rss_mb"]
+        rows.append(
+            [
+                p["workload"] + (f" ({p['task']})" if p.get("task") else ""),
+                fmt(m["peak_rss_mb"] / 1024, ".2f"),
+                ", ".join(f"{k} {v / 1024:.2f}" for k, v in stages.items()),
+                " -> ".join(f"{x / 1024:.2f}" for x in ends) or "-",
+                fmt(m["process_cpu_s"], ".0f"),
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
+    headers = ["run", "peak RSS GB", "peak per stage GB", "RSS after each PPO iteration GB", "CPU s"]
+    return md(headers + ["CPU", "commit"], rows) + footer(recs)
+
+
+# the tables this module renders, by the name of their block in the pages
+TABLES = {
+    "env-concurrency": env_concurrency,
+    "agent-gateway": agent_gateway,
+    "rss-timeline": rss_timeline,
+}
