@@ -48,6 +48,7 @@ def arith_tool(records: list[dict]) -> str:
                 f"{mean(metric(r, 'gold_before') for r in rs):.3f} → {mean(metric(r, 'gold_after') for r in rs):.3f}",
                 gain,
                 f"{mean(metric(r, 'tool_use_before') for r in rs):.3f} → {mean(metric(r, 'tool_use_after') for r in rs):.3f}",
+                braces_cell(rs),
                 time_cell(rs),
                 cpu,
                 commit_label(rs[0]),
@@ -60,11 +61,20 @@ def arith_tool(records: list[dict]) -> str:
         "accuracy before → after (mean)",
         "gain: mean ± s.e. over seeds",
         "calculator use before → after",
+        "episodes whose policy wrote `{`/`}` after",
         "time per run",
         "CPU",
         "commit",
     ]
     return md(headers, rows) + footer(recs)
+
+
+def braces_cell(rs: list[dict]) -> str:
+    """Held-out episodes after RL in which the policy wrote the calculator's output syntax, over all seeds."""
+    counts = [metric(r, "braces_written_after") for r in rs]
+    if any(c is None for c in counts):
+        return "not counted"
+    return f"{sum(counts)} of {sum(metric(r, 'eval_prompts') for r in rs)}"
 
 
 # settings the imdb `small` plan (MiniLM era) already had, recorded in full by some runs
