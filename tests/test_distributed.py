@@ -21,6 +21,7 @@ from shifu.errors import ShifuError
 from shifu.parallel import distributed as D
 from shifu.parallel import torchrun as T
 from shifu.parallel.strategy import enable_gradient_checkpointing
+from shifu.trainers.common import autocast
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "dist_scripts"))
@@ -184,6 +185,24 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.unit
+def test_gradient_checkpointing_under_cpu_bf16_autocast_gives_the_same_gradients():
+    """The trainers' bf16 autocast picks SDPA's math backend for its forward; the backward runs after the block,
+    and the recomputation must run the attention the forward ran (else torch refuses the recomputed tensors)."""
+    tok = tiny.char_tokenizer()
+    b = tiny.batch(tok, tiny.TEXTS)
+    plain = tiny.tiny_model(tok).train()
+    ckpt = enable_gradient_checkpointing(copy.deepcopy(plain).train())
+    grads = []
+    for m in (plain, ckpt):
+        with autocast(True, "cpu"):
+            s, n = tiny.nll_sum_and_count(m, b)
+        (s / n).backward()
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.unit

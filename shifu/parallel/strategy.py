@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shifu import core
 from shifu.config.sections import DistributedConfig, OptimConfig
@@ -350,14 +351,29 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     wraps it (:meth:`Strategy.wrap` calls it first). Gradients are equal to those without it (tested); HF
     checkpoints only in ``train()`` mode.
     """
+    kwargs = {"use_reentrant": False, "context_fn": _recompute_as_forward}
     for m in (model, getattr(model, "backbone", None), getattr(model, "base_model", None)):
         if m is not None and hasattr(m, "gradient_checkpointing_enable"):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             return model
     raise ShifuError(
         f"gradient checkpointing: {type(model).__name__} has no gradient_checkpointing_enable(); "
         "use a Hugging Face model or set gradient_checkpointing=false"
     )
+
+
+def _recompute_as_forward() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """A checkpoint's ``context_fn``, called in the forward: the recomputation in the backward pass runs with the
+    attention backends the forward had. The trainers' CPU bf16 autocast selects SDPA's math backend inside its
+    block (:func:`shifu.trainers.common.autocast`) and the backward runs after it; recomputed with another
+    backend, attention saves other tensors and torch refuses the recomputation."""
+    flags = (
+        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
+        (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()),
+    )
+    return contextlib.nullcontext(), sdpa_kernel([backend for backend, on in flags if on])
 
 
 @contextlib.contextmanager
