@@ -72,6 +72,8 @@ def agent_equivalence(records: list[dict]) -> str:
         rows.append(
             [
                 seed,
+                f"{metric(e, 'gold_before'):.3f} → {metric(e, 'gold_after'):.3f}",
+                f"{metric(a, 'gold_before'):.3f} → {metric(a, 'gold_after'):.3f}",
                 pm(metric(e, "gold_gain"), metric(e, "gold_gain_se"))
                 + f" ({metric(e, 'gain_in_se'):.1f} s.e.)",
                 pm(metric(a, "gold_gain"), metric(a, "gold_gain_se"))
@@ -82,7 +84,8 @@ def agent_equivalence(records: list[dict]) -> str:
                 f"{commit_label(e)} / {commit_label(a)}",
             ]
         )
-    headers = ["seed", "environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
+    headers = ["seed", "environment: before → after", "agent: before → after"]
+    headers += ["environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
     headers += ["CPU s (environment / agent)", "CPU ratio", "commits"]
     recs = [*env.values(), *agent.values()]
     return md(headers, rows) + footer(recs, f"CPU: {cpu_label(recs[0])}. ")
