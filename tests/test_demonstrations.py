@@ -68,15 +68,16 @@ def test_an_observation_segment_has_zero_loss_weight(tiny_model_dir, tmp_path):
     assert ex["prompt_ids"] == prompt and ex["response_ids"] == cat + obs + good + [tok.eos_token_id]
     assert ex["response_mask"] == [True] * len(cat) + [False] * len(obs) + [True] * (len(good) + 1)
 
-    # the loss: exactly zero gradient on the logits that predict an observation token, nonzero on the others
+    # the loss: exactly zero gradient on the final hidden state that predicts an observation token (what the
+    # output layer reads there: the loss makes no logits), nonzero on the others
     batch, kept = collate_sft([ex], tok.pad_token_id), {}
-    handle = model.lm_head.register_forward_hook(
-        lambda _m, _i, out: kept.update(logits=out) or out.retain_grad()
+    handle = model.lm_head.register_forward_pre_hook(
+        lambda _m, args: kept.update(hidden=args[0]) or args[0].retain_grad()
     )
     nll, n = sft.sft_nll_sum(model, batch, "cpu", bf16=False)
     nll.backward()
     handle.remove()
-    grad = kept["logits"].grad[0].abs().sum(-1)  # (T,): position t predicts token t+1
+    grad = kept["hidden"].grad[0].abs().sum(-1)  # (T,): position t predicts token t+1
     start = len(prompt) + len(cat) - 1
     assert (grad[start : start + len(obs)] == 0).all()
     assert (grad[len(prompt) - 1 : start] > 0).all() and (grad[start + len(obs) : -1] > 0).all()

@@ -560,6 +560,15 @@ def test_under_torchrun_the_first_signal_again_is_the_same_request(monkeypatch, 
     outside torchrun a second signal stops at once, as before."""
     from shifu.trainers.common import GracefulStop
 
+    # Python's own SIGINT handler, whatever a test before this one in the same worker left installed
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _signals_again_under_torchrun(monkeypatch, capfd, GracefulStop)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _signals_again_under_torchrun(monkeypatch, capfd, GracefulStop) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun sets in each rank's environment
     with GracefulStop() as stop:
         _raise_and_wait(signal.SIGINT)
