@@ -158,6 +158,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--note", default=None, help="with --record: a note kept in the record")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        help="episodes: a shifu ppo override after the others",
+    )
     provenance.add_arguments(ap)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="shifu-rss-"))
@@ -173,9 +180,10 @@ def main() -> None:
         prompts = guess_env.write_prompts(work / "games.jsonl")
         out = work / "episodes"
         sets = [f"model.path={converted_smollm2()}", f"data.train={prompts}", f"iterations={args.iterations}"]
-        sets += [f"seed={args.seed}", *EPISODES]
+        sets += [f"seed={args.seed}", *EPISODES, *args.sets]
         cmd = [*base, "ppo", "--out", str(out), "--overwrite", *sets]
-        params = {"workload": "episodes", "sets": EPISODES, "iterations": args.iterations, "seed": args.seed}
+        params = {"workload": "episodes", "sets": [*EPISODES, *args.sets], "iterations": args.iterations}
+        params["seed"] = args.seed
         metrics = out / "metrics.jsonl"
     else:
         out = work / "quickstart"
