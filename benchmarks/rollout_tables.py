@@ -77,6 +77,7 @@ def rss_timeline(records: list[dict]) -> str:
         rows.append(
             [
                 p["workload"] + (f" ({p['task']})" if p.get("task") else ""),
+                r.get("note") or "-",
                 fmt(m["peak_rss_mb"] / 1024, ".2f"),
                 ", ".join(f"{k} {v / 1024:.2f}" for k, v in stages.items()),
                 " -> ".join(f"{x / 1024:.2f}" for x in ends) or "-",
@@ -85,7 +86,14 @@ def rss_timeline(records: list[dict]) -> str:
                 commit_label(r),
             ]
         )
-    headers = ["run", "peak RSS GB", "peak per stage GB", "RSS after each PPO iteration GB", "CPU s"]
+    headers = [
+        "run",
+        "what ran",
+        "peak RSS GiB",
+        "peak per stage GiB",
+        "RSS after each PPO iteration GiB",
+        "CPU s",
+    ]
     return md(headers + ["CPU", "commit"], rows) + footer(recs)
 
 
