@@ -59,6 +59,7 @@ EPISODES = [
     "optim.lr=5e-4",
     "eval.every=0",
     "eval.num_prompts=16",
+    "eval.final_prompts=0",
     "save_every=0",
     "progress=false",
     "tensorboard=false",
