@@ -14,6 +14,7 @@ from table_parts import (
     commit_label,
     cpu_label,
     footer,
+    gold_cell,
     md,
     metric,
     pm,
@@ -97,9 +98,7 @@ def quickstart_runs(records: list[dict]) -> str:
         [
             task_cell(r),
             r["params"]["seed"],
-            f"{metric(r, 'gold_before'):.3f} → {metric(r, 'gold_after'):.3f}"
-            if metric(r, "gold_before") is not None and metric(r, "gold_after") is not None
-            else "-",
+            gold_cell(r),
             pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
             f"{metric(r, 'kl'):.2f}",
             metric(r, "eval_prompts", default="-"),

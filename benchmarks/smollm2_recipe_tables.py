@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from table_parts import commit_label, cpu_label, fmt, footer, md, metric, none_yet, pm, select, time_cell
+from table_parts import (
+    commit_label,
+    cpu_label,
+    fmt,
+    footer,
+    gold_cell,
+    md,
+    metric,
+    none_yet,
+    pm,
+    select,
+    time_cell,
+)
 
 
 def smollm2(records: list[dict]) -> str:
@@ -17,7 +29,7 @@ def smollm2(records: list[dict]) -> str:
         [
             r["params"]["task"],
             r["params"]["seed"],
-            f"{metric(r, 'gold_before'):.3f} → {metric(r, 'gold_after'):.3f}",
+            gold_cell(r),
             pm(metric(r, "gold_gain"), metric(r, "gold_gain_se")),
             fmt(metric(r, "gain_in_se"), ".1f"),
             f"{metric(r, 'kl'):.2f}",
@@ -72,8 +84,8 @@ def agent_equivalence(records: list[dict]) -> str:
         rows.append(
             [
                 seed,
-                f"{metric(e, 'gold_before'):.3f} → {metric(e, 'gold_after'):.3f}",
-                f"{metric(a, 'gold_before'):.3f} → {metric(a, 'gold_after'):.3f}",
+                gold_cell(e),
+                gold_cell(a),
                 pm(metric(e, "gold_gain"), metric(e, "gold_gain_se"))
                 + f" ({metric(e, 'gain_in_se'):.1f} s.e.)",
                 pm(metric(a, "gold_gain"), metric(a, "gold_gain_se"))

@@ -101,6 +101,12 @@ def metric(rec: dict, *names: str, default=None):
     return default
 
 
+def gold_cell(rec: dict) -> str:
+    """The held-out gold before and after RL (``-`` where a record lacks either)."""
+    before, after = metric(rec, "gold_before"), metric(rec, "gold_after")
+    return "-" if before is None or after is None else f"{before:.3f} → {after:.3f}"
+
+
 def sets_label(sets: list[str], drop: tuple[str, ...] = ()) -> str:
     """``--set`` values for a table cell: a key set twice shows its last value, ``drop`` prefixes (settings
     equal to the plan's, named in the table's footer) are left out, and so is ``ppo.``."""
