@@ -97,3 +97,14 @@ async def solve(client, row: dict) -> float:
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
     return 0.0  # still calling tools after MAX_CALLS: no answer
+
+
+def environment(format: str = "json"):
+    """The same task as an in-process environment (``ppo.env.factory=arith_tool_agent:environment``) whose
+    conversation starts with exactly what :func:`solve`'s first call renders through the gateway: ``SYSTEM``,
+    then the tools block the gateway writes for a template without tools (SmolLM2's). The two ways of training
+    then read the same first input, and differ only in who runs the loop: the trainer, or this agent over HTTP."""
+    from shifu.models.tool_calls import tools_system_message
+    from shifu.tasks.arith_tool import calculator_env
+
+    return calculator_env(format, system=f"{SYSTEM}\n\n{tools_system_message(TOOLS)}")
