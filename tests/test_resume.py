@@ -20,6 +20,7 @@ import for each of the ~15 runs. ``test_ppo_real_subprocess_sigterm_and_resume``
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -61,6 +62,7 @@ class Run:
                 f = open(log, "w", buffering=1)  # noqa: SIM115
                 os.dup2(f.fileno(), 1), os.dup2(f.fileno(), 2)
                 sys.stdout = sys.stderr = f
+                faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)  # where it is, if it hangs
                 os.environ.update(env or {})
                 run_shifu.install_hooks()
                 rc = cli.main(argv)
@@ -82,6 +84,8 @@ class Run:
         deadline = time.monotonic() + TIMEOUT
         while self.poll() is None:
             if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGUSR1)  # its stacks into the log
+                time.sleep(2)
                 os.kill(self.pid, signal.SIGKILL)
                 os.waitpid(self.pid, 0)
                 raise AssertionError(f"run did not finish in {TIMEOUT} s:\n{self.output()}")

@@ -284,3 +284,64 @@ def test_an_unknown_tracker_in_the_config_is_named_before_anything_is_written(tm
 
     argv = ["sft", "--out", str(tmp_path / "run"), "model.path=m", "data.train=d.jsonl", "trackers=[neptune]"]
     assert cli.main(argv) == 2 and not (tmp_path / "run").exists()
+
+
+def _forked(body, deadline_s: float = 60.0) -> str:
+    """Run ``body()`` in a forked child (stderr to /dev/null); "exited", "killed" or "hung" (killed after
+    ``deadline_s``)."""
+    import os
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # never returns into pytest
+        try:
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+            body()
+        finally:
+            os._exit(0)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return "killed" if os.WIFSIGNALED(status) else "exited"
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+@pytest.mark.unit
+def test_a_process_killed_while_drawing_a_bar_does_not_freeze_the_next_forked_one():
+    """Two runs forked from one Python process (a test harness, a job runner, a notebook): the first is SIGKILLed
+    while it draws its progress bar. tqdm's default lock is a semaphore shared by every process forked after it
+    was made, so the second run would wait forever at its first bar; shifu's bars take a lock of their own."""
+    import os
+    import signal
+
+    from tqdm.auto import tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    from shifu.runs.tracking import progress
+
+    before = tqdm.__dict__.get("_lock")
+    tqdm.set_lock(TqdmDefaultWriteLock())  # this process drew a bar before it forked (tqdm's lock)
+    try:
+
+        def killed_mid_draw():
+            bar = progress(3, "first run")
+            bar.get_lock().acquire()  # as while drawing
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def draws():
+            bar = progress(3, "second run")
+            bar.update(3)
+            bar.close()
+
+        assert _forked(killed_mid_draw) == "killed"
+        assert _forked(draws, deadline_s=30) == "exited"
+    finally:
+        if before is None:
+            del tqdm._lock
+        else:
+            tqdm.set_lock(before)

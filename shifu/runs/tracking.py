@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -332,9 +333,24 @@ class Tracker:
         self._sinks = {}
 
 
+_bar_lock_pid: int | None = None  # the process whose own lock the bars are drawn under
+
+
+def own_bar_lock() -> None:
+    """Draw this process's bars under a lock of its own. tqdm's default lock holds a semaphore that every
+    process forked after it was made shares: one killed while drawing a bar (SIGKILL, the OOM killer) leaves it
+    taken, and each process sharing it then waits forever at its next bar. shifu's bars are drawn by one
+    process (rank 0), so a thread lock is all they need."""
+    global _bar_lock_pid
+    if _bar_lock_pid != os.getpid():
+        tqdm.set_lock(threading.RLock())
+        _bar_lock_pid = os.getpid()
+
+
 def progress(total: int, desc: str, enabled: bool = True, initial: int = 0, leave: bool = True) -> tqdm:
     """A progress bar on stderr; silent when not a rank-0 process or when disabled. ``leave=False``: cleared
     when closed (a bar shown below another one that goes on)."""
+    own_bar_lock()
     return tqdm(
         total=total,
         desc=desc,
