@@ -330,6 +330,26 @@ def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
         _plan("arith_tool", "smollm2", sets[1:])
 
 
+def test_the_example_environment_reads_the_first_input_the_example_agent_sends(monkeypatch):
+    """The like-for-like pair of the agent-equivalence benchmark: ``arith_tool_agent.environment`` starts each
+    episode with exactly the ids the gateway rendered for ``arith_tool_agent.solve``'s first call (its system
+    message, then the tools block of a template without tools, as SmolLM2's), read as the policy reads them."""
+    from shifu.rollout.turns import turn_encoder
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import arith_tool_agent
+
+    model, tok = setup_model("smollm2_template")
+    rows = [{"prompt": f"What is {a}*{b}?", "answer": str(a * b)} for a, b in ((347, 29), (120, 11))]
+    source = AgentEpisodes(arith_tool_agent.solve, "arith_tool_agent:solve", EpisodeLimits(3, 8, 4096))
+    t = collect(source, model, tok, rows)
+    env = arith_tool_agent.environment()
+    for i, row in enumerate(rows):
+        agent_first = t.prompt_ids[i][t.prompt_mask[i].bool()].tolist()
+        assert agent_first == turn_encoder(tok, True, env).first(env.reset(row))
+        assert len(agent_first) > 100  # (the tools block is there: the task's own system message is ~70 ids)
+
+
 @pytest.mark.slow
 def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_path, monkeypatch):
     """The plumbing of `shifu quickstart --task arith_tool --preset smollm2` with ppo.agent.factory (the
