@@ -62,19 +62,21 @@ def tool_use_cell(r: dict) -> str:
     return "-" if before is None or after is None else f"{before:.3f} → {after:.3f}"
 
 
-EQUIVALENCE = ("agent-equivalence-env", "agent-equivalence-agent")
+# PPO with its critic (GAE, a LoRA critic from the SFT model), the environment side reading the agent's first input
+EQUIVALENCE = ("agent-equivalence-critic-env", "agent-equivalence-critic-agent")
 
 
 def agent_equivalence(records: list[dict]) -> str:
-    """``arith_tool --preset smollm2`` per seed through the in-process environment and through an agent written
-    against the ``openai`` client (``examples/agents/arith_tool_agent.py``): the two gains, their difference
-    with its standard error (independent runs) and the ratio of the runs' process CPU time."""
+    """``arith_tool --preset smollm2`` with PPO's critic, per seed, through the in-process environment
+    (``arith_tool_agent:environment``) and through an agent written against the ``openai`` client
+    (``examples/agents/arith_tool_agent.py``), both reading the same first input: the two gains, their
+    difference with its standard error (independent runs) and the ratio of the runs' process CPU time."""
     env, agent = (
         {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)} for name in EQUIVALENCE
     )
     if not env or not agent:
         return none_yet(
-            "quickstart", "python benchmarks/smollm2_recipe.py ... --series agent-equivalence-agent"
+            "quickstart", "python benchmarks/smollm2_recipe.py ... --series agent-equivalence-critic-agent"
         )
     rows = []
     for seed in sorted(set(env) & set(agent)):
@@ -93,12 +95,13 @@ def agent_equivalence(records: list[dict]) -> str:
                 f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
                 f"{metric(e, 'cpu_seconds_total'):.0f} / {metric(a, 'cpu_seconds_total'):.0f}",
                 f"{metric(a, 'cpu_seconds_total') / metric(e, 'cpu_seconds_total'):.2f}x",
+                f"{metric(e, 'peak_rss_mb'):.0f} / {metric(a, 'peak_rss_mb'):.0f}",
                 f"{commit_label(e)} / {commit_label(a)}",
             ]
         )
     headers = ["seed", "environment: before → after", "agent: before → after"]
     headers += ["environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
-    headers += ["CPU s (environment / agent)", "CPU ratio", "commits"]
+    headers += ["CPU s (environment / agent)", "CPU ratio", "peak RSS MiB (environment / agent)", "commits"]
     recs = [*env.values(), *agent.values()]
     return md(headers, rows) + footer(recs, f"CPU: {cpu_label(recs[0])}. ")
 
