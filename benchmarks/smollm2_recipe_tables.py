@@ -62,47 +62,55 @@ def tool_use_cell(r: dict) -> str:
     return "-" if before is None or after is None else f"{before:.3f} → {after:.3f}"
 
 
-# PPO with its critic (GAE, a LoRA critic from the SFT model), the environment side reading the agent's first input
-EQUIVALENCE = ("agent-equivalence-critic-env", "agent-equivalence-critic-agent")
+# (the estimator as the table names it, the environment's series, the agent's series); the environment side
+# (arith_tool_agent:environment) reads the agent's first input
+EQUIVALENCE = (
+    ("PPO, learned critic (GAE)", "agent-equivalence-critic-env", "agent-equivalence-critic-agent"),
+    ("RLOO (the preset's)", "agent-equivalence-rloo-env", "agent-equivalence-rloo-agent"),
+)
 
 
 def agent_equivalence(records: list[dict]) -> str:
-    """``arith_tool --preset smollm2`` with PPO's critic, per seed, through the in-process environment
+    """``arith_tool --preset smollm2`` per estimator and seed, through the in-process environment
     (``arith_tool_agent:environment``) and through an agent written against the ``openai`` client
     (``examples/agents/arith_tool_agent.py``), both reading the same first input: the two gains, their
-    difference with its standard error (independent runs) and the ratio of the runs' process CPU time."""
-    env, agent = (
-        {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)} for name in EQUIVALENCE
-    )
-    if not env or not agent:
+    difference with its standard error (independent runs), the ratio of the runs' process CPU time and their
+    peak memory."""
+    rows, recs = [], []
+    for estimator, env_series, agent_series in EQUIVALENCE:
+        env, agent = (
+            {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)}
+            for name in (env_series, agent_series)
+        )
+        for seed in sorted(set(env) & set(agent)):
+            e, a = env[seed], agent[seed]
+            recs += [e, a]
+            diff = metric(a, "gold_gain") - metric(e, "gold_gain")
+            diff_se = (metric(a, "gold_gain_se") ** 2 + metric(e, "gold_gain_se") ** 2) ** 0.5
+            rows.append(
+                [
+                    estimator,
+                    seed,
+                    gold_cell(e),
+                    gold_cell(a),
+                    pm(metric(e, "gold_gain"), metric(e, "gold_gain_se"))
+                    + f" ({metric(e, 'gain_in_se'):.1f} s.e.)",
+                    pm(metric(a, "gold_gain"), metric(a, "gold_gain_se"))
+                    + f" ({metric(a, 'gain_in_se'):.1f} s.e.)",
+                    f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+                    f"{metric(e, 'cpu_seconds_total'):.0f} / {metric(a, 'cpu_seconds_total'):.0f}",
+                    f"{metric(a, 'cpu_seconds_total') / metric(e, 'cpu_seconds_total'):.2f}x",
+                    f"{metric(e, 'peak_rss_mb'):.0f} / {metric(a, 'peak_rss_mb'):.0f}",
+                    f"{commit_label(e)} / {commit_label(a)}",
+                ]
+            )
+    if not rows:
         return none_yet(
             "quickstart", "python benchmarks/smollm2_recipe.py ... --series agent-equivalence-critic-agent"
         )
-    rows = []
-    for seed in sorted(set(env) & set(agent)):
-        e, a = env[seed], agent[seed]
-        diff = metric(a, "gold_gain") - metric(e, "gold_gain")
-        diff_se = (metric(a, "gold_gain_se") ** 2 + metric(e, "gold_gain_se") ** 2) ** 0.5
-        rows.append(
-            [
-                seed,
-                gold_cell(e),
-                gold_cell(a),
-                pm(metric(e, "gold_gain"), metric(e, "gold_gain_se"))
-                + f" ({metric(e, 'gain_in_se'):.1f} s.e.)",
-                pm(metric(a, "gold_gain"), metric(a, "gold_gain_se"))
-                + f" ({metric(a, 'gain_in_se'):.1f} s.e.)",
-                f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
-                f"{metric(e, 'cpu_seconds_total'):.0f} / {metric(a, 'cpu_seconds_total'):.0f}",
-                f"{metric(a, 'cpu_seconds_total') / metric(e, 'cpu_seconds_total'):.2f}x",
-                f"{metric(e, 'peak_rss_mb'):.0f} / {metric(a, 'peak_rss_mb'):.0f}",
-                f"{commit_label(e)} / {commit_label(a)}",
-            ]
-        )
-    headers = ["seed", "environment: before → after", "agent: before → after"]
+    headers = ["estimator", "seed", "environment: before → after", "agent: before → after"]
     headers += ["environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
     headers += ["CPU s (environment / agent)", "CPU ratio", "peak RSS MiB (environment / agent)", "commits"]
-    recs = [*env.values(), *agent.values()]
     return md(headers, rows) + footer(recs, f"CPU: {cpu_label(recs[0])}. ")
 
 
