@@ -106,3 +106,40 @@ def test_shifu_keeps_freed_memory_for_reuse_unless_told_not_to():
     mode, system = faults(SHIFU_MALLOC="system")
     assert mode == "system" and system > 3 * 16000 * 0.9, (mode, system)  # 3 x 16384 pages of 4 KiB
     assert faults(MALLOC_ARENA_MAX="2")[0] == "system"  # the user's own malloc setting is left alone
+
+
+# 512 MiB in 8 MiB tensors allocated and freed on a thread that stays (as the agent gateway's sampling thread does),
+# then the same on the main thread: resident MiB before and after the main thread's turn
+_THREADS = """
+import sys, threading, torch
+from shifu.parallel.threads import keep_freed_memory
+print(keep_freed_memory(), file=sys.stderr)
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+def work():
+    xs = [torch.ones(2 << 20) for _ in range(64)]
+    del xs
+done, end = threading.Event(), threading.Event()
+def sampler():
+    work(), done.set(), end.wait()
+t = threading.Thread(target=sampler)
+t.start(), done.wait()
+before = rss()
+work()
+print(before, rss())
+end.set(), t.join()
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_memory_one_thread_freed_serves_another_thread():
+    """Freed memory is kept in one heap for every thread: what a thread freed (the agent gateway's sampling) is
+    reused by the main thread (the update) instead of the process holding both (glibc's arena per thread)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    r = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stderr.split()[-1] == "kept", r.stderr
+    before, after = map(int, r.stdout.split())  # (an arena per thread: +512 MiB)
+    assert before > 512 and after - before < 256, (before, after)
