@@ -18,6 +18,8 @@ line:
 
     python benchmarks/rss_timeline.py episodes --record
     python benchmarks/rss_timeline.py quickstart --record
+    PYTHONPATH=examples/agents python benchmarks/rss_timeline.py quickstart --set ppo.env.factory=null \
+        --set 'ppo.generation.stop=[]' --set ppo.agent.factory=arith_tool_agent:solve --record   # through an agent
 
 Keys: ``peak_rss_mb`` (MiB), ``segments`` (``stage``, ``iterations_done``, ``peak_mb``, ``end_rss_mb`` with
 its parts ``end_anon_mb`` and ``end_file_mb``, ``seconds``), ``iteration_peak_mb`` and ``iteration_end_rss_mb`` (PPO iterations in order),
@@ -164,7 +166,7 @@ def main() -> None:
         dest="sets",
         action="append",
         default=[],
-        help="episodes: a shifu ppo override after the others",
+        help="episodes: a shifu ppo override after the others; quickstart: a quickstart --set",
     )
     provenance.add_arguments(ap)
     args = ap.parse_args()
@@ -190,7 +192,10 @@ def main() -> None:
         out = work / "quickstart"
         cmd = [*base, "quickstart", "--task", "arith_tool", "--preset", "smollm2"]
         cmd += ["--seed", str(args.seed), "--threads", "1", "--out", str(out)]
+        cmd += [x for s in args.sets for x in ("--set", s)]
         params = {"workload": "quickstart", "task": "arith_tool", "preset": "smollm2", "seed": args.seed}
+        if args.sets:
+            params["sets"] = args.sets
         metrics = out / "ppo" / "metrics.jsonl"
     first = "ppo" if args.workload == "episodes" else "load"
     row = watch(cmd, metrics, work / f"{args.workload}.log", env, first)
