@@ -35,8 +35,8 @@ def keep_freed_memory() -> str:
     With ``M_ARENA_MAX = 1`` every thread allocates from that one heap. Otherwise glibc gives each thread that
     allocates its own arena, and each arena would keep its own high-water mark: memory the agent gateway's
     sampling thread freed could not serve the trainer's update on the main thread, and the process would hold
-    both peaks at once (a short SmolLM2 quickstart through an agent: 3.49 GB peak with an arena per thread,
-    2.29 GB with one, at the same CPU time).
+    both peaks at once (a short SmolLM2 quickstart through an agent: 3244 MiB peak with an arena per thread,
+    2322 MiB with one, and no more CPU time; docs/benchmarks/throughput.md).
 
     Called once by ``shifu`` before any command, and by the timed runs of ``shifu bench``.
     ``SHIFU_MALLOC=system``, or any ``MALLOC_*`` / ``GLIBC_TUNABLES`` setting or preloaded malloc of your own,
