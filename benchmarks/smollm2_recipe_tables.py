@@ -18,9 +18,10 @@ from table_parts import (
 
 
 def smollm2(records: list[dict]) -> str:
-    """The SmolLM2-135M recipe (``benchmarks/smollm2_recipe.py --record``), one row per run."""
+    """The SmolLM2-135M recipe (``benchmarks/smollm2_recipe.py --record``), one row per run of a preset as it
+    ships (no ``--set``: the agent-equivalence runs change the plan and have a table of their own)."""
     recs = sorted(
-        [r for r in select(records, "quickstart", preset="smollm2") if r.get("series") not in EQUIVALENCE],
+        [r for r in select(records, "quickstart", preset="smollm2") if not r["params"].get("sets")],
         key=lambda r: (r["params"]["task"], r["date"], r["params"]["seed"]),
     )
     if not recs:
@@ -75,35 +76,21 @@ def agent_equivalence(records: list[dict]) -> str:
     (``arith_tool_agent:environment``) and through an agent written against the ``openai`` client
     (``examples/agents/arith_tool_agent.py``), both reading the same first input: the two gains, their
     difference with its standard error (independent runs), the ratio of the runs' process CPU time and their
-    peak memory."""
+    peak memory. An estimator with several seeds gets a row of their mean: the mean gain over the seeds, its
+    standard error from the seeds' paired ones (sqrt(sum se^2) / n), the CPU time summed, the largest peak."""
     rows, recs = [], []
     for estimator, env_series, agent_series in EQUIVALENCE:
         env, agent = (
             {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)}
             for name in (env_series, agent_series)
         )
-        for seed in sorted(set(env) & set(agent)):
-            e, a = env[seed], agent[seed]
-            recs += [e, a]
-            diff = metric(a, "gold_gain") - metric(e, "gold_gain")
-            diff_se = (metric(a, "gold_gain_se") ** 2 + metric(e, "gold_gain_se") ** 2) ** 0.5
-            rows.append(
-                [
-                    estimator,
-                    seed,
-                    gold_cell(e),
-                    gold_cell(a),
-                    pm(metric(e, "gold_gain"), metric(e, "gold_gain_se"))
-                    + f" ({metric(e, 'gain_in_se'):.1f} s.e.)",
-                    pm(metric(a, "gold_gain"), metric(a, "gold_gain_se"))
-                    + f" ({metric(a, 'gain_in_se'):.1f} s.e.)",
-                    f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
-                    f"{metric(e, 'cpu_seconds_total'):.0f} / {metric(a, 'cpu_seconds_total'):.0f}",
-                    f"{metric(a, 'cpu_seconds_total') / metric(e, 'cpu_seconds_total'):.2f}x",
-                    f"{metric(e, 'peak_rss_mb'):.0f} / {metric(a, 'peak_rss_mb'):.0f}",
-                    f"{commit_label(e)} / {commit_label(a)}",
-                ]
-            )
+        seeds = sorted(set(env) & set(agent))
+        for seed in seeds:
+            recs += [env[seed], agent[seed]]
+            rows.append(equivalence_row(estimator, str(seed), [env[seed]], [agent[seed]]))
+        if len(seeds) > 1:
+            label = f"mean of {len(seeds)}"
+            rows.append(equivalence_row(estimator, label, [env[s] for s in seeds], [agent[s] for s in seeds]))
     if not rows:
         return none_yet(
             "quickstart", "python benchmarks/smollm2_recipe.py ... --series agent-equivalence-critic-agent"
@@ -112,6 +99,39 @@ def agent_equivalence(records: list[dict]) -> str:
     headers += ["environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
     headers += ["CPU s (environment / agent)", "CPU ratio", "peak RSS MiB (environment / agent)", "commits"]
     return md(headers, rows) + footer(recs, f"CPU: {cpu_label(recs[0])}. ")
+
+
+def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict]) -> list[str]:
+    """One row of the agent-equivalence table: the runs of one seed, or the mean over several."""
+
+    def mean(recs: list[dict], name: str) -> float:
+        return sum(metric(r, name) for r in recs) / len(recs)
+
+    def gain(recs: list[dict]) -> tuple[float, float]:
+        se = sum(metric(r, "gold_gain_se") ** 2 for r in recs) ** 0.5 / len(recs)
+        return mean(recs, "gold_gain"), se
+
+    def gain_cell(recs: list[dict]) -> str:
+        g, se = gain(recs)
+        return pm(g, se) + f" ({g / se:.1f} s.e.)"
+
+    (eg, ese), (ag, ase) = gain(env), gain(agent)
+    diff, diff_se = ag - eg, (ase**2 + ese**2) ** 0.5
+    cpu_env, cpu_agent = (sum(metric(r, "cpu_seconds_total") for r in recs) for recs in (env, agent))
+    commits = sorted({commit_label(r) for r in env}), sorted({commit_label(r) for r in agent})
+    return [
+        estimator,
+        seed,
+        f"{mean(env, 'gold_before'):.3f} → {mean(env, 'gold_after'):.3f}",
+        f"{mean(agent, 'gold_before'):.3f} → {mean(agent, 'gold_after'):.3f}",
+        gain_cell(env),
+        gain_cell(agent),
+        f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+        f"{cpu_env:.0f} / {cpu_agent:.0f}",
+        f"{cpu_agent / cpu_env:.2f}x",
+        f"{max(metric(r, 'peak_rss_mb') for r in env):.0f} / {max(metric(r, 'peak_rss_mb') for r in agent):.0f}",
+        f"{', '.join(commits[0])} / {', '.join(commits[1])}",
+    ]
 
 
 # the tables this module renders, by the name of their block in the pages

@@ -157,3 +157,42 @@ def test_render_fills_only_the_marked_blocks_and_names_an_unknown_one():
     assert out.endswith("<!-- END results:micro-batches -->\nmore prose\n") and "stale" not in out
     with pytest.raises(SystemExit, match="page.md: unknown results block 'nope'"):
         tables.render("<!-- BEGIN results:nope -->\n<!-- END results:nope -->\n", [], "page.md")
+
+
+def test_agent_equivalence_rows_pair_each_seed_and_average_several():
+    def run(series: str, seed: int, gain: float, se: float, cpu: float, sets: list[str]) -> dict:
+        metrics = {"gold_before": 0.1, "gold_after": 0.1 + gain, "gold_gain": gain, "gold_gain_se": se}
+        metrics |= {
+            "cpu_seconds_total": cpu,
+            "peak_rss_mb": 3000.0 + seed,
+            "kl": 1.0,
+            "gain_in_se": gain / se,
+        }
+        params = {"task": "arith_tool", "preset": "smollm2", "seed": seed, "sets": sets}
+        cpu_info = {"model": "AMD EPYC", "flags": [], "cores": 2}
+        rec = {"benchmark": "quickstart", "series": series, "commit": "abcdef0" + "0" * 33, "cpu": cpu_info}
+        return rec | {"params": params, "metrics": metrics, "date": f"2026-01-0{seed + 1}", "command": "x"}
+
+    critic = ["ppo.advantage_estimator=gae"]
+    recs = [
+        run("agent-equivalence-critic-env", 0, 0.2, 0.03, 1000.0, critic),
+        run("agent-equivalence-critic-agent", 0, 0.3, 0.04, 1100.0, critic),
+        run("agent-equivalence-critic-env", 1, 0.4, 0.03, 1000.0, critic),
+        run("agent-equivalence-critic-agent", 1, 0.5, 0.04, 1300.0, critic),
+        run("agent-equivalence-critic-agent", 2, 0.9, 0.04, 1300.0, critic),  # no environment run: no row
+        run(None, 3, 0.6, 0.05, 900.0, []),
+    ]
+    table = tables.TABLES["agent-equivalence"](recs)
+    assert (
+        "| 0 | 0.100 → 0.300 | 0.100 → 0.400 | +0.200 ± 0.030 (6.7 s.e.) | +0.300 ± 0.040 (7.5 s.e.) |"
+        in table
+    )
+    assert "| +0.100 ± 0.050 (2.0 s.e.) | 1000 / 1100 | 1.10x | 3000 / 3000 |" in table
+    # the mean of seeds 0 and 1: standard errors sqrt(2 * se^2) / 2, CPU summed, the larger peak
+    mean_row = "| mean of 2 | 0.100 → 0.400 | 0.100 → 0.500 | +0.300 ± 0.021 (14.1 s.e.) | +0.400 ± 0.028 (14.1 s.e.) |"
+    assert mean_row in table
+    assert "| +0.100 ± 0.035 (2.8 s.e.) | 2000 / 2400 | 1.20x | 3001 / 3001 |" in table
+    assert "| 2 |" not in table and "| 3 |" not in table
+    # the preset's own table: only the run without --set
+    smollm2 = tables.TABLES["smollm2"](recs)
+    assert smollm2.count("| arith_tool |") == 1 and "| arith_tool | 3 |" in smollm2
