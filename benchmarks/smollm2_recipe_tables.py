@@ -76,7 +76,7 @@ def agent_equivalence(records: list[dict]) -> str:
     (``arith_tool_agent:environment``) and through an agent written against the ``openai`` client
     (``examples/agents/arith_tool_agent.py``), both reading the same first input: the two gains, their
     difference with its standard error (independent runs), the ratio of the runs' process CPU time and their
-    peak memory. An estimator with several seeds gets a row of their mean: the mean gain over the seeds, its
+    peak memory, on the CPU the two ran on. An estimator with several seeds gets a row of their mean: the mean gain over the seeds, its
     standard error from the seeds' paired ones (sqrt(sum se^2) / n), the CPU time summed, the largest peak."""
     rows, recs = [], []
     for estimator, env_series, agent_series in EQUIVALENCE:
@@ -97,8 +97,14 @@ def agent_equivalence(records: list[dict]) -> str:
         )
     headers = ["estimator", "seed", "environment: before → after", "agent: before → after"]
     headers += ["environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
-    headers += ["CPU s (environment / agent)", "CPU ratio", "peak RSS MiB (environment / agent)", "commits"]
-    return md(headers, rows) + footer(recs, f"CPU: {cpu_label(recs[0])}. ")
+    headers += [
+        "CPU s (environment / agent)",
+        "CPU ratio",
+        "peak RSS MiB (environment / agent)",
+        "CPU",
+        "commits",
+    ]
+    return md(headers, rows) + footer(recs)
 
 
 def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict]) -> list[str]:
@@ -119,6 +125,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
     diff, diff_se = ag - eg, (ase**2 + ese**2) ** 0.5
     cpu_env, cpu_agent = (sum(metric(r, "cpu_seconds_total") for r in recs) for recs in (env, agent))
     commits = sorted({commit_label(r) for r in env}), sorted({commit_label(r) for r in agent})
+    cpus = "; ".join(dict.fromkeys(cpu_label(r) for r in env + agent))
     return [
         estimator,
         seed,
@@ -130,6 +137,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
         f"{cpu_env:.0f} / {cpu_agent:.0f}",
         f"{cpu_agent / cpu_env:.2f}x",
         f"{max(metric(r, 'peak_rss_mb') for r in env):.0f} / {max(metric(r, 'peak_rss_mb') for r in agent):.0f}",
+        cpus,
         f"{', '.join(commits[0])} / {', '.join(commits[1])}",
     ]
 
