@@ -66,12 +66,7 @@ def tool_use_cell(r: dict) -> str:
 # (the estimator as the table names it, the environment's series, the agent's series); the environment side
 # (arith_tool_agent:environment) reads the agent's first input
 EQUIVALENCE = (
-    (
-        "PPO, learned critic (GAE, λ = 1)",
-        "agent-equivalence-critic-lam1-env",
-        "agent-equivalence-critic-lam1-agent",
-    ),
-    ("PPO, learned critic (GAE, λ = 0.95)", "agent-equivalence-critic-env", "agent-equivalence-critic-agent"),
+    ("PPO, learned critic (GAE)", "agent-equivalence-critic-env", "agent-equivalence-critic-agent"),
     ("RLOO (the preset's)", "agent-equivalence-rloo-env", "agent-equivalence-rloo-agent"),
 )
 
