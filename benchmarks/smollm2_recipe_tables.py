@@ -76,8 +76,9 @@ def agent_equivalence(records: list[dict]) -> str:
     (``arith_tool_agent:environment``) and through an agent written against the ``openai`` client
     (``examples/agents/arith_tool_agent.py``), both reading the same first input: the two gains, their
     difference with its standard error (independent runs), the ratio of the runs' process CPU time and their
-    peak memory, on the CPU the two ran on. An estimator with several seeds gets a row of their mean: the mean gain over the seeds, its
-    standard error from the seeds' paired ones (sqrt(sum se^2) / n), the CPU time summed, the largest peak."""
+    peak memory, on the CPU the two ran on. An estimator with several seeds gets a row of their mean: the mean
+    gain over the seeds, its standard error from the seeds' paired ones (sqrt(sum se^2) / n), the CPU time
+    summed, the largest peak."""
     rows, recs = [], []
     for estimator, env_series, agent_series in EQUIVALENCE:
         env, agent = (

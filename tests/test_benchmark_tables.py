@@ -192,8 +192,10 @@ def test_agent_equivalence_rows_pair_each_seed_and_average_several():
         in table
     )
     # the mean of seeds 0 and 1: standard errors sqrt(2 * se^2) / 2, CPU summed, the larger peak
-    mean_row = "| mean of 2 | 0.100 → 0.400 | 0.100 → 0.500 | +0.300 ± 0.021 (14.1 s.e.) | +0.400 ± 0.028 (14.1 s.e.) |"
-    assert mean_row in table
+    assert (
+        "| mean of 2 | 0.100 → 0.400 | 0.100 → 0.500 | +0.300 ± 0.021 (14.1 s.e.) | +0.400 ± 0.028 (14.1 s.e.) |"
+        in table
+    )
     assert (
         "| +0.100 ± 0.035 (2.8 s.e.) | 2000 / 2400 | 1.20x | 3001 / 3001 | AMD EPYC, no vector flags, 2 cores |"
         in table

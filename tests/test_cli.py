@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,11 @@ def test_malformed_override_after_resume_in_a_subprocess(tmp_path):
     assert not out.exists()
 
 
+def _without_malloc_settings() -> dict[str, str]:
+    """This environment without a malloc setting of the user's (which keep_freed_memory leaves alone)."""
+    return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+
+
 # a process that frees 64 MiB tensors and allocates three more of the same size: their minor page faults
 _REUSE = """
 import resource, sys, torch
@@ -90,9 +96,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_shifu_keeps_freed_memory_for_reuse_unless_told_not_to():
     """What the ``shifu`` command sets before any command: a freed large block is reused without the kernel
     zero-filling its pages again (glibc alone unmaps it: every page of every new 64 MiB tensor faults in)."""
-    import os
-
-    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    base = _without_malloc_settings()
 
     def faults(**env):
         r = subprocess.run(
@@ -108,8 +112,8 @@ def test_shifu_keeps_freed_memory_for_reuse_unless_told_not_to():
     assert faults(MALLOC_ARENA_MAX="2")[0] == "system"  # the user's own malloc setting is left alone
 
 
-# 512 MiB in 8 MiB tensors allocated and freed on a thread that stays (as the agent gateway's sampling thread does),
-# then the same on the main thread: resident MiB before and after the main thread's turn
+# 512 MiB in 8 MiB tensors allocated and freed on a thread that stays (as the agent gateway's sampling thread
+# does), then the same on the main thread: resident MiB before and after the main thread's turn
 _THREADS = """
 import sys, threading, torch
 from shifu.parallel.threads import keep_freed_memory
@@ -136,9 +140,7 @@ end.set(), t.join()
 def test_memory_one_thread_freed_serves_another_thread():
     """Freed memory is kept in one heap for every thread: what a thread freed (the agent gateway's sampling) is
     reused by the main thread (the update) instead of the process holding both (glibc's arena per thread)."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    env = _without_malloc_settings()
     r = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stderr.split()[-1] == "kept", r.stderr
     before, after = map(int, r.stdout.split())  # (an arena per thread: +512 MiB)
