@@ -19,7 +19,8 @@ line:
     python benchmarks/rss_timeline.py episodes --record
     python benchmarks/rss_timeline.py quickstart --record
     PYTHONPATH=examples/agents python benchmarks/rss_timeline.py quickstart --set ppo.env.factory=null \
-        --set 'ppo.generation.stop=[]' --set ppo.agent.factory=arith_tool_agent:solve --record   # through an agent
+        --set 'ppo.generation.stop=[]' --set ppo.agent.factory=arith_tool_agent:solve \
+        --set ppo.data.max_prompt_len=256 --record   # through an agent
 
 Keys: ``peak_rss_mb`` (MiB), ``segments`` (``stage``, ``iterations_done``, ``peak_mb``, ``end_rss_mb`` with
 its parts ``end_anon_mb`` and ``end_file_mb``, ``seconds``), ``iteration_peak_mb`` and ``iteration_end_rss_mb`` (PPO iterations in order),

@@ -32,7 +32,8 @@ from test_tool_calls import QWEN_STYLE  # noqa: E402
 
 from shifu import core  # noqa: E402
 from shifu.config.schema import PPOConfig  # noqa: E402
-from shifu.errors import ConfigError  # noqa: E402
+from shifu.envs.base import describe_row  # noqa: E402
+from shifu.errors import ConfigError, ShifuError  # noqa: E402
 from shifu.generation.rollout import SamplingParams, policy_forward  # noqa: E402
 from shifu.models.padding import position_ids_from_mask  # noqa: E402
 from shifu.rollout.agent import AgentEpisodes, AgentFault, load_agent, set_reward  # noqa: E402
@@ -288,6 +289,24 @@ def test_budgets_cut_trajectories_before_the_call_that_does_not_fit():
     assert all(n <= 12 for n in after_first) and t.truncated.all() and max(t.counts["turns"]) < 4
 
 
+def test_a_first_input_longer_than_max_prompt_len_is_an_error_naming_the_row():
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    rows = [{"prompt": "hello there"}, {"prompt": "a longer first question, " * 3}]
+    t = collect(AgentEpisodes(chatty, "t:c", EpisodeLimits(2, 8, 4096)), model, tok, rows)
+    short, long = t.prompt_mask.sum(1).tolist()
+    assert short < long
+    fits = AgentEpisodes(chatty, "t:c", EpisodeLimits(2, 8, 4096), max_prompt_len=long)
+    assert collect(fits, model, tok, rows).prompt_mask.sum(1).tolist() == [short, long]
+    bounded = AgentEpisodes(chatty, "t:c", EpisodeLimits(2, 8, 4096), max_prompt_len=long - 1)
+    with pytest.raises(ShifuError) as e:
+        collect(bounded, model, tok, rows)
+    assert str(e.value).startswith(
+        f"agent t:c, row {describe_row(rows[1])}: the first input is {long} tokens"
+    )
+    assert f"data.max_prompt_len={long - 1}: raise it" in str(e.value)
+
+
 def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
     base = {"out_dir": "o", "model": {"path": "m"}, "data": {"train": "p.jsonl"}}
     base["agent"] = {"factory": "echo_agent:solve"}
@@ -387,6 +406,7 @@ def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_pa
         "ppo.generation.stop=[]",
         "ppo.generation.max_total_tokens=200",
         "ppo.agent.factory=arith_tool_agent:solve",
+        "ppo.data.max_prompt_len=600",  # the stand-in's tokenizer reads the tools block as ~570 ids
         "eval.num_prompts=8",
     ]
     argv = ["quickstart", "--task", "arith_tool", "--preset", "smollm2", "--out", str(out)]

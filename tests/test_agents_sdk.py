@@ -102,7 +102,7 @@ def test_an_agents_sdk_agent_completes_and_trains_episodes_through_the_gateway(t
     prompts.write_text("".join(json.dumps({"prompt": QUESTION}) + "\n" for _ in range(16)))
     out = tmp_path / "run"
     argv = ["ppo", "--out", str(out), f"model.path={policy_dir}", f"data.train={prompts}"]
-    argv += ["agent.factory=test_agents_sdk:solve", "generation.max_new_tokens=96"]
+    argv += ["agent.factory=test_agents_sdk:solve", "generation.max_new_tokens=96", "data.max_prompt_len=600"]
     argv += ["generation.max_total_tokens=512", "iterations=2", "batch_size=8", "minibatch_size=4"]
     argv += ["eval.every=0", "eval.num_prompts=4", "critic.init=sft", "progress=false", "tensorboard=false"]
     assert cli.main(argv) == 0

@@ -6,7 +6,10 @@ Train the policy behind it (docs/how-to/agents.md), e.g. the SmolLM2 quickstart 
 the in-process environment::
 
     cd examples/agents && shifu quickstart --task arith_tool --preset smollm2 --set ppo.env=null \\
-        --set ppo.generation.stop=[] --set ppo.agent.factory=arith_tool_agent:solve
+        --set ppo.generation.stop=[] --set ppo.agent.factory=arith_tool_agent:solve \\
+        --set ppo.data.max_prompt_len=256
+
+(its first input, the system message with the tools and the question, is about 200 tokens).
 
 Any OpenAI-compatible server runs it too (``base_url`` and ``api_key`` are all it takes).
 """

@@ -113,10 +113,10 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
         limits = episode_limits(generation)
         kind = episode_source(ppo_plan)
         section = from_dict(AgentConfig if kind == "agent" else EnvConfig, ppo_plan[kind])
+        chat, cut = ev.get("chat_template", True), ev.get("max_prompt_len")
         if kind == "agent":  # (its forks are counted, not scored)
-            source = agent_source(section, generation)
+            source = agent_source(section, generation, max_prompt_len=cut)
         else:
-            chat, cut = ev.get("chat_template", True), ev.get("max_prompt_len")
             source = Episodes(Environment(section), limits, chat, cut)
     T = ev["temperature"]
     params = SamplingParams(limits.max_new_tokens, T)

@@ -16,7 +16,9 @@ token, never re-tokenised).
 call (tool results, the template's headers, an end-of-turn the policy did not sample: attended, not trained) and
 the ids sampled (trained, with the log-probs and entropies the sampler read off its own decode steps). A
 trajectory keeps at most ``max_turns`` calls and ``max_total_tokens`` ids after its first input; a longer one is
-cut before the call that does not fit, and truncated (so is one whose last kept call ended at its token cap).
+cut before the call that does not fit, and truncated (so is one whose last kept call ended at its token cap). A
+first input longer than ``max_prompt_len`` (``data.max_prompt_len``) is an error naming the agent and the row, as
+an environment's is: the batch's rows are at most that plus ``max_total_tokens`` ids.
 
 **Rewards.** A call's reward (``POST /rl/set_reward`` with ``call``, or :func:`set_reward`) sits on that call's
 last sampled token; ``turn_ends`` marks every call's last sampled token. The episode's reward, what ``solve``
@@ -118,7 +120,8 @@ class _Row:
 class AgentEpisodes:
     """The rollout source of ``agent.factory`` (module docstring): ``solve`` the loaded function, ``spec`` its
     name as configured, ``limits`` the trajectories' budgets (``stop`` unused: the agent sends its own),
-    ``train_forks`` whether fork trajectories become rows of their own."""
+    ``train_forks`` whether fork trajectories become rows of their own, ``max_prompt_len`` the most ids of a
+    trajectory's first input (None: no bound)."""
 
     gold = True  # what the agent returns is the task's own measure
 
@@ -132,8 +135,9 @@ class AgentEpisodes:
         on_error: str = "raise",
         kwargs: dict | None = None,
         train_forks: bool = True,
+        max_prompt_len: int | None = None,
     ):
-        self.solve, self.spec, self.limits = solve, spec, limits
+        self.solve, self.spec, self.limits, self.max_prompt_len = solve, spec, limits, max_prompt_len
         self.concurrency, self.timeout_s, self.on_error = concurrency, timeout_s, on_error
         self.kwargs, self.train_forks = dict(kwargs or {}), train_forks
         self.version = 0  # the policy version the gateway records: one per collect
@@ -234,6 +238,7 @@ class AgentEpisodes:
         main, extra = [], []
         for ep in episodes:
             trajs = ep.record.trajectories
+            self._check_first_inputs(ep)
             rows = [_row(t, ep, self.limits, policy.tokenizer) for t in trajs]
             main.append(rows[-1] if rows else _Row([eos], [], [], [], {}, False, _counts(), []))
             main[-1].counts["forks"] = ep.record.forks
@@ -242,6 +247,16 @@ class AgentEpisodes:
         made = [*zip(episodes, main), *extra]
         t = _batch([(ep.row, r) for ep, r in made], [ep.fault is not None for ep, _ in made], policy, params)
         return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
+
+    def _check_first_inputs(self, ep: _Episode) -> None:
+        """A trajectory's first input (its first call's prompt) longer than ``max_prompt_len`` is an error."""
+        longest = max((len(t.segments[0].read_ids) for t in ep.record.trajectories), default=0)
+        if self.max_prompt_len and longest > self.max_prompt_len:
+            raise ShifuError(
+                f"agent {self.spec}, row {describe_row(ep.row)}: the first input is {longest} tokens (the prompt "
+                f"the gateway rendered for the call that starts a trajectory); it must be at most "
+                f"{typed_key('data.max_prompt_len')}={self.max_prompt_len}: raise it, or send shorter first messages"
+            )
 
     def _metrics(self, episodes: list[_Episode], t: Trajectories, fork_rows: int) -> dict[str, float]:
         """Means over the episodes (their main trajectories): see ``agent/*`` in :mod:`shifu.runs.metrics`."""

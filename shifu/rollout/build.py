@@ -29,9 +29,8 @@ def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Modul
     (``strategy.frozen``) and the source reads it inside ``strategy.offloaded``."""
     if cfg.agent.factory:  # an outside agent's episodes (shifu.rollout.agent)
         check_tokenizer(tok)
-        return agent_source(
-            cfg.agent, cfg.generation, train_forks=cfg.group_size == 1 and strategy.world == 1
-        ), None
+        forks = cfg.group_size == 1 and strategy.world == 1
+        return agent_source(cfg.agent, cfg.generation, forks, cfg.data.max_prompt_len), None
     if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
         env = Environment(cfg.env)
         return Episodes(
@@ -43,12 +42,17 @@ def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Modul
     return SingleTurn(reward, tuple(cfg.generation.stop), offload, name), model
 
 
-def agent_source(agent: Any, generation: Any, train_forks: bool = False) -> AgentEpisodes:
+def agent_source(
+    agent: Any, generation: Any, train_forks: bool = False, max_prompt_len: int | None = None
+) -> AgentEpisodes:
     """The agent source of an ``agent`` config section with a ``generation`` section's budgets; ``train_forks``:
-    fork trajectories train as rows of their own (one process, ``group_size`` 1)."""
+    fork trajectories train as rows of their own (one process, ``group_size`` 1); ``max_prompt_len``: the
+    most ids of a trajectory's first input (``data.max_prompt_len``)."""
     a, limits = agent, episode_limits(generation)
     fn = load_agent(a.factory)
-    return AgentEpisodes(fn, a.factory, limits, a.concurrency, a.timeout_s, a.on_error, a.kwargs, train_forks)
+    return AgentEpisodes(
+        fn, a.factory, limits, a.concurrency, a.timeout_s, a.on_error, a.kwargs, train_forks, max_prompt_len
+    )
 
 
 def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str]:
