@@ -141,6 +141,30 @@ class Run:
         return ppo.iteration(self.m, self.s, self.cfg, batch, ppo.sampling_params(self.cfg))
 
 
+@pytest.mark.parametrize("init", ["sft", "shared"])
+def test_a_zero_value_head_starts_every_value_at_zero_and_then_learns(task, tmp_path, init):
+    """critic.head_init=zero: the first rollout's values are all 0 (its advantages are the returns), where the
+    reward-model convention N(0, 1/sqrt(d+1)) starts them away from it; the head trains off zero (its gradient
+    is the hidden state), so after an iteration the values are no longer 0."""
+    normal = Run(task, tmp_path / "normal", f"critic.init={init}").rollout()
+    assert normal.values[normal.response_mask].abs().min() > 0
+    run = Run(task, tmp_path / "zero", f"critic.init={init}", "critic.head_init=zero")
+    first = run.rollout()
+    assert first.values[first.response_mask].abs().max() == 0
+    run.iteration()
+    later = run.rollout()
+    assert later.values[later.response_mask].abs().min() > 0
+
+
+def test_a_zero_value_head_is_refused_for_a_reward_model_critic():
+    from shifu.errors import ConfigError
+
+    base = ["out_dir=x", "model.path=m", "data.train=p", "reward.model_path=r", "critic.head_init=zero"]
+    with pytest.raises(ConfigError, match="critic.head_init=zero starts a new value head at 0: set critic.init"):
+        load_config(ppo.Config, None, base)
+    assert load_config(ppo.Config, None, [*base, "critic.init=sft"]).critic.head_init == "zero"
+
+
 def test_ratio_is_one_before_first_step(task, tmp_path):
     run = Run(task, tmp_path)
     exp = run.rollout()

@@ -191,6 +191,11 @@ class PPOConfig(RunConfig):
                 raise ConfigError(
                     f"lora.critic=true with distributed.strategy={d.strategy} is not supported: use strategy=ddp"
                 )
+        if self.critic.head_init == "zero" and self.critic.init == "reward":
+            raise ConfigError(
+                "critic.head_init=zero starts a new value head at 0: set critic.init=sft or shared "
+                "(critic.init=reward keeps the reward model's trained head)"
+            )
         if d.strategy != "none" and self.critic.init == "shared":
             raise ConfigError(
                 f"critic.init=shared with distributed.strategy={d.strategy} is not supported (the value head "

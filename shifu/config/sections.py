@@ -259,6 +259,11 @@ class CriticConfig:
         "reward", "critic from the reward model, from the SFT model, or a value head on the actor's trunk"
     )
     path: str | None = opt(None, "override the critic's starting directory")
+    head_init: Literal["normal", "zero"] = opt(
+        "normal",
+        "a new value head (critic.init sft or shared): weights N(0, 1/sqrt(d+1)) as a reward model's head, or 0 "
+        "(every value starts at 0, so the first advantages are the returns; for rare rewards)",
+    )
     optim: OptimConfig = opt(OptimConfig(lr=1e-4), "critic optimiser (separate optimisers)")
 
 

@@ -102,15 +102,17 @@ def _is_causal_backbone(config) -> bool:
 class ScalarModel(nn.Module):
     """Backbone + scalar head. Used as the reward model (``score``) and as the critic (``forward``)."""
 
-    def __init__(self, backbone: nn.Module, tokenizer=None, seed: int | None = None):
+    def __init__(self, backbone: nn.Module, tokenizer=None, seed: int | None = None, zero_head: bool = False):
         super().__init__()
         self.backbone = backbone
         self.tokenizer = tokenizer
         d = _hidden_size(backbone.config)
         self.head = nn.Linear(d, 1)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        with torch.no_grad():
+        with torch.no_grad():  # N(0, 1/sqrt(d+1)) (the spec's), or 0 (a critic whose values start at 0)
             self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=gen) / (d + 1) ** 0.5)
+            if zero_head:
+                self.head.weight.zero_()
             self.head.bias.zero_()
         # score normalisation r -> gain * r + bias (fitted after RM training; identity until then)
         self.register_buffer("gain", torch.ones(()))
@@ -130,10 +132,11 @@ class ScalarModel(nn.Module):
         dtype: torch.dtype | None = None,
         freeze_layers: int = 0,
         keep_layers: int = 0,
+        zero_head: bool = False,
     ) -> ScalarModel:
         """A fresh scalar head on the backbone of any local HF model (causal LM or encoder); ``keep_layers``
         > 0: only its lowest blocks kept (:func:`keep_lower_layers`); ``freeze_layers`` > 0: its embeddings
-        and lowest blocks frozen (:func:`freeze_lower_layers`)."""
+        and lowest blocks frozen (:func:`freeze_lower_layers`); ``zero_head``: the head's weights 0."""
         from transformers import AutoModel
 
         backbone = _load_checked(AutoModel, path, "backbone", trust_remote_code, dtype)
@@ -142,7 +145,7 @@ class ScalarModel(nn.Module):
         check_own_tokenizer(tok, backbone, p, "backbone")
         keep_lower_layers(backbone, keep_layers)
         freeze_lower_layers(backbone, freeze_layers)
-        return cls(backbone, tok, seed=seed)
+        return cls(backbone, tok, seed=seed, zero_head=zero_head)
 
     @classmethod
     def bag_of_tokens(cls, tokenizer_dir: str | Path, seed: int | None = None) -> ScalarModel:
@@ -306,12 +309,15 @@ class ScalarModel(nn.Module):
         return mean, std
 
 
-def new_value_head(hidden_size: int, seed: int) -> nn.Linear:
-    """Scalar head N(0, 1/sqrt(d+1)), bias 0 — the spec's initialisation, for the shared-trunk critic."""
+def new_value_head(hidden_size: int, seed: int, zero: bool = False) -> nn.Linear:
+    """Scalar head N(0, 1/sqrt(d+1)), bias 0 — the spec's initialisation, for the shared-trunk critic; ``zero``:
+    its weights 0 (every value starts at 0)."""
     head = nn.Linear(hidden_size, 1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) / (hidden_size + 1) ** 0.5)
+        if zero:
+            head.weight.zero_()
         head.bias.zero_()
     return head
 

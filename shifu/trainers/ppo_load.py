@@ -114,18 +114,26 @@ def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, An
     ScalarModel (LoRA adapters on its trunk with ``lora.critic``) on this device, or a value head on the
     actor's trunk."""
     critic, value_head, init, used = None, None, cfg.critic.init, {}
+    zero = (
+        cfg.critic.head_init == "zero"
+    )  # a new head's weights at 0 (the config refuses it with init=reward)
     if init == "reward":
         critic = critic_from_reward_model(cfg, tok)
         if critic is None:
             init, used["critic.init"] = "sft", "sft"
     if init == "sft":
         critic = ScalarModel.from_backbone(
-            cfg.critic.path or cfg.model.path, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code
+            cfg.critic.path or cfg.model.path,
+            seed=cfg.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+            zero_head=zero,
         )
     if critic is not None and cfg.critic.path:
         check_vocab(tok, critic, cfg.critic.path, "critic.path")
     if init == "shared":
-        value_head = new_value_head(actor.config.get_text_config().hidden_size, cfg.seed).to(strategy.device)
+        width = actor.config.get_text_config().hidden_size
+        value_head = new_value_head(width, cfg.seed, zero=zero).to(strategy.device)
+
         if not cfg.joint_optimizer:  # the value head trains in the actor's optimiser (see `place`)
             used["joint_optimizer"] = True
     if critic is not None:
