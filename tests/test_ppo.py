@@ -160,7 +160,9 @@ def test_a_zero_value_head_is_refused_for_a_reward_model_critic():
     from shifu.errors import ConfigError
 
     base = ["out_dir=x", "model.path=m", "data.train=p", "reward.model_path=r", "critic.head_init=zero"]
-    with pytest.raises(ConfigError, match="critic.head_init=zero starts a new value head at 0: set critic.init"):
+    with pytest.raises(
+        ConfigError, match="critic.head_init=zero starts a new value head at 0: set critic.init"
+    ):
         load_config(ppo.Config, None, base)
     assert load_config(ppo.Config, None, [*base, "critic.init=sft"]).critic.head_init == "zero"
 
