@@ -67,6 +67,11 @@ def tool_use_cell(r: dict) -> str:
 # (arith_tool_agent:environment) reads the agent's first input
 EQUIVALENCE = (
     ("PPO, learned critic (GAE)", "agent-equivalence-critic-env", "agent-equivalence-critic-agent"),
+    (
+        "PPO, learned critic from a zero head (GAE)",
+        "agent-equivalence-zero-critic-env",
+        "agent-equivalence-zero-critic-agent",
+    ),
     ("RLOO (the preset's)", "agent-equivalence-rloo-env", "agent-equivalence-rloo-agent"),
 )
 

@@ -369,6 +369,36 @@ def test_the_example_environment_reads_the_first_input_the_example_agent_sends(m
         assert len(agent_first) > 100  # (the tools block is there: the task's own system message is ~70 ids)
 
 
+def test_the_example_environment_ends_an_episode_where_the_agent_does(monkeypatch):
+    """A turn the gateway returns as text (no call parses in the syntax it reads for SmolLM2's template) ends
+    the agent's episode as an answer; the example environment ends it too, where the task's own environment
+    reports a failed call and goes on."""
+    from shifu.models.tool_calls import parse_tool_calls, tool_format
+    from shifu.tasks.arith_tool import calculator_env
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import arith_tool_agent
+
+    syntax = tool_format(smollm2_tokenizer()).syntax
+    row = {"prompt": "What is 2*3?", "answer": "6"}
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    broken = ['<tool_call>{"name": "2*3"}}</tool_call>', '<tool_call>{"name": "calculator", "arguments": {"e']
+    llama = '{"name": "calculator", "parameters": {"expression": "2*3"}}'
+    for action, calls in [(call, 1), ("6", 0), (llama, 0), *[(b, 0) for b in broken]]:
+        assert len(parse_tool_calls(action, syntax)[1]) == calls  # what the agent gets back as tool_calls
+        env = arith_tool_agent.environment()
+        env.reset(row)
+        step = env.step(action)
+        assert step.done == (calls == 0) and step.reward == float(action == "6")
+    for action in broken:  # the task's environment: a failed call, read by the policy
+        env = calculator_env("json")
+        env.reset(row)
+        step = env.step(action)
+        assert not step.done and step.info == {"tool_calls": 1, "tool_errors": 1}
+    with pytest.raises(ValueError, match="invalid_calls must be 'error' or 'answer'"):
+        calculator_env("json", invalid_calls="ignore")
+
+
 @pytest.mark.slow
 def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_path, monkeypatch):
     """The plumbing of `shifu quickstart --task arith_tool --preset smollm2` with ppo.agent.factory (the

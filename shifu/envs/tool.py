@@ -20,6 +20,11 @@ the next observation; an answer ends the episode with ``reward(row, answer)``. T
 
 ``Step.info`` counts ``tool_calls`` and ``tool_errors`` (a call that could not be parsed, named an unknown
 tool, or raised).
+
+A ``<tool_call>`` that does not parse is a failed call the policy reads about (``invalid_calls="error"``), or,
+with ``invalid_calls="answer"``, the turn is the final answer: what an agent sees from an OpenAI-compatible
+server, which returns such a turn as text (so calls are then read in the Hermes syntax only, as the policy
+gateway reads them for a template without tools of its own).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ class ToolEnv:
     row field that holds the question (a row with ``messages`` starts from them instead).
 
     Attributes the episode reads: ``tools`` (the OpenAI function schemas; None in the bracket format) and
-    ``tools_system`` (``system``)."""
+    ``tools_system`` (``system``). ``invalid_calls``: a ``<tool_call>`` that does not parse is a failed call
+    (``"error"``) or the final answer (``"answer"``; the module docstring)."""
 
     def __init__(
         self,
@@ -55,6 +61,7 @@ class ToolEnv:
         format: str = "json",
         system: str | None = None,
         prompt_key: str = "prompt",
+        invalid_calls: str = "error",
     ):
         from transformers.utils import get_json_schema
 
@@ -62,6 +69,8 @@ class ToolEnv:
             raise ValueError(f"ToolEnv format must be one of {FORMATS}, not {format!r}")
         if not tools or not all(callable(t) for t in tools):
             raise ValueError("ToolEnv needs a non-empty list of functions as tools")
+        if invalid_calls not in ("error", "answer"):
+            raise ValueError(f"ToolEnv invalid_calls must be 'error' or 'answer', not {invalid_calls!r}")
         if format == "bracket" and (len(tools) != 1 or len(inspect.signature(tools[0]).parameters) != 1):
             raise ValueError("ToolEnv format='bracket' takes exactly one tool of exactly one argument")
         from shifu.models.tool_calls import tools_system_message
@@ -69,6 +78,7 @@ class ToolEnv:
         schemas = [get_json_schema(t) for t in tools]  # (raises on a missing type hint or docstring)
         self.functions = {s["function"]["name"]: t for s, t in zip(schemas, tools)}
         self.reward, self.format, self.prompt_key = reward, format, prompt_key
+        self.invalid_calls = invalid_calls
         self.tools = schemas if format == "json" else None
         self.tools_system = system if system is not None else tools_system_message(schemas)
         self.row: dict = {}
@@ -109,6 +119,10 @@ class ToolEnv:
         from shifu.models.tool_calls import parse_tool_calls
 
         _, calls = parse_tool_calls(action, "hermes")
+        if (
+            not calls and self.invalid_calls == "answer"
+        ):  # as the gateway reads it: what does not parse is text
+            return []
         if not calls:
             _, calls = parse_tool_calls(action, "llama3_json")
         if not calls:  # a <tool_call> that does not parse is a failed call, not an answer

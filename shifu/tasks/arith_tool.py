@@ -108,16 +108,16 @@ CHAT_SYSTEM = (
 )
 
 
-def calculator_env(format: str = "bracket", system: str | None = None):
+def calculator_env(format: str = "bracket", system: str | None = None, invalid_calls: str = "error"):
     """The task's environment: :func:`calculator` as a tool, :func:`exact_answer` as the final reward
     (``ppo.env.factory: shifu.tasks.arith_tool:calculator_env``). ``format="json"`` (chat models) describes
     the tool in the system message ``system`` (default :data:`CHAT_SYSTEM`) where the chat template does not
-    render tools itself."""
+    render tools itself; ``invalid_calls`` as :class:`shifu.envs.tool.ToolEnv` takes it."""
     from shifu.envs.tool import ToolEnv
 
     if format == "json" and system is None:
         system = CHAT_SYSTEM
-    return ToolEnv([calculator], exact_answer, format=format, system=system)
+    return ToolEnv([calculator], exact_answer, format=format, system=system, invalid_calls=invalid_calls)
 
 
 def make_splits(n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, int]]]:
