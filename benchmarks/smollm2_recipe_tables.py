@@ -64,15 +64,30 @@ def tool_use_cell(r: dict) -> str:
 
 
 # (the estimator as the table names it, the environment's series, the agent's series); the environment side
-# (arith_tool_agent:environment) reads the agent's first input
+# (arith_tool_agent:environment) reads the agent's first input. In the series marked "broken calls answered" the
+# environment answered a <tool_call> that does not parse with an error and went on, where the agent's episode
+# ends (arith_tool_agent.environment has ended it too since invalid_calls="answer")
 EQUIVALENCE = (
-    ("PPO, learned critic (GAE)", "agent-equivalence-critic-env", "agent-equivalence-critic-agent"),
     (
-        "PPO, learned critic from a zero head (GAE)",
+        "PPO, critic from a zero head (GAE)",
+        "agent-equivalence-zero-critic2-env",
+        "agent-equivalence-zero-critic-agent",
+    ),
+    (
+        "PPO, critic from a zero head (GAE); broken calls answered",
         "agent-equivalence-zero-critic-env",
         "agent-equivalence-zero-critic-agent",
     ),
-    ("RLOO (the preset's)", "agent-equivalence-rloo-env", "agent-equivalence-rloo-agent"),
+    (
+        "PPO, critic from a random head (GAE); broken calls answered",
+        "agent-equivalence-critic-env",
+        "agent-equivalence-critic-agent",
+    ),
+    (
+        "RLOO (the preset's); broken calls answered",
+        "agent-equivalence-rloo-env",
+        "agent-equivalence-rloo-agent",
+    ),
 )
 
 
