@@ -524,6 +524,13 @@ def test_shifu_ppo_trains_an_openai_client_agent_with_a_critic(echo_task, tmp_pa
     assert all(r["eval/score"] == r["gold/score"] == r["eval/env/return"] for r in evals)
     assert all(0 < r["rollout/response_len"] <= 2 * 6 for r in train)  # sampled tokens only
     assert "value/explained_var" in train[-1]  # the critic trained
+    # shifu eval --run: the run's start against its final policy, held-out episodes through the run's agent
+    record = tmp_path / "eval.json"
+    assert cli.main(["eval", "--run", str(out), "--out", str(record)]) == 0
+    rec = json.loads(record.read_text())
+    assert rec["judge"] == "episode return of echo_agent:solve" and rec["prompts"]["count"] > 0
+    assert rec["paired"]["gain"] > 0
+    assert cli.main(["eval", "--run", str(out), "--stop", "]", "--out", str(tmp_path / "x.json")]) == 2
 
 
 async def forking(client, row: dict) -> float:

@@ -177,6 +177,8 @@ def judge_of(args: argparse.Namespace, cfg, gen: dict[str, Any], ev: dict[str, A
         )
     if cfg.env.factory:
         return env_judge(cfg.env.factory, cfg.env.kwargs, cfg, gen, ev)
+    if cfg.agent.factory:
+        return agent_judge(cfg, gen, ev)
     if cfg.eval.gold_function:
         return function_judge(cfg.eval.gold_function, "eval.gold_function", gen)
     if cfg.reward.function:
@@ -226,6 +228,25 @@ def env_judge(factory: str, kwargs: dict, cfg, gen: dict[str, Any], ev: dict[str
         )
     episodes = Episodes(env, limits, ev["chat_template"], ev["max_prompt_len"])
     return Judge(f"episode return of {factory}", lambda tok: episodes)
+
+
+def agent_judge(cfg, gen: dict[str, Any], ev: dict[str, Any]) -> Judge:
+    """Episodes of the run's agent (``agent.*``) over the policy gateway, the return being the score, with the
+    episode budgets of ``gen`` (the agent sends its own stop strings)."""
+    from shifu.rollout.build import agent_source
+
+    if gen["stop"]:
+        raise ShifuError(
+            f"--stop does not apply to an agent's episodes ({cfg.agent.factory}): its calls send their own"
+        )
+    generation = dataclasses.replace(
+        cfg.generation,
+        max_turns=gen["max_turns"],
+        max_new_tokens=gen["max_new_tokens"],
+        max_total_tokens=gen["max_total_tokens"],
+    )
+    source = agent_source(cfg.agent, generation, max_prompt_len=ev["max_prompt_len"])
+    return Judge(f"episode return of {cfg.agent.factory}", lambda tok: source)
 
 
 def function_judge(spec: str, key: str, gen: dict[str, Any]) -> Judge:
