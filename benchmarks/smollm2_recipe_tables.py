@@ -163,8 +163,56 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
     ]
 
 
+# (the estimator as the table names it, the agent path's series, the same runs' series again)
+AGENT_REPEATS = (
+    (
+        "PPO, critic from a zero head (GAE)",
+        "agent-equivalence-zero-critic-agent",
+        "agent-equivalence-zero-critic-repeat-agent",
+    ),
+)
+
+
+def agent_repeats(records: list[dict]) -> str:
+    """The agent path's runs of one seed made twice with the same command: the agent's rollouts are not
+    bit-reproducible (calls are batched as they arrive), so the two gains differ by the spread between training
+    runs as well as by the evaluation's noise; their difference's standard error is the evaluation's alone."""
+    rows, recs = [], []
+    for estimator, first_series, again_series in AGENT_REPEATS:
+        first, again = (
+            {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)}
+            for name in (first_series, again_series)
+        )
+        for seed in sorted(set(first) & set(again)):
+            a, b = first[seed], again[seed]
+            recs += [a, b]
+            (ga, sa), (gb, sb) = ((metric(r, "gold_gain"), metric(r, "gold_gain_se")) for r in (a, b))
+            diff, diff_se = gb - ga, (sa**2 + sb**2) ** 0.5
+            rows.append(
+                [
+                    estimator,
+                    str(seed),
+                    pm(ga, sa),
+                    pm(gb, sb),
+                    f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+                    f"{metric(a, 'cpu_seconds_total'):.0f} / {metric(b, 'cpu_seconds_total'):.0f}",
+                    "; ".join(dict.fromkeys(cpu_label(r) for r in (a, b))),
+                    f"{commit_label(a)} / {commit_label(b)}",
+                ]
+            )
+    if not rows:
+        return none_yet(
+            "quickstart",
+            "python benchmarks/smollm2_recipe.py ... --series agent-equivalence-zero-critic-repeat-agent",
+        )
+    headers = ["estimator", "seed", "agent: gain ± s.e.", "agent again: gain ± s.e.", "again - first"]
+    headers += ["CPU s (first / again)", "CPU", "commits"]
+    return md(headers, rows) + footer(recs)
+
+
 # the tables this module renders, by the name of their block in the pages
 TABLES = {
     "smollm2": smollm2,
     "agent-equivalence": agent_equivalence,
+    "agent-repeat": agent_repeats,
 }

@@ -159,20 +159,34 @@ def test_render_fills_only_the_marked_blocks_and_names_an_unknown_one():
         tables.render("<!-- BEGIN results:nope -->\n<!-- END results:nope -->\n", [], "page.md")
 
 
-def test_agent_equivalence_rows_pair_each_seed_and_average_several():
-    def run(series: str, seed: int, gain: float, se: float, cpu: float, sets: list[str]) -> dict:
-        metrics = {"gold_before": 0.1, "gold_after": 0.1 + gain, "gold_gain": gain, "gold_gain_se": se}
-        metrics |= {
-            "cpu_seconds_total": cpu,
-            "peak_rss_mb": 3000.0 + seed,
-            "kl": 1.0,
-            "gain_in_se": gain / se,
-        }
-        params = {"task": "arith_tool", "preset": "smollm2", "seed": seed, "sets": sets}
-        cpu_info = {"model": "AMD EPYC", "flags": [], "cores": 2}
-        rec = {"benchmark": "quickstart", "series": series, "commit": "abcdef0" + "0" * 33, "cpu": cpu_info}
-        return rec | {"params": params, "metrics": metrics, "date": f"2026-01-0{seed + 1}", "command": "x"}
+def quickstart_run(series: str, seed: int, gain: float, se: float, cpu: float, sets: list[str]) -> dict:
+    metrics = {"gold_before": 0.1, "gold_after": 0.1 + gain, "gold_gain": gain, "gold_gain_se": se}
+    metrics |= {
+        "cpu_seconds_total": cpu,
+        "peak_rss_mb": 3000.0 + seed,
+        "kl": 1.0,
+        "gain_in_se": gain / se,
+    }
+    params = {"task": "arith_tool", "preset": "smollm2", "seed": seed, "sets": sets}
+    cpu_info = {"model": "AMD EPYC", "flags": [], "cores": 2}
+    rec = {"benchmark": "quickstart", "series": series, "commit": "abcdef0" + "0" * 33, "cpu": cpu_info}
+    return rec | {"params": params, "metrics": metrics, "date": f"2026-01-0{seed + 1}", "command": "x"}
 
+
+def test_agent_repeat_rows_pair_the_two_runs_of_a_seed():
+    first, again = "agent-equivalence-zero-critic-agent", "agent-equivalence-zero-critic-repeat-agent"
+    recs = [
+        quickstart_run(first, 2, 0.8, 0.03, 1800.0, []),
+        quickstart_run(again, 2, 0.6, 0.04, 1900.0, []),
+        quickstart_run(first, 0, 0.9, 0.03, 1800.0, []),  # not run again: no row
+    ]
+    table = tables.TABLES["agent-repeat"](recs)
+    assert "| 2 | +0.800 ± 0.030 | +0.600 ± 0.040 | -0.200 ± 0.050 (4.0 s.e.) | 1800 / 1900 |" in table
+    assert "| 0 |" not in table
+
+
+def test_agent_equivalence_rows_pair_each_seed_and_average_several():
+    run = quickstart_run
     critic = ["ppo.advantage_estimator=gae"]
     recs = [
         run("agent-equivalence-critic-env", 0, 0.2, 0.03, 1000.0, critic),
