@@ -119,9 +119,8 @@ class ToolEnv:
         from shifu.models.tool_calls import parse_tool_calls
 
         _, calls = parse_tool_calls(action, "hermes")
-        if (
-            not calls and self.invalid_calls == "answer"
-        ):  # as the gateway reads it: what does not parse is text
+        # invalid_calls="answer": read as the gateway reads it, what does not parse is text
+        if not calls and self.invalid_calls == "answer":
             return []
         if not calls:
             _, calls = parse_tool_calls(action, "llama3_json")

@@ -106,14 +106,7 @@ class ScalarModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.tokenizer = tokenizer
-        d = _hidden_size(backbone.config)
-        self.head = nn.Linear(d, 1)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        with torch.no_grad():  # N(0, 1/sqrt(d+1)) (the spec's), or 0 (a critic whose values start at 0)
-            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=gen) / (d + 1) ** 0.5)
-            if zero_head:
-                self.head.weight.zero_()
-            self.head.bias.zero_()
+        self.head = new_value_head(_hidden_size(backbone.config), seed, zero=zero_head)
         # score normalisation r -> gain * r + bias (fitted after RM training; identity until then)
         self.register_buffer("gain", torch.ones(()))
         self.register_buffer("bias", torch.zeros(()))
@@ -309,11 +302,12 @@ class ScalarModel(nn.Module):
         return mean, std
 
 
-def new_value_head(hidden_size: int, seed: int, zero: bool = False) -> nn.Linear:
-    """Scalar head N(0, 1/sqrt(d+1)), bias 0 — the spec's initialisation, for the shared-trunk critic; ``zero``:
-    its weights 0 (every value starts at 0)."""
+def new_value_head(hidden_size: int, seed: int | None, zero: bool = False) -> nn.Linear:
+    """Scalar head N(0, 1/sqrt(d+1)), bias 0 — the spec's initialisation, of a reward model, a critic or the
+    shared-trunk critic (``seed`` None: torch's global generator); ``zero``: its weights 0 (every value starts
+    at 0)."""
     head = nn.Linear(hidden_size, 1)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) / (hidden_size + 1) ** 0.5)
         if zero:

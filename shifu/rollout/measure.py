@@ -8,10 +8,11 @@ gain of B over A is paired: its standard error is that of the per-prompt differe
 (:mod:`shifu.rollout.compare`), and B's KL to A is measured over B's sampled tokens.
 
 ``--run RUN_DIR`` takes every setting from a ``shifu ppo`` run's ``config.yaml``: its judge (the environment or
-the agent, episodes scored by their return; else ``eval.gold_function``, else its reward), the sampling (``eval.temperature``, ``generation.*`` with the
-episode budgets, ``data.max_prompt_len``, ``data.chat_template``) and its held-out prompts (``data.eval``, or the
-held-out split of ``data.train``; the first ``eval.final_prompts``); flags override any of them. Without
-policies it compares the run's start (``model.path``) with its final policy.
+the agent, episodes scored by their return; else ``eval.gold_function``, else its reward), the sampling
+(``eval.temperature``, ``generation.*`` with the episode budgets, ``data.max_prompt_len``,
+``data.chat_template``) and its held-out prompts (``data.eval``, or the held-out split of ``data.train``; the
+first ``eval.final_prompts``); flags override any of them. Without policies it compares the run's start
+(``model.path``) with its final policy.
 
 The result is printed (mean ± standard error of each policy, the paired gain ± its standard error, the KL) and
 written as a JSON record (``--out``; never over an existing file without ``--overwrite``) with the per-prompt

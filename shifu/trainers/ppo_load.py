@@ -114,9 +114,8 @@ def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, An
     ScalarModel (LoRA adapters on its trunk with ``lora.critic``) on this device, or a value head on the
     actor's trunk."""
     critic, value_head, init, used = None, None, cfg.critic.init, {}
-    zero = (
-        cfg.critic.head_init == "zero"
-    )  # a new head's weights at 0 (the config refuses it with init=reward)
+    # a new head's weights at 0 (the config refuses head_init=zero with init=reward)
+    zero = cfg.critic.head_init == "zero"
     if init == "reward":
         critic = critic_from_reward_model(cfg, tok)
         if critic is None:
@@ -133,7 +132,6 @@ def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, An
     if init == "shared":
         width = actor.config.get_text_config().hidden_size
         value_head = new_value_head(width, cfg.seed, zero=zero).to(strategy.device)
-
         if not cfg.joint_optimizer:  # the value head trains in the actor's optimiser (see `place`)
             used["joint_optimizer"] = True
     if critic is not None:
