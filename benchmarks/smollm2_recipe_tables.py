@@ -98,7 +98,10 @@ def agent_equivalence(records: list[dict]) -> str:
     difference with its standard error (independent runs), the ratio of the runs' process CPU time and their
     peak memory, on the CPU the two ran on. An estimator with several seeds gets a row of their mean: the mean
     gain over the seeds, its standard error from the seeds' paired ones (sqrt(sum se^2) / n), the CPU time
-    summed, the largest peak."""
+    summed, the largest peak, and a second standard error of the difference read off the seeds' own spread
+    (the standard deviation of the per-seed differences / sqrt(n), from three seeds up). The first counts only
+    the held-out evaluation's noise; the second also counts how differently two training runs of one seed go
+    (their sampled episodes differ: the gateway and the environment draw from their own generators)."""
     rows, recs = [], []
     for estimator, env_series, agent_series in EQUIVALENCE:
         env, agent = (
@@ -118,6 +121,7 @@ def agent_equivalence(records: list[dict]) -> str:
         )
     headers = ["estimator", "seed", "environment: before → after", "agent: before → after"]
     headers += ["environment: gain ± s.e.", "agent: gain ± s.e.", "agent - environment"]
+    headers += ["agent - environment ± s.e. of the seeds"]
     headers += [
         "CPU s (environment / agent)",
         "CPU ratio",
@@ -145,6 +149,11 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
     (eg, ese), (ag, ase) = gain(env), gain(agent)
     diff, diff_se = ag - eg, (ase**2 + ese**2) ** 0.5
     cpu_env, cpu_agent = (sum(metric(r, "cpu_seconds_total") for r in recs) for recs in (env, agent))
+    diffs = [metric(a, "gold_gain") - metric(e, "gold_gain") for e, a in zip(env, agent)]
+    spread = "-"
+    if len(diffs) >= 3:
+        se = (sum((d - diff) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+        spread = pm(diff, se) + (f" ({abs(diff) / se:.1f} s.e.)" if se > 0 else "")
     commits = sorted({commit_label(r) for r in env}), sorted({commit_label(r) for r in agent})
     cpus = "; ".join(dict.fromkeys(cpu_label(r) for r in env + agent))
     return [
@@ -155,6 +164,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
         gain_cell(env),
         gain_cell(agent),
         f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+        spread,
         f"{cpu_env:.0f} / {cpu_agent:.0f}",
         f"{cpu_agent / cpu_env:.2f}x",
         f"{max(metric(r, 'peak_rss_mb') for r in env):.0f} / {max(metric(r, 'peak_rss_mb') for r in agent):.0f}",

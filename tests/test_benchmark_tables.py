@@ -173,6 +173,18 @@ def quickstart_run(series: str, seed: int, gain: float, se: float, cpu: float, s
     return rec | {"params": params, "metrics": metrics, "date": f"2026-01-0{seed + 1}", "command": "x"}
 
 
+def test_agent_equivalence_reads_a_second_standard_error_off_the_spread_of_three_seeds():
+    run = quickstart_run
+    env, agent = "agent-equivalence-zero-critic2-env", "agent-equivalence-zero-critic-agent"
+    # per-seed differences +0.0, +0.2, +0.1: mean +0.1, their standard deviation 0.1, so 0.1 / sqrt(3) = 0.058
+    recs = [run(env, s, g, 0.03, 1000.0, []) for s, g in enumerate([0.9, 0.6, 0.8])]
+    recs += [run(agent, s, g, 0.03, 1000.0, []) for s, g in enumerate([0.9, 0.8, 0.9])]
+    table = tables.TABLES["agent-equivalence"](recs)
+    # the evaluation's standard error: sqrt(3 * 0.03^2) / 3 per side, sqrt(2) of that for the difference
+    assert "| mean of 3 |" in table and "| +0.100 ± 0.024 (4.1 s.e.) | +0.100 ± 0.058 (1.7 s.e.) |" in table
+    assert table.count("| - |") == 3  # the three single seeds
+
+
 def test_agent_repeat_rows_pair_the_two_runs_of_a_seed():
     first, again = "agent-equivalence-zero-critic-agent", "agent-equivalence-zero-critic-repeat-agent"
     recs = [
@@ -202,7 +214,7 @@ def test_agent_equivalence_rows_pair_each_seed_and_average_several():
         in table
     )
     assert (
-        "| +0.100 ± 0.050 (2.0 s.e.) | 1000 / 1100 | 1.10x | 3000 / 3000 | AMD EPYC, no vector flags, 2 cores |"
+        "| +0.100 ± 0.050 (2.0 s.e.) | - | 1000 / 1100 | 1.10x | 3000 / 3000 | AMD EPYC, no vector flags, 2 cores |"
         in table
     )
     # the mean of seeds 0 and 1: standard errors sqrt(2 * se^2) / 2, CPU summed, the larger peak
@@ -211,10 +223,12 @@ def test_agent_equivalence_rows_pair_each_seed_and_average_several():
         in table
     )
     assert (
-        "| +0.100 ± 0.035 (2.8 s.e.) | 2000 / 2400 | 1.20x | 3001 / 3001 | AMD EPYC, no vector flags, 2 cores |"
+        "| +0.100 ± 0.035 (2.8 s.e.) | - | 2000 / 2400 | 1.20x | 3001 / 3001 | AMD EPYC, no vector flags, 2 cores |"
         in table
     )
     assert "| 2 |" not in table and "| 3 |" not in table
+    # two seeds give no spread to read a standard error off
+    assert "mean of 2" in table and table.count("| - |") == 3
     # the preset's own table: only the run without --set
     smollm2 = tables.TABLES["smollm2"](recs)
     assert smollm2.count("| arith_tool |") == 1 and "| arith_tool | 3 |" in smollm2

@@ -5,7 +5,7 @@ result back as a ``tool`` message; its reward is 1.0 when the final answer is th
 Train the policy behind it (docs/how-to/agents.md), e.g. the SmolLM2 quickstart through this agent instead of
 the in-process environment::
 
-    cd examples/agents && shifu quickstart --task arith_tool --preset smollm2 --set ppo.env=null \\
+    cd examples/agents && shifu quickstart --task arith_tool --preset smollm2 --set ppo.env.factory=null \\
         --set ppo.generation.stop=[] --set ppo.agent.factory=arith_tool_agent:solve \\
         --set ppo.data.max_prompt_len=256
 
