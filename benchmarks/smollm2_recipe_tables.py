@@ -132,6 +132,12 @@ def agent_equivalence(records: list[dict]) -> str:
     return md(headers, rows) + footer(recs)
 
 
+def in_se(x: float, se: float) -> str:
+    """``x`` in standard errors, as a cell's suffix; nothing when the standard error is 0 (a seed whose runs
+    answered every held-out prompt alike, before and after: a gain of exactly 0)."""
+    return f" ({x / se:.1f} s.e.)" if se > 0 else ""
+
+
 def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict]) -> list[str]:
     """One row of the agent-equivalence table: the runs of one seed, or the mean over several."""
 
@@ -144,7 +150,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
 
     def gain_cell(recs: list[dict]) -> str:
         g, se = gain(recs)
-        return pm(g, se) + f" ({g / se:.1f} s.e.)"
+        return pm(g, se) + in_se(g, se)
 
     (eg, ese), (ag, ase) = gain(env), gain(agent)
     diff, diff_se = ag - eg, (ase**2 + ese**2) ** 0.5
@@ -153,7 +159,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
     spread = "-"
     if len(diffs) >= 3:
         se = (sum((d - diff) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
-        spread = pm(diff, se) + (f" ({abs(diff) / se:.1f} s.e.)" if se > 0 else "")
+        spread = pm(diff, se) + in_se(abs(diff), se)
     commits = sorted({commit_label(r) for r in env}), sorted({commit_label(r) for r in agent})
     cpus = "; ".join(dict.fromkeys(cpu_label(r) for r in env + agent))
     return [
@@ -163,7 +169,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
         f"{mean(agent, 'gold_before'):.3f} → {mean(agent, 'gold_after'):.3f}",
         gain_cell(env),
         gain_cell(agent),
-        f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+        pm(diff, diff_se) + in_se(abs(diff), diff_se),
         spread,
         f"{cpu_env:.0f} / {cpu_agent:.0f}",
         f"{cpu_agent / cpu_env:.2f}x",
@@ -204,7 +210,7 @@ def agent_repeats(records: list[dict]) -> str:
                     str(seed),
                     pm(ga, sa),
                     pm(gb, sb),
-                    f"{pm(diff, diff_se)} ({abs(diff) / diff_se:.1f} s.e.)",
+                    pm(diff, diff_se) + in_se(abs(diff), diff_se),
                     f"{metric(a, 'cpu_seconds_total'):.0f} / {metric(b, 'cpu_seconds_total'):.0f}",
                     "; ".join(dict.fromkeys(cpu_label(r) for r in (a, b))),
                     f"{commit_label(a)} / {commit_label(b)}",

@@ -165,7 +165,7 @@ def quickstart_run(series: str, seed: int, gain: float, se: float, cpu: float, s
         "cpu_seconds_total": cpu,
         "peak_rss_mb": 3000.0 + seed,
         "kl": 1.0,
-        "gain_in_se": gain / se,
+        "gain_in_se": gain / se if se else None,
     }
     params = {"task": "arith_tool", "preset": "smollm2", "seed": seed, "sets": sets}
     cpu_info = {"model": "AMD EPYC", "flags": [], "cores": 2}
@@ -183,6 +183,15 @@ def test_agent_equivalence_reads_a_second_standard_error_off_the_spread_of_three
     # the evaluation's standard error: sqrt(3 * 0.03^2) / 3 per side, sqrt(2) of that for the difference
     assert "| mean of 3 |" in table and "| +0.100 ± 0.024 (4.1 s.e.) | +0.100 ± 0.058 (1.7 s.e.) |" in table
     assert table.count("| - |") == 3  # the three single seeds
+
+
+def test_a_seed_that_answered_alike_before_and_after_has_a_gain_of_zero_without_a_ratio():
+    # every held-out episode failed before and after on both paths: gain 0, standard error 0
+    run = quickstart_run
+    recs = [run("agent-equivalence-zero-critic2-env", 3, 0.0, 0.0, 1000.0, [])]
+    recs += [run("agent-equivalence-zero-critic-agent", 3, 0.0, 0.0, 1000.0, [])]
+    table = tables.TABLES["agent-equivalence"](recs)
+    assert "| 3 | 0.100 → 0.100 | 0.100 → 0.100 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | - |" in table
 
 
 def test_agent_repeat_rows_pair_the_two_runs_of_a_seed():
