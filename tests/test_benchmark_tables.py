@@ -191,7 +191,10 @@ def test_a_seed_that_answered_alike_before_and_after_has_a_gain_of_zero_without_
     recs = [run("agent-equivalence-zero-critic2-env", 3, 0.0, 0.0, 1000.0, [])]
     recs += [run("agent-equivalence-zero-critic-agent", 3, 0.0, 0.0, 1000.0, [])]
     table = tables.TABLES["agent-equivalence"](recs)
-    assert "| 3 | 0.100 → 0.100 | 0.100 → 0.100 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | - |" in table
+    assert (
+        "| 3 | 0.100 → 0.100 | 0.100 → 0.100 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | - |"
+        in table
+    )
 
 
 def test_agent_repeat_rows_pair_the_two_runs_of_a_seed():
