@@ -16,6 +16,8 @@ from table_parts import (
     time_cell,
 )
 
+from shifu.core.stats import mean_se
+
 
 def smollm2(records: list[dict]) -> str:
     """The SmolLM2-135M recipe (``benchmarks/smollm2_recipe.py --record``), one row per run of a preset as it
@@ -104,10 +106,7 @@ def agent_equivalence(records: list[dict]) -> str:
     (their sampled episodes differ: the gateway and the environment draw from their own generators)."""
     rows, recs = [], []
     for estimator, env_series, agent_series in EQUIVALENCE:
-        env, agent = (
-            {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)}
-            for name in (env_series, agent_series)
-        )
+        env, agent = by_seed(records, env_series), by_seed(records, agent_series)
         seeds = sorted(set(env) & set(agent))
         for seed in seeds:
             recs += [env[seed], agent[seed]]
@@ -130,6 +129,15 @@ def agent_equivalence(records: list[dict]) -> str:
         "commits",
     ]
     return md(headers, rows) + footer(recs)
+
+
+def by_seed(records: list[dict], series: str) -> dict[int, dict]:
+    """The quickstart records of ``series`` by their seed."""
+    return {r["params"]["seed"]: r for r in select(records, "quickstart", series=series)}
+
+
+def difference_cell(diff: float, se: float) -> str:
+    return pm(diff, se) + in_se(abs(diff), se)
 
 
 def in_se(x: float, se: float) -> str:
@@ -155,11 +163,11 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
     (eg, ese), (ag, ase) = gain(env), gain(agent)
     diff, diff_se = ag - eg, (ase**2 + ese**2) ** 0.5
     cpu_env, cpu_agent = (sum(metric(r, "cpu_seconds_total") for r in recs) for recs in (env, agent))
-    diffs = [metric(a, "gold_gain") - metric(e, "gold_gain") for e, a in zip(env, agent)]
     spread = "-"
-    if len(diffs) >= 3:
-        se = (sum((d - diff) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
-        spread = pm(diff, se) + in_se(abs(diff), se)
+    if len(env) >= 3:
+        spread = difference_cell(
+            *mean_se([metric(a, "gold_gain") - metric(e, "gold_gain") for e, a in zip(env, agent)])
+        )
     commits = sorted({commit_label(r) for r in env}), sorted({commit_label(r) for r in agent})
     cpus = "; ".join(dict.fromkeys(cpu_label(r) for r in env + agent))
     return [
@@ -169,7 +177,7 @@ def equivalence_row(estimator: str, seed: str, env: list[dict], agent: list[dict
         f"{mean(agent, 'gold_before'):.3f} → {mean(agent, 'gold_after'):.3f}",
         gain_cell(env),
         gain_cell(agent),
-        pm(diff, diff_se) + in_se(abs(diff), diff_se),
+        difference_cell(diff, diff_se),
         spread,
         f"{cpu_env:.0f} / {cpu_agent:.0f}",
         f"{cpu_agent / cpu_env:.2f}x",
@@ -195,10 +203,7 @@ def agent_repeats(records: list[dict]) -> str:
     runs as well as by the evaluation's noise; their difference's standard error is the evaluation's alone."""
     rows, recs = [], []
     for estimator, first_series, again_series in AGENT_REPEATS:
-        first, again = (
-            {r["params"]["seed"]: r for r in select(records, "quickstart", series=name)}
-            for name in (first_series, again_series)
-        )
+        first, again = by_seed(records, first_series), by_seed(records, again_series)
         for seed in sorted(set(first) & set(again)):
             a, b = first[seed], again[seed]
             recs += [a, b]
@@ -210,7 +215,7 @@ def agent_repeats(records: list[dict]) -> str:
                     str(seed),
                     pm(ga, sa),
                     pm(gb, sb),
-                    pm(diff, diff_se) + in_se(abs(diff), diff_se),
+                    difference_cell(diff, diff_se),
                     f"{metric(a, 'cpu_seconds_total'):.0f} / {metric(b, 'cpu_seconds_total'):.0f}",
                     "; ".join(dict.fromkeys(cpu_label(r) for r in (a, b))),
                     f"{commit_label(a)} / {commit_label(b)}",
