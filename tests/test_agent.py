@@ -336,15 +336,15 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
 
 
 def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
-    from shifu.pipelines.evaluation import episode_source
     from shifu.pipelines.quickstart import _plan
+    from shifu.rollout.build import describe
 
     sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.agent.factory=arith_tool_agent:solve"]
     plan = _plan("arith_tool", "smollm2", sets)
     assert (
-        episode_source(plan["ppo"]) == "agent"
-        and episode_source(_plan("arith_tool", "smollm2", [])["ppo"]) == "env"
+        describe(plan["ppo"]).kind == "agent" and describe(plan["ppo"]).name == "agent arith_tool_agent:solve"
     )
+    assert describe(_plan("arith_tool", "smollm2", [])["ppo"]).kind == "environment"
     with pytest.raises(ConfigError, match="give env.factory or agent.factory, not both"):
         _plan("arith_tool", "smollm2", sets[1:])
 

@@ -29,15 +29,6 @@ def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def episode_source(ppo_plan: dict | None) -> str | None:
-    """``"env"`` or ``"agent"``: the section of a plan's ``ppo`` stage whose factory makes episodes; else None."""
-    for name in ("agent", "env"):
-        section = (ppo_plan or {}).get(name)
-        if isinstance(section, dict) and section.get("factory"):
-            return name
-    return None
-
-
 def evaluate(
     task: str,
     sft_dir: Path,
@@ -54,10 +45,11 @@ def evaluate(
     through that environment or agent (its ``generation`` budgets); else responses judged by ``gold`` (``package.module:function``;
     the task's own by default), and for arith greedy decoding as well unless ``ev["greedy"]`` is false. One
     progress bar on stderr counts the prompts of every pass."""
+    from shifu.rollout.build import describe
     from shifu.runs.tracking import progress
 
     rows = read_jsonl(prompts_path)[: ev.get("num_prompts")]
-    episodes = episode_source(ppo_plan) is not None
+    episodes = describe(ppo_plan or {}).episodes
     greedy = not episodes and task == "arith" and ev.get("greedy", True)  # the policy at its mode too
     bar = progress(len(rows) * (4 if greedy else 2), "final evaluation")
     if episodes:
@@ -73,7 +65,9 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
     gold = gold or GOLD[task]
     gold_fn = load_callable(gold, "gold judge")
     T, R = ev["temperature"], ev["max_new_tokens"]
-    source = SingleTurn(None, name=f"gold judge {gold}")  # unscored: the gold judge reads the responses
+    source = SingleTurn(
+        None, scored_by="gold judge", spec=gold
+    )  # unscored: the gold judge reads the responses
 
     def run(what: str, policy: Path, ref: Path | None, sample_seed: int, is_greedy: bool = False):
         bar.set_postfix_str(what, refresh=True)
@@ -102,24 +96,16 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
     """Held-out episodes of both policies through the plan's environment or agent (:func:`evaluate`)."""
     from shifu.config.imports import key_prefix
     from shifu.config.loader import from_dict
-    from shifu.config.sources import AgentConfig, EnvConfig, GenerationConfig
-    from shifu.envs.base import Environment
+    from shifu.config.sources import GenerationConfig
     from shifu.generation.rollout import SamplingParams
-    from shifu.rollout.build import agent_source, episode_limits
-    from shifu.rollout.episodes import Episodes
+    from shifu.rollout.build import episodes_source, plan_section
 
     with key_prefix("ppo."):  # a bad environment or agent is named by the plan's key
         generation = from_dict(GenerationConfig, ppo_plan.get("generation", {}))
-        limits = episode_limits(generation)
-        kind = episode_source(ppo_plan)
-        section = from_dict(AgentConfig if kind == "agent" else EnvConfig, ppo_plan[kind])
         chat, cut = ev.get("chat_template", True), ev.get("max_prompt_len")
-        if kind == "agent":  # (its forks are counted, not scored)
-            source = agent_source(section, generation, max_prompt_len=cut)
-        else:
-            source = Episodes(Environment(section), limits, chat, cut)
+        source = episodes_source(plan_section(ppo_plan), generation, chat, cut)  # (an agent's forks: counted)
     T = ev["temperature"]
-    params = SamplingParams(limits.max_new_tokens, T)
+    params = SamplingParams(generation.max_new_tokens, T)
     bar.set_postfix_str(f"SFT policy, episodes at T={T:g}", refresh=True)
     with key_prefix("ppo."):
         before = judge_policy(sft_dir, None, rows, source, params, seed + 777, ev, bar.update)
@@ -129,4 +115,4 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
     write_jsonl(out / "samples_before.jsonl", sample_records(before, before.returns))
     write_jsonl(out / "samples_after.jsonl", sample_records(after, after.returns))
     summary = paired_summary(before, after, before.returns, after.returns, T)
-    return summary | {"gold_judge": f"episode return of {section.factory}"}
+    return summary | {"gold_judge": source.description.judge, "source": source.description.record()}

@@ -132,7 +132,8 @@ def evaluate_and_keep(
 
 @torch.no_grad()
 def final_evaluation(models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn, out: Path) -> dict[str, Any]:
-    """The paired held-out evaluation at the end of a run with a gold judge or an environment: the run's start
+    """The paired held-out evaluation at the end of a run with a gold judge (``eval.gold_function``, or the
+    source's own: an environment's or an agent's episode return): the run's start
     (:func:`run_start`) and the actor sampled on the held-out ``prompts`` (``(ids, rows)``, the first
     ``eval.final_prompts``) with one seed at ``eval.temperature``, the actor with its KL to the reference;
     gold before/after and the paired gain with standard errors, as the quickstart reports them
@@ -155,7 +156,7 @@ def final_evaluation(models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn,
     if models.strategy.is_main:
         jsonfile.write_jsonl(out / "samples_before.jsonl", sample_records(before, gold_before))
         jsonfile.write_jsonl(out / "samples_after.jsonl", sample_records(after, gold_after))
-    judge = cfg.eval.gold_function or f"episode return of {cfg.env.factory}"
+    judge = cfg.eval.gold_function or models.source.description.judge
     return paired_summary(before, after, gold_before, gold_after, T) | {"gold_judge": judge}
 
 
