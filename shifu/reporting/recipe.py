@@ -176,7 +176,8 @@ def ppo_recipe(config: dict[str, Any], run_dir: Path, source: Any = None) -> str
     G, reward = s["group_size"], reward_source(source, run_dir)[1]  # (episodes: named below)
     if source is not None and source.episodes:
         played = f"{'a group of ' + str(G) + ' episodes' if G > 1 else 'an episode'} per training prompt"
-        budget = f"up to {s['generation.max_turns']} turns of up to {s['generation.max_new_tokens']} tokens"
+        steps = "calls" if source.kind == "agent" else "turns"
+        budget = f"up to {s['generation.max_turns']} {steps} of up to {s['generation.max_new_tokens']} tokens"
         if source.kind == "agent":
             sampled = (
                 f"plays {played} through the agent {source.spec}, whose calls the policy answers over the "
