@@ -263,6 +263,7 @@ def model_judge(path: str, gen: dict[str, Any], ev: dict[str, Any], micro_batch:
     """Single responses scored by the reward model (or ensemble) in ``path``, as PPO scores them (the token
     ids when the model shares the policy's tokenizer)."""
     from shifu.rewards.sources import RewardSource, load_reward_model
+    from shifu.rollout.build import reward_model_kind
     from shifu.rollout.sources import SingleTurn
 
     model = load_reward_model(path)
@@ -273,6 +274,6 @@ def model_judge(path: str, gen: dict[str, Any], ev: dict[str, Any], micro_batch:
         reward = RewardSource(
             model=model, policy_tokenizer=tok, micro_batch=micro_batch, chat_template=ev["chat_template"]
         )
-        return SingleTurn(reward, tuple(gen["stop"]), name=f"reward model {path}")
+        return SingleTurn(reward, tuple(gen["stop"]), scored_by=reward_model_kind(path), spec=path)
 
     return Judge(f"reward model {path}", source)
