@@ -118,7 +118,7 @@ def paired_summary(
     (None where the environment does not report tool calls), turns and the fraction truncated; the mean KL
     (k3, never negative, and k1; nats per trajectory); the prompts and temperature; for single responses
     their mean lengths."""
-    n, episodes = len(after), "turns" in after.counts
+    n, episodes = len(after), after.episodes
     out = paired(gold_before, gold_after)
     if episodes:
         (ub, ub_se), (ua, ua_se) = tool_use(before), tool_use(after)
@@ -149,7 +149,7 @@ def sample_records(res: Evaluated, golds: list[float]) -> list[dict[str, Any]]:
     its gold; episodes also the first input as the policy read it, whether a tool was called (None: not
     reported) and the turns; with a KL (the
     ``after`` side) its k3 estimate as ``kl``, single responses also the k1 estimate as ``kl_k1``."""
-    if "turns" in res.counts:
+    if res.episodes:
         uses = res.tool_use() or [None] * len(res)  # (None: the environment does not report tool calls)
         lines = [
             {

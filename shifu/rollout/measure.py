@@ -111,7 +111,7 @@ def record(
 
 def _episode_figures(res: Evaluated) -> dict[str, Any]:
     """Episodes: mean turns, the fraction truncated, and the fraction that called a tool where reported."""
-    if "turns" not in res.counts:
+    if not res.episodes:
         return {}
     n, uses = len(res), res.tool_use()
     out = {"turns": sum(res.counts["turns"]) / n, "truncated": sum(res.truncated) / n}
