@@ -34,12 +34,12 @@ from shifu import core  # noqa: E402
 from shifu.config.schema import PPOConfig  # noqa: E402
 from shifu.envs.base import describe_row  # noqa: E402
 from shifu.errors import ConfigError, ShifuError  # noqa: E402
+from shifu.evaluation.evaluate import evaluate  # noqa: E402
 from shifu.generation.rollout import SamplingParams, policy_forward  # noqa: E402
 from shifu.models.padding import position_ids_from_mask  # noqa: E402
 from shifu.rollout.agent import AgentEpisodes, AgentFault, load_agent, set_reward  # noqa: E402
 from shifu.rollout.batch import PromptBatch  # noqa: E402
 from shifu.rollout.episodes import EpisodeLimits  # noqa: E402
-from shifu.rollout.evaluate import evaluate  # noqa: E402
 from shifu.rollout.sources import Policy  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -582,7 +582,7 @@ def test_forks_train_as_rows_of_their_own_unless_an_estimator_compares_groups(ec
 def test_the_quickstart_evaluation_runs_held_out_episodes_through_the_plans_agent(
     echo_task, tmp_path, monkeypatch
 ):
-    from shifu.pipelines.evaluation import evaluate as final_evaluation
+    from shifu.evaluation.final import evaluate as final_evaluation
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = {

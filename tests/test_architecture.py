@@ -31,6 +31,7 @@ WINGS = [
     "http",
     "gateway",
     "rollout",
+    "evaluation",
     "tasks",
     "reporting",
     "trainers",

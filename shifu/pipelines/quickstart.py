@@ -53,7 +53,7 @@ from typing import Any
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.pipelines.evaluation import GOLD, eval_settings, evaluate
+from shifu.evaluation.final import GOLD, eval_settings, evaluate
 from shifu.pipelines.stages import (
     Stages,
     claim_run,

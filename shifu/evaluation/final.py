@@ -1,9 +1,9 @@
 """The quickstart's final evaluation: the SFT policy and the final policy on the held-out prompts, through the one
-evaluator (:func:`shifu.rollout.evaluate.evaluate`), with the same prompts and sampling seed, so the gain is
+evaluator (:func:`shifu.evaluation.evaluate.evaluate`), with the same prompts and sampling seed, so the gain is
 paired. A single-turn plan is judged by the task's gold judge on the responses (sampled at the plan's
 temperature, and greedy for arith); a plan with an environment (``ppo.env``) or an agent (``ppo.agent``) runs
 held-out episodes through it, the gold being the episode return, the environment's or the agent's own count. Both report the KL to the SFT policy and
-standard errors through the paired comparison of :mod:`shifu.rollout.compare`, as ``shifu eval`` and the end of
+standard errors through the paired comparison of :mod:`shifu.evaluation.compare`, as ``shifu eval`` and the end of
 ``shifu ppo`` do."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shifu.config.imports import load_callable
-from shifu.rollout.compare import judge_policy, paired_summary, sample_records
+from shifu.evaluation.compare import judge_policy, paired_summary, sample_records
 from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}

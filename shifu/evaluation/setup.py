@@ -2,7 +2,7 @@
 prompt rows, the sampling and the judge (:class:`Judge`: a reward function, a reward model, an environment or an
 agent),
 from the flags, or from a ``shifu ppo`` run's ``config.yaml`` (``--run``) with the flags over it
-(:mod:`shifu.rollout.measure`)."""
+(:mod:`shifu.evaluation.measure`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from shifu.errors import ShifuError
-from shifu.rollout.evaluate import Evaluated
+from shifu.evaluation.evaluate import Evaluated
 
 
 @dataclasses.dataclass
@@ -33,7 +33,7 @@ class Judge:
 @dataclasses.dataclass
 class Setup:
     """One ``shifu eval``: the policies ``(as given, directory)``, the prompt rows and where they came from,
-    the judge, the sampling and how prompts are cut and rendered (:func:`shifu.rollout.compare.judge_loaded`'s
+    the judge, the sampling and how prompts are cut and rendered (:func:`shifu.evaluation.compare.judge_loaded`'s
     ``ev``), the seed, the device."""
 
     policies: list[tuple[str, Path]]
@@ -250,7 +250,7 @@ def function_judge(spec: str, key: str, gen: dict[str, Any]) -> Judge:
     """Single responses scored by the function ``spec`` (``fn(prompts, responses, rows)``; a process
     reward's steps summed), as the gold judge of ``shifu ppo`` scores them."""
     from shifu.config.imports import load_callable
-    from shifu.rollout.compare import judge_scores
+    from shifu.evaluation.compare import judge_scores
     from shifu.rollout.sources import SingleTurn
 
     fn = load_callable(spec, key)

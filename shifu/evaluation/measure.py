@@ -6,7 +6,7 @@ reward function (``--reward-function``, on the responses), a reward model (``--r
 (``--env``: the episode's return) or an agent (``--agent``: episodes of an outside agent over the policy gateway,
 as ``agent.factory`` runs them; the agent's return). With two, both sample the same prompts from the same sampling seed, so the
 gain of B over A is paired: its standard error is that of the per-prompt differences
-(:mod:`shifu.rollout.compare`), and B's KL to A is measured over B's sampled tokens.
+(:mod:`shifu.evaluation.compare`), and B's KL to A is measured over B's sampled tokens.
 
 ``--run RUN_DIR`` takes every setting from a ``shifu ppo`` run's ``config.yaml``: its judge (the environment or
 the agent, episodes scored by their return; else ``eval.gold_function``, else its reward), the sampling
@@ -31,8 +31,8 @@ from typing import Any
 
 from shifu.core.stats import mean_se
 from shifu.errors import ShifuError
-from shifu.rollout.eval_setup import Setup, setup
-from shifu.rollout.evaluate import Evaluated
+from shifu.evaluation.evaluate import Evaluated
+from shifu.evaluation.setup import Setup, setup
 
 # ------------------------------------------------------------------------------------------ the measure
 
@@ -40,8 +40,8 @@ from shifu.rollout.evaluate import Evaluated
 def measure(s: Setup, bar) -> tuple[list[Evaluated], list[list[float]], bool]:
     """Each policy's trajectories and scores (the same prompts and sampling seed), B with its KL to A when
     both read the same tokens; and whether the KL was measured."""
+    from shifu.evaluation.compare import judge_loaded, load_policy
     from shifu.rewards.sources import same_tokenizer
-    from shifu.rollout.compare import judge_loaded, load_policy
 
     results, scores, first, with_kl = [], [], None, False
     for label, (given, path) in zip("AB", s.policies):
