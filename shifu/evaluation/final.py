@@ -65,9 +65,7 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
     gold = gold or GOLD[task]
     gold_fn = load_callable(gold, "gold judge")
     T, R = ev["temperature"], ev["max_new_tokens"]
-    source = SingleTurn(
-        None, scored_by="gold judge", spec=gold
-    )  # unscored: the gold judge reads the responses
+    source = SingleTurn(None, scored_by="gold judge", spec=gold)  # unscored: the judge reads the responses
 
     def run(what: str, policy: Path, ref: Path | None, sample_seed: int, is_greedy: bool = False):
         bar.set_postfix_str(what, refresh=True)

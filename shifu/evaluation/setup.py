@@ -1,7 +1,6 @@
 """What one ``shifu eval`` uses (:class:`Setup`), read and checked before any policy samples: the policies, the
 prompt rows, the sampling and the judge (:class:`Judge`: a reward function, a reward model, an environment or an
-agent),
-from the flags, or from a ``shifu ppo`` run's ``config.yaml`` (``--run``) with the flags over it
+agent), from the flags, or from a ``shifu ppo`` run's ``config.yaml`` (``--run``) with the flags over it
 (:mod:`shifu.evaluation.measure`)."""
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ def judge_of(args: argparse.Namespace, cfg, gen: dict[str, Any], ev: dict[str, A
     return being the score), its gold judge, or its reward."""
     if args.env:
         return episodes_judge(_section(cfg, "env", args.env, args.env_kwargs), "--env", gen, ev)
-    if getattr(args, "agent", None):
+    if args.agent:
         return episodes_judge(_section(cfg, "agent", args.agent, args.agent_kwargs), "--agent", gen, ev)
     if args.reward_function:
         return function_judge(args.reward_function, "--reward-function", gen)
