@@ -664,3 +664,22 @@ def test_an_agent_run_ends_with_its_paired_evaluation_and_reports_the_agent(echo
     assert all(p["turns"] == 2 for p in rec["policies"].values()) and rec["paired"]["kl"] is not None
     bad = ["eval", str(echo_task["char"]), "--agent", "echo_agent:nope", *flags, "--overwrite"]
     assert cli.main(bad) == 2
+
+
+def test_an_agent_without_its_extras_is_refused_before_the_run_writes_anything(
+    echo_task, tmp_path, monkeypatch, capsys
+):
+    """The agent source says whether it can run here (SourceDescription.available): without the openai client
+    (its import blocked, as when the extra is not installed) `shifu ppo` stops before its run directory is made,
+    naming the extras to install."""
+    import sys
+
+    from shifu.cli import main as cli
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setitem(sys.modules, "openai", None)
+    out = tmp_path / "run"
+    argv = ["ppo", "--out", str(out), f"model.path={echo_task['char']}", f"data.train={echo_task['prompts']}"]
+    assert cli.main([*argv, "agent.factory=echo_agent:solve", "progress=false"]) == 2
+    assert "agent.factory echo_agent:solve needs its extras: pip install" in capsys.readouterr().err
+    assert not out.exists()

@@ -21,9 +21,10 @@ from shifu.config.loader import from_dict, lookup, to_dict
 from shifu.config.schema import PPOConfig
 from shifu.config.sources import AgentConfig, EnvConfig
 from shifu.envs.base import Environment
+from shifu.errors import ConfigError
 from shifu.rewards.ensemble import ENSEMBLE_FILE
 from shifu.rewards.sources import RewardSource, load_reward_model
-from shifu.rollout.agent import AgentEpisodes, check_tokenizer, load_agent
+from shifu.rollout.agent import AGENTS_EXTRA, AgentEpisodes, check_tokenizer, load_agent
 from shifu.rollout.episodes import EpisodeLimits, Episodes
 from shifu.rollout.sources import SINGLE_TURN, RolloutSource, SingleTurn, SourceDescription
 
@@ -76,9 +77,15 @@ def episodes_source(
     """The episodes of an ``agent`` section's agent (over the policy gateway; ``train_forks``:
     :func:`agent_source`) or of an ``env`` section's environment (first inputs and observations through the
     chat template with ``chat``), within a ``generation`` section's budgets; a first input longer than
-    ``max_prompt_len`` ids is an error naming the row."""
+    ``max_prompt_len`` ids is an error naming the row. An agent whose extras are not installed is refused here,
+    before a run writes anything."""
     if isinstance(section, AgentConfig):
-        return agent_source(section, generation, train_forks, max_prompt_len)
+        source = agent_source(section, generation, train_forks, max_prompt_len)
+        if not source.description.available:
+            raise ConfigError(
+                f"{typed_key('agent.factory')} {section.factory} needs its extras: {AGENTS_EXTRA}"
+            )
+        return source
     return Episodes(Environment(section), episode_limits(generation), chat, max_prompt_len)
 
 
