@@ -39,8 +39,8 @@ import provenance  # benchmarks/provenance.py (this script's own folder is on sy
 import torch
 
 from shifu.config.imports import load_callable
+from shifu.evaluation import final as ev_mod
 from shifu.generation.rollout import SamplingParams
-from shifu.pipelines import evaluation as ev_mod
 from shifu.pipelines import quickstart as qs
 from shifu.pipelines.stages import Stages, ppo_overrides, train_stage
 from shifu.rewards.sources import load_reward_model

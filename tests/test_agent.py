@@ -34,12 +34,12 @@ from shifu import core  # noqa: E402
 from shifu.config.schema import PPOConfig  # noqa: E402
 from shifu.envs.base import describe_row  # noqa: E402
 from shifu.errors import ConfigError, ShifuError  # noqa: E402
+from shifu.evaluation.evaluate import evaluate  # noqa: E402
 from shifu.generation.rollout import SamplingParams, policy_forward  # noqa: E402
 from shifu.models.padding import position_ids_from_mask  # noqa: E402
 from shifu.rollout.agent import AgentEpisodes, AgentFault, load_agent, set_reward  # noqa: E402
 from shifu.rollout.batch import PromptBatch  # noqa: E402
 from shifu.rollout.episodes import EpisodeLimits  # noqa: E402
-from shifu.rollout.evaluate import evaluate  # noqa: E402
 from shifu.rollout.sources import Policy  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -336,15 +336,15 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
 
 
 def test_a_quickstart_plan_takes_an_agent_instead_of_its_environment():
-    from shifu.pipelines.evaluation import episode_source
     from shifu.pipelines.quickstart import _plan
+    from shifu.rollout.build import describe
 
     sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.agent.factory=arith_tool_agent:solve"]
     plan = _plan("arith_tool", "smollm2", sets)
     assert (
-        episode_source(plan["ppo"]) == "agent"
-        and episode_source(_plan("arith_tool", "smollm2", [])["ppo"]) == "env"
+        describe(plan["ppo"]).kind == "agent" and describe(plan["ppo"]).name == "agent arith_tool_agent:solve"
     )
+    assert describe(_plan("arith_tool", "smollm2", [])["ppo"]).kind == "environment"
     with pytest.raises(ConfigError, match="give env.factory or agent.factory, not both"):
         _plan("arith_tool", "smollm2", sets[1:])
 
@@ -582,7 +582,7 @@ def test_forks_train_as_rows_of_their_own_unless_an_estimator_compares_groups(ec
 def test_the_quickstart_evaluation_runs_held_out_episodes_through_the_plans_agent(
     echo_task, tmp_path, monkeypatch
 ):
-    from shifu.pipelines.evaluation import evaluate as final_evaluation
+    from shifu.evaluation.final import evaluate as final_evaluation
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     plan = {
@@ -595,3 +595,91 @@ def test_the_quickstart_evaluation_runs_held_out_episodes_through_the_plans_agen
     assert summary["eval_prompts"] == 8 and summary["gold_judge"] == "episode return of echo_agent:solve"
     assert summary["turns_after"] == 2 and 0 <= summary["gold_after"] <= 1
     assert len((tmp_path / "samples_after.jsonl").read_text().splitlines()) == 8
+
+
+def test_an_agent_run_ends_with_its_paired_evaluation_and_reports_the_agent(echo_task, tmp_path, monkeypatch):
+    """``shifu ppo`` with agent.factory ends as an environment run does: the run's start and its final policy on
+    the held-out prompts through the agent (its return the gold), paired gain ± standard error in summary.json,
+    which also records the source; the model card and the report name the agent and how it scored. Then
+    ``shifu eval --agent`` measures two policies through the agent, paired, as the record says."""
+    from shifu.cli import main as cli
+    from shifu.core.stats import mean_se
+    from shifu.reporting.report import render_report
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    out = tmp_path / "run"
+    argv = [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={echo_task['char']}",
+        f"data.train={echo_task['prompts']}",
+        f"data.eval={echo_task['prompts']}",
+        "agent.factory=echo_agent:solve",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
+        "iterations=2",
+        "batch_size=16",
+        "minibatch_size=8",
+        "eval.every=0",
+        "eval.num_prompts=8",
+        "eval.final_prompts=12",
+        "eval.temperature=1.0",
+        "critic.init=sft",
+        "progress=false",
+        "tensorboard=false",
+    ]
+    assert cli.main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_judge"] == "episode return of echo_agent:solve" and s["eval_prompts"] == 12
+    assert s["turns_before"] == s["turns_after"] == 2 and s["kl"] >= 0
+    after = [json.loads(x) for x in (out / "samples_after.jsonl").read_text().splitlines()]
+    before = [json.loads(x) for x in (out / "samples_before.jsonl").read_text().splitlines()]
+    gain, gain_se = mean_se([a["gold"] - b["gold"] for a, b in zip(after, before)])
+    assert s["gold_gain"] == pytest.approx(gain) and s["gold_gain_se"] == pytest.approx(gain_se)
+    assert s["source"] == {
+        "name": "agent echo_agent:solve",
+        "kind": "agent",
+        "scored_by": "agent's reward",
+        "spec": "echo_agent:solve",
+        "gold": True,
+        "records": ["turns", "tool_calls", "observation_tokens"],
+        "available": True,
+    }
+    card = (out / "final" / "README.md").read_text()
+    assert "through the agent echo_agent:solve" in card and "the agent's return is its reward" in card
+    assert "episode return of `echo_agent:solve`, final evaluation" in card and "- agent" in card
+    assert "scored by the run's reward" not in card and "score by" not in card
+    page = render_report(out).read_text(encoding="utf-8")
+    assert "the agent echo_agent:solve (its episode return)" in page
+    # shifu eval --agent: the run's start (A) against its final policy (B), the same prompts and seed
+    record = tmp_path / "eval.json"
+    flags = ["--prompts", str(echo_task["prompts"]), "--num-prompts", "8", "--max-new-tokens", "6"]
+    flags += ["--max-total-tokens", "24", "--temperature", "1", "--out", str(record)]
+    assert cli.main(["eval", str(echo_task["char"]), str(out), "--agent", "echo_agent:solve", *flags]) == 0
+    rec = json.loads(record.read_text())
+    assert rec["judge"] == "episode return of echo_agent:solve" and rec["prompts"]["count"] == 8
+    diffs = [r["B"]["score"] - r["A"]["score"] for r in rec["rows"]]
+    assert rec["paired"]["gain"] == pytest.approx(mean_se(diffs)[0]) and rec["paired"]["pairs"] == 8
+    assert all(p["turns"] == 2 for p in rec["policies"].values()) and rec["paired"]["kl"] is not None
+    bad = ["eval", str(echo_task["char"]), "--agent", "echo_agent:nope", *flags, "--overwrite"]
+    assert cli.main(bad) == 2
+
+
+def test_an_agent_without_its_extras_is_refused_before_the_run_writes_anything(
+    echo_task, tmp_path, monkeypatch, capsys
+):
+    """The agent source says whether it can run here (SourceDescription.available): without the openai client
+    (its import blocked, as when the extra is not installed) `shifu ppo` stops before its run directory is made,
+    naming the extras to install."""
+    import sys
+
+    from shifu.cli import main as cli
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setitem(sys.modules, "openai", None)
+    out = tmp_path / "run"
+    argv = ["ppo", "--out", str(out), f"model.path={echo_task['char']}", f"data.train={echo_task['prompts']}"]
+    assert cli.main([*argv, "agent.factory=echo_agent:solve", "progress=false"]) == 2
+    assert "agent.factory echo_agent:solve needs its extras: pip install" in capsys.readouterr().err
+    assert not out.exists()

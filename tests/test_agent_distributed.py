@@ -21,7 +21,8 @@ from test_agent import EXAMPLES, build_echo_task  # noqa: E402
 @pytest.mark.slow
 def test_under_torchrun_each_ddp_rank_runs_its_share_on_its_own_gateway(tmp_path):
     """torchrun, 2 CPU ranks, DDP: each rank serves its 8 episodes per iteration on its own gateway with the
-    unwrapped actor; the run trains, evaluates on both ranks and writes final/ once."""
+    unwrapped actor; the run trains, evaluates on both ranks (and ends with its paired evaluation) and writes
+    final/ once."""
     echo_task = build_echo_task(tmp_path)
     here = Path(__file__).resolve().parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHIFU_THREADS": "1"}
@@ -65,3 +66,6 @@ def test_under_torchrun_each_ddp_rank_runs_its_share_on_its_own_gateway(tmp_path
     train = [r for r in rows if "agent/return" in r]
     assert len(train) == 2 and all(r["rollout/rows"] == 16 and r["agent/calls"] == 2 for r in train)
     assert [r for r in rows if "gold/score" in r] and (out / "final" / "model.safetensors").exists()
+    summary = json.loads((out / "summary.json").read_text())  # the final paired evaluation, both ranks' share
+    assert summary["gold_judge"] == "episode return of echo_agent:solve" and summary["eval_prompts"] >= 1
+    assert "gold_gain" in summary and summary["source"]["kind"] == "agent"

@@ -31,6 +31,7 @@ WINGS = [
     "http",
     "gateway",
     "rollout",
+    "evaluation",
     "tasks",
     "reporting",
     "trainers",
@@ -163,7 +164,7 @@ SOURCE_TYPES = {
     "Environment",
     "Episodes",
     "SingleTurn",
-    "AgentSource",
+    "AgentEpisodes",
     "RewardSource",
     "RemoteReward",
     "Gateway",
@@ -186,6 +187,61 @@ def test_trainers_never_ask_which_source_made_a_batch():
                 assert not named & SOURCE_TYPES, (
                     f"{name}:{node.lineno} tests a source's type: {ast.unparse(node)}"
                 )
+
+
+# the settings that name a rollout source, and the modules that build sources from them (and the config wing,
+# which defines and checks them): everyone else asks the source (SourceDescription) or rollout.build.describe
+SOURCE_KEYS = {"env.factory", "agent.factory", "reward.url", "reward.function", "reward.model_path"}
+READS = {"lookup", "get", "getattr"}  # calls that read a setting by its key
+SOURCE_BUILDERS = {
+    "shifu.rollout.build",
+    "shifu.rollout.sources",
+    "shifu.rollout.episodes",
+    "shifu.rollout.agent",
+}
+
+
+def source_reads(tree: ast.AST) -> list[str]:
+    """Where ``tree`` reads which source settings name: an attribute chain ``x.env.factory``,
+    ``x.agent.factory``, ``x.reward.url`` / ``.function`` / ``.model_path``, or one of :data:`SOURCE_KEYS` as
+    a subscript or an argument of a lookup (``s["env.factory"]``, ``lookup(config, "env.factory")``; a key
+    named in a message, ``typed_key("env.factory")``, reads nothing)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            key = f"{node.value.attr}.{node.attr}"
+            if key in SOURCE_KEYS:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        keys: list[ast.AST] = []
+        if isinstance(node, ast.Subscript):
+            keys = [node.slice]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in READS:
+            keys = [*node.args, *(k.value for k in node.keywords)]
+        for k in keys:
+            if isinstance(k, ast.Constant) and k.value in SOURCE_KEYS:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_source_builders_ask_which_source_the_settings_name():
+    """A rollout source answers for itself (its SourceDescription: kind, how it is scored, what it records):
+    outside the modules that build sources and the config wing, nothing reads env.factory, agent.factory or
+    which reward the settings name."""
+    bad = []
+    for name, path in modules().items():
+        if name in SOURCE_BUILDERS or name.startswith("shifu.config"):
+            continue
+        bad += [f"{name}:{where}" for where in source_reads(ast.parse(path.read_text()))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_source_read_finder_sees_each_way_of_asking():
+    code = (
+        "cfg.env.factory\nif cfg.agent.factory: pass\ncfg.reward.url\ns['reward.function']\n"
+        "lookup(config, 'reward.model_path')\nsection.get('factory')\nKEYS = ('env.factory',)\n"
+        "typed_key('env.factory')\n"
+    )
+    assert len(source_reads(ast.parse(code))) == 5
 
 
 def wing_of(name: str) -> str | None:

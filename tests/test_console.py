@@ -80,7 +80,7 @@ def test_quickstart_prints_nothing_of_its_own_to_stdout(tmp_path):
 
 
 def test_eval_num_prompts_is_honoured_and_checked(tiny_model_dir, tmp_path, capsys):
-    from shifu.pipelines.evaluation import evaluate
+    from shifu.evaluation.final import evaluate
     from shifu.pipelines.quickstart import _plan
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]

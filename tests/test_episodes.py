@@ -302,7 +302,7 @@ def test_an_environment_that_does_not_report_tool_calls_has_no_tool_metrics(char
 def test_the_transcript_keeps_the_first_input_as_the_policy_read_it(char):
     """What ``reset(row)`` returned, as ids the policy read (not the data row's prompt): recorded in the
     transcript and in an evaluation's sample records."""
-    from shifu.rollout.evaluate import evaluate
+    from shifu.evaluation.evaluate import evaluate
 
     src = env(kwargs={"done_after": 1, "intro": "kkk "})
     eps = run(char, src)

@@ -366,3 +366,24 @@ def test_records_name_paths_relative_to_the_run_or_by_the_models_own_name(tmp_pa
         "trackers": ["wandb"],
     }
     assert shown_path("~/x/model.safetensors", run) == "model.safetensors"
+
+
+def test_a_ppo_card_says_what_made_the_rollouts_as_the_run_recorded_it(tmp_path):
+    """The card reads what made the rollouts from the run's summary.json (``source``), not from the settings:
+    a run whose config names a reward function but whose recorded source is an agent is described as the
+    agent's (and a run that recorded none is described from its config, as before)."""
+    from shifu.reporting.modelcard import render_card
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    config = {"model": {"path": "base"}, "iterations": 2, "reward": {"function": "m:f"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    source = {"kind": "agent", "scored_by": "agent's reward", "spec": "pkg.agents:solve", "gold": True}
+    (run / "summary.json").write_text(json.dumps({"iterations": 2, "source": source}))
+    card = render_card("ppo", run / "final", run)
+    assert "through the agent pkg.agents:solve" in card and "the agent's return is its reward" in card
+    assert "| agent.factory |" not in card  # (not set in this config: the table shows set keys only)
+    assert "- agent" in card and "reward function m:f" not in card
+    (run / "summary.json").write_text(json.dumps({"iterations": 2}))
+    card = render_card("ppo", run / "final", run)
+    assert "scored by the reward function m:f" in card and "- agent" not in card

@@ -387,10 +387,10 @@ def test_an_evaluations_return_counts_the_process_steps(task):
     sum, not the 0 its number slot holds."""
     import ppo_task
 
+    from shifu.evaluation.evaluate import encode_prompts, evaluate, prompt_batches
     from shifu.generation.rollout import SamplingParams
     from shifu.models.loading import load_causal_lm
     from shifu.rewards.sources import RewardSource
-    from shifu.rollout.evaluate import encode_prompts, evaluate, prompt_batches
     from shifu.rollout.sources import Policy, SingleTurn
 
     tok = load_tokenizer(task["model"])

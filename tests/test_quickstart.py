@@ -219,7 +219,7 @@ def test_unchanged_policy_gains_exactly_zero_with_error_bars(tiny_model_dir, tmp
     """Before and after share prompts and the sampling seed: the SFT policy judged against itself gains 0.0
     exactly, at KL 0 (both estimates), while the per-policy scores still carry a standard error."""
     from shifu.core.stats import mean_se
-    from shifu.pipelines.evaluation import evaluate
+    from shifu.evaluation.final import evaluate
 
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(5)]
     path = tmp_path / "prompts.jsonl"

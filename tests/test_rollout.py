@@ -4,6 +4,7 @@ log-probs, a python loop for the EOS/padding convention, and the sampling suppor
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -514,3 +515,47 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
         g = torch.Generator().manual_seed(seed)
         tok = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=1e-50), g)
         assert tok.tolist() == [1, 0]
+
+
+def test_a_source_describes_itself_as_a_run_records_it(tmp_path):
+    """Every kind of source states what it is; the description a run records reads back as it was, and a
+    recorded config without one (a run from before runs recorded it) is described as its source would be."""
+    from shifu.config.loader import lookup
+    from shifu.rollout.build import describe_settings
+    from shifu.rollout.sources import SingleTurn, SourceDescription
+
+    (tmp_path / "ens").mkdir()
+    (tmp_path / "ens" / "ensemble.json").write_text("{}")  # shifu.rewards.ensemble.ENSEMBLE_FILE
+    cases = [
+        ({"agent": {"factory": "a:solve"}}, "agent a:solve", "agent", "agent's reward", True),
+        ({"env": {"factory": "g:Guess"}}, "environment g:Guess", "environment", "environment reward", True),
+        (
+            {"reward": {"url": "http://h:1"}},
+            "reward service http://h:1",
+            "single-turn",
+            "reward service",
+            False,
+        ),
+        ({"reward": {"function": "m:f"}}, "reward function m:f", "single-turn", "reward function", False),
+        ({"reward": {"model_path": "rm"}}, "reward model rm", "single-turn", "reward model", False),
+        (
+            {"reward": {"model_path": str(tmp_path / "ens")}},
+            None,
+            "single-turn",
+            "reward-model ensemble",
+            False,
+        ),
+    ]
+    for config, name, kind, scored_by, gold in cases:
+        d = describe_settings(lambda key, c=config: lookup(c, key))
+        assert (d.kind, d.scored_by, d.gold, d.episodes) == (kind, scored_by, gold, kind != "single-turn")
+        assert name is None or d.name == name
+        assert d.judge == (f"episode return of {d.spec}" if gold else None)
+        assert d.reward_model == (d.spec if "model" in scored_by else None)
+        assert SourceDescription.from_record(json.loads(json.dumps(d.record()))) == d
+    assert describe_settings(lambda key: None) == SourceDescription("single-turn")
+    assert (
+        SourceDescription.from_record({"evals": []}) is None and SourceDescription.from_record(None) is None
+    )
+    assert SingleTurn(None, scored_by="reward function", spec="m:f").name == "reward function m:f"
+    assert SingleTurn(None).description.unit == "responses"

@@ -166,8 +166,8 @@ def test_imdb_bpe_tokenizer_round_trips(reviews, tmp_path):
 def test_held_out_prompts_are_rendered_as_the_run_rendered_them(tiny_model_dir):
     """The quickstart's before/after evaluation encodes prompts with the run's data.chat_template: the
     tokenizer's template when on (the default), the bare string when a run switched it off."""
+    from shifu.evaluation.evaluate import encode_prompts
     from shifu.models.loading import load_tokenizer
-    from shifu.rollout.evaluate import encode_prompts
 
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = "{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}assistant:"

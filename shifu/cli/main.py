@@ -39,7 +39,7 @@ TOOLS = {
         "generate from a policy; optionally score it with a reward model/function",
     ),
     "eval": (
-        "shifu.rollout.measure",
+        "shifu.evaluation.measure",
         "measure a policy on your prompts and judge, or two paired: mean, gain and standard errors",
     ),
     "demo": ("shifu.demo.bandit", "toy demos: `shifu demo bandit`"),

@@ -234,7 +234,8 @@ class PolicyEvalConfig:
     )
     final_prompts: int = opt(
         128,
-        "with a gold_function or an environment (env.factory): at the end, the run's start (model.path) and "
+        "with a gold_function, an environment (env.factory) or an agent (agent.factory): at the end, the run's "
+        "start (model.path) and "
         "the final policy sampled on the first N held-out prompts with one seed at "
         "eval.temperature, gold before/after and the paired gain with standard errors in summary.json and the "
         "model card (samples_before/after.jsonl); at most the held-out rows there are; 0: off",

@@ -53,7 +53,7 @@ from typing import Any
 from shifu.config.loader import check_section, opt, read_shipped, shipped, unknown_key
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
-from shifu.pipelines.evaluation import GOLD, episode_source, eval_settings, evaluate
+from shifu.evaluation.final import GOLD, eval_settings, evaluate
 from shifu.pipelines.stages import (
     Stages,
     claim_run,
@@ -64,6 +64,7 @@ from shifu.pipelines.stages import (
     read_jsonl,
     writing,
 )
+from shifu.rollout.build import describe
 from shifu.runs import jsonfile
 
 # ----------------------------------------------------------------------------------------- stage plans
@@ -137,11 +138,9 @@ def check_stage(cls: type, section: Any, where: str) -> None:
     SFT policy's tokenizer for a bag-of-tokens reward model (:meth:`Stages.rm`)."""
     fill: dict[str, Any] = json.loads(json.dumps(FILLED))
     if isinstance(section, dict):
-        reward, model = (
-            x if isinstance(x, dict) else {} for x in (section.get("reward"), section.get("model"))
-        )
-        rewarded = any(reward.get(k) for k in ("model_path", "function", "url")) or episode_source(section)
-        if cls is PPOConfig and not rewarded:  # (an environment or agent rewards its own episodes)
+        model = section.get("model") if isinstance(section.get("model"), dict) else {}
+        rewarded = describe(section).spec  # (what rewards the stage; an environment or agent, its episodes)
+        if cls is PPOConfig and not rewarded:
             fill["reward"] = {"model_path": "<run>/rm/final"}
         if cls is RMConfig and model.get("path") == "bag-of-tokens" and not model.get("tokenizer"):
             fill["model"]["tokenizer"] = "<run>/sft/final"
@@ -163,7 +162,7 @@ def check_plan_sections(plan: dict[str, Any], where: str) -> None:
             check_stage(STAGE_CONFIGS[name], section, f"{where}, section '{name}'")
         elif name in SECTIONS:
             check_section(SECTIONS[name], section, f"{where}, section '{name}'")
-    episodes = isinstance(plan["ppo"], dict) and episode_source(plan["ppo"]) is not None
+    episodes = isinstance(plan["ppo"], dict) and describe(plan["ppo"]).episodes
     if isinstance(plan["eval"], dict) and plan["eval"].get("max_new_tokens") is None and not episodes:
         raise ConfigError(f"{where}, section 'eval': eval needs max_new_tokens and temperature")
 
@@ -283,7 +282,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
     gold = plan.get("gold", GOLD.get(task))
     reward: dict[str, Any] = {"function": plan["ppo"].get("reward", {}).get("function", gold)}
-    if episode_source(plan["ppo"]):  # an environment or agent rewards its episodes (ppo.env, ppo.agent)
+    if describe(plan["ppo"]).episodes:  # an environment or agent rewards its episodes (ppo.env, ppo.agent)
         reward = {}
     rm_accuracy = None
     if task == "imdb":

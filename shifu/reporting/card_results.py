@@ -5,7 +5,8 @@
 - ``RUN/summary.json`` and ``RUN/metrics.jsonl``: the stage's final and first held-out metrics;
 - ``RUN/samples.jsonl`` (PPO): per-prompt gold scores at each evaluation; the first and the last evaluation
   give gold before/after with standard errors (the same prompts, so the gain's error is the paired one);
-- the final evaluation of a ``shifu ppo`` run with a gold judge or an environment (its ``summary.json`` holds
+- the final evaluation of a ``shifu ppo`` run with a gold judge (``eval.gold_function``, or its source's own: an
+  environment's or an agent's episode return; its ``summary.json`` holds
   ``gold_before``), or of the ``shifu quickstart`` run it belongs to (``RUN/..``): gold before/after, the paired
   gain and KL (and the quickstart's reward-model accuracy), standard errors from ``samples_before.jsonl`` /
   ``samples_after.jsonl``;
@@ -23,7 +24,7 @@ import yaml
 
 from shifu.config.loader import lookup
 from shifu.core.stats import mean_se
-from shifu.reporting.run_data import read_json, reward_source
+from shifu.reporting.run_data import ran_source, read_json, reward_source
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -92,10 +93,11 @@ def final_summaries(run_dir: Path, notes: list[str]) -> list[tuple[dict[str, Any
     return out
 
 
-def _reward_model_accuracy(config: dict[str, Any], notes: list[str]) -> float | None:
-    """Held-out accuracy of the reward model PPO used, from the summary of its ``shifu rm`` run."""
-    path = lookup(config, "reward.model_path")
-    if not isinstance(path, str) or not path:
+def _reward_model_accuracy(source: Any, notes: list[str]) -> float | None:
+    """Held-out accuracy of the reward model PPO used (``source``, what made its rollouts), from the summary
+    of its ``shifu rm`` run."""
+    path = source.reward_model if source is not None else None
+    if not path:
         return None
     for d in (Path(path), Path(path).parent):
         s = read_json(d / "summary.json", notes)
@@ -104,9 +106,13 @@ def _reward_model_accuracy(config: dict[str, Any], notes: list[str]) -> float | 
     return None
 
 
-def collect_results(kind: str, run_dir: Path, config: dict[str, Any], notes: list[str]) -> list[tuple]:
-    """(label, value text) rows of the measured results of one stage."""
+def collect_results(
+    kind: str, run_dir: Path, config: dict[str, Any], notes: list[str], source: Any = None
+) -> list[tuple]:
+    """(label, value text) rows of the measured results of one stage; a PPO run's ``source``: what made its
+    rollouts (None: as its ``summary.json`` records it, else as its config names it)."""
     summary = read_json(run_dir / "summary.json", notes) or {}
+    source = source if source is not None else ran_source(summary, config) if kind == "ppo" else None
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     rows: list[tuple[str, str]] = []
     if kind == "sft":
@@ -128,9 +134,9 @@ def collect_results(kind: str, run_dir: Path, config: dict[str, Any], notes: lis
         _add(rows, "DPO loss, held-out pairs", summary.get("eval/dpo/loss"))
         _add(rows, "steps", summary.get("step"), 0)
     elif kind == "ppo":
-        rows += _ppo_results(run_dir, summary, metrics, config, notes)
+        rows += _ppo_results(run_dir, summary, metrics, config, notes, source)
     for final, d in final_summaries(run_dir, notes) if kind in ("ppo", "dpo") else []:
-        rows += _final_rows(final, d, _gold_name(config) if d == run_dir else None)
+        rows += _final_rows(final, d, _gold_name(config, source) if d == run_dir else None)
     if not rows:
         notes.append("no results recorded (summary.json / metrics.jsonl missing or empty)")
     return rows
@@ -148,7 +154,9 @@ def _add(rows: list[tuple[str, str]], label: str, value: Any, digits: int = 4) -
         rows.append((label, f"{x:.{digits}f}"))
 
 
-def _ppo_results(run_dir: Path, summary: dict, metrics: list[dict], config: dict, notes: list[str]) -> list:
+def _ppo_results(
+    run_dir: Path, summary: dict, metrics: list[dict], config: dict, notes: list[str], source: Any
+) -> list:
     """:func:`collect_results` of a ppo run: gold and score from first to last evaluation, KL, beta."""
     rows: list[tuple[str, str]] = []
     samples = _read_jsonl(run_dir / "samples.jsonl")
@@ -160,14 +168,16 @@ def _ppo_results(run_dir: Path, summary: dict, metrics: list[dict], config: dict
         )
         if gold is not None:
             label = (
-                f"{_gold_name(config)}, held-out prompts, iteration {its[0]} -> {its[-1]} (n = {gold['n']})"
+                f"{_gold_name(config, source)}, held-out prompts, iteration {its[0]} -> {its[-1]} "
+                f"(n = {gold['n']})"
             )
             rows += _gold_rows(gold, label)
     evals = [e for e in summary.get("evals", []) if isinstance(e, dict)]
     if evals:
         s0, s1 = _num(evals[0].get("eval/score")), _num(evals[-1].get("eval/score"))
-        if s0 is not None and s1 is not None and not lookup(config, "env.factory"):  # (episodes: the return)
-            label = f"score by {reward_source(config, run_dir)[1]}, held-out, first -> last evaluation"
+        episodes = source is not None and source.episodes  # (episodes: the return, the gold above)
+        if s0 is not None and s1 is not None and not episodes:
+            label = f"score by {reward_source(source, run_dir)[1]}, held-out, first -> last evaluation"
             rows.append((label, f"{s0:.4f} -> {s1:.4f}"))
         _add(rows, "KL to the reference at the last evaluation (nats/response)", evals[-1].get("eval/kl"))
     _add(rows, "KL of the last rollout (nats/response)", _first_last(metrics, "objective/kl")[1])
@@ -175,15 +185,16 @@ def _ppo_results(run_dir: Path, summary: dict, metrics: list[dict], config: dict
     _add(rows, "iterations", summary.get("iterations"), 0)
     if summary.get("guard"):
         rows.append(("stopped by the guard", str(summary["guard"])))
-    _add(rows, "reward-model accuracy, held-out pairs", _reward_model_accuracy(config, notes))
+    _add(rows, "reward-model accuracy, held-out pairs", _reward_model_accuracy(source, notes))
     return rows
 
 
-def _gold_name(config: dict[str, Any]) -> str:
-    """What a PPO run's per-prompt ``gold`` is: its judge's score (named), or an environment's episode return."""
-    if lookup(config, "env.factory"):
-        return f"episode return of `{lookup(config, 'env.factory')}`"
+def _gold_name(config: dict[str, Any], source: Any) -> str:
+    """What a PPO run's per-prompt ``gold`` is: its judge's score (named), or the episode return of the
+    environment or agent that made its rollouts (``source``)."""
     judge = lookup(config, "eval.gold_function")
+    if not judge and source is not None and source.gold:
+        return f"episode return of `{source.spec}`"
     return f"gold (`{judge}`)" if judge else "gold"
 
 

@@ -178,7 +178,7 @@ def overlay_title(plot: Overlay, runs: list[RunData]) -> str:
     """``plot``'s title; the reward plot named by the runs' reward when they all have the same kind."""
     if plot.name != "score":
         return plot.title
-    kinds = {reward_source(data.ppo_config)[0] for data in runs}
+    kinds = {reward_source(data.ppo_source)[0] for data in runs}
     return f"{kinds.pop()} (rollouts)" if len(kinds) == 1 else plot.title
 
 

@@ -35,6 +35,7 @@ from shifu.reporting.recipe import (
     title,
     without_unused,
 )
+from shifu.reporting.run_data import ran_source, read_json
 
 __all__ = ["infer_kind", "main", "read_card_metadata", "render_card", "write_model_card"]
 
@@ -88,7 +89,7 @@ def _how_to_use(kind: str, model: str) -> list[str]:
     return parts
 
 
-def _config_sections(kind: str, config: dict[str, Any], run_dir: Path) -> list[str]:
+def _config_sections(kind: str, config: dict[str, Any], run_dir: Path, source: Any) -> list[str]:
     """The Data and Key config tables."""
     data = [
         (k, f"`{shown_path(lookup(config, k), run_dir)}`{count_rows(lookup(config, k))}")
@@ -97,16 +98,16 @@ def _config_sections(kind: str, config: dict[str, Any], run_dir: Path) -> list[s
     ]
     parts = ["## Data", ""]
     parts += [_table(data, ("config key", "file")) if data else "Not recorded (no config.yaml).", ""]
-    keys = [(k, _value(v)) for k, v in key_values(kind, config, run_dir)]
+    keys = [(k, _value(v)) for k, v in key_values(kind, config, run_dir, source)]
     parts += ["## Key config", ""]
     parts += [_table(keys, ("key", "value")) if keys else "Not recorded (no config.yaml).", ""]
     return parts
 
 
-def _full_config(kind: str, config: dict[str, Any], run_dir: Path) -> list[str]:
+def _full_config(kind: str, config: dict[str, Any], run_dir: Path, source: Any) -> list[str]:
     if not config:
         return []
-    shown = shown_config(without_unused(config) if kind == "ppo" else config, run_dir)
+    shown = shown_config(without_unused(config, source) if kind == "ppo" else config, run_dir)
     note = (
         [
             "Settings without effect in this run are left out; the run directory's config.yaml has them all.",
@@ -136,8 +137,9 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
         raise ShifuError(f"unknown model kind '{kind}'; choose one of {', '.join(KINDS)}")
     notes: list[str] = []
     config = read_config(run_dir, notes)
-    meta = metadata(kind, config, run_dir)
-    results = collect_results(kind, run_dir, config, notes)
+    source = ran_source(read_json(run_dir / "summary.json", []), config) if kind == "ppo" else None
+    meta = metadata(kind, config, run_dir, source)
+    results = collect_results(kind, run_dir, config, notes, source)
     base = meta.get("base_model")
     parts = [
         "---",
@@ -153,12 +155,12 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
         "",
         "## Training recipe",
         "",
-        recipe(kind, config, run_dir),
+        recipe(kind, config, run_dir, source),
         "",
         f"Started from: `{base}`." if base else "Started from: not recorded.",
         "",
         *_merged(final_dir, run_dir),
-        *_config_sections(kind, config, run_dir),
+        *_config_sections(kind, config, run_dir, source),
         "## Results",
         "",
     ]
@@ -177,7 +179,7 @@ def render_card(kind: str, final_dir: Path, run_dir: Path) -> str:
     parts += _how_to_use(kind, model)
     if notes:
         parts += ["## Not recorded", ""] + [f"- {n}" for n in notes] + [""]
-    parts += _full_config(kind, config, run_dir)
+    parts += _full_config(kind, config, run_dir, source)
     return "\n".join(parts)
 
 

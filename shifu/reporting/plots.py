@@ -89,7 +89,7 @@ def title(plot: Plot, data: RunData) -> str:
     """``plot``'s title for this run: the reward plot named by the run's reward, the gold plot saying how
     PPO's held-out evaluations sampled."""
     if plot.name == "score":
-        return reward_source(data.ppo_config)[0]
+        return reward_source(data.ppo_source)[0]
     if plot.name == "gold" and data.ppo_eval:
         return f"Gold judge during PPO ({data.ppo_eval})"
     return plot.title

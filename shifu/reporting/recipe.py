@@ -1,12 +1,13 @@
-"""What a run did, in words, from its recorded ``config.yaml``: the training recipe, the algorithm's name,
-the config keys that mattered, the keys that had no effect, and a model card's YAML metadata.
+"""What a run did, in words, from its recorded ``config.yaml`` and ``summary.json``: the training recipe, the
+algorithm's name, the config keys that mattered, the keys that had no effect, and a model card's YAML metadata.
 
 A PPO run (``shifu ppo``) is described by what ran, never by the defaults of another method: the advantage
 estimator (GAE on a learned critic only when one was trained; GRPO, Dr. GRPO, RLOO, best-of-G, REINFORCE,
 REINFORCE++ otherwise), the group size, the policy loss (PPO-clip, PPO-penalty, REINFORCE, GSPO), where the
-KL to the reference went (the reward or the loss) and what the reward was (a reward function, model,
-ensemble or service, or an environment's episodes), named as the config named it
-(:func:`shifu.reporting.run_data.reward_source`). Paths are shown by :mod:`shifu.reporting.names`.
+KL to the reference went (the reward or the loss) and what made the rollouts (single responses scored by a
+reward function, model, ensemble or service; an environment's episodes; an agent's), as the run recorded its
+rollout source (``source``: :func:`shifu.reporting.run_data.ran_source`, named by
+:func:`shifu.reporting.run_data.reward_source`). Paths are shown by :mod:`shifu.reporting.names`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from shifu.config.loader import lookup, to_dict
 from shifu.reporting.names import shown_path
-from shifu.reporting.run_data import reward_source
+from shifu.reporting.run_data import ran_source, reward_source
 
 KINDS = ("sft", "rm", "ppo", "dpo")
 TITLES = {
@@ -56,6 +57,13 @@ ESTIMATOR_NAMES = {
 LOSS_NAMES = {"ppo": "PPO-clip", "ppo_penalty": "PPO-penalty", "reinforce": "REINFORCE", "gspo": "GSPO"}
 GROUPED = ("grpo", "dr_grpo", "rloo", "bon", "reinforce_pp_baseline")
 CRITIC_KEYS = ("critic", "vf_coef", "lam", "value_clip", "critic_warmup", "joint_optimizer", "lora.critic")
+# the key config of the source that made a PPO run's rollouts, per kind (SourceDescription.kind)
+EPISODE_BUDGETS = ("generation.max_turns", "generation.max_new_tokens", "generation.max_total_tokens")
+SOURCE_KEYS = {
+    "environment": ("env.factory", *EPISODE_BUDGETS),
+    "agent": ("agent.factory", *EPISODE_BUDGETS),
+    "single-turn": ("reward.function", "reward.model_path", "reward.url", "generation.max_new_tokens"),
+}
 
 
 class Settings:
@@ -120,7 +128,16 @@ def _estimator_words(s: Settings) -> str:
     return words.get(est, f"advantage_estimator={est}")
 
 
-def _loss_words(s: Settings) -> str:
+def _source(config: dict[str, Any], source: Any) -> Any:
+    """What made a PPO run's rollouts: ``source`` as the run recorded it, else what its config names."""
+    return source if source is not None else ran_source(None, config)
+
+
+def _unit(source: Any) -> str:
+    return source.unit if source is not None else "responses"
+
+
+def _loss_words(s: Settings, source: Any) -> str:
     algo = s["algo"]
     words = {
         "ppo": f"the clipped PPO objective (ratio clipped to [1 - {s['clip_low']}, 1 + {s['clip_high']}])",
@@ -130,7 +147,7 @@ def _loss_words(s: Settings) -> str:
         "gspo": f"GSPO: the length-normalised sequence ratio, clipped to [1 - {s['clip_low']}, "
         f"1 + {s['clip_high']}]",
     }
-    epochs, unit = s["ppo_epochs"], "episodes" if s["env.factory"] else "responses"
+    epochs, unit = s["ppo_epochs"], _unit(source)
     passes = f"{epochs} pass{'es' if epochs != 1 else ''} over each rollout of {s['batch_size']} {unit}"
     return f"{words.get(algo, f'algo={algo}')}, {passes} in minibatches of {s['minibatch_size']}"
 
@@ -150,25 +167,34 @@ def _kl_words(s: Settings) -> str:
     return f"beta x KL ({s['kl.estimator']} estimate per token) is subtracted from the reward; {coef}"
 
 
-def ppo_recipe(config: dict[str, Any], run_dir: Path) -> str:
-    """The training recipe of a ``shifu ppo`` run, from what its config says ran."""
+def ppo_recipe(config: dict[str, Any], run_dir: Path, source: Any = None) -> str:
+    """The training recipe of a ``shifu ppo`` run, from what its config says ran and what made its rollouts
+    (``source``, as the run recorded it; None: what its config names)."""
     if not config:
         return "RL with `shifu ppo`; the run's config.yaml is missing, so the method is not recorded."
-    s = Settings(config)
-    G, reward = s["group_size"], reward_source(config, run_dir)[1]  # (an environment: named below)
-    if s["env.factory"]:
-        sampled = (
-            f"plays {'a group of ' + str(G) + ' episodes' if G > 1 else 'an episode'} per training prompt with "
-            f"the environment {s['env.factory']} (up to {s['generation.max_turns']} turns of up to "
-            f"{s['generation.max_new_tokens']} tokens); the episode's return is its reward"
-        )
+    s, source = Settings(config), _source(config, source)
+    G, reward = s["group_size"], reward_source(source, run_dir)[1]  # (episodes: named below)
+    if source is not None and source.episodes:
+        played = f"{'a group of ' + str(G) + ' episodes' if G > 1 else 'an episode'} per training prompt"
+        steps = "calls" if source.kind == "agent" else "turns"
+        budget = f"up to {s['generation.max_turns']} {steps} of up to {s['generation.max_new_tokens']} tokens"
+        if source.kind == "agent":
+            sampled = (
+                f"plays {played} through the agent {source.spec}, whose calls the policy answers over the "
+                f"policy gateway ({budget}); the agent's return is its reward"
+            )
+        else:
+            sampled = (
+                f"plays {played} with the environment {source.spec} ({budget}); the episode's return is its "
+                "reward"
+            )
     else:
         responses = f"a group of {G} responses" if G > 1 else "one response"
         sampled = f"samples {responses} to each training prompt, scored by {reward}"
     parts = [
         f"RL with `shifu ppo` ({algorithm_name(config)}): the policy {sampled}.",
         f"Advantages: {_estimator_words(s)}.",
-        f"Update: {_loss_words(s)}.",
+        f"Update: {_loss_words(s, source)}.",
         f"KL to the frozen reference policy: {_kl_words(s)}.",
     ]
     if s["reward.dense"]:
@@ -186,15 +212,16 @@ def ppo_recipe(config: dict[str, Any], run_dir: Path) -> str:
     return " ".join(parts)
 
 
-def method_summary(config: dict[str, Any]) -> str:
+def method_summary(config: dict[str, Any], source: Any = None) -> str:
     """One line on what a PPO run ran, for the report: the method, how advantages were baselined, where the
-    KL went. "GRPO (groups of 4 responses per prompt; KL to the reference in the loss, k3)"."""
-    s = Settings(config)
+    KL went. "GRPO (groups of 4 responses per prompt; KL to the reference in the loss, k3)". ``source``: what
+    made the rollouts, as the run recorded it (None: what the config names)."""
+    s, source = Settings(config), _source(config, source)
     G, est = s["group_size"], s.estimator
     if est == "gae":
         how = f"GAE on a learned critic, critic.init={s['critic.init']}"
     elif G > 1 or est in GROUPED:
-        how = f"groups of {G} {'episodes' if s['env.factory'] else 'responses'} per prompt"
+        how = f"groups of {G} {_unit(source)} per prompt"
     else:
         how = "one response per prompt"
     kl = (
@@ -217,10 +244,11 @@ def rm_recipe(config: dict[str, Any]) -> str:
     return text
 
 
-def recipe(kind: str, config: dict[str, Any], run_dir: Path) -> str:
-    """The card's "Training recipe" paragraph for a ``kind`` run in ``run_dir``."""
+def recipe(kind: str, config: dict[str, Any], run_dir: Path, source: Any = None) -> str:
+    """The card's "Training recipe" paragraph for a ``kind`` run in ``run_dir`` (a PPO run's ``source``: what
+    made its rollouts)."""
     if kind == "ppo":
-        return ppo_recipe(config, run_dir)
+        return ppo_recipe(config, run_dir, source)
     return rm_recipe(config) if kind == "rm" else RECIPE[kind]
 
 
@@ -228,21 +256,14 @@ def title(kind: str, config: dict[str, Any]) -> str:
     return TITLES[kind].format(name=algorithm_name(config) if config else "RL")
 
 
-def ppo_keys(config: dict[str, Any]) -> list[str]:
+def ppo_keys(config: dict[str, Any], source: Any = None) -> list[str]:
     """The key config of a PPO run: what ran and nothing else (no critic keys without a critic, the clip
-    range only for a clipped loss, the KL estimator where the KL went)."""
-    s = Settings(config)
+    range only for a clipped loss, the KL estimator where the KL went, the keys of the source that made the
+    rollouts: ``source``, None: what the config names)."""
+    s, source = Settings(config), _source(config, source)
     keys = ["model.path", "model.ref_path", "algo", "advantage_estimator"]
     keys += ["group_size"] if s["group_size"] > 1 or s.estimator in GROUPED else []
-    if s["env.factory"]:
-        keys += [
-            "env.factory",
-            "generation.max_turns",
-            "generation.max_new_tokens",
-            "generation.max_total_tokens",
-        ]
-    else:
-        keys += ["reward.function", "reward.model_path", "reward.url", "generation.max_new_tokens"]
+    keys += list(SOURCE_KEYS[source.kind if source is not None else "single-turn"])
     keys += ["generation.temperature", "iterations", "batch_size", "minibatch_size", "ppo_epochs"]
     keys += {"ppo": ["clip_low", "clip_high"], "gspo": ["clip_low", "clip_high"]}.get(s["algo"], [])
     keys += ["penalty_init", "penalty_target"] if s["algo"] == "ppo_penalty" else []
@@ -256,10 +277,10 @@ def ppo_keys(config: dict[str, Any]) -> list[str]:
     return [*keys, "eval.gold_function"]
 
 
-def key_values(kind: str, config: dict[str, Any], run_dir: Path) -> list[tuple[str, Any]]:
+def key_values(kind: str, config: dict[str, Any], run_dir: Path, source: Any = None) -> list[tuple[str, Any]]:
     """(key, value) of the card's "Key config" table: set keys only, paths shown by
     :func:`shifu.reporting.names.shown_path`, a PPO run's advantage estimator as it ran."""
-    keys = ppo_keys(config) if kind == "ppo" and config else KEY_CONFIG.get(kind, ())
+    keys = ppo_keys(config, source) if kind == "ppo" and config else KEY_CONFIG.get(kind, ())
     out = []
     for k in (*keys, *COMMON_CONFIG):
         value = (
@@ -270,10 +291,11 @@ def key_values(kind: str, config: dict[str, Any], run_dir: Path) -> list[tuple[s
     return out
 
 
-def without_unused(config: dict[str, Any]) -> dict[str, Any]:
+def without_unused(config: dict[str, Any], source: Any = None) -> dict[str, Any]:
     """A PPO config without the settings that had no effect in its run (a critic's, without a critic; the
-    clip range of an unclipped loss; the other KL estimator; the environment section, without one)."""
-    s = Settings(config)
+    clip range of an unclipped loss; the other KL estimator; the sections of the sources that did not make the
+    rollouts, and without episodes their budgets)."""
+    s, source = Settings(config), _source(config, source)
     unused = [] if s.critic else list(CRITIC_KEYS)
     unused += [] if s.critic or s.estimator in ("reinforce_pp", "reinforce_pp_baseline") else ["gamma"]
     unused += [] if s["algo"] in ("ppo", "gspo") else ["clip_low", "clip_high", "dual_clip"]
@@ -281,8 +303,9 @@ def without_unused(config: dict[str, Any]) -> dict[str, Any]:
     unused += [] if s.estimator == "reinforce" else ["reinforce_baseline"]
     unused += ["kl.estimator"] if s["kl.penalty"] == "loss" else ["kl.loss_estimator"]
     unused += ["kl.horizon"] if s["kl.controller"] != "adaptive" else []
-    # without an environment: its section and the episode budgets
-    unused += [] if s["env.factory"] else ["env", "generation.max_turns", "generation.max_total_tokens"]
+    kind = source.kind if source is not None else "single-turn"
+    unused += [section for k, section in (("environment", "env"), ("agent", "agent")) if k != kind]
+    unused += [] if kind != "single-turn" else ["generation.max_turns", "generation.max_total_tokens"]
     out = dict(config)
     for key in unused:
         *head, last = key.split(".")
@@ -306,9 +329,10 @@ def count_rows(path: str) -> str:
     return "" if p.exists() else " (not found when the card was written)"
 
 
-def metadata(kind: str, config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def metadata(kind: str, config: dict[str, Any], run_dir: Path, source: Any = None) -> dict[str, Any]:
     """The card's YAML metadata: the base model (relative to the run, or by its own name: never an absolute
-    path), library, pipeline tag, and tags (a PPO run's: its estimator and, when not PPO-clip, its loss)."""
+    path), library, pipeline tag, and tags (a PPO run's: its estimator and, when not PPO-clip, its loss; what
+    made its rollouts, ``source``, when an environment or an agent)."""
     meta: dict[str, Any] = {}
     base = lookup(config, "model.path")
     if isinstance(base, str) and base:
@@ -322,7 +346,8 @@ def metadata(kind: str, config: dict[str, Any], run_dir: Path) -> dict[str, Any]
         tags.append("ppo" if s.estimator == "gae" else s.estimator.replace("_", "-"))
         if s["algo"] not in ("ppo", s.estimator):
             tags.append(s["algo"].replace("_", "-"))
-        tags += ["environment"] if s["env.factory"] else []
+        source = _source(config, source)
+        tags += [source.kind] if source is not None and source.episodes else []
     else:
         tags += TAGS[kind]
     k = lookup(config, "ensemble.k")

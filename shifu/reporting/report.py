@@ -78,7 +78,7 @@ def _summary_html(data: RunData, n_prompts: int | None) -> str:
         s.setdefault("held-out prompts in the sample table", n_prompts)
     rows = []
     for heading, section in words.summary_sections(
-        s, data.stages.get("ppo", []), data.ppo_eval, data.ppo_config
+        s, data.stages.get("ppo", []), data.ppo_eval, data.ppo_config, data.ppo_source
     ):
         if heading:
             rows.append(f'<tr><th colspan="2" class="section">{esc(heading)}</th></tr>')
@@ -173,7 +173,7 @@ def _caption(plot, data: RunData) -> str:
     """What a plot shows: its title for this run, its keys, its x axis; the reward plot names the reward."""
     text = f"{title(plot, data)}: {', '.join(plot.keys)} over {X_LABEL[plot.stage]}s"
     if plot.name == "score":
-        text += f"; the reward is {reward_source(data.ppo_config)[1]}"
+        text += f"; the reward is {reward_source(data.ppo_source)[1]}"
     return text
 
 

@@ -7,8 +7,10 @@ Reads (every piece optional; whatever is missing or unreadable becomes a note th
 - ``sft/metrics.jsonl``, ``rm/metrics.jsonl``, ``ppo/metrics.jsonl`` (one row per step, keys from
   :data:`shifu.runs.metrics.METRICS`; non-finite values are the strings ``"nan"``/``"inf"``). A single trainer's
   run directory with ``metrics.jsonl`` at its top works too: its rows go to the stage their keys name;
-- ``ppo/config.yaml`` (a single ``shifu ppo`` run: ``config.yaml``): the PPO run's settings, for what its
-  reward is (:func:`reward_source`) and how its held-out evaluations sampled;
+- ``ppo/summary.json`` (a single ``shifu ppo`` run: ``summary.json``): what made its rollouts, as the run recorded
+  its rollout source (:func:`ran_source`), for what its reward is (:func:`reward_source`);
+- ``ppo/config.yaml`` (a single ``shifu ppo`` run: ``config.yaml``): the PPO run's settings, for its method and
+  how its held-out evaluations sampled (and what made its rollouts, for a run that did not record it);
 - ``samples_before.jsonl`` / ``samples_after.jsonl``: ``{"prompt", "response", "gold"}`` rows for the same
   held-out prompts in the same order; for a ``shifu ppo`` run, its ``samples.jsonl`` (``{"iteration", "prompt",
   "response", "score", "gold"?}`` per evaluation): its first and its last evaluation.
@@ -53,7 +55,8 @@ class RunData:
     ``ppo``: its ``metrics.jsonl`` at the top), or ``run`` (only samples or a summary). ``sample_labels``
     name the two sides of the sample table (``before``, ``after``). ``ppo_config``: the PPO run's recorded
     config (None without one); ``ppo_eval``: how its held-out evaluations sampled, e.g. "128 prompts sampled
-    at T=0.7" ("" when unknown)."""
+    at T=0.7" ("" when unknown); ``ppo_source``: what made its rollouts (:func:`ran_source`; None when
+    unknown)."""
 
     run_dir: Path
     summary: dict[str, Any] | None
@@ -65,6 +68,7 @@ class RunData:
     sample_labels: tuple[str, str] = ("before PPO (SFT policy)", "after PPO (final policy)")
     ppo_config: dict[str, Any] | None = None
     ppo_eval: str = ""
+    ppo_source: Any = None
 
     @property
     def expected_stages(self) -> tuple[str, ...]:
@@ -181,7 +185,10 @@ def load_run(run_dir: str | Path) -> RunData:
     ppo_dir = run if kind == "ppo" else run / "ppo"
     config = read_config(ppo_dir / "config.yaml", notes) if kind in ("quickstart", "ppo") else None
     how = ppo_eval_settings(config, read_jsonl_rows(ppo_dir / "samples.jsonl", [], run) if config else None)
-    return RunData(run, summary, stages, before, after, notes, kind, labels, config, how)
+    source = None
+    if kind in ("quickstart", "ppo"):
+        source = ran_source(summary if ppo_dir == run else read_json(ppo_dir / "summary.json", []), config)
+    return RunData(run, summary, stages, before, after, notes, kind, labels, config, how, source)
 
 
 def read_config(path: Path, notes: list[str]) -> dict[str, Any] | None:
@@ -211,32 +218,43 @@ def ppo_eval_settings(config: dict[str, Any] | None, samples: list[dict[str, Any
     return f"{n} prompts sampled at T={num(ev['temperature']):g}"
 
 
-def reward_source(config: dict[str, Any] | None, run_dir: Path | None = None) -> tuple[str, str]:
-    """(plot title, description) of what a PPO run's reward is, named as its config names it: a reward function
-    (``reward.function``), a reward model or an ensemble of them (the model's own name,
-    :func:`shifu.reporting.names.model_name`), a reward service (its URL), or an environment (``env.factory``:
-    the episode's return). With ``run_dir``, a model inside the run is named relative to it."""
-    config = config or {}
-    reward = config.get("reward") if isinstance(config.get("reward"), dict) else {}
-    env = config.get("env") if isinstance(config.get("env"), dict) else {}
-    if env.get("factory"):
-        name = str(env["factory"])
-        return (
-            f"Episode return: environment {name.rsplit(':', 1)[-1]}",
-            f"the environment {name} (its episode return)",
-        )
-    if reward.get("url"):
-        return "Reward-service score", f"the reward service at {reward['url']}"
-    if reward.get("function"):
-        name = str(reward["function"])
-        return f"Reward: function {name.rsplit(':', 1)[-1]}", f"the reward function {name}"
-    if reward.get("model_path"):
-        path = Path(os.path.expanduser(str(reward["model_path"])))
-        name = model_name(path) if run_dir is None else shown_path(str(reward["model_path"]), run_dir)
-        if (path / "ensemble.json").is_file():  # shifu.rewards.ensemble.ENSEMBLE_FILE
+def ran_source(summary: dict[str, Any] | None, config: dict[str, Any] | None):
+    """What made a PPO run's rollouts (a :class:`shifu.rollout.sources.SourceDescription`): the description
+    its ``summary.json`` records (``source``); for a run that recorded none (written before runs recorded it,
+    or not finished), what its recorded ``config.yaml`` names (:func:`shifu.rollout.build.describe_settings`);
+    None with neither."""
+    from shifu.config.loader import lookup
+    from shifu.rollout.sources import SourceDescription
+
+    recorded = SourceDescription.from_record((summary or {}).get("source"))
+    if recorded is not None or not config:
+        return recorded
+    from shifu.rollout.build import describe_settings
+
+    return describe_settings(lambda key: lookup(config, key))
+
+
+def reward_source(source, run_dir: Path | None = None) -> tuple[str, str]:
+    """(plot title, description) of what a PPO run's reward is, as its rollout source (:func:`ran_source`)
+    names it: a reward function, a reward model or an ensemble of them (the model's own name,
+    :func:`shifu.reporting.names.model_name`), a reward service (its URL), an environment or an agent (the
+    episode's return). With ``run_dir``, a model inside the run is named relative to it."""
+    if source is None or not source.spec:
+        return "Reward score", "the run's reward (the run does not record which)"
+    spec, short = source.spec, source.spec.rsplit(":", 1)[-1]
+    if source.episodes:  # an environment's or an agent's own return
+        what = "environment" if source.kind == "environment" else "agent"
+        return f"Episode return: {what} {short}", f"the {what} {spec} (its episode return)"
+    if source.scored_by == "reward service":
+        return "Reward-service score", f"the reward service at {spec}"
+    if source.scored_by == "reward function":
+        return f"Reward: function {short}", f"the reward function {spec}"
+    if source.reward_model:
+        name = model_name(Path(os.path.expanduser(spec))) if run_dir is None else shown_path(spec, run_dir)
+        if source.scored_by == "reward-model ensemble":
             return "Reward-model ensemble score", f"the reward-model ensemble {name}"
         return "Reward-model score", f"the reward model {name}"
-    return "Reward score", "the run's reward (its config.yaml does not say which)"
+    return f"Score: {source.scored_by}", f"the {source.name}"
 
 
 def _ppo_samples(

@@ -117,17 +117,22 @@ def final_evaluation_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def summary_sections(
-    s: dict[str, Any], ppo_rows: list[dict[str, Any]], ppo_eval: str, ppo_config: dict[str, Any] | None = None
+    s: dict[str, Any],
+    ppo_rows: list[dict[str, Any]],
+    ppo_eval: str,
+    ppo_config: dict[str, Any] | None = None,
+    ppo_source: Any = None,
 ) -> list[tuple[str, list[Row]]]:
     """(heading, rows) of the report's summary table: the run (with ``ppo_config``, the PPO run's recorded
-    config: the method and the reward that ran), the final evaluation, PPO's last held-out evaluation (from
-    ``ppo_rows``, sampled as ``ppo_eval`` says), then every other key the run recorded."""
-    shown = set(TIME_KEYS) | {"eval_prompts", "eval_temperature", "gold_judge"}
+    config: the method; with ``ppo_source``, what made its rollouts: the reward that ran), the final
+    evaluation, PPO's last held-out evaluation (from ``ppo_rows``, sampled as ``ppo_eval`` says), then every
+    other key the run recorded."""
+    shown = set(TIME_KEYS) | {"eval_prompts", "eval_temperature", "gold_judge", "source"}
     run = [(LABELS[k], _text(s[k])[0], "") for k in ("task", "preset", "seed", "policy") if k in s]
     if ppo_config:
         run += [
-            ("method (shifu ppo)", method_summary(ppo_config), ""),
-            ("reward", reward_source(ppo_config)[1], ""),
+            ("method (shifu ppo)", method_summary(ppo_config, ppo_source), ""),
+            ("reward", reward_source(ppo_source)[1], ""),
         ]
     shown |= {"task", "preset", "seed", "policy"}
     final = final_evaluation_rows(s)

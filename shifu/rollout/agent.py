@@ -65,9 +65,16 @@ from shifu.generation.rollout import SamplingParams, policy_forward
 from shifu.models.padding import pad_left
 from shifu.rollout.batch import MARKS, PromptBatch, Trajectories, Transcript
 from shifu.rollout.episodes import EpisodeLimits
-from shifu.rollout.sources import Policy
+from shifu.rollout.sources import AGENT, Policy, SourceDescription
 
 AGENTS_EXTRA = "pip install 'shifu-rlhf[agents]' (the openai client) and 'shifu-rlhf[serve]' (uvicorn)"
+
+
+def agents_installed() -> bool:
+    """Whether the agent source can run here: the openai client and uvicorn importable (:data:`AGENTS_EXTRA`)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("openai", "uvicorn"))
 
 
 class AgentFault(ShifuError):
@@ -142,9 +149,19 @@ class AgentEpisodes:
         self.kwargs, self.train_forks = dict(kwargs or {}), train_forks
         self.version = 0  # the policy version the gateway records: one per collect
 
+    @classmethod
+    def describe(cls, spec: str) -> SourceDescription:
+        """The description of the agent ``spec``'s episodes (available where its extras are installed)."""
+        counted = ("turns", "tool_calls", "observation_tokens")
+        return SourceDescription(AGENT, "agent's reward", spec, cls.gold, counted, agents_installed())
+
+    @property
+    def description(self) -> SourceDescription:
+        return self.describe(self.spec)
+
     @property
     def name(self) -> str:
-        return f"agent {self.spec}"
+        return self.description.name
 
     @torch.no_grad()
     def collect(

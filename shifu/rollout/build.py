@@ -1,20 +1,32 @@
 """The rollout source a PPO config names (:func:`build_source`): an environment (``env.factory``) makes episodes,
-an outside agent (``agent.factory``) makes them over the policy gateway; otherwise single-turn responses are scored by the reward service (``reward.url``), a function
-(``reward.function``) or a reward model or ensemble (``reward.model_path``)."""
+an outside agent (``agent.factory``) makes them over the policy gateway; otherwise single-turn responses are
+scored by the reward service (``reward.url``), a function (``reward.function``) or a reward model or ensemble
+(``reward.model_path``).
+
+This is the one place outside the sources themselves that reads which source the settings name. Everyone else
+asks the source (its :class:`~shifu.rollout.sources.SourceDescription`), or before the source is built
+:func:`describe` (what :func:`build_source` would build, described without building it; also what a run recorded
+before sources described themselves ran, read from its ``config.yaml``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from shifu.config.imports import load_callable, typed_key
+from shifu.config.loader import from_dict, lookup, to_dict
 from shifu.config.schema import PPOConfig
+from shifu.config.sources import AgentConfig, EnvConfig
 from shifu.envs.base import Environment
+from shifu.errors import ConfigError
+from shifu.rewards.ensemble import ENSEMBLE_FILE
 from shifu.rewards.sources import RewardSource, load_reward_model
-from shifu.rollout.agent import AgentEpisodes, check_tokenizer, load_agent
+from shifu.rollout.agent import AGENTS_EXTRA, AgentEpisodes, check_tokenizer, load_agent
 from shifu.rollout.episodes import EpisodeLimits, Episodes
-from shifu.rollout.sources import RolloutSource, SingleTurn
+from shifu.rollout.sources import SINGLE_TURN, RolloutSource, SingleTurn, SourceDescription
 
 
 def episode_limits(generation: Any) -> EpisodeLimits:
@@ -27,19 +39,86 @@ def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Modul
     """``(source, reward model)``: the source of ``cfg``'s rollouts, and the frozen reward model it reads (None
     for an environment, an agent, a function or the service), on ``strategy.device``; the strategy places it
     (``strategy.frozen``) and the source reads it inside ``strategy.offloaded``."""
-    if cfg.agent.factory:  # an outside agent's episodes (shifu.rollout.agent)
-        check_tokenizer(tok)
-        forks = cfg.group_size == 1 and strategy.world == 1
-        return agent_source(cfg.agent, cfg.generation, forks, cfg.data.max_prompt_len), None
-    if cfg.env.factory:  # an environment rewards its episodes (shifu.envs)
-        env = Environment(cfg.env)
-        return Episodes(
-            env, episode_limits(cfg.generation), cfg.data.chat_template, cfg.data.max_prompt_len
-        ), None
-    reward, name = load_reward(cfg, tok, strategy.device)
+    section = episode_section(cfg)
+    if section is not None:  # an environment (shifu.envs) or an outside agent (shifu.rollout.agent)
+        if isinstance(section, AgentConfig):
+            check_tokenizer(tok)
+        forks = cfg.group_size == 1 and strategy.world == 1  # (an agent's fork trajectories as rows)
+        d = cfg.data
+        return episodes_source(section, cfg.generation, d.chat_template, d.max_prompt_len, forks), None
+    reward, scored_by, spec = load_reward(cfg, tok, strategy.device)
     model = reward.model if isinstance(reward.model, nn.Module) else None
     offload = lambda: strategy.offloaded(model)  # noqa: E731
-    return SingleTurn(reward, tuple(cfg.generation.stop), offload, name), model
+    return SingleTurn(reward, tuple(cfg.generation.stop), offload, scored_by, spec), model
+
+
+def episode_section(cfg: PPOConfig) -> AgentConfig | EnvConfig | None:
+    """The section of ``cfg`` whose factory makes episodes (``agent``, ``env``); None: single responses."""
+    return cfg.agent if cfg.agent.factory else cfg.env if cfg.env.factory else None
+
+
+def plan_section(ppo_plan: dict | None) -> AgentConfig | EnvConfig | None:
+    """:func:`episode_section` of a quickstart plan's ``ppo`` stage (a dict, as the plan's YAML writes it),
+    read by the schema (call it inside ``key_prefix("ppo.")``: a bad key is named as the plan names it)."""
+    for key, cls in (("agent", AgentConfig), ("env", EnvConfig)):
+        section = (ppo_plan or {}).get(key)
+        if isinstance(section, dict) and section.get("factory"):
+            return from_dict(cls, section)
+    return None
+
+
+def episodes_source(
+    section: AgentConfig | EnvConfig,
+    generation: Any,
+    chat: bool = True,
+    max_prompt_len: int | None = None,
+    train_forks: bool = False,
+) -> RolloutSource:
+    """The episodes of an ``agent`` section's agent (over the policy gateway; ``train_forks``:
+    :func:`agent_source`) or of an ``env`` section's environment (first inputs and observations through the
+    chat template with ``chat``), within a ``generation`` section's budgets; a first input longer than
+    ``max_prompt_len`` ids is an error naming the row. An agent whose extras are not installed is refused here,
+    before a run writes anything."""
+    if isinstance(section, AgentConfig):
+        source = agent_source(section, generation, train_forks, max_prompt_len)
+        if not source.description.available:
+            raise ConfigError(
+                f"{typed_key('agent.factory')} {section.factory} needs its extras: {AGENTS_EXTRA}"
+            )
+        return source
+    return Episodes(Environment(section), episode_limits(generation), chat, max_prompt_len)
+
+
+def describe(cfg: PPOConfig | dict) -> SourceDescription:
+    """What :func:`build_source` builds for ``cfg`` (a config, or a quickstart plan's ``ppo`` stage as a
+    dict), described without building it (the prompts are read before the models: whether the run has a gold
+    judge of its own decides its final evaluation)."""
+    config = cfg if isinstance(cfg, dict) else to_dict(cfg)
+    return describe_settings(lambda key: lookup(config, key))
+
+
+def describe_settings(setting: Callable[[str], Any]) -> SourceDescription:
+    """The source a PPO config's settings name, ``setting(key)`` reading one (``"env.factory"``): the
+    description a run records, for a config as recorded (a run from before runs recorded their source)."""
+    if agent := setting("agent.factory"):
+        return AgentEpisodes.describe(str(agent))
+    if env := setting("env.factory"):
+        return Episodes.describe(str(env))
+    if url := setting("reward.url"):
+        return SourceDescription(SINGLE_TURN, "reward service", str(url))
+    if fn := setting("reward.function"):
+        return SourceDescription(SINGLE_TURN, "reward function", str(fn))
+    if path := setting("reward.model_path"):
+        return SourceDescription(SINGLE_TURN, reward_model_kind(str(path)), str(path))
+    return SourceDescription(SINGLE_TURN)
+
+
+def reward_model_kind(path: str) -> str:
+    """``reward-model ensemble`` where ``path`` (or its run's ``final/``) holds an ensemble, else ``reward
+    model``."""
+    p = Path(path).expanduser()
+    ensemble = (p / ENSEMBLE_FILE).is_file() or (p / "final" / ENSEMBLE_FILE).is_file()
+    return "reward-model ensemble" if ensemble else "reward model"
 
 
 def agent_source(
@@ -55,9 +134,10 @@ def agent_source(
     )
 
 
-def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str]:
-    """What scores single-turn responses, and its name as the user gave it: the reward service
-    (``reward.url``), a function (``reward.function``), or a reward model or ensemble (``reward.model_path``)."""
+def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str, str]:
+    """``(reward, its kind, its name as the user gave it)``: what scores single-turn responses, the reward
+    service (``reward.url``), a function (``reward.function``), or a reward model or ensemble
+    (``reward.model_path``)."""
     r = cfg.reward
     if r.url:  # a reward service: the same call as RewardSource, over HTTP (shifu.rewards.remote)
         from shifu.rewards.remote import RemoteReward
@@ -65,10 +145,10 @@ def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str]:
         service = RemoteReward(
             r.url, tok, batch_size=cfg.micro_batch_size, timeout_s=r.timeout_s, retries=r.retries
         )
-        return service, f"reward service {r.url}"
+        return service, "reward service", r.url
     if r.function:
         fn = load_callable(r.function, typed_key("reward.function"))
-        return RewardSource(function=fn, micro_batch=cfg.micro_batch_size), f"reward function {r.function}"
+        return RewardSource(function=fn, micro_batch=cfg.micro_batch_size), "reward function", r.function
     rm = load_reward_model(r.model_path)
     if isinstance(rm, nn.Module):
         rm = rm.to(device)
@@ -79,4 +159,4 @@ def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str]:
         chat_template=cfg.data.chat_template,
         dense=r.dense,
     )
-    return source, f"reward model {r.model_path}"
+    return source, reward_model_kind(r.model_path), r.model_path

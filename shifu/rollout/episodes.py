@@ -32,7 +32,7 @@ from shifu.generation.rollout import Sample, SamplingParams
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
 from shifu.rollout.batch import COUNTS, MARKS, PromptBatch, Trajectories, Transcript
-from shifu.rollout.sources import Policy
+from shifu.rollout.sources import ENVIRONMENT, Policy, SourceDescription
 from shifu.rollout.turns import turn_encoder
 
 
@@ -91,9 +91,20 @@ class Episodes:
     ):
         self.env, self.limits, self.chat, self.max_prompt_len = env, limits, chat, max_prompt_len
 
+    @classmethod
+    def describe(cls, factory: str) -> SourceDescription:
+        """The description of episodes with the environment ``factory`` (tool calls and errors counted where
+        the environment's ``Step.info`` reports them)."""
+        counted = ("turns", "tool_calls", "tool_errors", "observation_tokens")
+        return SourceDescription(ENVIRONMENT, "environment reward", factory, cls.gold, counted)
+
+    @property
+    def description(self) -> SourceDescription:
+        return self.describe(self.env.name)
+
     @property
     def name(self) -> str:
-        return f"environment {self.env.name}"
+        return self.description.name
 
     @torch.no_grad()
     def collect(

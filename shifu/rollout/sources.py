@@ -1,11 +1,12 @@
 """The rollout interface: what a source samples from (:class:`Policy`), what it must do (:class:`RolloutSource`),
-and the single-turn source (:class:`SingleTurn`: one response per prompt, scored by a reward model, an ensemble,
-a function or the reward service).
+what it says it is (:class:`SourceDescription`), and the single-turn source (:class:`SingleTurn`: one response per
+prompt, scored by a reward model, an ensemble, a function or the reward service).
 
 A source turns a batch of prompt rows into :class:`~shifu.rollout.batch.Trajectories`; the trainer, validation and
 the held-out evaluation call ``collect`` and read only the batch. The other sources are
 :class:`shifu.rollout.episodes.Episodes` (an environment) and the agent source (outside agents over the policy
-gateway).
+gateway). Whoever needs to know what made a batch (the evaluations' judge, the run's ``summary.json``, the reports
+that read it) asks the source's ``description``, never the settings that built it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,72 @@ from shifu.rollout.batch import PromptBatch, Trajectories, Transcript
 
 def _same(n: int) -> int:
     return n
+
+
+SINGLE_TURN, ENVIRONMENT, AGENT = "single-turn", "environment", "agent"  # SourceDescription.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceDescription:
+    """What a rollout source is, in its own words: ``kind`` (``single-turn``, ``environment`` or ``agent``);
+    ``scored_by``, how its trajectories earn their return (``reward model``, ``reward-model ensemble``,
+    ``reward function``, ``reward service``, ``environment reward``, ``agent's reward``; ``reward`` when not
+    said); ``spec``, what scores them as the user named it (a factory, a function, a model path, a URL);
+    ``gold``, whether the return is the task's own measure of success, so a gold judge exists without
+    ``eval.gold_function`` (an environment's or an agent's count, reported as ``gold/score``); ``records``, what
+    it counts per trajectory besides the return (an episode's turns, tool calls, ...); ``available``, whether
+    it can run here (an agent needs the ``agents`` and ``serve`` extras).
+
+    A run records it in ``summary.json`` (:meth:`record`) and the reports read it back (:meth:`from_record`)."""
+
+    kind: str
+    scored_by: str = "reward"
+    spec: str = ""
+    gold: bool = False
+    records: tuple[str, ...] = ()
+    available: bool = True
+
+    @property
+    def name(self) -> str:
+        """The source as messages and records name it: "environment games:Guess", "agent pkg.mod:solve",
+        "reward function pkg.mod:score", "reward model runs/rm/final"."""
+        what = {ENVIRONMENT: "environment", AGENT: "agent"}.get(self.kind, self.scored_by)
+        return f"{what} {self.spec}".strip()
+
+    @property
+    def episodes(self) -> bool:
+        """Whether a trajectory is an episode (turns with an environment or through an agent)."""
+        return self.kind != SINGLE_TURN
+
+    @property
+    def unit(self) -> str:
+        """What one trajectory is, in the plural: "episodes" or "responses"."""
+        return "episodes" if self.episodes else "responses"
+
+    @property
+    def reward_model(self) -> str | None:
+        """The path of the reward model (or ensemble) that scores the trajectories; None for another reward."""
+        return self.spec if self.scored_by in ("reward model", "reward-model ensemble") else None
+
+    @property
+    def judge(self) -> str | None:
+        """The gold judge the source is its own (``gold``): "episode return of games:Guess"; else None."""
+        return f"episode return of {self.spec}" if self.gold else None
+
+    def record(self) -> dict[str, Any]:
+        """The description as ``summary.json`` keeps it (its ``name`` too, for a reader)."""
+        return {"name": self.name, **dataclasses.asdict(self), "records": list(self.records)}
+
+    @classmethod
+    def from_record(cls, record: Any) -> SourceDescription | None:
+        """A description read back from :meth:`record`; None when ``record`` is not one (a run recorded before
+        sources described themselves)."""
+        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in record.items() if k in known}
+        values["records"] = tuple(values.get("records") or ())
+        return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +128,12 @@ class Policy:
 class RolloutSource(Protocol):
     """Makes trajectories from prompt rows: ``collect(policy, batch, params, generator) -> Trajectories``.
     ``params``: how the policy samples (temperature, top-k/p, tokens per turn); ``generator``: the sampling
-    random stream. ``name``: what judges the trajectories, as the user named it (records and messages);
-    ``gold``: whether a trajectory's return is the task's own measure of success (an environment's count,
-    reported as ``gold/score``) rather than a learned proxy (a reward model)."""
+    random stream. ``description``: what the source is (:class:`SourceDescription`); ``name``: what judges the
+    trajectories, as the user named it (records and messages); ``gold``: whether a trajectory's return is the
+    task's own measure of success (an environment's count, reported as ``gold/score``) rather than a learned
+    proxy (a reward model)."""
 
+    description: SourceDescription
     name: str
     gold: bool
 
@@ -79,7 +148,8 @@ class SingleTurn:
     scored, every reward NaN, for an evaluation whose judge reads the responses): its score on the response's
     last token, and a reward function's process rewards or a reward model's dense rewards
     (``reward.dense``) as step rewards. ``offload``: a context around the reward's forwards (the strategy's
-    placement of a frozen reward model); ``name``: the reward as the user named it."""
+    placement of a frozen reward model); ``scored_by`` / ``spec``: the reward's kind and its name as the user
+    gave it (:class:`SourceDescription`)."""
 
     gold = False  # a reward model is a proxy; a gold judge is the evaluation's own (eval.gold_function)
 
@@ -88,9 +158,15 @@ class SingleTurn:
         reward: Any,
         stop: tuple[str, ...] = (),
         offload: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        name: str = "reward",
+        scored_by: str = "reward",
+        spec: str = "",
     ):
-        self.reward, self.stop, self.offload, self.name = reward, tuple(stop), offload, name
+        self.reward, self.stop, self.offload = reward, tuple(stop), offload
+        self.description = SourceDescription(SINGLE_TURN, scored_by, spec)
+
+    @property
+    def name(self) -> str:
+        return self.description.name
 
     @torch.no_grad()
     def collect(

@@ -51,11 +51,11 @@ def measure(
     One sample per prompt at ``temperature`` (sampling generator seeded with ``seed``: every policy is
     drawn with the same random numbers); ``gold`` = mean of ``gold_fn`` over the samples; ``kl`` = mean
     over prompts of the k1 sum over response tokens of ``log pi - log pi_ref`` (nats per response,
-    :func:`shifu.rollout.evaluate.evaluate`); ``response_len`` = mean real tokens, EOS included.
+    :func:`shifu.evaluation.evaluate.evaluate`); ``response_len`` = mean real tokens, EOS included.
     ``max_prompt_len`` keeps each prompt's last tokens, as the RL trainers' ``data.max_prompt_len``.
     """
+    from shifu.evaluation.compare import judge_policy
     from shifu.generation.rollout import SamplingParams
-    from shifu.rollout.compare import judge_policy
     from shifu.rollout.sources import SingleTurn
     from shifu.runs.tracking import progress
 

@@ -6,7 +6,7 @@ files, ``tokenizer`` and ``base`` model dirs) and its judges in :mod:`shifu.task
 Helpers here work on any local causal LM and its tokenizer:
 
 - :func:`sample_responses`: decoded responses (text after the prompt, up to but excluding EOS), the samples of
-  preference pairs (evaluations go through :func:`shifu.rollout.evaluate.evaluate`);
+  preference pairs (evaluations go through :func:`shifu.evaluation.evaluate.evaluate`);
 - :func:`link_pretrained`: a task's ``base/`` and ``tokenizer/`` for a converted pretrained model, without
   copying its weights.
 """
@@ -62,8 +62,8 @@ def sample_responses(
     """Decoded sampled (or greedy) responses, one per prompt, in order: each prompt as a user message through
     the chat template when the tokenizer has one, cut to leave room for the response in a model with learned
     positions (GPT-2's ``n_positions``); ``on_batch(n)`` (a progress bar's ``update``) after each batch."""
+    from shifu.evaluation.evaluate import encode_prompts, prompt_batches
     from shifu.generation.rollout import SamplingParams
-    from shifu.rollout.evaluate import encode_prompts, prompt_batches
     from shifu.rollout.sources import Policy, SingleTurn
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)

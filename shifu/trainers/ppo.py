@@ -76,9 +76,7 @@ def iteration(m: PPOModels, s: PPOState, cfg: PPOConfig, batch: PromptBatch, par
     except RewardServiceUnavailable as e:  # (every rank stops alike, before anything trained)
         failed = e
     if m.strategy.any_true(failed is not None):
-        raise failed or RewardServiceUnavailable(
-            f"the reward service {cfg.reward.url} failed on another rank"
-        )
+        raise failed or RewardServiceUnavailable(f"the {m.source.name} failed on another rank")
     metrics = info | learn(m, s, cfg, rollout, ptx, warmup)
     seconds = info["time/rollout_s"] + metrics.get("time/update_s", 0.0)
     return metrics | {

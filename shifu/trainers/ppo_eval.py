@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from shifu.config.schema import PPOConfig
+from shifu.evaluation.compare import judge_scores, paired_summary, sample_records
+from shifu.evaluation.evaluate import Evaluated, prompt_batches
+from shifu.evaluation.evaluate import evaluate as rollout_evaluate
 from shifu.generation.rollout import SamplingParams
 from shifu.models import lora as L
 from shifu.models.loading import load_causal_lm
 from shifu.models.scalar import ScalarModel
 from shifu.rollout.batch import PromptBatch
-from shifu.rollout.compare import judge_scores, paired_summary, sample_records
-from shifu.rollout.evaluate import Evaluated, prompt_batches
-from shifu.rollout.evaluate import evaluate as rollout_evaluate
 from shifu.runs import files, jsonfile
 from shifu.runs.tracking import progress
 from shifu.trainers.common import save_policy
@@ -83,7 +83,7 @@ def evaluated(
     bar=None,
 ) -> Evaluated:
     """The held-out prompts ``(ids, rows)`` through the run's rollout source
-    (:func:`shifu.rollout.evaluate.evaluate`), sampled from ``model`` at ``eval.temperature`` with a private
+    (:func:`shifu.evaluation.evaluate.evaluate`), sampled from ``model`` at ``eval.temperature`` with a private
     generator seeded from ``seed`` (each rank its own), with the KL to ``reference`` when given. Each rank
     samples the prompts ``rank::W`` (padded with repeats to the same count: every rank runs the same
     forwards); the results are gathered back into the prompts' order, so every rank returns the same.
@@ -132,11 +132,12 @@ def evaluate_and_keep(
 
 @torch.no_grad()
 def final_evaluation(models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn, out: Path) -> dict[str, Any]:
-    """The paired held-out evaluation at the end of a run with a gold judge or an environment: the run's start
+    """The paired held-out evaluation at the end of a run with a gold judge (``eval.gold_function``, or the
+    source's own: an environment's or an agent's episode return): the run's start
     (:func:`run_start`) and the actor sampled on the held-out ``prompts`` (``(ids, rows)``, the first
     ``eval.final_prompts``) with one seed at ``eval.temperature``, the actor with its KL to the reference;
     gold before/after and the paired gain with standard errors, as the quickstart reports them
-    (:func:`shifu.rollout.compare.paired_summary`), ``samples_before/after.jsonl`` in ``out`` (rank 0). One
+    (:func:`shifu.evaluation.compare.paired_summary`), ``samples_before/after.jsonl`` in ``out`` (rank 0). One
     progress bar over both passes. Empty without prompts (``eval.final_prompts=0``, or no judge)."""
     ids, rows = prompts
     if not rows:
@@ -155,7 +156,7 @@ def final_evaluation(models: PPOModels, cfg: PPOConfig, prompts: tuple, gold_fn,
     if models.strategy.is_main:
         jsonfile.write_jsonl(out / "samples_before.jsonl", sample_records(before, gold_before))
         jsonfile.write_jsonl(out / "samples_after.jsonl", sample_records(after, gold_after))
-    judge = cfg.eval.gold_function or f"episode return of {cfg.env.factory}"
+    judge = cfg.eval.gold_function or models.source.description.judge
     return paired_summary(before, after, gold_before, gold_after, T) | {"gold_judge": judge}
 
 

@@ -25,15 +25,16 @@ from shifu.models.loading import (
 from shifu.models.scalar import ScalarModel, new_value_head
 from shifu.parallel.strategy import Strategy
 from shifu.rewards.sources import same_tokenizer
-from shifu.rollout.build import build_source
+from shifu.rollout.build import build_source, describe
+from shifu.rollout.sources import SourceDescription
 
 
 def load_prompts(cfg: PPOConfig) -> tuple:
     """The policy's tokenizer (left padding) and the encoded prompts, ``(tok, ids, rows, dropped, held_out,
     final)``: rollout prompts, and as ``(ids, rows)`` at most ``eval.num_prompts`` held-out ones (``data.eval``,
     or a ``data.eval_fraction`` split of ``data.train``) and the first ``eval.final_prompts`` of them for the
-    final evaluation (none without a gold judge or an environment); ``dropped`` counts the rollout prompts
-    left out."""
+    final evaluation (none without a gold judge: ``eval.gold_function``, or a source whose return is the task's
+    own, an environment's or an agent's); ``dropped`` counts the rollout prompts left out."""
     rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
     if cfg.data.eval:
         eval_rows = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad)
@@ -45,7 +46,7 @@ def load_prompts(cfg: PPOConfig) -> tuple:
     ids, rows, dropped = encode_prompts(
         tok, rows, d.max_prompt_len, d.prompt_policy, d.train, d.chat_template
     )
-    judged = cfg.eval.gold_function is not None or cfg.env.factory is not None
+    judged = cfg.eval.gold_function is not None or describe(cfg).gold
     n_final = cfg.eval.final_prompts if judged else 0
     source = d.eval or d.train
 
@@ -89,7 +90,7 @@ def load(cfg: PPOConfig, tok, strategy: Strategy):
         actor = load_actor(cfg, tok, strategy)
     critic, value_head, used = None, None, {}
     if cfg.uses_critic:  # GAE; every other estimator (and algo=reinforce) runs without a critic
-        critic, value_head, used = load_critic(cfg, tok, actor, strategy)
+        critic, value_head, used = load_critic(cfg, tok, actor, strategy, source.description)
     del sharded_init
     return actor, critic, value_head, ref, source, reward_model, used
 
@@ -109,15 +110,18 @@ def load_actor(cfg: PPOConfig, tok, strategy: Strategy) -> nn.Module:
     return actor.to(strategy.device)
 
 
-def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, Any, dict[str, Any]]:
+def load_critic(
+    cfg: PPOConfig, tok, actor, strategy: Strategy, source: SourceDescription
+) -> tuple[Any, Any, dict[str, Any]]:
     """``(critic, value_head, used)`` of GAE's critic as ``critic.init`` says (see :func:`load`): a
     ScalarModel (LoRA adapters on its trunk with ``lora.critic``) on this device, or a value head on the
-    actor's trunk."""
+    actor's trunk; ``source``: what makes the rollouts (``critic.init=reward`` starts from its reward
+    model)."""
     critic, value_head, init, used = None, None, cfg.critic.init, {}
     # a new head's weights at 0 (the config refuses head_init=zero with init=reward)
     zero = cfg.critic.head_init == "zero"
     if init == "reward":
-        critic = critic_from_reward_model(cfg, tok)
+        critic = critic_from_reward_model(cfg, tok, source.reward_model)
         if critic is None:
             init, used["critic.init"] = "sft", "sft"
     if init == "sft":
@@ -150,13 +154,14 @@ def load_critic(cfg: PPOConfig, tok, actor, strategy: Strategy) -> tuple[Any, An
     return critic, value_head, used
 
 
-def critic_from_reward_model(cfg: PPOConfig, tok) -> ScalarModel | None:
-    """``critic.init=reward``: the reward model (or ``critic.path``) with its gain 1 and bias 0; None, said on
+def critic_from_reward_model(cfg: PPOConfig, tok, reward_model: str | None) -> ScalarModel | None:
+    """``critic.init=reward``: the reward model (its path ``reward_model``, None when the source has none; or
+    ``critic.path``) with its gain 1 and bias 0; None, said on
     stderr, when it cannot be a critic (no reward model, not causal, another tokenizer): the run falls back to
     ``critic.init=sft``."""
     why = "it needs a causal trunk with the policy's tokenizer to value each token"
     try:
-        if not (start := cfg.critic.path or cfg.reward.model_path):
+        if not (start := cfg.critic.path or reward_model):
             raise ShifuError("the reward is a function or a service: there is no reward model")
         critic = ScalarModel.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code)
     except ShifuError as e:

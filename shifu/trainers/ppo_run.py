@@ -112,7 +112,8 @@ def open_tracker(
 
 def finish(run: Run, stop_reason) -> dict[str, Any]:
     """The end of a run whose last checkpoint is written: ``final/`` (and ``critic/``), the final evaluation
-    (:func:`shifu.trainers.ppo_eval.final_evaluation`: with a gold judge or an environment), ``summary.json``,
+    (:func:`shifu.trainers.ppo_eval.final_evaluation`: with a gold judge), ``summary.json`` (with the rollout
+    source's description, ``source``: the reports read what ran from it),
     the metric sinks closed, and the closing line (:func:`closing_line`); returns the summary."""
     models, cfg, out, loop, state = run.models, run.cfg, run.out, run.loop, run.state
     save_actor(models, cfg, out / "final")
@@ -131,7 +132,8 @@ def finish(run: Run, stop_reason) -> dict[str, Any]:
     run.tracker.close()
     main, n_eval = models.strategy.is_main, len(run.eval_prompts[0])
     line = closing_line(loop, state.kl_ctl.value, out, main, cfg, n_eval, final)
-    return finish_run(out, summary | final, models.strategy, "ppo", line)
+    ran = {"source": models.source.description.record()}  # what made the rollouts, for the reports
+    return finish_run(out, summary | final | ran, models.strategy, "ppo", line)
 
 
 HACKED_DROP = 0.05  # gold below its best by more than this at the end, while the score rose: a warning

@@ -1,7 +1,7 @@
 """What one ``shifu eval`` uses (:class:`Setup`), read and checked before any policy samples: the policies, the
-prompt rows, the sampling and the judge (:class:`Judge`: a reward function, a reward model or an environment),
-from the flags, or from a ``shifu ppo`` run's ``config.yaml`` (``--run``) with the flags over it
-(:mod:`shifu.rollout.measure`)."""
+prompt rows, the sampling and the judge (:class:`Judge`: a reward function, a reward model, an environment or an
+agent), from the flags, or from a ``shifu ppo`` run's ``config.yaml`` (``--run``) with the flags over it
+(:mod:`shifu.evaluation.measure`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shifu.errors import ShifuError
-from shifu.rollout.evaluate import Evaluated
+from shifu.evaluation.evaluate import Evaluated
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class Judge:
 @dataclasses.dataclass
 class Setup:
     """One ``shifu eval``: the policies ``(as given, directory)``, the prompt rows and where they came from,
-    the judge, the sampling and how prompts are cut and rendered (:func:`shifu.rollout.compare.judge_loaded`'s
+    the judge, the sampling and how prompts are cut and rendered (:func:`shifu.evaluation.compare.judge_loaded`'s
     ``ev``), the seed, the device."""
 
     policies: list[tuple[str, Path]]
@@ -163,9 +163,12 @@ def setup(args: argparse.Namespace) -> Setup:
 
 
 def judge_of(args: argparse.Namespace, cfg, gen: dict[str, Any], ev: dict[str, Any]) -> Judge:
-    """The judge a flag names, else the run's: its environment, its gold judge, or its reward."""
+    """The judge a flag names, else the run's: what its source is (an environment's or an agent's episodes, the
+    return being the score), its gold judge, or its reward."""
     if args.env:
-        return env_judge(args.env, _env_kwargs(args.env_kwargs), cfg, gen, ev)
+        return episodes_judge(_section(cfg, "env", args.env, args.env_kwargs), "--env", gen, ev)
+    if args.agent:
+        return episodes_judge(_section(cfg, "agent", args.agent, args.agent_kwargs), "--agent", gen, ev)
     if args.reward_function:
         return function_judge(args.reward_function, "--reward-function", gen)
     if args.reward_model:
@@ -173,87 +176,80 @@ def judge_of(args: argparse.Namespace, cfg, gen: dict[str, Any], ev: dict[str, A
     if cfg is None:
         raise ShifuError(
             "shifu eval needs a judge: --reward-function PKG.MOD:FN, --reward-model DIR, --env PKG.MOD:NAME, "
-            "or --run RUN_DIR (the run's own)"
+            "--agent PKG.MOD:FN, or --run RUN_DIR (the run's own)"
         )
-    if cfg.env.factory:
-        return env_judge(cfg.env.factory, cfg.env.kwargs, cfg, gen, ev)
-    if cfg.agent.factory:
-        return agent_judge(cfg, gen, ev)
+    from shifu.rollout.build import describe, episode_section
+
+    ran = describe(cfg)
+    if ran.episodes:
+        return episodes_judge(episode_section(cfg), None, gen, ev)
     if cfg.eval.gold_function:
         return function_judge(cfg.eval.gold_function, "eval.gold_function", gen)
-    if cfg.reward.function:
-        return function_judge(cfg.reward.function, "reward.function", gen)
-    if cfg.reward.model_path:
-        return model_judge(cfg.reward.model_path, gen, ev, cfg.micro_batch_size)
+    if ran.scored_by == "reward function":
+        return function_judge(ran.spec, "reward.function", gen)
+    if ran.reward_model:
+        return model_judge(ran.reward_model, gen, ev, cfg.micro_batch_size)
     raise ShifuError(
-        f"--run {args.run}: the run was scored by a reward service ({cfg.reward.url}); give a judge: "
-        "--reward-function, --reward-model or --env"
+        f"--run {args.run}: the run was scored by a {ran.name}; give a judge: "
+        "--reward-function, --reward-model, --env or --agent"
     )
 
 
-def _env_kwargs(text: str | None) -> dict:
+def _section(cfg, kind: str, factory: str, kwargs_text: str | None):
+    """The ``env`` or ``agent`` section of a flag's factory with ``--env-kwargs`` / ``--agent-kwargs``, the
+    run's other settings of that section (``env.step_timeout_s``, ``agent.concurrency``, ...) or the
+    defaults."""
+    from shifu.config.sources import AgentConfig, EnvConfig
+
+    base = getattr(cfg, kind) if cfg is not None else (AgentConfig() if kind == "agent" else EnvConfig())
+    return dataclasses.replace(base, factory=factory, kwargs=_kwargs(f"--{kind}-kwargs", kwargs_text))
+
+
+def _kwargs(flag: str, text: str | None) -> dict:
     if text is None:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ShifuError(
-            f"--env-kwargs is not valid JSON ({e.msg}): give an object, e.g. '{{\"turns\": 2}}'"
+            f"{flag} is not valid JSON ({e.msg}): give an object, e.g. '{{\"turns\": 2}}'"
         ) from None
     if not isinstance(value, dict):
-        raise ShifuError(f"--env-kwargs must be a JSON object of keyword arguments (got {text})")
+        raise ShifuError(f"{flag} must be a JSON object of keyword arguments (got {text})")
     return value
 
 
-def env_judge(factory: str, kwargs: dict, cfg, gen: dict[str, Any], ev: dict[str, Any]) -> Judge:
-    """Episodes through the environment ``factory(**kwargs)`` (the run's other ``env.*`` settings), the
-    return being the score."""
+def episodes_judge(section, flag: str | None, gen: dict[str, Any], ev: dict[str, Any]) -> Judge:
+    """Episodes through an ``env`` section's environment or an ``agent`` section's agent (over the policy
+    gateway), the return being the score, within the episode budgets of ``gen`` (an agent sends its own stop
+    strings). ``flag``: the flag that named the factory (None: the run's config)."""
     from shifu.config.imports import load_callable
-    from shifu.config.sources import EnvConfig
-    from shifu.envs.base import Environment
-    from shifu.rollout.episodes import EpisodeLimits, Episodes
+    from shifu.config.sources import AgentConfig, GenerationConfig
+    from shifu.rollout.build import episodes_source
 
-    load_callable(
-        factory, "--env" if cfg is None or factory != cfg.env.factory else "env.factory", "class or factory"
-    )
-    base = cfg.env if cfg is not None else EnvConfig()
-    env = Environment(dataclasses.replace(base, factory=factory, kwargs=kwargs))
-    limits = EpisodeLimits(
-        gen["max_turns"], gen["max_new_tokens"], gen["max_total_tokens"], tuple(gen["stop"])
-    )
-    if limits.max_total_tokens < limits.max_new_tokens:
+    agent = isinstance(section, AgentConfig)
+    if agent and gen["stop"]:
         raise ShifuError(
-            f"--max-total-tokens ({limits.max_total_tokens}) must be >= --max-new-tokens "
-            f"({limits.max_new_tokens}), the tokens of one turn"
+            f"--stop does not apply to an agent's episodes ({section.factory}): its calls send their own"
         )
-    episodes = Episodes(env, limits, ev["chat_template"], ev["max_prompt_len"])
-    return Judge(f"episode return of {factory}", lambda tok: episodes)
-
-
-def agent_judge(cfg, gen: dict[str, Any], ev: dict[str, Any]) -> Judge:
-    """Episodes of the run's agent (``agent.*``) over the policy gateway, the return being the score, with the
-    episode budgets of ``gen`` (the agent sends its own stop strings)."""
-    from shifu.rollout.build import agent_source
-
-    if gen["stop"]:
+    budgets = ("max_turns", "max_new_tokens", "max_total_tokens")
+    generation = GenerationConfig(**{k: gen[k] for k in budgets}, stop=list(gen["stop"]))
+    if generation.max_total_tokens < generation.max_new_tokens:
         raise ShifuError(
-            f"--stop does not apply to an agent's episodes ({cfg.agent.factory}): its calls send their own"
+            f"--max-total-tokens ({generation.max_total_tokens}) must be >= --max-new-tokens "
+            f"({generation.max_new_tokens}), the tokens of one turn"
         )
-    generation = dataclasses.replace(
-        cfg.generation,
-        max_turns=gen["max_turns"],
-        max_new_tokens=gen["max_new_tokens"],
-        max_total_tokens=gen["max_total_tokens"],
-    )
-    source = agent_source(cfg.agent, generation, max_prompt_len=ev["max_prompt_len"])
-    return Judge(f"episode return of {cfg.agent.factory}", lambda tok: source)
+    if flag is not None:  # a factory that does not import is named by its flag
+        load_callable(section.factory, flag, "async function" if agent else "class or factory")
+    source = episodes_source(section, generation, ev["chat_template"], ev["max_prompt_len"])
+    return Judge(source.description.judge, lambda tok: source)
 
 
 def function_judge(spec: str, key: str, gen: dict[str, Any]) -> Judge:
     """Single responses scored by the function ``spec`` (``fn(prompts, responses, rows)``; a process
     reward's steps summed), as the gold judge of ``shifu ppo`` scores them."""
     from shifu.config.imports import load_callable
-    from shifu.rollout.compare import judge_scores
+    from shifu.evaluation.compare import judge_scores
     from shifu.rollout.sources import SingleTurn
 
     fn = load_callable(spec, key)
@@ -266,6 +262,7 @@ def model_judge(path: str, gen: dict[str, Any], ev: dict[str, Any], micro_batch:
     """Single responses scored by the reward model (or ensemble) in ``path``, as PPO scores them (the token
     ids when the model shares the policy's tokenizer)."""
     from shifu.rewards.sources import RewardSource, load_reward_model
+    from shifu.rollout.build import reward_model_kind
     from shifu.rollout.sources import SingleTurn
 
     model = load_reward_model(path)
@@ -276,6 +273,6 @@ def model_judge(path: str, gen: dict[str, Any], ev: dict[str, Any], micro_batch:
         reward = RewardSource(
             model=model, policy_tokenizer=tok, micro_batch=micro_batch, chat_template=ev["chat_template"]
         )
-        return SingleTurn(reward, tuple(gen["stop"]), name=f"reward model {path}")
+        return SingleTurn(reward, tuple(gen["stop"]), scored_by=reward_model_kind(path), spec=path)
 
     return Judge(f"reward model {path}", source)

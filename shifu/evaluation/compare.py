@@ -4,8 +4,8 @@ standard errors and the gain with the standard error of its per-prompt differenc
 :func:`shifu.core.stats.mean_se`), the KL of the second policy to the first, tool use where the source reports it
 (:func:`paired_summary`), and one record per prompt (:func:`sample_records`: ``samples_before/after.jsonl``).
 
-The quickstart's final evaluation (:mod:`shifu.pipelines.evaluation`), ``shifu eval``
-(:mod:`shifu.rollout.measure`) and the end of ``shifu ppo`` (:func:`shifu.trainers.ppo_eval.final_evaluation`)
+The quickstart's final evaluation (:mod:`shifu.evaluation.final`), ``shifu eval``
+(:mod:`shifu.evaluation.measure`) and the end of ``shifu ppo`` (:func:`shifu.trainers.ppo_eval.final_evaluation`)
 all report through these functions, so their figures mean the same thing.
 """
 
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from shifu.core.stats import mean_se
+from shifu.evaluation.evaluate import Evaluated, encode_prompts, evaluate, plain_reference, prompt_batches
 from shifu.rollout.batch import PromptBatch
-from shifu.rollout.evaluate import Evaluated, encode_prompts, evaluate, plain_reference, prompt_batches
 from shifu.rollout.sources import Policy
 
 
@@ -42,7 +42,7 @@ def judge_policy(
     ev: dict[str, Any],
     on_batch=None,
 ) -> Evaluated:
-    """:func:`shifu.rollout.evaluate.evaluate` of the policy directory ``policy_dir`` (KL to ``reference_dir``
+    """:func:`shifu.evaluation.evaluate.evaluate` of the policy directory ``policy_dir`` (KL to ``reference_dir``
     when given) on ``rows`` with ``source`` (:func:`judge_loaded`)."""
     model, tok = load_policy(policy_dir)
     ref = load_policy(reference_dir)[0] if reference_dir else None
@@ -60,7 +60,7 @@ def judge_loaded(
     ev: dict[str, Any],
     on_batch=None,
 ) -> Evaluated:
-    """:func:`shifu.rollout.evaluate.evaluate` of ``model`` (KL to ``ref`` when given) on ``rows`` with
+    """:func:`shifu.evaluation.evaluate.evaluate` of ``model`` (KL to ``ref`` when given) on ``rows`` with
     ``source``, sampled with ``params`` from a generator seeded ``seed``: prompts rendered and cut as PPO's
     (``ev``'s ``max_prompt_len``, ``chat_template``; a model with learned positions keeps room for
     ``params.max_new_tokens``), ``ev["batch_size"]`` prompts at a time (64 by default), on the model's device."""
@@ -118,7 +118,7 @@ def paired_summary(
     (None where the environment does not report tool calls), turns and the fraction truncated; the mean KL
     (k3, never negative, and k1; nats per trajectory); the prompts and temperature; for single responses
     their mean lengths."""
-    n, episodes = len(after), "turns" in after.counts
+    n, episodes = len(after), after.episodes
     out = paired(gold_before, gold_after)
     if episodes:
         (ub, ub_se), (ua, ua_se) = tool_use(before), tool_use(after)
@@ -149,7 +149,7 @@ def sample_records(res: Evaluated, golds: list[float]) -> list[dict[str, Any]]:
     its gold; episodes also the first input as the policy read it, whether a tool was called (None: not
     reported) and the turns; with a KL (the
     ``after`` side) its k3 estimate as ``kl``, single responses also the k1 estimate as ``kl_k1``."""
-    if "turns" in res.counts:
+    if res.episodes:
         uses = res.tool_use() or [None] * len(res)  # (None: the environment does not report tool calls)
         lines = [
             {

@@ -45,6 +45,12 @@ class Evaluated:
         return len(self.rows)
 
     @property
+    def episodes(self) -> bool:
+        """Whether the trajectories are episodes: their source counts turns (an environment, an agent;
+        ``SourceDescription.records``)."""
+        return "turns" in self.counts
+
+    @property
     def responses(self) -> list[str]:
         return [t.response for t in self.transcripts]
 
@@ -108,7 +114,7 @@ class Evaluated:
             {"prompt": r["prompt"], "response": t.response, "score": s, "gold": g}
             for r, t, s, g in zip(self.rows, self.transcripts, self.returns, golds)
         ]
-        if "turns" in self.counts:
+        if self.episodes:
             out = [
                 {"prompt": x["prompt"], "input": t.first_input, **x} | {"turns": n, "truncated": c}
                 for x, t, n, c in zip(out, self.transcripts, self.counts["turns"], self.truncated)

@@ -1,9 +1,9 @@
 """The quickstart's final evaluation: the SFT policy and the final policy on the held-out prompts, through the one
-evaluator (:func:`shifu.rollout.evaluate.evaluate`), with the same prompts and sampling seed, so the gain is
+evaluator (:func:`shifu.evaluation.evaluate.evaluate`), with the same prompts and sampling seed, so the gain is
 paired. A single-turn plan is judged by the task's gold judge on the responses (sampled at the plan's
 temperature, and greedy for arith); a plan with an environment (``ppo.env``) or an agent (``ppo.agent``) runs
 held-out episodes through it, the gold being the episode return, the environment's or the agent's own count. Both report the KL to the SFT policy and
-standard errors through the paired comparison of :mod:`shifu.rollout.compare`, as ``shifu eval`` and the end of
+standard errors through the paired comparison of :mod:`shifu.evaluation.compare`, as ``shifu eval`` and the end of
 ``shifu ppo`` do."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shifu.config.imports import load_callable
-from shifu.rollout.compare import judge_policy, paired_summary, sample_records
+from shifu.evaluation.compare import judge_policy, paired_summary, sample_records
 from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}
@@ -27,15 +27,6 @@ def eval_settings(plan: dict[str, Any]) -> dict[str, Any]:
         "chat_template": data.get("chat_template", True),
         **plan["eval"],
     }
-
-
-def episode_source(ppo_plan: dict | None) -> str | None:
-    """``"env"`` or ``"agent"``: the section of a plan's ``ppo`` stage whose factory makes episodes; else None."""
-    for name in ("agent", "env"):
-        section = (ppo_plan or {}).get(name)
-        if isinstance(section, dict) and section.get("factory"):
-            return name
-    return None
 
 
 def evaluate(
@@ -54,10 +45,11 @@ def evaluate(
     through that environment or agent (its ``generation`` budgets); else responses judged by ``gold`` (``package.module:function``;
     the task's own by default), and for arith greedy decoding as well unless ``ev["greedy"]`` is false. One
     progress bar on stderr counts the prompts of every pass."""
+    from shifu.rollout.build import describe
     from shifu.runs.tracking import progress
 
     rows = read_jsonl(prompts_path)[: ev.get("num_prompts")]
-    episodes = episode_source(ppo_plan) is not None
+    episodes = describe(ppo_plan or {}).episodes
     greedy = not episodes and task == "arith" and ev.get("greedy", True)  # the policy at its mode too
     bar = progress(len(rows) * (4 if greedy else 2), "final evaluation")
     if episodes:
@@ -73,7 +65,7 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
     gold = gold or GOLD[task]
     gold_fn = load_callable(gold, "gold judge")
     T, R = ev["temperature"], ev["max_new_tokens"]
-    source = SingleTurn(None, name=f"gold judge {gold}")  # unscored: the gold judge reads the responses
+    source = SingleTurn(None, scored_by="gold judge", spec=gold)  # unscored: the judge reads the responses
 
     def run(what: str, policy: Path, ref: Path | None, sample_seed: int, is_greedy: bool = False):
         bar.set_postfix_str(what, refresh=True)
@@ -102,24 +94,16 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
     """Held-out episodes of both policies through the plan's environment or agent (:func:`evaluate`)."""
     from shifu.config.imports import key_prefix
     from shifu.config.loader import from_dict
-    from shifu.config.sources import AgentConfig, EnvConfig, GenerationConfig
-    from shifu.envs.base import Environment
+    from shifu.config.sources import GenerationConfig
     from shifu.generation.rollout import SamplingParams
-    from shifu.rollout.build import agent_source, episode_limits
-    from shifu.rollout.episodes import Episodes
+    from shifu.rollout.build import episodes_source, plan_section
 
     with key_prefix("ppo."):  # a bad environment or agent is named by the plan's key
         generation = from_dict(GenerationConfig, ppo_plan.get("generation", {}))
-        limits = episode_limits(generation)
-        kind = episode_source(ppo_plan)
-        section = from_dict(AgentConfig if kind == "agent" else EnvConfig, ppo_plan[kind])
         chat, cut = ev.get("chat_template", True), ev.get("max_prompt_len")
-        if kind == "agent":  # (its forks are counted, not scored)
-            source = agent_source(section, generation, max_prompt_len=cut)
-        else:
-            source = Episodes(Environment(section), limits, chat, cut)
+        source = episodes_source(plan_section(ppo_plan), generation, chat, cut)  # (an agent's forks: counted)
     T = ev["temperature"]
-    params = SamplingParams(limits.max_new_tokens, T)
+    params = SamplingParams(generation.max_new_tokens, T)
     bar.set_postfix_str(f"SFT policy, episodes at T={T:g}", refresh=True)
     with key_prefix("ppo."):
         before = judge_policy(sft_dir, None, rows, source, params, seed + 777, ev, bar.update)
@@ -129,4 +113,4 @@ def _episodes(sft_dir, final_dir, rows, ppo_plan, ev, seed, out, bar) -> dict[st
     write_jsonl(out / "samples_before.jsonl", sample_records(before, before.returns))
     write_jsonl(out / "samples_after.jsonl", sample_records(after, after.returns))
     summary = paired_summary(before, after, before.returns, after.returns, T)
-    return summary | {"gold_judge": f"episode return of {section.factory}"}
+    return summary | {"gold_judge": source.description.judge, "source": source.description.record()}

@@ -2,10 +2,11 @@
 
 Each policy (a policy directory, or a run directory whose policy is found as ``shifu sample`` finds it) samples
 one response (or one episode) per prompt of a prompt file (JSONL rows as ``shifu ppo`` reads them), judged by a
-reward function (``--reward-function``, on the responses), a reward model (``--reward-model``) or an environment
-(``--env``: the episode's return). With two, both sample the same prompts from the same sampling seed, so the
+reward function (``--reward-function``, on the responses), a reward model (``--reward-model``), an environment
+(``--env``: the episode's return) or an agent (``--agent``: episodes of an outside agent over the policy gateway,
+as ``agent.factory`` runs them; the agent's return). With two, both sample the same prompts from the same sampling seed, so the
 gain of B over A is paired: its standard error is that of the per-prompt differences
-(:mod:`shifu.rollout.compare`), and B's KL to A is measured over B's sampled tokens.
+(:mod:`shifu.evaluation.compare`), and B's KL to A is measured over B's sampled tokens.
 
 ``--run RUN_DIR`` takes every setting from a ``shifu ppo`` run's ``config.yaml``: its judge (the environment or
 the agent, episodes scored by their return; else ``eval.gold_function``, else its reward), the sampling
@@ -30,8 +31,8 @@ from typing import Any
 
 from shifu.core.stats import mean_se
 from shifu.errors import ShifuError
-from shifu.rollout.eval_setup import Setup, setup
-from shifu.rollout.evaluate import Evaluated
+from shifu.evaluation.evaluate import Evaluated
+from shifu.evaluation.setup import Setup, setup
 
 # ------------------------------------------------------------------------------------------ the measure
 
@@ -39,8 +40,8 @@ from shifu.rollout.evaluate import Evaluated
 def measure(s: Setup, bar) -> tuple[list[Evaluated], list[list[float]], bool]:
     """Each policy's trajectories and scores (the same prompts and sampling seed), B with its KL to A when
     both read the same tokens; and whether the KL was measured."""
+    from shifu.evaluation.compare import judge_loaded, load_policy
     from shifu.rewards.sources import same_tokenizer
-    from shifu.rollout.compare import judge_loaded, load_policy
 
     results, scores, first, with_kl = [], [], None, False
     for label, (given, path) in zip("AB", s.policies):
@@ -110,7 +111,7 @@ def record(
 
 def _episode_figures(res: Evaluated) -> dict[str, Any]:
     """Episodes: mean turns, the fraction truncated, and the fraction that called a tool where reported."""
-    if "turns" not in res.counts:
+    if not res.episodes:
         return {}
     n, uses = len(res), res.tool_use()
     out = {"turns": sum(res.counts["turns"]) / n, "truncated": sum(res.truncated) / n}
@@ -193,9 +194,15 @@ def parser() -> argparse.ArgumentParser:
     judge.add_argument(
         "--env", metavar="PKG.MOD:NAME", help="run episodes with an environment; the return is the score"
     )
+    judge.add_argument(
+        "--agent",
+        metavar="PKG.MOD:FN",
+        help="run episodes through an agent (async fn(client, row), as agent.factory); its return is the score",
+    )
     p.add_argument(
         "--env-kwargs", metavar="JSON", help="keyword arguments of the environment (a JSON object)"
     )
+    p.add_argument("--agent-kwargs", metavar="JSON", help="keyword arguments of the agent (a JSON object)")
     p.add_argument(
         "--temperature",
         type=float,
@@ -234,7 +241,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``shifu eval A [B] (--prompts FILE | --run RUN) (--reward-function | --reward-model | --env | --run)``."""
+    """``shifu eval A [B] (--prompts FILE | --run RUN) (--reward-function | --reward-model | --env | --agent |
+    --run)``."""
     from shifu.parallel.threads import set_threads
     from shifu.runs import jsonfile
     from shifu.runs.tracking import progress
