@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from shifu.gateway.completions import answer, check_model, make_job, prompt_ids
-from shifu.gateway.protocol import bad, parse_chat_request
+from shifu.gateway import messages, responses
+from shifu.gateway.completions import Completed, answer, check_model, make_job, prompt_ids
+from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
 from shifu.gateway.sessions import Call, UnknownSession
 from shifu.http.batching import BatchQueue
-from shifu.http.requests import RequestError, check_bearer, check_content_headers, decode_body, read_body
+from shifu.http.requests import RequestError, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
 
 OPENAPI_FILE = Path(__file__).with_name("openapi.json")
@@ -49,8 +51,14 @@ def openapi_document(gateway=None) -> dict:
 
     doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
     doc["info"]["x-shifu-version"] = __version__
+    schemas = doc["components"]["schemas"]
+    for dialect in (responses, messages):  # the typed dialects: their paths and schemas from their models
+        part = dialect.openapi()
+        doc["paths"] |= part["paths"]
+        schemas |= part["schemas"]
     if gateway is not None:
-        doc["components"]["schemas"]["ChatRequest"]["properties"]["model"]["enum"] = [gateway.name]
+        for request in ("ChatRequest", "ResponsesRequest", "MessagesRequest"):
+            schemas[request]["properties"]["model"]["enum"] = [gateway.name]
         if not gateway.recording:  # the /rl routes exist on a recording gateway only
             doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/rl/")}
         doc["info"]["x-shifu-served"] = {
@@ -64,8 +72,27 @@ def openapi_document(gateway=None) -> dict:
 
 
 def _bearer(request) -> str | None:
+    """The API key sent: ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key`` (Anthropic's)."""
     scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer":
+        return value.strip()
+    return request.headers.get("x-api-key")
+
+
+def _check_token(request, token: str | None) -> None:
+    """401 unless the API key sent (:func:`_bearer`) is the server's token (no check without one)."""
+    if token is None:
+        return
+    key = _bearer(request)
+    if key is None or not hmac.compare_digest(key.encode(), token.encode()):
+        raise RequestError(
+            401,
+            "Authorization",
+            f"Authorization: API key {'missing' if key is None else 'wrong'}: send the server's token as "
+            "'Authorization: Bearer <token>' or 'x-api-key: <token>'",
+            {"WWW-Authenticate": "Bearer"},
+            "invalid_api_key",
+        )
 
 
 def _no_session(request) -> RequestError:
@@ -73,7 +100,7 @@ def _no_session(request) -> RequestError:
         401,
         "Authorization",
         "Authorization: this gateway records sessions for training: send 'Authorization: Bearer <session key>' "
-        "with the key of an open session (POST /rl/start_session)",
+        "(or 'x-api-key: <session key>') with the key of an open session (POST /rl/start_session)",
         {"WWW-Authenticate": "Bearer"},
         "invalid_api_key",
     )
@@ -113,7 +140,7 @@ class _Routes:
         """The session key of a completion (recording), else None after the server's token check."""
         if self.gw.recording:
             return self.session_key(request)
-        check_bearer(request.headers.get("authorization"), self.gw.token)
+        _check_token(request, self.gw.token)
         return None
 
     async def body_of(self, request, allow_empty: bool = False):
@@ -146,14 +173,14 @@ class _Routes:
     async def models(self, request):
         gw = self.gw
         if not (gw.recording and gw.sessions.is_open(_bearer(request))):
-            check_bearer(request.headers.get("authorization"), gw.token)
+            _check_token(request, gw.token)
         entry = {"id": gw.name, "object": "model", "created": self.started, "owned_by": "shifu"}
         return _json({"object": "list", "data": [entry | {"max_model_len": gw.engine.positions}]})
 
-    async def chat(self, request):
+    async def complete(self, key: str | None, req: ChatRequest) -> Completed:
+        """One completion of the engine, whichever dialect asked: ``req`` rendered (the session's memory of
+        what it sampled spliced in), sampled, and answered as a chat completion; :meth:`record` keeps it."""
         gw = self.gw
-        key = self.caller(request)
-        req = parse_chat_request(await self.body_of(request))
         check_model(req, gw.name)
         memory = gw.memory_of(key)
         ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
@@ -162,13 +189,22 @@ class _Routes:
         body, segments = await self.on_encoder(
             answer, gw.tok, req, gw.format, ids, job, choices, memory, gw.name, gw.recording
         )
-        if key is not None:
+        return Completed(key, ids, body, choices, segments)
+
+    def record(self, done: Completed, call_id: str) -> None:
+        """Record a completion into its session as the call ``call_id`` (the id its dialect answered with)."""
+        if done.key is not None:
             with contextlib.suppress(UnknownSession):  # ended while sampling: nothing to record into
-                gw.sessions.record(key, Call(body["id"], ids, segments))
-        return _json(body)
+                self.gw.sessions.record(done.key, Call(call_id, done.prompt_ids, done.segments))
+
+    async def chat(self, request):
+        key = self.caller(request)
+        done = await self.complete(key, parse_chat_request(await self.body_of(request)))
+        self.record(done, done.body["id"])
+        return _json(done.body)
 
     async def start_session(self, request):
-        check_bearer(request.headers.get("authorization"), self.gw.token)
+        _check_token(request, self.gw.token)
         body = await self.body_of(request, allow_empty=True)
         if not isinstance(body, dict) or set(body) - {"row_id"}:
             raise bad("body", "expected an object with at most the field row_id", "unknown_field")
@@ -224,6 +260,8 @@ def create_app(gw):
         Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/chat/completions", r.chat, methods=["POST"]),
+        *responses.routes(r),
+        *messages.routes(r),
     ]
     if gw.recording:
         routes += [

@@ -46,6 +46,19 @@ class Sampling:
     max_tokens: int = 256
 
 
+@dataclass
+class Completed:
+    """One completion as the engine answered it, for any dialect: the session ``key`` (None: not recording),
+    the ``prompt_ids`` rendered, the chat completion ``body`` (:func:`answer`), the sampler's ``choices`` and
+    the ``segments`` a recording session keeps."""
+
+    key: str | None
+    prompt_ids: list[int]
+    body: dict
+    choices: list[Choice]
+    segments: list[Segment]
+
+
 def offered_tools(req: ChatRequest) -> list[dict] | None:
     return req.tools if req.tools and req.tool_choice != "none" else None
 
