@@ -299,3 +299,73 @@ def test_one_session_mixes_dialects_into_one_faithful_trajectory():
     assert len(segments) == 3 and [s.reward for s in segments] == [None, None, 1.0]
     assert all(len(s.read_ids) > 0 for s in segments)
     assert assert_faithful(model, rec, T) == sum(len(s.sampled_ids) for s in segments)
+
+
+# ------------------------------------------------------------------ the Agents SDK's default model API
+def taught(tok, pairs: list[tuple[list[int], str]]):
+    """A tiny GPT-2 trained to answer each prompt (ids) with its text, then EOS."""
+    import torch.nn.functional as F
+
+    model = tiny_policy(tok, positions=1024).train()
+    rows = [(p, tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for p, t in pairs]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(400):
+        loss = sum(
+            F.cross_entropy(model(torch.tensor([p + a])).logits[0, len(p) - 1 : -1], torch.tensor(a))
+            for p, a in rows
+        )
+        if loss.item() < 0.01 * len(rows):
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_an_agents_sdk_agent_on_its_default_responses_model_runs_through_the_gateway():
+    """The OpenAI Agents SDK's default model API (OpenAIResponsesModel) against a recording gateway: the agent
+    calls its tool, reads the result and answers; both calls join one faithful trajectory."""
+    import asyncio
+
+    sdk = pytest.importorskip("agents", reason="pip install 'shifu-rlhf[agents]' (openai-agents)")
+    sdk.set_tracing_disabled(True)
+
+    @sdk.function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+    def episode(model) -> tuple[object, object]:
+        with Gateway(model, tok, recording=True, sampling=Sampling(temperature=T, max_tokens=96)) as gw:
+            key = gw.start_session()
+            client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+            agent = sdk.Agent(
+                name="adder",
+                instructions="Add numbers with the add tool.",
+                model=sdk.OpenAIResponsesModel(model="policy", openai_client=client),
+                tools=[add],
+            )
+            try:
+                result = asyncio.run(sdk.Runner.run(agent, "what is 2 plus 3?", max_turns=3)).final_output
+            except (
+                sdk.AgentsException
+            ) as e:  # the untrained policy runs out of tokens: its prompt is recorded
+                result = e
+            return result, gw.end_session(key)
+
+    tok = chat_tokenizer()
+    _, rec = episode(tiny_policy(tok, positions=1024))
+    first_prompt = rec.trajectories[0].segments[0].read_ids
+    _, rec = episode(taught(tok, [(first_prompt, call)]))
+    one, two = rec.trajectories[0].segments
+    assert call in tok.decode(one.sampled_ids)  # the SDK ran add and sent its result back
+    second_prompt = first_prompt + one.sampled_ids + two.read_ids
+    model = taught(tok, [(first_prompt, call), (second_prompt, "It is 5.")])
+    answer, rec = episode(model)
+    assert answer == "It is 5."
+    assert (rec.calls, rec.forks, len(rec.trajectories)) == (2, 0, 1)
+    assert "\n5" in tok.decode(rec.trajectories[0].segments[1].read_ids)
+    assert assert_faithful(model, rec, T) > 0

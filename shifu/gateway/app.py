@@ -24,7 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from shifu.gateway import messages, responses
+import shifu.gateway.messages as messages
+import shifu.gateway.responses as responses
 from shifu.gateway.completions import Completed, answer, check_model, make_job, prompt_ids
 from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
 from shifu.gateway.sessions import Call, UnknownSession

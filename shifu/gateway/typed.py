@@ -11,9 +11,9 @@ the client meant (the ``tool_use`` block it sent), not of every shape it might h
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from shifu.http.requests import RequestError, field_path, json_type
@@ -25,6 +25,23 @@ class Strict(BaseModel):
     """A dialect's object: unknown fields refused, JSON types exact."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _integral(value):
+    """A number with no fraction (``3.0``) is an integer, as in JSON Schema."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def _false_only(value):
+    if value is not False:
+        raise ValueError(
+            f"streaming is not supported: leave stream out or send false, got {json_type(value)}"
+        )
+    return value
+
+
+Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # a token budget
+NoStream = Annotated[Literal[False], BeforeValidator(_false_only)]  # (Literal[False] alone would take 0)
 
 
 def by_type(*members: type[Strict], default: str | None = None) -> Any:
@@ -80,6 +97,8 @@ def _message(error: dict, fields: list[str]) -> tuple[str, str]:
         return "expected an object with a type", "invalid_value"
     if kind == "literal_error":
         return f"expected {ctx.get('expected')}, got {error['input']!r}"[:300], "unsupported_value"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"])), "unsupported_value"
     msg = error["msg"][0].lower() + error["msg"][1:]
     if kind.endswith("_type"):
         msg += f", got {json_type(error['input'])}"

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from shifu.gateway.typed import Strict, by_type
+from shifu.gateway.typed import Count, NoStream, Strict, by_type
 
 MAX_STOP_SEQUENCES = 8
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -90,7 +90,7 @@ class MessagesRequest(Strict):
     """A Messages API request (module docstring)."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)]
+    max_tokens: Count
     messages: Annotated[list[MessagesMessage], Field(min_length=1)]
     system: str | list[MessagesTextBlock] | None = None
     tools: list[MessagesTool] | None = None
@@ -102,7 +102,7 @@ class MessagesRequest(Strict):
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: MessagesCacheControl | None = None
     inference_geo: str | None = None
-    stream: Literal[False] | None = None
+    stream: NoStream | None = None
 
 
 # ------------------------------------------------------------------------------------------- answers

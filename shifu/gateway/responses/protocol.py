@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from shifu.gateway.typed import Strict, by_type
+from shifu.gateway.typed import Count, NoStream, Strict, by_type
 
 Status = Literal["in_progress", "completed", "incomplete"]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -97,7 +97,7 @@ class ResponsesRequest(Strict):
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     previous_response_id: str | None = None
@@ -110,7 +110,7 @@ class ResponsesRequest(Strict):
     truncation: Literal["disabled"] | None = None
     text: ResponsesText | None = None
     include: Annotated[list[str], Field(max_length=0)] | None = None
-    stream: Literal[False] | None = None
+    stream: NoStream | None = None
 
 
 # ------------------------------------------------------------------------------------------- answers
