@@ -3,7 +3,8 @@
     GET  /health               {"status": "ok", "model", "recording", "policy_version", "pending", ...}  (no token)
     GET  /openapi.json         the API (``openapi.json`` beside this module, the served model filled in)  (no token)
     GET  /v1/models            the one served model
-    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`)
+    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`);
+                               with stream: true, chunks over Server-Sent Events (:mod:`shifu.gateway.chat_stream`)
     POST /rl/start_session     recording only: a new session's key (the server's token, when it has one)
     POST /rl/set_reward        recording only: {"reward", "call"?} for the session of the key sent
     POST /rl/end_session       recording only: close the session of the key sent; its summary
@@ -23,9 +24,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from shifu.gateway.completions import answer, check_model, make_job, prompt_ids
+from shifu.gateway.chat_stream import SSE_HEADERS, chat_chunks, outcomes, withheld
+from shifu.gateway.completions import (
+    answer,
+    check_model,
+    make_job,
+    new_completion_id,
+    offered_tools,
+    prompt_ids,
+)
 from shifu.gateway.protocol import bad, parse_chat_request
 from shifu.gateway.sessions import Call, UnknownSession
+from shifu.gateway.streaming import stream_events
 from shifu.http.batching import BatchQueue
 from shifu.http.requests import RequestError, check_bearer, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
@@ -158,14 +168,36 @@ class _Routes:
         memory = gw.memory_of(key)
         ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
         job = make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording)
+        if req.stream:
+            return self.stream_chat(key, req, ids, job, memory)
         choices = await self.state["queue"].submit(job)
+        return _json(await self.answered(key, req, ids, job, choices, memory))
+
+    async def answered(self, key, req, ids, job, choices, memory, completion_id=None) -> dict:
+        """The answer's body of sampled ``choices``, remembered and (with a session ``key``) recorded."""
+        gw = self.gw
         body, segments = await self.on_encoder(
-            answer, gw.tok, req, gw.format, ids, job, choices, memory, gw.name, gw.recording
+            answer, gw.tok, req, gw.format, ids, job, choices, memory, gw.name, gw.recording, completion_id
         )
         if key is not None:
             with contextlib.suppress(UnknownSession):  # ended while sampling: nothing to record into
                 gw.sessions.record(key, Call(body["id"], ids, segments))
-        return _json(body)
+        return body
+
+    def stream_chat(self, key, req, ids, job, memory):
+        """``stream: true``: the same job and answer, sent as chunks while it is sampled (chat_stream)."""
+        from starlette.responses import StreamingResponse
+
+        completion_id, answered = new_completion_id(), {}
+
+        async def resolve(choices):
+            answered["body"] = await self.answered(key, req, ids, job, choices, memory, completion_id)
+            return outcomes(answered["body"])
+
+        holds = withheld(req, self.gw.format, bool(offered_tools(req)))
+        events = stream_events(self.state["queue"], job, holds, resolve)
+        chunks = chat_chunks(events, req, completion_id, self.gw.name, answered, ids)
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def start_session(self, request):
         check_bearer(request.headers.get("authorization"), self.gw.token)

@@ -191,8 +191,10 @@ def answer(
     memory: CompletionMemory,
     served_name: str,
     recording: bool,
+    completion_id: str | None = None,
 ) -> tuple[dict, list[Segment]]:
-    """The response body of a completion and one :class:`Segment` per choice (for a recording session)."""
+    """The response body of a completion and one :class:`Segment` per choice (for a recording session);
+    ``completion_id``: the answer's id when a stream has sent it already (else a new one)."""
     out, segments = [], []
     for i, choice in enumerate(choices):
         message, finish = _message(tokenizer, req, fmt, choice, memory)
@@ -207,7 +209,7 @@ def answer(
         )
     sampled = sum(len(c.ids) for c in choices)
     body = {
-        "id": "chatcmpl-" + secrets.token_hex(12),
+        "id": completion_id or new_completion_id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": served_name,
@@ -229,6 +231,10 @@ def answer(
     if req.return_token_ids:
         body["prompt_token_ids"] = ids
     return body, segments
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
 
 
 def check_model(req: ChatRequest, served_name: str) -> None:
