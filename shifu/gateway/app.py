@@ -3,6 +3,7 @@
     GET  /health               {"status": "ok", "model", "recording", "policy_version", "pending", ...}  (no token)
     GET  /openapi.json         the API (``openapi.json`` beside this module, the served model filled in)  (no token)
     GET  /v1/models            the one served model
+    GET  /v1/models/{id}       the served model (404 model_not_found for another id)
     POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`);
                                with stream: true, chunks over Server-Sent Events (:mod:`shifu.gateway.chat_stream`)
     POST /rl/start_session     recording only: a new session's key (the server's token, when it has one)
@@ -153,12 +154,26 @@ class _Routes:
     async def openapi(self, request):
         return _json(self.document)
 
-    async def models(self, request):
+    def model_entry(self, request) -> dict:
         gw = self.gw
         if not (gw.recording and gw.sessions.is_open(_bearer(request))):
             check_bearer(request.headers.get("authorization"), gw.token)
         entry = {"id": gw.name, "object": "model", "created": self.started, "owned_by": "shifu"}
-        return _json({"object": "list", "data": [entry | {"max_model_len": gw.engine.positions}]})
+        return entry | {"max_model_len": gw.engine.positions}
+
+    async def models(self, request):
+        return _json({"object": "list", "data": [self.model_entry(request)]})
+
+    async def model(self, request):
+        entry, asked = self.model_entry(request), request.path_params["model"]
+        if asked != self.gw.name:
+            raise RequestError(
+                404,
+                "model",
+                f"model: {asked!r} is not served here; this gateway serves {self.gw.name!r} (GET /v1/models)",
+                code="model_not_found",
+            )
+        return _json(entry)
 
     async def chat(self, request):
         gw = self.gw
@@ -255,6 +270,7 @@ def create_app(gw):
         Route("/health", r.health, methods=["GET"]),
         Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.model, methods=["GET"]),
         Route("/v1/chat/completions", r.chat, methods=["POST"]),
     ]
     if gw.recording:
