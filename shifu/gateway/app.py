@@ -3,7 +3,9 @@
     GET  /health               {"status": "ok", "model", "recording", "policy_version", "pending", ...}  (no token)
     GET  /openapi.json         the API (``openapi.json`` beside this module, the served model filled in)  (no token)
     GET  /v1/models            the one served model
-    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`)
+    GET  /v1/models/{id}       the served model (404 model_not_found for another id)
+    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`);
+                               with stream: true, chunks over Server-Sent Events (:mod:`shifu.gateway.chat_stream`)
     POST /rl/start_session     recording only: a new session's key (the server's token, when it has one)
     POST /rl/set_reward        recording only: {"reward", "call"?} for the session of the key sent
     POST /rl/end_session       recording only: close the session of the key sent; its summary
@@ -26,9 +28,20 @@ from pathlib import Path
 
 import shifu.gateway.messages as messages
 import shifu.gateway.responses as responses
-from shifu.gateway.completions import Completed, answer, check_model, make_job, prompt_ids
+from shifu.gateway.chat_stream import SSE_HEADERS, chat_chunks, outcomes, withheld
+from shifu.gateway.completions import (
+    Completed,
+    Prepared,
+    answer,
+    check_model,
+    make_job,
+    new_completion_id,
+    offered_tools,
+    prompt_ids,
+)
 from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
 from shifu.gateway.sessions import Call, UnknownSession
+from shifu.gateway.streaming import stream_events
 from shifu.http.batching import BatchQueue
 from shifu.http.requests import RequestError, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
@@ -171,26 +184,65 @@ class _Routes:
     async def openapi(self, request):
         return _json(self.document)
 
-    async def models(self, request):
+    def model_entry(self, request) -> dict:
         gw = self.gw
         if not (gw.recording and gw.sessions.is_open(_bearer(request))):
             _check_token(request, gw.token)
         entry = {"id": gw.name, "object": "model", "created": self.started, "owned_by": "shifu"}
-        return _json({"object": "list", "data": [entry | {"max_model_len": gw.engine.positions}]})
+        return entry | {"max_model_len": gw.engine.positions}
 
-    async def complete(self, key: str | None, req: ChatRequest) -> Completed:
-        """One completion of the engine, whichever dialect asked: ``req`` rendered (the session's memory of
-        what it sampled spliced in), sampled, and answered as a chat completion; :meth:`record` keeps it."""
+    async def models(self, request):
+        return _json({"object": "list", "data": [self.model_entry(request)]})
+
+    async def model(self, request):
+        entry, asked = self.model_entry(request), request.path_params["model"]
+        if asked != self.gw.name:
+            raise RequestError(
+                404,
+                "model",
+                f"model: {asked!r} is not served here; this gateway serves {self.gw.name!r} (GET /v1/models)",
+                code="model_not_found",
+            )
+        return _json(entry)
+
+    async def prepare(self, key: str | None, req: ChatRequest) -> Prepared:
+        """The engine's job of a request, whichever dialect asked: ``req`` rendered (the session's memory of
+        what it sampled spliced in) and budgeted."""
         gw = self.gw
         check_model(req, gw.name)
         memory = gw.memory_of(key)
         ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
         job = make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording)
-        choices = await self.state["queue"].submit(job)
+        return Prepared(key, req, ids, job, memory)
+
+    async def finish(self, prep: Prepared, choices, completion_id: str | None = None) -> Completed:
+        """The chat answer of sampled ``choices`` (remembered); :meth:`record` keeps it in the session."""
+        gw = self.gw
         body, segments = await self.on_encoder(
-            answer, gw.tok, req, gw.format, ids, job, choices, memory, gw.name, gw.recording
+            answer,
+            gw.tok,
+            prep.req,
+            gw.format,
+            prep.ids,
+            prep.job,
+            choices,
+            prep.memory,
+            gw.name,
+            gw.recording,
+            completion_id,
         )
-        return Completed(key, ids, body, choices, segments)
+        return Completed(prep.key, prep.ids, body, choices, segments)
+
+    async def complete(self, key: str | None, req: ChatRequest) -> Completed:
+        """One completion, not streamed: prepared, sampled and answered as a chat completion."""
+        prep = await self.prepare(key, req)
+        return await self.finish(prep, await self.state["queue"].submit(prep.job))
+
+    def stream(self, prep: Prepared, resolve):
+        """The events of a streamed completion (:func:`shifu.gateway.streaming.stream_events`); ``resolve``
+        (the dialect's) turns the sampled choices into its answer, records it and returns their outcomes."""
+        holds = withheld(prep.req, self.gw.format, bool(offered_tools(prep.req)))
+        return stream_events(self.state["queue"], prep.job, holds, resolve)
 
     def record(self, done: Completed, call_id: str) -> None:
         """Record a completion into its session as the call ``call_id`` (the id its dialect answered with)."""
@@ -200,9 +252,29 @@ class _Routes:
 
     async def chat(self, request):
         key = self.caller(request)
-        done = await self.complete(key, parse_chat_request(await self.body_of(request)))
+        prep = await self.prepare(key, parse_chat_request(await self.body_of(request)))
+        if prep.req.stream:
+            return self.stream_chat(prep)
+        done = await self.finish(prep, await self.state["queue"].submit(prep.job))
         self.record(done, done.body["id"])
         return _json(done.body)
+
+    def stream_chat(self, prep: Prepared):
+        """``stream: true``: the same job and answer, sent as chunks while it is sampled (chat_stream)."""
+        from starlette.responses import StreamingResponse
+
+        completion_id, answered = new_completion_id(), {}
+
+        async def resolve(choices):
+            done = await self.finish(prep, choices, completion_id)
+            self.record(done, completion_id)
+            answered["body"] = done.body
+            return outcomes(done.body)
+
+        chunks = chat_chunks(
+            self.stream(prep, resolve), prep.req, completion_id, self.gw.name, answered, prep.ids
+        )
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def start_session(self, request):
         _check_token(request, self.gw.token)
@@ -260,6 +332,7 @@ def create_app(gw):
         Route("/health", r.health, methods=["GET"]),
         Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.model, methods=["GET"]),
         Route("/v1/chat/completions", r.chat, methods=["POST"]),
         *responses.routes(r),
         *messages.routes(r),

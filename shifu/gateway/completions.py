@@ -8,6 +8,11 @@ natively where the template renders them, else in a Hermes system message
 policy sampled, as the ids it sampled (:class:`shifu.gateway.sessions.CompletionMemory`), so that the next
 prompt extends the previous one token for token wherever the template renders earlier turns unchanged.
 
+**Forced calls.** With ``tool_choice`` ``"required"`` or a named function, the call's opening (and the
+function's name) follows the generation prompt as prompt ids (:func:`forced_opening`): read, never sampled, so
+a session records them among the read ids. The answer parses the opening and the completion together, and
+remembers both as the assistant message, so the next prompt still extends this one token for token.
+
 **Answers.** ``message.content`` is the completion's text without special tokens, cut before the earliest
 stop string (OpenAI's rule); tool calls in the model's syntax become ``message.tool_calls`` with
 ``finish_reason: "tool_calls"`` (content: the text before the first call, or null). ``token_ids`` (with
@@ -27,7 +32,7 @@ from shifu.gateway.protocol import ChatRequest, bad
 from shifu.gateway.sessions import CompletionMemory, Segment
 from shifu.generation.stops import cut_at_stop
 from shifu.http.requests import RequestError
-from shifu.models.tool_calls import ToolFormat, parse_tool_calls, render_messages
+from shifu.models.tool_calls import ToolFormat, call_opening, parse_tool_calls, render_messages
 
 MIN_TEMPERATURE = 1e-5  # below: greedy (logits / T would overflow float32), as vLLM does
 MIN_TOP_P = 1e-6  # below: the same set (the most likely token alone), kept representable in float32
@@ -44,6 +49,18 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     max_tokens: int = 256
+
+
+@dataclass
+class Prepared:
+    """One request ready for the sampler, for any dialect: the session ``key`` (None: not recording), the
+    engine's ``req``, its prompt ``ids``, the sampler ``job`` and the ``memory`` its answer is remembered in."""
+
+    key: str | None
+    req: ChatRequest
+    ids: list[int]
+    job: Job
+    memory: CompletionMemory
 
 
 @dataclass
@@ -84,7 +101,17 @@ def prompt_ids(tokenizer, req: ChatRequest, fmt: ToolFormat, memory: CompletionM
     ids = _spliced(tokenizer, text, nonce, sampled)
     if not ids:
         raise bad("messages", "they render to no tokens", "template_error")
-    return ids
+    return ids + forced_opening(tokenizer, req, fmt)[1]
+
+
+def forced_opening(tokenizer, req: ChatRequest, fmt: ToolFormat) -> tuple[str, list[int]]:
+    """A forced call's opening (``tool_choice`` ``"required"`` or a named function;
+    :func:`shifu.models.tool_calls.call_opening`) as text and ids, tokenised on its own after the generation
+    prompt: read tokens of the prompt, never sampled. ``("", [])`` when no call is forced."""
+    if not req.forced:
+        return "", []
+    text = call_opening(tokenizer, fmt, req.forced_name)
+    return text, _encode(tokenizer, text)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -178,15 +205,16 @@ def _logprobs(tokenizer, choice: Choice, top: int) -> dict:
 def _message(tokenizer, req: ChatRequest, fmt: ToolFormat, choice: Choice, memory: CompletionMemory):
     """``(message, finish_reason)`` of one choice; remembers its raw text (module docstring)."""
     text_ids = choice.ids[:-1] if choice.ended == "eos" else choice.ids
-    raw = tokenizer.decode(text_ids, skip_special_tokens=False)
-    text = tokenizer.decode(text_ids, skip_special_tokens=True)
+    opening, opening_ids = forced_opening(tokenizer, req, fmt)  # a forced call: its prompt's end and the rest
+    raw = opening + tokenizer.decode(text_ids, skip_special_tokens=False)
+    text = opening + tokenizer.decode(text_ids, skip_special_tokens=True)
     content, calls = (text, [])
     if offered_tools(req):
         content, calls = parse_tool_calls(text, fmt.syntax)
         calls = calls if req.parallel_tool_calls else calls[:1]
     if not calls:
         content = cut_at_stop(text, req.stop) if choice.ended == "stop" else text
-    memory.remember(content, calls, raw, text_ids)
+    memory.remember(content, calls, raw, opening_ids + text_ids)
     message = {"role": "assistant", "content": content, "refusal": None}
     if calls:
         message["tool_calls"] = calls
@@ -204,8 +232,10 @@ def answer(
     memory: CompletionMemory,
     served_name: str,
     recording: bool,
+    completion_id: str | None = None,
 ) -> tuple[dict, list[Segment]]:
-    """The response body of a completion and one :class:`Segment` per choice (for a recording session)."""
+    """The response body of a completion and one :class:`Segment` per choice (for a recording session);
+    ``completion_id``: the answer's id when a stream has sent it already (else a new one)."""
     out, segments = [], []
     for i, choice in enumerate(choices):
         message, finish = _message(tokenizer, req, fmt, choice, memory)
@@ -220,7 +250,7 @@ def answer(
         )
     sampled = sum(len(c.ids) for c in choices)
     body = {
-        "id": "chatcmpl-" + secrets.token_hex(12),
+        "id": completion_id or new_completion_id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": served_name,
@@ -242,6 +272,10 @@ def answer(
     if req.return_token_ids:
         body["prompt_token_ids"] = ids
     return body, segments
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
 
 
 def check_model(req: ChatRequest, served_name: str) -> None:

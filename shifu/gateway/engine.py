@@ -14,12 +14,18 @@ Each choice comes back with its sampled ids (the ending EOS or end-of-turn id in
 their float32 log-probs under ``logits / T`` at the sampling temperature (T = 1 when greedy), read off the
 decode steps: the values :func:`shifu.generation.rollout.policy_forward` recomputes at the same T up to
 float rounding. ``top_logprobs`` come from one scoring forward of the finished row.
+
+**Streaming.** A job with ``on_text`` is told each of its choices' ids as they are sampled, on the sampler
+thread, with the text each one adds (:class:`IncrementalText`): ``on_text(choice, id, text)`` once per step
+and choice until the choice's ending id (included). It must only hand them over (the chat dialect puts them
+on the event loop, :mod:`shifu.gateway.streaming`); what is sampled and returned does not change.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +49,7 @@ class Job:
     greedy: bool = False
     seed: int | None = None
     top_logprobs: int = 0
+    on_text: Callable[[int, int, str], None] | None = None  # streaming: (choice, id, new text) per step
 
     @property
     def setting(self) -> tuple:
@@ -63,6 +70,31 @@ class Choice:
     top: list[list[tuple[int, float]]] | None
     version: int
     entropy: list[float] | None = None
+
+
+class IncrementalText:
+    """The text of a growing list of ids a piece at a time: :meth:`add` returns the text the new id adds
+    ("" while it ends inside a multi-byte character, or adds none). The piece is the difference between
+    decoding the ids from a few before the newest with and without it, not the newest alone: a tokenizer may
+    write a token differently at the start of a text (SentencePiece drops a word's leading space), so the
+    pieces join into the text of all the ids. Special tokens are left out, as in an answer's content."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.start = self.read = 0  # decode from ``start``; ``read``: the ids whose text is out already
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._text(self.ids[self.start : self.read])
+        after = self._text(self.ids[self.start :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        return after[len(before) :]
 
 
 def end_ids(model, tokenizer) -> list[int]:
@@ -152,6 +184,7 @@ class Engine:
             generator=gen,
             with_log_probs=True,
             stop=stops,
+            on_step=self._streams(rows),
         )
         self.calls += 1
         self.last_seconds = time.perf_counter() - t0
@@ -169,6 +202,25 @@ class Engine:
             grouped.append(choices[at : at + j.n])
             at += j.n
         return grouped
+
+    def _streams(self, rows: list[Job]) -> Callable | None:
+        """The sampler's ``on_step`` telling each streaming job its choices' new ids and text (module
+        docstring); None when no job streams."""
+        listening = [(b, j) for b, j in enumerate(rows) if j.on_text is not None]
+        if not listening:
+            return None
+        choice = {}  # row -> its index among its job's choices
+        for b, j in listening:
+            choice[b] = sum(1 for r in rows[:b] if r is j)
+        texts = {b: IncrementalText(self.tok) for b, _ in listening}
+
+        def on_step(t: int, tokens: torch.Tensor, real: torch.Tensor) -> None:
+            tokens, real = tokens.tolist(), real.tolist()
+            for b, job in listening:
+                if real[b]:
+                    job.on_text(choice[b], tokens[b], texts[b].add(tokens[b]))
+
+        return on_step
 
     def _top(self, model, job: Job, ids: list[int], temperature: float, device) -> list[list[tuple]]:
         """Per sampled token, the ``job.top_logprobs`` most likely ids and log-probs (one scoring forward)."""

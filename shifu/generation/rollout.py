@@ -159,6 +159,7 @@ def sample(
     with_log_probs: bool = False,
     value_head: nn.Module | None = None,
     stop: Callable[[Tensor, Tensor], Tensor] | None = None,
+    on_step: Callable[[int, Tensor, Tensor], None] | None = None,
 ) -> Sample:
     """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
     with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
@@ -172,7 +173,11 @@ def sample(
 
     ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
-    episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended."""
+    episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended.
+
+    ``on_step(t, tokens (B,), real (B,) bool)``, called after each step once its ends are known: the tokens of
+    step ``t`` and the rows they belong to (True up to a row's ending token, included); the gateway streams
+    answers with it as they are decoded. It changes nothing sampled."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
@@ -216,8 +221,10 @@ def sample(
             if stop is not None:
                 ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(device)
             eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
-            if all_done(bool((eos_seen_at < R).all())):
-                break
+        if on_step is not None:
+            on_step(t, tok, eos_seen_at >= t)
+        if (params.stop_at_eos or stop is not None) and all_done(bool((eos_seen_at < R).all())):
+            break
         if t + 1 < R:
             pos = next_pos + t if last_position is None else (next_pos + t).clamp(max=last_position)
             logits = dec.forward(buf[:, t : t + 1], pos)
