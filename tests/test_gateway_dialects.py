@@ -324,8 +324,8 @@ def taught(tok, pairs: list[tuple[list[int], str]]):
 
 @pytest.mark.slow
 def test_an_agents_sdk_agent_on_its_default_responses_model_runs_through_the_gateway():
-    """The OpenAI Agents SDK's default model API (OpenAIResponsesModel) against a recording gateway: the agent
-    calls its tool, reads the result and answers; both calls join one faithful trajectory."""
+    """The OpenAI Agents SDK's default model API (OpenAIResponsesModel) against a recording gateway, run and
+    streamed: the agent calls its tool, reads the result and answers; both calls join one faithful trajectory."""
     import asyncio
 
     sdk = pytest.importorskip("agents", reason="pip install 'shifu-rlhf[agents]' (openai-agents)")
@@ -338,7 +338,7 @@ def test_an_agents_sdk_agent_on_its_default_responses_model_runs_through_the_gat
 
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
-    def episode(model) -> tuple[object, object]:
+    def episode(model, streamed: bool = False) -> tuple[object, object]:
         with Gateway(model, tok, recording=True, sampling=Sampling(temperature=T, max_tokens=96)) as gw:
             key = gw.start_session()
             client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
@@ -349,12 +349,18 @@ def test_an_agents_sdk_agent_on_its_default_responses_model_runs_through_the_gat
                 tools=[add],
             )
             try:
-                result = asyncio.run(sdk.Runner.run(agent, "what is 2 plus 3?", max_turns=3)).final_output
-            except (
-                sdk.AgentsException
-            ) as e:  # the untrained policy runs out of tokens: its prompt is recorded
+                result = asyncio.run(run(agent, streamed)).final_output
+            except sdk.AgentsException as e:  # an untrained policy runs out of tokens: its prompt is recorded
                 result = e
             return result, gw.end_session(key)
+
+    async def run(agent, streamed: bool):
+        if not streamed:
+            return await sdk.Runner.run(agent, "what is 2 plus 3?", max_turns=3)
+        result = sdk.Runner.run_streamed(agent, "what is 2 plus 3?", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
 
     tok = chat_tokenizer()
     _, rec = episode(tiny_policy(tok, positions=1024))
@@ -364,8 +370,110 @@ def test_an_agents_sdk_agent_on_its_default_responses_model_runs_through_the_gat
     assert call in tok.decode(one.sampled_ids)  # the SDK ran add and sent its result back
     second_prompt = first_prompt + one.sampled_ids + two.read_ids
     model = taught(tok, [(first_prompt, call), (second_prompt, "It is 5.")])
-    answer, rec = episode(model)
-    assert answer == "It is 5."
-    assert (rec.calls, rec.forks, len(rec.trajectories)) == (2, 0, 1)
-    assert "\n5" in tok.decode(rec.trajectories[0].segments[1].read_ids)
-    assert assert_faithful(model, rec, T) > 0
+    for streamed in (False, True):  # Runner.run, and Runner.run_streamed on streamed Responses events
+        answer, rec = episode(model, streamed)
+        assert answer == "It is 5."
+        assert (rec.calls, rec.forks, len(rec.trajectories)) == (2, 0, 1)
+        assert "\n5" in tok.decode(rec.trajectories[0].segments[1].read_ids)
+        assert assert_faithful(model, rec, T) > 0
+
+
+# ---------------------------------------------------------------------------------------- streaming
+def test_a_streamed_response_sends_the_events_of_the_same_answer(served):
+    gw, tok = served
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TOKEN, max_retries=0)
+    kw = {"model": "policy", "input": "hello", "instructions": "Be brief.", "temperature": 0}
+    plain = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{plain.status}",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2  # sent as decoded, not in one piece
+    final = events[-1].response
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    # greedy: the same tokens as the plain call; the deltas join into its text
+    assert "".join(deltas) == final.output_text == plain.output_text
+    assert final.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_a_streamed_message_sends_the_events_of_the_same_answer(served):
+    gw, tok = served
+    client = anthropic.Anthropic(base_url=gw.url, api_key=TOKEN, max_retries=0)
+    kw = {"model": "policy", "max_tokens": 6, "messages": [{"role": "user", "content": "hello"}]}
+    kw["extra_body"] = {"temperature": 0}
+    plain = client.messages.create(**kw)
+    events = list(client.messages.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert set(kinds[2:-3]) == {"content_block_delta"} and len(kinds[2:-3]) >= 2
+    assert events[0].message.usage.input_tokens == plain.usage.input_tokens
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == "".join(b.text for b in plain.content)
+    assert events[-2].delta.stop_reason == plain.stop_reason
+    assert events[-2].usage.output_tokens == plain.usage.output_tokens
+    with client.messages.stream(**kw) as stream:  # the client's own accumulation agrees
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in plain.content]
+
+
+def test_streamed_tool_round_trips_are_recorded_as_faithful_trajectories(calling):
+    """Each dialect's streamed tool call comes as its call events; the result goes back; each session is one
+    trajectory whose recorded log-probs are the trainer's recomputation."""
+    tok, model = calling
+    question = [{"role": "user", "content": QUESTION[0]["content"]}]
+    with Gateway(model, tok, recording=True, sampling=Sampling(temperature=T, max_tokens=100)) as gw:
+        key = gw.start_session()
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        with client.responses.stream(model="policy", input=question, tools=RESPONSES_TOOLS) as stream:
+            kinds = [e.type for e in stream]
+            first = stream.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+        (call,) = first.output
+        assert call.type == "function_call" and json.loads(call.arguments) == {"expression": "2+3"}
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+        turn = [*question, *first.output, result]
+        list(client.responses.create(model="policy", input=turn, tools=RESPONSES_TOOLS, stream=True))
+        responses_rec = gw.end_session(key)
+
+        key = gw.start_session()
+        claude = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+        with claude.messages.stream(
+            model="policy", max_tokens=100, messages=question, tools=MESSAGES_TOOLS
+        ) as s:
+            kinds = [e.type for e in s]
+            first = s.get_final_message()
+        assert "input_json" in kinds and first.stop_reason == "tool_use"
+        (use,) = first.content
+        assert use.input == {"expression": "2+3"}
+        turns = [
+            *question,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]},
+        ]
+        list(
+            claude.messages.create(
+                model="policy", max_tokens=6, messages=turns, tools=MESSAGES_TOOLS, stream=True
+            )
+        )
+        messages_rec = gw.end_session(key)
+    for rec in (responses_rec, messages_rec):
+        assert (rec.calls, rec.forks, len(rec.trajectories)) == (2, 0, 1)
+        one, two = rec.trajectories[0].segments
+        assert CALL_TEXT in tok.decode(one.sampled_ids) and "\n5" in tok.decode(two.read_ids)
+        assert assert_faithful(model, rec, T) == len(one.sampled_ids) + len(two.sampled_ids)

@@ -233,10 +233,9 @@ class _Routes:
         )
         return Completed(prep.key, prep.ids, body, choices, segments)
 
-    async def complete(self, key: str | None, req: ChatRequest) -> Completed:
-        """One completion, not streamed: prepared, sampled and answered as a chat completion."""
-        prep = await self.prepare(key, req)
-        return await self.finish(prep, await self.state["queue"].submit(prep.job))
+    async def sample(self, prep: Prepared) -> list:
+        """The sampled choices of a prepared request (merged with others into one sampler call)."""
+        return await self.state["queue"].submit(prep.job)
 
     def stream(self, prep: Prepared, resolve):
         """The events of a streamed completion (:func:`shifu.gateway.streaming.stream_events`); ``resolve``
@@ -255,7 +254,7 @@ class _Routes:
         prep = await self.prepare(key, parse_chat_request(await self.body_of(request)))
         if prep.req.stream:
             return self.stream_chat(prep)
-        done = await self.finish(prep, await self.state["queue"].submit(prep.job))
+        done = await self.finish(prep, await self.sample(prep))
         self.record(done, done.body["id"])
         return _json(done.body)
 

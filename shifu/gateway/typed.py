@@ -11,7 +11,7 @@ the client meant (the ``tool_use`` block it sent), not of every shape it might h
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -41,7 +41,6 @@ def _false_only(value):
 
 
 Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # a token budget
-NoStream = Annotated[Literal[False], BeforeValidator(_false_only)]  # (Literal[False] alone would take 0)
 
 
 def by_type(*members: type[Strict], default: str | None = None) -> Any:
@@ -153,3 +152,25 @@ def components(*models: type[BaseModel]) -> dict:
     """The OpenAPI ``components.schemas`` of ``models`` and every model they hold, named by class."""
     top, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     return defs.get("$defs", {})
+
+
+def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
+    """``(media type object, schemas)`` of a Server-Sent Events answer whose events are ``events`` (each
+    ``event: <its type>``, ``data: <it as JSON>``): each event described by ``schema`` (as OpenAPI 3.1 reads
+    an event stream), its data by the union ``name`` of the event models, added to the schemas."""
+    from pydantic import TypeAdapter
+
+    union = TypeAdapter(by_type(*events)).json_schema(ref_template=REF)
+    schemas = union.pop("$defs", {}) | {name: union | {"title": name}}
+    kinds = [e.model_fields["type"].annotation.__args__[0] for e in events]
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": REF.format(model=name)},
+    }
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"enum": kinds}, "data": data},
+    }
+    return {"schema": event}, schemas

@@ -4,10 +4,10 @@
 Taken: ``system`` (a string or text blocks), ``messages`` (content a string or blocks: ``text``,
 ``tool_use``, ``tool_result``), ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice``
 (``{"type": "auto"}`` or ``{"type": "none"}``), ``max_tokens`` (required, as in Anthropic's API),
-``stop_sequences``, ``temperature``, ``top_p`` (both the trainer's when recording). Read and changing nothing:
-``metadata``, ``service_tier``, ``inference_geo``, ``cache_control`` (on the request, its blocks and tools),
-``stream: false``. Anything else
-(images, thinking, ``top_k``, forced tool choices) is refused with a 400 that names it.
+``stop_sequences``, ``temperature``, ``top_p`` (both the trainer's when recording), ``stream`` (events:
+:mod:`shifu.gateway.messages.stream`). Read and changing nothing: ``metadata``, ``service_tier``,
+``inference_geo``, ``cache_control`` (on the request, its blocks and tools). Anything else (images, thinking,
+``top_k``, forced tool choices) is refused with a 400 that names it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from shifu.gateway.typed import Count, NoStream, Strict, by_type
+from shifu.gateway.typed import Count, Strict, by_type
 
 MAX_STOP_SEQUENCES = 8
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -102,7 +102,7 @@ class MessagesRequest(Strict):
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: MessagesCacheControl | None = None
     inference_geo: str | None = None
-    stream: NoStream | None = None
+    stream: bool | None = None
 
 
 # ------------------------------------------------------------------------------------------- answers
@@ -150,3 +150,79 @@ class MessagesError(Strict):
 
     type: Literal["error"]
     error: MessagesErrorDetail
+
+
+# ------------------------------------------------------------------------------------ stream events
+class MessagesStartedMessage(Strict):
+    """The message as ``message_start`` shows it: no content, no stop reason yet."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: Annotated[list, Field(max_length=0)]
+    stop_reason: None
+    stop_sequence: None
+    usage: MessagesUsage
+
+
+class MessagesMessageStart(Strict):
+    type: Literal["message_start"]
+    message: MessagesStartedMessage
+
+
+class MessagesContentBlockStart(Strict):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: by_type(MessagesAnswerText, MessagesAnswerToolUse)
+
+
+class MessagesTextDelta(Strict):
+    type: Literal["text_delta"]
+    text: str
+
+
+class MessagesInputJsonDelta(Strict):
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class MessagesContentBlockDelta(Strict):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: by_type(MessagesTextDelta, MessagesInputJsonDelta)
+
+
+class MessagesContentBlockStop(Strict):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class MessagesStop(Strict):
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+
+
+class MessagesOutputUsage(Strict):
+    output_tokens: int
+
+
+class MessagesMessageDelta(Strict):
+    type: Literal["message_delta"]
+    delta: MessagesStop
+    usage: MessagesOutputUsage
+
+
+class MessagesMessageStop(Strict):
+    type: Literal["message_stop"]
+
+
+STREAM_EVENTS = (
+    MessagesMessageStart,
+    MessagesContentBlockStart,
+    MessagesContentBlockDelta,
+    MessagesContentBlockStop,
+    MessagesMessageDelta,
+    MessagesMessageStop,
+    MessagesError,
+)

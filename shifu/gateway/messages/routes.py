@@ -1,15 +1,18 @@
 """The Messages dialect's route: ``POST /v1/messages`` on the engine's front (the gateway app's handlers:
-``caller``, ``body_of``, ``complete``, ``record``). The key comes as Anthropic's client sends it
+``caller``, ``body_of``, ``prepare``, ``sample`` / ``stream``, ``finish``, ``record``). The key comes as Anthropic's client sends it
 (``x-api-key``) or as a bearer token; every refusal is in Anthropic's shape, ``{"type": "error", "error":
 {"type", "message"}}``, the message starting with the field to fix."""
 
 from __future__ import annotations
 
 import logging
+import secrets
 
-from shifu.gateway.messages.protocol import MessagesAnswer, MessagesError, MessagesRequest
-from shifu.gateway.messages.translate import answer_body, chat_request
-from shifu.gateway.typed import components, validated
+from shifu.gateway.chat_stream import SSE_HEADERS, outcomes
+from shifu.gateway.messages.protocol import STREAM_EVENTS, MessagesAnswer, MessagesError, MessagesRequest
+from shifu.gateway.messages.stream import message_events
+from shifu.gateway.messages.translate import answer_body, chat_request, message_head
+from shifu.gateway.typed import components, event_stream, validated
 from shifu.http.requests import RequestError
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); others are invalid requests
@@ -32,7 +35,7 @@ def anthropic_error(status: int, message: str, headers: dict | None = None):
 
 class MessagesRoute:
     """``POST /v1/messages``: validated, translated into a chat request, completed and recorded by the
-    engine, answered as a message."""
+    engine, answered as a message (streamed with ``stream: true``, :mod:`~shifu.gateway.messages.stream`)."""
 
     def __init__(self, front):
         self.front = front
@@ -47,14 +50,25 @@ class MessagesRoute:
             return anthropic_error(500, f"the gateway failed ({type(e).__name__}: {e})")
 
     async def _create(self, request):
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
 
         key = self.front.caller(request)
         req = validated(MessagesRequest, await self.front.body_of(request))
-        done = await self.front.complete(key, chat_request(req))
-        body = answer_body(done.body, done.choices[0])
-        self.front.record(done, body["id"])
-        return JSONResponse(body)
+        prep = await self.front.prepare(key, chat_request(req))
+        message_id, answered = "msg_" + secrets.token_hex(12), {}
+
+        async def resolve(choices):
+            done = await self.front.finish(prep, choices)
+            answered["body"] = answer_body(done.body, done.choices[0], message_id)
+            self.front.record(done, message_id)
+            return outcomes(done.body)
+
+        if not req.stream:
+            await resolve(await self.front.sample(prep))
+            return JSONResponse(answered["body"])
+        head = message_head(message_id, self.front.gw.name, len(prep.ids))
+        events = message_events(self.front.stream(prep, resolve), head, answered)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def routes(front) -> list:
@@ -65,6 +79,7 @@ def routes(front) -> list:
 
 def openapi() -> dict:
     """This dialect's part of the gateway's OpenAPI document: its path and its schemas."""
+    stream, event_schemas = event_stream("MessagesStreamEvent", *STREAM_EVENTS)
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesError"}}}
     refused = {
         "description": (
@@ -89,12 +104,15 @@ def openapi() -> dict:
         },
         "responses": {
             "200": {
-                "description": "The message.",
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesAnswer"}}},
+                "description": "The message; with stream true, its events (Server-Sent Events).",
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/MessagesAnswer"}},
+                    "text/event-stream": stream,
+                },
             },
             **answers,
             "500": {"description": "The sampler failed (the message says how).", "content": error},
         },
     }
-    schemas = components(MessagesRequest, MessagesAnswer, MessagesError)
+    schemas = components(MessagesRequest, MessagesAnswer, MessagesError) | event_schemas
     return {"paths": {"/v1/messages": {"post": operation}}, "schemas": schemas}

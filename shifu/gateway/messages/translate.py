@@ -16,7 +16,6 @@ memory of what it sampled finds it again.
 from __future__ import annotations
 
 import json
-import secrets
 
 from shifu.gateway.engine import Choice
 from shifu.gateway.messages.protocol import (
@@ -122,21 +121,32 @@ def stop_reason(finish: str, choice: Choice) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def answer_body(chat: dict, choice: Choice) -> dict:
+def message_head(message_id: str, model: str, prompt_tokens: int) -> dict:
+    """The message as ``message_start`` shows it: no content, no stop reason, the prompt's tokens."""
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }
+
+
+def answer_body(chat: dict, choice: Choice, message_id: str) -> dict:
     """The Messages answer of a chat answer ``chat`` and its sampled ``choice`` (module docstring)."""
     first = chat["choices"][0]
     reason, sequence = stop_reason(first["finish_reason"], choice)
-    return {
-        "id": "msg_" + secrets.token_hex(12),
-        "type": "message",
-        "role": "assistant",
-        "model": chat["model"],
+    usage = {
+        "input_tokens": chat["usage"]["prompt_tokens"],
+        "output_tokens": chat["usage"]["completion_tokens"],
+    }
+    return message_head(message_id, chat["model"], 0) | {
         "content": content_blocks(first["message"]),
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": {
-            "input_tokens": chat["usage"]["prompt_tokens"],
-            "output_tokens": chat["usage"]["completion_tokens"],
-        },
+        "usage": usage,
         "shifu": chat["shifu"],
     }

@@ -4,9 +4,10 @@
 Taken: ``input`` (a string, or items: messages with ``input_text`` / ``output_text`` parts, ``function_call``
 and ``function_call_output`` items), ``instructions``, function ``tools``, ``tool_choice`` (``auto`` /
 ``none``), ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` (both the trainer's when
-recording), ``previous_response_id``. Read and changing nothing: ``store``, ``metadata``, ``user``,
-``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``truncation: "disabled"``, ``text`` in plain
-text format, ``include: []``, ``stream: false``. Anything else is refused with a 400 that names it.
+recording), ``previous_response_id``, ``stream`` (events: :mod:`shifu.gateway.responses.stream`). Read and
+changing nothing: ``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``, ``truncation: "disabled"``, ``text`` in plain text format, ``include: []``. Anything
+else is refused with a 400 that names it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from shifu.gateway.typed import Count, NoStream, Strict, by_type
+from shifu.gateway.typed import Count, Strict, by_type
 
 Status = Literal["in_progress", "completed", "incomplete"]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -110,7 +111,7 @@ class ResponsesRequest(Strict):
     truncation: Literal["disabled"] | None = None
     text: ResponsesText | None = None
     include: Annotated[list[str], Field(max_length=0)] | None = None
-    stream: NoStream | None = None
+    stream: bool | None = None
 
 
 # ------------------------------------------------------------------------------------------- answers
@@ -178,3 +179,109 @@ class Response(Strict):
     truncation: Literal["disabled"]
     usage: ResponsesUsage
     shifu: dict
+
+
+# ------------------------------------------------------------------------------------ stream events
+class _Event(Strict):
+    sequence_number: int
+
+
+class ResponsesResponseCreated(_Event):
+    """The response before sampling: ``status: "in_progress"``, no output, ``usage: null``."""
+
+    type: Literal["response.created"]
+    response: dict
+
+
+class ResponsesResponseInProgress(ResponsesResponseCreated):
+    type: Literal["response.in_progress"]
+
+
+class ResponsesResponseCompleted(_Event):
+    type: Literal["response.completed"]
+    response: Response
+
+
+class ResponsesResponseIncomplete(ResponsesResponseCompleted):
+    type: Literal["response.incomplete"]
+
+
+class ResponsesOutputItemAdded(_Event):
+    type: Literal["response.output_item.added"]
+    output_index: int
+    item: by_type(ResponsesOutputMessage, ResponsesOutputFunctionCall)
+
+
+class ResponsesOutputItemDone(ResponsesOutputItemAdded):
+    type: Literal["response.output_item.done"]
+
+
+class ResponsesContentPartAdded(_Event):
+    type: Literal["response.content_part.added"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ResponsesOutputText
+
+
+class ResponsesContentPartDone(ResponsesContentPartAdded):
+    type: Literal["response.content_part.done"]
+
+
+class ResponsesOutputTextDelta(_Event):
+    type: Literal["response.output_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list
+
+
+class ResponsesOutputTextDone(_Event):
+    type: Literal["response.output_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list
+
+
+class ResponsesFunctionCallArgumentsDelta(_Event):
+    type: Literal["response.function_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ResponsesFunctionCallArgumentsDone(_Event):
+    type: Literal["response.function_call_arguments.done"]
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponsesStreamError(_Event):
+    """A failure after the stream began: ``code``, ``message`` and the field at fault (``param``)."""
+
+    type: Literal["error"]
+    code: str | None
+    message: str
+    param: str | None
+
+
+STREAM_EVENTS = (
+    ResponsesResponseCreated,
+    ResponsesResponseInProgress,
+    ResponsesOutputItemAdded,
+    ResponsesContentPartAdded,
+    ResponsesOutputTextDelta,
+    ResponsesOutputTextDone,
+    ResponsesContentPartDone,
+    ResponsesFunctionCallArgumentsDelta,
+    ResponsesFunctionCallArgumentsDone,
+    ResponsesOutputItemDone,
+    ResponsesResponseCompleted,
+    ResponsesResponseIncomplete,
+    ResponsesStreamError,
+)

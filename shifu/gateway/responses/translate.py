@@ -105,25 +105,25 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
     )
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def output_items(message: dict, status: str) -> list[dict]:
+def output_items(message: dict, status: str, message_id: str) -> list[dict]:
     """A chat answer's message as Responses output items (module docstring)."""
     items = []
     calls = message.get("tool_calls") or []
     if message["content"] or not calls:
         text = {"type": "output_text", "text": message["content"] or "", "annotations": [], "logprobs": []}
         items.append(
-            {"type": "message", "id": _id("msg_"), "status": status, "role": "assistant", "content": [text]}
+            {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": [text]}
         )
     for c in calls:
         fn = c["function"]
         items.append(
             {
                 "type": "function_call",
-                "id": _id("fc_"),
+                "id": new_id("fc_"),
                 "call_id": c["id"],
                 "name": fn["name"],
                 "arguments": fn["arguments"],
@@ -133,32 +133,44 @@ def output_items(message: dict, status: str) -> list[dict]:
     return items
 
 
-def response_body(req: ResponsesRequest, chat: dict) -> dict:
-    """The Response of a chat answer ``chat`` (module docstring)."""
-    choice = chat["choices"][0]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    usage = chat["usage"]
+def response_head(req: ResponsesRequest, response_id: str, model: str, sampling: dict) -> dict:
+    """The fields of a Response known before sampling; ``sampling``: the chat answer's ``shifu`` field (the
+    temperature and top-p used)."""
     return {
-        "id": _id("resp_"),
+        "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
-        "status": status,
+        "status": "in_progress",
         "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "incomplete_details": None,
         "instructions": req.instructions,
-        "model": chat["model"],
-        "output": output_items(choice["message"], status),
+        "model": model,
+        "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "max_output_tokens": req.max_output_tokens,
-        "temperature": chat["shifu"]["temperature"],
-        "top_p": chat["shifu"]["top_p"],
+        "temperature": sampling["temperature"],
+        "top_p": sampling["top_p"],
         "tool_choice": req.tool_choice or "auto",
         "tools": [t.model_dump() for t in req.tools or []],
         "store": req.store is not False,
         "metadata": req.metadata or {},
         "text": {"format": {"type": "text"}, "verbosity": "medium"},
         "truncation": "disabled",
+        "usage": None,
+        "shifu": sampling,
+    }
+
+
+def response_body(req: ResponsesRequest, chat: dict, response_id: str, message_id: str) -> dict:
+    """The Response of a chat answer ``chat`` (module docstring)."""
+    choice = chat["choices"][0]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    usage = chat["usage"]
+    return response_head(req, response_id, chat["model"], chat["shifu"]) | {
+        "status": status,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "output": output_items(choice["message"], status, message_id),
         "usage": {
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0},
@@ -166,7 +178,6 @@ def response_body(req: ResponsesRequest, chat: dict) -> dict:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],
         },
-        "shifu": chat["shifu"],
     }
 
 
