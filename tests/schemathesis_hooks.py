@@ -23,12 +23,14 @@ GATEWAY_CODES = {
     "model_not_found",
     "no_such_call",
     "previous_response_not_found",
+    "tool_choice_unavailable",
 }
 # the gateway's Messages route (Anthropic's error shape has no code): the same refusals, by their message
 MESSAGES_RULES = [
     r"^messages: the prompt has \d+ tokens, which leaves no room",
     r"^messages: (the chat template refused them|they render to no tokens)",
     r"^model: .* is not served here",
+    r"^tool_choice: (a forced call needs tools|names the tool)",
 ]
 # the reward service: cross-field rules its document states in words (ScoreRequest's description)
 REWARD_RULES = [

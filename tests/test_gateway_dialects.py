@@ -120,7 +120,7 @@ def test_responses_refusals_name_the_field(served):
             "input[0].content[0]",
         ),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
-        ({"input": "x", "tool_choice": "required", "tools": RESPONSES_TOOLS}, "tool_choice"),
+        ({"input": "x", "tool_choice": "sometimes", "tools": RESPONSES_TOOLS}, "tool_choice"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": "x", "temperature": "hot"}, "temperature"),
         ({"input": 5}, "input"),
@@ -176,7 +176,7 @@ def test_messages_answers_with_content_blocks_and_anthropic_errors(served):
         (
             {
                 "messages": [{"role": "user", "content": "x"}],
-                "tool_choice": {"type": "any"},
+                "tool_choice": {"type": "maybe"},
                 "tools": MESSAGES_TOOLS,
             },
             "tool_choice",
@@ -477,3 +477,68 @@ def test_streamed_tool_round_trips_are_recorded_as_faithful_trajectories(calling
         one, two = rec.trajectories[0].segments
         assert CALL_TEXT in tok.decode(one.sampled_ids) and "\n5" in tok.decode(two.read_ids)
         assert assert_faithful(model, rec, T) == len(one.sampled_ids) + len(two.sampled_ids)
+
+
+# ------------------------------------------------------------------------------------- forced calls
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_in_both_dialects_are_read_then_sampled_and_recorded_faithfully(stream):
+    """Responses' named function tool_choice and Anthropic's {"type": "tool"}: the call's opening is read after
+    the generation prompt (recorded among the read ids), the rest is sampled and parsed as the call."""
+    from shifu.models.tool_calls import call_opening, tool_format
+
+    tok = chat_tokenizer()
+    named = {"type": "function", "function": {"name": "calculator"}}
+    rest = ' {"expression": "2+3"}}</tool_call>'
+    model = memorized_policy(
+        tok, {"model": "policy", "messages": QUESTION, "tools": TOOLS, "tool_choice": named}, rest
+    )
+    opening = tok(call_opening(tok, tool_format(tok), "calculator"), add_special_tokens=False)["input_ids"]
+    question = [{"role": "user", "content": QUESTION[0]["content"]}]
+    with Gateway(model, tok, recording=True, sampling=Sampling(temperature=T, max_tokens=40)) as gw:
+        key = gw.start_session()
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        kw = {"model": "policy", "input": question, "tools": RESPONSES_TOOLS}
+        kw["tool_choice"] = {"type": "function", "name": "calculator"}
+        if stream:
+            with client.responses.stream(**kw) as s:
+                first = s.get_final_response()
+        else:
+            first = client.responses.create(**kw)
+        (call,) = first.output
+        assert call.type == "function_call" and json.loads(call.arguments) == {"expression": "2+3"}
+        assert first.tool_choice.name == "calculator"
+        responses_rec = gw.end_session(key)
+
+        key = gw.start_session()
+        claude = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0)
+        kw = {"model": "policy", "max_tokens": 40, "messages": question, "tools": MESSAGES_TOOLS}
+        kw["tool_choice"] = {"type": "tool", "name": "calculator"}
+        if stream:
+            with claude.messages.stream(**kw) as s:
+                first = s.get_final_message()
+        else:
+            first = claude.messages.create(**kw)
+        (use,) = first.content
+        assert first.stop_reason == "tool_use" and use.input == {"expression": "2+3"}
+        messages_rec = gw.end_session(key)
+        # forcing needs the tools, and a named one among them
+        spare = gw.start_session()
+        client = openai.OpenAI(base_url=gw.base_url, api_key=spare, max_retries=0)
+        claude = anthropic.Anthropic(base_url=gw.url, api_key=spare, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="policy", input="x", tool_choice="required")
+        assert e.value.code == "tool_choice_unavailable"
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(
+                model="policy",
+                max_tokens=4,
+                messages=question,
+                tools=MESSAGES_TOOLS,
+                tool_choice={"type": "tool", "name": "search"},
+            )
+        assert e.value.response.json()["error"]["message"].startswith("tool_choice: names the tool 'search'")
+    for rec in (responses_rec, messages_rec):
+        (traj,) = rec.trajectories
+        (seg,) = traj.segments
+        assert seg.read_ids[-len(opening) :] == opening and tok.decode(seg.sampled_ids).startswith(rest)
+        assert assert_faithful(model, rec, T) == len(seg.sampled_ids)

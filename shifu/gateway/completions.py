@@ -76,6 +76,30 @@ class Completed:
     segments: list[Segment]
 
 
+def forced_choice(
+    choice: str, name: str | None, tools: list[dict] | None, path: str
+) -> tuple[str, str | None]:
+    """``(tool_choice, forced name)`` of a :class:`ChatRequest` for a dialect's tool choice: ``choice``
+    ``"auto"``, ``"none"``, ``"required"`` (a call of any tool) or ``"function"`` (the tool ``name``). Forcing
+    needs tools, and a named tool among them: a 400 at ``path`` (code ``tool_choice_unavailable``) says so."""
+    offered = [t["function"]["name"] for t in tools or []]
+    if choice in ("required", "function") and not offered:
+        raise RequestError(
+            400,
+            path,
+            f"{path}: a forced call needs tools to call; send tools, or leave the tool choice out",
+            code="tool_choice_unavailable",
+        )
+    if choice == "function" and name not in offered:
+        raise RequestError(
+            400,
+            path,
+            f"{path}: names the tool {name!r}, which is not among the tools ({', '.join(offered)})",
+            code="tool_choice_unavailable",
+        )
+    return choice, name if choice == "function" else None
+
+
 def offered_tools(req: ChatRequest) -> list[dict] | None:
     return req.tools if req.tools and req.tool_choice != "none" else None
 

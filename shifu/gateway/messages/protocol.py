@@ -3,11 +3,11 @@
 
 Taken: ``system`` (a string or text blocks), ``messages`` (content a string or blocks: ``text``,
 ``tool_use``, ``tool_result``), ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice``
-(``{"type": "auto"}`` or ``{"type": "none"}``), ``max_tokens`` (required, as in Anthropic's API),
+(``auto``, ``none``, or a forced call: ``any``, or ``tool`` with its ``name``; :mod:`shifu.gateway.completions`), ``max_tokens`` (required, as in Anthropic's API),
 ``stop_sequences``, ``temperature``, ``top_p`` (both the trainer's when recording), ``stream`` (events:
 :mod:`shifu.gateway.messages.stream`). Read and changing nothing: ``metadata``, ``service_tier``,
 ``inference_geo``, ``cache_control`` (on the request, its blocks and tools). Anything else (images, thinking,
-``top_k``, forced tool choices) is refused with a 400 that names it.
+``top_k``) is refused with a 400 that names it.
 """
 
 from __future__ import annotations
@@ -75,6 +75,21 @@ class MessagesToolChoiceAuto(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class MessagesToolChoiceAny(Strict):
+    """A call of any tool, forced."""
+
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesToolChoiceTool(Strict):
+    """A call of the tool ``name``, forced."""
+
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
 class MessagesToolChoiceNone(Strict):
     type: Literal["none"]
 
@@ -94,7 +109,10 @@ class MessagesRequest(Strict):
     messages: Annotated[list[MessagesMessage], Field(min_length=1)]
     system: str | list[MessagesTextBlock] | None = None
     tools: list[MessagesTool] | None = None
-    tool_choice: by_type(MessagesToolChoiceAuto, MessagesToolChoiceNone) | None = None
+    tool_choice: (
+        by_type(MessagesToolChoiceAuto, MessagesToolChoiceAny, MessagesToolChoiceTool, MessagesToolChoiceNone)
+        | None
+    ) = None
     stop_sequences: Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

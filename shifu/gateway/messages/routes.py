@@ -95,7 +95,8 @@ def openapi() -> dict:
         "description": (
             "The key as x-api-key (Anthropic's clients) or as a bearer token. A refusal of a request this "
             "schema allows: a prompt too long for the model's positions, a chat template that refuses the "
-            "messages, or a model that is not served."
+            "messages, a model that is not served, or a forced tool call (tool_choice) with no tools or naming "
+            "another tool."
         ),
         "security": [{"apiKey": []}, {"bearer": []}, {}],
         "requestBody": {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+from shifu.gateway.completions import forced_choice
 from shifu.gateway.engine import Choice
 from shifu.gateway.messages.protocol import (
     MessagesMessage,
@@ -78,12 +79,15 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
         fn = {"name": t.name} | ({"description": t.description} if t.description is not None else {})
         tools.append({"type": "function", "function": fn | {"parameters": t.input_schema}})
     choice = req.tool_choice
+    kind = {"any": "required", "tool": "function"}.get(choice.type, choice.type) if choice else "auto"
+    kind, forced_name = forced_choice(kind, getattr(choice, "name", None), tools, "tool_choice")
     return ChatRequest(
         model=req.model,
         messages=messages,
         tools=tools or None,
-        tool_choice=choice.type if choice is not None else "auto",
-        parallel_tool_calls=not (choice is not None and getattr(choice, "disable_parallel_tool_use", False)),
+        tool_choice=kind,
+        forced_name=forced_name,
+        parallel_tool_calls=not getattr(choice, "disable_parallel_tool_use", False),
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_tokens,

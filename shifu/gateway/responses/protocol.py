@@ -2,8 +2,9 @@
 (:class:`Response`), OpenAI's Responses API shapes as far as the gateway takes them.
 
 Taken: ``input`` (a string, or items: messages with ``input_text`` / ``output_text`` parts, ``function_call``
-and ``function_call_output`` items), ``instructions``, function ``tools``, ``tool_choice`` (``auto`` /
-``none``), ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` (both the trainer's when
+and ``function_call_output`` items), ``instructions``, function ``tools``, ``tool_choice`` (``auto``,
+``none``, ``required`` or ``{"type": "function", "name"}``: a forced call, :mod:`shifu.gateway.completions`),
+``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` (both the trainer's when
 recording), ``previous_response_id``, ``stream`` (events: :mod:`shifu.gateway.responses.stream`). Read and
 changing nothing: ``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``truncation: "disabled"``, ``text`` in plain text format, ``include: []``. Anything
@@ -80,6 +81,16 @@ class ResponsesFunctionTool(Strict):
     strict: bool | None = None
 
 
+class ResponsesNamedToolChoice(Strict):
+    """A call of this function, forced."""
+
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["auto", "none", "required"] | ResponsesNamedToolChoice
+
+
 class ResponsesTextFormat(Strict):
     type: Literal["text"]
 
@@ -96,7 +107,7 @@ class ResponsesRequest(Strict):
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -171,7 +182,7 @@ class Response(Strict):
     max_output_tokens: int | None
     temperature: float
     top_p: float
-    tool_choice: Literal["auto", "none"]
+    tool_choice: ToolChoice
     tools: list[ResponsesFunctionTool]
     store: bool
     metadata: dict[str, str]

@@ -20,11 +20,13 @@ import threading
 import time
 from collections import OrderedDict
 
+from shifu.gateway.completions import forced_choice
 from shifu.gateway.protocol import ChatRequest
 from shifu.gateway.responses.protocol import (
     ResponsesFunctionCallItem,
     ResponsesFunctionCallOutputItem,
     ResponsesMessageItem,
+    ResponsesNamedToolChoice,
     ResponsesRequest,
 )
 from shifu.http.requests import RequestError
@@ -62,6 +64,10 @@ class Stored:
         return list(messages)
 
 
+def named_choice(req: ResponsesRequest) -> bool:
+    return isinstance(req.tool_choice, ResponsesNamedToolChoice)
+
+
 def _text(content) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
@@ -93,11 +99,15 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
         {"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
         for t in req.tools or []
     ]
+    named = named_choice(req)
+    kind = "function" if named else req.tool_choice or "auto"
+    choice, forced_name = forced_choice(kind, req.tool_choice.name if named else None, tools, "tool_choice")
     return ChatRequest(
         model=req.model,
         messages=messages + history + conversation(req),
         tools=tools or None,
-        tool_choice=req.tool_choice or "auto",
+        tool_choice=choice,
+        forced_name=forced_name,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -151,7 +161,7 @@ def response_head(req: ResponsesRequest, response_id: str, model: str, sampling:
         "max_output_tokens": req.max_output_tokens,
         "temperature": sampling["temperature"],
         "top_p": sampling["top_p"],
-        "tool_choice": req.tool_choice or "auto",
+        "tool_choice": req.tool_choice.model_dump() if named_choice(req) else req.tool_choice or "auto",
         "tools": [t.model_dump() for t in req.tools or []],
         "store": req.store is not False,
         "metadata": req.metadata or {},
