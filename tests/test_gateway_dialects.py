@@ -124,12 +124,23 @@ def test_responses_refusals_name_the_field(served):
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
         ({"input": "x", "temperature": "hot"}, "temperature"),
         ({"input": 5}, "input"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "5", "extra": 1}]},
+            "input[0].extra",
+        ),
+        ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice.name"),  # the named member's fault
     ]
     for body, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model="policy", **body)
         error = e.value.response.json()["error"]
         assert error["param"] == param and error["message"].startswith(param + ": "), error
+    with pytest.raises(openai.BadRequestError) as e:  # an unknown field: the fields of its object are listed
+        client.responses.create(model="policy", input=[{"role": "user", "content": "x", "name": "me"}])
+    assert e.value.code == "unknown_field" and "type, role, content, id, status" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # an empty list: not "expected a string"
+        client.responses.create(model="policy", input=[])
+    assert e.value.response.json()["error"]["message"].startswith("input: list should have at least 1 item")
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-4o", input="x")
     with pytest.raises(openai.AuthenticationError):

@@ -64,9 +64,10 @@ def _union(types: list) -> Any:
     return Union[tuple(types)]  # noqa: UP007 (a runtime union of Annotated members)
 
 
-def _walk(body, loc: tuple) -> tuple[str, int]:
+def _walk(body, loc: tuple, missing: bool) -> tuple[str, int]:
     """The path in ``body`` of a pydantic error location, and how many of its steps are the body's: the
-    location's other steps (union members, tags) are not."""
+    location's other steps (union members, tags) are not; with ``missing``, the last step names a field the
+    body lacks."""
     node, path, depth = body, "", 0
     for i, step in enumerate(loc):
         if isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
@@ -75,7 +76,7 @@ def _walk(body, loc: tuple) -> tuple[str, int]:
             tag = step == node.get("type") and i + 1 < len(loc)  # the member a tagged union chose
             if step in node and not tag:
                 node, path, depth = node[step], field_path(path, step), depth + 1
-            elif step not in node and i == len(loc) - 1:
+            elif missing and i == len(loc) - 1:
                 path, depth = field_path(path, step), depth + 1
     return path or "body", depth
 
@@ -104,17 +105,26 @@ def _message(error: dict, fields: list[str]) -> tuple[str, str]:
     return msg, "invalid_value"
 
 
-def _fields_at(model: type[BaseModel], body, loc: tuple) -> list[str]:
-    """The fields the object at an ``extra_forbidden`` error declares (the top level's when it is not found)."""
-    target = model
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The fields the object of an ``extra_forbidden`` error at ``loc`` declares: its model found by following
+    the location's field names, and among a union's members the one its tag step names."""
+    target, members = model, []
     for step in loc[:-1]:
-        info = target.model_fields.get(step) if isinstance(step, str) else None
-        if info is None:
+        if not isinstance(step, str):
             continue
-        for sub in _models_in(info.annotation):
-            target = sub
-            break
+        if step in target.model_fields:
+            members = _models_in(target.model_fields[step].annotation)
+            target = members[0] if len(members) == 1 else target
+        else:
+            tagged = [m for m in members if _tag(m) == step]
+            target = tagged[0] if tagged else target
     return list(target.model_fields)
+
+
+def _tag(member: type[BaseModel]) -> str | None:
+    field = member.model_fields.get("type")
+    args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+    return args[0] if args and isinstance(args[0], str) else None
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:
@@ -135,16 +145,17 @@ def validated(model: type[Strict], body):
         return model.model_validate(body)
     except ValidationError as e:
         errors = e.errors(include_url=False)
-    walked = [(*_walk(body, err["loc"]), err) for err in errors]
+    walked = [(*_walk(body, err["loc"], err["type"] == "missing"), err) for err in errors]
     deepest = max(d for _, d, _ in walked)
-    path, _, error = next(w for w in walked if w[1] == deepest)
-    fields = _fields_at(model, body, error["loc"]) if error["type"] == "extra_forbidden" else []
+    # at the deepest place, an error of a union member whose JSON type fits says more than a type mismatch
+    candidates = [(p, err) for p, d, err in walked if d == deepest]
+    fitting = [c for c in candidates if not c[1]["type"].endswith("_type")]
+    path, error = (fitting or candidates)[0]
+    fields = _fields_at(model, error["loc"]) if error["type"] == "extra_forbidden" else []
     message, code = _message(error, fields)
-    others = {
-        m for p, d, err in walked if d == deepest and p == path and err is not error for m in [err["msg"]]
-    }
-    if others and error["type"] not in ("extra_forbidden", "missing"):
-        message += " (or: " + "; ".join(sorted(o[0].lower() + o[1:] for o in others)) + ")"
+    if not fitting:  # the value's JSON type fits none of the members: name them all
+        others = sorted({_message(err, [])[0] for p, err in candidates if p == path and err is not error})
+        message += "".join(f" (or: {o})" for o in others)
     raise RequestError(400, path, f"{path}: {message}", code=code)
 
 
