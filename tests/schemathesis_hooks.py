@@ -17,7 +17,13 @@ import urllib.request
 import schemathesis
 
 # the gateway: refusals of schema-valid requests its document lists, by error code
-GATEWAY_CODES = {"context_length_exceeded", "template_error", "model_not_found", "no_such_call"}
+GATEWAY_CODES = {
+    "context_length_exceeded",
+    "template_error",
+    "model_not_found",
+    "no_such_call",
+    "tool_not_offered",
+}
 # the reward service: cross-field rules its document states in words (ScoreRequest's description)
 REWARD_RULES = [
     r"^attention_mask: shape \(\d+, \d+\) differs from input_ids",
