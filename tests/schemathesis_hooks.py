@@ -23,7 +23,7 @@ GATEWAY_CODES = {
     "model_not_found",
     "no_such_call",
     "previous_response_not_found",
-    "tool_choice_unavailable",
+    "tool_not_offered",
 }
 # the gateway's Messages route (Anthropic's error shape has no code): the same refusals, by their message
 MESSAGES_RULES = [

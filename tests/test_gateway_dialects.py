@@ -538,7 +538,7 @@ def test_forced_calls_in_both_dialects_are_read_then_sampled_and_recorded_faithf
         claude = anthropic.Anthropic(base_url=gw.url, api_key=spare, max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model="policy", input="x", tool_choice="required")
-        assert e.value.code == "tool_choice_unavailable"
+        assert e.value.code == "tool_not_offered"
         with pytest.raises(anthropic.BadRequestError) as e:
             claude.messages.create(
                 model="policy",

@@ -322,3 +322,31 @@ def test_an_agents_sdk_agent_streams_through_the_gateway(served):
     deltas, result = asyncio.run(main())
     assert len(deltas) > 1 and "".join(deltas) == result.final_output
     assert isinstance(result.final_output, str) and result.final_output
+
+
+@pytest.mark.integration
+def test_a_client_that_goes_away_mid_stream_still_gets_its_call_recorded():
+    import time
+
+    import httpx
+
+    tok = chat_tokenizer()
+    model = tiny_policy(tok)
+    with Gateway(model, tok, recording=True, sampling=Sampling(max_tokens=40)) as gw:
+        key = gw.start_session()
+        body = {"model": "policy", "messages": QUESTION, "stream": True}
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.stream("POST", gw.base_url + "/chat/completions", json=body, headers=headers) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        completion_id = json.loads(first[len("data: ") :])["id"]
+        for _ in range(600):  # the call is recorded once its sampling ends, though no one reads it
+            try:
+                gw.set_reward(key, 1.0, completion_id)
+                break
+            except KeyError:
+                time.sleep(0.05)
+        rec = gw.end_session(key)
+        assert httpx.get(gw.url + "/health").json()["pending"] == 0
+    (traj,) = rec.trajectories
+    assert rec.calls == 1 and traj.segments[0].reward == 1.0 and traj.segments[0].sampled_ids

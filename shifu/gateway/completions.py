@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from shifu.gateway.engine import Choice, Job
-from shifu.gateway.protocol import ChatRequest, bad
+from shifu.gateway.protocol import NOT_OFFERED, ChatRequest, bad
 from shifu.gateway.sessions import CompletionMemory, Segment
 from shifu.generation.stops import cut_at_stop
 from shifu.http.requests import RequestError
@@ -81,21 +81,21 @@ def forced_choice(
 ) -> tuple[str, str | None]:
     """``(tool_choice, forced name)`` of a :class:`ChatRequest` for a dialect's tool choice: ``choice``
     ``"auto"``, ``"none"``, ``"required"`` (a call of any tool) or ``"function"`` (the tool ``name``). Forcing
-    needs tools, and a named tool among them: a 400 at ``path`` (code ``tool_choice_unavailable``) says so."""
+    needs tools, and a named tool among them: a 400 at ``path`` (code ``tool_not_offered``, as in the chat dialect) says so."""
     offered = [t["function"]["name"] for t in tools or []]
     if choice in ("required", "function") and not offered:
         raise RequestError(
             400,
             path,
             f"{path}: a forced call needs tools to call; send tools, or leave the tool choice out",
-            code="tool_choice_unavailable",
+            code=NOT_OFFERED,
         )
     if choice == "function" and name not in offered:
         raise RequestError(
             400,
             path,
             f"{path}: names the tool {name!r}, which is not among the tools ({', '.join(offered)})",
-            code="tool_choice_unavailable",
+            code=NOT_OFFERED,
         )
     return choice, name if choice == "function" else None
 

@@ -62,6 +62,7 @@ NO_OP_FIELDS = (
     "min_p",
     "repetition_penalty",
 )
+NOT_OFFERED = "tool_not_offered"  # the code of a forced call of a tool the request does not offer
 REFUSED_FIELDS = ("reasoning_effort",)  # known, and refused with the reason (_sampling_changes)
 _EXACT = (
     "shifu records the exact log-probs of what it samples, and neither its sampler nor the trainer's "
@@ -170,6 +171,8 @@ def _text(content, path: str, nullable: bool) -> str | None:
             raise bad(
                 where, "a text part has the keys type and text (and cache_control, which changes nothing)"
             )
+        if part.get("cache_control") is not None:
+            _typed(part["cache_control"], f"{where}.cache_control", (dict,), "an object or null")
         texts.append(_typed(part["text"], f"{where}.text", (str,), "a string"))
     return "".join(texts)
 
@@ -189,6 +192,9 @@ def _tool_calls(calls, path: str) -> list[dict]:
         if set(c) - {"id", "type", "function", "index"} or c.get("type", "function") != "function":
             extra = sorted(set(c) - {"id", "type", "function", "index"})
             raise bad(where, f"unknown field {extra[0]!r}" if extra else "type must be 'function'")
+        index = c.get("index")
+        if "index" in c and not (type(index) in (int, float) and float(index).is_integer() and index >= 0):
+            raise bad(f"{where}.index", "expected an integer >= 0 (the call's place in its message)")
         call_id = _typed(c.get("id"), f"{where}.id", (str,), "a string")
         fn = _typed(c.get("function"), f"{where}.function", (dict,), "an object")
         if set(fn) != {"name", "arguments"}:
@@ -275,7 +281,11 @@ def _tool_choice(value, tools: list[dict] | None) -> tuple[str, str | None]:
         return "auto", None
     if isinstance(value, str) and value in ("auto", "none", "required"):
         if value == "required" and not tools:
-            raise bad("tool_choice", "'required' needs tools to call: send tools, or leave tool_choice out")
+            raise bad(
+                "tool_choice",
+                "'required' needs tools to call: send tools, or leave tool_choice out",
+                NOT_OFFERED,
+            )
         return value, None
     named = (
         isinstance(value, dict)
@@ -297,6 +307,7 @@ def _tool_choice(value, tools: list[dict] | None) -> tuple[str, str | None]:
         raise bad(
             "tool_choice",
             f"names the function {name!r}, which is not among the tools ({', '.join(offered) or 'none sent'})",
+            NOT_OFFERED,
         )
     return "function", name
 

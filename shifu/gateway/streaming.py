@@ -22,7 +22,9 @@ list[Outcome]`` that does what the plain answer does with the sampled
 - :class:`Finish` ``(choice, outcome)``: the choice's end (its :class:`Outcome`, with the finish reason);
 - :class:`Usage` ``(prompt_tokens, completion_tokens)``: last, once.
 
-``resolve`` runs to its end even when the client goes away mid-stream (the call is recorded as a plain one
+Text is handed from the sampler thread to the event loop with one wake-up for whatever piled up meanwhile:
+each step's text goes out as soon as the loop runs, and a loop that falls behind sends what came since in one
+delta instead of falling further behind. ``resolve`` runs to its end even when the client goes away mid-stream (the call is recorded as a plain one
 is); an exception it or the sampler raises comes out of the iteration after the deltas already sent.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -132,10 +135,18 @@ async def stream_events(
     """The events of ``job``'s choices (module docstring); ``queue``: the gateway's
     :class:`~shifu.http.batching.BatchQueue` of sampler calls."""
     loop = asyncio.get_running_loop()
-    steps: asyncio.Queue = asyncio.Queue()
+    handed: list[tuple[int, str]] = []  # (choice, text) from the sampler thread, not yet taken
+    lock, wake, waking = threading.Lock(), asyncio.Event(), [False]
 
     def on_text(choice: int, token: int, text: str) -> None:  # on the sampler thread
-        loop.call_soon_threadsafe(steps.put_nowait, (choice, text))
+        if not text:
+            return
+        with lock:
+            handed.append((choice, text))
+            if waking[0]:  # the loop is woken already and takes this too: one wake-up for what piled up
+                return
+            waking[0] = True
+        loop.call_soon_threadsafe(wake.set)
 
     job.on_text = on_text
 
@@ -145,18 +156,21 @@ async def stream_events(
 
     done = loop.create_task(sampled())
     _RUNNING.add(done)
-    # the sampler thread's hand-overs are queued before the call's result reaches the loop: None comes last
-    done.add_done_callback(lambda task: (_RUNNING.discard(task), steps.put_nowait(None)))
+    # the sampler thread hands its text over before the call's result reaches the loop: once done, all is here
+    done.add_done_callback(lambda task: (_RUNNING.discard(task), wake.set()))
     texts, sent = [""] * job.n, [""] * job.n
-    while (item := await steps.get()) is not None:
-        choice, piece = item
-        if not piece:
-            continue
-        texts[choice] += piece
-        shown = withheld[choice].visible(texts[choice])
-        if len(shown) > len(sent[choice]) and shown.startswith(sent[choice]):
-            yield TextDelta(choice, shown[len(sent[choice]) :])
-            sent[choice] = shown
+    while not done.done() or handed:
+        await wake.wait()
+        wake.clear()
+        with lock:
+            taken, handed[:], waking[0] = handed[:], [], False
+        for choice, piece in taken:
+            texts[choice] += piece
+        for choice in sorted({c for c, _ in taken}):
+            shown = withheld[choice].visible(texts[choice])
+            if len(shown) > len(sent[choice]) and shown.startswith(sent[choice]):
+                yield TextDelta(choice, shown[len(sent[choice]) :])
+                sent[choice] = shown
     choices, outcomes = done.result()
     for i, outcome in enumerate(outcomes):
         content = outcome.content or ""

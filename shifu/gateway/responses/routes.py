@@ -70,7 +70,7 @@ def openapi() -> dict:
         "summary": "Sample a response (OpenAI's Responses API), recorded as a chat completion is.",
         "description": (
             "A refusal of a request this schema allows: code previous_response_not_found (the response is "
-            "not kept for this key), tool_choice_unavailable (a forced call with no tools, or naming another tool), "
+            "not kept for this key), tool_not_offered (a forced call with no tools, or naming another tool), "
             "context_length_exceeded, template_error or model_not_found."
         ),
         "security": [{"bearer": []}, {"apiKey": []}, {}],
