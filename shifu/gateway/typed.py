@@ -1,6 +1,6 @@
-"""Dialects declared as typed models (pydantic): each dialect's requests and answers are :class:`Strict` models,
-from which its validation (:func:`validated`) and its part of the OpenAPI document (:func:`components`) both
-come. A body reaches them already read by the strict JSON layer (:func:`shifu.http.requests.decode_body`:
+"""Dialects declared as typed models (pydantic): each dialect's requests, answers and stream events are
+:class:`Strict` models, from which its validation (:func:`validated`) and its part of the OpenAPI document
+(:func:`components`, :func:`event_stream`) both come. A body reaches them already read by the strict JSON layer (:func:`shifu.http.requests.decode_body`:
 duplicate keys, NaN, depth, size); a model then refuses any field it does not declare and any value of the
 wrong JSON type (strict mode: no string for a number, no number for a boolean), and the 400 names the field's
 path in the body (``messages[1].content[0].input``), as the chat dialect's hand-written checks do.
@@ -32,14 +32,6 @@ def _integral(value):
     return int(value) if type(value) is float and value.is_integer() else value
 
 
-def _false_only(value):
-    if value is not False:
-        raise ValueError(
-            f"streaming is not supported: leave stream out or send false, got {json_type(value)}"
-        )
-    return value
-
-
 Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # a token budget
 
 
@@ -54,7 +46,7 @@ def by_type(*members: type[Strict], default: str | None = None) -> Any:
 
     if len(members) == 1:
         return members[0]
-    tagged = [Annotated[m, Tag(m.model_fields["type"].annotation.__args__[0])] for m in members]
+    tagged = [Annotated[m, Tag(_tag(m))] for m in members]
     return Annotated[_union(tagged), Discriminator(tag)]
 
 
@@ -122,6 +114,7 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
 
 
 def _tag(member: type[BaseModel]) -> str | None:
+    """The ``type`` a member of a tagged union declares (its literal), if any."""
     field = member.model_fields.get("type")
     args = getattr(field.annotation, "__args__", ()) if field is not None else ()
     return args[0] if args and isinstance(args[0], str) else None
@@ -161,7 +154,7 @@ def validated(model: type[Strict], body):
 
 def components(*models: type[BaseModel]) -> dict:
     """The OpenAPI ``components.schemas`` of ``models`` and every model they hold, named by class."""
-    top, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     return defs.get("$defs", {})
 
 
@@ -173,7 +166,7 @@ def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
 
     union = TypeAdapter(by_type(*events)).json_schema(ref_template=REF)
     schemas = union.pop("$defs", {}) | {name: union | {"title": name}}
-    kinds = [e.model_fields["type"].annotation.__args__[0] for e in events]
+    kinds = [_tag(e) for e in events]
     data = {
         "type": "string",
         "contentMediaType": "application/json",

@@ -88,7 +88,10 @@ def openapi() -> dict:
         ),
         "content": error,
     }
-    answers = {str(s): refused for s in (400, 401, 404, 405, 408, 413, 415)}
+    answers = {str(s): refused for s in (400, 401, 404, 408, 413, 415)}
+    answers["405"] = {
+        "$ref": "#/components/responses/Refused"
+    }  # the router's, before this dialect is reached
     operation = {
         "operationId": "createMessage",
         "summary": "Sample a message (Anthropic's Messages API), recorded as a chat completion is.",
