@@ -149,6 +149,44 @@ def test_responses_refusals_name_the_field(served):
         )
 
 
+def test_fields_that_change_nothing_are_taken_and_change_nothing(served):
+    gw, _ = served
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TOKEN, max_retries=0)
+    kw = {"model": "policy", "input": "hello", "temperature": 0, "max_output_tokens": 6}
+    noops = {
+        "store": False,
+        "metadata": {"run": "7"},
+        "user": "u",
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "truncation": "disabled",
+        "text": {"format": {"type": "text"}},
+        "include": ["reasoning.encrypted_content"],
+        "parallel_tool_calls": True,
+    }
+    plain, dressed = client.responses.create(**kw), client.responses.create(**kw, **noops)
+    assert dressed.output_text == plain.output_text and dressed.usage == plain.usage
+    assert dressed.metadata == {"run": "7"} and dressed.store is False
+    claude = anthropic.Anthropic(base_url=gw.url, api_key=TOKEN, max_retries=0)
+    kw = {"model": "policy", "max_tokens": 6, "messages": [{"role": "user", "content": "hello"}]}
+    kw["extra_body"] = {"temperature": 0}
+    cached = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello", "cache_control": {"type": "ephemeral"}}],
+        }
+    ]
+    plain = claude.messages.create(**kw)
+    dressed = claude.messages.create(
+        **(kw | {"messages": cached}),
+        metadata={"user_id": "u"},
+        service_tier="auto",
+        cache_control={"type": "ephemeral"},
+    )
+    assert dressed.content == plain.content and dressed.usage.output_tokens == plain.usage.output_tokens
+
+
 # --------------------------------------------------------------------------------------- Messages
 def test_messages_answers_with_content_blocks_and_anthropic_errors(served):
     gw, tok = served

@@ -7,8 +7,9 @@ and ``function_call_output`` items), ``instructions``, function ``tools``, ``too
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` (both the trainer's when
 recording), ``previous_response_id``, ``stream`` (events: :mod:`shifu.gateway.responses.stream`). Read and
 changing nothing: ``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``truncation: "disabled"``, ``text`` in plain text format, ``include: []``. Anything
-else is refused with a 400 that names it.
+``safety_identifier``, ``truncation: "disabled"``, ``text`` in plain text format, ``include`` of
+``reasoning.encrypted_content`` (there are no reasoning items). Anything else is refused with a 400 that names
+it.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ class ResponsesRequest(Strict):
     safety_identifier: str | None = None
     truncation: Literal["disabled"] | None = None
     text: ResponsesText | None = None
-    include: Annotated[list[str], Field(max_length=0)] | None = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = (
+        None  # the policy writes no reasoning items
+    )
     stream: bool | None = None
 
 
