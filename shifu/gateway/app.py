@@ -1,4 +1,5 @@
-"""The gateway's Starlette app: the OpenAI-compatible routes, the recording routes, errors in OpenAI's shape.
+"""The gateway's Starlette app: the dialects' routes on one engine path, the recording routes, errors in OpenAI's
+shape (Anthropic's on its dialect's route).
 
     GET  /health               {"status": "ok", "model", "recording", "policy_version", "pending", ...}  (no token)
     GET  /openapi.json         the API (``openapi.json`` beside this module, the served model filled in)  (no token)
@@ -6,14 +7,20 @@
     GET  /v1/models/{id}       the served model (404 model_not_found for another id)
     POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`);
                                with stream: true, chunks over Server-Sent Events (:mod:`shifu.gateway.chat_stream`)
+    POST /v1/responses         OpenAI's Responses API (:mod:`shifu.gateway.responses`)
+    POST /v1/messages          Anthropic's Messages API (:mod:`shifu.gateway.messages`)
     POST /rl/start_session     recording only: a new session's key (the server's token, when it has one)
     POST /rl/set_reward        recording only: {"reward", "call"?} for the session of the key sent
     POST /rl/end_session       recording only: close the session of the key sent; its summary
 
-Every error is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape; ``param`` names the field
-to fix). Bodies are read by the shared stack (:mod:`shifu.http.requests`). Prompts are rendered and answers
-decoded on one tokenizer thread; sampling runs on one sampler thread (:class:`shifu.http.batching.BatchQueue`
-merging concurrent completions into one sampler call).
+Every dialect's request becomes a :class:`~shifu.gateway.protocol.ChatRequest` that the same handlers
+prepare (render, budget), sample or stream, answer and record (:meth:`_Routes.prepare`, ``sample`` / ``stream``,
+``finish``, ``record``), so the calls of any dialect join one session. The API key comes as ``Authorization:
+Bearer`` or ``x-api-key``. Every error is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape;
+``param`` names the field to fix), but on ``/v1/messages``. Bodies are read by the shared stack
+(:mod:`shifu.http.requests`). Prompts are rendered and answers decoded on one tokenizer thread; sampling runs on
+one sampler thread (:class:`shifu.http.batching.BatchQueue` merging concurrent completions into one sampler
+call).
 """
 
 from __future__ import annotations
