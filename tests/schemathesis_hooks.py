@@ -23,6 +23,8 @@ GATEWAY_CODES = {
     "model_not_found",
     "no_such_call",
     "tool_not_offered",
+    "constrained_decoding",
+    "invalid_json_schema",
 }
 # the reward service: cross-field rules its document states in words (ScoreRequest's description)
 REWARD_RULES = [
