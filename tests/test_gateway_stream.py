@@ -350,3 +350,44 @@ def test_a_client_that_goes_away_mid_stream_still_gets_its_call_recorded():
         assert httpx.get(gw.url + "/health").json()["pending"] == 0
     (traj,) = rec.trajectories
     assert rec.calls == 1 and traj.segments[0].reward == 1.0 and traj.segments[0].sampled_ids
+
+
+@pytest.mark.integration
+def test_concurrent_streams_share_sampler_calls_and_each_gets_its_own_rows(served):
+    gw, _, tok = served
+    questions = [[{"role": "user", "content": f"question {i}: what is {i} plus {i}?"}] for i in range(6)]
+
+    async def one(client, messages):
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            n=2,
+            stream=True,
+            max_tokens=12,
+            extra_body={"return_token_ids": True},
+            stop=["the"],
+        )
+        texts, ids, prompt = {0: "", 1: ""}, {}, None
+        async for chunk in stream:
+            prompt = prompt or chunk.model_extra.get("prompt_token_ids")
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+                if ch.finish_reason:
+                    ids[ch.index] = (ch.model_extra["token_ids"], ch.finish_reason)
+        return prompt, texts, ids
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=TOKEN)
+        return await asyncio.gather(*[one(client, q) for q in questions])
+
+    before = gw.engine.calls
+    results = asyncio.run(main())
+    assert gw.engine.calls - before < len(questions)  # streams merged into shared sampler calls
+    for k, (prompt, texts, ids) in enumerate(results):
+        asked = f"question {k}: what is {k} plus {k}?<|endoftext|>\n<|im_start|>assistant\n"
+        assert tok.decode(prompt).endswith(asked)  # each stream answers its own request
+        for i in (0, 1):  # each choice's streamed text is the text of its own sampled ids
+            sampled, finish = ids[i]
+            text_ids = sampled[:-1] if sampled[-1] == tok.eos_token_id else sampled
+            whole = tok.decode(text_ids, skip_special_tokens=True)
+            assert texts[i] == (whole[: whole.index("the")] if finish == "stop" and "the" in whole else whole)

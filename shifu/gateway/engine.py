@@ -30,6 +30,7 @@ on the event loop, :mod:`shifu.gateway.streaming`); what is sampled and returned
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -140,6 +141,9 @@ class Engine:
         seed: int = 0,
     ):
         self.tok = tokenizer
+        # the sampler thread's own copy (stop strings, streamed text, grammars): the gateway's tokenizing thread
+        # uses the original, and a fast tokenizer is not to be called from two threads at once
+        self.sampler_tok = copy.deepcopy(tokenizer)
         self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
@@ -181,7 +185,7 @@ class Engine:
         )
         gen = self.generator if first.seed is None else torch.Generator().manual_seed(first.seed)
         ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
-        stops = RowStops(self.tok, [j.budget for j in rows], [j.stops for j in rows], ends)
+        stops = RowStops(self.sampler_tok, [j.budget for j in rows], [j.stops for j in rows], ends)
         t0 = time.perf_counter()
         out = sample(
             model,
@@ -221,7 +225,7 @@ class Engine:
         if not listening and not matchers:
             return {}
         choice = {b: sum(1 for r in rows[:b] if r is j) for b, j in listening}  # row -> index among its job's
-        texts = {b: IncrementalText(self.tok) for b, _ in listening}
+        texts = {b: IncrementalText(self.sampler_tok) for b, _ in listening}
         live = set(matchers)
 
         def on_step(t: int, tokens: torch.Tensor, real: torch.Tensor) -> None:
@@ -262,7 +266,10 @@ class Engine:
 
         vocab = model.get_output_embeddings().weight.shape[0]
         if self._ll[0] != vocab:
-            self._ll = (vocab, llguidance.hf.from_tokenizer(self.tok, n_vocab=vocab, eos_token=self.end_ids))
+            self._ll = (
+                vocab,
+                llguidance.hf.from_tokenizer(self.sampler_tok, n_vocab=vocab, eos_token=self.end_ids),
+            )
         return self._ll[1]
 
     def _matcher(self, grammar: str, model):
