@@ -391,3 +391,49 @@ def test_concurrent_streams_share_sampler_calls_and_each_gets_its_own_rows(serve
             text_ids = sampled[:-1] if sampled[-1] == tok.eos_token_id else sampled
             whole = tok.decode(text_ids, skip_special_tokens=True)
             assert texts[i] == (whole[: whole.index("the")] if finish == "stop" and "the" in whole else whole)
+
+
+async def solve_streamed(client, row: dict) -> float:
+    """An OpenAI Agents SDK agent with a function tool, run with ``Runner.run_streamed``: 1.0 when it says 5."""
+    sdk = pytest.importorskip("agents")
+    from test_agents_sdk import RESULT, add
+
+    model = sdk.OpenAIChatCompletionsModel(model="policy", openai_client=client)
+    agent = sdk.Agent(name="adder", instructions="Add numbers with the add tool.", model=model, tools=[add])
+    result = sdk.Runner.run_streamed(agent, row["prompt"], max_turns=4)
+    async for _ in result.stream_events():
+        pass
+    return float(RESULT in str(result.final_output))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_streamed_agents_sdk_episodes_call_their_tool_and_are_recorded_joined():
+    pytest.importorskip("agents", reason="pip install 'shifu-rlhf[agents]' (openai-agents)")
+    from test_agent import batch_of
+    from test_agents_sdk import CALL, QUESTION, RESULT, calling_policy
+
+    from shifu.generation.rollout import SamplingParams
+    from shifu.rollout.agent import AgentEpisodes
+    from shifu.rollout.episodes import EpisodeLimits
+    from shifu.rollout.sources import Policy
+
+    def collect(model, n: int):
+        source = AgentEpisodes(
+            solve_streamed, "test_gateway_stream:solve_streamed", EpisodeLimits(4, 96, 512)
+        )
+        policy = Policy(model, tok, with_log_probs=True)
+        rows = batch_of([{"prompt": QUESTION} for _ in range(n)])
+        return source.collect(policy, rows, SamplingParams(96, 0.7), torch.Generator().manual_seed(0))
+
+    tok = chat_tokenizer()
+    first = collect(tiny_policy(tok, positions=1024), 1)  # the SDK's first prompt, as the gateway rendered it
+    model = calling_policy(tok, first.prompt_ids[0][first.prompt_mask[0].bool()].tolist())
+    t = collect(model, 4)
+    m = t.metrics
+    assert m["agent/errors"] == 0 and m["agent/forks"] == 0 and m["agent/calls"] == m["agent/turns"]
+    assert m["agent/tool_use"] >= 0.5  # the streamed call reached the SDK, which ran the tool
+    for i in range(len(t)):
+        if t.counts["tool_calls"][i]:  # the tool's result was read between the calls, never trained
+            read = t.ids[i][t.attention[i] & ~t.trainable[i]]
+            assert f"\n{RESULT}" in tok.decode(read) and CALL in tok.decode(t.ids[i][t.trainable[i]])
