@@ -24,6 +24,8 @@ GATEWAY_CODES = {
     "no_such_call",
     "previous_response_not_found",
     "tool_not_offered",
+    "constrained_decoding",
+    "invalid_json_schema",
 }
 # the gateway's Messages route (Anthropic's error shape has no code): the same refusals, by their message
 MESSAGES_RULES = [

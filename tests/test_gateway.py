@@ -491,7 +491,7 @@ def test_fields_that_change_nothing_are_accepted_and_those_that_would_are_refuse
         "min_p": 0.1,
         "repetition_penalty": 1.2,
         "reasoning_effort": "low",
-        "response_format": {"type": "json_object"},
+        "response_format": {"type": "grammar"},
         "modalities": ["text", "audio"],
     }
     for name, value in refused.items():

@@ -350,3 +350,90 @@ def test_a_client_that_goes_away_mid_stream_still_gets_its_call_recorded():
         assert httpx.get(gw.url + "/health").json()["pending"] == 0
     (traj,) = rec.trajectories
     assert rec.calls == 1 and traj.segments[0].reward == 1.0 and traj.segments[0].sampled_ids
+
+
+@pytest.mark.integration
+def test_concurrent_streams_share_sampler_calls_and_each_gets_its_own_rows(served):
+    gw, _, tok = served
+    questions = [[{"role": "user", "content": f"question {i}: what is {i} plus {i}?"}] for i in range(6)]
+
+    async def one(client, messages):
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            n=2,
+            stream=True,
+            max_tokens=12,
+            extra_body={"return_token_ids": True},
+            stop=["the"],
+        )
+        texts, ids, prompt = {0: "", 1: ""}, {}, None
+        async for chunk in stream:
+            prompt = prompt or chunk.model_extra.get("prompt_token_ids")
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+                if ch.finish_reason:
+                    ids[ch.index] = (ch.model_extra["token_ids"], ch.finish_reason)
+        return prompt, texts, ids
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=TOKEN)
+        return await asyncio.gather(*[one(client, q) for q in questions])
+
+    before = gw.engine.calls
+    results = asyncio.run(main())
+    assert gw.engine.calls - before < len(questions)  # streams merged into shared sampler calls
+    for k, (prompt, texts, ids) in enumerate(results):
+        asked = f"question {k}: what is {k} plus {k}?<|endoftext|>\n<|im_start|>assistant\n"
+        assert tok.decode(prompt).endswith(asked)  # each stream answers its own request
+        for i in (0, 1):  # each choice's streamed text is the text of its own sampled ids
+            sampled, finish = ids[i]
+            text_ids = sampled[:-1] if sampled[-1] == tok.eos_token_id else sampled
+            whole = tok.decode(text_ids, skip_special_tokens=True)
+            assert texts[i] == (whole[: whole.index("the")] if finish == "stop" and "the" in whole else whole)
+
+
+async def solve_streamed(client, row: dict) -> float:
+    """An OpenAI Agents SDK agent with a function tool, run with ``Runner.run_streamed``: 1.0 when it says 5."""
+    sdk = pytest.importorskip("agents")
+    from test_agents_sdk import RESULT, add
+
+    model = sdk.OpenAIChatCompletionsModel(model="policy", openai_client=client)
+    agent = sdk.Agent(name="adder", instructions="Add numbers with the add tool.", model=model, tools=[add])
+    result = sdk.Runner.run_streamed(agent, row["prompt"], max_turns=4)
+    async for _ in result.stream_events():
+        pass
+    return float(RESULT in str(result.final_output))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_streamed_agents_sdk_episodes_call_their_tool_and_are_recorded_joined():
+    pytest.importorskip("agents", reason="pip install 'shifu-rlhf[agents]' (openai-agents)")
+    from test_agent import batch_of
+    from test_agents_sdk import CALL, QUESTION, RESULT, calling_policy
+
+    from shifu.generation.rollout import SamplingParams
+    from shifu.rollout.agent import AgentEpisodes
+    from shifu.rollout.episodes import EpisodeLimits
+    from shifu.rollout.sources import Policy
+
+    def collect(model, n: int):
+        source = AgentEpisodes(
+            solve_streamed, "test_gateway_stream:solve_streamed", EpisodeLimits(4, 96, 512)
+        )
+        policy = Policy(model, tok, with_log_probs=True)
+        rows = batch_of([{"prompt": QUESTION} for _ in range(n)])
+        return source.collect(policy, rows, SamplingParams(96, 0.7), torch.Generator().manual_seed(0))
+
+    tok = chat_tokenizer()
+    first = collect(tiny_policy(tok, positions=1024), 1)  # the SDK's first prompt, as the gateway rendered it
+    model = calling_policy(tok, first.prompt_ids[0][first.prompt_mask[0].bool()].tolist())
+    t = collect(model, 4)
+    m = t.metrics
+    assert m["agent/errors"] == 0 and m["agent/forks"] == 0 and m["agent/calls"] == m["agent/turns"]
+    assert m["agent/tool_use"] >= 0.5  # the streamed call reached the SDK, which ran the tool
+    for i in range(len(t)):
+        if t.counts["tool_calls"][i]:  # the tool's result was read between the calls, never trained
+            read = t.ids[i][t.attention[i] & ~t.trainable[i]]
+            assert f"\n{RESULT}" in tok.decode(read) and CALL in tok.decode(t.ids[i][t.trainable[i]])

@@ -13,6 +13,13 @@ function's name) follows the generation prompt as prompt ids (:func:`forced_open
 a session records them among the read ids. The answer parses the opening and the completion together, and
 remembers both as the assistant message, so the next prompt still extends this one token for token.
 
+**JSON answers.** ``response_format`` ``json_object`` / ``json_schema`` constrain every choice to the
+schema's JSON (compact) with llguidance's grammar masks (:mod:`shifu.gateway.engine`); ``strict`` or not, the
+answer follows the schema whenever it ends within its budget. The log-probs are then those of the constrained
+distribution, which no trainer recomputes: a recording gateway refuses them (400 ``constrained_decoding``), and
+any gateway refuses them with a forced call or ``top_logprobs``; a schema llguidance cannot follow is a 400
+``invalid_json_schema``.
+
 **Answers.** ``message.content`` is the completion's text without special tokens, cut before the earliest
 stop string (OpenAI's rule); tool calls in the model's syntax become ``message.tool_calls`` with
 ``finish_reason: "tool_calls"`` (content: the text before the first call, or null). ``token_ids`` (with
@@ -35,6 +42,7 @@ from shifu.http.requests import RequestError
 from shifu.models.tool_calls import ToolFormat, call_opening, parse_tool_calls, render_messages
 
 MIN_TEMPERATURE = 1e-5  # below: greedy (logits / T would overflow float32), as vLLM does
+CONSTRAINED = "constrained_decoding"  # the code of a response_format this gateway cannot apply to the request
 MIN_TOP_P = 1e-6  # below: the same set (the most likely token alone), kept representable in float32
 
 
@@ -198,7 +206,57 @@ def make_job(
         greedy=greedy,
         seed=seed,
         top_logprobs=req.top_logprobs if req.logprobs else 0,
+        grammar=json_grammar(req, recording),
     )
+
+
+def json_grammar(req: ChatRequest, recording: bool) -> str | None:
+    """llguidance's grammar of the request's ``response_format`` JSON schema (None for text), compact JSON
+    (no free whitespace); a 400 where it cannot apply (module docstring)."""
+    if req.json_schema is None:
+        return None
+    if recording:
+        raise bad(
+            "response_format",
+            "a recording gateway takes only {'type': 'text'}: json_object / json_schema sample from the "
+            "grammar's masked distribution, whose log-probs the trainer's recomputation (the policy's own) "
+            "would not match; leave response_format out",
+            CONSTRAINED,
+        )
+    if req.forced:
+        raise bad(
+            "response_format",
+            "not with a forced tool call (tool_choice): a call is no JSON answer",
+            CONSTRAINED,
+        )
+    if req.logprobs and req.top_logprobs:
+        raise bad(
+            "top_logprobs",
+            "not with a json response_format: the alternatives would come from the unconstrained distribution",
+            CONSTRAINED,
+        )
+    try:
+        import llguidance
+    except ImportError:
+        raise bad(
+            "response_format",
+            "json answers need llguidance on the server: pip install 'shifu-rlhf[serve]'",
+            CONSTRAINED,
+        ) from None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            req.json_schema, defaults={"whitespace_flexible": False}
+        )
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # a schema llguidance's compiler rejects outright
+        error = f"{type(e).__name__}: {e}"
+    if error:
+        raise bad(
+            "response_format.json_schema.schema",
+            f"llguidance cannot follow it ({error})",
+            "invalid_json_schema",
+        )
+    return grammar
 
 
 def _finite(lp: float) -> float:

@@ -8,11 +8,12 @@ user / assistant / tool; content a string or text parts; assistant ``tool_calls`
 ``tools`` (functions), ``tool_choice`` (``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function",
 "function": {"name"}}``), ``parallel_tool_calls``, ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``, ``top_logprobs``, ``return_token_ids``,
-``stream``, ``stream_options`` (``include_usage``).
+``stream``, ``stream_options`` (``include_usage``), ``response_format`` (``text``, ``json_object`` or
+``json_schema``: :func:`shifu.gateway.completions.json_grammar`).
 
 Fields that change nothing sampled are read and accepted (:data:`NO_OP_FIELDS`: ``user``, ``store``,
 ``metadata``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``modalities: ["text"]``,
-``response_format: {"type": "text"}``, ``frequency_penalty`` / ``presence_penalty`` 0, ``logit_bias: {}``, and
+``frequency_penalty`` / ``presence_penalty`` 0, ``logit_bias: {}``, and
 vLLM's ``top_k`` 0 or -1, ``min_p`` 0, ``repetition_penalty`` 1); any other value of those that would change
 what is sampled is refused with a 400 that says so (shifu records the exact log-probs of what it sampled, and
 its sampler and the trainer's recomputation implement none of them), as is ``reasoning_effort``. In messages,
@@ -45,6 +46,7 @@ FIELDS = (
     "return_token_ids",
     "stream",
     "stream_options",
+    "response_format",
 )
 NO_OP_FIELDS = (
     "user",
@@ -54,7 +56,6 @@ NO_OP_FIELDS = (
     "prompt_cache_key",
     "safety_identifier",
     "modalities",
-    "response_format",
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
@@ -104,6 +105,7 @@ class ChatRequest:
     return_token_ids: bool = False
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    json_schema: dict | None = None  # response_format json_object / json_schema: what the answer must follow
 
     @property
     def forced(self) -> bool:
@@ -331,6 +333,35 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return bool(options.get("include_usage")) and stream
 
 
+def _response_format(value) -> dict | None:
+    """None for text, else the JSON schema every choice must follow (``json_object``: any object)."""
+    if value is None or value == {"type": "text"}:
+        return None
+    _typed(value, "response_format", (dict,), "an object")
+    kind = value.get("type")
+    if kind == "json_object" and set(value) == {"type"}:
+        return {"type": "object"}
+    if kind != "json_schema" or set(value) != {"type", "json_schema"}:
+        raise bad(
+            "response_format",
+            "expected {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}",
+            "unsupported_value",
+        )
+    spec = _typed(value["json_schema"], "response_format.json_schema", (dict,), "an object")
+    unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if unknown:
+        raise bad(f"response_format.json_schema.{unknown[0]}", "unknown field", "unknown_field")
+    _typed(spec.get("name"), "response_format.json_schema.name", (str,), "a string")
+    if spec.get("description") is not None:
+        _typed(spec["description"], "response_format.json_schema.description", (str,), "a string")
+    if spec.get("strict") is not None:
+        _typed(spec["strict"], "response_format.json_schema.strict", (bool,), "true, false or null")
+    schema = spec.get("schema")
+    if schema is None:
+        return {"type": "object"}
+    return _typed(schema, "response_format.json_schema.schema", (dict,), "a JSON Schema object")
+
+
 def _neutral(value, neutral: tuple) -> bool:
     return value is None or (type(value) in (int, float) and value in neutral)
 
@@ -354,15 +385,6 @@ def _sampling_changes(body: dict) -> None:
         raise bad(
             "reasoning_effort",
             f"not taken: a thinking switch would change the prompt and what is sampled, and {_EXACT}",
-            "unsupported_value",
-        )
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        raise bad(
-            "response_format",
-            f"only {{'type': 'text'}} is taken, not {kind!r}: constrained decoding changes what is sampled, "
-            f"and {_EXACT}",
             "unsupported_value",
         )
     if body.get("modalities") not in (None, ["text"]):
@@ -422,4 +444,5 @@ def parse_chat_request(body) -> ChatRequest:
         return_token_ids=_boolean(body, "return_token_ids", False),
         stream=stream,
         include_usage=_stream_options(body, stream),
+        json_schema=_response_format(body.get("response_format")),
     )

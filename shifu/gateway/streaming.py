@@ -24,8 +24,9 @@ list[Outcome]`` that does what the plain answer does with the sampled
 
 Text is handed from the sampler thread to the event loop with one wake-up for whatever piled up meanwhile:
 each step's text goes out as soon as the loop runs, and a loop that falls behind sends what came since in one
-delta instead of falling further behind. ``resolve`` runs to its end even when the client goes away mid-stream (the call is recorded as a plain one
-is); an exception it or the sampler raises comes out of the iteration after the deltas already sent.
+delta instead of falling further behind. ``resolve`` runs to its end even when the client goes away
+mid-stream (the call is recorded as a plain one is); an exception it or the sampler raises comes out of the
+iteration after the deltas already sent.
 """
 
 from __future__ import annotations
