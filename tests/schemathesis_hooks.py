@@ -17,7 +17,23 @@ import urllib.request
 import schemathesis
 
 # the gateway: refusals of schema-valid requests its document lists, by error code
-GATEWAY_CODES = {"context_length_exceeded", "template_error", "model_not_found", "no_such_call"}
+GATEWAY_CODES = {
+    "context_length_exceeded",
+    "template_error",
+    "model_not_found",
+    "no_such_call",
+    "previous_response_not_found",
+    "tool_not_offered",
+    "constrained_decoding",
+    "invalid_json_schema",
+}
+# the gateway's Messages route (Anthropic's error shape has no code): the same refusals, by their message
+MESSAGES_RULES = [
+    r"^messages: the prompt has \d+ tokens, which leaves no room",
+    r"^messages: (the chat template refused them|they render to no tokens)",
+    r"^model: .* is not served here",
+    r"^tool_choice: (a forced call needs tools|names the tool)",
+]
 # the reward service: cross-field rules its document states in words (ScoreRequest's description)
 REWARD_RULES = [
     r"^attention_mask: shape \(\d+, \d+\) differs from input_ids",
@@ -36,8 +52,12 @@ def documented_refusal(ctx, response, case):
         return None
     if not 400 <= response.status_code < 500:
         return None
-    error = json.loads(response.content)["error"]
-    if "code" in error:
+    body = json.loads(response.content)
+    error = body["error"]
+    if body.get("type") == "error":  # Anthropic's shape
+        if any(re.match(rule, error["message"]) for rule in MESSAGES_RULES):
+            return None
+    elif "code" in error:
         if error["code"] in GATEWAY_CODES:
             return None
     elif any(re.match(rule, error["message"]) for rule in REWARD_RULES):

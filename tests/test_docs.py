@@ -195,7 +195,7 @@ SESSION_TERM = (
     "docs/how-to/policy-endpoint.md",
     "docs/how-to/agents.md",
     "tests/test_agent",  # test_agent.py, test_agents_sdk.py
-    "tests/test_gateway.py",
+    "tests/test_gateway",  # test_gateway.py, test_gateway_stream.py, test_gateway_forced.py, test_gateway_dialects.py
     "tests/test_http_fuzz.py",
     "tests/schemathesis_hooks.py",
 )

@@ -189,11 +189,18 @@ def test_refusals_name_the_field(served):
         client.chat.completions.create(
             model="policy", messages=QUESTION, extra_body={"frequency_penalty": 0.5}
         )
-    assert error_of(e.value)["param"] == "frequency_penalty" and error_of(e.value)["code"] == "unknown_field"
-    assert "frequency_penalty" in e.value.message
+    assert (
+        error_of(e.value)["param"] == "frequency_penalty" and error_of(e.value)["code"] == "unsupported_value"
+    )
+    assert "frequency_penalty" in e.value.message and "log-probs" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="policy", messages=QUESTION, tool_choice="required", tools=TOOLS)
-    assert error_of(e.value)["param"] == "tool_choice"
+        client.chat.completions.create(
+            model="policy",
+            messages=QUESTION,
+            tool_choice={"type": "function", "function": {"name": "search"}},
+            tools=TOOLS,
+        )
+    assert error_of(e.value)["param"] == "tool_choice" and "calculator" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": 5}])
     assert error_of(e.value)["param"] == "messages[0].content"
@@ -430,3 +437,69 @@ def test_an_outside_harness_drives_sessions_over_http():
     with Gateway(model, tok, sampling=Sampling(max_tokens=4)) as plain:  # no recording: no /rl routes
         status, err = post(plain.url, "/rl/start_session", {}, "x")
         assert status == 404 and err["error"]["param"] == "path"
+
+
+def test_fields_that_change_nothing_are_accepted_and_those_that_would_are_refused_by_name(served):
+    gw, _, _ = served
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TOKEN, max_retries=0)
+    assert client.models.retrieve("policy").id == "policy"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert error_of(e.value)["code"] == "model_not_found"
+    history = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "add", "cache_control": {"type": "ephemeral"}}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": None,
+            "audio": None,
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "5", "name": "calculator"},
+    ]
+    no_ops = {
+        "store": False,
+        "metadata": {"run": "a"},
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "modalities": ["text"],
+        "response_format": {"type": "text"},
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "user": "u",
+        "stream_options": {"include_usage": True},  # (without stream: nothing to stream)
+    }
+    plain = client.chat.completions.create(model="policy", messages=history, seed=4)
+    with_all = client.chat.completions.create(model="policy", messages=history, seed=4, **no_ops)
+    assert with_all.choices[0].message == plain.choices[0].message  # the same sampling
+    refused = {
+        "presence_penalty": 0.3,
+        "logit_bias": {"5": 10},
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "reasoning_effort": "low",
+        "response_format": {"type": "grammar"},
+        "modalities": ["text", "audio"],
+    }
+    for name, value in refused.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="policy", messages=QUESTION, extra_body={name: value})
+        assert error_of(e.value)["param"] == name and error_of(e.value)["code"] == "unsupported_value"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="policy", messages=QUESTION, extra_body={"verbosity": "low"})
+    err = error_of(e.value)
+    assert err["param"] == "verbosity" and err["code"] == "unknown_field"
+    assert "stream_options" in err["message"] and "store" in err["message"]

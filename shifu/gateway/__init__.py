@@ -1,5 +1,6 @@
-"""The policy gateway: an OpenAI-compatible chat completions endpoint on shifu's own sampler, and the sessions
-that record every completion it sampled (prompt ids, sampled ids, log-probs, policy version) for training.
+"""The policy gateway: OpenAI chat completions, OpenAI Responses (:mod:`shifu.gateway.responses`) and Anthropic
+Messages (:mod:`shifu.gateway.messages`) on shifu's own sampler, and the sessions that record every completion
+it sampled (prompt ids, sampled ids, log-probs, policy version) for training, whichever dialect asked.
 
 The Python API of a trainer: :class:`Gateway` (``start``, ``base_url``, ``start_session``, ``set_reward``,
 ``end_session``, ``set_policy``, ``set_sampling``, ``close``) and what a session records,

@@ -1,33 +1,56 @@
-"""The gateway's Starlette app: the OpenAI-compatible routes, the recording routes, errors in OpenAI's shape.
+"""The gateway's Starlette app: the dialects' routes on one engine path, the recording routes, errors in OpenAI's
+shape (Anthropic's on its dialect's route).
 
     GET  /health               {"status": "ok", "model", "recording", "policy_version", "pending", ...}  (no token)
     GET  /openapi.json         the API (``openapi.json`` beside this module, the served model filled in)  (no token)
     GET  /v1/models            the one served model
-    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`)
+    GET  /v1/models/{id}       the served model (404 model_not_found for another id)
+    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`);
+                               with stream: true, chunks over Server-Sent Events (:mod:`shifu.gateway.chat_stream`)
+    POST /v1/responses         OpenAI's Responses API (:mod:`shifu.gateway.responses`)
+    POST /v1/messages          Anthropic's Messages API (:mod:`shifu.gateway.messages`)
     POST /rl/start_session     recording only: a new session's key (the server's token, when it has one)
     POST /rl/set_reward        recording only: {"reward", "call"?} for the session of the key sent
     POST /rl/end_session       recording only: close the session of the key sent; its summary
 
-Every error is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape; ``param`` names the field
-to fix). Bodies are read by the shared stack (:mod:`shifu.http.requests`). Prompts are rendered and answers
-decoded on one tokenizer thread; sampling runs on one sampler thread (:class:`shifu.http.batching.BatchQueue`
-merging concurrent completions into one sampler call).
+Every dialect's request becomes a :class:`~shifu.gateway.protocol.ChatRequest` that the same handlers
+prepare (render, budget), sample or stream, answer and record (:meth:`_Routes.prepare`, ``sample`` / ``stream``,
+``finish``, ``record``), so the calls of any dialect join one session. The API key comes as ``Authorization:
+Bearer`` or ``x-api-key``. Every error is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape;
+``param`` names the field to fix), but on ``/v1/messages``. Bodies are read by the shared stack
+(:mod:`shifu.http.requests`). Prompts are rendered and answers decoded on one tokenizer thread; sampling runs on
+one sampler thread (:class:`shifu.http.batching.BatchQueue` merging concurrent completions into one sampler
+call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from shifu.gateway.completions import answer, check_model, make_job, prompt_ids
-from shifu.gateway.protocol import bad, parse_chat_request
+import shifu.gateway.messages as messages
+import shifu.gateway.responses as responses
+from shifu.gateway.chat_stream import SSE_HEADERS, chat_chunks, outcomes, withheld
+from shifu.gateway.completions import (
+    Completed,
+    Prepared,
+    answer,
+    check_model,
+    make_job,
+    new_completion_id,
+    offered_tools,
+    prompt_ids,
+)
+from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
 from shifu.gateway.sessions import Call, UnknownSession
+from shifu.gateway.streaming import stream_events
 from shifu.http.batching import BatchQueue
-from shifu.http.requests import RequestError, check_bearer, check_content_headers, decode_body, read_body
+from shifu.http.requests import RequestError, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
 
 OPENAPI_FILE = Path(__file__).with_name("openapi.json")
@@ -49,8 +72,14 @@ def openapi_document(gateway=None) -> dict:
 
     doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
     doc["info"]["x-shifu-version"] = __version__
+    schemas = doc["components"]["schemas"]
+    for dialect in (responses, messages):  # the typed dialects: their paths and schemas from their models
+        part = dialect.openapi()
+        doc["paths"] |= part["paths"]
+        schemas |= part["schemas"]
     if gateway is not None:
-        doc["components"]["schemas"]["ChatRequest"]["properties"]["model"]["enum"] = [gateway.name]
+        for request in ("ChatRequest", "ResponsesRequest", "MessagesRequest"):
+            schemas[request]["properties"]["model"]["enum"] = [gateway.name]
         if not gateway.recording:  # the /rl routes exist on a recording gateway only
             doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/rl/")}
         doc["info"]["x-shifu-served"] = {
@@ -64,8 +93,27 @@ def openapi_document(gateway=None) -> dict:
 
 
 def _bearer(request) -> str | None:
+    """The API key sent: ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key`` (Anthropic's)."""
     scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer":
+        return value.strip()
+    return request.headers.get("x-api-key")
+
+
+def _check_token(request, token: str | None) -> None:
+    """401 unless the API key sent (:func:`_bearer`) is the server's token (no check without one)."""
+    if token is None:
+        return
+    key = _bearer(request)
+    if key is None or not hmac.compare_digest(key.encode(), token.encode()):
+        raise RequestError(
+            401,
+            "Authorization",
+            f"Authorization: API key {'missing' if key is None else 'wrong'}: send the server's token as "
+            "'Authorization: Bearer <token>' or 'x-api-key: <token>'",
+            {"WWW-Authenticate": "Bearer"},
+            "invalid_api_key",
+        )
 
 
 def _no_session(request) -> RequestError:
@@ -73,7 +121,7 @@ def _no_session(request) -> RequestError:
         401,
         "Authorization",
         "Authorization: this gateway records sessions for training: send 'Authorization: Bearer <session key>' "
-        "with the key of an open session (POST /rl/start_session)",
+        "(or 'x-api-key: <session key>') with the key of an open session (POST /rl/start_session)",
         {"WWW-Authenticate": "Bearer"},
         "invalid_api_key",
     )
@@ -113,7 +161,7 @@ class _Routes:
         """The session key of a completion (recording), else None after the server's token check."""
         if self.gw.recording:
             return self.session_key(request)
-        check_bearer(request.headers.get("authorization"), self.gw.token)
+        _check_token(request, self.gw.token)
         return None
 
     async def body_of(self, request, allow_empty: bool = False):
@@ -143,32 +191,99 @@ class _Routes:
     async def openapi(self, request):
         return _json(self.document)
 
-    async def models(self, request):
+    def model_entry(self, request) -> dict:
         gw = self.gw
         if not (gw.recording and gw.sessions.is_open(_bearer(request))):
-            check_bearer(request.headers.get("authorization"), gw.token)
+            _check_token(request, gw.token)
         entry = {"id": gw.name, "object": "model", "created": self.started, "owned_by": "shifu"}
-        return _json({"object": "list", "data": [entry | {"max_model_len": gw.engine.positions}]})
+        return entry | {"max_model_len": gw.engine.positions}
 
-    async def chat(self, request):
+    async def models(self, request):
+        return _json({"object": "list", "data": [self.model_entry(request)]})
+
+    async def model(self, request):
+        entry, asked = self.model_entry(request), request.path_params["model"]
+        if asked != self.gw.name:
+            raise RequestError(
+                404,
+                "model",
+                f"model: {asked!r} is not served here; this gateway serves {self.gw.name!r} (GET /v1/models)",
+                code="model_not_found",
+            )
+        return _json(entry)
+
+    async def prepare(self, key: str | None, req: ChatRequest) -> Prepared:
+        """The engine's job of a request, whichever dialect asked: ``req`` rendered (the session's memory of
+        what it sampled spliced in) and budgeted."""
         gw = self.gw
-        key = self.caller(request)
-        req = parse_chat_request(await self.body_of(request))
         check_model(req, gw.name)
         memory = gw.memory_of(key)
         ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
         job = make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording)
-        choices = await self.state["queue"].submit(job)
+        return Prepared(key, req, ids, job, memory)
+
+    async def finish(self, prep: Prepared, choices, completion_id: str | None = None) -> Completed:
+        """The chat answer of sampled ``choices`` (remembered); :meth:`record` keeps it in the session."""
+        gw = self.gw
         body, segments = await self.on_encoder(
-            answer, gw.tok, req, gw.format, ids, job, choices, memory, gw.name, gw.recording
+            answer,
+            gw.tok,
+            prep.req,
+            gw.format,
+            prep.ids,
+            prep.job,
+            choices,
+            prep.memory,
+            gw.name,
+            gw.recording,
+            completion_id,
         )
-        if key is not None:
+        return Completed(prep.key, prep.ids, body, choices, segments)
+
+    async def sample(self, prep: Prepared) -> list:
+        """The sampled choices of a prepared request (merged with others into one sampler call)."""
+        return await self.state["queue"].submit(prep.job)
+
+    def stream(self, prep: Prepared, resolve):
+        """The events of a streamed completion (:func:`shifu.gateway.streaming.stream_events`); ``resolve``
+        (the dialect's) turns the sampled choices into its answer, records it and returns their outcomes."""
+        holds = withheld(prep.req, self.gw.format, bool(offered_tools(prep.req)))
+        return stream_events(self.state["queue"], prep.job, holds, resolve)
+
+    def record(self, done: Completed, call_id: str) -> None:
+        """Record a completion into its session as the call ``call_id`` (the id its dialect answered with)."""
+        if done.key is not None:
             with contextlib.suppress(UnknownSession):  # ended while sampling: nothing to record into
-                gw.sessions.record(key, Call(body["id"], ids, segments))
-        return _json(body)
+                self.gw.sessions.record(done.key, Call(call_id, done.prompt_ids, done.segments))
+
+    async def chat(self, request):
+        key = self.caller(request)
+        prep = await self.prepare(key, parse_chat_request(await self.body_of(request)))
+        if prep.req.stream:
+            return self.stream_chat(prep)
+        done = await self.finish(prep, await self.sample(prep))
+        self.record(done, done.body["id"])
+        return _json(done.body)
+
+    def stream_chat(self, prep: Prepared):
+        """``stream: true``: the same job and answer, sent as chunks while it is sampled (chat_stream)."""
+        from starlette.responses import StreamingResponse
+
+        completion_id, answered = new_completion_id(), {}
+
+        async def resolve(choices):
+            done = await self.finish(prep, choices, completion_id)
+            self.record(done, completion_id)
+            answered["body"] = done.body
+            return outcomes(done.body)
+
+        chunks = chat_chunks(
+            self.stream(prep, resolve), prep.req, completion_id, self.gw.name, answered, prep.ids
+        )
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def start_session(self, request):
-        check_bearer(request.headers.get("authorization"), self.gw.token)
+        _check_token(request, self.gw.token)
         body = await self.body_of(request, allow_empty=True)
         if not isinstance(body, dict) or set(body) - {"row_id"}:
             raise bad("body", "expected an object with at most the field row_id", "unknown_field")
@@ -223,7 +338,10 @@ def create_app(gw):
         Route("/health", r.health, methods=["GET"]),
         Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.model, methods=["GET"]),
         Route("/v1/chat/completions", r.chat, methods=["POST"]),
+        *responses.routes(r),
+        *messages.routes(r),
     ]
     if gw.recording:
         routes += [

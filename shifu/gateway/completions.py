@@ -8,6 +8,18 @@ natively where the template renders them, else in a Hermes system message
 policy sampled, as the ids it sampled (:class:`shifu.gateway.sessions.CompletionMemory`), so that the next
 prompt extends the previous one token for token wherever the template renders earlier turns unchanged.
 
+**Forced calls.** With ``tool_choice`` ``"required"`` or a named function, the call's opening (and the
+function's name) follows the generation prompt as prompt ids (:func:`forced_opening`): read, never sampled, so
+a session records them among the read ids. The answer parses the opening and the completion together, and
+remembers both as the assistant message, so the next prompt still extends this one token for token.
+
+**JSON answers.** ``response_format`` ``json_object`` / ``json_schema`` constrain every choice to the
+schema's JSON (compact) with llguidance's grammar masks (:mod:`shifu.gateway.engine`); ``strict`` or not, the
+answer follows the schema whenever it ends within its budget. The log-probs are then those of the constrained
+distribution, which no trainer recomputes: a recording gateway refuses them (400 ``constrained_decoding``), and
+any gateway refuses them with a forced call or ``top_logprobs``; a schema llguidance cannot follow is a 400
+``invalid_json_schema``.
+
 **Answers.** ``message.content`` is the completion's text without special tokens, cut before the earliest
 stop string (OpenAI's rule); tool calls in the model's syntax become ``message.tool_calls`` with
 ``finish_reason: "tool_calls"`` (content: the text before the first call, or null). ``token_ids`` (with
@@ -23,13 +35,14 @@ import time
 from dataclasses import dataclass
 
 from shifu.gateway.engine import Choice, Job
-from shifu.gateway.protocol import ChatRequest, bad
+from shifu.gateway.protocol import NOT_OFFERED, ChatRequest, bad
 from shifu.gateway.sessions import CompletionMemory, Segment
 from shifu.generation.stops import cut_at_stop
 from shifu.http.requests import RequestError
-from shifu.models.tool_calls import ToolFormat, parse_tool_calls, render_messages
+from shifu.models.tool_calls import ToolFormat, call_opening, parse_tool_calls, render_messages
 
 MIN_TEMPERATURE = 1e-5  # below: greedy (logits / T would overflow float32), as vLLM does
+CONSTRAINED = "constrained_decoding"  # the code of a response_format this gateway cannot apply to the request
 MIN_TOP_P = 1e-6  # below: the same set (the most likely token alone), kept representable in float32
 
 
@@ -44,6 +57,55 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     max_tokens: int = 256
+
+
+@dataclass
+class Prepared:
+    """One request ready for the sampler, for any dialect: the session ``key`` (None: not recording), the
+    engine's ``req``, its prompt ``ids``, the sampler ``job`` and the ``memory`` its answer is remembered in."""
+
+    key: str | None
+    req: ChatRequest
+    ids: list[int]
+    job: Job
+    memory: CompletionMemory
+
+
+@dataclass
+class Completed:
+    """One completion as the engine answered it, for any dialect: the session ``key`` (None: not recording),
+    the ``prompt_ids`` rendered, the chat completion ``body`` (:func:`answer`), the sampler's ``choices`` and
+    the ``segments`` a recording session keeps."""
+
+    key: str | None
+    prompt_ids: list[int]
+    body: dict
+    choices: list[Choice]
+    segments: list[Segment]
+
+
+def forced_choice(
+    choice: str, name: str | None, tools: list[dict] | None, path: str
+) -> tuple[str, str | None]:
+    """``(tool_choice, forced name)`` of a :class:`ChatRequest` for a dialect's tool choice: ``choice``
+    ``"auto"``, ``"none"``, ``"required"`` (a call of any tool) or ``"function"`` (the tool ``name``). Forcing
+    needs tools, and a named tool among them: a 400 at ``path`` (code ``tool_not_offered``, as in the chat dialect) says so."""
+    offered = [t["function"]["name"] for t in tools or []]
+    if choice in ("required", "function") and not offered:
+        raise RequestError(
+            400,
+            path,
+            f"{path}: a forced call needs tools to call; send tools, or leave the tool choice out",
+            code=NOT_OFFERED,
+        )
+    if choice == "function" and name not in offered:
+        raise RequestError(
+            400,
+            path,
+            f"{path}: names the tool {name!r}, which is not among the tools ({', '.join(offered)})",
+            code=NOT_OFFERED,
+        )
+    return choice, name if choice == "function" else None
 
 
 def offered_tools(req: ChatRequest) -> list[dict] | None:
@@ -71,7 +133,17 @@ def prompt_ids(tokenizer, req: ChatRequest, fmt: ToolFormat, memory: CompletionM
     ids = _spliced(tokenizer, text, nonce, sampled)
     if not ids:
         raise bad("messages", "they render to no tokens", "template_error")
-    return ids
+    return ids + forced_opening(tokenizer, req, fmt)[1]
+
+
+def forced_opening(tokenizer, req: ChatRequest, fmt: ToolFormat) -> tuple[str, list[int]]:
+    """A forced call's opening (``tool_choice`` ``"required"`` or a named function;
+    :func:`shifu.models.tool_calls.call_opening`) as text and ids, tokenised on its own after the generation
+    prompt: read tokens of the prompt, never sampled. ``("", [])`` when no call is forced."""
+    if not req.forced:
+        return "", []
+    text = call_opening(tokenizer, fmt, req.forced_name)
+    return text, _encode(tokenizer, text)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -134,7 +206,57 @@ def make_job(
         greedy=greedy,
         seed=seed,
         top_logprobs=req.top_logprobs if req.logprobs else 0,
+        grammar=json_grammar(req, recording),
     )
+
+
+def json_grammar(req: ChatRequest, recording: bool) -> str | None:
+    """llguidance's grammar of the request's ``response_format`` JSON schema (None for text), compact JSON
+    (no free whitespace); a 400 where it cannot apply (module docstring)."""
+    if req.json_schema is None:
+        return None
+    if recording:
+        raise bad(
+            "response_format",
+            "a recording gateway takes only {'type': 'text'}: json_object / json_schema sample from the "
+            "grammar's masked distribution, whose log-probs the trainer's recomputation (the policy's own) "
+            "would not match; leave response_format out",
+            CONSTRAINED,
+        )
+    if req.forced:
+        raise bad(
+            "response_format",
+            "not with a forced tool call (tool_choice): a call is no JSON answer",
+            CONSTRAINED,
+        )
+    if req.logprobs and req.top_logprobs:
+        raise bad(
+            "top_logprobs",
+            "not with a json response_format: the alternatives would come from the unconstrained distribution",
+            CONSTRAINED,
+        )
+    try:
+        import llguidance
+    except ImportError:
+        raise bad(
+            "response_format",
+            "json answers need llguidance on the server: pip install 'shifu-rlhf[serve]'",
+            CONSTRAINED,
+        ) from None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            req.json_schema, defaults={"whitespace_flexible": False}
+        )
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # a schema llguidance's compiler rejects outright
+        error = f"{type(e).__name__}: {e}"
+    if error:
+        raise bad(
+            "response_format.json_schema.schema",
+            f"llguidance cannot follow it ({error})",
+            "invalid_json_schema",
+        )
+    return grammar
 
 
 def _finite(lp: float) -> float:
@@ -165,15 +287,16 @@ def _logprobs(tokenizer, choice: Choice, top: int) -> dict:
 def _message(tokenizer, req: ChatRequest, fmt: ToolFormat, choice: Choice, memory: CompletionMemory):
     """``(message, finish_reason)`` of one choice; remembers its raw text (module docstring)."""
     text_ids = choice.ids[:-1] if choice.ended == "eos" else choice.ids
-    raw = tokenizer.decode(text_ids, skip_special_tokens=False)
-    text = tokenizer.decode(text_ids, skip_special_tokens=True)
+    opening, opening_ids = forced_opening(tokenizer, req, fmt)  # a forced call: its prompt's end and the rest
+    raw = opening + tokenizer.decode(text_ids, skip_special_tokens=False)
+    text = opening + tokenizer.decode(text_ids, skip_special_tokens=True)
     content, calls = (text, [])
     if offered_tools(req):
         content, calls = parse_tool_calls(text, fmt.syntax)
         calls = calls if req.parallel_tool_calls else calls[:1]
     if not calls:
         content = cut_at_stop(text, req.stop) if choice.ended == "stop" else text
-    memory.remember(content, calls, raw, text_ids)
+    memory.remember(content, calls, raw, opening_ids + text_ids)
     message = {"role": "assistant", "content": content, "refusal": None}
     if calls:
         message["tool_calls"] = calls
@@ -191,8 +314,10 @@ def answer(
     memory: CompletionMemory,
     served_name: str,
     recording: bool,
+    completion_id: str | None = None,
 ) -> tuple[dict, list[Segment]]:
-    """The response body of a completion and one :class:`Segment` per choice (for a recording session)."""
+    """The response body of a completion and one :class:`Segment` per choice (for a recording session);
+    ``completion_id``: the answer's id when a stream has sent it already (else a new one)."""
     out, segments = [], []
     for i, choice in enumerate(choices):
         message, finish = _message(tokenizer, req, fmt, choice, memory)
@@ -207,7 +332,7 @@ def answer(
         )
     sampled = sum(len(c.ids) for c in choices)
     body = {
-        "id": "chatcmpl-" + secrets.token_hex(12),
+        "id": completion_id or new_completion_id(),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": served_name,
@@ -229,6 +354,10 @@ def answer(
     if req.return_token_ids:
         body["prompt_token_ids"] = ids
     return body, segments
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
 
 
 def check_model(req: ChatRequest, served_name: str) -> None:

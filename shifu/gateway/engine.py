@@ -14,12 +14,26 @@ Each choice comes back with its sampled ids (the ending EOS or end-of-turn id in
 their float32 log-probs under ``logits / T`` at the sampling temperature (T = 1 when greedy), read off the
 decode steps: the values :func:`shifu.generation.rollout.policy_forward` recomputes at the same T up to
 float rounding. ``top_logprobs`` come from one scoring forward of the finished row.
+
+**Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
+each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
+grammar does not allow get logit -1e30 (:func:`shifu.generation.rollout.sample`'s ``constrain``), so the row
+samples, and reads its log-probs from, the constrained distribution; once the grammar is complete only an
+end-of-turn id is allowed. Such log-probs are not those :func:`~shifu.generation.rollout.policy_forward`
+recomputes: a recording gateway refuses grammars (:mod:`shifu.gateway.completions`).
+
+**Streaming.** A job with ``on_text`` is told each of its choices' ids as they are sampled, on the sampler
+thread, with the text each one adds (:class:`IncrementalText`): ``on_text(choice, id, text)`` once per step
+and choice until the choice's ending id (included). It must only hand them over (the chat dialect puts them
+on the event loop, :mod:`shifu.gateway.streaming`); what is sampled and returned does not change.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +57,8 @@ class Job:
     greedy: bool = False
     seed: int | None = None
     top_logprobs: int = 0
+    on_text: Callable[[int, int, str], None] | None = None  # streaming: (choice, id, new text) per step
+    grammar: str | None = None  # llguidance's grammar every choice's ids must follow (response_format)
 
     @property
     def setting(self) -> tuple:
@@ -63,6 +79,31 @@ class Choice:
     top: list[list[tuple[int, float]]] | None
     version: int
     entropy: list[float] | None = None
+
+
+class IncrementalText:
+    """The text of a growing list of ids a piece at a time: :meth:`add` returns the text the new id adds
+    ("" while it ends inside a multi-byte character, or adds none). The piece is the difference between
+    decoding the ids from a few before the newest with and without it, not the newest alone: a tokenizer may
+    write a token differently at the start of a text (SentencePiece drops a word's leading space), so the
+    pieces join into the text of all the ids. Special tokens are left out, as in an answer's content."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.start = self.read = 0  # decode from ``start``; ``read``: the ids whose text is out already
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._text(self.ids[self.start : self.read])
+        after = self._text(self.ids[self.start :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        return after[len(before) :]
 
 
 def end_ids(model, tokenizer) -> list[int]:
@@ -100,11 +141,15 @@ class Engine:
         seed: int = 0,
     ):
         self.tok = tokenizer
+        # the sampler thread's own copy (stop strings, streamed text, grammars): the gateway's tokenizing thread
+        # uses the original, and a fast tokenizer is not to be called from two threads at once
+        self.sampler_tok = copy.deepcopy(tokenizer)
         self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
         self.calls = 0  # sampler calls run
         self.last_seconds = 0.0  # how long the last sampler call took
+        self._ll = (None, None)  # (vocabulary size, llguidance tokenizer): grammars (_lltok)
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -140,7 +185,7 @@ class Engine:
         )
         gen = self.generator if first.seed is None else torch.Generator().manual_seed(first.seed)
         ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
-        stops = RowStops(self.tok, [j.budget for j in rows], [j.stops for j in rows], ends)
+        stops = RowStops(self.sampler_tok, [j.budget for j in rows], [j.stops for j in rows], ends)
         t0 = time.perf_counter()
         out = sample(
             model,
@@ -152,6 +197,7 @@ class Engine:
             generator=gen,
             with_log_probs=True,
             stop=stops,
+            **self._hooks(rows, model),
         )
         self.calls += 1
         self.last_seconds = time.perf_counter() - t0
@@ -169,6 +215,67 @@ class Engine:
             grouped.append(choices[at : at + j.n])
             at += j.n
         return grouped
+
+    def _hooks(self, rows: list[Job], model) -> dict:
+        """The sampler's ``on_step`` (each streaming job told its choices' new ids and text, each grammar's
+        matcher its row's id) and ``constrain`` (the grammars' masks), for the rows that need them (module
+        docstring)."""
+        listening = [(b, j) for b, j in enumerate(rows) if j.on_text is not None]
+        matchers = {b: self._matcher(j.grammar, model) for b, j in enumerate(rows) if j.grammar is not None}
+        if not listening and not matchers:
+            return {}
+        choice = {b: sum(1 for r in rows[:b] if r is j) for b, j in listening}  # row -> index among its job's
+        texts = {b: IncrementalText(self.sampler_tok) for b, _ in listening}
+        live = set(matchers)
+
+        def on_step(t: int, tokens: torch.Tensor, real: torch.Tensor) -> None:
+            tokens, real = tokens.tolist(), real.tolist()
+            for b, matcher in matchers.items():
+                if b in live and real[b]:
+                    matcher.consume_token(tokens[b])
+                elif b in live:
+                    live.discard(b)  # ended: nothing more to constrain
+            for b, job in listening:
+                if real[b]:
+                    job.on_text(choice[b], tokens[b], texts[b].add(tokens[b]))
+
+        if not matchers:
+            return {"on_step": on_step}
+        return {"on_step": on_step, "constrain": self._constrainer(matchers, live)}
+
+    def _constrainer(self, matchers: dict, live: set) -> Callable:
+        """The sampler's ``constrain``: each live row's grammar mask on its logits (module docstring)."""
+        bit = torch.arange(32, dtype=torch.int32)
+
+        def constrain(t: int, logits: torch.Tensor) -> None:
+            for b in sorted(live):
+                if matchers[b].is_error():
+                    raise RuntimeError(f"the grammar's matcher failed: {matchers[b].get_error()}")
+                # llguidance's bitmask: bit i % 32 of 32-bit word i // 32 is set when token i is allowed
+                words = torch.frombuffer(bytearray(matchers[b].compute_bitmask()), dtype=torch.int32)
+                allowed = ((words.unsqueeze(-1) >> bit) & 1).flatten()[: logits.shape[-1]].bool()
+                # -1e30, not -inf: the entropy of a row with excluded tokens stays a number
+                logits[b].masked_fill_(~allowed.to(logits.device), -1e30)
+
+        return constrain
+
+    def _lltok(self, model):
+        """llguidance's view of the tokenizer over the model's vocabulary, its end-of-turn ids ending a
+        complete grammar (built once per vocabulary size)."""
+        import llguidance.hf
+
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if self._ll[0] != vocab:
+            self._ll = (
+                vocab,
+                llguidance.hf.from_tokenizer(self.sampler_tok, n_vocab=vocab, eos_token=self.end_ids),
+            )
+        return self._ll[1]
+
+    def _matcher(self, grammar: str, model):
+        import llguidance
+
+        return llguidance.LLMatcher(self._lltok(model), grammar)
 
     def _top(self, model, job: Job, ids: list[int], temperature: float, device) -> list[list[tuple]]:
         """Per sampled token, the ``job.top_logprobs`` most likely ids and log-probs (one scoring forward)."""

@@ -5,9 +5,20 @@ with the field's path (``messages[2].tool_calls[0].function.arguments``).
 
 Fields (OpenAI's, with vLLM's ``return_token_ids``): ``model``, ``messages`` (roles system / developer /
 user / assistant / tool; content a string or text parts; assistant ``tool_calls``; tool ``tool_call_id``),
-``tools`` (functions), ``tool_choice`` (``"auto"`` or ``"none"``), ``parallel_tool_calls``, ``n``,
-``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``,
-``top_logprobs``, ``return_token_ids``, ``stream`` (``false`` only), ``user`` (read, unused).
+``tools`` (functions), ``tool_choice`` (``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function",
+"function": {"name"}}``), ``parallel_tool_calls``, ``n``, ``temperature``, ``top_p``, ``max_tokens`` /
+``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``, ``top_logprobs``, ``return_token_ids``,
+``stream``, ``stream_options`` (``include_usage``), ``response_format`` (``text``, ``json_object`` or
+``json_schema``: :func:`shifu.gateway.completions.json_grammar`).
+
+Fields that change nothing sampled are read and accepted (:data:`NO_OP_FIELDS`: ``user``, ``store``,
+``metadata``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``modalities: ["text"]``,
+``frequency_penalty`` / ``presence_penalty`` 0, ``logit_bias: {}``, and
+vLLM's ``top_k`` 0 or -1, ``min_p`` 0, ``repetition_penalty`` 1); any other value of those that would change
+what is sampled is refused with a 400 that says so (shifu records the exact log-probs of what it sampled, and
+its sampler and the trainer's recomputation implement none of them), as is ``reasoning_effort``. In messages,
+``name`` (any role), ``function_call: null`` and ``audio: null`` on an assistant message, ``index`` in a
+history tool call and ``cache_control`` on a text part are read and change nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +45,29 @@ FIELDS = (
     "top_logprobs",
     "return_token_ids",
     "stream",
+    "stream_options",
+    "response_format",
+)
+NO_OP_FIELDS = (
     "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "modalities",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+)
+NOT_OFFERED = "tool_not_offered"  # the code of a forced call of a tool the request does not offer
+REFUSED_FIELDS = ("reasoning_effort",)  # known, and refused with the reason (_sampling_changes)
+_EXACT = (
+    "shifu records the exact log-probs of what it samples, and neither its sampler nor the trainer's "
+    "recomputation implements it yet"
 )
 MAX_N = 16  # choices per request
 MAX_STOPS, MAX_STOP_CHARS = 4, 64  # stop strings per request (OpenAI's 4) and the longest one
@@ -43,8 +76,8 @@ ROLE_KEYS = {
     "system": {"role", "content", "name"},
     "developer": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls", "refusal"},
-    "tool": {"role", "content", "tool_call_id"},
+    "assistant": {"role", "content", "name", "tool_calls", "refusal", "function_call", "audio"},
+    "tool": {"role", "content", "tool_call_id", "name"},
 }
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TOOL_KEYS = {"name", "description", "parameters", "strict"}
@@ -58,7 +91,8 @@ class ChatRequest:
     model: str
     messages: list[dict]
     tools: list[dict] | None = None
-    tool_choice: str = "auto"
+    tool_choice: str = "auto"  # "auto", "none", "required" or "function" (a named one: ``forced_name``)
+    forced_name: str | None = None
     parallel_tool_calls: bool = True
     n: int = 1
     temperature: float | None = None
@@ -69,6 +103,14 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     return_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    json_schema: dict | None = None  # response_format json_object / json_schema: what the answer must follow
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer must be a tool call (``tool_choice`` ``"required"`` or a named function)."""
+        return self.tool_choice in ("required", "function")
 
 
 def bad(path: str, message: str, code: str = "invalid_value") -> RequestError:
@@ -127,10 +169,20 @@ def _text(content, path: str, nullable: bool) -> str | None:
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else json_type(part)
             raise bad(where, f"a {kind!r} part is not supported: this policy reads text parts only")
-        if set(part) != {"type", "text"}:
-            raise bad(where, "a text part has exactly the keys type and text")
+        if "text" not in part or set(part) - {"type", "text", "cache_control"}:
+            raise bad(
+                where, "a text part has the keys type and text (and cache_control, which changes nothing)"
+            )
+        if part.get("cache_control") is not None:
+            _typed(part["cache_control"], f"{where}.cache_control", (dict,), "an object or null")
         texts.append(_typed(part["text"], f"{where}.text", (str,), "a string"))
     return "".join(texts)
+
+
+_LEGACY = {
+    "function_call": "send a call of this gateway's answers in tool_calls",
+    "audio": "this policy reads and writes text only",
+}
 
 
 def _tool_calls(calls, path: str) -> list[dict]:
@@ -139,9 +191,12 @@ def _tool_calls(calls, path: str) -> list[dict]:
     for i, c in enumerate(calls):
         where = f"{path}[{i}]"
         _typed(c, where, (dict,), "an object")
-        if set(c) - {"id", "type", "function"} or c.get("type", "function") != "function":
-            extra = sorted(set(c) - {"id", "type", "function"})
+        if set(c) - {"id", "type", "function", "index"} or c.get("type", "function") != "function":
+            extra = sorted(set(c) - {"id", "type", "function", "index"})
             raise bad(where, f"unknown field {extra[0]!r}" if extra else "type must be 'function'")
+        index = c.get("index")
+        if "index" in c and not (type(index) in (int, float) and float(index).is_integer() and index >= 0):
+            raise bad(f"{where}.index", "expected an integer >= 0 (the call's place in its message)")
         call_id = _typed(c.get("id"), f"{where}.id", (str,), "a string")
         fn = _typed(c.get("function"), f"{where}.function", (dict,), "an object")
         if set(fn) != {"name", "arguments"}:
@@ -164,6 +219,9 @@ def _message(m, path: str) -> dict:
     if "name" in m:
         out["name"] = _typed(m["name"], f"{path}.name", (str,), "a string")
     if role == "assistant":
+        for name in ("function_call", "audio"):  # the legacy call and an audio answer: null only
+            if m.get(name) is not None:
+                raise bad(f"{path}.{name}", f"only null is taken here: {_LEGACY[name]}", "unsupported_value")
         if m.get("refusal") is not None:
             _typed(m["refusal"], f"{path}.refusal", (str,), "a string or null")
         out["content"] = _text(m.get("content"), f"{path}.content", nullable=True)
@@ -218,28 +276,140 @@ def _stop(value) -> list[str]:
     return stops
 
 
-def _tool_choice(value) -> str:
+def _tool_choice(value, tools: list[dict] | None) -> tuple[str, str | None]:
+    """``(tool_choice, forced function name)``: ``"auto"`` / ``"none"`` / ``"required"`` or a named function
+    (``"function"``); forcing a call needs the tools, and a named one among them."""
     if value is None:
-        return "auto"
-    if isinstance(value, str) and value in ("auto", "none"):
-        return value
-    raise bad(
-        "tool_choice",
-        "only 'auto' and 'none' are supported: shifu samples the policy freely and cannot force a call",
-        "unsupported_value",
+        return "auto", None
+    if isinstance(value, str) and value in ("auto", "none", "required"):
+        if value == "required" and not tools:
+            raise bad(
+                "tool_choice",
+                "'required' needs tools to call: send tools, or leave tool_choice out",
+                NOT_OFFERED,
+            )
+        return value, None
+    named = (
+        isinstance(value, dict)
+        and set(value) == {"type", "function"}
+        and value["type"] == "function"
+        and isinstance(value["function"], dict)
+        and set(value["function"]) == {"name"}
+        and isinstance(value["function"]["name"], str)
     )
+    if not named:
+        raise bad(
+            "tool_choice",
+            "expected 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "unsupported_value",
+        )
+    name = value["function"]["name"]
+    offered = [t["function"]["name"] for t in tools or []]
+    if name not in offered:
+        raise bad(
+            "tool_choice",
+            f"names the function {name!r}, which is not among the tools ({', '.join(offered) or 'none sent'})",
+            NOT_OFFERED,
+        )
+    return "function", name
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """``stream_options.include_usage`` (``include_obfuscation`` is read: no padding is ever sent)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    _typed(options, "stream_options", (dict,), "an object")
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise bad(
+            field_path("stream_options", unknown[0]),
+            "unknown field: stream_options takes include_usage and include_obfuscation",
+            "unknown_field",
+        )
+    for name in ("include_usage", "include_obfuscation"):
+        if options.get(name) is not None:
+            _typed(options[name], f"stream_options.{name}", (bool,), "true or false")
+    return bool(options.get("include_usage")) and stream
+
+
+def _response_format(value) -> dict | None:
+    """None for text, else the JSON schema every choice must follow (``json_object``: any object)."""
+    if value is None or value == {"type": "text"}:
+        return None
+    _typed(value, "response_format", (dict,), "an object")
+    kind = value.get("type")
+    if kind == "json_object" and set(value) == {"type"}:
+        return {"type": "object"}
+    if kind != "json_schema" or set(value) != {"type", "json_schema"}:
+        raise bad(
+            "response_format",
+            "expected {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}",
+            "unsupported_value",
+        )
+    spec = _typed(value["json_schema"], "response_format.json_schema", (dict,), "an object")
+    unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
+    if unknown:
+        raise bad(f"response_format.json_schema.{unknown[0]}", "unknown field", "unknown_field")
+    _typed(spec.get("name"), "response_format.json_schema.name", (str,), "a string")
+    if spec.get("description") is not None:
+        _typed(spec["description"], "response_format.json_schema.description", (str,), "a string")
+    if spec.get("strict") is not None:
+        _typed(spec["strict"], "response_format.json_schema.strict", (bool,), "true, false or null")
+    schema = spec.get("schema")
+    if schema is None:
+        return {"type": "object"}
+    return _typed(schema, "response_format.json_schema.schema", (dict,), "a JSON Schema object")
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    return value is None or (type(value) in (int, float) and value in neutral)
+
+
+def _sampling_changes(body: dict) -> None:
+    """A 400 for the first no-op field (:data:`NO_OP_FIELDS`) whose value would change what is sampled, and
+    for ``reasoning_effort``; the others' types are checked (they change nothing)."""
+    for name, neutral in (
+        ("frequency_penalty", (0,)),
+        ("presence_penalty", (0,)),
+        ("top_k", (0, -1)),
+        ("min_p", (0,)),
+        ("repetition_penalty", (1,)),
+    ):
+        if not _neutral(body.get(name), neutral):
+            shown = " or ".join(str(v) for v in neutral)
+            raise bad(name, f"only {shown} is taken (it changes nothing): {_EXACT}", "unsupported_value")
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias", f"only {{}} is taken (it changes nothing): {_EXACT}", "unsupported_value")
+    if body.get("reasoning_effort") is not None:
+        raise bad(
+            "reasoning_effort",
+            f"not taken: a thinking switch would change the prompt and what is sampled, and {_EXACT}",
+            "unsupported_value",
+        )
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("modalities", 'only ["text"] is taken: this policy writes text', "unsupported_value")
+    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None:
+            _typed(body[name], name, (str,), "a string")
+    if body.get("store") is not None:
+        _typed(body["store"], "store", (bool,), "true or false (nothing is stored either way)")
+    if body.get("metadata") is not None:
+        meta = _typed(body["metadata"], "metadata", (dict,), "an object of strings")
+        for k, v in meta.items():
+            _typed(v, field_path("metadata", k), (str,), "a string")
 
 
 def parse_chat_request(body) -> ChatRequest:
     """A decoded body -> :class:`ChatRequest`; a 400 names the first field to fix (module docstring)."""
     if not isinstance(body, dict):
         raise bad("body", f"the body must be a JSON object, got {json_type(body)}")
-    unknown = sorted(set(body) - set(FIELDS))
+    unknown = sorted(set(body) - set(FIELDS) - set(NO_OP_FIELDS) - set(REFUSED_FIELDS))
     if unknown:
         raise bad(
             field_path("", unknown[0]),
             f"unknown or unsupported field ({len(unknown)} such: {', '.join(unknown)}); this gateway takes "
-            f"{', '.join(FIELDS)}",
+            f"{', '.join(FIELDS)}, and accepts {', '.join(NO_OP_FIELDS)} where they change nothing",
             "unknown_field",
         )
     for name in ("model", "messages"):
@@ -249,18 +419,19 @@ def parse_chat_request(body) -> ChatRequest:
     messages = _typed(body["messages"], "messages", (list,), "an array of messages")
     if not messages:
         raise bad("messages", "empty: give at least one message")
-    if body.get("stream") is not None and body["stream"] is not False:
-        raise bad("stream", "streaming is not supported: leave stream out or send false", "unsupported_value")
-    if body.get("user") is not None:
-        _typed(body["user"], "user", (str,), "a string")
+    _sampling_changes(body)
+    stream = _boolean(body, "stream", False)
+    tools = _tools(body.get("tools"))
+    tool_choice, forced_name = _tool_choice(body.get("tool_choice"), tools)
     budget = _integer(body, "max_completion_tokens", 1)
     legacy = _integer(body, "max_tokens", 1)
     budget = budget if budget is not None else legacy
     return ChatRequest(
         model=model,
         messages=[_message(m, f"messages[{i}]") for i, m in enumerate(messages)],
-        tools=_tools(body.get("tools")),
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_name=forced_name,
         parallel_tool_calls=_boolean(body, "parallel_tool_calls", True),
         n=_integer(body, "n", 1, MAX_N) or 1,
         temperature=_number(body, "temperature", 0.0, 2.0),
@@ -271,4 +442,7 @@ def parse_chat_request(body) -> ChatRequest:
         logprobs=_boolean(body, "logprobs", False),
         top_logprobs=_integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0,
         return_token_ids=_boolean(body, "return_token_ids", False),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        json_schema=_response_format(body.get("response_format")),
     )

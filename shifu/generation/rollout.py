@@ -77,6 +77,18 @@ def sample_next(
     return choice if idx is None else idx.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
+def _mark_ends(buf: Tensor, t: int, eos_seen_at: Tensor, at_eos: bool, eos_token_id: int, stop) -> None:
+    """Set ``eos_seen_at`` (B,) to ``t`` on the rows that end at step ``t``'s token (EOS when ``at_eos``, or
+    marked by ``stop``) and had not ended before."""
+    if not (at_eos or stop is not None):
+        return
+    R, tok = buf.shape[1], buf[:, t]
+    ended = tok == eos_token_id if at_eos else torch.zeros_like(tok, dtype=torch.bool)
+    if stop is not None:
+        ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(buf.device)
+    eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
+
+
 def _finish(buf, eos_seen_at, steps, pad_token_id, stats=None, value_head=None) -> Sample:
     """Trim the (B, max_new) token buffer (and per-token stats) to ``steps`` columns and mask everything
     after the first EOS."""
@@ -159,6 +171,8 @@ def sample(
     with_log_probs: bool = False,
     value_head: nn.Module | None = None,
     stop: Callable[[Tensor, Tensor], Tensor] | None = None,
+    on_step: Callable[[int, Tensor, Tensor], None] | None = None,
+    constrain: Callable[[int, Tensor], None] | None = None,
 ) -> Sample:
     """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
     with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
@@ -172,7 +186,15 @@ def sample(
 
     ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
-    episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended."""
+    episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended.
+
+    ``on_step(t, tokens (B,), real (B,) bool)``, called after each step once its ends are known: the tokens of
+    step ``t`` and the rows they belong to (True up to a row's ending token, included); the gateway streams
+    answers with it as they are decoded. It changes nothing sampled.
+
+    ``constrain(t, logits (B, V))``, called before each step, may lower logits in place (a grammar's mask: the
+    gateway's ``response_format``); the step then samples, and reads its log-probs and entropy, from the
+    constrained logits, which :func:`policy_forward` does not recompute."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
@@ -199,6 +221,8 @@ def sample(
     logits = dec.forward(prompt_ids, pos)
     steps = 0
     for t in range(R):
+        if constrain is not None:
+            constrain(t, logits)
         probs = None
         if stats is not None:  # log-softmax(logits / T) once: log-prob, entropy, and the sampling probs
             logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
@@ -211,13 +235,11 @@ def sample(
             if value_head is not None:
                 stats[2, :, t] = value_head(dec.last_hidden).squeeze(-1).float()
         steps = t + 1
-        if params.stop_at_eos or stop is not None:
-            ended = tok == eos_token_id if params.stop_at_eos else torch.zeros_like(tok, dtype=torch.bool)
-            if stop is not None:
-                ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(device)
-            eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
-            if all_done(bool((eos_seen_at < R).all())):
-                break
+        _mark_ends(buf, t, eos_seen_at, params.stop_at_eos, eos_token_id, stop)
+        if on_step is not None:
+            on_step(t, tok, eos_seen_at >= t)
+        if (params.stop_at_eos or stop is not None) and all_done(bool((eos_seen_at < R).all())):
+            break
         if t + 1 < R:
             pos = next_pos + t if last_position is None else (next_pos + t).clamp(max=last_position)
             logits = dec.forward(buf[:, t : t + 1], pos)

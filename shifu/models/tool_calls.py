@@ -97,6 +97,37 @@ def tool_format(tokenizer) -> ToolFormat:
     return ToolFormat(False, "hermes")
 
 
+def call_opening(tokenizer, fmt: ToolFormat, name: str | None = None) -> str:
+    """The text a call in ``fmt`` begins with, which a forced call's prompt ends with: for any call
+    (``tool_choice: "required"``) Hermes' ``<tool_call>`` (with what the template writes after it: Qwen's
+    newline) or Llama 3's ``{"name": "``; for the function ``name``, the call up to its arguments
+    (``<tool_call>{"name": "NAME", "arguments":``, ``{"name": "NAME", "parameters":``), the model writing the
+    rest (no space after the colon: the arguments' own first token carries it, as the model would write it)."""
+    if fmt.syntax == "llama3_json":
+        return '{"name": "' if name is None else f'{{"name": {json.dumps(name)}, "parameters":'
+    opening = "<tool_call>" + (_hermes_gap(tokenizer) if fmt.native else "")
+    return opening if name is None else f'{opening}{{"name": {json.dumps(name)}, "arguments":'
+
+
+def _hermes_gap(tokenizer) -> str:
+    """What a template writes between ``<tool_call>`` and the call's JSON (Qwen: a newline)."""
+    call = {
+        "type": "function",
+        "id": "call_0",
+        "function": {"name": "shifu_probe_tool", "arguments": {"x": "1"}},
+    }
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    try:
+        text = _render(tokenizer, messages, [_PROBE])
+    except Exception:
+        return ""
+    found = re.search(r"<tool_call>(\s*)\{", text)
+    return found.group(1) if found else ""
+
+
 def tools_system_message(tools: list[dict]) -> str:
     """The system text that offers ``tools`` (OpenAI ``{"type": "function", "function": {...}}`` dicts) to a
     template without tools: each function's schema, one per line, and the Hermes call syntax."""

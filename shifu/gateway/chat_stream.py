@@ -1,0 +1,94 @@
+"""A chat completion streamed (``stream: true``): the completion's events (:mod:`shifu.gateway.streaming`) as
+OpenAI ``chat.completion.chunk`` objects over Server-Sent Events, ``data: {chunk}`` each, then ``data: [DONE]``.
+
+Per choice (``index``): a first chunk with ``delta.role``, then ``delta.content`` as the text is decoded,
+each tool call once it is complete in one ``delta.tool_calls`` entry (``index``, ``id``, ``type``,
+``function.name`` and the whole ``function.arguments``), then a chunk with ``finish_reason`` (and with
+``logprobs`` / ``token_ids`` when asked, for every sampled id of the choice). With
+``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk has ``choices: []``, the
+``usage`` and shifu's ``shifu`` field. The non-streamed answer is built, remembered and recorded as for
+``stream: false`` (:func:`shifu.gateway.completions.answer`); the streamed deltas join into its message.
+A failure after the first chunk is sent as ``data: {"error": {...}}`` (what OpenAI's clients raise).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from shifu.gateway.protocol import ChatRequest
+from shifu.gateway.streaming import Finish, Outcome, TextDelta, ToolCall, Usage, Withheld
+from shifu.http.requests import RequestError
+from shifu.models.tool_calls import ToolFormat
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def withheld(req: ChatRequest, fmt: ToolFormat, offered: bool) -> list[Withheld]:
+    """What each choice's streamed text holds back (:class:`~shifu.gateway.streaming.Withheld`)."""
+    return [Withheld(list(req.stop), fmt.syntax if offered else None, req.forced) for _ in range(req.n)]
+
+
+def outcomes(body: dict) -> list[Outcome]:
+    """Each choice of a chat completion answer as an :class:`~shifu.gateway.streaming.Outcome`."""
+    return [
+        Outcome(c["message"]["content"], c["message"].get("tool_calls") or [], c["finish_reason"])
+        for c in body["choices"]
+    ]
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error(e: Exception) -> dict:
+    if isinstance(e, RequestError):
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return {"message": e.message, "type": kind, "param": e.field, "code": e.code}
+    message = f"the gateway failed ({type(e).__name__}: {e})"
+    return {"message": message, "type": "server_error", "param": None, "code": None}
+
+
+async def chat_chunks(
+    events: AsyncIterator, req: ChatRequest, completion_id: str, model: str, answered: dict, prompt: list[int]
+) -> AsyncIterator[str]:
+    """The SSE text of a streamed chat completion (module docstring). ``events``:
+    :func:`~shifu.gateway.streaming.stream_events` of the request's job, whose ``resolve`` puts the finished
+    answer's body in ``answered["body"]``; ``prompt``: the prompt's ids (``prompt_token_ids``)."""
+    created = int(time.time())
+    usage = {"usage": None} if req.include_usage else {}
+
+    def chunk(choices: list[dict], **extra) -> str:
+        head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        return _sse(head | {"system_fingerprint": None, "choices": choices} | usage | extra)
+
+    def choice(i: int, delta: dict, finish: str | None = None, **extra) -> dict:
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish} | extra
+
+    first = {"prompt_token_ids": prompt} if req.return_token_ids else {}
+    for i in range(req.n):
+        yield chunk([choice(i, {"role": "assistant"})], **first)
+    texted = [False] * req.n
+    try:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                texted[ev.choice] = True
+                yield chunk([choice(ev.choice, {"content": ev.text})])
+            elif isinstance(ev, ToolCall):
+                yield chunk([choice(ev.choice, {"tool_calls": [{"index": ev.index} | ev.call]})])
+            elif isinstance(ev, Finish):
+                if ev.outcome.content == "" and not texted[ev.choice]:  # an empty answer: content ""
+                    yield chunk([choice(ev.choice, {"content": ""})])
+                item = answered["body"]["choices"][ev.choice]
+                extra = {"logprobs": item["logprobs"]} | (
+                    {"token_ids": item["token_ids"]} if "token_ids" in item else {}
+                )
+                yield chunk([choice(ev.choice, {}, ev.outcome.finish_reason) | extra])
+            elif isinstance(ev, Usage) and req.include_usage:
+                body = answered["body"]
+                yield chunk([], usage=body["usage"], shifu=body["shifu"])
+    except Exception as e:  # the status line is sent: the failure goes in the stream
+        yield _sse({"error": _error(e)})
+        return
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,180 @@
+"""Dialects declared as typed models (pydantic): each dialect's requests, answers and stream events are
+:class:`Strict` models, from which its validation (:func:`validated`) and its part of the OpenAPI document
+(:func:`components`, :func:`event_stream`) both come. A body reaches them already read by the strict JSON layer (:func:`shifu.http.requests.decode_body`:
+duplicate keys, NaN, depth, size); a model then refuses any field it does not declare and any value of the
+wrong JSON type (strict mode: no string for a number, no number for a boolean), and the 400 names the field's
+path in the body (``messages[1].content[0].input``), as the chat dialect's hand-written checks do.
+
+A union of object shapes is tagged by their ``type`` (:func:`by_type`), so that a refusal speaks of the shape
+the client meant (the ``tool_use`` block it sent), not of every shape it might have meant.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic.json_schema import models_json_schema
+
+from shifu.http.requests import RequestError, field_path, json_type
+
+REF = "#/components/schemas/{model}"
+
+
+class Strict(BaseModel):
+    """A dialect's object: unknown fields refused, JSON types exact."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _integral(value):
+    """A number with no fraction (``3.0``) is an integer, as in JSON Schema."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # a token budget
+
+
+def by_type(*members: type[Strict], default: str | None = None) -> Any:
+    """A union of ``members`` chosen by the object's ``type`` (each member's ``type`` default or literal);
+    ``default``: the member of an object that has no ``type`` (a Responses message item)."""
+
+    def tag(value):
+        if isinstance(value, dict):
+            return value.get("type", default)
+        return None
+
+    if len(members) == 1:
+        return members[0]
+    tagged = [Annotated[m, Tag(_tag(m))] for m in members]
+    return Annotated[_union(tagged), Discriminator(tag)]
+
+
+def _union(types: list) -> Any:
+    from typing import Union
+
+    return Union[tuple(types)]  # noqa: UP007 (a runtime union of Annotated members)
+
+
+def _walk(body, loc: tuple, missing: bool) -> tuple[str, int]:
+    """The path in ``body`` of a pydantic error location, and how many of its steps are the body's: the
+    location's other steps (union members, tags) are not; with ``missing``, the last step names a field the
+    body lacks."""
+    node, path, depth = body, "", 0
+    for i, step in enumerate(loc):
+        if isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
+            node, path, depth = node[step], field_path(path, step), depth + 1
+        elif isinstance(node, dict) and isinstance(step, str):
+            tag = step == node.get("type") and i + 1 < len(loc)  # the member a tagged union chose
+            if step in node and not tag:
+                node, path, depth = node[step], field_path(path, step), depth + 1
+            elif missing and i == len(loc) - 1:
+                path, depth = field_path(path, step), depth + 1
+    return path or "body", depth
+
+
+def _message(error: dict, fields: list[str]) -> tuple[str, str]:
+    """``(message, code)`` of one pydantic error, in the gateway's words."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return f"unknown or unsupported field; this gateway takes {', '.join(fields)} here", "unknown_field"
+    if kind == "missing":
+        return "missing: this field is required", "invalid_value"
+    if kind == "union_tag_invalid":
+        return (
+            f"type {ctx.get('tag')!r} is not supported here; expected one of {ctx.get('expected_tags')}",
+            "unsupported_value",
+        )
+    if kind == "union_tag_not_found":
+        return "expected an object with a type", "invalid_value"
+    if kind == "literal_error":
+        return f"expected {ctx.get('expected')}, got {error['input']!r}"[:300], "unsupported_value"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"])), "unsupported_value"
+    msg = error["msg"][0].lower() + error["msg"][1:]
+    if kind.endswith("_type"):
+        msg += f", got {json_type(error['input'])}"
+    return msg, "invalid_value"
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The fields the object of an ``extra_forbidden`` error at ``loc`` declares: its model found by following
+    the location's field names, and among a union's members the one its tag step names."""
+    target, members = model, []
+    for step in loc[:-1]:
+        if not isinstance(step, str):
+            continue
+        if step in target.model_fields:
+            members = _models_in(target.model_fields[step].annotation)
+            target = members[0] if len(members) == 1 else target
+        else:
+            tagged = [m for m in members if _tag(m) == step]
+            target = tagged[0] if tagged else target
+    return list(target.model_fields)
+
+
+def _tag(member: type[BaseModel]) -> str | None:
+    """The ``type`` a member of a tagged union declares (its literal), if any."""
+    field = member.model_fields.get("type")
+    args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+    return args[0] if args and isinstance(args[0], str) else None
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    found, stack = [], [annotation]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            found.append(a)
+        stack += list(getattr(a, "__args__", ()) or ())
+    return found
+
+
+def validated(model: type[Strict], body):
+    """``body`` (a decoded JSON value) as ``model``; a 400 naming the deepest field at fault."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "body", f"body: the body must be a JSON object, got {json_type(body)}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+    walked = [(*_walk(body, err["loc"], err["type"] == "missing"), err) for err in errors]
+    deepest = max(d for _, d, _ in walked)
+    # at the deepest place, an error of a union member whose JSON type fits says more than a type mismatch
+    candidates = [(p, err) for p, d, err in walked if d == deepest]
+    fitting = [c for c in candidates if not c[1]["type"].endswith("_type")]
+    path, error = (fitting or candidates)[0]
+    fields = _fields_at(model, error["loc"]) if error["type"] == "extra_forbidden" else []
+    message, code = _message(error, fields)
+    if not fitting:  # the value's JSON type fits none of the members: name them all
+        others = sorted({_message(err, [])[0] for p, err in candidates if p == path and err is not error})
+        message += "".join(f" (or: {o})" for o in others)
+    raise RequestError(400, path, f"{path}: {message}", code=code)
+
+
+def components(*models: type[BaseModel]) -> dict:
+    """The OpenAPI ``components.schemas`` of ``models`` and every model they hold, named by class."""
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    return defs.get("$defs", {})
+
+
+def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
+    """``(media type object, schemas)`` of a Server-Sent Events answer whose events are ``events`` (each
+    ``event: <its type>``, ``data: <it as JSON>``): each event described by ``schema`` (as OpenAPI 3.1 reads
+    an event stream), its data by the union ``name`` of the event models, added to the schemas."""
+    from pydantic import TypeAdapter
+
+    union = TypeAdapter(by_type(*events)).json_schema(ref_template=REF)
+    schemas = union.pop("$defs", {}) | {name: union | {"title": name}}
+    kinds = [_tag(e) for e in events]
+    data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"$ref": REF.format(model=name)},
+    }
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"enum": kinds}, "data": data},
+    }
+    return {"schema": event}, schemas
