@@ -456,6 +456,7 @@ def test_fields_that_change_nothing_are_accepted_and_those_that_would_are_refuse
             "content": None,
             "function_call": None,
             "audio": None,
+            "annotations": [],
             "tool_calls": [
                 {
                     "index": 0,
@@ -484,6 +485,9 @@ def test_fields_that_change_nothing_are_accepted_and_those_that_would_are_refuse
     plain = client.chat.completions.create(model="policy", messages=history, seed=4)
     with_all = client.chat.completions.create(model="policy", messages=history, seed=4, **no_ops)
     assert with_all.choices[0].message == plain.choices[0].message  # the same sampling
+    # the client's own dump of an answer goes back as it is (null audio, function_call, annotations)
+    again = [*QUESTION, plain.choices[0].message.model_dump(), {"role": "user", "content": "and?"}]
+    assert client.chat.completions.create(model="policy", messages=again, max_tokens=2).choices
     refused = {
         "presence_penalty": 0.3,
         "logit_bias": {"5": 10},

@@ -36,7 +36,39 @@ def ids_of(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_a_forced_call_is_read_then_sampled_and_the_session_continues_it(forced):
+def forced_call(client, stream: bool) -> tuple[list[int], list[int], dict, str, str | None]:
+    """A forced calculator call, streamed or not: (prompt ids, sampled ids, the call, finish, content)."""
+    kw = {"model": "policy", "messages": QUESTION, "tools": TOOLS, "tool_choice": NAMED}
+    kw["extra_body"] = {"return_token_ids": True}
+    if not stream:
+        out = client.chat.completions.create(**kw)
+        choice = out.choices[0]
+        (call,) = choice.message.tool_calls
+        ids = choice.model_extra["token_ids"]
+        return (
+            out.model_extra["prompt_token_ids"],
+            ids,
+            call.model_dump(),
+            choice.finish_reason,
+            choice.message.content,
+        )
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [ch.delta for c in chunks for ch in c.choices]
+    ((call,),) = [d.tool_calls for d in deltas if d.tool_calls]
+    call = call.model_dump(include={"id": True, "type": True, "function": {"name", "arguments"}})
+    content = "".join(d.content for d in deltas if d.content) or None
+    end = chunks[-1].choices[0]
+    return (
+        chunks[0].model_extra["prompt_token_ids"],
+        end.model_extra["token_ids"],
+        call,
+        end.finish_reason,
+        content,
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_is_read_then_sampled_and_the_session_continues_it(forced, stream):
     model, tok = forced
     opening = call_opening(tok, tool_format(tok), "calculator")
     assert opening == '<tool_call>{"name": "calculator", "arguments":'
@@ -44,20 +76,15 @@ def test_a_forced_call_is_read_then_sampled_and_the_session_continues_it(forced)
         key = gw.start_session()
         client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
         extra = {"return_token_ids": True}
-        first = client.chat.completions.create(
-            model="policy", messages=QUESTION, tools=TOOLS, tool_choice=NAMED, extra_body=extra
-        )
-        said = first.choices[0].message
-        assert first.choices[0].finish_reason == "tool_calls" and said.content is None
-        (call,) = said.tool_calls
-        assert call.function.name == "calculator" and json.loads(call.function.arguments) == {
-            "expression": "2+3"
-        }
-        turn = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+        p1, s1, call, finish, content = forced_call(client, stream)
+        assert finish == "tool_calls" and content is None
+        assert call["function"]["name"] == "calculator"
+        assert json.loads(call["function"]["arguments"]) == {"expression": "2+3"}
+        turn = {"role": "assistant", "content": None, "tool_calls": [call]}
         follow = [
             *QUESTION,
             turn,
-            {"role": "tool", "tool_call_id": call.id, "content": "5", "name": "calculator"},
+            {"role": "tool", "tool_call_id": call["id"], "content": "5", "name": "calculator"},
         ]
         second = client.chat.completions.create(
             model="policy", messages=follow, tools=TOOLS, max_tokens=3, extra_body=extra
@@ -66,7 +93,6 @@ def test_a_forced_call_is_read_then_sampled_and_the_session_continues_it(forced)
             model="policy", messages=QUESTION, tools=TOOLS, extra_body=extra
         )
         rec = gw.end_session(key)
-    p1, s1 = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
     p2, s2 = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
     # the prompt is the plain one with the opening after it; only the rest was sampled
     assert p1 == plain.model_extra["prompt_token_ids"] + ids_of(tok, opening)

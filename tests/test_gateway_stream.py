@@ -437,3 +437,39 @@ def test_streamed_agents_sdk_episodes_call_their_tool_and_are_recorded_joined():
         if t.counts["tool_calls"][i]:  # the tool's result was read between the calls, never trained
             read = t.ids[i][t.attention[i] & ~t.trainable[i]]
             assert f"\n{RESULT}" in tok.decode(read) and CALL in tok.decode(t.ids[i][t.trainable[i]])
+
+
+def raw_events(url: str, body: dict) -> list[str]:
+    """The ``data:`` payloads of a streamed completion, read off the wire."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.integration
+def test_every_chunk_is_what_the_openapi_document_says(served, caller):
+    import jsonschema
+
+    from shifu.gateway.app import openapi_document
+
+    gw, _, _ = served
+    doc = openapi_document(gw)
+    chunk_schema = doc | {"$ref": "#/components/schemas/ChatCompletionChunk"}
+    validator = jsonschema.Draft202012Validator(chunk_schema)
+    body = {"model": "policy", "messages": QUESTION, "stream": True, "n": 2, "logprobs": True, "seed": 2}
+    body |= {"return_token_ids": True, "stream_options": {"include_usage": True}, "stop": ["the"]}
+    events = raw_events(gw.url, body)
+    model, tok = caller
+    with Gateway(model, tok, token=TOKEN, sampling=Sampling(temperature=0, max_tokens=100)) as calling:
+        events += raw_events(
+            calling.url, {"model": "policy", "messages": QUESTION, "tools": TOOLS, "stream": True}
+        )
+    assert events.count("[DONE]") == 2
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    for chunk in chunks:
+        validator.validate(chunk)
+    deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+    assert any("tool_calls" in d for d in deltas) and any(c["choices"] == [] and c["usage"] for c in chunks)

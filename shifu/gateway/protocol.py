@@ -13,11 +13,11 @@ user / assistant / tool; content a string or text parts; assistant ``tool_calls`
 
 Fields that change nothing sampled are read and accepted (:data:`NO_OP_FIELDS`: ``user``, ``store``,
 ``metadata``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``modalities: ["text"]``,
-``frequency_penalty`` / ``presence_penalty`` 0, ``logit_bias: {}``, and
-vLLM's ``top_k`` 0 or -1, ``min_p`` 0, ``repetition_penalty`` 1); any other value of those that would change
-what is sampled is refused with a 400 that says so (shifu records the exact log-probs of what it sampled, and
-its sampler and the trainer's recomputation implement none of them), as is ``reasoning_effort``. In messages,
-``name`` (any role), ``function_call: null`` and ``audio: null`` on an assistant message, ``index`` in a
+``frequency_penalty`` / ``presence_penalty`` 0, ``logit_bias: {}``, and vLLM's ``top_k`` 0 or -1, ``min_p`` 0,
+``repetition_penalty`` 1); any other value of those that would change what is sampled is refused with a 400
+that says so (shifu records the exact log-probs of what it sampled, and its sampler and the trainer's
+recomputation implement none of them), as is ``reasoning_effort``. In messages, ``name`` (any role),
+``function_call`` / ``audio`` / ``annotations`` null (or ``[]``) on an assistant message, ``index`` in a
 history tool call and ``cache_control`` on a text part are read and change nothing.
 """
 
@@ -76,7 +76,16 @@ ROLE_KEYS = {
     "system": {"role", "content", "name"},
     "developer": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls", "refusal", "function_call", "audio"},
+    "assistant": {
+        "role",
+        "content",
+        "name",
+        "tool_calls",
+        "refusal",
+        "function_call",
+        "audio",
+        "annotations",
+    },
     "tool": {"role", "content", "tool_call_id", "name"},
 }
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -222,6 +231,12 @@ def _message(m, path: str) -> dict:
         for name in ("function_call", "audio"):  # the legacy call and an audio answer: null only
             if m.get(name) is not None:
                 raise bad(f"{path}.{name}", f"only null is taken here: {_LEGACY[name]}", "unsupported_value")
+        if m.get("annotations") not in (None, []):  # a web search's citations: none written by this policy
+            raise bad(
+                f"{path}.annotations",
+                "only null or [] is taken: this policy cites nothing",
+                "unsupported_value",
+            )
         if m.get("refusal") is not None:
             _typed(m["refusal"], f"{path}.refusal", (str,), "a string or null")
         out["content"] = _text(m.get("content"), f"{path}.content", nullable=True)
