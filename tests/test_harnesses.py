@@ -1,0 +1,352 @@
+"""The agent frameworks people run, each with its own client, unmodified and with its default settings, against
+the policy gateway (what ``shifu serve --policy`` serves) on real uvicorn servers and a tiny real model: the
+plain ``openai`` client streaming a tool round trip, litellm, LangChain, LangGraph, pydantic-ai, smolagents and
+instructor (the last in an environment of its own, since it pins another ``openai``). These back the
+compatibility table of docs/how-to/agents.md.
+
+A random tiny model writes no tool call and no JSON, so each test teaches its policy a script first
+(:func:`scripted`): the framework runs against the gateway, every prompt the gateway rendered for it is kept,
+the tiny GPT-2 is trained to answer each with the script's reply (a call, its arguments after a forced opening,
+a JSON object, a final text), and the framework runs again until every prompt it sends is one the policy has
+learnt. The last run is the one asserted on: every request was accepted, and what the framework parsed (a
+streamed text, a tool call, a structured output) is what the policy wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.integration
+openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
+pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
+
+from test_gateway import chat_tokenizer, tiny_policy  # noqa: E402
+
+import shifu.gateway.app as gateway_app  # noqa: E402
+from shifu.gateway import Gateway, Sampling  # noqa: E402
+
+KEY = "harness-key"
+CALL = '<tool_call>{"name": "double", "arguments": {"x": 21}}</tool_call>'
+ANSWER = "it is 42"
+TOOLS_OFFERED = "You can call these tools:"  # the system text the gateway offers tools with (ChatML has none)
+
+
+class Script:
+    """What the policy is taught to answer: ``reply(prompt_text) -> text`` for every prompt the gateway renders.
+
+    :meth:`run` starts a gateway on the policy (greedy unless a request says otherwise), runs ``harness(base_url)``
+    and keeps each prompt the gateway rendered; prompts not yet learnt are taught and the harness runs again, at
+    most ``rounds`` times. Returns the last run's result and the prompts it sent."""
+
+    def __init__(self, reply, positions: int = 2048):
+        self.reply, self.tok = reply, chat_tokenizer()
+        self.model = tiny_policy(self.tok, seed=1, positions=positions).eval()
+        self.learnt: dict[tuple[int, ...], list[int]] = {}
+
+    def run(self, harness, rounds: int = 4):
+        for _ in range(rounds):
+            seen: list[list[int]] = []
+            with spying(seen), Gateway(self.model, self.tok, token=KEY, sampling=GREEDY) as gw:
+                try:
+                    result, error = harness(gw.base_url), None
+                except Exception as e:  # an untaught policy's answer the framework could not use
+                    result, error = None, e
+            new = [p for p in seen if tuple(p) not in self.learnt]
+            if not new:
+                if error is not None:
+                    raise error
+                return result, seen
+            for p in new:
+                text = self.reply(self.tok.decode(p))
+                self.learnt[tuple(p)] = self.tok(text, add_special_tokens=False)["input_ids"] + [
+                    self.tok.eos_token_id
+                ]
+            teach(self.model, self.learnt)
+        raise AssertionError(f"the harness kept sending new prompts after {rounds} rounds")
+
+
+GREEDY = Sampling(temperature=0, max_tokens=96)
+
+
+@contextlib.contextmanager
+def spying(seen: list):
+    """Keeps every prompt the gateway renders (its own renderer, called as always)."""
+    real = gateway_app.prompt_ids
+
+    def spy(*args):
+        ids = real(*args)
+        seen.append(list(ids))
+        return ids
+
+    gateway_app.prompt_ids = spy
+    try:
+        yield
+    finally:
+        gateway_app.prompt_ids = real
+
+
+def teach(model, pairs: dict[tuple[int, ...], list[int]]) -> None:
+    """Trains ``model`` until greedy decoding answers every prompt with its reply (each loss < 0.01)."""
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(600):
+        losses = []
+        for prompt, answer in pairs.items():
+            ids = torch.tensor([list(prompt) + answer])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            losses.append(F.cross_entropy(logits, ids[0, len(prompt) :]))
+        worst = max(x.item() for x in losses)
+        if worst < 0.01:
+            break
+        opt.zero_grad()
+        torch.stack(losses).sum().backward()
+        opt.step()
+    assert worst < 0.01, f"the tiny policy did not learn its script (loss {worst:.3f})"
+    model.eval()
+
+
+def last_turn(prompt: str) -> str:
+    """The last message of a rendered ChatML prompt (before the generation prompt)."""
+    return prompt.rsplit("<|im_start|>", 2)[-2]
+
+
+def tool_then_answer(call: str = CALL, answer: str = ANSWER):
+    """A script: after a tool's result, ``answer``; else with tools offered ``call``, without ``answer``."""
+
+    def reply(prompt: str) -> str:
+        if last_turn(prompt).startswith("tool\n") or TOOLS_OFFERED not in prompt:
+            return answer
+        return call
+
+    return reply
+
+
+def forced_rest(name: str, arguments: dict, plain: str = ANSWER):
+    """A script: the call of ``name`` with ``arguments`` after a forced call's opening (a named function's,
+    which ends at the arguments, or ``tool_choice: "required"``'s ``<tool_call>``); ``plain`` otherwise."""
+    rest = " " + json.dumps(arguments) + "}</tool_call>"
+
+    def reply(prompt: str) -> str:
+        if prompt.endswith('"arguments":'):
+            return rest
+        if prompt.endswith("<tool_call>"):
+            return '{"name": ' + json.dumps(name) + ', "arguments":' + rest
+        return plain
+
+    return reply
+
+
+# ------------------------------------------------------------------------------------------ openai
+def test_openai_streams_a_tool_round_trip():
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "double",
+                "description": "Double a number.",
+                "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+            },
+        }
+    ]
+
+    def harness(base_url):
+        client = openai.OpenAI(base_url=base_url, api_key=KEY)
+        messages = [{"role": "user", "content": "double 21"}]
+        first = list(client.chat.completions.create(model="policy", messages=messages, tools=tools, stream=True))
+        calls = [c for ch in first for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+        finish = [ch.choices[0].finish_reason for ch in first if ch.choices and ch.choices[0].finish_reason]
+        (call,) = calls
+        messages.append({"role": "assistant", "tool_calls": [call.model_dump(exclude={"index"})]})
+        x = json.loads(call.function.arguments)["x"]
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(2 * x)})
+        second = client.chat.completions.create(model="policy", messages=messages, tools=tools, stream=True)
+        text = "".join(ch.choices[0].delta.content or "" for ch in second if ch.choices)
+        return call, finish, text
+
+    (call, finish, text), prompts = Script(tool_then_answer()).run(harness)
+    assert call.function.name == "double" and json.loads(call.function.arguments) == {"x": 21}
+    assert finish == ["tool_calls"] and text == ANSWER and len(prompts) == 2
+    assert "<|im_start|>tool\n42<|endoftext|>" in Script(None).tok.decode(prompts[1])
+
+
+# ----------------------------------------------------------------------------------------- litellm
+def test_litellm_streams():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (it would fetch its price list)
+    litellm = pytest.importorskip("litellm", reason="pip install 'shifu-rlhf[harnesses]'")
+
+    def harness(base_url):
+        chunks = litellm.completion(
+            model="openai/policy",
+            api_base=base_url,
+            api_key=KEY,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+        )
+        chunks = list(chunks)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        return text, [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+
+    (text, finish), _ = Script(lambda _: ANSWER).run(harness)
+    assert text == ANSWER and finish == ["stop"]
+
+
+# --------------------------------------------------------------------------------------- LangChain
+class Doubled(__import__("pydantic").BaseModel):
+    """The structured answer of the structured-output tests."""
+
+    value: int
+
+
+def chat_openai(base_url):
+    lc = pytest.importorskip("langchain_openai", reason="pip install 'shifu-rlhf[harnesses]'")
+    return lc.ChatOpenAI(model="policy", base_url=base_url, api_key=KEY)
+
+
+def double_tool():
+    from langchain_core.tools import tool
+
+    @tool
+    def double(x: int) -> int:
+        """Double a number."""
+        return 2 * x
+
+    return double
+
+
+def test_langchain_invoke_stream_and_a_bound_tool_round_trip():
+    pytest.importorskip("langchain_openai", reason="pip install 'shifu-rlhf[harnesses]'")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    def harness(base_url):
+        llm = chat_openai(base_url)
+        plain = llm.invoke("hi").content
+        streamed = "".join(c.content for c in llm.stream("hello"))
+        tools = llm.bind_tools([double_tool()])
+        messages = [HumanMessage("double 21")]
+        called = tools.invoke(messages)
+        (call,) = called.tool_calls
+        messages += [called, ToolMessage(str(2 * call["args"]["x"]), tool_call_id=call["id"])]
+        return plain, streamed, call, tools.invoke(messages).content
+
+    (plain, streamed, call, final), _ = Script(tool_then_answer()).run(harness)
+    assert plain == streamed == final == ANSWER
+    assert call["name"] == "double" and call["args"] == {"x": 21}
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(method):
+    """``with_structured_output``: its default (a ``json_schema`` response format, decoded under the grammar)
+    and ``function_calling`` (a call forced by name)."""
+    pytest.importorskip("langchain_openai", reason="pip install 'shifu-rlhf[harnesses]'")
+
+    def harness(base_url):
+        llm = chat_openai(base_url)
+        kw = {} if method == "json_schema" else {"method": method}
+        return llm.with_structured_output(Doubled, **kw).invoke("double 21")
+
+    out, prompts = Script(forced_rest("Doubled", {"value": 42}, plain='{"value":42}')).run(harness)
+    assert out == Doubled(value=42) and len(prompts) == 1
+    forced = Script(None).tok.decode(prompts[0]).endswith('<tool_call>{"name": "Doubled", "arguments":')
+    assert forced == (method == "function_calling")  # the call's opening was read, not sampled
+
+
+# --------------------------------------------------------------------------------------- LangGraph
+def test_langgraph_react_agent_calls_its_tool_and_answers():
+    pytest.importorskip("langgraph", reason="pip install 'shifu-rlhf[harnesses]'")
+    pytest.importorskip("langchain_openai", reason="pip install 'shifu-rlhf[harnesses]'")
+    import warnings
+
+    with warnings.catch_warnings():  # (langgraph 1.x points to langchain.agents, not installed here)
+        warnings.simplefilter("ignore")
+        from langgraph.prebuilt import create_react_agent
+
+    def harness(base_url):
+        agent = create_react_agent(chat_openai(base_url), [double_tool()])
+        return agent.invoke({"messages": [("user", "double 21")]})["messages"]
+
+    messages, prompts = Script(tool_then_answer()).run(harness)
+    assert [m.type for m in messages] == ["human", "ai", "tool", "ai"] and len(prompts) == 2
+    assert messages[1].tool_calls[0]["args"] == {"x": 21} and messages[2].content == "42"
+    assert messages[3].content == ANSWER
+
+
+# ------------------------------------------------------------------------------------- pydantic-ai
+def pydantic_model(base_url):
+    pytest.importorskip("pydantic_ai", reason="pip install 'shifu-rlhf[harnesses]'")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    return OpenAIChatModel("policy", provider=OpenAIProvider(base_url=base_url, api_key=KEY))
+
+
+def test_pydantic_ai_text_streamed_text_and_a_tool_output():
+    pai = pytest.importorskip("pydantic_ai", reason="pip install 'shifu-rlhf[harnesses]'")
+
+    async def streamed(agent):
+        async with agent.run_stream("hello") as run:
+            return "".join([t async for t in run.stream_text(delta=True)])
+
+    def harness(base_url):
+        model = pydantic_model(base_url)
+        text = pai.Agent(model).run_sync("hi").output
+        return text, asyncio.run(streamed(pai.Agent(model))), pai.Agent(model, output_type=int).run_sync("x").output
+
+    # output_type=int: pydantic-ai's default tool output, its final_result tool forced with tool_choice required
+    (text, stream, number), prompts = Script(forced_rest("final_result", {"response": 42})).run(harness)
+    assert text == stream == ANSWER and number == 42
+    assert Script(None).tok.decode(prompts[-1]).endswith("<tool_call>")  # tool_choice "required"
+
+
+@pytest.mark.parametrize("kind", ["NativeOutput", "PromptedOutput"])
+def test_pydantic_ai_json_outputs(kind):
+    """NativeOutput sends a ``json_schema`` response format (decoded under the grammar); PromptedOutput asks
+    for the JSON in its instructions."""
+    pai = pytest.importorskip("pydantic_ai", reason="pip install 'shifu-rlhf[harnesses]'")
+
+    def harness(base_url):
+        return pai.Agent(pydantic_model(base_url), output_type=getattr(pai, kind)(Doubled)).run_sync("x").output
+
+    out, _ = Script(lambda _: '{"value":42}').run(harness)
+    assert out == Doubled(value=42)
+
+
+# -------------------------------------------------------------------------------------- smolagents
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_smolagents_tool_calling_agent(stream):
+    """``ToolCallingAgent`` with its defaults (every step a call forced with tool_choice required, its long
+    system prompt), plain and with ``stream_outputs=True``: the policy calls the tool, then final_answer."""
+    smol = pytest.importorskip("smolagents", reason="pip install 'shifu-rlhf[harnesses]'")
+
+    @smol.tool
+    def double(x: int) -> int:
+        """Double a number.
+
+        Args:
+            x: the number to double
+        """
+        return 2 * x
+
+    def reply(prompt: str) -> str:
+        if "Observation:" in last_turn(prompt) or "42" in last_turn(prompt):
+            return ' {"name": "final_answer", "arguments": {"answer": "42"}}</tool_call>'
+        return ' {"name": "double", "arguments": {"x": 21}}</tool_call>'
+
+    def harness(base_url):
+        model = smol.OpenAIServerModel(model_id="policy", api_base=base_url, api_key=KEY)
+        agent = smol.ToolCallingAgent(tools=[double], model=model, stream_outputs=stream, verbosity_level=0)
+        return agent.run("double 21"), [type(s).__name__ for s in agent.memory.steps]
+
+    (answer, steps), prompts = Script(reply, positions=4096).run(harness)
+    assert answer == "42" and steps == ["TaskStep", "ActionStep", "ActionStep"] and len(prompts) == 2
