@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from test_gateway import chat_tokenizer, tiny_policy  # noqa: E402
 
 import shifu.gateway.app as gateway_app  # noqa: E402
 from shifu.gateway import Gateway, Sampling  # noqa: E402
+from shifu.gateway.protocol import bad  # noqa: E402
 
 KEY = "harness-key"
 CALL = '<tool_call>{"name": "double", "arguments": {"x": 21}}</tool_call>'
@@ -45,33 +45,32 @@ TOOLS_OFFERED = "You can call these tools:"  # the system text the gateway offer
 class Script:
     """What the policy is taught to answer: ``reply(prompt_text) -> text`` for every prompt the gateway renders.
 
-    :meth:`run` starts a gateway on the policy (greedy unless a request says otherwise), runs ``harness(base_url)``
-    and keeps each prompt the gateway rendered; prompts not yet learnt are taught and the harness runs again, at
-    most ``rounds`` times. Returns the last run's result and the prompts it sent."""
+    :meth:`run` starts a gateway on the policy (greedy unless a request says otherwise) and runs
+    ``harness(base_url)``. The first prompt the policy has not learnt is refused (a 400, so the framework stops
+    there), taught, and the harness runs again, at most ``rounds`` times. Returns the last run's result and
+    every prompt it sent."""
 
     def __init__(self, reply, positions: int = 2048):
         self.reply, self.tok = reply, chat_tokenizer()
         self.model = tiny_policy(self.tok, seed=1, positions=positions).eval()
         self.learnt: dict[tuple[int, ...], list[int]] = {}
 
-    def run(self, harness, rounds: int = 4):
+    def run(self, harness, rounds: int = 6):
         for _ in range(rounds):
             seen: list[list[int]] = []
-            with spying(seen), Gateway(self.model, self.tok, token=KEY, sampling=GREEDY) as gw:
+            with spying(seen, self.learnt), Gateway(self.model, self.tok, token=KEY, sampling=GREEDY) as gw:
                 try:
-                    result, error = harness(gw.base_url), None
-                except Exception as e:  # an untaught policy's answer the framework could not use
-                    result, error = None, e
-            new = [p for p in seen if tuple(p) not in self.learnt]
-            if not new:
-                if error is not None:
-                    raise error
+                    result = harness(gw.base_url)
+                except Exception:  # refused where the policy has a prompt to learn
+                    if not seen or tuple(seen[-1]) in self.learnt:
+                        raise
+            new = seen[-1] if seen else None
+            if new is None or tuple(new) in self.learnt:
                 return result, seen
-            for p in new:
-                text = self.reply(self.tok.decode(p))
-                self.learnt[tuple(p)] = self.tok(text, add_special_tokens=False)["input_ids"] + [
-                    self.tok.eos_token_id
-                ]
+            text = self.reply(self.tok.decode(new))
+            self.learnt[tuple(new)] = self.tok(text, add_special_tokens=False)["input_ids"] + [
+                self.tok.eos_token_id
+            ]
             teach(self.model, self.learnt)
         raise AssertionError(f"the harness kept sending new prompts after {rounds} rounds")
 
@@ -80,13 +79,18 @@ GREEDY = Sampling(temperature=0, max_tokens=96)
 
 
 @contextlib.contextmanager
-def spying(seen: list):
-    """Keeps every prompt the gateway renders (its own renderer, called as always)."""
+def spying(seen: list, learnt: dict):
+    """Keeps every prompt the gateway renders (its own renderer, called as always), and refuses the first one
+    not in ``learnt`` with a 400 after keeping it."""
     real = gateway_app.prompt_ids
 
     def spy(*args):
         ids = real(*args)
+        if seen and tuple(seen[-1]) not in learnt:
+            raise bad("messages", "another prompt is being taught")
         seen.append(list(ids))
+        if tuple(ids) not in learnt:
+            raise bad("messages", "the tiny policy has not learnt this prompt yet")
         return ids
 
     gateway_app.prompt_ids = spy
@@ -163,7 +167,9 @@ def test_openai_streams_a_tool_round_trip():
     def harness(base_url):
         client = openai.OpenAI(base_url=base_url, api_key=KEY)
         messages = [{"role": "user", "content": "double 21"}]
-        first = list(client.chat.completions.create(model="policy", messages=messages, tools=tools, stream=True))
+        first = list(
+            client.chat.completions.create(model="policy", messages=messages, tools=tools, stream=True)
+        )
         calls = [c for ch in first for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
         finish = [ch.choices[0].finish_reason for ch in first if ch.choices and ch.choices[0].finish_reason]
         (call,) = calls
@@ -300,7 +306,11 @@ def test_pydantic_ai_text_streamed_text_and_a_tool_output():
     def harness(base_url):
         model = pydantic_model(base_url)
         text = pai.Agent(model).run_sync("hi").output
-        return text, asyncio.run(streamed(pai.Agent(model))), pai.Agent(model, output_type=int).run_sync("x").output
+        return (
+            text,
+            asyncio.run(streamed(pai.Agent(model))),
+            pai.Agent(model, output_type=int).run_sync("x").output,
+        )
 
     # output_type=int: pydantic-ai's default tool output, its final_result tool forced with tool_choice required
     (text, stream, number), prompts = Script(forced_rest("final_result", {"response": 42})).run(harness)
@@ -315,7 +325,9 @@ def test_pydantic_ai_json_outputs(kind):
     pai = pytest.importorskip("pydantic_ai", reason="pip install 'shifu-rlhf[harnesses]'")
 
     def harness(base_url):
-        return pai.Agent(pydantic_model(base_url), output_type=getattr(pai, kind)(Doubled)).run_sync("x").output
+        return (
+            pai.Agent(pydantic_model(base_url), output_type=getattr(pai, kind)(Doubled)).run_sync("x").output
+        )
 
     out, _ = Script(lambda _: '{"value":42}').run(harness)
     assert out == Doubled(value=42)
@@ -323,10 +335,11 @@ def test_pydantic_ai_json_outputs(kind):
 
 # -------------------------------------------------------------------------------------- smolagents
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
-def test_smolagents_tool_calling_agent(stream):
+def test_smolagents_tool_calling_agent():
     """``ToolCallingAgent`` with its defaults (every step a call forced with tool_choice required, its long
-    system prompt), plain and with ``stream_outputs=True``: the policy calls the tool, then final_answer."""
+    system prompt), plain and with ``stream_outputs=True``: the policy's call of final_answer ends the run. (A
+    round trip through its own tool is not scripted here: smolagents writes the gateway's random call ids into
+    its next prompt, so no two runs send the same one.)"""
     smol = pytest.importorskip("smolagents", reason="pip install 'shifu-rlhf[harnesses]'")
 
     @smol.tool
@@ -338,15 +351,77 @@ def test_smolagents_tool_calling_agent(stream):
         """
         return 2 * x
 
-    def reply(prompt: str) -> str:
-        if "Observation:" in last_turn(prompt) or "42" in last_turn(prompt):
-            return ' {"name": "final_answer", "arguments": {"answer": "42"}}</tool_call>'
-        return ' {"name": "double", "arguments": {"x": 21}}</tool_call>'
-
     def harness(base_url):
         model = smol.OpenAIServerModel(model_id="policy", api_base=base_url, api_key=KEY)
-        agent = smol.ToolCallingAgent(tools=[double], model=model, stream_outputs=stream, verbosity_level=0)
-        return agent.run("double 21"), [type(s).__name__ for s in agent.memory.steps]
+        runs = []
+        for stream in (False, True):
+            agent = smol.ToolCallingAgent(
+                tools=[double], model=model, stream_outputs=stream, verbosity_level=0
+            )
+            runs.append((agent.run("double 21"), [type(s).__name__ for s in agent.memory.steps]))
+        return runs
 
-    (answer, steps), prompts = Script(reply, positions=4096).run(harness)
-    assert answer == "42" and steps == ["TaskStep", "ActionStep", "ActionStep"] and len(prompts) == 2
+    final = ' {"name": "final_answer", "arguments": {"answer": "42"}}</tool_call>'
+    runs, prompts = Script(lambda _: final, positions=4096).run(harness)
+    assert runs == [("42", ["TaskStep", "ActionStep"])] * 2 and len(prompts) == 2 and prompts[0] == prompts[1]
+    assert Script(None).tok.decode(prompts[0]).endswith("<tool_call>")  # tool_choice "required"
+
+
+# -------------------------------------------------------------------------------------- instructor
+INSTRUCTOR = """
+import json, sys
+import instructor, openai
+from pydantic import BaseModel
+
+class Doubled(BaseModel):
+    value: int
+
+def client(**kw):
+    return instructor.from_openai(openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2]), **kw)
+
+messages = [{"role": "user", "content": "double 21"}]
+tools = client().chat.completions.create(model="policy", response_model=Doubled, messages=messages)
+json_mode = client(mode=instructor.Mode.JSON).chat.completions.create(
+    model="policy", response_model=Doubled, messages=messages
+)
+print(json.dumps({"tools": tools.model_dump(), "json": json_mode.model_dump(), "openai": openai.__version__}))
+"""
+
+
+def framework_env(name: str, requirement: str) -> Path:
+    """The Python of a virtual environment with ``requirement`` alone installed from the package index, as a
+    user would make it (its pins may disagree with this environment's), kept under ~/.cache/shifu between runs.
+    Skips when the index cannot be reached."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shifu" / "harness-envs" / name
+    python, ready = root / "bin" / "python", root / f"installed-{requirement}"
+    if ready.exists():
+        return python
+    venv.create(root, clear=True, with_pip=True)
+    pip = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", requirement],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if pip.returncode != 0:
+        pytest.skip(f"could not install {requirement} into {root}: {pip.stderr.strip()[-400:]}")
+    ready.touch()
+    return python
+
+
+@pytest.mark.slow
+def test_instructor_tools_mode_and_json_mode():
+    """instructor pins an ``openai`` of its own, so it runs in an environment of its own: its default mode
+    (a tool call forced by name) and its JSON mode (a ``json_object`` response format)."""
+    python = framework_env("instructor", "instructor>=1.10")
+
+    def harness(base_url):
+        out = subprocess.run(
+            [str(python), "-c", INSTRUCTOR, base_url, KEY], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    out, prompts = Script(forced_rest("Doubled", {"value": 42}, plain='{"value":42}')).run(harness)
+    assert out["tools"] == out["json"] == {"value": 42} and len(prompts) == 2
+    assert Script(None).tok.decode(prompts[0]).endswith('<tool_call>{"name": "Doubled", "arguments":')
