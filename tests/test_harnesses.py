@@ -54,11 +54,16 @@ class Script:
         self.reply, self.tok = reply, chat_tokenizer()
         self.model = tiny_policy(self.tok, seed=1, positions=positions).eval()
         self.learnt: dict[tuple[int, ...], list[int]] = {}
+        self.requests: list = []  # the last run's requests as the gateway parsed them (ChatRequest)
 
     def run(self, harness, rounds: int = 6):
         for _ in range(rounds):
             seen: list[list[int]] = []
-            with spying(seen, self.learnt), Gateway(self.model, self.tok, token=KEY, sampling=GREEDY) as gw:
+            self.requests = []
+            with (
+                spying(seen, self.learnt, self.requests),
+                Gateway(self.model, self.tok, token=KEY, sampling=GREEDY) as gw,
+            ):
                 try:
                     result = harness(gw.base_url)
                 except Exception:  # refused where the policy has a prompt to learn
@@ -79,9 +84,9 @@ GREEDY = Sampling(temperature=0, max_tokens=96)
 
 
 @contextlib.contextmanager
-def spying(seen: list, learnt: dict):
-    """Keeps every prompt the gateway renders (its own renderer, called as always), and refuses the first one
-    not in ``learnt`` with a 400 after keeping it."""
+def spying(seen: list, learnt: dict, requests: list):
+    """Keeps every prompt the gateway renders (its own renderer, called as always) and the request it rendered,
+    and refuses the first prompt not in ``learnt`` with a 400 after keeping it."""
     real = gateway_app.prompt_ids
 
     def spy(*args):
@@ -89,6 +94,7 @@ def spying(seen: list, learnt: dict):
         if seen and tuple(seen[-1]) not in learnt:
             raise bad("messages", "another prompt is being taught")
         seen.append(list(ids))
+        requests.append(args[1])
         if tuple(ids) not in learnt:
             raise bad("messages", "the tiny policy has not learnt this prompt yet")
         return ids
@@ -180,7 +186,9 @@ def test_openai_streams_a_tool_round_trip():
         text = "".join(ch.choices[0].delta.content or "" for ch in second if ch.choices)
         return call, finish, text
 
-    (call, finish, text), prompts = Script(tool_then_answer()).run(harness)
+    script = Script(tool_then_answer())
+    (call, finish, text), prompts = script.run(harness)
+    assert [r.stream for r in script.requests] == [True, True]
     assert call.function.name == "double" and json.loads(call.function.arguments) == {"x": 21}
     assert finish == ["tool_calls"] and text == ANSWER and len(prompts) == 2
     assert "<|im_start|>tool\n42<|endoftext|>" in Script(None).tok.decode(prompts[1])
@@ -203,7 +211,9 @@ def test_litellm_streams():
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         return text, [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
 
-    (text, finish), _ = Script(lambda _: ANSWER).run(harness)
+    script = Script(lambda _: ANSWER)
+    (text, finish), _ = script.run(harness)
+    assert [r.stream for r in script.requests] == [True]
     assert text == ANSWER and finish == ["stop"]
 
 
@@ -245,7 +255,9 @@ def test_langchain_invoke_stream_and_a_bound_tool_round_trip():
         messages += [called, ToolMessage(str(2 * call["args"]["x"]), tool_call_id=call["id"])]
         return plain, streamed, call, tools.invoke(messages).content
 
-    (plain, streamed, call, final), _ = Script(tool_then_answer()).run(harness)
+    script = Script(tool_then_answer())
+    (plain, streamed, call, final), _ = script.run(harness)
+    assert [r.stream for r in script.requests] == [False, True, False, False]
     assert plain == streamed == final == ANSWER
     assert call["name"] == "double" and call["args"] == {"x": 21}
 
@@ -261,8 +273,13 @@ def test_langchain_structured_output(method):
         kw = {} if method == "json_schema" else {"method": method}
         return llm.with_structured_output(Doubled, **kw).invoke("double 21")
 
-    out, prompts = Script(forced_rest("Doubled", {"value": 42}, plain='{"value":42}')).run(harness)
+    script = Script(forced_rest("Doubled", {"value": 42}, plain='{"value":42}'))
+    out, prompts = script.run(harness)
     assert out == Doubled(value=42) and len(prompts) == 1
+    (req,) = script.requests
+    assert (req.json_schema is not None, req.forced_name) == (
+        (True, None) if method == "json_schema" else (False, "Doubled")
+    )
     forced = Script(None).tok.decode(prompts[0]).endswith('<tool_call>{"name": "Doubled", "arguments":')
     assert forced == (method == "function_calling")  # the call's opening was read, not sampled
 
@@ -313,7 +330,13 @@ def test_pydantic_ai_text_streamed_text_and_a_tool_output():
         )
 
     # output_type=int: pydantic-ai's default tool output, its final_result tool forced with tool_choice required
-    (text, stream, number), prompts = Script(forced_rest("final_result", {"response": 42})).run(harness)
+    script = Script(forced_rest("final_result", {"response": 42}))
+    (text, stream, number), prompts = script.run(harness)
+    assert [(r.stream, r.tool_choice) for r in script.requests] == [
+        (False, "auto"),
+        (True, "auto"),
+        (False, "required"),
+    ]
     assert text == stream == ANSWER and number == 42
     assert Script(None).tok.decode(prompts[-1]).endswith("<tool_call>")  # tool_choice "required"
 
@@ -329,8 +352,9 @@ def test_pydantic_ai_json_outputs(kind):
             pai.Agent(pydantic_model(base_url), output_type=getattr(pai, kind)(Doubled)).run_sync("x").output
         )
 
-    out, _ = Script(lambda _: '{"value":42}').run(harness)
-    assert out == Doubled(value=42)
+    script = Script(lambda _: '{"value":42}')
+    out, _ = script.run(harness)
+    assert out == Doubled(value=42) and script.requests[0].json_schema is not None
 
 
 # -------------------------------------------------------------------------------------- smolagents
@@ -362,7 +386,9 @@ def test_smolagents_tool_calling_agent():
         return runs
 
     final = ' {"name": "final_answer", "arguments": {"answer": "42"}}</tool_call>'
-    runs, prompts = Script(lambda _: final, positions=4096).run(harness)
+    script = Script(lambda _: final, positions=4096)
+    runs, prompts = script.run(harness)
+    assert [(r.stream, r.tool_choice) for r in script.requests] == [(False, "required"), (True, "required")]
     assert runs == [("42", ["TaskStep", "ActionStep"])] * 2 and len(prompts) == 2 and prompts[0] == prompts[1]
     assert Script(None).tok.decode(prompts[0]).endswith("<tool_call>")  # tool_choice "required"
 
@@ -422,6 +448,9 @@ def test_instructor_tools_mode_and_json_mode():
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    out, prompts = Script(forced_rest("Doubled", {"value": 42}, plain='{"value":42}')).run(harness)
+    script = Script(forced_rest("Doubled", {"value": 42}, plain='{"value":42}'))
+    out, prompts = script.run(harness)
     assert out["tools"] == out["json"] == {"value": 42} and len(prompts) == 2
+    tools, json_mode = script.requests
+    assert tools.forced_name == "Doubled" and json_mode.json_schema is not None and not json_mode.tools
     assert Script(None).tok.decode(prompts[0]).endswith('<tool_call>{"name": "Doubled", "arguments":')
