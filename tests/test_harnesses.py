@@ -31,6 +31,7 @@ openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'"
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 
 from test_gateway import chat_tokenizer, tiny_policy  # noqa: E402
+from test_gateway_dialects import assert_faithful  # noqa: E402
 
 import shifu.gateway.app as gateway_app  # noqa: E402
 from shifu.gateway import Gateway, Sampling  # noqa: E402
@@ -78,6 +79,14 @@ class Script:
             ]
             teach(self.model, self.learnt)
         raise AssertionError(f"the harness kept sending new prompts after {rounds} rounds")
+
+    def recorded(self, harness):
+        """The harness once more, on a recording gateway (what ``shifu ppo`` runs an agent on) with a session's
+        key as its API key: its result and the session's record."""
+        with Gateway(self.model, self.tok, recording=True, sampling=GREEDY) as gw:
+            key = gw.start_session()
+            result = harness(gw.base_url, key)
+            return result, gw.end_session(key)
 
 
 GREEDY = Sampling(temperature=0, max_tokens=96)
@@ -224,9 +233,9 @@ class Doubled(__import__("pydantic").BaseModel):
     value: int
 
 
-def chat_openai(base_url):
+def chat_openai(base_url, key=KEY):
     lc = pytest.importorskip("langchain_openai", reason="pip install 'shifu-rlhf[harnesses]'")
-    return lc.ChatOpenAI(model="policy", base_url=base_url, api_key=KEY)
+    return lc.ChatOpenAI(model="policy", base_url=base_url, api_key=key)
 
 
 def double_tool():
@@ -294,23 +303,32 @@ def test_langgraph_react_agent_calls_its_tool_and_answers():
         warnings.simplefilter("ignore")
         from langgraph.prebuilt import create_react_agent
 
-    def harness(base_url):
-        agent = create_react_agent(chat_openai(base_url), [double_tool()])
+    def harness(base_url, key=KEY):
+        agent = create_react_agent(chat_openai(base_url, key), [double_tool()])
         return agent.invoke({"messages": [("user", "double 21")]})["messages"]
 
-    messages, prompts = Script(tool_then_answer()).run(harness)
+    script = Script(tool_then_answer())
+    messages, prompts = script.run(harness)
     assert [m.type for m in messages] == ["human", "ai", "tool", "ai"] and len(prompts) == 2
     assert messages[1].tool_calls[0]["args"] == {"x": 21} and messages[2].content == "42"
     assert messages[3].content == ANSWER
+    # recorded for training: one trajectory, the tool's result read between the two sampled turns
+    messages, rec = script.recorded(harness)
+    assert messages[3].content == ANSWER and (rec.calls, rec.forks, len(rec.trajectories)) == (2, 0, 1)
+    one, two = rec.trajectories[0].segments
+    assert script.tok.decode(one.sampled_ids) == CALL + "<|endoftext|>" and "tool\n42" in script.tok.decode(
+        two.read_ids
+    )
+    assert assert_faithful(script.model, rec, 1.0) == len(one.sampled_ids) + len(two.sampled_ids)
 
 
 # ------------------------------------------------------------------------------------- pydantic-ai
-def pydantic_model(base_url):
+def pydantic_model(base_url, key=KEY):
     pytest.importorskip("pydantic_ai", reason="pip install 'shifu-rlhf[harnesses]'")
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    return OpenAIChatModel("policy", provider=OpenAIProvider(base_url=base_url, api_key=KEY))
+    return OpenAIChatModel("policy", provider=OpenAIProvider(base_url=base_url, api_key=key))
 
 
 def test_pydantic_ai_text_streamed_text_and_a_tool_output():
@@ -320,8 +338,8 @@ def test_pydantic_ai_text_streamed_text_and_a_tool_output():
         async with agent.run_stream("hello") as run:
             return "".join([t async for t in run.stream_text(delta=True)])
 
-    def harness(base_url):
-        model = pydantic_model(base_url)
+    def harness(base_url, key=KEY):
+        model = pydantic_model(base_url, key)
         text = pai.Agent(model).run_sync("hi").output
         return (
             text,
@@ -339,6 +357,13 @@ def test_pydantic_ai_text_streamed_text_and_a_tool_output():
     ]
     assert text == stream == ANSWER and number == 42
     assert Script(None).tok.decode(prompts[-1]).endswith("<tool_call>")  # tool_choice "required"
+    # recorded for training: the forced opening read, the rest of the call sampled
+    (text, stream, number), rec = script.recorded(harness)
+    assert text == stream == ANSWER and number == 42 and rec.calls == 3
+    (forced,) = rec.trajectories[-1].segments
+    assert script.tok.decode(forced.read_ids).endswith("<tool_call>")
+    assert script.tok.decode(forced.sampled_ids).startswith('{"name": "final_result"')
+    assert_faithful(script.model, rec, 1.0)
 
 
 @pytest.mark.parametrize("kind", ["NativeOutput", "PromptedOutput"])
