@@ -81,8 +81,8 @@ class Script:
         raise AssertionError(f"the harness kept sending new prompts after {rounds} rounds")
 
     def recorded(self, harness):
-        """The harness once more, on a recording gateway (what ``shifu ppo`` runs an agent on) with a session's
-        key as its API key: its result and the session's record."""
+        """The harness once more, on a recording gateway (what ``shifu ppo`` runs an agent on) with a recording key
+        (``start_session``) as its API key: its result and what was recorded."""
         with Gateway(self.model, self.tok, recording=True, sampling=GREEDY) as gw:
             key = gw.start_session()
             result = harness(gw.base_url, key)
