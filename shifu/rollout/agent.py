@@ -27,14 +27,28 @@ on the trajectory's last sampled token. So GAE, the critic and every critic-free
 episodes as they read an environment's.
 
 **Forks.** A call that extends no earlier call starts another trajectory of the episode (``agent/forks``). Row
-``i`` of the batch is always row ``i``'s *main* trajectory, the one holding the episode's last call. With
-``train_forks`` (one process, ``group_size`` 1: GAE, REINFORCE, REINFORCE++) each other trajectory is appended
-after the batch's rows as a row of its own, trained with the episode's reward: the batch then has more rows than
-prompts (``agent/fork_rows`` per episode; the minibatches grow with it). Without it (group estimators, which
-need exactly ``G`` rows per prompt to compare; torchrun, whose ranks must train the same number of rows) only
-the main trajectory trains and the others are counted. An evaluation reads the main trajectories.
+``i`` of the batch is always row ``i``'s *main* trajectory, the one holding the episode's last call of the agent's
+own (a side call's trajectory is never the main one). With ``train_forks`` (one process, ``group_size`` 1: GAE,
+REINFORCE, REINFORCE++) each other trajectory is appended after the batch's rows as a row of its own, trained
+with the episode's reward: the batch then has more rows than prompts (``agent/fork_rows`` per episode; the
+minibatches grow with it). Without it (group estimators, which need exactly ``G`` rows per prompt to compare;
+torchrun, whose ranks must train the same number of rows) only the main trajectory trains and the others are
+counted. An evaluation reads the main trajectories.
 
-**Faults.** ``solve`` raising, passing ``agent.timeout_s``, or returning anything but a finite number or None is
+**Side calls.** A call sent with another system prompt than the agent's (a title, a summary, a classifier:
+:mod:`shifu.gateway.sessions` says which system prompt is the agent's) starts a side trajectory
+(``agent/side_calls`` counts such calls). ``side_calls="skip"`` (``agent.side_calls``) records them and leaves
+them out of the batch: the episode's reward is for the agent's work, which a title's tokens did not do.
+``"train"`` trains them as forks are trained (above).
+
+**Incomplete episodes.** An episode that ends on a budget is truncated, as an environment's episode is
+(``truncated``: the trainer's missing-EOS penalty applies, and nothing is bootstrapped past it): its main
+trajectory cut at ``max_turns`` calls or ``max_total_tokens`` ids, its last kept call cut at its token cap (or at
+the model's positions), the episode stopped at ``agent.timeout_s`` (``agent/timeouts``: what it recorded is kept
+with its rewards), or its last request refused because the prompt leaves no room in the model's positions
+(``context_length_exceeded``, ``agent/context_exceeded``; ``solve`` may let that error out).
+
+**Faults.** ``solve`` raising (but for the context limit, above), or returning anything but a finite number or None is
 a fault naming the agent and the row: ``agent.on_error=raise`` stops the run with the first one (in row order,
 once the batch's episodes ended); ``end_episode`` keeps what the episode recorded with every reward 0
 (``failed``, ``agent/errors``). An episode with no call has nothing to train: a row with no sampled token, left
@@ -78,7 +92,7 @@ def agents_installed() -> bool:
 
 
 class AgentFault(ShifuError):
-    """An agent raised, timed out or returned something else than a reward; the message names it and the row."""
+    """An agent raised or returned something else than a reward; the message names it and the row."""
 
 
 async def set_reward(client: Any, reward: float, call: str | None = None) -> None:
@@ -101,6 +115,11 @@ class _Episode:
     returned: float | None = None
     fault: str | None = None
     timed_out: bool = False
+
+    @property
+    def incomplete(self) -> bool:
+        """Ended at ``agent.timeout_s`` or on the model's context limit: its main trajectory is truncated."""
+        return self.timed_out or self.record.context_exceeded
 
     @property
     def reward(self) -> float:
@@ -128,7 +147,7 @@ class AgentEpisodes:
     """The rollout source of ``agent.factory`` (module docstring): ``solve`` the loaded function, ``spec`` its
     name as configured, ``limits`` the trajectories' budgets (``stop`` unused: the agent sends its own),
     ``train_forks`` whether fork trajectories become rows of their own, ``max_prompt_len`` the most ids of a
-    trajectory's first input (None: no bound)."""
+    trajectory's first input (None: no bound), ``side_calls`` ``"train"`` or ``"skip"`` (module docstring)."""
 
     gold = True  # what the agent returns is the task's own measure
 
@@ -143,8 +162,10 @@ class AgentEpisodes:
         kwargs: dict | None = None,
         train_forks: bool = True,
         max_prompt_len: int | None = None,
+        side_calls: str = "skip",
     ):
         self.solve, self.spec, self.limits, self.max_prompt_len = solve, spec, limits, max_prompt_len
+        self.side_calls = side_calls
         self.concurrency, self.timeout_s, self.on_error = concurrency, timeout_s, on_error
         self.kwargs, self.train_forks = dict(kwargs or {}), train_forks
         self.version = 0  # the policy version the gateway records: one per collect
@@ -227,7 +248,7 @@ class AgentEpisodes:
             client = openai.AsyncOpenAI(
                 base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0
             )
-            ep = _Episode(row, None)
+            ep, raised = _Episode(row, None), None
             try:
                 async with asyncio.timeout(self.timeout_s) as deadline:
                     ep.returned = await self.solve(client, row, **self.kwargs)
@@ -235,15 +256,14 @@ class AgentEpisodes:
                 if not deadline.expired():
                     ep.fault = f"{where}: solve() raised TimeoutError"
                 else:
-                    key_t = typed_key("agent.timeout_s")
-                    ep.fault, ep.timed_out = (
-                        f"{where}: solve() took longer than {key_t}={self.timeout_s} s",
-                        True,
-                    )
+                    ep.timed_out = True  # not a fault: the episode ends truncated (module docstring)
             except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
+                raised = e
                 ep.fault = f"{where}: solve() raised {type(e).__name__}: {e}"
             ep.record = gateway.end_session(key)
             await http.aclose()
+            if ep.fault is not None and ep.record.context_exceeded and _context_refusal(raised):
+                ep.fault = None  # the episode ended on the context limit: truncated
             if ep.fault is None:
                 ep.fault = _bad_return(ep.returned, ep.record.reward, where)
             return ep
@@ -257,10 +277,13 @@ class AgentEpisodes:
             trajs = ep.record.trajectories
             self._check_first_inputs(ep)
             rows = [_row(t, ep, self.limits, policy.tokenizer) for t in trajs]
-            main.append(rows[-1] if rows else _Row([eos], [], [], [], {}, False, _counts(), []))
+            own = [r for r, t in zip(rows, trajs) if not t.side]  # (the agent's: the main one is its last)
+            main.append(own[-1] if own else _Row([eos], [], [], [], {}, False, _counts(), []))
             main[-1].counts["forks"] = ep.record.forks
+            main[-1].truncated |= ep.incomplete and bool(own)
             if self.train_forks:
-                extra += [(ep, r) for r in rows[:-1]]
+                trained = rows if self.side_calls == "train" else own
+                extra += [(ep, r) for r in trained if r is not main[-1]]
         made = [*zip(episodes, main), *extra]
         t = _batch([(ep.row, r) for ep, r in made], [ep.fault is not None for ep, _ in made], policy, params)
         return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
@@ -284,6 +307,8 @@ class AgentEpisodes:
         return {
             "agent/calls": sum(r.calls for r in records) / n,
             "agent/forks": sum(r.forks for r in records) / n,
+            "agent/side_calls": sum(r.side_calls for r in records) / n,
+            "agent/context_exceeded": sum(r.context_exceeded for r in records) / n,
             "agent/fork_rows": fork_rows / n,
             "agent/turns": sum(counts["turns"]) / n,
             "agent/tool_calls": sum(counts["tool_calls"]) / n,
@@ -296,6 +321,12 @@ class AgentEpisodes:
             "agent/timeouts": sum(ep.timed_out for ep in episodes) / n,
             "agent/return": float(t.returns[:B].mean()) if B else 0.0,
         }
+
+
+def _context_refusal(e: BaseException | None) -> bool:
+    """Whether ``e`` is the gateway's refusal of a prompt too long for the model (``context_length_exceeded``, as
+    the ``openai`` client raises it)."""
+    return getattr(e, "code", None) == "context_length_exceeded"
 
 
 def _bad_return(value: Any, session_reward: float | None, where: str) -> str | None:
