@@ -329,7 +329,10 @@ async def titled(client, row: dict) -> float:
         out = await client.chat.completions.create(model="policy", messages=messages)
         messages += [{"role": "assistant", "content": out.choices[0].message.content}]
         messages += [{"role": "user", "content": "and then?"}]
-    title = [{"role": "system", "content": "Write a short title."}, messages[1]]
+    title = [
+        {"role": "system", "content": "Write a short title for this conversation, in five words."},
+        messages[1],
+    ]
     await client.chat.completions.create(model="policy", messages=title)
     return 1.0
 
@@ -348,6 +351,15 @@ def test_side_calls_are_skipped_or_trained_as_forks_and_never_the_main_trajector
     assert m["agent/fork_rows"] == (0 if side_calls == "skip" else 1)
     if side_calls == "train":  # the title's row: one call, trained with the episode's reward
         assert t.counts["turns"][3:] == [1] * 3 and t.returns[3:].tolist() == [1.0] * 3
+    else:  # a skipped side call's first input is not read: max_prompt_len bounds the trained ones only
+        longest = int(t.prompt_mask.sum(1).max())
+        fits = AgentEpisodes(titled, "t:titled", EpisodeLimits(5, 6, 4096), max_prompt_len=longest)
+        assert len(collect(fits, model, tok, rows)) == 3
+        trains = AgentEpisodes(
+            titled, "t:titled", EpisodeLimits(5, 6, 4096), max_prompt_len=longest, side_calls="train"
+        )
+        with pytest.raises(ShifuError, match="the first input is"):
+            collect(trains, model, tok, rows)
 
 
 def test_a_first_input_longer_than_max_prompt_len_is_an_error_naming_the_row():

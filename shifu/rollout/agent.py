@@ -289,8 +289,10 @@ class AgentEpisodes:
         return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
 
     def _check_first_inputs(self, ep: _Episode) -> None:
-        """A trajectory's first input (its first call's prompt) longer than ``max_prompt_len`` is an error."""
-        longest = max((len(t.segments[0].read_ids) for t in ep.record.trajectories), default=0)
+        """A trajectory's first input (its first call's prompt) longer than ``max_prompt_len`` is an error (a
+        skipped side call's is not read)."""
+        read = [t for t in ep.record.trajectories if self.side_calls == "train" or not t.side]
+        longest = max((len(t.segments[0].read_ids) for t in read), default=0)
         if self.max_prompt_len and longest > self.max_prompt_len:
             raise ShifuError(
                 f"agent {self.spec}, row {describe_row(ep.row)}: the first input is {longest} tokens (the prompt "
