@@ -160,6 +160,83 @@ def test_episodes_leave_as_atif_harbor_accepts_and_come_back_as_sft_data(tmp_pat
     assert len(losses) == 8 and losses[-1] < 0.9 * losses[0] and losses[-1] == min(losses), losses
 
 
+ECHO = ["generation.stop=[g,h,i,j,k,l]", "generation.max_new_tokens=6", "generation.max_total_tokens=24"]
+
+
+@pytest.mark.integration
+def test_sft_on_a_runs_best_exported_episodes_beats_the_base_on_held_out_prompts(tmp_path):
+    """The round trip's point: a PPO run's episodes that earned a return of 0.5 or more, exported and read back
+    by shifu sft, teach the base policy; ``shifu eval`` pairs base and SFT policy on 200 held-out prompts with the
+    environment (measured: 0.037 -> 0.473, gain +0.436 +- 0.027)."""
+    char, prompts = build_char_model(tmp_path / "char"), write_prompts(tmp_path / "prompts.jsonl", 64)
+    letters = "abcdefghijkl"
+    held_out = [
+        {"prompt": "".join(letters[(i * 5 + j * 3 + 1) % 12] for j in range(4 + i % 3))} for i in range(200)
+    ]
+    held_out_path = write_jsonl(tmp_path / "held_out.jsonl", held_out)
+    run = tmp_path / "ppo"
+    argv = [
+        *(
+            "ppo",
+            "--out",
+            str(run),
+            f"model.path={char}",
+            f"data.train={prompts}",
+            "env.factory=thirdparty_env:Echo",
+        ),
+        *ECHO,
+        *(
+            "iterations=12",
+            "batch_size=32",
+            "minibatch_size=16",
+            "ppo_epochs=2",
+            "eval.every=0",
+            "critic.init=sft",
+        ),
+        *(
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            "kl.controller=fixed",
+            "kl.init_coef=0.01",
+            "progress=false",
+        ),
+        *("tensorboard=false", "traces.episodes=true", "eval.final_prompts=0"),
+    ]
+    assert cli.main(argv) == 0
+    exported = tmp_path / "episodes.atif.jsonl"
+    assert cli.main(["traces", "export", str(run), "--format", "atif", "--out", str(exported)]) == 0
+    best = [
+        d for d in map(json.loads, exported.read_text().splitlines()) if (d["extra"]["return"] or 0) >= 0.5
+    ]
+    assert len(best) >= 32
+    best_path = write_jsonl(tmp_path / "best.atif.jsonl", best)
+    sft = tmp_path / "sft"
+    argv = [
+        *("sft", "--out", str(sft), f"model.path={char}", f"data.train={best_path}", "max_steps=60"),
+        *("batch_size=16", "optim.lr=3e-3", "eval.every=0", "progress=false", "tensorboard=false"),
+    ]
+    assert cli.main(argv) == 0
+    record = tmp_path / "eval.json"
+    stops = [x for c in "ghijkl" for x in ("--stop", c)]
+    argv = [
+        *(
+            "eval",
+            str(char),
+            str(sft / "final"),
+            "--env",
+            "thirdparty_env:Echo",
+            "--prompts",
+            str(held_out_path),
+        ),
+        *stops,
+        *("--max-new-tokens", "6", "--max-total-tokens", "24", "--max-turns", "2", "--temperature", "0.7"),
+        *("--out", str(record), "--no-progress"),
+    ]
+    assert cli.main(argv) == 0
+    paired = json.loads(record.read_text())["paired"]
+    assert paired["pairs"] == 200 and paired["gain"] > 0.2 and paired["gain"] > 4 * paired["gain_se"], paired
+
+
 @pytest.mark.unit
 def test_export_refuses_a_run_that_recorded_no_episodes(tmp_path, capsys):
     (tmp_path / "run").mkdir()

@@ -34,7 +34,7 @@ import shifu
 from shifu.errors import ShifuError
 from shifu.models.tool_calls import parse_tool_calls, tool_format
 from shifu.rollout.batch import Trajectories
-from shifu.runs.jsonfile import dumps, read_jsonl
+from shifu.runs.jsonfile import dumps, keep_rows, read_jsonl
 
 ATIF_VERSION = "ATIF-v1.8"  # the newest schema of harbor 0.25.0's models
 EPISODES_DIR = "episodes"  # RUN/episodes/rank-R.jsonl (records), RUN/episodes/atif-rank-R.jsonl (ATIF)
@@ -221,6 +221,17 @@ class TraceWriter:
                 for k, r in enumerate(records):
                     name = f"{self.session}-it{iteration}-rank{self.rank}-{k}"
                     f.write(dumps(atif_trajectory(r, name, self.session, self.model)) + "\n")
+
+
+def trim(run_dir: str | Path, rank: int, last_iteration: int) -> None:
+    """Resuming: drop what this rank recorded after ``last_iteration`` (an interrupted run's later rollouts)."""
+
+    def kept(row: dict) -> bool:
+        it = row["iteration"] if "iteration" in row else row.get("extra", {}).get("iteration")
+        return it is None or it <= last_iteration
+
+    for path in (Path(run_dir) / EPISODES_DIR).glob(f"*rank-{rank}.jsonl"):
+        keep_rows(path, kept)
 
 
 def _run_model(run: Path) -> str | None:
