@@ -160,6 +160,50 @@ def test_episodes_leave_as_atif_harbor_accepts_and_come_back_as_sft_data(tmp_pat
     assert len(losses) == 8 and losses[-1] < 0.9 * losses[0] and losses[-1] == min(losses), losses
 
 
+@pytest.mark.integration
+def test_an_agents_episodes_leave_with_their_tool_calls_and_come_back_as_recorded(tmp_path, harbor_python):
+    """An agent's calls on the recording gateway (a model that calls the calculator in its template's syntax):
+    the ATIF steps carry the call and link the tool's result to it; read back, the ids and the trained mask are
+    the trajectory's."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    import test_agent as ta
+
+    from shifu.rollout.agent import AgentEpisodes
+    from shifu.rollout.episodes import EpisodeLimits
+    from shifu.rollout.traces import TraceWriter
+
+    model, tok = ta.setup_model("native_tool_calls")
+    rows = [{"id": i, "prompt": ta.QUESTION[0]["content"], "fork": False} for i in range(2)]
+    source = AgentEpisodes(
+        ta.tool_agent, "test_agent:tool_agent", EpisodeLimits(10, 100, 4096), concurrency=2
+    )
+    t = ta.collect(source, model, tok, rows, max_new_tokens=100)
+    TraceWriter(tmp_path / "run", 0, tok, "memorized", atif=True).write(t, None, 1, source.name)
+    path = tmp_path / "run" / "episodes" / "atif-rank-0.jsonl"
+    assert validate_with_harbor(harbor_python, path) == len(t) == 2
+    steps = [
+        s for x in path.read_text().splitlines() for s in json.loads(x)["steps"] if s["source"] == "agent"
+    ]
+    called = [s for s in steps if s.get("tool_calls")]
+    assert called and all(s["tool_calls"][0]["function_name"] == "calculator" for s in called)
+    # (sampled at T = 0.8, a call may come out misspelt: its arguments then are what parsing found)
+    assert {"expression": "2+3"} in [s["tool_calls"][0]["arguments"] for s in called]
+    linked = [s for s in called if "observation" in s]
+    assert linked and all(
+        s["observation"]["results"][0]["source_call_id"] == s["tool_calls"][0]["tool_call_id"] for s in linked
+    )
+    for i, row in enumerate(load_rows(path, "sft")):
+        prompt, response, mask = encode_demonstration(tok, row)
+        real = t.attention_mask[i].bool()
+        full = t.input_ids[i][real].tolist()
+        P = int(t.prompt_mask[i].sum())
+        trainable = [False] * P + t.trainable[i][t.attention[i]].tolist()
+        n = len(prompt) + len(response)
+        assert prompt + response == full[:n] and [False] * len(prompt) + mask == trainable[:n]
+        assert trainable[n:] == [False] * (len(full) - n)  # (only read ids follow the last trained one)
+
+
 ECHO = ["generation.stop=[g,h,i,j,k,l]", "generation.max_new_tokens=6", "generation.max_total_tokens=24"]
 
 
@@ -393,3 +437,18 @@ def test_bad_tools_name_the_field(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [CHAT_LOG | {"tools": [{"type": "function", "function": {}}]}])
     with pytest.raises(DataError, match=r"line 1, field 'tools\[0\]\.function\.name'"):
         load_rows(path, "sft")
+
+
+@pytest.mark.unit
+def test_a_resumed_run_drops_the_episodes_recorded_after_its_checkpoint(tmp_path):
+    from shifu.rollout.traces import trim
+
+    d = tmp_path / "episodes"
+    d.mkdir()
+    write_jsonl(d / "rank-0.jsonl", [{"iteration": i} for i in (1, 2, 3)])
+    write_jsonl(d / "atif-rank-0.jsonl", [{"extra": {"iteration": i}} for i in (1, 2, 3)])
+    write_jsonl(d / "rank-1.jsonl", [{"iteration": i} for i in (1, 2, 3)])
+    trim(tmp_path, 0, 2)
+    assert [json.loads(x)["iteration"] for x in (d / "rank-0.jsonl").read_text().splitlines()] == [1, 2]
+    assert len((d / "atif-rank-0.jsonl").read_text().splitlines()) == 2
+    assert len((d / "rank-1.jsonl").read_text().splitlines()) == 3  # (each rank trims its own)

@@ -17,6 +17,11 @@ trained tokens of ``response_ids`` and False on those only read.
   EOS (ChatML's ``"\\n"``) is read, as it is in an episode (:mod:`shifu.generation.observations`). A
   template that renders a prefix otherwise (it rewrites earlier turns), closes an assistant message without
   EOS, or drops a message's ``tool_calls`` is a :class:`DataError` naming the row and the message.
+- ``messages`` with ``tools`` (an agent's chat log): the same, rendered as the policy gateway renders an agent's
+  request (:func:`shifu.models.tool_calls.render_messages`: tools natively, or in a Hermes system message with the
+  history's calls written in that syntax), so each assistant turn is trained as the policy would have sampled it.
+- an ATIF trajectory read as recorded (:mod:`shifu.data.atif`): its ids and trained mask as they are, once
+  checked to be the policy's tokenizer's.
 - ``messages`` without a chat template: the plain rendering of :func:`shifu.data.rows.prompt_text`,
   ``"{role}: {content}\\n"`` per message, where an assistant message is ``"assistant: "``, its content and
   EOS (trained), then ``"\\n"``.
