@@ -6,9 +6,11 @@ only the assistant turns trained; bad rows name the file, the line and the field
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -46,18 +48,24 @@ print(n)
 @pytest.fixture(scope="session")
 def harbor_python() -> str:
     """A Python 3.12 (pyenv) environment with harbor 0.25.0's trajectory models, made once and kept under
-    ~/.cache/shifu-test-harbor. harbor is installed without its dependencies (litellm, supabase, ...): its
+    ~/.cache/shifu-test-harbor (a lock keeps parallel test workers from building it twice; a build that did not
+    finish is started again). harbor is installed without its dependencies (litellm, supabase, ...): its
     trajectory models and validator import pydantic only."""
-    python = HARBOR_ENV / "bin" / "python"
-    if not python.exists():
-        found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python")))
-        if not found:
-            pytest.skip("no Python 3.12 under ~/.pyenv/versions (harbor needs Python >= 3.12)")
-        subprocess.run([found[-1], "-m", "venv", str(HARBOR_ENV)], check=True, timeout=300)
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        for what in (["--no-deps", HARBOR], ["pydantic>=2.12"]):
-            proc = subprocess.run([*pip, *what], capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+    python, done = HARBOR_ENV / "bin" / "python", HARBOR_ENV / ".complete"
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python")))
+    if not done.exists() and not found:
+        pytest.skip("no Python 3.12 under ~/.pyenv/versions (harbor needs Python >= 3.12)")
+    HARBOR_ENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(HARBOR_ENV.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(HARBOR_ENV, ignore_errors=True)
+            subprocess.run([found[-1], "-m", "venv", str(HARBOR_ENV)], check=True, timeout=300)
+            pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+            for what in (["--no-deps", HARBOR], ["pydantic>=2.12"]):
+                proc = subprocess.run([*pip, *what], capture_output=True, text=True, timeout=600)
+                assert proc.returncode == 0, proc.stderr[-3000:]
+            done.touch()
     return str(python)
 
 
@@ -452,3 +460,44 @@ def test_a_resumed_run_drops_the_episodes_recorded_after_its_checkpoint(tmp_path
     assert [json.loads(x)["iteration"] for x in (d / "rank-0.jsonl").read_text().splitlines()] == [1, 2]
     assert len((d / "atif-rank-0.jsonl").read_text().splitlines()) == 2
     assert len((d / "rank-1.jsonl").read_text().splitlines()) == 3  # (each rank trims its own)
+
+
+@pytest.mark.unit
+def test_records_split_turns_at_turn_ends_or_at_the_end_of_a_sampled_run():
+    """A single-turn batch (no turn_ends) is one turn from its first sampled token to its EOS; with turn_ends,
+    two turns with nothing read between them stay two turns. Rewards sum over each turn's tokens."""
+    import torch
+
+    from shifu.rollout.batch import Trajectories, Transcript
+    from shifu.rollout.traces import atif_trajectory, episode_records
+
+    tok = build_tiny_tokenizer()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    a, b, c = tok("the cat dog", add_special_tokens=False)["input_ids"][:3]
+    ids = torch.tensor([[a, b, eos, pad, pad], [a, eos, b, c, eos]])
+    trainable = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
+    attention = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    rewards = torch.tensor([[0, 0, 0.5, 0, 0], [0, 0.25, 0, 0, 1.0]])
+    turn_ends = torch.tensor([[0, 0, 1, 0, 0], [0, 1, 1, 0, 1]], dtype=torch.bool)
+    made = dict(
+        prompt_ids=torch.tensor([[pad, c], [c, c]]),
+        prompt_mask=torch.tensor([[0, 1], [1, 1]]),
+        ids=ids,
+        trainable=trainable,
+        attention=attention,
+        rewards=rewards,
+        truncated=torch.tensor([False, True]),
+        failed=torch.tensor([False, False]),
+        rows=[{"prompt": "x"}, {"prompt": "y"}],
+        transcripts=[Transcript((), "")] * 2,
+        log_probs=-torch.rand(2, 5) * trainable,
+    )
+    single = episode_records(Trajectories(**made), tok, None, 3, "s")[0]
+    assert [t["ids"] for t in single["turns"]] == [[a, b, eos]] and single["turns"][0]["reward"] == 0.5
+    assert single["input_ids"] == [c] and single["turns"][0]["read_ids"] == []
+    multi = episode_records(Trajectories(**made, turn_ends=turn_ends), tok, None, 3, "s")[1]
+    assert [(t["ids"], t["read_ids"]) for t in multi["turns"]] == [([a, eos], []), ([b], [c]), ([eos], [])]
+    assert [t["reward"] for t in multi["turns"]] == [0.25, 0.0, 1.0] and multi["return"] == 1.25
+    doc = atif_trajectory(multi, "t", "s", "m")
+    context = [s["metrics"]["prompt_token_ids"] for s in doc["steps"][1:]]
+    assert context == [[c, c], [c, c, a, eos], [c, c, a, eos, b, c]] and doc["extra"]["truncated"]
