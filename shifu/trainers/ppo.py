@@ -63,6 +63,8 @@ SAFE_RESUME_KEYS = {
     "reward.url",
     "reward.timeout_s",
     "reward.retries",
+    "traces.episodes",
+    "traces.atif",
 }
 
 
