@@ -373,12 +373,14 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
 @pytest.mark.slow
 def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
     """Multi-turn episodes (thirdparty_env:Echo, one fresh instance per episode): the chain of interruptions
-    ends with the weights, metrics (env/* included) and evaluation transcripts of the uninterrupted run."""
+    ends with the weights, metrics (env/* included), evaluation transcripts and recorded episodes of the
+    uninterrupted run."""
     env = [
         "env.factory=thirdparty_env:Echo",
         "generation.stop=[g,h,i,j,k,l]",
         "generation.max_new_tokens=6",
         "generation.max_total_tokens=24",
+        "traces.episodes=true",
     ]
 
     def argv(out):
@@ -389,6 +391,9 @@ def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
     clean = tmp_path / "clean"
     assert (clean / "samples.jsonl").read_text() == (resumed / "samples.jsonl").read_text()
     assert any("env/return" in r for r in metric_rows(resumed))
+    # the recorded episodes too: what an interrupted run recorded after its checkpoint is dropped on resume
+    episodes = "episodes/rank-0.jsonl"
+    assert (clean / episodes).read_text() == (resumed / episodes).read_text() != ""
 
 
 @pytest.mark.slow
