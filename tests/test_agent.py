@@ -230,6 +230,8 @@ async def moody(client, row: dict):
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     if kind == "raise":
         raise ValueError("the tool broke")
+    if kind == "timeout":  # its own (a tool's) timeout: a raise, not agent.timeout_s
+        raise TimeoutError("the tool took too long")
     if kind == "hang":
         await asyncio.sleep(60)
     if kind == "twice":
@@ -257,6 +259,7 @@ def test_faults_follow_on_error_and_are_counted():
     for kind, said in [
         ("raise", "solve() raised ValueError: the tool broke"),
         ("hang", "solve() took longer than agent.timeout_s=3.0 s"),
+        ("timeout", "solve() raised TimeoutError"),
         ("bad", "solve() returned str 'yes'; it must return a finite number or None"),
         ("twice", "solve() returned 1.0 and also set the episode's reward 2.0"),
     ]:

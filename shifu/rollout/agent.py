@@ -212,24 +212,26 @@ class AgentEpisodes:
             )
             ep = _Episode(row, None)
             try:
-                async with asyncio.timeout(self.timeout_s) as deadline:
-                    ep.returned = await self.solve(client, row, **self.kwargs)
-            except TimeoutError:
-                if not deadline.expired():
-                    ep.fault = f"{where}: solve() raised TimeoutError"
-                else:
-                    key_t = typed_key("agent.timeout_s")
-                    ep.fault, ep.timed_out = (
-                        f"{where}: solve() took longer than {key_t}={self.timeout_s} s",
-                        True,
-                    )
-            except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
-                ep.fault = f"{where}: solve() raised {type(e).__name__}: {e}"
+                ep.returned = await asyncio.wait_for(self._solve(client, row), self.timeout_s)
+            except _Raised as e:
+                ep.fault = f"{where}: solve() raised {_described(e.__cause__)}"
+            except (TimeoutError, asyncio.TimeoutError):  # (two classes before Python 3.11)
+                key_t = typed_key("agent.timeout_s")
+                ep.fault = f"{where}: solve() took longer than {key_t}={self.timeout_s} s"
+                ep.timed_out = True
             ep.record = gateway.end_session(key)
             await http.aclose()
             if ep.fault is None:
                 ep.fault = _bad_return(ep.returned, ep.record.reward, where)
             return ep
+
+    async def _solve(self, client, row: dict) -> Any:
+        """What ``solve`` returns; whatever it raises comes out as :class:`_Raised` (so that a TimeoutError of
+        its own is told apart from ``asyncio.wait_for``'s at ``agent.timeout_s``)."""
+        try:
+            return await self.solve(client, row, **self.kwargs)
+        except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
+            raise _Raised() from e
 
     # ------------------------------------------------------------------------------------ the batch
     def _trajectories(self, episodes: list[_Episode], policy: Policy, params: SamplingParams) -> Trajectories:
@@ -279,6 +281,17 @@ class AgentEpisodes:
             "agent/timeouts": sum(ep.timed_out for ep in episodes) / n,
             "agent/return": float(t.returns[:B].mean()) if B else 0.0,
         }
+
+
+class _Raised(Exception):
+    """``solve`` raised (the exception is the ``__cause__``)."""
+
+
+def _described(e: BaseException) -> str:
+    """What a fault says the agent raised: ``TimeoutError`` for its own timeout, else ``Name: message``."""
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "TimeoutError"
+    return f"{type(e).__name__}: {e}"
 
 
 def _bad_return(value: Any, session_reward: float | None, where: str) -> str | None:
