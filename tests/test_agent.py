@@ -215,10 +215,10 @@ def test_the_batching_queue_waits_as_long_as_it_is_told():
             await asyncio.gather(first, q.submit(2), q.submit(3))
             await q.close()
 
-    asyncio.run(main(lambda n: 0.0 if n >= 3 else 30.0))  # waits for the third
+    asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 30.0))  # waits for the third
     assert calls == [[1, 2, 3]]
     calls.clear()
-    asyncio.run(main(lambda n: 0.0 if n >= 3 else 0.05))  # waits 50 ms, then goes alone
+    asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 0.05))  # waits 50 ms, then goes alone
     asyncio.run(main(None))  # never waits
     assert calls[0] == [1] and calls[2] == [1]
 

@@ -177,6 +177,7 @@ class AgentEpisodes:
             sampling=sampling,
             seed=seed,
         )
+        gateway.plan_sessions(len(batch.rows), self.concurrency)
         with gateway:
             episodes = asyncio.run(self._run(gateway, batch.rows))
         sampler_calls = gateway.engine.calls
@@ -194,36 +195,42 @@ class AgentEpisodes:
 
     # ------------------------------------------------------------------------------------ the episodes
     async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:
-        gate = asyncio.Semaphore(self.concurrency)
-        return await asyncio.gather(*[self._episode(gateway, gate, row) for row in rows])
+        """Row ``i``'s episode in a session of row id ``i``, started in row order (each of ``concurrency``
+        workers takes the next row when its episode ends), as the gateway's plan says."""
+        episodes: list[_Episode] = [None] * len(rows)
+        order = iter(range(len(rows)))
 
-    async def _episode(self, gateway, gate: asyncio.Semaphore, row: dict) -> _Episode:
+        async def worker() -> None:
+            for i in order:  # (one iterator: the next row not yet started)
+                episodes[i] = await self._episode(gateway, i, rows[i])
+
+        await asyncio.gather(*[worker() for _ in range(min(self.concurrency, len(rows)))])
+        return episodes
+
+    async def _episode(self, gateway, i: int, row: dict) -> _Episode:
         import httpx
         import openai
 
         where = f"agent {self.spec}, row {describe_row(row)}"
-        async with gate:
-            key = gateway.start_session()
-            # a connection of its own (a pool shared by many episodes checks each of its connections per request)
-            transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
-            http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
-            client = openai.AsyncOpenAI(
-                base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0
-            )
-            ep = _Episode(row, None)
-            try:
-                ep.returned = await asyncio.wait_for(self._solve(client, row), self.timeout_s)
-            except _Raised as e:
-                ep.fault = f"{where}: solve() raised {_described(e.__cause__)}"
-            except (TimeoutError, asyncio.TimeoutError):  # (two classes before Python 3.11)
-                key_t = typed_key("agent.timeout_s")
-                ep.fault = f"{where}: solve() took longer than {key_t}={self.timeout_s} s"
-                ep.timed_out = True
-            ep.record = gateway.end_session(key)
-            await http.aclose()
-            if ep.fault is None:
-                ep.fault = _bad_return(ep.returned, ep.record.reward, where)
-            return ep
+        key = gateway.start_session(row_id=i)
+        # a connection of its own (a pool shared by many episodes checks each of its connections per request)
+        transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
+        http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0)
+        ep = _Episode(row, None)
+        try:
+            ep.returned = await asyncio.wait_for(self._solve(client, row), self.timeout_s)
+        except _Raised as e:
+            ep.fault = f"{where}: solve() raised {_described(e.__cause__)}"
+        except (TimeoutError, asyncio.TimeoutError):  # (two classes before Python 3.11)
+            key_t = typed_key("agent.timeout_s")
+            ep.fault = f"{where}: solve() took longer than {key_t}={self.timeout_s} s"
+            ep.timed_out = True
+        ep.record = gateway.end_session(key)
+        await http.aclose()
+        if ep.fault is None:
+            ep.fault = _bad_return(ep.returned, ep.record.reward, where)
+        return ep
 
     async def _solve(self, client, row: dict) -> Any:
         """What ``solve`` returns; whatever it raises comes out as :class:`_Raised` (so that a TimeoutError of
