@@ -223,6 +223,71 @@ def test_the_batching_queue_waits_as_long_as_it_is_told():
     assert calls[0] == [1] and calls[2] == [1]
 
 
+def test_a_recorded_completions_randomness_is_its_identity_not_its_company():
+    """A recorded completion (a job with an identity: row, call) samples each choice from a generator seeded by
+    the engine's seed, the identity and the choice: the same tokens alone, beside other rows or behind them in
+    a wider call; another identity or another seed draws other tokens."""
+    from shifu.gateway.engine import Engine, Job
+
+    tok = chat_tokenizer()
+    engine = Engine(tiny_policy(tok), tok, seed=7)
+
+    def job(prompt: str, identity, n: int = 1) -> Job:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        return Job(ids, n, 12, [], 1.0, identity=identity)
+
+    def ids(jobs: list[Job], at: int) -> list[list[int]]:
+        return [c.ids for c in engine.run(jobs)[at]]
+
+    mine = job("hello there", (3, 1), n=2)
+    alone = ids([mine], 0)
+    assert alone[0] != alone[1]  # each choice draws its own
+    assert ids([job("a much longer prompt that pads the call", (0, 0)), mine, job("x", (5, 2))], 1) == alone
+    assert ids([mine], 0) == alone  # (nothing consumed between calls)
+    assert ids([job("hello there", (3, 2), n=2)], 0) != alone
+    assert [c.ids for c in Engine(engine.model, tok, seed=8).run([mine])[0]] != alone
+
+
+def test_two_agent_runs_with_one_seed_are_bit_identical(echo_task, tmp_path, monkeypatch):
+    """``shifu ppo`` through an agent twice with the same seed: the same metrics and the same final weights, bit
+    for bit (the sessions outnumber the concurrency: rows start as slots free, in row order)."""
+    from test_resume import metric_rows, weights_digest
+
+    from shifu.cli import main as cli
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def run(out: Path) -> tuple[list[dict], str]:
+        argv = [
+            "ppo",
+            "--out",
+            str(out),
+            f"model.path={echo_task['char']}",
+            f"data.train={echo_task['prompts']}",
+            "agent.factory=echo_agent:solve",
+            "agent.concurrency=5",
+            "generation.max_new_tokens=6",
+            "generation.max_total_tokens=24",
+            "iterations=3",
+            "batch_size=16",
+            "minibatch_size=8",
+            "eval.every=0",
+            "eval.num_prompts=4",
+            "critic.init=sft",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            "progress=false",
+            "tensorboard=false",
+        ]
+        assert cli.main(argv) == 0
+        return metric_rows(out), weights_digest(out / "final", out / "critic")
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    train = [r for r in first[0] if "agent/return" in r]
+    assert len(train) == 3 and all(r["agent/calls"] == 2 and r["agent/errors"] == 0 for r in train)
+    assert first == second
+
+
 async def moody(client, row: dict):
     """Per row: an answer, a raise, a hang, a bad return, a reward given twice, no call at all."""
     kind = row["kind"]

@@ -41,8 +41,24 @@ once the batch's episodes ended); ``end_episode`` keeps what the episode recorde
 out of the update as a non-finite score is.
 
 **Torchrun.** Each process serves its own share of the rows on its own gateway with its whole actor (DDP's
-module); sharded actors (FSDP2, DeepSpeed) are refused by the config. Which calls share a sampler call depends
-on timing, so an agent's rollouts are not bit-reproducible run to run, unlike the other sources'.
+module); sharded actors (FSDP2, DeepSpeed) are refused by the config.
+
+**Reproducibility.** A completion's randomness is the run's and its own, not the order calls arrive in: per
+collect the trainer's generator draws the gateway's seed (so the step is in it), row ``i``'s episode runs in a
+session of row id ``i``, and each choice of the session's ``k``-th call samples from a generator of its own
+seeded by (seed, ``i``, ``k``, choice) (:mod:`shifu.gateway.engine`). That alone gives the same tokens, not the
+same bits: a row's logits differ in their last bits with the rows beside it in a sampler call (the padded width
+and the number of rows change the CPU kernels' order of summation; 2e-7 in log-probs on the tests' tiny model),
+and training carries the difference into the weights. So the gateway also fixes the sampler calls
+(:meth:`shifu.gateway.Gateway.plan_sessions`): episodes start in row order as the ``agent.concurrency`` slots
+free, and a sampler call starts once every open episode has a call pending or has ended, its calls in (row,
+call) order. Two runs with the same seed and threads are then bit-identical in metrics and weights, and so is a
+run killed and resumed (``--resume``). The price is waiting: a sampler call waits for the slowest open episode's
+next call, however long its tools take (at most ``agent.timeout_s``), where an episode that sent nothing for a
+moment used to be left to a later call; with agents that answer promptly, as the tests' and the examples' do,
+the CPU time is the same (within 4%). Still up to timing: an episode cut by ``agent.timeout_s``, an agent that
+sends several calls of one session at once (they are numbered as they arrive), and a chat template that renders
+the random ids of tool calls into prompts.
 """
 
 from __future__ import annotations
