@@ -55,8 +55,9 @@ free, and a sampler call starts once every open episode has a call pending or ha
 call) order. Two runs with the same seed and threads are then bit-identical in metrics and weights, and so is a
 run killed and resumed (``--resume``). The price is waiting: a sampler call waits for the slowest open episode's
 next call, however long its tools take (at most ``agent.timeout_s``), where an episode that sent nothing for a
-moment used to be left to a later call; with agents that answer promptly, as the tests' and the examples' do,
-the CPU time is the same (within 4%). Still up to timing: an episode cut by ``agent.timeout_s``, an agent that
+moment used to be left to a later call. With agents that answer promptly, as the examples do, that wait is a
+turn-around of HTTP, and the sampler calls are fewer and full (``agent/batched_calls`` is the number of open
+episodes). Still up to timing: an episode cut by ``agent.timeout_s``, an agent that
 sends several calls of one session at once (they are numbered as they arrive), and a chat template that renders
 the random ids of tool calls into prompts.
 """
