@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -221,6 +223,30 @@ def test_the_batching_queue_waits_as_long_as_it_is_told():
     asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 0.05))  # waits 50 ms, then goes alone
     asyncio.run(main(None))  # never waits
     assert calls[0] == [1] and calls[2] == [1]
+    # math.inf: no call until wake() (from another thread) lets wait answer again; then the calls take the
+    # items by their keys, two at a time, whatever order they came in
+    calls.clear()
+    ready = []
+
+    async def ordered():
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(
+                lambda items: calls.append(list(items)) or items,
+                ex,
+                lambda batch, item: len(batch) < 2,
+                lambda items: 0.0 if ready else math.inf,
+                order=lambda item: -item,
+            )
+            pending = [asyncio.ensure_future(q.submit(x)) for x in (1, 3, 2)]
+            await asyncio.sleep(0.2)
+            assert calls == []  # (waiting)
+            ready.append(True)
+            threading.Thread(target=q.wake).start()
+            assert await asyncio.gather(*pending) == [1, 3, 2]
+            await q.close()
+
+    asyncio.run(ordered())
+    assert calls == [[3, 2], [1]]
 
 
 def test_a_recorded_completions_randomness_is_its_identity_not_its_company():
