@@ -180,6 +180,9 @@ def sample(
     GPT-2 and Llama-style models (:mod:`shifu.generation.decode`, a preallocated KV cache) and the HF forward with its
     cache for everything else; "hf" forces the latter. Both give the same tokens up to float rounding.
 
+    ``generator``: one for the batch, or one per row (:func:`sample_next`: a row's tokens then depend on its own
+    generator only, not on the other rows').
+
     ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
     episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended."""
