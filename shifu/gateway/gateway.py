@@ -225,8 +225,12 @@ class Gateway:
         return min(self.max_wait_s, 0.5 * self.engine.last_seconds)
 
     def _order(self, job: Job) -> tuple:
-        """Where ``job`` goes in a sampler call: by (row, call) after :meth:`plan_sessions`, else as it came."""
-        return job.identity if self._plan is not None and job.identity is not None else ()
+        """Where ``job`` goes in a sampler call: by (row, call) after :meth:`plan_sessions`, else as it came
+        (rows of different types, ints and keys, never compared)."""
+        if self._plan is None or job.identity is None:
+            return ()
+        row, call = job.identity
+        return (type(row).__name__, row, call)
 
     def memory_of(self, key: str | None) -> CompletionMemory:
         return self.memories.get(key, self.memory) if self.recording else self.memory
