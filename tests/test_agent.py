@@ -248,6 +248,16 @@ def test_the_batching_queue_waits_as_long_as_it_is_told():
     asyncio.run(ordered())
     assert calls == [[3, 2], [1]]
 
+    async def broken_wait():  # a wait that fails fails the pending items, and the queue goes on
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(lambda items: items, ex, None, lambda items: 1 / 0 if 1 in items else 0.0)
+            with pytest.raises(ZeroDivisionError):
+                await q.submit(1)
+            assert await asyncio.gather(q.submit(2), q.submit(3)) == [2, 3]
+            await q.close()
+
+    asyncio.run(broken_wait())
+
 
 def test_a_recorded_completions_randomness_is_its_identity_not_its_company():
     """A recorded completion (a job with an identity: row, call) samples each choice from a generator seeded by

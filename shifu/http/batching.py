@@ -126,13 +126,24 @@ class BatchQueue:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._gather(loop)
-            batch = self._take()
+            try:
+                await self._gather(loop)
+                batch = self._take()
+            except Exception as e:  # a failing wait, order or joins fails what is pending, not the queue
+                jobs, self._jobs = list(self._jobs), deque()
+                await _settle(jobs, _failed(loop, e))
+                continue
             if batch[0].alone is not None:
                 await _settle(batch, loop.run_in_executor(self.executor, batch[0].alone), alone=True)
             else:
                 work = loop.run_in_executor(self.executor, self.run, [j.item for j in batch])
                 await _settle(batch, work)
+
+
+def _failed(loop, e: Exception) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_exception(e)
+    return future
 
 
 async def _settle(jobs: list[_Job], work: asyncio.Future, alone: bool = False) -> None:
