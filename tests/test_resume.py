@@ -397,6 +397,32 @@ def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
 
 
 @pytest.mark.slow
+def test_ppo_with_an_agent_resumes_bit_identically(data, tmp_path, monkeypatch):
+    """An agent's episodes (examples/agents/echo_agent.py over the openai client, on the run's recording gateway):
+    the chain of interruptions ends with the weights and metrics (agent/* included) of the uninterrupted run."""
+    pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
+    pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
+    from test_agent import EXAMPLES, build_echo_task
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # (the forked runs inherit it)
+    task = build_echo_task(tmp_path / "task")
+    agent = [
+        f"model.path={task['char']}",
+        f"data.train={task['prompts']}",
+        "agent.factory=echo_agent:solve",
+        "agent.concurrency=3",
+        "generation.max_total_tokens=24",
+    ]
+
+    def argv(out):
+        skip = ("reward.function", "eval.gold_function", "data.ptx", "ptx_coef", "model.path", "data.train")
+        return [a for a in ppo_argv(data, out) if not a.startswith(skip)] + agent
+
+    resumed = _clean_and_chain(argv, tmp_path, 6, True, "final", "critic")
+    assert any("agent/return" in r for r in metric_rows(resumed))
+
+
+@pytest.mark.slow
 def test_ppo_lora_actor_and_critic_resume_bit_identically_from_adapter_only_checkpoints(data, tmp_path):
     """LoRA actor and LoRA critic: a checkpoint holds the adapters, the critic's value head and the Adam
     state of those alone (not the frozen base, reloaded from model.path on resume), and the interrupted
