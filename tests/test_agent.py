@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -215,12 +217,111 @@ def test_the_batching_queue_waits_as_long_as_it_is_told():
             await asyncio.gather(first, q.submit(2), q.submit(3))
             await q.close()
 
-    asyncio.run(main(lambda n: 0.0 if n >= 3 else 30.0))  # waits for the third
+    asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 30.0))  # waits for the third
     assert calls == [[1, 2, 3]]
     calls.clear()
-    asyncio.run(main(lambda n: 0.0 if n >= 3 else 0.05))  # waits 50 ms, then goes alone
+    asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 0.05))  # waits 50 ms, then goes alone
     asyncio.run(main(None))  # never waits
     assert calls[0] == [1] and calls[2] == [1]
+    # math.inf: no call until wake() (from another thread) lets wait answer again; then the calls take the
+    # items by their keys, two at a time, whatever order they came in
+    calls.clear()
+    ready = []
+
+    async def ordered():
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(
+                lambda items: calls.append(list(items)) or items,
+                ex,
+                lambda batch, item: len(batch) < 2,
+                lambda items: 0.0 if ready else math.inf,
+                order=lambda item: -item,
+            )
+            pending = [asyncio.ensure_future(q.submit(x)) for x in (1, 3, 2)]
+            await asyncio.sleep(0.2)
+            assert calls == []  # (waiting)
+            ready.append(True)
+            threading.Thread(target=q.wake).start()
+            assert await asyncio.gather(*pending) == [1, 3, 2]
+            await q.close()
+
+    asyncio.run(ordered())
+    assert calls == [[3, 2], [1]]
+
+    async def broken_wait():  # a wait that fails fails the pending items, and the queue goes on
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(lambda items: items, ex, None, lambda items: 1 / 0 if 1 in items else 0.0)
+            with pytest.raises(ZeroDivisionError):
+                await q.submit(1)
+            assert await asyncio.gather(q.submit(2), q.submit(3)) == [2, 3]
+            await q.close()
+
+    asyncio.run(broken_wait())
+
+
+def test_a_recorded_completions_randomness_is_its_identity_not_its_company():
+    """A recorded completion (a job with an identity: row, call) samples each choice from a generator seeded by
+    the engine's seed, the identity and the choice: the same tokens alone, beside other rows or behind them in
+    a wider call; another identity or another seed draws other tokens."""
+    from shifu.gateway.engine import Engine, Job
+
+    tok = chat_tokenizer()
+    engine = Engine(tiny_policy(tok), tok, seed=7)
+
+    def job(prompt: str, identity, n: int = 1) -> Job:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        return Job(ids, n, 12, [], 1.0, identity=identity)
+
+    def ids(jobs: list[Job], at: int) -> list[list[int]]:
+        return [c.ids for c in engine.run(jobs)[at]]
+
+    mine = job("hello there", (3, 1), n=2)
+    alone = ids([mine], 0)
+    assert alone[0] != alone[1]  # each choice draws its own
+    assert ids([job("a much longer prompt that pads the call", (0, 0)), mine, job("x", (5, 2))], 1) == alone
+    assert ids([mine], 0) == alone  # (nothing consumed between calls)
+    assert ids([job("hello there", (3, 2), n=2)], 0) != alone
+    assert [c.ids for c in Engine(engine.model, tok, seed=8).run([mine])[0]] != alone
+
+
+def test_two_agent_runs_with_one_seed_are_bit_identical(echo_task, tmp_path, monkeypatch):
+    """``shifu ppo`` through an agent twice with the same seed: the same metrics and the same final weights, bit
+    for bit (the sessions outnumber the concurrency: rows start as slots free, in row order)."""
+    from test_resume import metric_rows, weights_digest
+
+    from shifu.cli import main as cli
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def run(out: Path) -> tuple[list[dict], str]:
+        argv = [
+            "ppo",
+            "--out",
+            str(out),
+            f"model.path={echo_task['char']}",
+            f"data.train={echo_task['prompts']}",
+            "agent.factory=echo_agent:solve",
+            "agent.concurrency=5",
+            "generation.max_new_tokens=6",
+            "generation.max_total_tokens=24",
+            "iterations=3",
+            "batch_size=16",
+            "minibatch_size=8",
+            "eval.every=0",
+            "eval.num_prompts=4",
+            "critic.init=sft",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            "progress=false",
+            "tensorboard=false",
+        ]
+        assert cli.main(argv) == 0
+        return metric_rows(out), weights_digest(out / "final", out / "critic")
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    train = [r for r in first[0] if "agent/return" in r]
+    assert len(train) == 3 and all(r["agent/calls"] == 2 and r["agent/errors"] == 0 for r in train)
+    assert first == second
 
 
 async def moody(client, row: dict):
@@ -230,6 +331,8 @@ async def moody(client, row: dict):
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     if kind == "raise":
         raise ValueError("the tool broke")
+    if kind == "timeout":  # its own (a tool's) timeout: a raise, not agent.timeout_s
+        raise TimeoutError("the tool took too long")
     if kind == "hang":
         await asyncio.sleep(60)
     if kind == "twice":
@@ -258,6 +361,7 @@ def test_faults_follow_on_error_and_are_counted():
     strict = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0)
     for kind, said in [
         ("raise", "solve() raised ValueError: the tool broke"),
+        ("timeout", "solve() raised TimeoutError"),
         ("bad", "solve() returned str 'yes'; it must return a finite number or None"),
         ("twice", "solve() returned 1.0 and also set the episode's reward 2.0"),
     ]:

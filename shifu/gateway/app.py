@@ -53,7 +53,6 @@ from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
 from shifu.gateway.retries import ANSWERING, Answer, fingerprint
 from shifu.gateway.sessions import Call, UnknownSession, system_digest
 from shifu.gateway.streaming import stream_events
-from shifu.http.batching import BatchQueue
 from shifu.http.requests import RequestError, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
 
@@ -150,8 +149,7 @@ class _Routes:
         sampler = ThreadPoolExecutor(1, thread_name_prefix="shifu-sample")
         # one tokenising thread: HF fast tokenizers are not safe to call from several threads at once
         self.state["encoder"] = ThreadPoolExecutor(1, thread_name_prefix="shifu-encode")
-        wait = self.gw.batch_wait if self.gw.recording else None
-        self.state["queue"] = BatchQueue(self.gw.engine.run, sampler, self.gw.engine.joins, wait)
+        self.state["queue"] = self.gw.batch_queue(sampler)
         try:
             yield
         finally:
@@ -277,7 +275,7 @@ class _Routes:
         memory = gw.memory_of(key)
         try:
             ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
-            job = make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording)
+            job = gw.identify(make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording), key)
         except RequestError as e:
             if key is not None and e.code == "context_length_exceeded":  # the episode met the context limit
                 with contextlib.suppress(UnknownSession):

@@ -48,15 +48,32 @@ the model's positions), the episode stopped at ``agent.timeout_s`` (``agent/time
 with its rewards), or its last request refused because the prompt leaves no room in the model's positions
 (``context_length_exceeded``, ``agent/context_exceeded``; ``solve`` may let that error out).
 
-**Faults.** ``solve`` raising (but for the context limit, above), or returning anything but a finite number or None is
-a fault naming the agent and the row: ``agent.on_error=raise`` stops the run with the first one (in row order,
+**Faults.** ``solve`` raising (but for the context limit, above), or returning anything but a finite number or
+None is a fault naming the agent and the row: ``agent.on_error=raise`` stops the run with the first one (in row order,
 once the batch's episodes ended); ``end_episode`` keeps what the episode recorded with every reward 0
 (``failed``, ``agent/errors``). An episode with no call has nothing to train: a row with no sampled token, left
 out of the update as a non-finite score is.
 
 **Torchrun.** Each process serves its own share of the rows on its own gateway with its whole actor (DDP's
-module); sharded actors (FSDP2, DeepSpeed) are refused by the config. Which calls share a sampler call depends
-on timing, so an agent's rollouts are not bit-reproducible run to run, unlike the other sources'.
+module); sharded actors (FSDP2, DeepSpeed) are refused by the config.
+
+**Reproducibility.** A completion's randomness is the run's and its own, not the order calls arrive in: per
+collect the trainer's generator draws the gateway's seed (so the step is in it), row ``i``'s episode runs in a
+session of row id ``i``, and each choice of the session's ``k``-th call samples from a generator of its own
+seeded by (seed, ``i``, ``k``, choice) (:mod:`shifu.gateway.engine`). That alone gives the same tokens, not the
+same bits: a row's logits differ in their last bits with the rows beside it in a sampler call (the padded width
+and the number of rows change the CPU kernels' order of summation; 2e-7 in log-probs on the tests' tiny model),
+and training carries the difference into the weights. So the gateway also fixes the sampler calls
+(:meth:`shifu.gateway.Gateway.plan_sessions`): episodes start in row order as the ``agent.concurrency`` slots
+free, and a sampler call starts once every open episode has a call pending or has ended, its calls in (row,
+call) order. Two runs with the same seed and threads are then bit-identical in metrics and weights, and so is a
+run killed and resumed (``--resume``). The price is waiting: a sampler call waits for the slowest open episode's
+next call, however long its tools take (at most ``agent.timeout_s``), where an episode that sent nothing for a
+moment used to be left to a later call. With agents that answer promptly, as the examples do, that wait is a
+turn-around of HTTP, and the sampler calls are fewer and full (``agent/batched_calls`` is the number of open
+episodes). Still up to timing: an episode cut by ``agent.timeout_s``, an agent that
+sends several calls of one session at once (they are numbered as they arrive), and a chat template that renders
+the random ids of tool calls into prompts.
 """
 
 from __future__ import annotations
@@ -215,6 +232,7 @@ class AgentEpisodes:
             sampling=sampling,
             seed=seed,
         )
+        gateway.plan_sessions(len(batch.rows), self.concurrency)
         with gateway:
             episodes = asyncio.run(self._run(gateway, batch.rows))
         sampler_calls = gateway.engine.calls
@@ -232,41 +250,51 @@ class AgentEpisodes:
 
     # ------------------------------------------------------------------------------------ the episodes
     async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:
-        gate = asyncio.Semaphore(self.concurrency)
-        return await asyncio.gather(*[self._episode(gateway, gate, row) for row in rows])
+        """Row ``i``'s episode in a session of row id ``i``, started in row order (each of ``concurrency``
+        workers takes the next row when its episode ends), as the gateway's plan says."""
+        episodes: list[_Episode] = [None] * len(rows)
+        order = iter(range(len(rows)))
 
-    async def _episode(self, gateway, gate: asyncio.Semaphore, row: dict) -> _Episode:
+        async def worker() -> None:
+            for i in order:  # (one iterator: the next row not yet started)
+                episodes[i] = await self._episode(gateway, i, rows[i])
+
+        await asyncio.gather(*[worker() for _ in range(min(self.concurrency, len(rows)))])
+        return episodes
+
+    async def _episode(self, gateway, i: int, row: dict) -> _Episode:
         import httpx
         import openai
 
         where = f"agent {self.spec}, row {describe_row(row)}"
-        async with gate:
-            key = gateway.start_session()
-            # a connection of its own (a pool shared by many episodes checks each of its connections per request)
-            transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
-            http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
-            client = openai.AsyncOpenAI(
-                base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0
-            )
-            ep, raised = _Episode(row, None), None
-            try:
-                async with asyncio.timeout(self.timeout_s) as deadline:
-                    ep.returned = await self.solve(client, row, **self.kwargs)
-            except TimeoutError:
-                if not deadline.expired():
-                    ep.fault = f"{where}: solve() raised TimeoutError"
-                else:
-                    ep.timed_out = True  # not a fault: the episode ends truncated (module docstring)
-            except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
-                raised = e
-                ep.fault = f"{where}: solve() raised {type(e).__name__}: {e}"
-            ep.record = gateway.end_session(key)
-            await http.aclose()
-            if ep.fault is not None and ep.record.context_exceeded and _context_refusal(raised):
-                ep.fault = None  # the episode ended on the context limit: truncated
-            if ep.fault is None:
-                ep.fault = _bad_return(ep.returned, ep.record.reward, where)
-            return ep
+        key = gateway.start_session(row_id=i)
+        # a connection of its own (a pool shared by many episodes checks each of its connections per request)
+        transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
+        http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0)
+        ep, raised = _Episode(row, None), None
+        try:
+            ep.returned = await asyncio.wait_for(self._solve(client, row), self.timeout_s)
+        except _Raised as e:
+            raised = e.__cause__
+            ep.fault = f"{where}: solve() raised {_described(e.__cause__)}"
+        except (TimeoutError, asyncio.TimeoutError):  # (two classes before Python 3.11)
+            ep.timed_out = True  # not a fault: the episode ends truncated (module docstring)
+        ep.record = gateway.end_session(key)
+        await http.aclose()
+        if ep.fault is not None and ep.record.context_exceeded and _context_refusal(raised):
+            ep.fault = None  # the episode ended on the context limit: truncated
+        if ep.fault is None:
+            ep.fault = _bad_return(ep.returned, ep.record.reward, where)
+        return ep
+
+    async def _solve(self, client, row: dict) -> Any:
+        """What ``solve`` returns; whatever it raises comes out as :class:`_Raised` (so that a TimeoutError of
+        its own is told apart from ``asyncio.wait_for``'s at ``agent.timeout_s``)."""
+        try:
+            return await self.solve(client, row, **self.kwargs)
+        except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
+            raise _Raised() from e
 
     # ------------------------------------------------------------------------------------ the batch
     def _trajectories(self, episodes: list[_Episode], policy: Policy, params: SamplingParams) -> Trajectories:
@@ -329,6 +357,17 @@ def _context_refusal(e: BaseException | None) -> bool:
     """Whether ``e`` is the gateway's refusal of a prompt too long for the model (``context_length_exceeded``, as
     the ``openai`` client raises it)."""
     return getattr(e, "code", None) == "context_length_exceeded"
+
+
+class _Raised(Exception):
+    """``solve`` raised (the exception is the ``__cause__``)."""
+
+
+def _described(e: BaseException) -> str:
+    """What a fault says the agent raised: ``TimeoutError`` for its own timeout, else ``Name: message``."""
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "TimeoutError"
+    return f"{type(e).__name__}: {e}"
 
 
 def _bad_return(value: Any, session_reward: float | None, where: str) -> str | None:
