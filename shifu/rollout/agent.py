@@ -282,7 +282,8 @@ class AgentEpisodes:
             ep.timed_out = True  # not a fault: the episode ends truncated (module docstring)
         ep.record = gateway.end_session(key)
         await http.aclose()
-        if ep.fault is not None and ep.record.context_exceeded and _context_refusal(raised):
+        # the gateway's refusal of a prompt with no room left (the openai client's error), last of the episode
+        if ep.record.context_exceeded and getattr(raised, "code", None) == "context_length_exceeded":
             ep.fault = None  # the episode ended on the context limit: truncated
         if ep.fault is None:
             ep.fault = _bad_return(ep.returned, ep.record.reward, where)
@@ -351,12 +352,6 @@ class AgentEpisodes:
             "agent/timeouts": sum(ep.timed_out for ep in episodes) / n,
             "agent/return": float(t.returns[:B].mean()) if B else 0.0,
         }
-
-
-def _context_refusal(e: BaseException | None) -> bool:
-    """Whether ``e`` is the gateway's refusal of a prompt too long for the model (``context_length_exceeded``, as
-    the ``openai`` client raises it)."""
-    return getattr(e, "code", None) == "context_length_exceeded"
 
 
 class _Raised(Exception):
