@@ -79,11 +79,11 @@ def test_the_same_request_is_the_same_body_on_the_same_route_whatever_its_key_or
     )
 
 
-def test_the_openai_clients_retry_after_a_timeout_waits_for_the_first_answer_and_records_one_call(
-    monkeypatch,
-):
+@pytest.mark.parametrize("client", ["openai", "anthropic"])
+def test_a_clients_retry_after_a_timeout_waits_for_the_first_answer_and_records_one_call(client, monkeypatch):
     """The sampler is held at a gate until the retry has arrived and waits for the first answer: the client's
-    first try times out, its retry gets the answer of the first, and the session records one call."""
+    first try times out, its retry gets the answer of the first, and the session records one call (the
+    ``openai`` client on chat completions, the ``anthropic`` client on Messages, each retrying on its own)."""
     tok = chat_tokenizer()
     gate, requesters = threading.Event(), []
     model = gated_policy(tok, gate)
@@ -98,17 +98,20 @@ def test_the_openai_clients_retry_after_a_timeout_waits_for_the_first_answer_and
     monkeypatch.setattr(Answer, "response", counted)
     with Gateway(model, tok, recording=True, sampling=Sampling(temperature=1.0, max_tokens=8)) as gw:
         key = gw.start_session()
-        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=3, timeout=1.0)
-        out = client.chat.completions.create(
-            model="policy", messages=QUESTION, extra_body={"return_token_ids": True}
-        )
+        if client == "openai":
+            out = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=3, timeout=1.0)
+            said = out.chat.completions.create(model="policy", messages=QUESTION).choices[0].message.content
+        else:
+            anthropic = pytest.importorskip("anthropic", reason="pip install anthropic")
+            out = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=3, timeout=1.0)
+            message = out.messages.create(model="policy", max_tokens=8, messages=QUESTION)
+            said = "".join(b.text for b in message.content if b.type == "text")
         sampler_calls = gw.engine.calls
         rec = gw.end_session(key)
     assert len(requesters) >= 2 and requesters[0] is requesters[1]  # the retry read the first's answer
     (traj,) = rec.trajectories
     assert rec.calls == 1 and rec.forks == 0 and sampler_calls == 1
-    assert traj.segments[0].sampled_ids == out.choices[0].model_extra["token_ids"]
-    assert traj.segments[0].read_ids == out.model_extra["prompt_token_ids"]
+    assert tok.decode(traj.segments[0].sampled_ids, skip_special_tokens=True).strip() == said.strip()
 
 
 def test_a_resent_request_gets_the_same_answer_until_the_agent_goes_on_from_it():
