@@ -19,8 +19,7 @@ from test_gateway import QUESTION, chat_tokenizer, tiny_policy  # noqa: E402
 
 from shifu.gateway import Gateway, Sampling  # noqa: E402
 from shifu.gateway.retries import Answer, fingerprint  # noqa: E402
-
-pytestmark = pytest.mark.integration
+from shifu.gateway.sessions import Call, Segment, SessionStore  # noqa: E402
 
 
 def post(gw, key: str, path: str, body: dict, **headers) -> httpx.Response:
@@ -68,6 +67,7 @@ def gated_policy(tok, gate: threading.Event):
     return model
 
 
+@pytest.mark.unit
 def test_the_same_request_is_the_same_body_on_the_same_route_whatever_its_key_order():
     body = {"model": "policy", "messages": QUESTION, "max_tokens": 5}
     same = {"max_tokens": 5, "messages": QUESTION, "model": "policy"}
@@ -79,6 +79,7 @@ def test_the_same_request_is_the_same_body_on_the_same_route_whatever_its_key_or
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("client", ["openai", "anthropic"])
 def test_a_clients_retry_after_a_timeout_waits_for_the_first_answer_and_records_one_call(client, monkeypatch):
     """The sampler is held at a gate until the retry has arrived and waits for the first answer: the client's
@@ -114,6 +115,7 @@ def test_a_clients_retry_after_a_timeout_waits_for_the_first_answer_and_records_
     assert tok.decode(traj.segments[0].sampled_ids, skip_special_tokens=True).strip() == said.strip()
 
 
+@pytest.mark.integration
 def test_a_resent_request_gets_the_same_answer_until_the_agent_goes_on_from_it():
     tok = chat_tokenizer()
     model = tiny_policy(tok, positions=512)
@@ -145,6 +147,7 @@ def test_a_resent_request_gets_the_same_answer_until_the_agent_goes_on_from_it()
     assert sorted(len(t.segments) for t in rec.trajectories) == [1, 1, 1, 2]
 
 
+@pytest.mark.integration
 def test_a_stream_dropped_midway_and_sent_again_is_replayed_whole_and_recorded_once():
     tok = chat_tokenizer()
     model = tiny_policy(tok, positions=512)
@@ -161,6 +164,7 @@ def test_a_stream_dropped_midway_and_sent_again_is_replayed_whole_and_recorded_o
     assert rec.calls == 1 and gw.engine.calls == 1 and traj.segments[0].sampled_ids == finish["token_ids"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("path", ["/responses", "/messages"])
 def test_every_dialect_answers_a_resent_request_once(path):
     tok = chat_tokenizer()
@@ -180,6 +184,7 @@ def test_every_dialect_answers_a_resent_request_once(path):
     assert rec.calls == 2 and gw.engine.calls == 2
 
 
+@pytest.mark.integration
 def test_side_calls_are_the_calls_sent_with_another_system_prompt():
     tok = chat_tokenizer()
     model = tiny_policy(tok, positions=512)
@@ -199,6 +204,7 @@ def test_side_calls_are_the_calls_sent_with_another_system_prompt():
     assert sorted((t.side, len(t.segments)) for t in rec.trajectories) == [(False, 2), (True, 1)]
 
 
+@pytest.mark.integration
 def test_a_request_refused_for_the_context_limit_is_noted_until_a_call_is_recorded():
     tok = chat_tokenizer()
     model = tiny_policy(tok, positions=64)
@@ -216,3 +222,45 @@ def test_a_request_refused_for_the_context_limit_is_noted_until_a_call_is_record
         ended, went_on = (gw.end_session(k) for k in keys)
     assert ended.context_exceeded and ended.calls == 0
     assert not went_on.context_exceeded and went_on.calls == 1
+
+
+def segment(sampled: list[int]) -> Segment:
+    return Segment([], sampled, [0.0] * len(sampled), None, "stop", 0)
+
+
+@pytest.mark.unit
+def test_a_kept_request_is_retried_until_a_later_call_goes_on_from_its_call():
+    store = SessionStore()
+    key = store.start()
+    answer = object()
+    store.keep(key, "r1", answer)
+    assert store.retry_of(key, "r1") is answer  # still being answered
+    store.record(key, Call("c1", [1, 2], [segment([3])], None, "r1"))
+    store.settle(key, "r1", answer)
+    assert store.retry_of(key, "r1") is answer  # answered, its call a leaf
+    store.record(key, Call("side", [9, 9], [segment([8])], "title"))  # another branch: changes nothing
+    assert store.retry_of(key, "r1") is answer
+    store.record(key, Call("c2", [1, 2, 3, 4], [segment([5])]))  # goes on from c1
+    assert store.retry_of(key, "r1") is None
+    refused = object()
+    store.keep(key, "r2", refused)
+    store.settle(key, "r2", refused)  # recorded nothing: not kept
+    assert store.retry_of(key, "r2") is None
+    rec = store.end(key)
+    assert (rec.calls, rec.forks, rec.side_calls) == (3, 1, 1)
+
+
+@pytest.mark.unit
+def test_the_agents_system_prompt_is_the_one_most_calls_were_sent_with_a_tie_to_the_first_recorded():
+    store = SessionStore()
+    key = store.start()
+    store.record(key, Call("t", [7], [segment([1])], "title"))  # the title first, then the agent's two turns
+    store.record(key, Call("a1", [5], [segment([2])], "agent"))
+    store.record(key, Call("a2", [5, 2, 6], [segment([3])], "agent"))
+    rec = store.end(key)
+    assert sorted((t.side, len(t.segments)) for t in rec.trajectories) == [(False, 2), (True, 1)]
+    key = store.start()
+    store.record(key, Call("a", [5], [segment([2])], None))  # one each: the first recorded is the agent's
+    store.record(key, Call("t", [7], [segment([1])], "title"))
+    rec = store.end(key)
+    assert [t.side for t in rec.trajectories] == [False, True] and rec.side_calls == 1
