@@ -219,7 +219,11 @@ def test_a_request_refused_for_the_context_limit_is_noted_until_a_call_is_record
         with pytest.raises(openai.BadRequestError):
             other.chat.completions.create(model="policy", messages=long)
         other.chat.completions.create(model="policy", messages=QUESTION)  # went on: not ended on the limit
-        ended, went_on = (gw.end_session(k) for k in keys)
+        summary = httpx.post(
+            gw.url + "/rl/end_session", headers={"Authorization": f"Bearer {keys[0]}"}
+        ).json()
+        (ended,), went_on = gw.ended_sessions(), gw.end_session(keys[1])
+    assert summary["context_exceeded"] is True and summary["side_calls"] == 0 and summary["calls"] == 0
     assert ended.context_exceeded and ended.calls == 0
     assert not went_on.context_exceeded and went_on.calls == 1
 

@@ -380,9 +380,9 @@ class _Routes:
         self.gw.ended.put(rec)
         sampled = sum(len(s.sampled_ids) for t in rec.trajectories for s in t.segments)
         summary = {"session_key": key, "row_id": rec.row_id, "calls": rec.calls, "forks": rec.forks}
-        return _json(
-            summary | {"trajectories": len(rec.trajectories), "sampled_tokens": sampled, "reward": rec.reward}
-        )
+        counts = {"trajectories": len(rec.trajectories), "sampled_tokens": sampled, "reward": rec.reward}
+        limits = {"side_calls": rec.side_calls, "context_exceeded": rec.context_exceeded}
+        return _json(summary | counts | limits)
 
 
 def _json(body: dict):
