@@ -148,6 +148,26 @@ def test_a_resent_request_gets_the_same_answer_until_the_agent_goes_on_from_it()
 
 
 @pytest.mark.integration
+def test_a_retry_takes_no_call_index_so_the_calls_after_it_sample_as_without_it():
+    """Completions sample from generators seeded by (row, the call's index in the session): a session with a
+    retried first call and one without sample the same second call."""
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=512)
+    first = {"model": "policy", "messages": QUESTION}
+    second = {"model": "policy", "messages": [{"role": "user", "content": "and what is four plus four?"}]}
+    sampled = []
+    with Gateway(model, tok, recording=True, sampling=Sampling(temperature=1.0, max_tokens=8)) as gw:
+        for retried in (True, False):
+            key = gw.start_session(row_id=7)
+            for body in [first, first, second] if retried else [first, second]:
+                assert post(gw, key, "/chat/completions", body).status_code == 200
+            rec = gw.end_session(key)
+            sampled.append(sorted(tuple(t.segments[0].sampled_ids) for t in rec.trajectories))
+            assert rec.calls == 2
+    assert sampled[0] == sampled[1]
+
+
+@pytest.mark.integration
 def test_a_stream_dropped_midway_and_sent_again_is_replayed_whole_and_recorded_once():
     tok = chat_tokenizer()
     model = tiny_policy(tok, positions=512)

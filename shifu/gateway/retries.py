@@ -8,10 +8,11 @@ sends one (a client that names each request so tells a deliberate repeat from a 
 a call that no later call of the session has gone on from (extended one of its choices; calls on other
 branches of the session do not count). Then the request is a retry: it waits for the first answer if need be
 and gets it again, byte for byte (the same ids; a streamed answer's events from the first, then as they come),
-and nothing more is sampled or recorded. A request sent again after the agent went on from its answer is a new
-call (it samples anew: a fork of the session), and a request that was refused is asked again. So the same
-request sent twice to draw two samples is answered once: ask for ``n`` choices, or send an ``Idempotency-Key``
-per request.
+and nothing more is sampled or recorded; it takes no call index of the session either
+(:meth:`shifu.gateway.Gateway.identify`), so the calls after it sample what they would have without it. A
+request sent again after the agent went on from its answer is a new call (it samples anew: a fork of the
+session), and a request that was refused is asked again. So the same request sent twice to draw two samples is
+answered once: ask for ``n`` choices, or send an ``Idempotency-Key`` per request.
 
 The first answer is made in a task of its own (:class:`Answer`), so that it is sampled, recorded and kept whole
 even when the client that asked has gone away; every requester, the first included, reads it from there.
