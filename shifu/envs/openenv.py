@@ -150,24 +150,23 @@ def installed_app(env: str) -> str:
         )
     base = env.replace("-", "_")
     names = [base] if base.endswith("_env") else [base, f"{base}_env"]
-    module = next((n for n in names if importlib.util.find_spec(n) is not None), None)
-    if module is None:
-        raise ValueError(
-            f"no installed OpenEnv environment {env!r} (looked for the packages {', '.join(names)}): install it, "
-            "or name its server app with env.kwargs.app (package.module:app) or a running one with "
-            "env.kwargs.base_url"
-        )
-    app = "server.app:app"
-    origin = importlib.util.find_spec(module).submodule_search_locations
-    for folder in origin or ():
-        manifest = os.path.join(folder, "openenv.yaml")
-        if os.path.isfile(manifest):
-            import yaml
+    for module in names:
+        spec = importlib.util.find_spec(module)
+        for folder in (spec.submodule_search_locations or ()) if spec is not None else ():
+            manifest = os.path.join(folder, "openenv.yaml")
+            if os.path.isfile(manifest):
+                import yaml
 
-            with open(manifest, encoding="utf-8") as f:
-                app = str((yaml.safe_load(f) or {}).get("app") or app)
-            break
-    return f"{module}.{app}"
+                with open(manifest, encoding="utf-8") as f:
+                    app = (yaml.safe_load(f) or {}).get("app") or "server.app:app"
+                return f"{module}.{app}"
+            if os.path.isfile(os.path.join(folder, "server", "app.py")):
+                return f"{module}.server.app:app"
+    raise ValueError(
+        f"no installed OpenEnv environment {env!r} (looked for a package {' or '.join(names)} with an openenv.yaml "
+        "or a server/app.py): install it, or name its server app with env.kwargs.app (package.module:app) or a "
+        "running server with env.kwargs.base_url"
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,6 +218,9 @@ class OpenEnvEnvironment:
         action = schema(self.url).get("action") or {}
         self.calls_tools = "tool_name" in (action.get("properties") or {}) if tools is None else tools
         self.action_field = action_field or (None if self.calls_tools else self._only(_string_fields(action)))
+        if observation_field is None and not self.calls_tools:
+            strings = _string_fields(schema(self.url).get("observation") or {})
+            observation_field = strings[0] if len(strings) == 1 else None
         self.observation_field, self.answer_tool = observation_field, answer_tool
         self.tools: list[dict] | None = None
         self.client: Any = None
@@ -333,15 +335,15 @@ class OpenEnvEnvironment:
         return (result if isinstance(result, str) else json.dumps(result)), False, out
 
     def _text(self, observation: dict) -> str | None:
-        """What the policy reads of an observation: its ``observation_field``, its only string field, else its
-        fields as JSON (empty ones left out); None for nothing."""
+        """What the policy reads of an observation: its ``observation_field`` (a text environment's default: the
+        only string field of its schema), else its only non-empty string, else its non-empty fields as JSON; None
+        for nothing."""
+        if self.observation_field is not None:
+            return str(observation.get(self.observation_field) or "") or None
         fields = {k: v for k, v in observation.items() if k not in _TEXT and v not in (None, "")}
-        key = self.observation_field
-        if key is None:
-            strings = [k for k, v in fields.items() if isinstance(v, str)]
-            key = strings[0] if len(strings) == 1 else None
-        if key is not None:
-            return str(fields.get(key) or "") or None
+        strings = [v for v in fields.values() if isinstance(v, str)]
+        if len(strings) == 1:
+            return strings[0]
         return json.dumps(fields) if fields else None
 
     def __del__(self):
