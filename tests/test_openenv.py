@@ -163,10 +163,16 @@ def test_ppo_with_its_critic_trains_on_an_installed_openenv_environment(data, in
     assert summary["source"]["name"] == f"environment {factory}"
     records = [json.loads(x) for x in (out / "episodes" / "rank-0.jsonl").read_text().splitlines()]
     assert len(records) == 12 * 32
+    finished = [rec for rec in records[-32:] if not rec["truncated"]]
+    assert len(finished) > 16
     for rec in records[-32:]:
+        assert rec["turns"][0]["reward"] == 0.0
+        if rec["truncated"]:  # a turn cut by its token budget never reached the server
+            assert rec["return"] == 0.0
+    for rec in finished:
         first, second = rec["turns"]
-        letters = [c for c in second["text"] if c.isalpha()]
-        assert first["reward"] == 0.0 and first["read"].replace(" ", "").startswith("k")
+        letters = [c for c in second["content"] if c.isalpha()]  # (text keeps <eos>)
+        assert first["read"].replace(" ", "").startswith("k")  # the server's echo
         assert second["reward"] == pytest.approx(letters.count("a") / max(1, len(letters)), abs=1e-5)
         assert rec["return"] == pytest.approx(second["reward"], abs=1e-5)
 
