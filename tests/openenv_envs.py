@@ -99,7 +99,9 @@ class SumEnvironment(MCPEnvironment):
         return self._state
 
 
-echo_app = create_app(EchoEnvironment, EchoAction, EchoObservation, env_name="echo", max_concurrent_envs=SESSIONS)
+echo_app = create_app(
+    EchoEnvironment, EchoAction, EchoObservation, env_name="echo", max_concurrent_envs=SESSIONS
+)
 sum_app = create_app(
     SumEnvironment, CallToolAction, CallToolObservation, env_name="sum", max_concurrent_envs=SESSIONS
 )

@@ -99,7 +99,12 @@ def test_an_environment_is_named_in_one_setting_and_describes_itself(installed):
     ((_, first),) = e.start([{"prompt": "p", "seed": 4}])
     assert first == word(4)
     d = describe({"env": {"factory": factory}})
-    assert (d.kind, d.scored_by, d.gold, d.name) == ("environment", "environment reward", True, f"environment {factory}")
+    assert (d.kind, d.scored_by, d.gold, d.name) == (
+        "environment",
+        "environment reward",
+        True,
+        f"environment {factory}",
+    )
     with pytest.raises(ConfigError, match="no installed OpenEnv environment 'chess'.*env.kwargs.app"):
         env({}, "shifu.envs.openenv:chess")
     with pytest.raises(ConfigError, match="action_field"):
@@ -179,7 +184,18 @@ def test_ppo_with_its_critic_trains_on_an_installed_openenv_environment(data, in
 
 def test_a_critic_free_estimator_runs_on_an_openenv_environment(data, tmp_path):
     out = tmp_path / "grpo"
-    extra = ["iterations=2", "eval.num_prompts=8", "advantage_estimator=grpo", "group_size=4", "kl.penalty=loss"]
-    assert cli.main(argv(data, out, "shifu.envs.openenv:OpenEnvEnvironment", f"env.kwargs={json.dumps(ECHO)}", *extra)) == 0
+    extra = [
+        "iterations=2",
+        "eval.num_prompts=8",
+        "advantage_estimator=grpo",
+        "group_size=4",
+        "kl.penalty=loss",
+    ]
+    assert (
+        cli.main(
+            argv(data, out, "shifu.envs.openenv:OpenEnvEnvironment", f"env.kwargs={json.dumps(ECHO)}", *extra)
+        )
+        == 0
+    )
     rows = [r for r in metrics(out) if "env/return" in r]
     assert len(rows) == 2 and all(r["rollout/rows"] == 32 and 0 <= r["env/return"] <= 1 for r in rows)

@@ -88,7 +88,9 @@ class Server:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the OpenEnv server {app} exited with code {self.process.returncode}: {self.tail()}")
+                raise RuntimeError(
+                    f"the OpenEnv server {app} exited with code {self.process.returncode}: {self.tail()}"
+                )
             try:
                 _get_json(f"{self.url}/health", timeout=2.0)
                 return
@@ -169,7 +171,7 @@ def installed_app(env: str) -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def schema(url: str) -> dict:
     """The server's ``/schema``: the JSON schemas of its action and observation."""
     return _get_json(f"{url}/schema")
