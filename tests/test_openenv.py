@@ -199,3 +199,22 @@ def test_a_critic_free_estimator_runs_on_an_openenv_environment(data, tmp_path):
     )
     rows = [r for r in metrics(out) if "env/return" in r]
     assert len(rows) == 2 and all(r["rollout/rows"] == 32 and 0 <= r["env/return"] <= 1 for r in rows)
+
+
+def test_the_example_plays_its_game_through_its_server(monkeypatch):
+    """examples/envs/openenv_guess.py, as `cd examples/envs` makes it importable: the game's text is what the
+    policy reads, its hint follows a wrong guess, the right number ends the episode with reward 1."""
+    import random
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "envs"))
+    e = env({"app": "openenv_guess:app"})
+    row = {"prompt": "guess seed 3", "seed": 3}
+    ((game, first),) = e.start([row])
+    assert first.startswith("I am thinking of a number from 1 to 20")
+    secret = random.Random(3).randint(1, 20)
+    wrong = 1 if secret > 1 else 2
+    (s,) = e.step([(game, f"{wrong}\n", row, 0)])
+    assert s.observation.startswith("higher" if wrong < secret else "lower") and not s.done
+    (s,) = e.step([(game, f"It is {secret}\n", row, 1)])
+    assert (s.reward, s.done) == (1.0, True)
