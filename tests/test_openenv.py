@@ -63,7 +63,7 @@ def test_a_text_environment_resets_and_steps_through_its_server():
     assert [s.observation for s in first] == ["kab", "kll"] and not any(s.done for s in first)
     second = e.step([(a, "aab", rows[0], 1), (b, "lll", rows[1], 1)])
     assert [(s.reward, s.done, s.observation) for s in second] == [(2 / 3, True, None), (0.0, True, None)]
-    assert a.client is None and b.client is None  # a finished episode's session is closed
+    assert a.client is None and b.client is None  # a finished episode's connection is closed
 
 
 def test_a_tool_environment_offers_its_mcp_tools_and_rewards_their_calls():

@@ -2,7 +2,7 @@
 and trained with shifu: guess a number from 1 to 20; the environment answers higher or lower.
 
 The file is what an OpenEnv environment package holds (its action, observation and environment, and the server
-app ``create_app`` builds); shifu runs the app as a local server process and plays one WebSocket session per
+app ``create_app`` builds); shifu runs the app as a local server process and plays one WebSocket connection per
 episode through ``shifu.envs.openenv`` (docs/how-to/multi-turn.md, "OpenEnv environments"). The policy's turn is
 the action's ``guess``; it reads the observation's ``text``; the reward is the environment's: 1.0 for the right
 number, and at the environment's own limit of 5 guesses how close the last one came.
@@ -45,7 +45,7 @@ class GuessObservation(Observation):
 
 
 class GuessEnvironment(Environment):
-    SUPPORTS_CONCURRENT_SESSIONS = True  # one instance per session: nothing shared
+    SUPPORTS_CONCURRENT_SESSIONS = True  # one instance per connection: nothing shared
 
     def __init__(self):
         super().__init__()
@@ -77,7 +77,7 @@ class GuessEnvironment(Environment):
         return self._state
 
 
-# the server shifu starts sets MAX_CONCURRENT_ENVS (env.kwargs.sessions): a batch plays its episodes at once
+# the server shifu starts sets MAX_CONCURRENT_ENVS (env.kwargs.connections): a batch plays its episodes at once
 app = create_app(
     GuessEnvironment,
     GuessAction,

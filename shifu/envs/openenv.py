@@ -1,7 +1,7 @@
 """OpenEnv environments (the ``openenv`` package, https://github.com/meta-pytorch/OpenEnv) as shifu environments.
 
 An OpenEnv environment is a server (a FastAPI app built with ``openenv.core.env_server.create_app``) that keeps one
-environment per WebSocket session and answers ``reset``, ``step`` and, for the environments built on its
+environment per WebSocket connection and answers ``reset``, ``step`` and, for the environments built on its
 ``MCPEnvironment``, the MCP tool actions ``list_tools`` and ``call_tool``. :class:`OpenEnvEnvironment` is an
 ordinary shifu environment (``reset(row)``, ``step(action)``, :mod:`shifu.envs.base`) over that protocol, so an
 OpenEnv environment trains, validates and evaluates as every other environment does: through ``env.factory``, the
@@ -19,8 +19,8 @@ working directory), ``env.kwargs={base_url: http://HOST:PORT}`` a server already
 
 The server runs as a local process (``python -m uvicorn APP``, with this process's interpreter and import path),
 started once per run and stopped when the run ends; an environment that is only published as a container image
-must be started by its user and named by ``base_url``. Its sessions: the environments whose app reads
-``MAX_CONCURRENT_ENVS`` (OpenEnv's template does) allow ``sessions`` at once; a batch holds one session per
+must be started by its user and named by ``base_url``. Its connections: the environments whose app reads
+``MAX_CONCURRENT_ENVS`` (OpenEnv's template does) allow ``connections`` at once; a batch holds one connection per
 episode.
 
 What the policy reads and writes:
@@ -74,14 +74,14 @@ def _get_json(url: str, timeout: float = 5.0) -> Any:
 
 class Server:
     """An OpenEnv server app run as a local process: ``python -m uvicorn APP`` on a free port of 127.0.0.1, with
-    this process's import path (what imports here imports there) and ``MAX_CONCURRENT_ENVS=sessions``; ready when
+    this process's import path (what imports here imports there) and ``MAX_CONCURRENT_ENVS=connections``; ready when
     ``/health`` answers. Its output goes to a log file, whose end a failed start quotes."""
 
-    def __init__(self, app: str, sessions: int, start_timeout_s: float):
+    def __init__(self, app: str, connections: int, start_timeout_s: float):
         self.app, port = app, _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="shifu-openenv-", suffix=".log", delete=False)
-        env = dict(os.environ, MAX_CONCURRENT_ENVS=str(sessions), ENABLE_WEB_INTERFACE="false")
+        env = dict(os.environ, MAX_CONCURRENT_ENVS=str(connections), ENABLE_WEB_INTERFACE="false")
         env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *[p for p in sys.path if p]])
         command = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -124,12 +124,12 @@ _SERVERS: dict[tuple[str, int], Server] = {}
 _STARTING = threading.Lock()  # instances are built on the episode pool's threads: one server per app
 
 
-def server(app: str, sessions: int = 64, start_timeout_s: float = 60.0) -> Server:
+def server(app: str, connections: int = 64, start_timeout_s: float = 60.0) -> Server:
     """The running server of ``app`` (started on first use, stopped when this process exits)."""
     with _STARTING:
-        key = (app, sessions)
+        key = (app, connections)
         if key not in _SERVERS or _SERVERS[key].process.poll() is not None:
-            _SERVERS[key] = Server(app, sessions, start_timeout_s)
+            _SERVERS[key] = Server(app, connections, start_timeout_s)
         return _SERVERS[key]
 
 
@@ -183,14 +183,14 @@ def _string_fields(model_schema: dict) -> list[str]:
 
 
 class OpenEnvEnvironment:
-    """An OpenEnv environment, one WebSocket session per episode (the module docstring).
+    """An OpenEnv environment, one WebSocket connection per episode (the module docstring).
 
     ``env``: an installed OpenEnv environment (its package or short name); ``app``: a server app
     ``package.module:app`` instead; ``base_url``: a server already running instead of either (no process started).
     ``action_field`` / ``observation_field``: the action's string field the policy's turn fills and the
     observation's field the policy reads (default: the only string field of each); ``tools``: offer the server's
     MCP tools (default: when its action is ``call_tool``); ``answer_tool``: the tool a turn without tool calls is
-    given to (a tool environment). ``sessions``: the server's sessions at once (``MAX_CONCURRENT_ENVS``);
+    given to (a tool environment). ``connections``: the server's connections at once (``MAX_CONCURRENT_ENVS``);
     ``start_timeout_s``: how long its start may take; ``timeout_s``: one message's answer."""
 
     def __init__(
@@ -203,7 +203,7 @@ class OpenEnvEnvironment:
         observation_field: str | None = None,
         tools: bool | None = None,
         answer_tool: str | None = None,
-        sessions: int = 64,
+        connections: int = 64,
         start_timeout_s: float = 60.0,
         timeout_s: float = 60.0,
     ):
@@ -215,7 +215,7 @@ class OpenEnvEnvironment:
             raise ValueError("name exactly one of env (an installed OpenEnv environment), app or base_url")
         self.client_class, self.timeout_s = GenericEnvClient, timeout_s
         if base_url is None:
-            base_url = server(app or installed_app(env), sessions, start_timeout_s).url
+            base_url = server(app or installed_app(env), connections, start_timeout_s).url
         self.url = base_url.rstrip("/")
         action = schema(self.url).get("action") or {}
         self.calls_tools = "tool_name" in (action.get("properties") or {}) if tools is None else tools
@@ -282,11 +282,11 @@ class OpenEnvEnvironment:
         return self._ended(Step(None if done else results, reward, done, info))
 
     def truncate(self) -> None:
-        """A budget cut the episode: its session ends (no final reward: the environment scores its steps)."""
+        """A budget cut the episode: its connection ends (no final reward: the environment scores its steps)."""
         self.close()
 
     def close(self) -> None:
-        """End the episode's session on the server."""
+        """End the episode's connection on the server."""
         if self.client is not None:
             client, self.client = self.client, None
             client.close()
@@ -302,8 +302,8 @@ class OpenEnvEnvironment:
         except RuntimeError as e:
             if "CAPACITY_REACHED" in str(e):
                 raise RuntimeError(
-                    f"{e}: the OpenEnv server at {self.url} allows fewer sessions than the episodes a batch runs "
-                    "at once; raise env.kwargs.sessions (for an app that reads MAX_CONCURRENT_ENVS), the app's "
+                    f"{e}: the OpenEnv server at {self.url} allows fewer connections than the episodes a batch runs "
+                    "at once; raise env.kwargs.connections (for an app that reads MAX_CONCURRENT_ENVS), the app's "
                     "max_concurrent_envs, or lower the batch (batch_size, eval.num_prompts)"
                 ) from None
             raise
@@ -351,7 +351,7 @@ class OpenEnvEnvironment:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 (a session the server reaps anyway)
+        except Exception:  # noqa: BLE001 (a connection the server reaps anyway)
             pass
 
 
