@@ -107,6 +107,10 @@ def test_an_environment_is_named_in_one_setting_and_describes_itself(installed):
     )
     with pytest.raises(ConfigError, match="no installed OpenEnv environment 'chess'.*env.kwargs.app"):
         env({}, "shifu.envs.openenv:chess")
+    with pytest.raises(
+        ConfigError, match='server openenv_envs:nothing exited .*Attribute "nothing" not found'
+    ):
+        env({"app": "openenv_envs:nothing"})  # the server's own words on why it did not start
     with pytest.raises(ConfigError, match="action_field"):
         env({**SUM, "tools": False})  # a call_tool action has several string fields: which one is the turn?
 

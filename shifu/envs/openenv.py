@@ -88,20 +88,22 @@ class Server:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"the OpenEnv server {app} exited with code {self.process.returncode}: {self.tail()}"
-                )
+                self.fail(f"exited with code {self.process.returncode}")
             try:
                 _get_json(f"{self.url}/health", timeout=2.0)
                 return
             except OSError:
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        f"the OpenEnv server {app} did not answer {self.url}/health within {start_timeout_s} s "
-                        f"(env.kwargs.start_timeout_s): {self.tail()}"
-                    ) from None
+                    self.fail(
+                        f"did not answer {self.url}/health within {start_timeout_s} s (env.kwargs.start_timeout_s)"
+                    )
                 time.sleep(0.2)
+
+    def fail(self, what: str) -> None:
+        """Stop the server and raise what went wrong, with the end of its output."""
+        tail = self.tail()
+        self.stop()
+        raise RuntimeError(f"the OpenEnv server {self.app} {what}: {tail}")
 
     def tail(self, n: int = 1500) -> str:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
@@ -128,7 +130,9 @@ def server(app: str, connections: int = 64, start_timeout_s: float = 60.0) -> Se
     """The running server of ``app`` (started on first use, stopped when this process exits)."""
     with _STARTING:
         key = (app, connections)
-        if key not in _SERVERS or _SERVERS[key].process.poll() is not None:
+        if key in _SERVERS and _SERVERS[key].process.poll() is not None:  # it died: start it again
+            _SERVERS.pop(key).stop()
+        if key not in _SERVERS:
             _SERVERS[key] = Server(app, connections, start_timeout_s)
         return _SERVERS[key]
 
