@@ -7,7 +7,7 @@ episode through ``shifu.envs.openenv`` (docs/how-to/multi-turn.md, "OpenEnv envi
 the action's ``guess``; it reads the observation's ``text``; the reward is the environment's: 1.0 for the right
 number, and at the environment's own limit of 5 guesses how close the last one came.
 
-Needs the ``openenv`` extra (``pip install 'shifu[openenv]'``). Prompt rows name the game's seed, its secret:
+Needs the ``openenv`` extra (``pip install 'shifu-rlhf[openenv]'``). Prompt rows name the game's seed, its secret:
 ``{"prompt": "guess seed 3", "seed": 3}``. Write a file of them and train (from this folder)::
 
     cd examples/envs && python openenv_guess.py prompts.jsonl --rows 256

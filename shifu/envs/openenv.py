@@ -57,7 +57,7 @@ from typing import Any
 
 from shifu.envs.base import Step
 
-EXTRA = "pip install 'shifu[openenv]'"
+EXTRA = "pip install 'shifu-rlhf[openenv]'"
 _TEXT = {"done", "reward", "metadata"}  # an observation's fields that are not what the policy reads
 
 
