@@ -126,7 +126,7 @@ _SERVERS: dict[tuple[str, int], Server] = {}
 _STARTING = threading.Lock()  # instances are built on the episode pool's threads: one server per app
 
 
-def server(app: str, connections: int = 64, start_timeout_s: float = 60.0) -> Server:
+def server(app: str, connections: int = 256, start_timeout_s: float = 60.0) -> Server:
     """The running server of ``app`` (started on first use, stopped when this process exits)."""
     with _STARTING:
         key = (app, connections)
@@ -207,7 +207,7 @@ class OpenEnvEnvironment:
         observation_field: str | None = None,
         tools: bool | None = None,
         answer_tool: str | None = None,
-        connections: int = 64,
+        connections: int = 256,
         start_timeout_s: float = 60.0,
         timeout_s: float = 60.0,
     ):
