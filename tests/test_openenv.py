@@ -17,7 +17,7 @@ from openenv_envs import LETTERS  # noqa: E402
 
 from shifu.cli import main as cli  # noqa: E402
 from shifu.config.sources import EnvConfig  # noqa: E402
-from shifu.envs.base import Environment, Step  # noqa: E402
+from shifu.envs.base import EnvFault, Environment, Step  # noqa: E402
 from shifu.errors import ConfigError  # noqa: E402
 from shifu.rollout.build import describe  # noqa: E402
 
@@ -64,6 +64,10 @@ def test_a_text_environment_resets_and_steps_through_its_server():
     second = e.step([(a, "aab", rows[0], 1), (b, "lll", rows[1], 1)])
     assert [(s.reward, s.done, s.observation) for s in second] == [(2 / 3, True, None), (0.0, True, None)]
     assert a.client is None and b.client is None  # a finished episode's connection is closed
+    one = env({**ECHO, "connections": 1})  # a server of one connection: a batch of two is refused, saying why
+    outcomes = one.start(rows)  # (the two resets run at once: either may be the one refused)
+    refused = [str(o) for o in outcomes if isinstance(o, EnvFault)]
+    assert len(refused) == 1 and "CAPACITY_REACHED" in refused[0] and "env.kwargs.connections" in refused[0]
 
 
 def test_a_tool_environment_offers_its_mcp_tools_and_rewards_their_calls():
