@@ -162,7 +162,7 @@ def metrics(out) -> list[dict]:
 def test_ppo_with_its_critic_trains_on_an_installed_openenv_environment(data, installed, tmp_path):
     """PPO (GAE on a critic) raises the return the OpenEnv server gives (the fraction of `a` in the second turn;
     random policy ~0.08); the paired evaluation judges by it; every recorded episode carries the server's reward
-    on its second turn and nothing on its first."""
+    on its second turn and nothing on its first; `shifu eval --run` measures the run through the same server."""
     out, factory = tmp_path / "run", f"shifu.envs.openenv:{installed}"
     assert cli.main(argv(data, out, factory, "iterations=12", "eval.every=12", "eval.num_prompts=32")) == 0
     rows = [r for r in metrics(out) if "env/return" in r]
@@ -188,6 +188,13 @@ def test_ppo_with_its_critic_trains_on_an_installed_openenv_environment(data, in
         assert first["read"].replace(" ", "").startswith("k")  # the server's echo
         assert second["reward"] == pytest.approx(letters.count("a") / max(1, len(letters)), abs=1e-5)
         assert rec["return"] == pytest.approx(second["reward"], abs=1e-5)
+    # shifu eval --run: the run's start against its final policy, through the environment the run named
+    assert (
+        cli.main(["eval", "--run", str(out), "--num-prompts", "32", "--out", str(tmp_path / "eval.json")])
+        == 0
+    )
+    record = json.loads((tmp_path / "eval.json").read_text())
+    assert record["judge"] == f"episode return of {factory}" and record["paired"]["gain"] > 0.1
 
 
 def test_a_critic_free_estimator_runs_on_an_openenv_environment(data, tmp_path):
