@@ -17,6 +17,11 @@ shifu.envs.openenv:echo_env". ``env.kwargs`` are :class:`OpenEnvEnvironment`'s k
 ``env.kwargs={app: my_env.server.app:app}`` names a server app that is not an installed package (a module of the
 working directory), ``env.kwargs={base_url: http://HOST:PORT}`` a server already running.
 
+Why a factory rather than settings of its own (``openenv.env=ID``): an OpenEnv environment is an environment, so
+naming it where environments are named keeps one rollout interface. Validation, the held-out and final
+evaluations, ``shifu eval --env``, quickstart plans, ``torchrun``, ``env.concurrency``, ``env.step_timeout_s``,
+``env.on_error`` and the source's description apply unchanged, and nothing that builds sources needs a branch.
+
 The server runs as a local process (``python -m uvicorn APP``, with this process's interpreter and import path),
 started once per run and stopped when the run ends; an environment that is only published as a container image
 must be started by its user and named by ``base_url``. Its connections: the environments whose app reads
@@ -269,6 +274,8 @@ class OpenEnvEnvironment:
         from shifu.models.tool_calls import parse_tool_calls
 
         _, calls = parse_tool_calls(action, "hermes")
+        if not calls:  # (Llama 3's JSON calls, as ToolEnv reads them)
+            _, calls = parse_tool_calls(action, "llama3_json")
         if not calls:  # the answer
             if self.answer_tool is None:
                 return self._ended(Step(reward=0.0, done=True, info={"tool_calls": 0, "tool_errors": 0}))
