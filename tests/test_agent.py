@@ -351,15 +351,16 @@ def test_faults_follow_on_error_and_are_counted():
     rows = [{"prompt": k, "kind": k} for k in kinds]
     lenient = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0, on_error="end_episode")
     t = collect(lenient, model, tok, rows)
-    assert t.failed.tolist() == [False, True, True, True, True, False, False]
+    # the hang is no fault: it ends at agent.timeout_s, truncated, with what it recorded
+    assert t.failed.tolist() == [False, True, False, True, True, False, False] and t.truncated[2]
     assert t.returns.tolist() == [1.0, 0, 0, 0, 0, 0, 0.5]  # a fault's rewards are 0; the session's reward
     assert not t.trainable[5].any()  # no call: nothing to train (the trainer drops it as a non-finite score)
+    assert t.trainable[2].any()  # the timed-out episode's call trains
     m = t.metrics
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/no_calls"]) == (4 / 7, 1 / 7, 1 / 7)
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/no_calls"]) == (3 / 7, 1 / 7, 1 / 7)
     strict = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0)
     for kind, said in [
         ("raise", "solve() raised ValueError: the tool broke"),
-        ("hang", "solve() took longer than agent.timeout_s=3.0 s"),
         ("timeout", "solve() raised TimeoutError"),
         ("bad", "solve() returned str 'yes'; it must return a finite number or None"),
         ("twice", "solve() returned 1.0 and also set the episode's reward 2.0"),
@@ -391,6 +392,78 @@ def test_budgets_cut_trajectories_before_the_call_that_does_not_fit():
     t = collect(AgentEpisodes(chatty, "t:c", EpisodeLimits(10, 8, 12)), model, tok, rows)
     after_first = (t.attention.sum(1)).tolist()
     assert all(n <= 12 for n in after_first) and t.truncated.all() and max(t.counts["turns"]) < 4
+
+
+async def out_of_room(client, row: dict) -> float:
+    """A call, then a second whose prompt leaves no room in the model's positions (the openai client raises the
+    gateway's context_length_exceeded; this agent lets it out)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    out = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": out.choices[0].message.content}]
+    await client.chat.completions.create(
+        model="policy", messages=[*messages, {"role": "user", "content": "more, " * 60}]
+    )
+    return 1.0
+
+
+def test_an_episode_ended_by_its_timeout_or_the_context_limit_is_truncated_not_failed():
+    """As an environment's episode cut by a budget: the trajectory it recorded trains, flagged truncated in the
+    batch (the trainer's missing-EOS penalty reads it), and ``on_error=raise`` does not stop the run."""
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=96)
+    with torch.no_grad():  # every call ends at once with EOS (finish "stop"): no budget truncates it
+        model.transformer.ln_f.bias[0] = 10.0
+        model.lm_head.weight[tok.eos_token_id, 0] = 10.0  # (tied: the EOS embedding's too)
+    rows = [{"prompt": "ok", "kind": "ok"}, {"prompt": "hang", "kind": "hang"}]
+    t = collect(AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=2.0), model, tok, rows)
+    assert t.truncated.tolist() == [False, True] and t.failed.tolist() == [False, False]
+    assert t.trainable[1].any() and t.metrics["agent/timeouts"] == 0.5 and t.metrics["agent/truncated"] == 0.5
+    t = collect(
+        AgentEpisodes(out_of_room, "t:room", EpisodeLimits(5, 6, 512)), model, tok, [{"prompt": "hi"}]
+    )
+    assert t.truncated.tolist() == [True] and t.failed.tolist() == [False] and t.trainable[0].any()
+    assert t.metrics["agent/context_exceeded"] == 1.0 and t.returns.tolist() == [0.0]
+
+
+async def titled(client, row: dict) -> float:
+    """Two turns of the agent's own (its system prompt), then the harness's title call with another."""
+    system = {"role": "system", "content": "You answer sums."}
+    messages = [system, {"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        out = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": out.choices[0].message.content}]
+        messages += [{"role": "user", "content": "and then?"}]
+    title = [
+        {"role": "system", "content": "Write a short title for this conversation, in five words."},
+        messages[1],
+    ]
+    await client.chat.completions.create(model="policy", messages=title)
+    return 1.0
+
+
+@pytest.mark.parametrize("side_calls", ["skip", "train"])
+def test_side_calls_are_skipped_or_trained_as_forks_and_never_the_main_trajectory(side_calls):
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    rows = [{"prompt": f"question {i}"} for i in range(3)]
+    source = AgentEpisodes(titled, "t:titled", EpisodeLimits(5, 6, 4096), side_calls=side_calls)
+    t = collect(source, model, tok, rows)
+    m = t.metrics
+    assert (m["agent/calls"], m["agent/forks"], m["agent/side_calls"]) == (3, 1, 1)
+    assert t.counts["turns"][:3] == [2] * 3  # the main trajectory is the agent's, though the title came last
+    assert len(t) == (3 if side_calls == "skip" else 6)
+    assert m["agent/fork_rows"] == (0 if side_calls == "skip" else 1)
+    if side_calls == "train":  # the title's row: one call, trained with the episode's reward
+        assert t.counts["turns"][3:] == [1] * 3 and t.returns[3:].tolist() == [1.0] * 3
+    else:  # a skipped side call's first input is not read: max_prompt_len bounds the trained ones only
+        longest = int(t.prompt_mask.sum(1).max())
+        fits = AgentEpisodes(titled, "t:titled", EpisodeLimits(5, 6, 4096), max_prompt_len=longest)
+        assert len(collect(fits, model, tok, rows)) == 3
+        trains = AgentEpisodes(
+            titled, "t:titled", EpisodeLimits(5, 6, 4096), max_prompt_len=longest, side_calls="train"
+        )
+        with pytest.raises(ShifuError, match="the first input is"):
+            collect(trains, model, tok, rows)
 
 
 def test_a_first_input_longer_than_max_prompt_len_is_an_error_naming_the_row():
