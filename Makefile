@@ -11,7 +11,7 @@ THREADS ?=
 # test processes (pytest-xdist, one torch thread each; a file's tests stay in one process): 0 runs them in this one
 TEST_WORKERS ?= 2
 
-.PHONY: setup smollm2 quickstart test test-fast lint format clean bench docs-reference docs-tables
+.PHONY: setup smollm2 quickstart test test-fast test-py310 lint format clean bench docs-reference docs-tables
 
 setup: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents,harnesses,examples]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents,harnesses,examples,openenv]"
 	# DeepSpeed is an sdist whose build imports torch: build it against the torch above, never in an
 	# isolated env (that would download a multi-GB CUDA torch)
 	$(PY) -m pip install --quiet setuptools wheel && $(PY) -m pip install --quiet --no-build-isolation -c constraints.txt "deepspeed>=0.16"
@@ -41,6 +41,20 @@ test: setup
 # the unit lane (pure functions and tiny models, no trainer run or subprocess): about a minute on two cores
 test-fast: setup
 	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m unit
+
+# the lowest Python the package declares (requires-python = ">=3.10"): a venv of its own ($(VENV310), made
+# with $(PYTHON310)) with the torch and extras of `make setup` (DeepSpeed aside), then the unit lane and the
+# agent source's tests (asyncio's timeouts differ before 3.11). Not part of `make test`: on PyPI, torch's Linux
+# wheels for CPython 3.10 are the CUDA builds (a few GB with their libraries)
+PYTHON310 ?= python3.10
+VENV310   ?= .venv310
+test-py310:
+	test -x $(VENV310)/bin/python || $(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install --quiet --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(VENV310)/bin/python -m pip install --quiet "$(TORCH_SPEC)"; fi
+	$(VENV310)/bin/python -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents,examples]"
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(VENV310)/bin/python -m pytest -q -n $(TEST_WORKERS) -m unit
+	SHIFU_THREADS=1 OMP_NUM_THREADS=1 $(VENV310)/bin/python -m pytest -q -n 0 -m "not slow" tests/test_agent.py
 
 format: setup
 	$(VENV)/bin/ruff format shifu tests benchmarks examples

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -215,12 +217,111 @@ def test_the_batching_queue_waits_as_long_as_it_is_told():
             await asyncio.gather(first, q.submit(2), q.submit(3))
             await q.close()
 
-    asyncio.run(main(lambda n: 0.0 if n >= 3 else 30.0))  # waits for the third
+    asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 30.0))  # waits for the third
     assert calls == [[1, 2, 3]]
     calls.clear()
-    asyncio.run(main(lambda n: 0.0 if n >= 3 else 0.05))  # waits 50 ms, then goes alone
+    asyncio.run(main(lambda items: 0.0 if len(items) >= 3 else 0.05))  # waits 50 ms, then goes alone
     asyncio.run(main(None))  # never waits
     assert calls[0] == [1] and calls[2] == [1]
+    # math.inf: no call until wake() (from another thread) lets wait answer again; then the calls take the
+    # items by their keys, two at a time, whatever order they came in
+    calls.clear()
+    ready = []
+
+    async def ordered():
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(
+                lambda items: calls.append(list(items)) or items,
+                ex,
+                lambda batch, item: len(batch) < 2,
+                lambda items: 0.0 if ready else math.inf,
+                order=lambda item: -item,
+            )
+            pending = [asyncio.ensure_future(q.submit(x)) for x in (1, 3, 2)]
+            await asyncio.sleep(0.2)
+            assert calls == []  # (waiting)
+            ready.append(True)
+            threading.Thread(target=q.wake).start()
+            assert await asyncio.gather(*pending) == [1, 3, 2]
+            await q.close()
+
+    asyncio.run(ordered())
+    assert calls == [[3, 2], [1]]
+
+    async def broken_wait():  # a wait that fails fails the pending items, and the queue goes on
+        with ThreadPoolExecutor(1) as ex:
+            q = BatchQueue(lambda items: items, ex, None, lambda items: 1 / 0 if 1 in items else 0.0)
+            with pytest.raises(ZeroDivisionError):
+                await q.submit(1)
+            assert await asyncio.gather(q.submit(2), q.submit(3)) == [2, 3]
+            await q.close()
+
+    asyncio.run(broken_wait())
+
+
+def test_a_recorded_completions_randomness_is_its_identity_not_its_company():
+    """A recorded completion (a job with an identity: row, call) samples each choice from a generator seeded by
+    the engine's seed, the identity and the choice: the same tokens alone, beside other rows or behind them in
+    a wider call; another identity or another seed draws other tokens."""
+    from shifu.gateway.engine import Engine, Job
+
+    tok = chat_tokenizer()
+    engine = Engine(tiny_policy(tok), tok, seed=7)
+
+    def job(prompt: str, identity, n: int = 1) -> Job:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        return Job(ids, n, 12, [], 1.0, identity=identity)
+
+    def ids(jobs: list[Job], at: int) -> list[list[int]]:
+        return [c.ids for c in engine.run(jobs)[at]]
+
+    mine = job("hello there", (3, 1), n=2)
+    alone = ids([mine], 0)
+    assert alone[0] != alone[1]  # each choice draws its own
+    assert ids([job("a much longer prompt that pads the call", (0, 0)), mine, job("x", (5, 2))], 1) == alone
+    assert ids([mine], 0) == alone  # (nothing consumed between calls)
+    assert ids([job("hello there", (3, 2), n=2)], 0) != alone
+    assert [c.ids for c in Engine(engine.model, tok, seed=8).run([mine])[0]] != alone
+
+
+def test_two_agent_runs_with_one_seed_are_bit_identical(echo_task, tmp_path, monkeypatch):
+    """``shifu ppo`` through an agent twice with the same seed: the same metrics and the same final weights, bit
+    for bit (the sessions outnumber the concurrency: rows start as slots free, in row order)."""
+    from test_resume import metric_rows, weights_digest
+
+    from shifu.cli import main as cli
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def run(out: Path) -> tuple[list[dict], str]:
+        argv = [
+            "ppo",
+            "--out",
+            str(out),
+            f"model.path={echo_task['char']}",
+            f"data.train={echo_task['prompts']}",
+            "agent.factory=echo_agent:solve",
+            "agent.concurrency=5",
+            "generation.max_new_tokens=6",
+            "generation.max_total_tokens=24",
+            "iterations=3",
+            "batch_size=16",
+            "minibatch_size=8",
+            "eval.every=0",
+            "eval.num_prompts=4",
+            "critic.init=sft",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            "progress=false",
+            "tensorboard=false",
+        ]
+        assert cli.main(argv) == 0
+        return metric_rows(out), weights_digest(out / "final", out / "critic")
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    train = [r for r in first[0] if "agent/return" in r]
+    assert len(train) == 3 and all(r["agent/calls"] == 2 and r["agent/errors"] == 0 for r in train)
+    assert first == second
 
 
 async def moody(client, row: dict):
@@ -230,6 +331,8 @@ async def moody(client, row: dict):
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     if kind == "raise":
         raise ValueError("the tool broke")
+    if kind == "timeout":  # its own (a tool's) timeout: a raise, not agent.timeout_s
+        raise TimeoutError("the tool took too long")
     if kind == "hang":
         await asyncio.sleep(60)
     if kind == "twice":
@@ -248,15 +351,17 @@ def test_faults_follow_on_error_and_are_counted():
     rows = [{"prompt": k, "kind": k} for k in kinds]
     lenient = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0, on_error="end_episode")
     t = collect(lenient, model, tok, rows)
-    assert t.failed.tolist() == [False, True, True, True, True, False, False]
+    # the hang is no fault: it ends at agent.timeout_s, truncated, with what it recorded
+    assert t.failed.tolist() == [False, True, False, True, True, False, False] and t.truncated[2]
     assert t.returns.tolist() == [1.0, 0, 0, 0, 0, 0, 0.5]  # a fault's rewards are 0; the session's reward
     assert not t.trainable[5].any()  # no call: nothing to train (the trainer drops it as a non-finite score)
+    assert t.trainable[2].any()  # the timed-out episode's call trains
     m = t.metrics
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/no_calls"]) == (4 / 7, 1 / 7, 1 / 7)
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/no_calls"]) == (3 / 7, 1 / 7, 1 / 7)
     strict = AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=3.0)
     for kind, said in [
         ("raise", "solve() raised ValueError: the tool broke"),
-        ("hang", "solve() took longer than agent.timeout_s=3.0 s"),
+        ("timeout", "solve() raised TimeoutError"),
         ("bad", "solve() returned str 'yes'; it must return a finite number or None"),
         ("twice", "solve() returned 1.0 and also set the episode's reward 2.0"),
     ]:
@@ -287,6 +392,78 @@ def test_budgets_cut_trajectories_before_the_call_that_does_not_fit():
     t = collect(AgentEpisodes(chatty, "t:c", EpisodeLimits(10, 8, 12)), model, tok, rows)
     after_first = (t.attention.sum(1)).tolist()
     assert all(n <= 12 for n in after_first) and t.truncated.all() and max(t.counts["turns"]) < 4
+
+
+async def out_of_room(client, row: dict) -> float:
+    """A call, then a second whose prompt leaves no room in the model's positions (the openai client raises the
+    gateway's context_length_exceeded; this agent lets it out)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    out = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": out.choices[0].message.content}]
+    await client.chat.completions.create(
+        model="policy", messages=[*messages, {"role": "user", "content": "more, " * 60}]
+    )
+    return 1.0
+
+
+def test_an_episode_ended_by_its_timeout_or_the_context_limit_is_truncated_not_failed():
+    """As an environment's episode cut by a budget: the trajectory it recorded trains, flagged truncated in the
+    batch (the trainer's missing-EOS penalty reads it), and ``on_error=raise`` does not stop the run."""
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=96)
+    with torch.no_grad():  # every call ends at once with EOS (finish "stop"): no budget truncates it
+        model.transformer.ln_f.bias[0] = 10.0
+        model.lm_head.weight[tok.eos_token_id, 0] = 10.0  # (tied: the EOS embedding's too)
+    rows = [{"prompt": "ok", "kind": "ok"}, {"prompt": "hang", "kind": "hang"}]
+    t = collect(AgentEpisodes(moody, "t:moody", EpisodeLimits(5, 6, 512), timeout_s=2.0), model, tok, rows)
+    assert t.truncated.tolist() == [False, True] and t.failed.tolist() == [False, False]
+    assert t.trainable[1].any() and t.metrics["agent/timeouts"] == 0.5 and t.metrics["agent/truncated"] == 0.5
+    t = collect(
+        AgentEpisodes(out_of_room, "t:room", EpisodeLimits(5, 6, 512)), model, tok, [{"prompt": "hi"}]
+    )
+    assert t.truncated.tolist() == [True] and t.failed.tolist() == [False] and t.trainable[0].any()
+    assert t.metrics["agent/context_exceeded"] == 1.0 and t.returns.tolist() == [0.0]
+
+
+async def titled(client, row: dict) -> float:
+    """Two turns of the agent's own (its system prompt), then the harness's title call with another."""
+    system = {"role": "system", "content": "You answer sums."}
+    messages = [system, {"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        out = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": out.choices[0].message.content}]
+        messages += [{"role": "user", "content": "and then?"}]
+    title = [
+        {"role": "system", "content": "Write a short title for this conversation, in five words."},
+        messages[1],
+    ]
+    await client.chat.completions.create(model="policy", messages=title)
+    return 1.0
+
+
+@pytest.mark.parametrize("side_calls", ["skip", "train"])
+def test_side_calls_are_skipped_or_trained_as_forks_and_never_the_main_trajectory(side_calls):
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    rows = [{"prompt": f"question {i}"} for i in range(3)]
+    source = AgentEpisodes(titled, "t:titled", EpisodeLimits(5, 6, 4096), side_calls=side_calls)
+    t = collect(source, model, tok, rows)
+    m = t.metrics
+    assert (m["agent/calls"], m["agent/forks"], m["agent/side_calls"]) == (3, 1, 1)
+    assert t.counts["turns"][:3] == [2] * 3  # the main trajectory is the agent's, though the title came last
+    assert len(t) == (3 if side_calls == "skip" else 6)
+    assert m["agent/fork_rows"] == (0 if side_calls == "skip" else 1)
+    if side_calls == "train":  # the title's row: one call, trained with the episode's reward
+        assert t.counts["turns"][3:] == [1] * 3 and t.returns[3:].tolist() == [1.0] * 3
+    else:  # a skipped side call's first input is not read: max_prompt_len bounds the trained ones only
+        longest = int(t.prompt_mask.sum(1).max())
+        fits = AgentEpisodes(titled, "t:titled", EpisodeLimits(5, 6, 4096), max_prompt_len=longest)
+        assert len(collect(fits, model, tok, rows)) == 3
+        trains = AgentEpisodes(
+            titled, "t:titled", EpisodeLimits(5, 6, 4096), max_prompt_len=longest, side_calls="train"
+        )
+        with pytest.raises(ShifuError, match="the first input is"):
+            collect(trains, model, tok, rows)
 
 
 def test_a_first_input_longer_than_max_prompt_len_is_an_error_naming_the_row():

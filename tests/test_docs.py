@@ -144,6 +144,7 @@ COMMANDS = [
     ["report"],
     ["sample"],
     ["merge"],
+    ["traces", "export"],
     ["serve"],
     ["study", "frontier"],
     ["demo", "bandit"],

@@ -33,7 +33,9 @@ from test_gateway import (  # noqa: E402
 from shifu.gateway import Gateway, Sampling  # noqa: E402
 
 TOKEN = "dialects-token"
-T = 0.7
+# a sampling temperature other than 1 (the recorded log-probs are under logits / T), low enough that the
+# memorised policy writes its call whatever the draw: at 0.7 a Messages round trip once sampled no call
+T = 0.3
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
 MESSAGES_TOOLS = [
     {

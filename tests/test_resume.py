@@ -373,12 +373,14 @@ def test_ppo_killed_anywhere_resumes_bit_identically(data, tmp_path, capsys):
 @pytest.mark.slow
 def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
     """Multi-turn episodes (thirdparty_env:Echo, one fresh instance per episode): the chain of interruptions
-    ends with the weights, metrics (env/* included) and evaluation transcripts of the uninterrupted run."""
+    ends with the weights, metrics (env/* included), evaluation transcripts and recorded episodes of the
+    uninterrupted run."""
     env = [
         "env.factory=thirdparty_env:Echo",
         "generation.stop=[g,h,i,j,k,l]",
         "generation.max_new_tokens=6",
         "generation.max_total_tokens=24",
+        "traces.episodes=true",
     ]
 
     def argv(out):
@@ -389,6 +391,35 @@ def test_ppo_with_an_environment_resumes_bit_identically(data, tmp_path):
     clean = tmp_path / "clean"
     assert (clean / "samples.jsonl").read_text() == (resumed / "samples.jsonl").read_text()
     assert any("env/return" in r for r in metric_rows(resumed))
+    # the recorded episodes too: what an interrupted run recorded after its checkpoint is dropped on resume
+    episodes = "episodes/rank-0.jsonl"
+    assert (clean / episodes).read_text() == (resumed / episodes).read_text() != ""
+
+
+@pytest.mark.slow
+def test_ppo_with_an_agent_resumes_bit_identically(data, tmp_path, monkeypatch):
+    """An agent's episodes (examples/agents/echo_agent.py over the openai client, on the run's recording gateway):
+    the chain of interruptions ends with the weights and metrics (agent/* included) of the uninterrupted run."""
+    pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
+    pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
+    from test_agent import EXAMPLES, build_echo_task
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # (the forked runs inherit it)
+    task = build_echo_task(tmp_path / "task")
+    agent = [
+        f"model.path={task['char']}",
+        f"data.train={task['prompts']}",
+        "agent.factory=echo_agent:solve",
+        "agent.concurrency=3",
+        "generation.max_total_tokens=24",
+    ]
+
+    def argv(out):
+        skip = ("reward.function", "eval.gold_function", "data.ptx", "ptx_coef", "model.path", "data.train")
+        return [a for a in ppo_argv(data, out) if not a.startswith(skip)] + agent
+
+    resumed = _clean_and_chain(argv, tmp_path, 6, True, "final", "critic")
+    assert any("agent/return" in r for r in metric_rows(resumed))
 
 
 @pytest.mark.slow

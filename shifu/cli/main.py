@@ -52,6 +52,10 @@ TOOLS = {
         "shifu.data.starter",
         "a small model with a tokenizer trained on your data, to start in minutes",
     ),
+    "traces": (
+        "shifu.rollout.traces",
+        "export a run's recorded episodes: `shifu traces export RUN --format atif --out FILE`",
+    ),
     "merge": ("shifu.models.merge", "merge RL runs from one base policy into one (a model soup)"),
     "serve": (
         "shifu.serve.server",

@@ -17,6 +17,7 @@ from shifu.config.sections import (
     PolicyEvalConfig,
     PolicyModelConfig,
     PromptDataConfig,
+    TracesConfig,
     frozen,
 )
 from shifu.config.sources import AgentConfig, EnvConfig, GenerationConfig, RewardConfig, check_source
@@ -127,6 +128,9 @@ class PPOConfig(RunConfig):
     env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment or tools (factory null: off)")
     agent: AgentConfig = opt(
         AgentConfig(), "episodes of an outside agent on the policy gateway (factory null: off)"
+    )
+    traces: TracesConfig = opt(
+        TracesConfig(), "what the run records of its trajectories (shifu traces export)"
     )
 
     def validate(self) -> None:

@@ -325,3 +325,24 @@ class NormalizeConfig:
     max_new_tokens: int = opt(48, "response tokens sampled per prompt")
     temperature: float = opt(1.0, "sampling temperature")
     batch_size: int = opt(16, "prompts per generate call")
+
+
+@frozen
+class TracesConfig:
+    """What a PPO run records of its trajectories (``shifu traces export``: docs/how-to/traces.md)."""
+
+    episodes: bool = opt(
+        False,
+        "record every rollout's trajectories in RUN/episodes/rank-R.jsonl: per turn the sampled token ids and "
+        "log-probs, text, tool calls and reward, and what the policy read after it (shifu traces export reads "
+        "them)",
+    )
+    atif: bool = opt(
+        False,
+        "record them (as traces.episodes) and also write them as ATIF during the run, one trajectory per line "
+        "of RUN/episodes/atif-rank-R.jsonl",
+    )
+
+    @property
+    def recording(self) -> bool:
+        return self.episodes or self.atif

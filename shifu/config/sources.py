@@ -157,11 +157,20 @@ class AgentConfig:
     )
     kwargs: dict = opt({}, "keyword arguments of every solve() call")
     concurrency: int = opt(64, "episodes run at once (their calls share sampler calls: 64 fill one)")
-    timeout_s: float | None = opt(300.0, "seconds one episode may take (a fault past it); null: no limit")
+    timeout_s: float | None = opt(
+        300.0,
+        "seconds one episode may take: past it the episode ends truncated, keeping what it recorded "
+        "(agent/timeouts); null: no limit",
+    )
     on_error: Literal["raise", "end_episode"] = opt(
         "raise",
-        "an agent fault (exception, timeout, a return that is not a number or None): stop the run with an error "
+        "an agent fault (an exception, a return that is not a number or None): stop the run with an error "
         "naming the agent and row, or end that episode with reward 0 (agent/errors)",
+    )
+    side_calls: Literal["train", "skip"] = opt(
+        "skip",
+        "calls sent with another system prompt than the agent's (a title, a summary, a classifier; "
+        "agent/side_calls): record them and leave them out of training, or train them as forks are trained",
     )
 
     def validate_alongside(self, cfg) -> None:

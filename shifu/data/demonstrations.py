@@ -17,6 +17,11 @@ trained tokens of ``response_ids`` and False on those only read.
   EOS (ChatML's ``"\\n"``) is read, as it is in an episode (:mod:`shifu.generation.observations`). A
   template that renders a prefix otherwise (it rewrites earlier turns), closes an assistant message without
   EOS, or drops a message's ``tool_calls`` is a :class:`DataError` naming the row and the message.
+- ``messages`` with ``tools`` (an agent's chat log): the same, rendered as the policy gateway renders an agent's
+  request (:func:`shifu.models.tool_calls.render_messages`: tools natively, or in a Hermes system message with the
+  history's calls written in that syntax), so each assistant turn is trained as the policy would have sampled it.
+- an ATIF trajectory read as recorded (:mod:`shifu.data.atif`): its ids and trained mask as they are, once
+  checked to be the policy's tokenizer's.
 - ``messages`` without a chat template: the plain rendering of :func:`shifu.data.rows.prompt_text`,
   ``"{role}: {content}\\n"`` per message, where an assistant message is ``"assistant: "``, its content and
   EOS (trained), then ``"\\n"``.
@@ -24,10 +29,15 @@ trained tokens of ``response_ids`` and False on those only read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from shifu.data.atif import check_recorded
 from shifu.data.rows import prompt_text, response_segments, trained
 from shifu.errors import DataError
+from shifu.models.tool_calls import render_messages, tool_format
 
 Where = tuple[str, int | None]
+Render = Callable[[list[dict], bool], str]  # (messages, generation prompt) -> the template's text
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -39,12 +49,18 @@ def encode_demonstration(
 ) -> tuple[list[int], list[int], list[bool]]:
     """A validated SFT row -> ``(prompt_ids, response_ids, response_mask)`` (module docstring); ``chat_template``
     as for :func:`shifu.data.rows.prompt_text` (a ``prompt`` string through the template or verbatim)."""
-    if row.get("messages") is None:
+    where = getattr(row, "where", ("SFT row", None))
+    if row.get("token_ids") is not None:  # an ATIF trajectory as recorded
+        check_recorded(tokenizer, row)
+        ids, mask = row["token_ids"], row["token_train"]
+    elif row.get("messages") is None:
         ids, mask = _plain_row(tokenizer, row, chat_template)
+    elif row.get("tools") is not None:
+        ids, mask = _chat(tokenizer, row["messages"], where, _agent_render(tokenizer, row["tools"], where))
     elif getattr(tokenizer, "chat_template", None):
-        ids, mask = _chat(tokenizer, row["messages"], getattr(row, "where", ("SFT row", None)))
+        ids, mask = _chat(tokenizer, row["messages"], where)
     else:
-        ids, mask = _plain_messages(tokenizer, row["messages"], getattr(row, "where", ("SFT row", None)))
+        ids, mask = _plain_messages(tokenizer, row["messages"], where)
     first, last = mask.index(True), len(mask) - mask[::-1].index(True)
     return ids[:first], ids[first:last], mask[first:last]
 
@@ -77,11 +93,28 @@ def _plain_messages(tokenizer, messages: list[dict], where: Where) -> tuple[list
     return ids, mask
 
 
-def _text(tokenizer, messages: list[dict], generation_prompt: bool, where: Where, i: int) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
+def _template(tokenizer) -> Render:
+    return lambda messages, prompt: tokenizer.apply_chat_template(
+        messages, add_generation_prompt=prompt, tokenize=False
+    )
+
+
+def _agent_render(tokenizer, tools: list[dict], where: Where) -> Render:
+    """The gateway's rendering of an agent's request offering ``tools`` (:func:`render_messages`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            *where,
+            "tools",
+            "the tokenizer has no chat template to offer tools in",
+            "use a chat model, or write the calls into the messages' content and drop 'tools'",
         )
+    fmt = tool_format(tokenizer)
+    return lambda messages, prompt: render_messages(tokenizer, messages, tools or None, fmt, prompt)
+
+
+def _text(render: Render, messages: list[dict], generation_prompt: bool, where: Where, i: int) -> str:
+    try:
+        return render(messages, generation_prompt)
     except Exception as e:  # jinja raises TemplateError, TypeError, UndefinedError, ... from user templates
         calls = any(m.get("tool_calls") is not None for m in messages)
         raise DataError(
@@ -95,25 +128,26 @@ def _text(tokenizer, messages: list[dict], generation_prompt: bool, where: Where
         ) from None
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: Where, i: int) -> list[int]:
-    return _ids(tokenizer, _text(tokenizer, messages, generation_prompt, where, i))
-
-
-def _chat(tokenizer, messages: list[dict], where: Where) -> tuple[list[int], list[bool]]:
+def _chat(
+    tokenizer, messages: list[dict], where: Where, render: Render | None = None
+) -> tuple[list[int], list[bool]]:
+    """A chat's ids and trained mask; ``render``: the chat template's text (default: the template alone; an
+    agent's chat log: the gateway's rendering with its tools, which writes every tool call)."""
+    plain, render = render is None, render or _template(tokenizer)
     try:
-        whole = _ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False))
+        whole = _ids(tokenizer, render(messages, False))
     except Exception:  # named at the first message the template cannot render the conversation up to
         for k in range(1, len(messages) + 1):
-            _text(tokenizer, messages[:k], False, where, k - 1)
+            _text(render, messages[:k], False, where, k - 1)
         raise
     mask = [False] * len(whole)
     for i, m in enumerate(messages):
-        if m.get("tool_calls") is not None:
+        if plain and m.get("tool_calls") is not None:
             _check_tool_calls_rendered(tokenizer, messages[: i + 1], where)
         if m["role"] != "assistant" or not trained(m):
             continue
-        head = _render(tokenizer, messages[:i], True, where, i)
-        upto = _render(tokenizer, messages[: i + 1], False, where, i)
+        head = _ids(tokenizer, _text(render, messages[:i], True, where, i))
+        upto = _ids(tokenizer, _text(render, messages[: i + 1], False, where, i))
         for part in (head, upto):
             if whole[: len(part)] != part:
                 raise _rewritten(tokenizer, part, whole, where, i)
@@ -148,7 +182,7 @@ def _check_tool_calls_rendered(tokenizer, messages: list[dict], where: Where) ->
     """DataError when the template writes the last message's ``tool_calls`` nowhere (SmolLM2's ignores them):
     the calls would silently vanish from what is trained."""
     i, m = len(messages) - 1, messages[-1]
-    written = _text(tokenizer, messages, False, where, i)
+    written = _text(_template(tokenizer), messages, False, where, i)
     without = {k: v for k, v in m.items() if k != "tool_calls"}
     try:
         bare = tokenizer.apply_chat_template([*messages[:-1], without], tokenize=False)

@@ -4,7 +4,8 @@ Three row kinds, from JSONL (one JSON object per line), Parquet, or a directory 
 ``datasets.Dataset.save_to_disk``:
 
 - ``"sft"``: ``prompt`` + ``response``, or ``messages`` (a chat: a list of ``{"role", "content"}`` whose last
-  message is the assistant's). ``response`` is a string, or a list of segments ``{"text", "train"}``
+  message is the assistant's, with the ``tools`` it offered as an agent's chat log), or an ATIF trajectory
+  (:mod:`shifu.data.atif`; a ``.json`` file holds one document or a list of them). ``response`` is a string, or a list of segments ``{"text", "train"}``
   (``train`` defaults to true; ``false`` marks text the model reads but is not trained to write, such as a
   tool's output). In ``messages`` every assistant message is trained unless it says ``"train": false``; an
   assistant message may carry ``tool_calls`` (then its ``content`` may be empty or absent).
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from shifu.config.sections import DataConfig
+from shifu.data.atif import atif_row, check_tools, is_atif, read_json_documents
 from shifu.data.checks import check_messages, check_prompt, check_segments, check_text, trained
 from shifu.errors import DataError
 
@@ -86,6 +88,8 @@ def _read_raw(path: str, split: str) -> tuple[str, list[tuple[int, Any, DataErro
         return "datasets", _read_datasets_dir(path, split)
     if p.suffix == ".parquet":
         return "parquet", _read_parquet(path)
+    if p.suffix.lower() == ".json":
+        return "json", read_json_documents(path, p.read_bytes())
     return "jsonl", _read_jsonl(path)
 
 
@@ -196,29 +200,41 @@ def _read_datasets_dir(path: str, split: str) -> list[tuple[int, Any, DataError 
 # validation
 
 
+def _sft_row(row: dict, where: tuple[str, int | None]) -> Row:
+    """An SFT row checked (an ATIF document read first as its row, :mod:`shifu.data.atif`)."""
+    path, line = where
+    if is_atif(row):
+        row = atif_row(row, where)
+        if "token_ids" in row:  # as recorded: ids and their trained mask
+            return Row(row, where)
+    if row.get("tools") is not None:
+        check_tools(row, where)
+    if "messages" in row and row["messages"] is not None:
+        check_messages(row, where)
+    else:
+        if "prompt" not in row and "response" not in row:
+            raise DataError(
+                path,
+                line,
+                "prompt",
+                "missing field",
+                "SFT rows need 'prompt' and 'response', or 'messages'",
+            )
+        check_text(row, "prompt", where)
+        if isinstance(row.get("response"), list):
+            check_segments(row, where)
+        else:
+            check_text(row, "response", where)
+    return Row(row, where)
+
+
 def validate_row(row: Any, kind: str, where: tuple[str, int | None]) -> dict:
     """Check one parsed row of ``kind``; return it (as a dict) or raise DataError."""
     path, line = where
     if not isinstance(row, dict):
         raise DataError(path, line, None, f"expected a JSON object, got {type(row).__name__}")
     if kind == "sft":
-        if "messages" in row and row["messages"] is not None:
-            check_messages(row, where)
-        else:
-            if "prompt" not in row and "response" not in row:
-                raise DataError(
-                    path,
-                    line,
-                    "prompt",
-                    "missing field",
-                    "SFT rows need 'prompt' and 'response', or 'messages'",
-                )
-            check_text(row, "prompt", where)
-            if isinstance(row.get("response"), list):
-                check_segments(row, where)
-            else:
-                check_text(row, "response", where)
-        row = Row(row, where)
+        row = _sft_row(row, where)
     elif kind == "preference":
         check_prompt(row, where)
         for key in ("chosen", "rejected"):

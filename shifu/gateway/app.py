@@ -15,7 +15,9 @@ shape (Anthropic's on its dialect's route).
 
 Every dialect's request becomes a :class:`~shifu.gateway.protocol.ChatRequest` that the same handlers
 prepare (render, budget), sample or stream, answer and record (:meth:`_Routes.prepare`, ``sample`` / ``stream``,
-``finish``, ``record``), so the calls of any dialect join one session. The API key comes as ``Authorization:
+``finish``, ``record``), so the calls of any dialect join one session. On a recording gateway each dialect's
+route answers a session's request once (:meth:`_Routes.once`): a retry gets the first answer again
+(:mod:`shifu.gateway.retries`). The API key comes as ``Authorization:
 Bearer`` or ``x-api-key``. Every error is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape;
 ``param`` names the field to fix), but on ``/v1/messages``. Bodies are read by the shared stack
 (:mod:`shifu.http.requests`). Prompts are rendered and answers decoded on one tokenizer thread; sampling runs on
@@ -31,6 +33,7 @@ import hmac
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import shifu.gateway.messages as messages
@@ -47,9 +50,9 @@ from shifu.gateway.completions import (
     prompt_ids,
 )
 from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
-from shifu.gateway.sessions import Call, UnknownSession
+from shifu.gateway.retries import ANSWERING, Answer, fingerprint
+from shifu.gateway.sessions import Call, UnknownSession, system_digest
 from shifu.gateway.streaming import stream_events
-from shifu.http.batching import BatchQueue
 from shifu.http.requests import RequestError, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
 
@@ -127,6 +130,13 @@ def _no_session(request) -> RequestError:
     )
 
 
+@dataclass
+class _Finished(Completed):
+    """A completion with the :func:`~shifu.gateway.sessions.system_digest` of its request (side calls)."""
+
+    system: str | None = None
+
+
 class _Routes:
     """The handlers of one gateway's app (see the module docstring); ``state`` is filled by the lifespan."""
 
@@ -139,8 +149,7 @@ class _Routes:
         sampler = ThreadPoolExecutor(1, thread_name_prefix="shifu-sample")
         # one tokenising thread: HF fast tokenizers are not safe to call from several threads at once
         self.state["encoder"] = ThreadPoolExecutor(1, thread_name_prefix="shifu-encode")
-        wait = self.gw.batch_wait if self.gw.recording else None
-        self.state["queue"] = BatchQueue(self.gw.engine.run, sampler, self.gw.engine.joins, wait)
+        self.state["queue"] = self.gw.batch_queue(sampler)
         try:
             yield
         finally:
@@ -165,6 +174,20 @@ class _Routes:
         return None
 
     async def body_of(self, request, allow_empty: bool = False):
+        """The request's JSON body, read once (:meth:`once` reads it before the route): a second call gives the
+        same value, or raises the same refusal."""
+        kept = getattr(request.state, "shifu_body", None)
+        if kept is None:
+            try:
+                kept = (await self._read(request, allow_empty), None)
+            except RequestError as e:
+                kept = (None, e)
+            request.state.shifu_body = kept
+        if kept[1] is not None:
+            raise kept[1]
+        return kept[0]
+
+    async def _read(self, request, allow_empty: bool):
         from starlette.concurrency import run_in_threadpool
 
         limits = self.gw.limits
@@ -173,6 +196,38 @@ class _Routes:
             return {}
         check_content_headers(request.headers)
         return await run_in_threadpool(decode_body, raw)
+
+    def once(self, route):
+        """A dialect's completion ``route`` that answers each request of a recording session once: a retry of
+        one (:mod:`shifu.gateway.retries`) gets its answer again, recorded once. Requests without an open
+        session's key, or whose body is refused, go to the route as they are."""
+        from starlette.concurrency import run_in_threadpool
+
+        async def endpoint(request):
+            key = _bearer(request)
+            if not (self.gw.recording and self.gw.sessions.is_open(key)):
+                return await route(request)
+            try:
+                body = await self.body_of(request)
+            except RequestError:
+                return await route(request)  # refused there, in the dialect's own shape
+            request_id = await run_in_threadpool(
+                fingerprint, request.url.path, body, request.headers.get("idempotency-key")
+            )
+            sessions = self.gw.sessions
+            try:
+                answer = sessions.retry_of(key, request_id)
+                if answer is None:
+                    answer = Answer()
+                    sessions.keep(key, request_id, answer)
+                    answer.start(
+                        lambda: route(request), request_id, lambda: sessions.settle(key, request_id, answer)
+                    )
+            except UnknownSession:  # ended meanwhile: the route refuses it
+                return await route(request)
+            return await answer.response()
+
+        return endpoint
 
     async def health(self, request):
         gw = self.gw
@@ -218,11 +273,17 @@ class _Routes:
         gw = self.gw
         check_model(req, gw.name)
         memory = gw.memory_of(key)
-        ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
-        job = make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording)
+        try:
+            ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
+            job = gw.identify(make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording), key)
+        except RequestError as e:
+            if key is not None and e.code == "context_length_exceeded":  # the episode met the context limit
+                with contextlib.suppress(UnknownSession):
+                    gw.sessions.refused(key)
+            raise
         return Prepared(key, req, ids, job, memory)
 
-    async def finish(self, prep: Prepared, choices, completion_id: str | None = None) -> Completed:
+    async def finish(self, prep: Prepared, choices, completion_id: str | None = None) -> _Finished:
         """The chat answer of sampled ``choices`` (remembered); :meth:`record` keeps it in the session."""
         gw = self.gw
         body, segments = await self.on_encoder(
@@ -238,7 +299,7 @@ class _Routes:
             gw.recording,
             completion_id,
         )
-        return Completed(prep.key, prep.ids, body, choices, segments)
+        return _Finished(prep.key, prep.ids, body, choices, segments, system_digest(prep.req.messages))
 
     async def sample(self, prep: Prepared) -> list:
         """The sampled choices of a prepared request (merged with others into one sampler call)."""
@@ -250,11 +311,13 @@ class _Routes:
         holds = withheld(prep.req, self.gw.format, bool(offered_tools(prep.req)))
         return stream_events(self.state["queue"], prep.job, holds, resolve)
 
-    def record(self, done: Completed, call_id: str) -> None:
-        """Record a completion into its session as the call ``call_id`` (the id its dialect answered with)."""
+    def record(self, done: _Finished, call_id: str) -> None:
+        """Record a completion into its session as the call ``call_id`` (the id its dialect answered with), with
+        the request it answered (:mod:`shifu.gateway.retries`)."""
         if done.key is not None:
+            call = Call(call_id, done.prompt_ids, done.segments, done.system, ANSWERING.get())
             with contextlib.suppress(UnknownSession):  # ended while sampling: nothing to record into
-                self.gw.sessions.record(done.key, Call(call_id, done.prompt_ids, done.segments))
+                self.gw.sessions.record(done.key, call)
 
     async def chat(self, request):
         key = self.caller(request)
@@ -317,9 +380,9 @@ class _Routes:
         self.gw.ended.put(rec)
         sampled = sum(len(s.sampled_ids) for t in rec.trajectories for s in t.segments)
         summary = {"session_key": key, "row_id": rec.row_id, "calls": rec.calls, "forks": rec.forks}
-        return _json(
-            summary | {"trajectories": len(rec.trajectories), "sampled_tokens": sampled, "reward": rec.reward}
-        )
+        counts = {"trajectories": len(rec.trajectories), "sampled_tokens": sampled, "reward": rec.reward}
+        limits = {"side_calls": rec.side_calls, "context_exceeded": rec.context_exceeded}
+        return _json(summary | counts | limits)
 
 
 def _json(body: dict):
@@ -339,9 +402,9 @@ def create_app(gw):
         Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/models/{model:path}", r.model, methods=["GET"]),
-        Route("/v1/chat/completions", r.chat, methods=["POST"]),
-        *responses.routes(r),
-        *messages.routes(r),
+        Route("/v1/chat/completions", r.once(r.chat), methods=["POST"]),
+        *[Route(route.path, r.once(route.endpoint), methods=["POST"]) for route in responses.routes(r)],
+        *[Route(route.path, r.once(route.endpoint), methods=["POST"]) for route in messages.routes(r)],
     ]
     if gw.recording:
         routes += [

@@ -7,8 +7,11 @@ through :class:`shifu.http.batching.BatchQueue`): their prompts left-padded to o
 within ``max_batch_rows`` rows, ``max_batch_tokens`` rows x (prompt + budget) tokens and the model's
 positions. Per-row budgets, end-of-turn ids other than EOS and stop strings end rows through
 :class:`shifu.generation.stops.RowStops`. A job with a ``seed`` is sampled in a call of its own with a
-generator seeded by it (the same request with the same seed gets the same tokens); the others share the
-engine's generator.
+generator seeded by it (the same request with the same seed gets the same tokens). A recorded completion
+(a job with an ``identity``: its session's row and the call's index in the session) samples each choice from
+a generator of its own, seeded by the engine's seed and the identity with the choice's index
+(:func:`choice_seed`): its randomness is the same whatever else shares its sampler call and whenever it
+arrives. The others share the engine's generator.
 
 Each choice comes back with its sampled ids (the ending EOS or end-of-turn id included when sampled) and
 their float32 log-probs under ``logits / T`` at the sampling temperature (T = 1 when greedy), read off the
@@ -31,6 +34,7 @@ on the event loop, :mod:`shifu.gateway.streaming`); what is sampled and returned
 from __future__ import annotations
 
 import copy
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +63,7 @@ class Job:
     top_logprobs: int = 0
     on_text: Callable[[int, int, str], None] | None = None  # streaming: (choice, id, new text) per step
     grammar: str | None = None  # llguidance's grammar every choice's ids must follow (response_format)
+    identity: tuple | None = None  # (row, call): a recorded completion's (see the module docstring)
 
     @property
     def setting(self) -> tuple:
@@ -106,6 +111,13 @@ class IncrementalText:
         return after[len(before) :]
 
 
+def choice_seed(seed: int, identity: tuple, choice: int) -> int:
+    """The seed of one choice of a recorded completion: 63 bits of sha256 over the engine's ``seed``, the
+    completion's ``identity`` and the choice's index (the same numbers give the same seed on every platform)."""
+    text = repr((int(seed), *identity, int(choice))).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
 def end_ids(model, tokenizer) -> list[int]:
     """Ids that end a turn: the tokenizer's EOS and every ``eos_token_id`` of the model's generation config
     (Llama 3's ``<|eot_id|>`` and ``<|end_of_text|>``)."""
@@ -145,7 +157,7 @@ class Engine:
         # uses the original, and a fast tokenizer is not to be called from two threads at once
         self.sampler_tok = copy.deepcopy(tokenizer)
         self.max_batch_rows, self.max_batch_tokens = max_batch_rows, max_batch_tokens
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed, self.generator = seed, torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
         self.calls = 0  # sampler calls run
         self.last_seconds = 0.0  # how long the last sampler call took
@@ -161,6 +173,8 @@ class Engine:
     def joins(self, jobs: list[Job], job: Job) -> bool:
         """Whether ``job`` may be sampled in one call with ``jobs`` (module docstring)."""
         if job.seed is not None or jobs[0].seed is not None or job.setting != jobs[0].setting:
+            return False
+        if (job.identity is None) != (jobs[0].identity is None):  # (one way of drawing per call)
             return False
         rows = sum(j.n for j in jobs) + job.n
         width = max(len(j.prompt_ids) for j in (*jobs, job)) + max(j.budget for j in (*jobs, job))
@@ -183,7 +197,7 @@ class Engine:
             top_p=first.top_p,
             greedy=first.greedy,
         )
-        gen = self.generator if first.seed is None else torch.Generator().manual_seed(first.seed)
+        gen = self._generators(jobs)
         ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
         stops = RowStops(self.sampler_tok, [j.budget for j in rows], [j.stops for j in rows], ends)
         t0 = time.perf_counter()
@@ -276,6 +290,14 @@ class Engine:
         import llguidance
 
         return llguidance.LLMatcher(self._lltok(model), grammar)
+
+    def _generators(self, jobs: list[Job]) -> torch.Generator | list[torch.Generator]:
+        """A call's randomness (module docstring): one generator per row for recorded completions, else the
+        request's seed or the engine's generator."""
+        if jobs[0].identity is not None:
+            seeds = [choice_seed(self.seed, j.identity, c) for j in jobs for c in range(j.n)]
+            return [torch.Generator().manual_seed(s) for s in seeds]
+        return self.generator if jobs[0].seed is None else torch.Generator().manual_seed(jobs[0].seed)
 
     def _top(self, model, job: Job, ids: list[int], temperature: float, device) -> list[list[tuple]]:
         """Per sampled token, the ``job.top_logprobs`` most likely ids and log-probs (one scoring forward)."""

@@ -8,16 +8,27 @@ api_key=session_key)``. In recording mode (``recording=True``) every completion 
 its API key and is recorded (:mod:`shifu.gateway.sessions`); the sampling settings are the trainer's
 (:meth:`Gateway.set_sampling`): a request's own ``temperature``, ``top_p`` and ``seed`` are ignored (the
 answer's ``shifu`` field says what was used), so the recorded log-probs are the ones the trainer recomputes.
+
+**Reproducible recording.** A recorded completion's identity is its session's ``row_id`` (the session key when
+none was given) and its index among the session's calls; its choices are sampled from generators seeded by
+the gateway's ``seed`` and that identity (:mod:`shifu.gateway.engine`), not from the order calls arrive in. A
+row's log-probs still depend in their last bits on which rows share its sampler call (the padded width and the
+number of rows change the CPU kernels' order of summation), so a trainer also fixes the calls themselves
+(:meth:`Gateway.plan_sessions`): ``rows`` sessions started in row order, at most ``concurrency`` open; a sampler
+call starts once every open session has a completion pending or has ended and no session is due to start, and
+takes the completions in (row, call) order. The calls are then a function of what was sampled, never of timing:
+the same seed gives the same episodes, bit for bit.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 from dataclasses import replace
 
 from shifu.errors import ConfigError
 from shifu.gateway.completions import Sampling
-from shifu.gateway.engine import Engine
+from shifu.gateway.engine import Engine, Job
 from shifu.gateway.sessions import CompletionMemory, RecordedSession, SessionStore
 from shifu.models.tool_calls import tool_format
 
@@ -67,6 +78,10 @@ class Gateway:
         self.ended: queue.SimpleQueue[RecordedSession] = queue.SimpleQueue()
         self.server = None
         self.max_wait_s = 1.0  # recording: the longest a sampler call waits for more completions (batch_wait)
+        self._identity: dict[str, list] = {}  # open session's key -> [row (its row_id, else its key), calls]
+        self._plan: tuple[int, int] | None = None  # (rows, concurrency): plan_sessions
+        self._started = 0  # sessions started since plan_sessions
+        self._queue = None  # the app's batching queue, once it serves
 
     # ---------------------------------------------------------------------------------------- serving
     def app(self):
@@ -74,6 +89,15 @@ class Gateway:
         from shifu.gateway.app import create_app
 
         return create_app(self)
+
+    def batch_queue(self, executor):
+        """The app's queue of completions (on its event loop): merged into sampler calls on ``executor`` as the
+        engine allows, waiting as :meth:`batch_wait` says, in (row, call) order once :meth:`plan_sessions`."""
+        from shifu.http.batching import BatchQueue
+
+        wait = self.batch_wait if self.recording else None
+        self._queue = BatchQueue(self.engine.run, executor, self.engine.joins, wait, self._order)
+        return self._queue
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> Gateway:
         """Serve on ``host:port`` (port 0: a free one) from a background thread; returns self."""
@@ -133,13 +157,29 @@ class Gateway:
             raise ConfigError(f"gateway sampling out of range: {sampling}")
         self.sampling = sampling
 
+    def plan_sessions(self, rows: int, concurrency: int) -> None:
+        """Fix the sampler calls (module docstring): the next ``rows`` sessions are started with row ids 0, 1,
+        ... in order, at most ``concurrency`` open at once (a trainer's episodes)."""
+        self._plan, self._started = (int(rows), int(concurrency)), 0
+
     def start_session(self, row_id: object = None) -> str:
         """Open a recording session; its key is the API key the agent uses."""
         if not self.recording:
             raise RuntimeError("sessions need a recording gateway: Gateway(..., recording=True)")
         key = self.sessions.start(row_id)
         self.memories[key] = CompletionMemory(256)
+        self._identity[key] = [key if row_id is None else row_id, 0]
+        self._started += 1
         return key
+
+    def identify(self, job: Job, key: str | None) -> Job:
+        """``job`` with its identity (module docstring) when ``key`` is a recording session's: its row and
+        the call's index in the session (the session's calls counted as they reach the server)."""
+        known = self._identity.get(key) if key is not None else None
+        if known is None:
+            return job
+        known[1] += 1
+        return replace(job, identity=(known[0], known[1] - 1))
 
     def set_reward(self, key: str, reward: float, call: str | None = None) -> int:
         """The session's reward, or with ``call`` (a completion id, or ``"last"``) that call's."""
@@ -148,7 +188,12 @@ class Gateway:
     def end_session(self, key: str) -> RecordedSession:
         """Close a session and return what it recorded (:class:`shifu.gateway.sessions.RecordedSession`)."""
         self.memories.pop(key, None)
-        return self.sessions.end(key)
+        self._identity.pop(key, None)
+        try:
+            return self.sessions.end(key)
+        finally:
+            if self._queue is not None:  # a sampler call may wait for this session (batch_wait)
+                self._queue.wake()
 
     def ended_sessions(self) -> list[RecordedSession]:
         """The sessions ended over HTTP (``POST /rl/end_session``) since the last call, oldest first."""
@@ -157,18 +202,35 @@ class Gateway:
             out.append(self.ended.get())
         return out
 
-    def batch_wait(self, pending: int) -> float:
+    def batch_wait(self, pending: list[Job]) -> float:
         """Recording: how long a sampler call may wait for more completions to join it (the queue's ``wait``,
-        :class:`shifu.http.batching.BatchQueue`). While fewer completions are pending than sessions are open,
-        the episodes just started or answered are about to call: the first sampler call waits for them up to
-        ``max_wait_s``, a later one up to half as long as the last sampler call took (so waiting costs at most
-        a third of the sampler's time) and at most ``max_wait_s``; then, as a trainer's own sampler does, one
-        call serves every episode's next turn."""
-        if pending >= len(self.sessions.open_keys()):
+        :class:`shifu.http.batching.BatchQueue`). After :meth:`plan_sessions`: until every open session has a
+        completion pending and no session is due to start (``math.inf`` until then; an ended session wakes the
+        queue). Otherwise, while fewer completions are pending than sessions are open, the episodes just
+        started or answered are about to call: the first sampler call waits for them up to ``max_wait_s``, a
+        later one up to half as long as the last sampler call took (so waiting costs at most a third of the
+        sampler's time) and at most ``max_wait_s``; then, as a trainer's own sampler does, one call serves
+        every episode's next turn."""
+        open_keys = self.sessions.open_keys()
+        if self._plan is not None:
+            rows, concurrency = self._plan
+            due = self._started < rows and len(open_keys) < concurrency
+            waiting = {j.identity[0] for j in pending if j.identity is not None}
+            ready = not due and all(self._identity.get(k, [None])[0] in waiting for k in open_keys)
+            return 0.0 if ready else math.inf
+        if len(pending) >= len(open_keys):
             return 0.0
         if self.engine.calls == 0:
             return self.max_wait_s
         return min(self.max_wait_s, 0.5 * self.engine.last_seconds)
+
+    def _order(self, job: Job) -> tuple:
+        """Where ``job`` goes in a sampler call: by (row, call) after :meth:`plan_sessions`, else as it came
+        (rows of different types, ints and keys, never compared)."""
+        if self._plan is None or job.identity is None:
+            return ()
+        row, call = job.identity
+        return (type(row).__name__, row, call)
 
     def memory_of(self, key: str | None) -> CompletionMemory:
         return self.memories.get(key, self.memory) if self.recording else self.memory

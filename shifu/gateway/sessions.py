@@ -13,8 +13,24 @@ samples. A call that extends no earlier call starts a new trajectory of the same
 ``forks`` (the first call is not a fork). With ``n > 1`` a call branches: each choice ends its own trajectory,
 and the trajectories share the segments before the branch (the same :class:`Segment` objects).
 
+**Side calls.** A harness also makes calls that are not the agent's turn (a title, a summary, a classifier),
+sent with another system prompt. The *agent's* system prompt is the one the most calls of the session were sent
+with (a tie: the one of the earliest recorded of them; no system message counts as one more prompt, "none"); a
+trajectory whose first call was sent with another is a *side* trajectory (:attr:`Trajectory.side`), and its calls
+are counted in ``side_calls``. A side trajectory always starts with a fork: a prompt that opens with another
+system message extends no earlier call of the agent's.
+
+**Retries** (:mod:`shifu.gateway.retries`). A request that the session answers is kept with the call it recorded
+(:meth:`SessionStore.keep`) until a later call goes on from that call (extends one of its choices): until then
+the same request again is its retry (:meth:`SessionStore.retry_of`), answered by the first answer, not recorded
+again. A request that recorded no call (a refusal) is not kept once answered (:meth:`SessionStore.settle`).
+
+**The context limit.** A request of the session refused because its prompt leaves no room in the model's
+positions (``context_length_exceeded``) is noted (:meth:`SessionStore.refused`); a call recorded after it clears
+the note. A session that ends with the note ended on the context limit (``context_exceeded``).
+
 **Output contract** (:meth:`SessionStore.end`): :class:`RecordedSession` ``(key, row_id, trajectories,
-forks, reward, calls)``; a :class:`Trajectory` is its :class:`Segment` list in order; a trajectory's ids are
+forks, reward, calls, side_calls, context_exceeded)``; a :class:`Trajectory` is its :class:`Segment` list in order; a trajectory's ids are
 ``read_ids[0] + sampled_ids[0] + read_ids[1] + sampled_ids[1] + ...``, and only ``sampled_ids`` were
 sampled (and carry ``log_probs``). Trajectories are the leaves (the calls no later call extended), in the
 order their last call was recorded.
@@ -22,6 +38,7 @@ order their last call was recorded.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import threading
 from collections import OrderedDict
@@ -53,9 +70,11 @@ class Segment:
 
 @dataclass
 class Trajectory:
-    """The segments of one trajectory, in order (see :class:`Segment`)."""
+    """The segments of one trajectory, in order (see :class:`Segment`); ``side``: a side trajectory, its first
+    call sent with another system prompt than the agent's (module docstring)."""
 
     segments: list[Segment]
+    side: bool = False
 
     @property
     def ids(self) -> list[int]:
@@ -75,25 +94,50 @@ class RecordedSession:
     forks: int
     reward: float | None
     calls: int
+    side_calls: int = 0
+    context_exceeded: bool = False
+
+
+def system_digest(messages: list[dict]) -> str | None:
+    """A digest of the system prompt of a request's (normalised) chat ``messages``: its first message's content
+    when that is a system message (``developer`` is normalised to ``system``); None: no system message."""
+    if not messages or messages[0]["role"] != "system":
+        return None
+    return hashlib.sha256(str(messages[0]["content"]).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass
 class Call:
     """One recorded completion call: its prompt ids and a segment per choice (what :meth:`SessionStore.record`
-    takes)."""
+    takes); ``system``: the :func:`system_digest` of its request; ``request``: the fingerprint of the request it
+    answered (:mod:`shifu.gateway.retries`; None: not kept for retries)."""
 
     completion_id: str
     prompt_ids: list[int]
     segments: list[Segment]
+    system: str | None = None
+    request: str | None = None
 
 
 @dataclass
 class _End:
-    """An open end of the call tree: the ids of a prompt + one choice's completion, and its segment path."""
+    """An open end of the call tree: the ids of a prompt + one choice's completion, its segment path, the call
+    that made it and the first call of its path."""
 
     ids: list[int]
     path: list[Segment]
+    call: str
+    first: str
     extended: bool = False
+
+
+@dataclass
+class _Kept:
+    """A request answered in the session, kept for its retries: the gateway's ``answer`` and the completion id
+    of the ``call`` it recorded (None: not recorded yet)."""
+
+    answer: object
+    call: str | None = None
 
 
 @dataclass
@@ -102,8 +146,11 @@ class _Live:
     row_id: object
     ends: list[_End] = field(default_factory=list)
     calls: dict[str, list[Segment]] = field(default_factory=dict)  # completion id -> segments, in order
+    systems: dict[str, str | None] = field(default_factory=dict)  # completion id -> its system_digest
+    requests: dict[str, _Kept] = field(default_factory=dict)  # request fingerprint -> its kept answer
     forks: int = 0
     reward: float | None = None
+    refused: bool = False  # the latest request was refused for the context limit (no call recorded since)
 
 
 class UnknownSession(KeyError):
@@ -140,14 +187,53 @@ class SessionStore:
                     break
             if parent is None:
                 live.forks += bool(live.calls)
-                base, path = [], []
+                base, path, first = [], [], call.completion_id
             else:
                 parent.extended = True
-                base, path = parent.ids, parent.path
+                base, path, first = parent.ids, parent.path, parent.first
+                # the agent went on from the parent's call: a request it answered is no longer retried
+                live.requests = {f: k for f, k in live.requests.items() if k.call != parent.call}
             for seg in call.segments:
                 seg.read_ids = prompt[len(base) :]
-                live.ends.append(_End(prompt + seg.sampled_ids, [*path, seg]))
+                live.ends.append(_End(prompt + seg.sampled_ids, [*path, seg], call.completion_id, first))
             live.calls[call.completion_id] = call.segments
+            live.systems[call.completion_id] = call.system
+            live.refused = False
+            if call.request is not None and call.request in live.requests:
+                live.requests[call.request].call = call.completion_id
+
+    def refused(self, key: str) -> None:
+        """Note that a request of the session was refused for the model's context (module docstring)."""
+        with self._lock:
+            self._get(key).refused = True
+
+    # ---------------------------------------------------------------------------------------- retries
+    def retry_of(self, key: str, request: str) -> object | None:
+        """The kept answer of the session's request with the fingerprint ``request`` when one arriving now is
+        its retry: that request is still being answered, or it recorded a call that no later call went on from
+        (module docstring). None: a new request."""
+        with self._lock:
+            live = self._get(key)
+            kept = live.requests.get(request)
+            if kept is None:
+                return None
+            if kept.call is not None and any(e.extended for e in live.ends if e.call == kept.call):
+                del live.requests[request]
+                return None
+            return kept.answer
+
+    def keep(self, key: str, request: str, answer: object) -> None:
+        """Keep ``answer``, the gateway's answer of the request ``request`` (its fingerprint), for retries."""
+        with self._lock:
+            self._get(key).requests[request] = _Kept(answer)
+
+    def settle(self, key: str, request: str, answer: object) -> None:
+        """``answer`` is complete: forget it unless its request recorded a call (a refusal is asked again)."""
+        with self._lock:
+            live = self._live.get(key)
+            kept = live.requests.get(request) if live is not None else None
+            if kept is not None and kept.answer is answer and kept.call is None:
+                del live.requests[request]
 
     def set_reward(self, key: str, reward: float, completion_id: str | None = None) -> int:
         """The session's reward, or with ``completion_id`` (``"last"``: the latest call) that call's reward,
@@ -172,8 +258,12 @@ class SessionStore:
             live = self._live.pop(key, None)
         if live is None:
             raise UnknownSession(key)
-        leaves = [Trajectory(e.path) for e in live.ends if not e.extended]
-        return RecordedSession(live.key, live.row_id, leaves, live.forks, live.reward, len(live.calls))
+        agent = _agent_system(live)
+        leaves = [Trajectory(e.path, live.systems[e.first] != agent) for e in live.ends if not e.extended]
+        side = sum(system != agent for system in live.systems.values())
+        return RecordedSession(
+            live.key, live.row_id, leaves, live.forks, live.reward, len(live.calls), side, live.refused
+        )
 
     def open_keys(self) -> list[str]:
         with self._lock:
@@ -184,6 +274,14 @@ class SessionStore:
         if live is None:
             raise UnknownSession(key)
         return live
+
+
+def _agent_system(live: _Live) -> str | None:
+    """The agent's system prompt (digest): the one the most calls were sent with, a tie to the earliest."""
+    counts: dict[str | None, int] = {}
+    for system in live.systems.values():  # (in recording order: max keeps the first of equal counts)
+        counts[system] = counts.get(system, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 class CompletionMemory:

@@ -35,15 +35,20 @@ class SamplingParams:
     stop_at_eos: bool = True
 
 
+Generators = torch.Generator | list[torch.Generator] | None  # one for the batch, or one per row
+
+
 def sample_next(
     logits: Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     probs: Tensor | None = None,
 ) -> Tensor:
     """(B,) next tokens from (B, V) logits: argmax when greedy, else softmax(logits/T) restricted by top-k
     then top-p (the smallest set of most likely tokens whose mass reaches p; the most likely always kept).
-    ``probs``: softmax(logits/T) when the caller has it already (used only without top-k/top-p)."""
+    ``probs``: softmax(logits/T) when the caller has it already (used only without top-k/top-p).
+    ``generator``: one for the batch (B uniforms per step), or a list of B, one per row (row b's uniform is its
+    own generator's next draw, whatever the other rows are)."""
     if params.greedy:
         return logits.argmax(-1)
     idx = None
@@ -66,12 +71,7 @@ def sample_next(
     # is never chosen.
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    # the uniforms come from the generator's own device (a CPU generator also drives CUDA sampling: B floats)
-    gen_device = generator.device if generator is not None else probs.device
-    u = (
-        torch.rand(total.shape, generator=generator, device=gen_device, dtype=probs.dtype).to(probs.device)
-        * total
-    )
+    u = _uniforms(total.shape, generator, probs) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     choice = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return choice if idx is None else idx.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
@@ -87,6 +87,16 @@ def _mark_ends(buf: Tensor, t: int, eos_seen_at: Tensor, at_eos: bool, eos_token
     if stop is not None:
         ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(buf.device)
     eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
+
+
+def _uniforms(shape: torch.Size, generator: Generators, probs: Tensor) -> Tensor:
+    """(B, 1) uniforms in [0, 1) from ``generator``, or row b's from ``generator[b]``; drawn on the
+    generator's own device (a CPU generator also drives CUDA sampling: B floats)."""
+    if isinstance(generator, list):
+        rows = [torch.rand(1, generator=g, device=g.device, dtype=probs.dtype) for g in generator]
+        return torch.cat(rows).to(probs.device).view(shape)
+    device = generator.device if generator is not None else probs.device
+    return torch.rand(shape, generator=generator, device=device, dtype=probs.dtype).to(probs.device)
 
 
 def _finish(buf, eos_seen_at, steps, pad_token_id, stats=None, value_head=None) -> Sample:
@@ -165,7 +175,7 @@ def sample(
     params: SamplingParams,
     eos_token_id: int,
     pad_token_id: int,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     all_done: Callable[[bool], bool] | None = None,
     engine: str = "auto",
     with_log_probs: bool = False,
@@ -183,6 +193,9 @@ def sample(
     until every rank is done; the default is local. ``engine="auto"`` uses the hand-written decoder for
     GPT-2 and Llama-style models (:mod:`shifu.generation.decode`, a preallocated KV cache) and the HF forward with its
     cache for everything else; "hf" forces the latter. Both give the same tokens up to float rounding.
+
+    ``generator``: one for the batch, or one per row (:func:`sample_next`: a row's tokens then depend on its own
+    generator only, not on the other rows').
 
     ``stop(tokens (B, t+1), running (B,) bool) -> (B,) bool``, called after each step, ends the rows it marks
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the

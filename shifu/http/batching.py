@@ -5,8 +5,11 @@ runs, the event loop keeps accepting requests; when it ends, the oldest pending 
 and every other pending item that :attr:`BatchQueue.joins` it goes along, in arrival order (an item that
 does not join, being of another kind or over the call's budget, waits for a later call; the oldest item
 always goes first, so none waits forever). With ``wait``, a call does not start as soon as an item is pending:
-it waits up to ``wait(pending)`` seconds after the oldest pending item arrived for more items to join (a
-trainer's gateway waits for the calls of the episodes it is about to answer). The reward service merges token blocks into one forward
+it waits up to ``wait(pending items)`` seconds after the oldest pending item arrived for more items to join (a
+trainer's gateway waits for the calls of the episodes it is about to answer; ``math.inf``: until an arrival or
+:meth:`BatchQueue.wake` lets it ask again). With ``order``, a call is formed from the pending items in the order
+of their keys instead of their arrival (the same items make the same calls however they arrived). The reward
+service merges token blocks into one forward
 (:mod:`shifu.serve.batcher`); the gateway merges chat completions of one sampling setting into one sampler
 call (:mod:`shifu.gateway.engine`). A failed call fails the requests in it, never the server.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,21 +39,29 @@ class BatchQueue:
     ``executor`` (see the module docstring).
 
     ``joins(batch, item) -> bool`` says whether ``item`` may go into the call that holds the items ``batch``
-    (the oldest first); None: every item is a call of its own (no merging). ``wait(pending) -> seconds``: how
-    long after the oldest pending item arrived the next call may wait for more, with ``pending`` items queued
-    (0: start now); None: never wait."""
+    (the first); None: every item is a call of its own (no merging). ``wait(pending items) -> seconds``: how
+    long after the oldest pending item arrived the next call may wait for more (0: start now; ``math.inf``:
+    until asked again); None: never wait. ``order(item) -> key``: the items of a call are taken in the order of
+    their keys (a stable sort: equal keys in arrival order); None: in arrival order."""
 
     def __init__(
         self,
         run: Callable[[list], list],
         executor: ThreadPoolExecutor,
         joins: Callable[[list, Any], bool] | None = None,
-        wait: Callable[[int], float] | None = None,
+        wait: Callable[[list], float] | None = None,
+        order: Callable[[Any], Any] | None = None,
     ):
-        self.run, self.executor, self.joins, self.wait = run, executor, joins, wait
+        self.run, self.executor, self.joins, self.wait, self.order = run, executor, joins, wait, order
         self._jobs: deque[_Job] = deque()
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._event_loop = asyncio.get_running_loop()
+        self._task = self._event_loop.create_task(self._loop())
+
+    def wake(self) -> None:
+        """Ask ``wait`` again now (from any thread): what it depends on besides the pending items changed."""
+        with contextlib.suppress(RuntimeError):  # (the event loop has closed: nothing waits any more)
+            self._event_loop.call_soon_threadsafe(self._wake.set)
 
     async def submit(self, item) -> Any:
         """The result of ``item`` once a call of the batch function has run it (with whatever joined it)."""
@@ -81,30 +93,31 @@ class BatchQueue:
             await self._task
 
     def _take(self) -> list[_Job]:
-        """The next call's jobs: the oldest, then each later one that joins it (arrival order)."""
-        head = self._jobs.popleft()
-        if head.alone is not None or self.joins is None:
-            return [head]
-        batch, items, left = [head], [head.item], deque()
-        while self._jobs:
-            job = self._jobs.popleft()
-            if job.alone is None and self.joins(items, job.item):
-                batch.append(job)
-                items.append(job.item)
-            else:
-                left.append(job)
-        self._jobs = left
+        """The next call's jobs: the first, then each later one that joins it (arrival order, or ``order``'s;
+        a function run alone comes before the items)."""
+        jobs = list(self._jobs)
+        if self.order is not None:
+            jobs.sort(key=lambda j: (j.alone is None, self.order(j.item) if j.alone is None else 0))
+        head = jobs[0]
+        batch, items = [head], [head.item]
+        if head.alone is None and self.joins is not None:
+            for job in jobs[1:]:
+                if job.alone is None and self.joins(items, job.item):
+                    batch.append(job)
+                    items.append(job.item)
+        taken = {id(j) for j in batch}
+        self._jobs = deque(j for j in self._jobs if id(j) not in taken)  # the rest in arrival order
         return batch
 
     async def _gather(self, loop) -> None:
         """Wait for more items while ``wait`` allows it (each arrival asks again)."""
         while self.wait is not None and self._jobs:
-            left = self._jobs[0].arrived + self.wait(len(self._jobs)) - loop.time()
+            left = self._jobs[0].arrived + self.wait([j.item for j in self._jobs]) - loop.time()
             if left <= 0:
                 return
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), left)
+            with contextlib.suppress(asyncio.TimeoutError):  # (TimeoutError's alias from Python 3.11)
+                await asyncio.wait_for(self._wake.wait(), None if math.isinf(left) else left)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -113,13 +126,24 @@ class BatchQueue:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._gather(loop)
-            batch = self._take()
+            try:
+                await self._gather(loop)
+                batch = self._take()
+            except Exception as e:  # a failing wait, order or joins fails what is pending, not the queue
+                jobs, self._jobs = list(self._jobs), deque()
+                await _settle(jobs, _failed(loop, e))
+                continue
             if batch[0].alone is not None:
                 await _settle(batch, loop.run_in_executor(self.executor, batch[0].alone), alone=True)
             else:
                 work = loop.run_in_executor(self.executor, self.run, [j.item for j in batch])
                 await _settle(batch, work)
+
+
+def _failed(loop, e: Exception) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_exception(e)
+    return future
 
 
 async def _settle(jobs: list[_Job], work: asyncio.Future, alone: bool = False) -> None:

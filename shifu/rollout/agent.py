@@ -27,22 +27,53 @@ on the trajectory's last sampled token. So GAE, the critic and every critic-free
 episodes as they read an environment's.
 
 **Forks.** A call that extends no earlier call starts another trajectory of the episode (``agent/forks``). Row
-``i`` of the batch is always row ``i``'s *main* trajectory, the one holding the episode's last call. With
-``train_forks`` (one process, ``group_size`` 1: GAE, REINFORCE, REINFORCE++) each other trajectory is appended
-after the batch's rows as a row of its own, trained with the episode's reward: the batch then has more rows than
-prompts (``agent/fork_rows`` per episode; the minibatches grow with it). Without it (group estimators, which
-need exactly ``G`` rows per prompt to compare; torchrun, whose ranks must train the same number of rows) only
-the main trajectory trains and the others are counted. An evaluation reads the main trajectories.
+``i`` of the batch is always row ``i``'s *main* trajectory, the one holding the episode's last call of the agent's
+own (a side call's trajectory is never the main one). With ``train_forks`` (one process, ``group_size`` 1: GAE,
+REINFORCE, REINFORCE++) each other trajectory is appended after the batch's rows as a row of its own, trained
+with the episode's reward: the batch then has more rows than prompts (``agent/fork_rows`` per episode; the
+minibatches grow with it). Without it (group estimators, which need exactly ``G`` rows per prompt to compare;
+torchrun, whose ranks must train the same number of rows) only the main trajectory trains and the others are
+counted. An evaluation reads the main trajectories.
 
-**Faults.** ``solve`` raising, passing ``agent.timeout_s``, or returning anything but a finite number or None is
-a fault naming the agent and the row: ``agent.on_error=raise`` stops the run with the first one (in row order,
+**Side calls.** A call sent with another system prompt than the agent's (a title, a summary, a classifier:
+:mod:`shifu.gateway.sessions` says which system prompt is the agent's) starts a side trajectory
+(``agent/side_calls`` counts such calls). ``side_calls="skip"`` (``agent.side_calls``) records them and leaves
+them out of the batch: the episode's reward is for the agent's work, which a title's tokens did not do.
+``"train"`` trains them as forks are trained (above).
+
+**Incomplete episodes.** An episode that ends on a budget is truncated, as an environment's episode is
+(``truncated``: the trainer's missing-EOS penalty applies, and nothing is bootstrapped past it): its main
+trajectory cut at ``max_turns`` calls or ``max_total_tokens`` ids, its last kept call cut at its token cap (or at
+the model's positions), the episode stopped at ``agent.timeout_s`` (``agent/timeouts``: what it recorded is kept
+with its rewards), or its last request refused because the prompt leaves no room in the model's positions
+(``context_length_exceeded``, ``agent/context_exceeded``; ``solve`` may let that error out).
+
+**Faults.** ``solve`` raising (but for the context limit, above), or returning anything but a finite number or
+None is a fault naming the agent and the row: ``agent.on_error=raise`` stops the run with the first one (in row order,
 once the batch's episodes ended); ``end_episode`` keeps what the episode recorded with every reward 0
 (``failed``, ``agent/errors``). An episode with no call has nothing to train: a row with no sampled token, left
 out of the update as a non-finite score is.
 
 **Torchrun.** Each process serves its own share of the rows on its own gateway with its whole actor (DDP's
-module); sharded actors (FSDP2, DeepSpeed) are refused by the config. Which calls share a sampler call depends
-on timing, so an agent's rollouts are not bit-reproducible run to run, unlike the other sources'.
+module); sharded actors (FSDP2, DeepSpeed) are refused by the config.
+
+**Reproducibility.** A completion's randomness is the run's and its own, not the order calls arrive in: per
+collect the trainer's generator draws the gateway's seed (so the step is in it), row ``i``'s episode runs in a
+session of row id ``i``, and each choice of the session's ``k``-th call samples from a generator of its own
+seeded by (seed, ``i``, ``k``, choice) (:mod:`shifu.gateway.engine`). That alone gives the same tokens, not the
+same bits: a row's logits differ in their last bits with the rows beside it in a sampler call (the padded width
+and the number of rows change the CPU kernels' order of summation; 2e-7 in log-probs on the tests' tiny model),
+and training carries the difference into the weights. So the gateway also fixes the sampler calls
+(:meth:`shifu.gateway.Gateway.plan_sessions`): episodes start in row order as the ``agent.concurrency`` slots
+free, and a sampler call starts once every open episode has a call pending or has ended, its calls in (row,
+call) order. Two runs with the same seed and threads are then bit-identical in metrics and weights, and so is a
+run killed and resumed (``--resume``). The price is waiting: a sampler call waits for the slowest open episode's
+next call, however long its tools take (at most ``agent.timeout_s``), where an episode that sent nothing for a
+moment used to be left to a later call. With agents that answer promptly, as the examples do, that wait is a
+turn-around of HTTP, and the sampler calls are fewer and full (``agent/batched_calls`` is the number of open
+episodes). Still up to timing: an episode cut by ``agent.timeout_s``, an agent that
+sends several calls of one session at once (they are numbered as they arrive), and a chat template that renders
+the random ids of tool calls into prompts.
 """
 
 from __future__ import annotations
@@ -78,7 +109,7 @@ def agents_installed() -> bool:
 
 
 class AgentFault(ShifuError):
-    """An agent raised, timed out or returned something else than a reward; the message names it and the row."""
+    """An agent raised or returned something else than a reward; the message names it and the row."""
 
 
 async def set_reward(client: Any, reward: float, call: str | None = None) -> None:
@@ -101,6 +132,11 @@ class _Episode:
     returned: float | None = None
     fault: str | None = None
     timed_out: bool = False
+
+    @property
+    def incomplete(self) -> bool:
+        """Ended at ``agent.timeout_s`` or on the model's context limit: its main trajectory is truncated."""
+        return self.timed_out or self.record.context_exceeded
 
     @property
     def reward(self) -> float:
@@ -128,7 +164,7 @@ class AgentEpisodes:
     """The rollout source of ``agent.factory`` (module docstring): ``solve`` the loaded function, ``spec`` its
     name as configured, ``limits`` the trajectories' budgets (``stop`` unused: the agent sends its own),
     ``train_forks`` whether fork trajectories become rows of their own, ``max_prompt_len`` the most ids of a
-    trajectory's first input (None: no bound)."""
+    trajectory's first input (None: no bound), ``side_calls`` ``"train"`` or ``"skip"`` (module docstring)."""
 
     gold = True  # what the agent returns is the task's own measure
 
@@ -143,8 +179,10 @@ class AgentEpisodes:
         kwargs: dict | None = None,
         train_forks: bool = True,
         max_prompt_len: int | None = None,
+        side_calls: str = "skip",
     ):
         self.solve, self.spec, self.limits, self.max_prompt_len = solve, spec, limits, max_prompt_len
+        self.side_calls = side_calls
         self.concurrency, self.timeout_s, self.on_error = concurrency, timeout_s, on_error
         self.kwargs, self.train_forks = dict(kwargs or {}), train_forks
         self.version = 0  # the policy version the gateway records: one per collect
@@ -194,6 +232,7 @@ class AgentEpisodes:
             sampling=sampling,
             seed=seed,
         )
+        gateway.plan_sessions(len(batch.rows), self.concurrency)
         with gateway:
             episodes = asyncio.run(self._run(gateway, batch.rows))
         sampler_calls = gateway.engine.calls
@@ -211,42 +250,52 @@ class AgentEpisodes:
 
     # ------------------------------------------------------------------------------------ the episodes
     async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:
-        gate = asyncio.Semaphore(self.concurrency)
-        return await asyncio.gather(*[self._episode(gateway, gate, row) for row in rows])
+        """Row ``i``'s episode in a session of row id ``i``, started in row order (each of ``concurrency``
+        workers takes the next row when its episode ends), as the gateway's plan says."""
+        episodes: list[_Episode] = [None] * len(rows)
+        order = iter(range(len(rows)))
 
-    async def _episode(self, gateway, gate: asyncio.Semaphore, row: dict) -> _Episode:
+        async def worker() -> None:
+            for i in order:  # (one iterator: the next row not yet started)
+                episodes[i] = await self._episode(gateway, i, rows[i])
+
+        await asyncio.gather(*[worker() for _ in range(min(self.concurrency, len(rows)))])
+        return episodes
+
+    async def _episode(self, gateway, i: int, row: dict) -> _Episode:
         import httpx
         import openai
 
         where = f"agent {self.spec}, row {describe_row(row)}"
-        async with gate:
-            key = gateway.start_session()
-            # a connection of its own (a pool shared by many episodes checks each of its connections per request)
-            transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
-            http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
-            client = openai.AsyncOpenAI(
-                base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0
-            )
-            ep = _Episode(row, None)
-            try:
-                async with asyncio.timeout(self.timeout_s) as deadline:
-                    ep.returned = await self.solve(client, row, **self.kwargs)
-            except TimeoutError:
-                if not deadline.expired():
-                    ep.fault = f"{where}: solve() raised TimeoutError"
-                else:
-                    key_t = typed_key("agent.timeout_s")
-                    ep.fault, ep.timed_out = (
-                        f"{where}: solve() took longer than {key_t}={self.timeout_s} s",
-                        True,
-                    )
-            except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
-                ep.fault = f"{where}: solve() raised {type(e).__name__}: {e}"
-            ep.record = gateway.end_session(key)
-            await http.aclose()
-            if ep.fault is None:
-                ep.fault = _bad_return(ep.returned, ep.record.reward, where)
-            return ep
+        key = gateway.start_session(row_id=i)
+        # a connection of its own (a pool shared by many episodes checks each of its connections per request)
+        transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)
+        http = httpx.AsyncClient(transport=transport, trust_env=False, timeout=None)
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=key, http_client=http, max_retries=0)
+        ep, raised = _Episode(row, None), None
+        try:
+            ep.returned = await asyncio.wait_for(self._solve(client, row), self.timeout_s)
+        except _Raised as e:
+            raised = e.__cause__
+            ep.fault = f"{where}: solve() raised {_described(e.__cause__)}"
+        except (TimeoutError, asyncio.TimeoutError):  # (two classes before Python 3.11)
+            ep.timed_out = True  # not a fault: the episode ends truncated (module docstring)
+        ep.record = gateway.end_session(key)
+        await http.aclose()
+        # the gateway's refusal of a prompt with no room left (the openai client's error), last of the episode
+        if ep.record.context_exceeded and getattr(raised, "code", None) == "context_length_exceeded":
+            ep.fault = None  # the episode ended on the context limit: truncated
+        if ep.fault is None:
+            ep.fault = _bad_return(ep.returned, ep.record.reward, where)
+        return ep
+
+    async def _solve(self, client, row: dict) -> Any:
+        """What ``solve`` returns; whatever it raises comes out as :class:`_Raised` (so that a TimeoutError of
+        its own is told apart from ``asyncio.wait_for``'s at ``agent.timeout_s``)."""
+        try:
+            return await self.solve(client, row, **self.kwargs)
+        except Exception as e:  # noqa: BLE001 (whatever the agent raises is reported, as on_error says)
+            raise _Raised() from e
 
     # ------------------------------------------------------------------------------------ the batch
     def _trajectories(self, episodes: list[_Episode], policy: Policy, params: SamplingParams) -> Trajectories:
@@ -257,17 +306,22 @@ class AgentEpisodes:
             trajs = ep.record.trajectories
             self._check_first_inputs(ep)
             rows = [_row(t, ep, self.limits, policy.tokenizer) for t in trajs]
-            main.append(rows[-1] if rows else _Row([eos], [], [], [], {}, False, _counts(), []))
+            own = [r for r, t in zip(rows, trajs) if not t.side]  # (the agent's: the main one is its last)
+            main.append(own[-1] if own else _Row([eos], [], [], [], {}, False, _counts(), []))
             main[-1].counts["forks"] = ep.record.forks
+            main[-1].truncated |= ep.incomplete and bool(own)
             if self.train_forks:
-                extra += [(ep, r) for r in rows[:-1]]
+                trained = rows if self.side_calls == "train" else own
+                extra += [(ep, r) for r in trained if r is not main[-1]]
         made = [*zip(episodes, main), *extra]
         t = _batch([(ep.row, r) for ep, r in made], [ep.fault is not None for ep, _ in made], policy, params)
         return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
 
     def _check_first_inputs(self, ep: _Episode) -> None:
-        """A trajectory's first input (its first call's prompt) longer than ``max_prompt_len`` is an error."""
-        longest = max((len(t.segments[0].read_ids) for t in ep.record.trajectories), default=0)
+        """A trajectory's first input (its first call's prompt) longer than ``max_prompt_len`` is an error (a
+        skipped side call's is not read)."""
+        read = [t for t in ep.record.trajectories if self.side_calls == "train" or not t.side]
+        longest = max((len(t.segments[0].read_ids) for t in read), default=0)
         if self.max_prompt_len and longest > self.max_prompt_len:
             raise ShifuError(
                 f"agent {self.spec}, row {describe_row(ep.row)}: the first input is {longest} tokens (the prompt "
@@ -284,6 +338,8 @@ class AgentEpisodes:
         return {
             "agent/calls": sum(r.calls for r in records) / n,
             "agent/forks": sum(r.forks for r in records) / n,
+            "agent/side_calls": sum(r.side_calls for r in records) / n,
+            "agent/context_exceeded": sum(r.context_exceeded for r in records) / n,
             "agent/fork_rows": fork_rows / n,
             "agent/turns": sum(counts["turns"]) / n,
             "agent/tool_calls": sum(counts["tool_calls"]) / n,
@@ -296,6 +352,17 @@ class AgentEpisodes:
             "agent/timeouts": sum(ep.timed_out for ep in episodes) / n,
             "agent/return": float(t.returns[:B].mean()) if B else 0.0,
         }
+
+
+class _Raised(Exception):
+    """``solve`` raised (the exception is the ``__cause__``)."""
+
+
+def _described(e: BaseException) -> str:
+    """What a fault says the agent raised: ``TimeoutError`` for its own timeout, else ``Name: message``."""
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "TimeoutError"
+    return f"{type(e).__name__}: {e}"
 
 
 def _bad_return(value: Any, session_reward: float | None, where: str) -> str | None:

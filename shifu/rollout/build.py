@@ -130,7 +130,16 @@ def agent_source(
     a, limits = agent, episode_limits(generation)
     fn = load_agent(a.factory)
     return AgentEpisodes(
-        fn, a.factory, limits, a.concurrency, a.timeout_s, a.on_error, a.kwargs, train_forks, max_prompt_len
+        fn,
+        a.factory,
+        limits,
+        a.concurrency,
+        a.timeout_s,
+        a.on_error,
+        a.kwargs,
+        train_forks,
+        max_prompt_len,
+        a.side_calls,
     )
 
 

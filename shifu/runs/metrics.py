@@ -118,9 +118,13 @@ METRICS: dict[str, str] = {
     "agent/no_calls": "agent.factory: fraction of episodes without a call (nothing to train: dropped as "
     "rollout/dropped_nonfinite)",
     "agent/truncated": "agent.factory: fraction of episodes whose main trajectory was cut by max_turns or "
-    "max_total_tokens, or whose last call ended at its token cap",
+    "max_total_tokens, whose last call ended at its token cap, or that ended at agent.timeout_s or the context limit",
     "agent/errors": "agent.factory: fraction of episodes ended by an agent fault (on_error=end_episode; reward 0)",
-    "agent/timeouts": "agent.factory: fraction of episodes that ran past agent.timeout_s (counted in agent/errors)",
+    "agent/timeouts": "agent.factory: fraction of episodes that ran past agent.timeout_s (ended truncated)",
+    "agent/side_calls": "agent.factory: calls per episode sent with another system prompt than the agent's "
+    "(titles, summaries, classifiers; trained or skipped as agent.side_calls says)",
+    "agent/context_exceeded": "agent.factory: fraction of episodes whose last request was refused for the model's "
+    "context (context_length_exceeded; ended truncated)",
     "agent/return": "agent.factory: return of an episode's main trajectory (its calls' rewards and the episode's)",
     "sft/skipped_steps": "SFT optimiser steps skipped so far because the loss or gradients were not finite",
     # DPO (shifu dpo)

@@ -63,16 +63,20 @@ SAFE_RESUME_KEYS = {
     "reward.url",
     "reward.timeout_s",
     "reward.retries",
+    "traces.episodes",
+    "traces.atif",
 }
 
 
-def iteration(m: PPOModels, s: PPOState, cfg: PPOConfig, batch: PromptBatch, params, ptx=None, warmup=False):
-    """One PPO iteration on a batch of prompts (this rank's share): 1. the rollout, then phases 2-6 in
-    :func:`learn`. Returns the iteration's metrics."""
+def iteration(
+    m: PPOModels, s: PPOState, cfg: PPOConfig, batch: PromptBatch, params, ptx=None, warmup=False, it=None
+):
+    """One PPO iteration (number ``it``) on a batch of prompts (this rank's share): 1. the rollout, then
+    phases 2-6 in :func:`learn`. Returns the iteration's metrics."""
     failed = None
     # 1. rollout: trajectories from the source; old / reference log-probs, values and scores without gradients
     try:
-        rollout, info = collect_rollout(m, cfg, batch, params, s.sample_gen)
+        rollout, info = collect_rollout(m, cfg, batch, params, s.sample_gen, it)
     except RewardServiceUnavailable as e:  # (every rank stops alike, before anything trained)
         failed = e
     if m.strategy.any_true(failed is not None):
@@ -238,7 +242,7 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
                 batch = prompt_batch(run.stream.next(), m.strategy, G, ids, rows, m.tokenizer.pad_token_id)
                 warmup = loop["iteration"] < cfg.critic_warmup  # the first critic_warmup: critic only
                 try:
-                    metrics = iteration(m, s, cfg, batch, params, run.ptx, warmup)
+                    metrics = iteration(m, s, cfg, batch, params, run.ptx, warmup, loop["iteration"] + 1)
                 except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
                     # yet, so checkpoint the state before this iteration; --resume redoes it
                     run.stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -15,6 +16,7 @@ from shifu.config.schema import PPOConfig
 from shifu.generation.rollout import Sample, SamplingParams, critic_forward, policy_forward
 from shifu.models.padding import pad_left
 from shifu.rollout.batch import PromptBatch, Trajectories
+from shifu.rollout.traces import TraceWriter
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels
 
@@ -73,13 +75,19 @@ class Rollout:
 
 @torch.no_grad()
 def collect_rollout(
-    models: PPOModels, cfg: PPOConfig, batch: PromptBatch, params: SamplingParams, generator: torch.Generator
+    models: PPOModels,
+    cfg: PPOConfig,
+    batch: PromptBatch,
+    params: SamplingParams,
+    generator: torch.Generator,
+    iteration: int | None = None,
 ) -> tuple[Rollout, dict[str, float]]:
     """Phase 1: trajectories from the run's rollout source (``models.source``: responses scored by a reward,
     episodes with an environment, ...) for this rank's prompts, then their old and reference log-probs
     (logits / T), entropy, values and what their rewards mean to the estimator (:func:`reward_signals`). A
     trajectory whose score is NaN/Inf is dropped (counted). Returns the rollout and ``{"time/generation_s",
-    "time/rollout_s", "rollout/dropped_nonfinite"}`` and the source's own metrics (e.g. ``env/*``)."""
+    "time/rollout_s", "rollout/dropped_nonfinite"}`` and the source's own metrics (e.g. ``env/*``). With
+    ``traces.*`` the trajectories of ``iteration`` are recorded first (:mod:`shifu.rollout.traces`)."""
     strategy, dev = models.strategy, models.strategy.device
     t0 = time.perf_counter()
     models.actor.eval()
@@ -100,6 +108,10 @@ def collect_rollout(
     old_log_probs, ref_log_probs, entropy, values, ref_log_softmax = scoring_forwards(
         models, cfg, input_ids, attention_mask, P, decoded
     )
+    if cfg.traces.recording:
+        model = Path(cfg.model.path).name
+        writer = TraceWriter(cfg.out_dir, strategy.rank, models.tokenizer, model, cfg.traces.atif)
+        writer.write(made, old_log_probs, iteration, models.source.name)
     scores, token_rewards, step_mask = reward_signals(made, cfg.estimator in PER_TURN)
     rollout = Rollout(
         input_ids=input_ids,

@@ -14,6 +14,7 @@ from shifu.config.loader import to_dict
 from shifu.config.schema import PPOConfig, derived_sizes
 from shifu.data.batches import PromptStream
 from shifu.errors import ShifuError
+from shifu.rollout import traces
 from shifu.runs import jsonfile
 from shifu.trainers import common
 from shifu.trainers.common import finish_run
@@ -104,6 +105,8 @@ def open_tracker(
     tracker = common.tracker(cfg, out, strategy, resume_step)
     if main and resume_step is not None:
         trim_samples(out / "samples.jsonl", resume_step)
+    if resume_step is not None:  # each rank its own recorded episodes
+        traces.trim(out, strategy.rank, resume_step)
     if latest is None:
         sizes = {f"sizes/{k}": v for k, v in derived_sizes(cfg, strategy.world).items()}
         tracker.log(0, sizes | {"data/prompts_dropped": dropped})
