@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents,examples,openenv]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[tasks,dev,lora,wandb,mlflow,serve,agents,harnesses,examples,openenv]"
 	# DeepSpeed is an sdist whose build imports torch: build it against the torch above, never in an
 	# isolated env (that would download a multi-GB CUDA torch)
 	$(PY) -m pip install --quiet setuptools wheel && $(PY) -m pip install --quiet --no-build-isolation -c constraints.txt "deepspeed>=0.16"
