@@ -216,3 +216,46 @@ def test_sft_on_the_teachers_demonstrations_teaches_the_agents_own_calls(tmp_pat
     final = tmp_path / "sft" / "final"
     after = tool_call_share(load_causal_lm(final), load_tokenizer(final), held_out)
     assert before == 0.0 and after >= 0.8, (before, after)
+
+
+def test_a_quickstart_plan_with_an_agent_starts_sft_from_the_agents_calls(tmp_path, monkeypatch):
+    """The arith_tool smollm2 plan with an agent of its own schema (examples/agents/math_agent.py): the teacher
+    stage runs the agent against the task's teacher, and SFT reads those rows as rendered; without an agent, or
+    with teacher.enabled=false, SFT keeps the task's demonstrations."""
+    from shifu.pipelines.quickstart import _plan, agent_start
+    from shifu.pipelines.stages import Stages
+    from shifu.runs.jsonfile import write_jsonl
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    out = tmp_path / "run"
+    base = out / "data" / "base"
+    tok = chat_tokenizer()
+    tok.save_pretrained(str(base))
+    tiny_policy(tok, positions=1024).save_pretrained(str(base))
+    files = {"sft_train": "task_sft.jsonl", "sft_eval": "task_sft_eval.jsonl"}
+    for name, pairs in (("prompts_train", PAIRS[:3]), ("prompts_val", PAIRS[3:5])):
+        files[name] = str(out / "data" / f"{name}.jsonl")
+        write_jsonl(Path(files[name]), rows_of(pairs))
+    agent = [
+        "ppo.env.factory=null",
+        "ppo.generation.stop=[]",
+        "ppo.generation.max_new_tokens=128",
+        "ppo.generation.max_total_tokens=400",
+    ]
+    agent += ["ppo.agent.factory=math_agent:solve", "teacher.num_rows=2"]
+    sft, got = agent_start(Stages(out, 0, "test"), _plan("arith_tool", "smollm2", agent), files)
+    assert got["sft_train"] == str(out / "teacher" / "sft_train.jsonl")
+    assert got["sft_eval"] == str(out / "teacher" / "sft_eval.jsonl")
+    assert (
+        sft["data"]["chat_template"] is False and sft["data"]["max_len"] > sft["data"]["max_prompt_len"] > 160
+    )
+    train = [json.loads(x) for x in Path(got["sft_train"]).read_text().splitlines()]
+    assert len(train) == 2 and all(
+        "evaluate_math" in r["prompt"] and "formula" in r["response"][0]["text"] for r in train
+    )
+    assert json.loads((out / "teacher" / "DONE").read_text())["sft_eval"]["demonstrations"] == 2
+    for sets in ([], [*agent, "teacher.enabled=false"]):
+        plan = _plan("arith_tool", "smollm2", sets)
+        assert agent_start(Stages(tmp_path / "other", 0, "test"), plan, files) == (plan["sft"], files)
+    with pytest.raises(Exception, match="teacher.functon"):
+        _plan("arith_tool", "smollm2", ["teacher.functon=x:y"])

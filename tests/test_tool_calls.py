@@ -118,7 +118,12 @@ def test_smollm2_template_gets_tools_in_a_hermes_system_message():
     from shifu.rollout.turns import ChatTurns
 
     env_ids = ChatTurns(tok, TOOLS).render([system[0], HISTORY[0]], True)
-    assert env_ids == tok(render_messages(tok, [system[0], HISTORY[0]], TOOLS, fmt), add_special_tokens=False)["input_ids"]
+    assert (
+        env_ids
+        == tok(render_messages(tok, [system[0], HISTORY[0]], TOOLS, fmt), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
 
 
 def test_qwen_style_template_renders_tools_and_calls_natively():

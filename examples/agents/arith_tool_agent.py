@@ -113,5 +113,7 @@ def environment(format: str = "json"):
     from shifu.models.tool_calls import tools_system_message, with_tools_system
     from shifu.tasks.arith_tool import calculator_env
 
-    system = with_tools_system([{"role": "system", "content": SYSTEM}], tools_system_message(TOOLS))[0]["content"]
+    system = with_tools_system([{"role": "system", "content": SYSTEM}], tools_system_message(TOOLS))[0][
+        "content"
+    ]
     return calculator_env(format, system=system, invalid_calls="answer")

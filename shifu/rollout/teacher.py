@@ -43,6 +43,8 @@ class Demonstrations:
     unfinished: int = 0
     unencodable: int = 0
     first_fault: str | None = None
+    longest_prompt: int = 0  # the most ids of a row's prompt (its first call's), and of a whole row
+    longest: int = 0
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"} | {
@@ -113,6 +115,8 @@ def demonstrations(
             made = trajectory_row(trajectory, tokenizer)
             if isinstance(made, dict):
                 out.rows.append(made)
+                out.longest_prompt = max(out.longest_prompt, len(trajectory.segments[0].read_ids))
+                out.longest = max(out.longest, len(trajectory.ids))
             elif made == "unfinished":
                 out.unfinished += 1
             else:

@@ -12,6 +12,9 @@ trained, as in an episode), the rest write the product directly, which a sub-mil
 guess. Stopped early, the SFT policy calls sometimes and copies the result it reads; RL has to discover that
 calling pays. The held-out gold is the exact-match accuracy of episodes through the environment.
 
+An agent trained on this task (``ppo.agent``) offers its own tools in its own words: :func:`teacher` answers its
+calls for the SFT start made of them (:mod:`shifu.rollout.teacher`), calling whichever offered tool computes.
+
 Data (deterministic, like ``arith``): the operand pairs are shuffled with a fixed split seed into the held-out
 prompts (``prompts_eval.jsonl``), the SFT held-out demonstrations (``sft_eval.jsonl``, also PPO's validation
 prompts ``prompts_val.jsonl``) and the rest (SFT demonstrations sampled with the run seed, PPO prompts). Prompt
