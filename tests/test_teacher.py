@@ -98,6 +98,7 @@ def test_an_agents_demonstrations_are_the_ids_the_gateway_renders_for_it():
         "unrewarded": 0,
         "unfinished": 0,
         "unencodable": 0,
+        "capped": 0,
         "first_fault": None,
         "demonstrations": 4,
     }

@@ -34,7 +34,7 @@ class Demonstrations:
     """SFT ``rows`` made from ``episodes`` agent episodes, and how many were left out: ``faults`` (the agent
     raised or timed out; ``first_fault`` says how), ``unrewarded`` (the agent returned 0), ``unfinished``
     (a trajectory whose last call did not end with EOS), ``unencodable`` (its text does not encode back to its
-    ids)."""
+    ids); ``capped``: episodes with a call cut at its token budget (an answer longer than the policy may write)."""
 
     rows: list[dict]
     episodes: int
@@ -42,6 +42,7 @@ class Demonstrations:
     unrewarded: int = 0
     unfinished: int = 0
     unencodable: int = 0
+    capped: int = 0
     first_fault: str | None = None
     longest_prompt: int = 0  # the most ids of a row's prompt (its first call's), and of a whole row
     longest: int = 0
@@ -104,6 +105,8 @@ def demonstrations(
         episodes = asyncio.run(_episodes(gateway, solve, rows, dict(kwargs or {}), concurrency, timeout_s))
     out = Demonstrations([], len(episodes))
     for row, record, reward, fault in episodes:
+        segments = [s for t in record.trajectories for s in t.segments]
+        out.capped += any(s.finish_reason == "length" for s in segments)
         if fault is not None:
             out.faults += 1
             out.first_fault = out.first_fault or f"row {describe_row(row)}: {fault}"
@@ -194,9 +197,15 @@ def check_demonstrations(made: Demonstrations, agent: str, teacher: str) -> None
         return
     s = made.summary()
     why = f" (the first fault: {made.first_fault})" if made.first_fault else ""
+    capped = (
+        f" {made.capped} episodes had a call cut at its token budget: give the policy's calls more tokens "
+        "(ppo.generation.max_new_tokens)."
+        if made.capped
+        else ""
+    )
     raise ShifuError(
         f"the agent {agent} made no SFT demonstrations with the teacher {teacher}: of {made.episodes} episodes, "
         f"{s['faults']} faulted{why}, {s['unrewarded']} were rewarded 0, and {s['unfinished']} trajectories did not "
-        f"end with EOS, {s['unencodable']} did not encode back to their ids. Check the teacher's answers against "
-        "the agent, or set teacher.enabled=false to train SFT on the task's own demonstrations"
+        f"end with EOS, {s['unencodable']} did not encode back to their ids.{capped} Check the teacher's answers "
+        "against the agent, or set teacher.enabled=false to train SFT on the task's own demonstrations"
     )
