@@ -92,7 +92,7 @@ def test_an_agents_demonstrations_are_the_ids_the_gateway_renders_for_it():
         own_schema_agent, rows_of(PAIRS[:4]), model, tok, teacher, "arith_tool teacher", max_tokens=128
     )
     check_demonstrations(made, "own_schema_agent", "arith_tool teacher")
-    assert made.summary() == {
+    assert made.summary() | {"longest_prompt": 0, "longest": 0} == {
         "episodes": 4,
         "faults": 0,
         "unrewarded": 0,
@@ -101,7 +101,12 @@ def test_an_agents_demonstrations_are_the_ids_the_gateway_renders_for_it():
         "capped": 0,
         "first_fault": None,
         "demonstrations": 4,
+        "longest_prompt": 0,
+        "longest": 0,
     }
+    assert max(
+        len(encode_demonstration(tok, validate_row(r, "sft", ("t", None)), False)[0]) for r in made.rows
+    ) == (made.longest_prompt)
     fmt = tool_format(tok)
     for row, first in zip(made.rows, FIRST_CALLS):
         prompt, response, mask = encode_demonstration(tok, validate_row(row, "sft", ("t", None)), False)
