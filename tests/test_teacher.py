@@ -265,3 +265,7 @@ def test_a_quickstart_plan_with_an_agent_starts_sft_from_the_agents_calls(tmp_pa
         assert agent_start(Stages(tmp_path / "other", 0, "test"), plan, files) == (plan["sft"], files)
     with pytest.raises(Exception, match="teacher.functon"):
         _plan("arith_tool", "smollm2", ["teacher.functon=x:y"])
+    with pytest.raises(
+        Exception, match="teacher.num_rows, teacher.eval_rows and teacher.concurrency must be >= 1"
+    ):
+        _plan("arith_tool", "smollm2", ["teacher.num_rows=0"])

@@ -63,7 +63,7 @@ def load_teacher(function: str | None, base_url: str | None, model: str | None, 
         raise ConfigError(
             "teacher: give teacher.function (package.module:function (messages, tools) -> assistant message) or "
             f"teacher.base_url (an OpenAI-compatible endpoint, with teacher.model), one of them; got {function!r} "
-            f"and {base_url!r}"
+            f"and {base_url!r} (or, in a quickstart, teacher.enabled=false: SFT on the task's own demonstrations)"
         )
     if base_url:
         if not model:
