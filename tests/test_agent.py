@@ -612,14 +612,18 @@ def test_the_arith_tool_smollm2_quickstart_runs_through_the_example_agent(tmp_pa
         "ppo.env.factory=null",
         "ppo.generation.stop=[]",
         "ppo.generation.max_total_tokens=200",
+        "ppo.generation.max_new_tokens=100",  # (a whole call in the stand-in's ids: SFT starts from the teacher's)
         "ppo.agent.factory=arith_tool_agent:solve",
         "ppo.data.max_prompt_len=600",  # the stand-in's tokenizer reads the tools block as ~570 ids
         "eval.num_prompts=8",
+        "teacher.num_rows=16",
+        "teacher.eval_rows=4",
     ]
     argv = ["quickstart", "--task", "arith_tool", "--preset", "smollm2", "--out", str(out)]
     assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["gold_judge"] == "episode return of arith_tool_agent:solve"
+    assert json.loads((out / "teacher" / "DONE").read_text())["sft_train"]["demonstrations"] == 16
     assert s["eval_prompts"] == 8 and 0 <= s["tool_use_before"] <= 1 and s["kl"] >= 0
     metrics = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     train = [m for m in metrics if "agent/calls" in m]

@@ -109,9 +109,21 @@ def test_smollm2_template_gets_tools_in_a_hermes_system_message():
     assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "347*29"}
     assert "<|im_start|>tool\n10063<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
-    # a user's own system message keeps its text, the tools appended to it
-    text = render_messages(tok, [{"role": "system", "content": "Be brief."}, *HISTORY], TOOLS, fmt)
-    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools:")
+    # a user's own system message keeps its text, after the tools block: the order an environment's episode
+    # renders it in (turns.ChatTurns), so the same conversation reads the same ids either way
+    system = [{"role": "system", "content": "Be brief."}, *HISTORY]
+    text = render_messages(tok, system, TOOLS, fmt)
+    assert text.startswith("<|im_start|>system\nYou can call these tools:")
+    assert text.split("<|im_end|>")[0].endswith(".\n\nBe brief.")
+    from shifu.rollout.turns import ChatTurns
+
+    env_ids = ChatTurns(tok, TOOLS).render([system[0], HISTORY[0]], True)
+    assert (
+        env_ids
+        == tok(render_messages(tok, [system[0], HISTORY[0]], TOOLS, fmt), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
 
 
 def test_qwen_style_template_renders_tools_and_calls_natively():

@@ -104,13 +104,16 @@ async def solve(client, row: dict) -> float:
 
 def environment(format: str = "json"):
     """The same task as an in-process environment (``ppo.env.factory=arith_tool_agent:environment``) whose
-    conversation starts with exactly what :func:`solve`'s first call renders through the gateway: ``SYSTEM``,
-    then the tools block the gateway writes for a template without tools (SmolLM2's). A ``<tool_call>`` that
+    conversation starts with exactly what :func:`solve`'s first call renders through the gateway: the tools block
+    written for a template without tools (SmolLM2's), then ``SYSTEM``, in the one order environments and the
+    gateway share (:func:`shifu.models.tool_calls.with_tools_system`). A ``<tool_call>`` that
     does not parse ends the episode as an answer (reward 0), as it ends :func:`solve`, which gets such a turn
     back as text. The two ways of training then read the same first input and end the same episodes, and
     differ in who runs the loop (the trainer, or this agent over HTTP) and in the wording of a tool's errors."""
-    from shifu.models.tool_calls import tools_system_message
+    from shifu.models.tool_calls import tools_system_message, with_tools_system
     from shifu.tasks.arith_tool import calculator_env
 
-    system = f"{SYSTEM}\n\n{tools_system_message(TOOLS)}"
+    system = with_tools_system([{"role": "system", "content": SYSTEM}], tools_system_message(TOOLS))[0][
+        "content"
+    ]
     return calculator_env(format, system=system, invalid_calls="answer")

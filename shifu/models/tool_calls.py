@@ -4,8 +4,9 @@ back out of what it wrote.
 **Offering tools.** :func:`tool_format` asks the template itself (by rendering, never by model name): a
 template that renders ``tools=`` (Qwen2.5, Llama 3.1, Hermes) gets them natively, and its assistant tool
 calls are rendered by it too; a template that ignores ``tools=`` (SmolLM2's ChatML) gets them in a system
-message (:func:`tools_system_message`) that describes the Hermes syntax, and assistant tool calls in the
-history are written in that syntax (:func:`render_messages`).
+message (:func:`tools_system_message`) that describes the Hermes syntax, placed before the conversation's own
+system text (:func:`with_tools_system`, the same for an environment's episodes and an agent's calls), and
+assistant tool calls in the history are written in that syntax (:func:`render_messages`).
 
 **Parsing calls.** :func:`parse_tool_calls` reads every call of a completion in one of two syntaxes:
 
@@ -167,19 +168,27 @@ def render_messages(
     tokenizer, messages: list[dict], tools: list[dict] | None, fmt: ToolFormat, generation_prompt: bool = True
 ) -> str:
     """The prompt text of OpenAI-style ``messages`` (roles system/user/assistant/tool, assistant
-    ``tool_calls``) offering ``tools``: through the template natively, or with the Hermes system message and
-    the history's calls written as text (:func:`tool_format`). Always through the chat template."""
+    ``tool_calls``) offering ``tools``: through the template natively, or with the Hermes system message in
+    front of the messages' own system text (:func:`with_tools_system`) and the history's calls written as text
+    (:func:`tool_format`). Always through the chat template."""
     if tools and fmt.native:
         native = [_native_message(m) for m in messages]
         return _render(tokenizer, native, tools, generation_prompt)
     plain = [_plain_message(m, fmt.syntax) for m in messages]
     if tools:
-        text = tools_system_message(tools)
-        if plain and plain[0]["role"] == "system":
-            plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{text}"}
-        else:
-            plain.insert(0, {"role": "system", "content": text})
+        plain = with_tools_system(plain, tools_system_message(tools))
     return _render(tokenizer, plain, None, generation_prompt)
+
+
+def with_tools_system(messages: list[dict], text: str) -> list[dict]:
+    """``messages`` with the system text ``text`` that offers tools to a template without them: before the
+    first message's own text when that is a system message (``text``, a blank line, its content), else as a
+    system message of its own. The one rendering of the tools block, for an environment's episodes
+    (:class:`shifu.rollout.turns.ChatTurns`) and an agent's calls through the gateway (:func:`render_messages`)
+    alike, so that the same conversation reads the same ids either way."""
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{text}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _native_message(m: dict) -> dict:

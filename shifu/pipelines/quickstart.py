@@ -4,6 +4,8 @@ Run directory layout (``--out``, default ``runs/quickstart-<task>-<preset>-s<see
 
     RUN/data/                 task files: sft_*.jsonl, prompts_*.jsonl, tokenizer/, base/ (prepare; smollm2:
                               base/ links to the cached conversion, never a copy)
+    RUN/teacher/              a plan whose PPO stage trains an agent (ppo.agent): sft_train.jsonl, sft_eval.jsonl,
+                              the agent's episodes answered by the plan's teacher (agent_start), SFT's data
     RUN/sft/                  shifu sft run: final/ (the SFT policy = PPO's reference), metrics.jsonl, tb/
                               (smollm2 presets: none, the instruct model data/base is the SFT policy)
     RUN/pairs/                imdb only: pairs_train.jsonl, pairs_eval.jsonl (SFT samples, noisy VADER labels;
@@ -54,6 +56,7 @@ from shifu.config.loader import check_section, opt, read_shipped, shipped, unkno
 from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
 from shifu.evaluation.final import GOLD, eval_settings, evaluate
+from shifu.pipelines.agent_start import TeacherPlan, agent_start
 from shifu.pipelines.stages import (
     Stages,
     claim_run,
@@ -129,7 +132,7 @@ class EvalPlan:
             )
 
 
-SECTIONS = {"pairs": PairsPlan, "soup": SoupPlan, "eval": EvalPlan}
+SECTIONS = {"pairs": PairsPlan, "soup": SoupPlan, "eval": EvalPlan, "teacher": TeacherPlan}
 
 
 def check_stage(cls: type, section: Any, where: str) -> None:
@@ -219,7 +222,7 @@ def plan_yaml(plan: dict[str, Any], header: str) -> str:
 
 def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
     """ShifuError for a ``--set`` key no stage reads: an unknown stage, a key its trainer's config does not
-    have, or a ``soup`` key other than ``members`` / ``scale`` (checked before any stage runs, so that a
+    have, a ``soup`` key other than ``members`` / ``scale``, or a ``teacher`` key :class:`TeacherPlan` lacks (checked before any stage runs, so that a
     misspelt key on a finished stage is not reported as a change of plan)."""
     from shifu.config.loader import check_key, unknown_key
     from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
@@ -227,7 +230,7 @@ def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
 
     stage, rest = key.split(".", 1)
     configs = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
-    stages = sorted(set(plan) - {"gold"} | {"soup"})
+    stages = sorted(set(plan) - {"gold"} | {"soup", "teacher"})
     try:
         if stage not in stages:
             raise ConfigError(f"no stage '{stage}' in this plan; its stages are {', '.join(stages)}")
@@ -237,6 +240,8 @@ def check_set_key(plan: dict[str, Any], key: str, item: str) -> None:
             check_key(configs[stage], rest, f"{stage}.")
         elif stage == "soup" and rest not in ("members", "scale"):
             raise unknown_key(key, ("members", "scale"))
+        elif stage == "teacher":
+            check_key(TeacherPlan, rest, "teacher.")
     except ConfigError as e:
         raise ShifuError(f"--set '{item}': {e}") from None
 
@@ -276,8 +281,11 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
 
     # 1. prepare: data files, tokenizer, untrained (or converted) base model
     files = stages.prepare(task, preset)
-    # 2. SFT from the base model (a plan without "sft" starts from an instruct model: it is the SFT policy)
-    sft_final = stages.sft(plan["sft"], files) if plan["sft"] is not None else out / "data" / "base"
+    # 2. SFT from the base model (a plan without "sft" starts from an instruct model: it is the SFT policy); with
+    # an agent, on the agent's own calls answered by the plan's teacher
+    sft_final = out / "data" / "base"
+    if plan["sft"] is not None:
+        sft_final = stages.sft(*agent_start(stages, plan, files))
     # 3. imdb: preference pairs from the SFT policy, labelled by the noisy judge; then the reward model
     # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
     gold = plan.get("gold", GOLD.get(task))

@@ -26,6 +26,7 @@ result read::
 from __future__ import annotations
 
 from shifu.errors import ShifuError
+from shifu.models.tool_calls import tool_format, tools_system_message, with_tools_system
 
 
 class TemplateError(ShifuError):
@@ -65,8 +66,6 @@ class ChatTurns:
     system message ``tools_system`` where the template has none."""
 
     def __init__(self, tok, tools: list[dict] | None = None, tools_system: str | None = None):
-        from shifu.models.tool_calls import tool_format, tools_system_message
-
         self.tok, self.messages, self.tools = tok, [], tools or None
         self.native = self.tools is not None and tool_format(tok).native
         self.system = None  # the system text that offers the tools on a template that does not render them
@@ -75,13 +74,7 @@ class ChatTurns:
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         if self.system is not None:  # the tools in a system message (before the environment's own, if any)
-            if messages and messages[0]["role"] == "system":
-                messages = [
-                    {"role": "system", "content": f"{self.system}\n\n{messages[0]['content']}"},
-                    *messages[1:],
-                ]
-            else:
-                messages = [{"role": "system", "content": self.system}, *messages]
+            messages = with_tools_system(messages, self.system)
         tools = self.tools if self.native else None
         text = self.tok.apply_chat_template(
             messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False

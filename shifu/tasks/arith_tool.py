@@ -12,6 +12,9 @@ trained, as in an episode), the rest write the product directly, which a sub-mil
 guess. Stopped early, the SFT policy calls sometimes and copies the result it reads; RL has to discover that
 calling pays. The held-out gold is the exact-match accuracy of episodes through the environment.
 
+An agent trained on this task (``ppo.agent``) offers its own tools in its own words: :func:`teacher` answers its
+calls for the SFT start made of them (:mod:`shifu.rollout.teacher`), calling whichever offered tool computes.
+
 Data (deterministic, like ``arith``): the operand pairs are shuffled with a fixed split seed into the held-out
 prompts (``prompts_eval.jsonl``), the SFT held-out demonstrations (``sft_eval.jsonl``, also PPO's validation
 prompts ``prompts_val.jsonl``) and the rest (SFT demonstrations sampled with the run seed, PPO prompts). Prompt
@@ -25,6 +28,7 @@ import dataclasses
 import json
 import operator
 import random
+import re
 from pathlib import Path
 
 from shifu.runs.jsonfile import write_jsonl
@@ -118,6 +122,56 @@ def calculator_env(format: str = "bracket", system: str | None = None, invalid_c
     if format == "json" and system is None:
         system = CHAT_SYSTEM
     return ToolEnv([calculator], exact_answer, format=format, system=system, invalid_calls=invalid_calls)
+
+
+# what names a tool that computes, and the argument that takes the expression (read off the offered schemas)
+_COMPUTES = ("calc", "comput", "arithm", "math", "evaluat", "expression", "multipl", "product")
+_TAKES_EXPRESSION = ("expr", "formula", "equation", "input", "query", "calc", "math", "problem")
+_PRODUCT = re.compile(r"(\d+)\s*[*x\u00d7]\s*(\d+)")
+
+
+def _computing_tool(tools: list[dict]) -> tuple[str, str] | None:
+    """``(name, argument)`` of the offered tool that computes an expression: the tool whose name or description
+    says it computes (:data:`_COMPUTES`), and its string argument that takes the expression (by its name or
+    description, or the only string argument); None when none does."""
+    for tool in tools:
+        fn = tool.get("function") or {}
+        about = f"{fn.get('name', '')} {fn.get('description', '')}".lower()
+        if not any(w in about for w in _COMPUTES):
+            continue
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        strings = [k for k, v in props.items() if isinstance(v, dict) and v.get("type", "string") == "string"]
+        named = [
+            k
+            for k in strings
+            if any(w in f"{k} {props[k].get('description', '')}".lower() for w in _TAKES_EXPRESSION)
+        ]
+        if named or len(strings) == 1:
+            return fn["name"], (named or strings)[0]
+    return None
+
+
+def teacher(messages: list[dict], tools: list[dict] | None) -> dict:
+    """The task's teacher (:mod:`shifu.rollout.teacher`): for the product the last user message asks, a call of
+    the offered tool that computes (read off the tools' schemas: :func:`_computing_tool`) with ``"a*b"`` in the
+    argument its schema names; once a tool has answered, the answer as the task wants it (the number alone, the
+    tool's result when it is one); without such a tool, the product computed here."""
+    asked = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "user"), "")
+    found = _PRODUCT.findall(asked)
+    if not found:
+        return {"content": "I can only multiply two numbers.", "tool_calls": []}
+    a, b = (int(x) for x in found[-1])
+    last = messages[-1]
+    if last["role"] == "tool" and (last.get("content") or "").strip().lstrip("-").isdigit():
+        return {"content": last["content"].strip(), "tool_calls": []}
+    tool = _computing_tool(tools or []) if last["role"] != "tool" else None
+    if tool is None:
+        return {"content": str(a * b), "tool_calls": []}
+    name, argument = tool
+    return {
+        "content": None,
+        "tool_calls": [{"function": {"name": name, "arguments": {argument: f"{a}*{b}"}}}],
+    }
 
 
 def make_splits(n_heldout: int, n_sft_eval: int) -> dict[str, list[tuple[int, int]]]:
