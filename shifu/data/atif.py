@@ -209,13 +209,14 @@ def check_recorded(tokenizer, row: dict) -> None:
             )
 
 
-def read_json_documents(path: str, data: bytes) -> list[tuple[int, Any, DataError | None]]:
-    """A ``.json`` file: one document (an ATIF trajectory as Harbor writes it) or a list of them, as rows."""
+def read_json_documents(data: bytes) -> list[tuple[int, Any, DataError | None]] | None:
+    """A ``.json`` file's ATIF documents as rows: one trajectory (as Harbor writes it) or a list of them. None
+    when the file is not that (JSON rows under a ``.json`` name are read, or refused, as JSONL is)."""
     try:
         doc = json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(
-            path, None, None, f"not a JSON document ({e})", "give a .jsonl file of rows"
-        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
     docs = doc if isinstance(doc, list) else [doc]
+    if not docs or not all(is_atif(d) for d in docs):
+        return None
     return [(i, d, None) for i, d in enumerate(docs)]
