@@ -7,8 +7,9 @@ Three row kinds, from JSONL (one JSON object per line), Parquet, or a directory 
   message is the assistant's, with the ``tools`` it offered as an agent's chat log), or an ATIF trajectory
   (:mod:`shifu.data.atif`; a ``.json`` file holds one document or a list of them: a ``.json`` file of other
   rows is read as JSONL). ``response`` is a string, or a list of segments ``{"text", "train"}`` (``train``
-  defaults to true; ``false`` marks text the model reads but is not trained to write, such as a tool's output). In ``messages`` every assistant message is trained unless it says ``"train": false``; an
-  assistant message may carry ``tool_calls`` (then its ``content`` may be empty or absent).
+  defaults to true; ``false`` marks text the model reads but is not trained to write, such as a tool's output).
+  In ``messages`` every assistant message is trained unless it says ``"train": false``; an assistant message may
+  carry ``tool_calls`` (then its ``content`` may be empty or absent).
 - ``"preference"``: ``prompt``, ``chosen``, ``rejected`` strings (``chosen != rejected``), optional
   numeric ``margin``.
 - ``"prompt"``: ``prompt`` string; every other field is kept and reaches reward functions unchanged.
