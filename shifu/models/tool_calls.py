@@ -39,6 +39,12 @@ _PROBE = {
         "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
     },
 }
+# an assistant's call of the probe tool, rendered to read the template's call syntax
+_PROBE_CALL = {
+    "type": "function",
+    "id": "call_0",
+    "function": {"name": "shifu_probe_tool", "arguments": {"x": "1"}},
+}
 
 
 @dataclass(frozen=True)
@@ -66,14 +72,9 @@ def renders_tools(tokenizer) -> bool:
 
 def _call_syntax(tokenizer) -> str | None:
     """The syntax the template writes an assistant tool call in, read off a rendered probe call."""
-    call = {
-        "type": "function",
-        "id": "call_0",
-        "function": {"name": "shifu_probe_tool", "arguments": {"x": "1"}},
-    }
     messages = [
         {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
         {"role": "tool", "tool_call_id": "call_0", "content": "done"},
     ]
     try:
@@ -112,14 +113,9 @@ def call_opening(tokenizer, fmt: ToolFormat, name: str | None = None) -> str:
 
 def _hermes_gap(tokenizer) -> str:
     """What a template writes between ``<tool_call>`` and the call's JSON (Qwen: a newline)."""
-    call = {
-        "type": "function",
-        "id": "call_0",
-        "function": {"name": "shifu_probe_tool", "arguments": {"x": "1"}},
-    }
     messages = [
         {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
     ]
     try:
         text = _render(tokenizer, messages, [_PROBE])
