@@ -192,9 +192,9 @@ class ModelShape:
     def __init__(self, path: str):
         from transformers import AutoConfig, GenerationConfig
 
-        self.config = AutoConfig.from_pretrained(path)
+        self.config = AutoConfig.from_pretrained(path, local_files_only=True)
         try:
-            self.generation_config = GenerationConfig.from_pretrained(path)
+            self.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:  # (a directory without generation_config.json)
             self.generation_config = None
 
