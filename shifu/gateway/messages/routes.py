@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import secrets
 
-from shifu.gateway.chat_stream import SSE_HEADERS, outcomes
 from shifu.gateway.messages.protocol import STREAM_EVENTS, MessagesAnswer, MessagesError, MessagesRequest
 from shifu.gateway.messages.stream import message_events
 from shifu.gateway.messages.translate import answer_body, chat_request, message_head
+from shifu.gateway.streaming import SSE_HEADERS, outcomes
 from shifu.gateway.typed import components, event_stream, validated
 from shifu.http.requests import RequestError
 
