@@ -207,3 +207,14 @@ def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
         "properties": {"event": {"enum": kinds}, "data": data},
     }
     return {"schema": event}, schemas
+
+
+def renamed(e: RequestError, field: str) -> RequestError:
+    """A refusal of the engine's ``response_format`` (:func:`shifu.gateway.completions.json_grammar`) as one
+    of the dialect's own ``field`` (``text.format``), its schema at ``<field>.schema``; other refusals as
+    they are."""
+    if e.field is None or not e.field.startswith("response_format"):
+        return e
+    path = field + e.field.removeprefix("response_format").replace(".json_schema.schema", ".schema")
+    message = (path + e.message.removeprefix(e.field)).replace("response_format", field)
+    return RequestError(e.status, path, message, e.headers, e.code)

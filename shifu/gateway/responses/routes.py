@@ -15,18 +15,8 @@ from shifu.gateway.responses.translate import (
     response_head,
 )
 from shifu.gateway.streaming import SSE_HEADERS, outcomes
-from shifu.gateway.typed import components, event_stream, validated
+from shifu.gateway.typed import components, event_stream, renamed, validated
 from shifu.http.requests import RequestError
-
-
-def renamed(e: RequestError) -> RequestError:
-    """A refusal of chat's ``response_format`` (or ``top_logprobs`` beside it) as one of ``text.format``."""
-    if e.field is None or not e.field.startswith("response_format"):
-        return e
-    field = "text.format" + e.field.removeprefix("response_format").replace(".json_schema.schema", ".schema")
-    message = field + e.message.removeprefix(e.field)
-    message = message.replace("response_format", "text.format")
-    return RequestError(e.status, field, message, e.headers, e.code)
 
 
 class ResponsesRoute:
@@ -47,7 +37,7 @@ class ResponsesRoute:
         try:
             prep = await self.front.prepare(key, chat_request(req, history))
         except RequestError as e:  # the engine names chat's response_format: here it is text.format
-            raise renamed(e) from None
+            raise renamed(e, "text.format") from None
         response_id, message_id, answered = new_id("resp_"), new_id("msg_"), {}
 
         async def resolve(choices):
