@@ -184,7 +184,17 @@ def validated(model: type[Strict], body):
 def components(*models: type[BaseModel]) -> dict:
     """The OpenAPI ``components.schemas`` of ``models`` and every model they hold, named by class."""
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
-    return defs.get("$defs", {})
+    return _no_null_defaults(defs.get("$defs", {}))
+
+
+def _no_null_defaults(schema):
+    """``schema`` without ``"default": null``: a field left out means its absence (a default the field's own
+    type may not allow, which OpenAPI's validators refuse)."""
+    if isinstance(schema, dict):
+        return {k: _no_null_defaults(v) for k, v in schema.items() if not (k == "default" and v is None)}
+    if isinstance(schema, list):
+        return [_no_null_defaults(v) for v in schema]
+    return schema
 
 
 def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:

@@ -59,11 +59,11 @@ def routes(front) -> list:
 def openapi() -> dict:
     """This dialect's part of the gateway's OpenAPI document: its path and its schemas."""
     refused = {"$ref": "#/components/responses/Refused"}
+    # each event's data is a chunk as JSON, but the last one's is [DONE]: a string, its chunks named beside it
     data = {
         "type": "string",
-        "contentMediaType": "application/json",
-        "contentSchema": {"$ref": REF.format(model="ChatCompletionChunk")},
-        "description": "A chunk as JSON; the last event's data is [DONE].",
+        "description": "A ChatCompletionChunk as JSON; the last event's data is [DONE].",
+        "x-sse-data": {"$ref": REF.format(model="ChatCompletionChunk")},
     }
     stream = {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
     operation = {
