@@ -22,9 +22,9 @@ openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'"
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 
 from shifu.gateway import Gateway, Sampling  # noqa: E402
+from shifu.gateway.chat.translate import parse_chat_request  # noqa: E402
 from shifu.gateway.completions import prompt_ids  # noqa: E402
 from shifu.gateway.engine import Engine, Job  # noqa: E402
-from shifu.gateway.protocol import parse_chat_request  # noqa: E402
 from shifu.gateway.sessions import CompletionMemory  # noqa: E402
 from shifu.generation.rollout import policy_forward  # noqa: E402
 from shifu.http.batching import BatchQueue  # noqa: E402

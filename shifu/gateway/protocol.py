@@ -46,10 +46,3 @@ class ChatRequest:
 def bad(path: str, message: str, code: str = "invalid_value") -> RequestError:
     """A 400 for the field at ``path`` (the message starts with it); ``code`` is the OpenAI error code."""
     return RequestError(400, path, f"{path}: {message}", code=code)
-
-
-def parse_chat_request(body) -> ChatRequest:
-    """A decoded chat completion body -> :class:`ChatRequest` (:func:`shifu.gateway.chat.translate.parse_chat_request`)."""
-    from shifu.gateway.chat.translate import parse_chat_request as parse
-
-    return parse(body)
