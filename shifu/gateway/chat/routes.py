@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from shifu.gateway.chat.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from shifu.gateway.chat.stream import chat_chunks
-from shifu.gateway.chat.translate import chat_request
+from shifu.gateway.chat.translate import parse_chat_request
 from shifu.gateway.completions import new_completion_id
 from shifu.gateway.streaming import SSE_HEADERS, outcomes
-from shifu.gateway.typed import REF, components, validated
+from shifu.gateway.typed import REF, components
 
 
 class ChatRoute:
@@ -23,8 +23,7 @@ class ChatRoute:
         from starlette.responses import JSONResponse
 
         key = self.front.caller(request)
-        req = chat_request(validated(ChatCompletionRequest, await self.front.body_of(request)))
-        prep = await self.front.prepare(key, req)
+        prep = await self.front.prepare(key, parse_chat_request(await self.front.body_of(request)))
         if prep.req.stream:
             return self.stream(prep)
         done = await self.front.finish(prep, await self.front.sample(prep))

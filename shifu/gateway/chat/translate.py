@@ -52,12 +52,19 @@ def _json_schema(response_format) -> dict | None:
     return None
 
 
-def chat_request(req: ChatCompletionRequest) -> ChatRequest:
-    """The engine's request of a validated chat completion request (module docstring)."""
-    tools = [
-        {"type": "function", "function": t.function.model_dump(exclude={"strict"}, exclude_none=True)}
-        for t in req.tools or []
-    ] or None
+def chat_request(req: ChatCompletionRequest, body: dict) -> ChatRequest:
+    """The engine's request of a chat completion request ``body`` validated as ``req`` (module docstring)."""
+    tools = None
+    if (
+        req.tools is not None
+    ):  # each function's keys in the order sent: a template may render them as they are
+        tools = [
+            {
+                "type": "function",
+                "function": {k: v for k, v in t["function"].items() if k != "strict" and v is not None},
+            }
+            for t in body["tools"]
+        ]
     named = isinstance(req.tool_choice, ChatNamedToolChoice)
     kind = "function" if named else req.tool_choice or "auto"
     choice, forced_name = forced_choice(
@@ -90,4 +97,4 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
 def parse_chat_request(body) -> ChatRequest:
     """A decoded body -> the engine's :class:`~shifu.gateway.protocol.ChatRequest`; a 400 names the field to
     fix (:func:`shifu.gateway.typed.validated`)."""
-    return chat_request(validated(ChatCompletionRequest, body))
+    return chat_request(validated(ChatCompletionRequest, body), body)
