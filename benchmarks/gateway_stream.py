@@ -1,4 +1,4 @@
-"""Streamed against non-streamed answers of the policy gateway (``stream: true``, shifu.gateway.chat_stream): time
+"""Streamed against non-streamed answers of the policy gateway (``stream: true``, shifu.gateway.chat.stream): time
 to the first token and tokens per second, from the client's side.
 
 Setup: a gateway in a process of its own (uvicorn on 127.0.0.1, one sampler thread, torch on ``--threads``

@@ -33,6 +33,8 @@ MESSAGES_RULES = [
     r"^messages: (the chat template refused them|they render to no tokens)",
     r"^model: .* is not served here",
     r"^tool_choice: (a forced call needs tools|names the tool)",
+    r"^output_config\.format: (a recording gateway takes only|not with a forced tool call)",
+    r"^output_config\.format\.schema: llguidance cannot follow it",
 ]
 # the reward service: cross-field rules its document states in words (ScoreRequest's description)
 REWARD_RULES = [

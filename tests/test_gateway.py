@@ -22,9 +22,9 @@ openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'"
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 
 from shifu.gateway import Gateway, Sampling  # noqa: E402
+from shifu.gateway.chat.translate import parse_chat_request  # noqa: E402
 from shifu.gateway.completions import prompt_ids  # noqa: E402
 from shifu.gateway.engine import Engine, Job  # noqa: E402
-from shifu.gateway.protocol import parse_chat_request  # noqa: E402
 from shifu.gateway.sessions import CompletionMemory  # noqa: E402
 from shifu.generation.rollout import policy_forward  # noqa: E402
 from shifu.http.batching import BatchQueue  # noqa: E402
@@ -507,3 +507,39 @@ def test_fields_that_change_nothing_are_accepted_and_those_that_would_are_refuse
     err = error_of(e.value)
     assert err["param"] == "verbosity" and err["code"] == "unknown_field"
     assert "stream_options" in err["message"] and "store" in err["message"]
+
+
+# ------------------------------------------------------------------------------ the typed dialects
+def test_the_checked_in_openapi_document_is_the_one_the_models_make():
+    """shifu/gateway/openapi.json is a copy of the document made from the dialects' typed models; after a
+    model changes, write it again: python -m shifu.gateway.openapi."""
+    from shifu.gateway import openapi
+
+    assert openapi.FILE.read_text(encoding="utf-8") == openapi.text(), "run: python -m shifu.gateway.openapi"
+    doc = openapi.build()
+    post = doc["paths"]["/v1/chat/completions"]["post"]
+    assert post["parameters"][0]["name"] == "Idempotency-Key"
+    assert all(
+        doc["paths"][p]["post"]["parameters"] == post["parameters"] for p in ("/v1/responses", "/v1/messages")
+    )
+    request = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert (
+        request["frequency_penalty"]["enum"] == [0, None]
+        and "unsupported_value" in request["top_k"]["description"]
+    )
+
+
+def test_answers_are_what_their_models_say(served):
+    """Every chat answer, plain or streamed, with token fields and log-probs, validates as the dialect's own
+    answer models (strict: no field they do not declare)."""
+    from shifu.gateway.chat.protocol import ChatCompletion, ChatCompletionChunk
+
+    gw, _, _ = served
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TOKEN, max_retries=0)
+    kw = {"model": "policy", "messages": QUESTION, "n": 2, "logprobs": True, "top_logprobs": 2, "seed": 1}
+    kw["extra_body"] = {"return_token_ids": True}
+    plain = client.chat.completions.with_raw_response.create(**kw)
+    ChatCompletion.model_validate(json.loads(plain.text))
+    streamed = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    chunks = [ChatCompletionChunk.model_validate(c.model_dump(exclude_unset=True)) for c in streamed]
+    assert chunks[-1].usage is not None and any(c.choices and c.choices[0].logprobs for c in chunks)

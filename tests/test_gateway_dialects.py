@@ -592,3 +592,25 @@ def test_forced_calls_in_both_dialects_are_read_then_sampled_and_recorded_faithf
         (seg,) = traj.segments
         assert seg.read_ids[-len(opening) :] == opening and tok.decode(seg.sampled_ids).startswith(rest)
         assert assert_faithful(model, rec, T) == len(seg.sampled_ids)
+
+
+def test_a_sessions_previous_responses_are_dropped_when_it_ends():
+    """``previous_response_id`` state lives as long as the recording session that made it: once the session
+    ends, its responses are forgotten (no leak across a trainer's many episodes), other sessions' stay."""
+    tok = chat_tokenizer()
+    with Gateway(tiny_policy(tok), tok, recording=True, sampling=Sampling(max_tokens=3)) as gw:
+        (stored,) = [drop.__self__ for drop in gw.on_end]  # the Responses route's conversations
+        keys = [gw.start_session(), gw.start_session()]
+        made = []
+        for key in keys:
+            client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+            first = client.responses.create(model="policy", input="hi")
+            chained = client.responses.create(model="policy", input="and?", previous_response_id=first.id)
+            made.append((client, chained.id))
+        assert len(stored) == 4
+        gw.end_session(keys[0])
+        assert len(stored) == 2  # the ended session's two responses are gone, the open one's kept
+        client, last = made[1]
+        assert client.responses.create(model="policy", input="more", previous_response_id=last).id
+        status, _ = post(gw.url, "/rl/end_session", None, keys[1])
+        assert status == 200 and len(stored) == 0

@@ -136,3 +136,64 @@ def test_json_answers_are_refused_where_they_cannot_be_recorded_or_followed(serv
         assert (err["param"], err["code"]) == ("response_format", "constrained_decoding")
         assert "recomputation" in err["message"]
         assert recording.end_session(key).calls == 0
+
+
+def test_the_responses_and_messages_json_formats_are_response_format_under_their_own_names(served):
+    """The Responses API's ``text.format`` (json_schema, json_object) and the Messages API's
+    ``output_config.format`` constrain the answer as chat's ``response_format`` does, and are refused by the
+    same rules, each naming its own field."""
+    anthropic = pytest.importorskip("anthropic", reason="pip install 'shifu-rlhf[agents]'")
+    gw, model, tok = served
+    client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    fmt = {"type": "json_schema", "name": "reply", "schema": SCHEMA, "strict": True}
+    out = client.responses.create(model="policy", input=QUESTION[0]["content"], text={"format": fmt})
+    answer = json.loads(out.output_text)
+    assert out.status == "completed" and set(answer) == {"answer", "n"} and answer["n"] in (1, 2, 3)
+    assert out.text.format.type == "json_schema" and out.text.format.name == "reply"  # echoed
+    loose = client.responses.create(
+        model="policy", input="hi", text={"format": {"type": "json_object"}}, max_output_tokens=24
+    )
+    assert loose.output_text.startswith("{")
+    said = claude.messages.create(
+        model="policy",
+        max_tokens=40,
+        messages=QUESTION,
+        output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+    )
+    assert said.stop_reason == "end_turn" and set(json.loads(said.content[0].text)) == {"answer", "n"}
+    bogus = {"type": "bogus"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="policy", input="x", text={"format": fmt | {"schema": bogus}})
+    assert (e.value.response.json()["error"]["param"], e.value.code) == (
+        "text.format.schema",
+        "invalid_json_schema",
+    )
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(
+            model="policy",
+            max_tokens=4,
+            messages=QUESTION,
+            output_config={"format": {"type": "json_schema", "schema": bogus}},
+        )
+    assert e.value.body["error"]["message"].startswith(
+        "output_config.format.schema: llguidance cannot follow it"
+    )
+    with Gateway(model, tok, recording=True) as recording:
+        key = recording.start_session()
+        client = openai.OpenAI(base_url=recording.base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="policy", input="x", text={"format": {"type": "json_object"}})
+        err = e.value.response.json()["error"]
+        assert (err["param"], err["code"]) == ("text.format", "constrained_decoding")
+        assert err["message"].startswith("text.format: ") and "recomputation" in err["message"]
+        claude = anthropic.Anthropic(base_url=recording.url, api_key=key, max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(
+                model="policy",
+                max_tokens=4,
+                messages=QUESTION,
+                output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+            )
+        assert e.value.body["error"]["message"].startswith("output_config.format: a recording gateway")
+        assert recording.end_session(key).calls == 0

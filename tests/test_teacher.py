@@ -19,8 +19,8 @@ from test_gateway import chat_tokenizer, tiny_policy  # noqa: E402
 from shifu.data.demonstrations import encode_demonstration  # noqa: E402
 from shifu.data.rows import validate_row  # noqa: E402
 from shifu.gateway import Gateway, Sampling  # noqa: E402
+from shifu.gateway.chat.translate import parse_chat_request  # noqa: E402
 from shifu.gateway.completions import prompt_ids  # noqa: E402
-from shifu.gateway.protocol import parse_chat_request  # noqa: E402
 from shifu.gateway.sessions import CompletionMemory  # noqa: E402
 from shifu.models.tool_calls import parse_tool_calls, tool_format  # noqa: E402
 from shifu.rollout.teacher import check_demonstrations, demonstrations, load_teacher  # noqa: E402

@@ -2,18 +2,17 @@
 shape (Anthropic's on its dialect's route).
 
     GET  /health               {"status": "ok", "model", "recording", "policy_version", "pending", ...}  (no token)
-    GET  /openapi.json         the API (``openapi.json`` beside this module, the served model filled in)  (no token)
+    GET  /openapi.json         the API (:mod:`shifu.gateway.openapi`, the served model filled in)  (no token)
     GET  /v1/models            the one served model
     GET  /v1/models/{id}       the served model (404 model_not_found for another id)
-    POST /v1/chat/completions  a chat completion (:mod:`shifu.gateway.protocol`, :mod:`shifu.gateway.completions`);
-                               with stream: true, chunks over Server-Sent Events (:mod:`shifu.gateway.chat_stream`)
+    POST /v1/chat/completions  OpenAI's chat completions (:mod:`shifu.gateway.chat`)
     POST /v1/responses         OpenAI's Responses API (:mod:`shifu.gateway.responses`)
     POST /v1/messages          Anthropic's Messages API (:mod:`shifu.gateway.messages`)
     POST /rl/start_session     recording only: a new session's key (the server's token, when it has one)
     POST /rl/set_reward        recording only: {"reward", "call"?} for the session of the key sent
     POST /rl/end_session       recording only: close the session of the key sent; its summary
 
-Every dialect's request becomes a :class:`~shifu.gateway.protocol.ChatRequest` that the same handlers
+Every dialect's request becomes the engine's :class:`~shifu.gateway.protocol.ChatRequest` that the same handlers
 prepare (render, budget), sample or stream, answer and record (:meth:`_Routes.prepare`, ``sample`` / ``stream``,
 ``finish``, ``record``), so the calls of any dialect join one session. On a recording gateway each dialect's
 route answers a session's request once (:meth:`_Routes.once`): a retry gets the first answer again
@@ -30,33 +29,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
+import shifu.gateway.chat as chat
 import shifu.gateway.messages as messages
 import shifu.gateway.responses as responses
-from shifu.gateway.chat_stream import SSE_HEADERS, chat_chunks, outcomes, withheld
 from shifu.gateway.completions import (
     Completed,
     Prepared,
     answer,
     check_model,
     make_job,
-    new_completion_id,
     offered_tools,
     prompt_ids,
 )
-from shifu.gateway.protocol import ChatRequest, bad, parse_chat_request
+from shifu.gateway.openapi import EndSession, SetReward, StartSession, build
+from shifu.gateway.protocol import ChatRequest
 from shifu.gateway.retries import ANSWERING, Answer, fingerprint
 from shifu.gateway.sessions import Call, UnknownSession, system_digest
-from shifu.gateway.streaming import stream_events
+from shifu.gateway.streaming import stream_events, withheld
+from shifu.gateway.typed import validated
 from shifu.http.requests import RequestError, check_content_headers, decode_body, read_body
 from shifu.http.responses import error_handlers
 
-OPENAPI_FILE = Path(__file__).with_name("openapi.json")
 _TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
 
 
@@ -69,19 +66,15 @@ def openai_error(status: int, field_name, message: str, headers: dict | None = N
 
 
 def openapi_document(gateway=None) -> dict:
-    """The API as an OpenAPI 3.1 document (``shifu/gateway/openapi.json``, written by hand); with a gateway,
-    its model name and limits filled in."""
+    """The API as an OpenAPI 3.1 document (:func:`shifu.gateway.openapi.build`, from the dialects' typed
+    models); with a gateway, its model name and limits filled in."""
     from shifu import __version__
 
-    doc = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
+    doc = build()
     doc["info"]["x-shifu-version"] = __version__
     schemas = doc["components"]["schemas"]
-    for dialect in (responses, messages):  # the typed dialects: their paths and schemas from their models
-        part = dialect.openapi()
-        doc["paths"] |= part["paths"]
-        schemas |= part["schemas"]
     if gateway is not None:
-        for request in ("ChatRequest", "ResponsesRequest", "MessagesRequest"):
+        for request in ("ChatCompletionRequest", "ResponsesRequest", "MessagesRequest"):
             schemas[request]["properties"]["model"]["enum"] = [gateway.name]
         if not gateway.recording:  # the /rl routes exist on a recording gateway only
             doc["paths"] = {p: v for p, v in doc["paths"].items() if not p.startswith("/rl/")}
@@ -319,63 +312,24 @@ class _Routes:
             with contextlib.suppress(UnknownSession):  # ended while sampling: nothing to record into
                 self.gw.sessions.record(done.key, call)
 
-    async def chat(self, request):
-        key = self.caller(request)
-        prep = await self.prepare(key, parse_chat_request(await self.body_of(request)))
-        if prep.req.stream:
-            return self.stream_chat(prep)
-        done = await self.finish(prep, await self.sample(prep))
-        self.record(done, done.body["id"])
-        return _json(done.body)
-
-    def stream_chat(self, prep: Prepared):
-        """``stream: true``: the same job and answer, sent as chunks while it is sampled (chat_stream)."""
-        from starlette.responses import StreamingResponse
-
-        completion_id, answered = new_completion_id(), {}
-
-        async def resolve(choices):
-            done = await self.finish(prep, choices, completion_id)
-            self.record(done, completion_id)
-            answered["body"] = done.body
-            return outcomes(done.body)
-
-        chunks = chat_chunks(
-            self.stream(prep, resolve), prep.req, completion_id, self.gw.name, answered, prep.ids
-        )
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
-
     async def start_session(self, request):
         _check_token(request, self.gw.token)
-        body = await self.body_of(request, allow_empty=True)
-        if not isinstance(body, dict) or set(body) - {"row_id"}:
-            raise bad("body", "expected an object with at most the field row_id", "unknown_field")
-        row_id = body.get("row_id")
-        if row_id is not None and type(row_id) not in (str, int):
-            raise bad("row_id", "expected a string, an integer or null")
+        row_id = validated(StartSession, await self.body_of(request, allow_empty=True)).row_id
         key = self.gw.start_session(row_id)
         return _json({"session_key": key, "model": self.gw.name, "row_id": row_id})
 
     async def set_reward(self, request):
         key = self.session_key(request)
-        body = await self.body_of(request)
-        if not isinstance(body, dict) or "reward" not in body or set(body) - {"reward", "call"}:
-            raise bad("body", 'expected {"reward": number, "call"?: a completion id or "last"}')
-        if type(body["reward"]) not in (int, float):
-            raise bad("reward", "expected a number")
-        call = body.get("call")
-        if call is not None and not isinstance(call, str):
-            raise bad("call", 'expected a completion id (the answer\'s id) or "last"')
+        body = validated(SetReward, await self.body_of(request))
         try:
-            n = self.gw.set_reward(key, body["reward"], call)
+            n = self.gw.set_reward(key, body.reward, body.call)
         except KeyError as e:
             raise RequestError(409, "call", f"call: {e.args[0]}", code="no_such_call") from None
-        return _json({"session_key": key, "reward": float(body["reward"]), "call": call, "segments": n})
+        return _json({"session_key": key, "reward": float(body.reward), "call": body.call, "segments": n})
 
     async def end_session(self, request):
         key = self.session_key(request)
-        if await self.body_of(request, allow_empty=True) != {}:
-            raise bad("body", "send no body, or {}", "unknown_field")
+        validated(EndSession, await self.body_of(request, allow_empty=True))
         rec = self.gw.end_session(key)
         self.gw.ended.put(rec)
         sampled = sum(len(s.sampled_ids) for t in rec.trajectories for s in t.segments)
@@ -402,9 +356,11 @@ def create_app(gw):
         Route("/openapi.json", r.openapi, methods=["GET"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/v1/models/{model:path}", r.model, methods=["GET"]),
-        Route("/v1/chat/completions", r.once(r.chat), methods=["POST"]),
-        *[Route(route.path, r.once(route.endpoint), methods=["POST"]) for route in responses.routes(r)],
-        *[Route(route.path, r.once(route.endpoint), methods=["POST"]) for route in messages.routes(r)],
+        *[
+            Route(route.path, r.once(route.endpoint), methods=["POST"])
+            for dialect in (chat, responses, messages)
+            for route in dialect.routes(r)
+        ],
     ]
     if gw.recording:
         routes += [

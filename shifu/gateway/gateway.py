@@ -74,6 +74,7 @@ class Gateway:
         self.format = tool_format(tokenizer)
         self.sessions = SessionStore()
         self.memory = CompletionMemory()  # without recording; a recording session keeps its own
+        self.on_end: list = []  # what a dialect keeps per session, dropped when it ends: f(key) each
         self.memories: dict[str, CompletionMemory] = {}
         self.ended: queue.SimpleQueue[RecordedSession] = queue.SimpleQueue()
         self.server = None
@@ -189,6 +190,8 @@ class Gateway:
         """Close a session and return what it recorded (:class:`shifu.gateway.sessions.RecordedSession`)."""
         self.memories.pop(key, None)
         self._identity.pop(key, None)
+        for drop in self.on_end:
+            drop(key)
         try:
             return self.sessions.end(key)
         finally:

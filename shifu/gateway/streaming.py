@@ -1,6 +1,6 @@
 """Streamed answers, for every dialect: a completion's events as the sampler decodes them
 (:func:`stream_events`), which a dialect sends in its own shape (the chat dialect's chunks:
-:mod:`shifu.gateway.chat_stream`). Streaming is a way of sending an answer, not a second sampler: the job is
+:mod:`shifu.gateway.chat.stream`). Streaming is a way of sending an answer, not a second sampler: the job is
 the one a non-streamed request makes, merged and sampled the same way, and the finished choices go through the
 dialect's own answer and recording, so a streamed and a non-streamed call with the same seed sample, record and
 answer the same tokens.
@@ -38,7 +38,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from shifu.gateway.engine import Choice, Job
+from shifu.gateway.protocol import ChatRequest
 from shifu.generation.stops import cut_at_stop
+from shifu.models.tool_calls import ToolFormat
 
 log = logging.getLogger(__name__)
 HERMES_OPEN = "<tool_call>"
@@ -125,6 +127,22 @@ class Withheld:
             if not body or body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body):
                 return ""
         return text
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def withheld(req: ChatRequest, fmt: ToolFormat, offered: bool) -> list[Withheld]:
+    """What each choice's streamed text holds back (:class:`~shifu.gateway.streaming.Withheld`)."""
+    return [Withheld(list(req.stop), fmt.syntax if offered else None, req.forced) for _ in range(req.n)]
+
+
+def outcomes(body: dict) -> list[Outcome]:
+    """Each choice of a chat completion answer as an :class:`~shifu.gateway.streaming.Outcome`."""
+    return [
+        Outcome(c["message"]["content"], c["message"].get("tool_calls") or [], c["finish_reason"])
+        for c in body["choices"]
+    ]
 
 
 async def stream_events(

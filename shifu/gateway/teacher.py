@@ -32,10 +32,10 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 
 from shifu.errors import ShifuError
+from shifu.gateway.chat.translate import parse_chat_request
 from shifu.gateway.completions import offered_tools, prompt_ids
 from shifu.gateway.engine import Choice, Job
 from shifu.gateway.gateway import Gateway
-from shifu.gateway.protocol import parse_chat_request
 from shifu.models.tool_calls import tool_call_text
 
 Teacher = Callable[[list[dict], "list[dict] | None"], dict]

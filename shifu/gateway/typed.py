@@ -32,18 +32,25 @@ def _integral(value):
     return int(value) if type(value) is float and value.is_integer() else value
 
 
-Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # a token budget
+Integral = BeforeValidator(_integral)
+Count = Annotated[int, Field(ge=1), Integral]  # a token budget
+TAGS = ("type", "role")  # the fields a union of object shapes is told apart by
 
 
-def by_type(*members: type[Strict], default: str | None = None) -> Any:
-    """A union of ``members`` chosen by the object's ``type`` (each member's ``type`` default or literal);
-    ``default``: the member of an object that has no ``type`` (a Responses message item)."""
+def by_type(
+    *members: type[Strict], default: str | None = None, key: str = "type", aliases: dict | None = None
+) -> Any:
+    """A union of ``members`` chosen by the object's ``key`` (``type``, or ``role`` for chat messages: each
+    member's first literal of it); ``default``: the member of an object without it (a Responses message item);
+    ``aliases``: other values that choose a member (``{"developer": "system"}``)."""
 
     def tag(value):
         if isinstance(value, dict):
-            return value.get("type", default)
+            found = value.get(key, default)
+            return (aliases or {}).get(found, found) if isinstance(found, str) else found
         return None
 
+    tag.__name__ = key  # pydantic names the discriminator after the function: ``role()`` (see validated)
     if len(members) == 1:
         return members[0]
     tagged = [Annotated[m, Tag(_tag(m))] for m in members]
@@ -65,24 +72,24 @@ def _walk(body, loc: tuple, missing: bool) -> tuple[str, int]:
         if isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node):
             node, path, depth = node[step], field_path(path, step), depth + 1
         elif isinstance(node, dict) and isinstance(step, str):
-            tag = step == node.get("type") and i + 1 < len(loc)  # the member a tagged union chose
-            if step in node and not tag:
+            if step in node:
                 node, path, depth = node[step], field_path(path, step), depth + 1
             elif missing and i == len(loc) - 1:
                 path, depth = field_path(path, step), depth + 1
     return path or "body", depth
 
 
-def _message(error: dict, fields: list[str]) -> tuple[str, str]:
-    """``(message, code)`` of one pydantic error, in the gateway's words."""
+def _message(error: dict, hint: str) -> tuple[str, str]:
+    """``(message, code)`` of one pydantic error, in the gateway's words; ``hint``: what an unknown field's
+    object takes."""
     kind, ctx = error["type"], error.get("ctx") or {}
     if kind == "extra_forbidden":
-        return f"unknown or unsupported field; this gateway takes {', '.join(fields)} here", "unknown_field"
+        return f"unknown or unsupported field; {hint}", "unknown_field"
     if kind == "missing":
         return "missing: this field is required", "invalid_value"
     if kind == "union_tag_invalid":
         return (
-            f"type {ctx.get('tag')!r} is not supported here; expected one of {ctx.get('expected_tags')}",
+            f"{_key(error)} {ctx.get('tag')!r} is not supported here; expected one of {ctx.get('expected_tags')}",
             "unsupported_value",
         )
     if kind == "union_tag_not_found":
@@ -97,27 +104,45 @@ def _message(error: dict, fields: list[str]) -> tuple[str, str]:
     return msg, "invalid_value"
 
 
-def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The fields the object of an ``extra_forbidden`` error at ``loc`` declares: its model found by following
-    the location's field names, and among a union's members the one its tag step names."""
+def _key(error: dict) -> str:
+    """The field a tagged union's error chose by (``type`` or ``role``: :func:`by_type` names its function)."""
+    return str((error.get("ctx") or {}).get("discriminator", "type()")).removesuffix("()")
+
+
+def _hint(model: type[BaseModel], loc: tuple) -> str:
+    """What the object of an ``extra_forbidden`` error at ``loc`` takes: its model's ``unknown_hint`` where it
+    has one, else its fields."""
+    target = _model_at(model, loc)
+    if hasattr(target, "unknown_hint"):
+        return target.unknown_hint()
+    names = [f.alias or name for name, f in target.model_fields.items()]
+    return f"this gateway takes {', '.join(names)} here"
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The model of the object at an error's ``loc``: found by following the location's field names, and among
+    a union's members the one its tag step names."""
     target, members = model, []
     for step in loc[:-1]:
         if not isinstance(step, str):
             continue
-        if step in target.model_fields:
+        tagged = [m for m in members if _tag(m) == step]
+        if tagged:  # a union's member, chosen by its tag
+            target, members = tagged[0], []
+        elif step in target.model_fields:
             members = _models_in(target.model_fields[step].annotation)
             target = members[0] if len(members) == 1 else target
-        else:
-            tagged = [m for m in members if _tag(m) == step]
-            target = tagged[0] if tagged else target
-    return list(target.model_fields)
+    return target
 
 
 def _tag(member: type[BaseModel]) -> str | None:
-    """The ``type`` a member of a tagged union declares (its literal), if any."""
-    field = member.model_fields.get("type")
-    args = getattr(field.annotation, "__args__", ()) if field is not None else ()
-    return args[0] if args and isinstance(args[0], str) else None
+    """The ``type`` (or ``role``) a member of a tagged union declares (its first literal), if any."""
+    for key in TAGS:
+        field = member.model_fields.get(key)
+        args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+        if args and isinstance(args[0], str):
+            return args[0]
+    return None
 
 
 def _models_in(annotation) -> list[type[BaseModel]]:
@@ -133,7 +158,9 @@ def _models_in(annotation) -> list[type[BaseModel]]:
 def validated(model: type[Strict], body):
     """``body`` (a decoded JSON value) as ``model``; a 400 naming the deepest field at fault."""
     if not isinstance(body, dict):
-        raise RequestError(400, "body", f"body: the body must be a JSON object, got {json_type(body)}")
+        raise RequestError(
+            400, "body", f"body: the body must be a JSON object, got {json_type(body)}", code="invalid_value"
+        )
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -144,10 +171,12 @@ def validated(model: type[Strict], body):
     candidates = [(p, err) for p, d, err in walked if d == deepest]
     fitting = [c for c in candidates if not c[1]["type"].endswith("_type")]
     path, error = (fitting or candidates)[0]
-    fields = _fields_at(model, error["loc"]) if error["type"] == "extra_forbidden" else []
-    message, code = _message(error, fields)
+    hint = _hint(model, error["loc"]) if error["type"] == "extra_forbidden" else ""
+    message, code = _message(error, hint)
+    if error["type"] == "union_tag_invalid" and _key(error) != "type":  # a chat message's role: name it
+        path = field_path(path, _key(error))
     if not fitting:  # the value's JSON type fits none of the members: name them all
-        others = sorted({_message(err, [])[0] for p, err in candidates if p == path and err is not error})
+        others = sorted({_message(err, "")[0] for p, err in candidates if p == path and err is not error})
         message += "".join(f" (or: {o})" for o in others)
     raise RequestError(400, path, f"{path}: {message}", code=code)
 
@@ -155,7 +184,17 @@ def validated(model: type[Strict], body):
 def components(*models: type[BaseModel]) -> dict:
     """The OpenAPI ``components.schemas`` of ``models`` and every model they hold, named by class."""
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
-    return defs.get("$defs", {})
+    return _no_null_defaults(defs.get("$defs", {}))
+
+
+def _no_null_defaults(schema):
+    """``schema`` without ``"default": null``: a field left out means its absence (a default the field's own
+    type may not allow, which OpenAPI's validators refuse)."""
+    if isinstance(schema, dict):
+        return {k: _no_null_defaults(v) for k, v in schema.items() if not (k == "default" and v is None)}
+    if isinstance(schema, list):
+        return [_no_null_defaults(v) for v in schema]
+    return schema
 
 
 def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
@@ -178,3 +217,14 @@ def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
         "properties": {"event": {"enum": kinds}, "data": data},
     }
     return {"schema": event}, schemas
+
+
+def renamed(e: RequestError, field: str) -> RequestError:
+    """A refusal of the engine's ``response_format`` (:func:`shifu.gateway.completions.json_grammar`) as one
+    of the dialect's own ``field`` (``text.format``), its schema at ``<field>.schema``; other refusals as
+    they are."""
+    if e.field is None or not e.field.startswith("response_format"):
+        return e
+    path = field + e.field.removeprefix("response_format").replace(".json_schema.schema", ".schema")
+    message = (path + e.message.removeprefix(e.field)).replace("response_format", field)
+    return RequestError(e.status, path, message, e.headers, e.code)

@@ -4,7 +4,8 @@
 Taken: ``system`` (a string or text blocks), ``messages`` (content a string or blocks: ``text``,
 ``tool_use``, ``tool_result``), ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice``
 (``auto``, ``none``, or a forced call: ``any``, or ``tool`` with its ``name``; :mod:`shifu.gateway.completions`), ``max_tokens`` (required, as in Anthropic's API),
-``stop_sequences``, ``temperature``, ``top_p`` (both the trainer's when recording), ``stream`` (events:
+``stop_sequences``, ``temperature``, ``top_p`` (both the trainer's when recording), ``output_config.format``
+(a JSON schema the answer follows, :func:`shifu.gateway.completions.json_grammar`; serving only), ``stream`` (events:
 :mod:`shifu.gateway.messages.stream`). Read and changing nothing: ``metadata``, ``service_tier``,
 ``inference_geo``, ``cache_control`` (on the request, its blocks and tools). Anything else (images, thinking,
 ``top_k``) is refused with a 400 that names it.
@@ -101,6 +102,25 @@ class MessagesMetadata(Strict):
 StopSequence = Annotated[str, Field(min_length=1, max_length=64)]
 
 
+class MessagesJsonOutputFormat(Strict):
+    """An answer following ``schema`` (Anthropic's structured outputs), as chat's ``response_format``
+    ``json_schema``: llguidance's grammar masks."""
+
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema", description="The JSON Schema of the answer.")
+
+
+class MessagesOutputConfig(Strict):
+    format: MessagesJsonOutputFormat | None = Field(
+        None,
+        description=(
+            "A JSON answer constrained by llguidance's grammar masks as chat's response_format is: refused by a "
+            "recording gateway (the trainer's recomputation would not apply the masks) and with a forced tool "
+            "call; a schema llguidance cannot follow is refused."
+        ),
+    )
+
+
 class MessagesRequest(Strict):
     """A Messages API request (module docstring)."""
 
@@ -118,6 +138,7 @@ class MessagesRequest(Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     metadata: MessagesMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    output_config: MessagesOutputConfig | None = None
     cache_control: MessagesCacheControl | None = None
     inference_geo: str | None = None
     stream: bool | None = None

@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 import secrets
 
-from shifu.gateway.chat_stream import SSE_HEADERS, outcomes
 from shifu.gateway.messages.protocol import STREAM_EVENTS, MessagesAnswer, MessagesError, MessagesRequest
 from shifu.gateway.messages.stream import message_events
 from shifu.gateway.messages.translate import answer_body, chat_request, message_head
-from shifu.gateway.typed import components, event_stream, validated
+from shifu.gateway.streaming import SSE_HEADERS, outcomes
+from shifu.gateway.typed import components, event_stream, renamed, validated
 from shifu.http.requests import RequestError
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); others are invalid requests
@@ -54,7 +54,10 @@ class MessagesRoute:
 
         key = self.front.caller(request)
         req = validated(MessagesRequest, await self.front.body_of(request))
-        prep = await self.front.prepare(key, chat_request(req))
+        try:
+            prep = await self.front.prepare(key, chat_request(req))
+        except RequestError as e:  # the engine names chat's response_format: here it is output_config.format
+            raise renamed(e, "output_config.format") from None
         message_id, answered = "msg_" + secrets.token_hex(12), {}
 
         async def resolve(choices):

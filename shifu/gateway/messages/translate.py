@@ -92,6 +92,9 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
         top_p=req.top_p,
         max_tokens=req.max_tokens,
         stop=list(req.stop_sequences or []),
+        json_schema=req.output_config.format.schema_
+        if req.output_config and req.output_config.format
+        else None,
     )
 
 

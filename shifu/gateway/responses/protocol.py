@@ -5,9 +5,10 @@ Taken: ``input`` (a string, or items: messages with ``input_text`` / ``output_te
 and ``function_call_output`` items), ``instructions``, function ``tools``, ``tool_choice`` (``auto``,
 ``none``, ``required`` or ``{"type": "function", "name"}``: a forced call, :mod:`shifu.gateway.completions`),
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` (both the trainer's when
-recording), ``previous_response_id``, ``stream`` (events: :mod:`shifu.gateway.responses.stream`). Read and
+recording), ``previous_response_id``, ``text.format`` (``text``, or ``json_object`` / ``json_schema``: a JSON
+answer, :func:`shifu.gateway.completions.json_grammar`; serving only), ``stream`` (events: :mod:`shifu.gateway.responses.stream`). Read and
 changing nothing: ``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``truncation: "disabled"``, ``text`` in plain text format, ``include`` of
+``safety_identifier``, ``truncation: "disabled"``, ``include`` of
 ``reasoning.encrypted_content`` (there are no reasoning items). Anything else is refused with a 400 that names
 it.
 """
@@ -96,8 +97,31 @@ class ResponsesTextFormat(Strict):
     type: Literal["text"]
 
 
+class ResponsesJsonObjectFormat(Strict):
+    """A JSON object answer (any object), as chat's ``response_format`` ``json_object``."""
+
+    type: Literal["json_object"]
+
+
+class ResponsesJsonSchemaFormat(Strict):
+    """An answer following ``schema``, as chat's ``response_format`` ``json_schema`` (llguidance's masks)."""
+
+    type: Literal["json_schema"]
+    name: str
+    schema_: dict = Field(alias="schema", description="The JSON Schema of the answer.")
+    description: str | None = None
+    strict: bool | None = Field(None, description="Read: the answer is constrained either way.")
+
+
 class ResponsesText(Strict):
-    format: ResponsesTextFormat | None = None
+    format: by_type(ResponsesTextFormat, ResponsesJsonObjectFormat, ResponsesJsonSchemaFormat) | None = Field(
+        None,
+        description=(
+            "text (the default), or a JSON answer constrained by llguidance's grammar masks as chat's "
+            "response_format is: refused with code constrained_decoding by a recording gateway and with a "
+            "forced tool call; a schema llguidance cannot follow is refused with code invalid_json_schema."
+        ),
+    )
     verbosity: Literal["medium"] | None = None
 
 

@@ -4,7 +4,6 @@ shape, as on the chat route."""
 
 from __future__ import annotations
 
-from shifu.gateway.chat_stream import SSE_HEADERS, outcomes
 from shifu.gateway.responses.protocol import STREAM_EVENTS, Response, ResponsesRequest
 from shifu.gateway.responses.stream import response_events
 from shifu.gateway.responses.translate import (
@@ -15,7 +14,9 @@ from shifu.gateway.responses.translate import (
     response_body,
     response_head,
 )
-from shifu.gateway.typed import components, event_stream, validated
+from shifu.gateway.streaming import SSE_HEADERS, outcomes
+from shifu.gateway.typed import components, event_stream, renamed, validated
+from shifu.http.requests import RequestError
 
 
 class ResponsesRoute:
@@ -25,6 +26,7 @@ class ResponsesRoute:
 
     def __init__(self, front, stored: Stored | None = None):
         self.front, self.stored = front, stored or Stored()
+        front.gw.on_end.append(self.stored.drop)  # a session's conversations end with it
 
     async def create(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
@@ -32,7 +34,10 @@ class ResponsesRoute:
         key = self.front.caller(request)
         req = validated(ResponsesRequest, await self.front.body_of(request))
         history = self.stored.get(req.previous_response_id, key) if req.previous_response_id else []
-        prep = await self.front.prepare(key, chat_request(req, history))
+        try:
+            prep = await self.front.prepare(key, chat_request(req, history))
+        except RequestError as e:  # the engine names chat's response_format: here it is text.format
+            raise renamed(e, "text.format") from None
         response_id, message_id, answered = new_id("resp_"), new_id("msg_"), {}
 
         async def resolve(choices):

@@ -25,6 +25,8 @@ from shifu.gateway.protocol import ChatRequest
 from shifu.gateway.responses.protocol import (
     ResponsesFunctionCallItem,
     ResponsesFunctionCallOutputItem,
+    ResponsesJsonObjectFormat,
+    ResponsesJsonSchemaFormat,
     ResponsesMessageItem,
     ResponsesNamedToolChoice,
     ResponsesRequest,
@@ -34,7 +36,8 @@ from shifu.http.requests import RequestError
 
 class Stored:
     """The conversations of recent responses (their chat messages, input and output, without instructions),
-    by response id and the key that made them, for ``previous_response_id``. Bounded: the oldest go first."""
+    by response id and the key that made them, for ``previous_response_id``. Bounded: the oldest go first; a
+    recording session's go when it ends (:meth:`drop`)."""
 
     def __init__(self, size: int = 1024):
         self.size = size
@@ -46,6 +49,16 @@ class Stored:
             self._by_id[response_id] = (key, messages)
             while len(self._by_id) > self.size:
                 self._by_id.popitem(last=False)
+
+    def drop(self, key: str | None) -> None:
+        """Forget the conversations made with ``key`` (a recording session that ended)."""
+        with self._lock:
+            for response_id in [r for r, (owner, _) in self._by_id.items() if owner == key]:
+                del self._by_id[response_id]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
 
     def get(self, response_id: str, key: str | None) -> list[dict]:
         """The conversation of ``response_id`` made with ``key``; a 400 naming ``previous_response_id``
@@ -112,7 +125,16 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
+        json_schema=json_schema(req),
     )
+
+
+def json_schema(req: ResponsesRequest) -> dict | None:
+    """The JSON schema ``text.format`` asks the answer to follow (None: text; ``json_object``: any object)."""
+    fmt = req.text.format if req.text is not None else None
+    if isinstance(fmt, ResponsesJsonSchemaFormat):
+        return fmt.schema_
+    return {"type": "object"} if isinstance(fmt, ResponsesJsonObjectFormat) else None
 
 
 def new_id(prefix: str) -> str:
@@ -143,6 +165,12 @@ def output_items(message: dict, status: str, message_id: str) -> list[dict]:
     return items
 
 
+def _format(req: ResponsesRequest) -> dict:
+    """The request's ``text.format`` as the response echoes it."""
+    fmt = req.text.format if req.text is not None else None
+    return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
+
+
 def response_head(req: ResponsesRequest, response_id: str, model: str, sampling: dict) -> dict:
     """The fields of a Response known before sampling; ``sampling``: the chat answer's ``shifu`` field (the
     temperature and top-p used)."""
@@ -165,7 +193,7 @@ def response_head(req: ResponsesRequest, response_id: str, model: str, sampling:
         "tools": [t.model_dump() for t in req.tools or []],
         "store": req.store is not False,
         "metadata": req.metadata or {},
-        "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        "text": {"format": _format(req), "verbosity": "medium"},
         "truncation": "disabled",
         "usage": None,
         "shifu": sampling,

@@ -18,24 +18,8 @@ import time
 from collections.abc import AsyncIterator
 
 from shifu.gateway.protocol import ChatRequest
-from shifu.gateway.streaming import Finish, Outcome, TextDelta, ToolCall, Usage, Withheld
+from shifu.gateway.streaming import Finish, TextDelta, ToolCall, Usage
 from shifu.http.requests import RequestError
-from shifu.models.tool_calls import ToolFormat
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def withheld(req: ChatRequest, fmt: ToolFormat, offered: bool) -> list[Withheld]:
-    """What each choice's streamed text holds back (:class:`~shifu.gateway.streaming.Withheld`)."""
-    return [Withheld(list(req.stop), fmt.syntax if offered else None, req.forced) for _ in range(req.n)]
-
-
-def outcomes(body: dict) -> list[Outcome]:
-    """Each choice of a chat completion answer as an :class:`~shifu.gateway.streaming.Outcome`."""
-    return [
-        Outcome(c["message"]["content"], c["message"].get("tool_calls") or [], c["finish_reason"])
-        for c in body["choices"]
-    ]
 
 
 def _sse(obj) -> str:
