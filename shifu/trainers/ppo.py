@@ -28,7 +28,6 @@ from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rollout.batch import PromptBatch
 from shifu.runs import checkpoint as ckpt
-from shifu.runs import rng
 from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval, ppo_run
 from shifu.trainers.common import (
@@ -39,9 +38,10 @@ from shifu.trainers.common import (
     seed_everything,
 )
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
+from shifu.trainers.ppo_async import Producer, Sampled, record_trained
 from shifu.trainers.ppo_load import load_prompts, ptx_stream
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
-from shifu.trainers.ppo_rollout import Rollout, collect_rollout, prompt_batch, sampling_params
+from shifu.trainers.ppo_rollout import Rollout, sample_batch, sampling_params, score_rollout
 from shifu.trainers.ppo_update import update
 
 Config = PPOConfig
@@ -70,24 +70,29 @@ SAFE_RESUME_KEYS = {
 
 def iteration(
     m: PPOModels, s: PPOState, cfg: PPOConfig, batch: PromptBatch, params, ptx=None, warmup=False, it=None
-):
-    """One PPO iteration (number ``it``) on a batch of prompts (this rank's share): 1. the rollout, then
-    phases 2-6 in :func:`learn`. Returns the iteration's metrics."""
-    failed = None
-    # 1. rollout: trajectories from the source; old / reference log-probs, values and scores without gradients
-    try:
-        rollout, info = collect_rollout(m, cfg, batch, params, s.sample_gen, it)
-    except RewardServiceUnavailable as e:  # (every rank stops alike, before anything trained)
-        failed = e
-    if m.strategy.any_true(failed is not None):
-        raise failed or RewardServiceUnavailable(f"the {m.source.name} failed on another rank")
+) -> dict[str, float]:
+    """One PPO iteration (number ``it``) on a batch of prompts (this rank's share), sampled by the actor's
+    current weights, then :func:`train_batch`. Returns the iteration's metrics."""
+    made, t_gen = sample_batch(m, cfg, batch, params, s.sample_gen)
+    n = it or 1
+    return train_batch(m, s, cfg, Sampled(n, n - 1, None, made, t_gen), ptx, warmup, it)[0]
+
+
+def train_batch(m: PPOModels, s: PPOState, cfg: PPOConfig, sampled: Sampled, ptx=None, warmup=False, it=None):
+    """Iteration ``it`` on a sampled batch (this rank's share, :mod:`shifu.trainers.ppo_async`): the rest of 1.
+    the rollout, then phases 2-6 in :func:`learn`. Returns the iteration's metrics and the prompt ids of the
+    trajectories it trained."""
+    # 1. rollout: the sampled trajectories' old / reference log-probs, values and scores without gradients
+    rollout, info = score_rollout(m, cfg, sampled.made, sampled.t_gen, it, sampled.prompt_ids)
     metrics = info | learn(m, s, cfg, rollout, ptx, warmup)
     seconds = info["time/rollout_s"] + metrics.get("time/update_s", 0.0)
+    if cfg.max_staleness > 0:
+        metrics["rollout/staleness"] = it - 1 - sampled.version
     return metrics | {
         "time/scoring_s": info["time/rollout_s"] - info["time/generation_s"],
         "perf/tokens_per_s": int(rollout.response_mask.sum()) / max(1e-9, seconds),
         "rollout/dropped_nonfinite": m.strategy.batch_sums({"n": info["rollout/dropped_nonfinite"]})["n"],
-    }
+    }, rollout.prompt_ids
 
 
 def learn(
@@ -143,12 +148,10 @@ def learn(
     learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
     nothing = (torch.zeros_like(kl), torch.zeros_like(kl))  # every group dropped: no advantage to estimate
     advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else nothing
-    if cfg.tis_cap is not None:  # truncated IS: the decode's log-probs against the trainer's old ones
-        advantages = advantages * core.truncated_is_weights(
-            rollout.old_log_probs, rollout.rollout_log_probs, train, cfg.tis_cap
-        )
-        stats = core.rollout_mismatch(rollout.old_log_probs, rollout.rollout_log_probs, mask, cfg.tis_cap)
-        extra |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
+    if cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None:
+        # truncated IS / decoupled PPO: the sampler's log-probs against the trainer's old (proximal) ones
+        advantages, stats = importance_weighted(cfg, rollout, advantages, train)
+        extra |= strategy.mean_over_ranks(stats)
     rollout = dataclasses.replace(rollout, advantages=advantages, returns=returns, response_mask=train)
     metrics = strategy.batch_means(
         {
@@ -170,6 +173,9 @@ def learn(
     # critic warm-up only the value loss. Nothing when dynamic sampling dropped every group.
     if learns:
         metrics |= update(m, s, cfg, rollout, ptx, actor=not warmup)
+        for _ in range(cfg.critic_updates - 1 if not warmup else 0):  # SAO: the critic more often
+            critic_only = update(m, s, cfg, rollout, ptx, actor=False)
+            metrics["loss/value_last"] = critic_only["loss/value"]
     if warmup:  # the actor has not moved: the controllers wait for it
         return metrics | {"time/update_s": time.perf_counter() - t0}
     if s.penalty_ctl is not None:  # PPO paper sec. 4: beta of KL(pi_old || pi) from the measured approx_kl
@@ -178,6 +184,27 @@ def learn(
     # 6. KL controller: beta from the measured KL to the reference (nats per response, every rank's mean)
     s.kl_ctl.update(metrics["objective/kl"], n_rows)
     return metrics | {"time/update_s": time.perf_counter() - t0}
+
+
+def importance_weighted(cfg: PPOConfig, rollout: Rollout, advantages, train) -> tuple[Any, dict[str, Any]]:
+    """The advantages weighed per token by the sampler-vs-trainer importance weight, and its statistics
+    (``rollout/mismatch_*``; with is_mask, ``rollout/is_maskfrac``): ``tis_cap`` alone is truncated IS
+    (:func:`shifu.core.truncated_is_weights`), ``decoupled`` / ``is_mask`` decoupled PPO's weight with SAO's
+    mask (:func:`shifu.core.decoupled_is_weights`)."""
+    old, sampled, mask = rollout.old_log_probs, rollout.rollout_log_probs, rollout.response_mask
+    if not cfg.decoupled and cfg.is_mask is None:
+        weights = core.truncated_is_weights(old, sampled, train, cfg.tis_cap)
+        stats = core.rollout_mismatch(old, sampled, mask, cfg.tis_cap)
+        return advantages * weights, {f"rollout/mismatch_{k}": v for k, v in stats.items()}
+    band = (1 / cfg.is_mask, cfg.is_mask) if cfg.is_mask is not None else None
+    weights = core.decoupled_is_weights(old, sampled, train, cfg.tis_cap, band)
+    stats = {f"rollout/mismatch_{k}": v for k, v in core.rollout_mismatch(old, sampled, mask).items()}
+    stats["rollout/is_weight_mean"] = core.masked_mean(weights, train)
+    if band is not None:
+        stats["rollout/is_maskfrac"] = core.masked_mean(
+            core.outside_band(old, sampled, train, band).float(), train
+        )
+    return advantages * weights, stats
 
 
 def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -214,10 +241,13 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     latest = ckpt.latest_checkpoint(out) if resume else None
     if latest is not None:
         check_resume_config(ckpt.read_state(latest)["config"], cfg, SAFE_RESUME_KEYS, out)
-        position, loop = ppo_run.restore(latest, m, s, ptx)
-        stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **position)
+        data, loop = ppo_run.restore(latest, m, s, ptx)
+        stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **data["prompts"])
     tracker = ppo_run.open_tracker(cfg, out, strategy, resume, latest, loop["iteration"], dropped)
     run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, held_out, gold_fn, final_prompts)
+    run.producer = Producer(run, ids, rows, sampling_params(cfg))  # the iterations' batches
+    if latest is not None:  # an asynchronous run's batches sampled before the kill, not yet trained
+        run.producer.load_state(data.get("pending", []))
     return iterate(run, ids, rows)
 
 
@@ -227,7 +257,6 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
     (``best/`` back as the actor if the guard stopped it, ``final/``, ``summary.json``). A SIGINT/SIGTERM
     stops the run after an iteration, with a checkpoint: returns ``{"stopped": True, "iteration"}``."""
     m, s, cfg, loop = run.models, run.state, run.cfg, run.loop
-    G, params = cfg.group_size, sampling_params(cfg)
     if loop["iteration"] == 0 and cfg.eval.every > 0:
         run.tracker.log(0, run.evaluate(0))
     enabled = m.strategy.is_main and cfg.progress
@@ -238,18 +267,21 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
             # a run stopped by its reward service in an evaluation resumes with that iteration's metrics
             metrics = loop.pop("pending", None)
             if metrics is None:
-                before = run.stream.state(), s.sample_gen.get_state(), rng.rng_state()
-                batch = prompt_batch(run.stream.next(), m.strategy, G, ids, rows, m.tokenizer.pad_token_id)
-                warmup = loop["iteration"] < cfg.critic_warmup  # the first critic_warmup: critic only
-                try:
-                    metrics = iteration(m, s, cfg, batch, params, run.ptx, warmup, loop["iteration"] + 1)
-                except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
-                    # yet, so checkpoint the state before this iteration; --resume redoes it
-                    run.stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
-                    s.sample_gen.set_state(before[1])
-                    rng.set_rng_state(before[2])
+                it = loop["iteration"] + 1
+                warmup = it <= cfg.critic_warmup  # the first critic_warmup: critic only
+                try:  # the reward service went away mid-rollout: nothing trained yet, so checkpoint the state
+                    sampled = run.producer.batch_for(it)  # before this iteration; --resume redoes it
+                except RewardServiceUnavailable as e:
                     raise run.service_stopped(e, loop["iteration"]) from None
-                loop["iteration"] += 1
+                metrics, trained = train_batch(m, s, cfg, sampled, run.ptx, warmup, it)
+                loop["iteration"] = it
+                if m.strategy.is_main:
+                    record_trained(run.out, it, sampled.version, trained)
+                try:  # the batch sampled meanwhile (max_staleness > 0)
+                    run.producer.join()
+                except RewardServiceUnavailable as e:  # iteration it trained: logged when resumed
+                    loop["pending"] = metrics
+                    raise run.service_stopped(e, it) from None
             stop_reason, stopping = after_iteration(run, loop["iteration"], metrics, stop)
             if stop_reason:
                 break
