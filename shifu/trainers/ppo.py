@@ -5,8 +5,9 @@ One iteration in :func:`iteration`: 1. rollout -> 2. score processing -> 3. rewa
 :func:`iterate` loops, and after each iteration 7. (:func:`after_iteration`) evaluates, logs, guards, saves.
 Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
 
-Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
-``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
+Run directory: ``metrics.jsonl``, ``trained.jsonl`` (what each iteration trained), ``tb/``, ``samples.jsonl``
+(evaluation samples), ``checkpoints/`` (resume), ``best/`` (best ``eval.best_metric``), ``final/`` (HF dir),
+``critic/``, ``config.yaml``, ``summary.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from shifu.trainers.common import (
     prepare_run,
     seed_everything,
 )
-from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
+from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, importance_weighted, totals
 from shifu.trainers.ppo_async import Producer, Sampled, record_trained
 from shifu.trainers.ppo_load import load_prompts, ptx_stream
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
@@ -74,20 +75,16 @@ def iteration(
     """One PPO iteration (number ``it``) on a batch of prompts (this rank's share), sampled by the actor's
     current weights, then :func:`train_batch`. Returns the iteration's metrics."""
     made, t_gen = sample_batch(m, cfg, batch, params, s.sample_gen)
-    n = it or 1
-    return train_batch(m, s, cfg, Sampled(n, n - 1, None, made, t_gen), ptx, warmup, it)[0]
+    return train_batch(m, s, cfg, Sampled(it or 1, (it or 1) - 1, None, made, t_gen), ptx, warmup, it)[0]
 
 
 def train_batch(m: PPOModels, s: PPOState, cfg: PPOConfig, sampled: Sampled, ptx=None, warmup=False, it=None):
-    """Iteration ``it`` on a sampled batch (this rank's share, :mod:`shifu.trainers.ppo_async`): the rest of 1.
-    the rollout, then phases 2-6 in :func:`learn`. Returns the iteration's metrics and the prompt ids of the
-    trajectories it trained."""
+    """Iteration ``it`` on a sampled batch (:mod:`shifu.trainers.ppo_async`): the rest of 1., then 2-6 in
+    :func:`learn`. Returns the iteration's metrics and the prompt ids of the trajectories it trained."""
     # 1. rollout: the sampled trajectories' old / reference log-probs, values and scores without gradients
     rollout, info = score_rollout(m, cfg, sampled.made, sampled.t_gen, it, sampled.prompt_ids)
     metrics = info | learn(m, s, cfg, rollout, ptx, warmup)
     seconds = info["time/rollout_s"] + metrics.get("time/update_s", 0.0)
-    if cfg.max_staleness > 0:
-        metrics["rollout/staleness"] = it - 1 - sampled.version
     return metrics | {
         "time/scoring_s": info["time/rollout_s"] - info["time/generation_s"],
         "perf/tokens_per_s": int(rollout.response_mask.sum()) / max(1e-9, seconds),
@@ -148,8 +145,7 @@ def learn(
     learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
     nothing = (torch.zeros_like(kl), torch.zeros_like(kl))  # every group dropped: no advantage to estimate
     advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else nothing
-    if cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None:
-        # truncated IS / decoupled PPO: the sampler's log-probs against the trainer's old (proximal) ones
+    if cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None:  # the sampler's log-probs vs old
         advantages, stats = importance_weighted(cfg, rollout, advantages, train)
         extra |= strategy.mean_over_ranks(stats)
     rollout = dataclasses.replace(rollout, advantages=advantages, returns=returns, response_mask=train)
@@ -173,9 +169,8 @@ def learn(
     # critic warm-up only the value loss. Nothing when dynamic sampling dropped every group.
     if learns:
         metrics |= update(m, s, cfg, rollout, ptx, actor=not warmup)
-        for _ in range(cfg.critic_updates - 1 if not warmup else 0):  # SAO: the critic more often
-            critic_only = update(m, s, cfg, rollout, ptx, actor=False)
-            metrics["loss/value_last"] = critic_only["loss/value"]
+        for _ in range(cfg.critic_updates - 1 if not warmup else 0):  # SAO: K critic passes per actor update
+            metrics["loss/value_last"] = update(m, s, cfg, rollout, ptx, actor=False)["loss/value"]
     if warmup:  # the actor has not moved: the controllers wait for it
         return metrics | {"time/update_s": time.perf_counter() - t0}
     if s.penalty_ctl is not None:  # PPO paper sec. 4: beta of KL(pi_old || pi) from the measured approx_kl
@@ -184,27 +179,6 @@ def learn(
     # 6. KL controller: beta from the measured KL to the reference (nats per response, every rank's mean)
     s.kl_ctl.update(metrics["objective/kl"], n_rows)
     return metrics | {"time/update_s": time.perf_counter() - t0}
-
-
-def importance_weighted(cfg: PPOConfig, rollout: Rollout, advantages, train) -> tuple[Any, dict[str, Any]]:
-    """The advantages weighed per token by the sampler-vs-trainer importance weight, and its statistics
-    (``rollout/mismatch_*``; with is_mask, ``rollout/is_maskfrac``): ``tis_cap`` alone is truncated IS
-    (:func:`shifu.core.truncated_is_weights`), ``decoupled`` / ``is_mask`` decoupled PPO's weight with SAO's
-    mask (:func:`shifu.core.decoupled_is_weights`)."""
-    old, sampled, mask = rollout.old_log_probs, rollout.rollout_log_probs, rollout.response_mask
-    if not cfg.decoupled and cfg.is_mask is None:
-        weights = core.truncated_is_weights(old, sampled, train, cfg.tis_cap)
-        stats = core.rollout_mismatch(old, sampled, mask, cfg.tis_cap)
-        return advantages * weights, {f"rollout/mismatch_{k}": v for k, v in stats.items()}
-    band = (1 / cfg.is_mask, cfg.is_mask) if cfg.is_mask is not None else None
-    weights = core.decoupled_is_weights(old, sampled, train, cfg.tis_cap, band)
-    stats = {f"rollout/mismatch_{k}": v for k, v in core.rollout_mismatch(old, sampled, mask).items()}
-    stats["rollout/is_weight_mean"] = core.masked_mean(weights, train)
-    if band is not None:
-        stats["rollout/is_maskfrac"] = core.masked_mean(
-            core.outside_band(old, sampled, train, band).float(), train
-        )
-    return advantages * weights, stats
 
 
 def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -245,15 +219,15 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **data["prompts"])
     tracker = ppo_run.open_tracker(cfg, out, strategy, resume, latest, loop["iteration"], dropped)
     run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, held_out, gold_fn, final_prompts)
-    run.producer = Producer(run, ids, rows, sampling_params(cfg))  # the iterations' batches
-    if latest is not None:  # an asynchronous run's batches sampled before the kill, not yet trained
-        run.producer.load_state(data.get("pending", []))
-    return iterate(run, ids, rows)
+    pending = data.get("pending", []) if latest else []  # an asynchronous run's: sampled, not yet trained
+    run.producer = Producer(run, ids, rows, sampling_params(cfg), pending)  # the iterations' batches
+    return iterate(run)
 
 
-def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[str, Any]:
-    """``run``'s iterations from ``run.loop["iteration"]`` on, each on the next prompts of ``ids`` /
-    ``rows``: :func:`iteration` (phases 1-6), then :func:`after_iteration` (7.); then the end of the run
+def iterate(run: ppo_run.Run) -> dict[str, Any]:
+    """``run``'s iterations from ``run.loop["iteration"]`` on, each on the batch its producer gives it
+    (:mod:`shifu.trainers.ppo_async`: sampled now, or up to ``max_staleness`` versions back):
+    :func:`train_batch` (phases 1-6), then :func:`after_iteration` (7.); then the end of the run
     (``best/`` back as the actor if the guard stopped it, ``final/``, ``summary.json``). A SIGINT/SIGTERM
     stops the run after an iteration, with a checkpoint: returns ``{"stopped": True, "iteration"}``."""
     m, s, cfg, loop = run.models, run.state, run.cfg, run.loop
@@ -268,17 +242,17 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
             metrics = loop.pop("pending", None)
             if metrics is None:
                 it = loop["iteration"] + 1
-                warmup = it <= cfg.critic_warmup  # the first critic_warmup: critic only
                 try:  # the reward service went away mid-rollout: nothing trained yet, so checkpoint the state
                     sampled = run.producer.batch_for(it)  # before this iteration; --resume redoes it
                 except RewardServiceUnavailable as e:
-                    raise run.service_stopped(e, loop["iteration"]) from None
+                    raise run.service_stopped(e, it - 1) from None
+                warmup = it <= cfg.critic_warmup  # the first critic_warmup iterations: the critic only
                 metrics, trained = train_batch(m, s, cfg, sampled, run.ptx, warmup, it)
                 loop["iteration"] = it
                 if m.strategy.is_main:
                     record_trained(run.out, it, sampled.version, trained)
-                try:  # the batch sampled meanwhile (max_staleness > 0)
-                    run.producer.join()
+                try:
+                    run.producer.join()  # the batch sampled meanwhile (max_staleness > 0)
                 except RewardServiceUnavailable as e:  # iteration it trained: logged when resumed
                     loop["pending"] = metrics
                     raise run.service_stopped(e, it) from None

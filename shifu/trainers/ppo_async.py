@@ -57,12 +57,15 @@ class Sampled:
 class Producer:
     """The batches of a run's iterations (see the module docstring). ``run`` is the
     :class:`shifu.trainers.ppo_run.Run` (its models, state, config, prompt stream and loop counters); ``ids``
-    / ``rows`` the training prompts and their data rows."""
+    / ``rows`` the training prompts and their data rows; ``pending``: a checkpoint's batches (:meth:`state`)."""
 
-    def __init__(self, run: Any, ids: list[list[int]], rows: list[dict], params: Any) -> None:
+    def __init__(
+        self, run: Any, ids: list[list[int]], rows: list[dict], params: Any, pending: list[dict] | None = None
+    ) -> None:
         self.run, self.ids, self.rows, self.params = run, ids, rows, params
         self.S = run.cfg.max_staleness
         self.pending: list[Sampled] = []
+        self.load_state(pending or [])
         self.sampler: nn.Module | None = None  # the copy of the weights the background thread samples from
         self.thread: threading.Thread | None = None
         self.outcome: dict[str, Any] = {}
@@ -127,6 +130,10 @@ class Producer:
             self.pending.append(self._sample(produced, self._refresh()))
         batch = self.pending.pop(0)
         assert batch.step == step, (batch.step, step)
+        staleness = {"rollout/staleness": step - 1 - batch.version}  # logged with the source's metrics
+        batch = dataclasses.replace(
+            batch, made=dataclasses.replace(batch.made, metrics=batch.made.metrics | staleness)
+        )
         if step + self.S <= self.run.cfg.iterations:
             sampler = self._refresh()
             self.outcome = {}
@@ -167,6 +174,7 @@ class Producer:
         ]
 
     def load_state(self, pending: list[dict[str, Any]]) -> None:
+        """The pending batches of a checkpoint (:meth:`state`)."""
         self.pending = [
             Sampled(b["step"], b["version"], b["prompt_ids"], unpack(b["made"]), b["t_gen"]) for b in pending
         ]

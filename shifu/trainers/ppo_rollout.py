@@ -96,10 +96,9 @@ def decode_roles(models: PPOModels, cfg: PPOConfig) -> tuple[bool, bool]:
     whether they are kept apart as the sampler's (``rollout_log_probs``).
 
     In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
-    old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer.
-    With truncated importance sampling (tis_cap) the decode's log-probs are kept apart as the rollout
-    engine's and the trainer's forward computes old_log_probs; so too for decoupled PPO, is_mask and an
-    asynchronous run, where they are the behaviour policy's and the trainer's forward is the proximal policy.
+    old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer. With
+    tis_cap, decoupled, is_mask or max_staleness > 0 they are the sampler's (behaviour policy's), kept apart,
+    and the trainer's forward computes old_log_probs (the proximal policy's).
     With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward
     then computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*)."""
     prec = models.precision
@@ -123,20 +122,19 @@ def sample_batch(
     raises :class:`RewardServiceUnavailable` on every rank, before anything trained."""
     t0 = time.perf_counter()
     reuse, keep = decode_roles(models, cfg)
-    if sampler is not None:
-        policy = models.policy(sampler, reuse or keep, None)
-        return models.source.collect(policy, batch, params, generator).to(
-            models.strategy.device
-        ), time.perf_counter() - t0
-    models.actor.eval()
-    policy = models.policy(models.decoder(), reuse or keep, models.value_head if reuse else None)
+    if sampler is None:
+        models.actor.eval()
+    model, value_head = (sampler, None) if sampler is not None else (models.decoder(), models.value_head)
+    policy = models.policy(model, reuse or keep, value_head if reuse else None)
     made, failed = None, None
     try:
         made = models.source.collect(policy, batch, params, generator).to(models.strategy.device)
     except RewardServiceUnavailable as e:
         failed = e
-    if models.strategy.any_true(failed is not None):  # every rank stops alike
-        raise failed or RewardServiceUnavailable(f"the {models.source.name} failed on another rank")
+    if sampler is None and models.strategy.any_true(failed is not None):  # every rank stops alike
+        failed = failed or RewardServiceUnavailable(f"the {models.source.name} failed on another rank")
+    if failed is not None:
+        raise failed
     return made, time.perf_counter() - t0
 
 
@@ -196,16 +194,12 @@ def score_rollout(
     if cfg.bf16:  # what the probe chose
         info |= prec.metrics()
     # the bf16 decode's or the older sampler's mismatch (with importance weights, learn() logs it)
-    if (cfg.bf16 and prec.decode or cfg.max_staleness > 0) and not _weighted(cfg):
+    weighted = cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None
+    if (prec.decode or cfg.max_staleness > 0) and not weighted:
         r = rollout
         stats = core.rollout_mismatch(r.old_log_probs, r.rollout_log_probs, r.response_mask)
         info |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
     return rollout, info
-
-
-def _weighted(cfg: PPOConfig) -> bool:
-    """Whether learn() weighs the rollout by importance (and logs the mismatch itself)."""
-    return cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None
 
 
 def reward_signals(t: Trajectories, per_turn: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
