@@ -194,8 +194,12 @@ def row_prompt_ids(made: Trajectories, batch_rows: list[dict], mine: list[int], 
     return out
 
 
-def record_trained(out: Path, step: int, version: int, prompt_ids: list[int]) -> None:
-    """``trained.jsonl``: a line per trajectory iteration ``step`` trained (``prompt_id``, ``step``, ``version``)."""
+def record_trained(out: Path, step: int, version: int, prompt_ids: list[int], strategy: Any) -> None:
+    """``trained.jsonl``: a line per trajectory iteration ``step`` trained (``prompt_id``, ``step``, ``version``),
+    every rank's in rank order, written by rank 0 (call on every rank)."""
+    prompt_ids = [p for share in strategy.gather(prompt_ids) for p in share]
+    if not strategy.is_main:
+        return
     with open(out / TRAINED, "a", encoding="utf-8") as f:
         f.writelines(
             json.dumps({"prompt_id": p, "step": step, "version": version}) + "\n" for p in prompt_ids
