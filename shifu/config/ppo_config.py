@@ -80,7 +80,7 @@ class PPOConfig(RunConfig):
     is_mask: float | None = opt(
         None,
         "SAO's double-sided mask c > 1: tokens whose ratio pi_old / pi_behav lies outside [1/c, c] are dropped "
-        "from the policy loss (weight 0), not clipped; null: off",
+        "from the policy loss (weight 0), not clipped; the others keep decoupled's weight; null: off",
     )
     critic_updates: int = opt(
         1,
