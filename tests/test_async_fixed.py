@@ -136,3 +136,15 @@ def test_fixed_run_killed_anywhere_resumes_bit_identically(task, tmp_path):  # n
     assert a == (resumed / "trained.jsonl").read_text()
     lines = [json.loads(x) for x in a.splitlines()]
     assert len(lines) == 10 * 8 and all(x["version"] == max(0, x["step"] - 2) for x in lines)
+
+
+def test_a_longer_resumed_run_samples_the_batches_the_old_end_did_not_need(task, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    short = ("batch_size=8", "minibatch_size=4", "eval.every=0", "eval.num_prompts=8", "max_staleness=1")
+    ppo.train(make_cfg(task, out, "iterations=4", *short))
+    ppo.train(make_cfg(task, out, "iterations=6", *short), resume=True)
+    lines = trained(out)
+    assert sorted(by_step(lines)) == [1, 2, 3, 4, 5, 6] and all(len(v) == 8 for v in by_step(lines).values())
+    # batch 5 was not sampled before the old end: sampled on resume by version 4; batch 6 in the background
+    assert {x["step"]: x["version"] for x in lines} == {1: 0, 2: 0, 3: 1, 4: 2, 5: 4, 6: 4}
+    assert all(0 <= x["step"] - 1 - x["version"] <= 1 for x in lines)  # never past the bound
