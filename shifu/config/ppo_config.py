@@ -71,6 +71,32 @@ class PPOConfig(RunConfig):
         None, "truncated importance sampling: weigh each token by min(pi_old / pi_rollout, cap); null: off"
     )
     critic_warmup: int = opt(0, "the first N iterations train only the critic (the actor does not move)")
+    decoupled: bool = opt(
+        False,
+        "decoupled PPO (AReaL): clip around the proximal policy pi_old (the trainer's forward at the update) "
+        "and weigh each token's loss by pi_old / pi_behav, the sampler's recorded log-probs (capped at tis_cap "
+        "when set); for max_staleness > 0",
+    )
+    is_mask: float | None = opt(
+        None,
+        "SAO's double-sided mask c > 1: tokens whose ratio pi_old / pi_behav lies outside [1/c, c] are dropped "
+        "from the policy loss (weight 0), not clipped; the others keep decoupled's weight; null: off",
+    )
+    critic_updates: int = opt(
+        1,
+        "K: the critic's passes over each rollout per actor update (ppo_epochs x minibatches each; the K-1 "
+        "extra ones train the critic alone); needs a critic with its own optimiser",
+    )
+    max_staleness: int = opt(
+        0,
+        "S: asynchronous PPO, rollouts sampled up to S policy versions behind the trainer while it updates "
+        "(async_schedule); 0: synchronous",
+    )
+    async_schedule: Literal["fixed", "bounded"] = opt(
+        "fixed",
+        "fixed: iteration k trains a batch sampled by policy version max(0, k - 1 - S), bit-reproducible; "
+        "bounded (episodes trained as they finish) is not available yet",
+    )
     iterations: int = opt(20, "rollout + update iterations")
     batch_size: int = opt(32, "responses per rollout (batch_size / group_size prompts), over all processes")
     minibatch_size: int = opt(8, "responses per optimiser step, over all processes (global)")
@@ -253,6 +279,7 @@ class PPOConfig(RunConfig):
             )
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError(f"tis_cap must be > 0 (got {self.tis_cap}); null disables it")
+        self._validate_async()
         if self.critic_warmup < 0:
             raise ConfigError(f"critic_warmup must be >= 0 (got {self.critic_warmup})")
         if self.critic_warmup:
@@ -261,3 +288,31 @@ class PPOConfig(RunConfig):
                     "critic_warmup needs a separate critic with its own optimiser: advantage_estimator gae, "
                     "critic.init reward or sft, joint_optimizer=false"
                 )
+
+    def _validate_async(self) -> None:
+        """Asynchronous PPO and its objective: decoupled, is_mask, critic_updates, max_staleness."""
+        if self.is_mask is not None and not self.is_mask > 1:
+            raise ConfigError(
+                f"is_mask must be > 1, the band [1/c, c] (got {self.is_mask}); null disables it"
+            )
+        if self.critic_updates < 1:
+            raise ConfigError(f"critic_updates must be >= 1 (got {self.critic_updates})")
+        if self.critic_updates > 1 and (
+            not self.uses_critic or self.critic.init == "shared" or self.joint_optimizer
+        ):
+            raise ConfigError(
+                "critic_updates > 1 needs a separate critic with its own optimiser: advantage_estimator gae, "
+                "critic.init reward or sft, joint_optimizer=false"
+            )
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0 (got {self.max_staleness}); 0 is synchronous")
+        if self.async_schedule == "bounded":
+            raise ConfigError(
+                "async_schedule=bounded is not available yet: use async_schedule=fixed (each iteration trains "
+                "a batch sampled max_staleness versions back, bit-reproducible)"
+            )
+        if self.max_staleness > 0 and self.distributed.strategy != "none":
+            raise ConfigError(
+                f"max_staleness > 0 runs in one process: distributed.strategy={self.distributed.strategy} "
+                "is not supported with it yet (set max_staleness=0, or distributed.strategy=none)"
+            )

@@ -50,7 +50,7 @@ from .losses import (
     reinforce_loss,
 )
 from .masked import last_true, masked_mean, masked_sum, masked_var, masked_whiten
-from .offpolicy import rollout_mismatch, truncated_is_weights
+from .offpolicy import decoupled_is_weights, outside_band, rollout_mismatch, truncated_is_weights
 from .scores import normalize_scores, penalize_missing_eos
 from .stats import RunningMoments, explained_variance, mean_se
 from .trust_region import conjugate_gradient
@@ -102,4 +102,6 @@ __all__ = [
     "shape_token_rewards",
     "subtract_group_mean",
     "truncated_is_weights",
+    "decoupled_is_weights",
+    "outside_band",
 ]

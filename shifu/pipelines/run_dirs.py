@@ -32,7 +32,7 @@ from shifu.errors import ShifuError
 STAGE_FILES = tuple(
     """
     .shifu-stage .shifu-run .shifu-lock .write-test .trackers.json .trackers.json.tmp DONE RESULT.json
-    config.yaml metrics.jsonl summary.json samples.jsonl checkpoints tb wandb mlruns member-* final best episodes
+    config.yaml metrics.jsonl summary.json samples.jsonl trained.jsonl checkpoints tb wandb mlruns member-* final best episodes
     critic .tmp-final .tmp-best .tmp-critic .old-final .old-best .old-critic
     sft_*.jsonl prompts_*.jsonl tokenizer base pairs.jsonl pairs_train.jsonl pairs_eval.jsonl
     sft_samples.jsonl

@@ -51,6 +51,7 @@ METRICS: dict[str, str] = {
     "value/clipfrac": "fraction of real response tokens where the clipped value loss was the larger one",
     "loss/policy": "policy loss (clipped PPO surrogate, or the variant's), token-mean over the minibatch",
     "loss/value": "critic loss 0.5 * (V - returns)^2 (clipped variant if enabled), token-mean",
+    "loss/value_last": "critic_updates > 1: the critic loss of the last of its extra passes over the rollout",
     "loss/entropy": "mean response entropy as it enters the loss term -ent_coef * H",
     "loss/ptx": "PPO-ptx: SFT negative log-likelihood on a batch of demonstrations (logged when ptx_coef > 0)",
     "loss/kl": "kl.penalty=loss: the KL to the reference as a loss term (kl.loss_estimator, nats per token), before beta",
@@ -60,10 +61,13 @@ METRICS: dict[str, str] = {
     "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite "
     "(with group_size > 1, every response of their group)",
     "rollout/groups_dropped": "dynamic_sampling: groups whose scores were all equal, left out of the update",
-    "rollout/mismatch_abs_log_ratio": "tis_cap or bf16 decode: mean |log pi_old - log pi_rollout| over response tokens "
+    "rollout/staleness": "max_staleness > 0: policy versions between the batch's sampler and the policy it trains (iteration - 1 - version)",
+    "rollout/is_weight_mean": "decoupled or is_mask: mean importance weight pi_old / pi_behav over response tokens (0 where masked)",
+    "rollout/is_maskfrac": "is_mask: fraction of response tokens whose ratio pi_old / pi_behav fell outside [1/c, c], dropped from the policy loss",
+    "rollout/mismatch_abs_log_ratio": "tis_cap, decoupled, is_mask, max_staleness > 0 or bf16 decode: mean |log pi_old - log pi_rollout| over response tokens "
     "(trainer forward vs the decode's own log-probs)",
-    "rollout/mismatch_max_abs_log_ratio": "tis_cap or bf16 decode: largest |log pi_old - log pi_rollout| of the rollout",
-    "rollout/mismatch_k3": "tis_cap or bf16 decode: k3 estimate of KL(pi_rollout || pi_old) per token",
+    "rollout/mismatch_max_abs_log_ratio": "tis_cap, decoupled, is_mask, max_staleness > 0 or bf16 decode: largest |log pi_old - log pi_rollout| of the rollout",
+    "rollout/mismatch_k3": "tis_cap, decoupled, is_mask, max_staleness > 0 or bf16 decode: k3 estimate of KL(pi_rollout || pi_old) per token",
     "rollout/mismatch_is_weight_mean": "tis_cap: mean truncated importance weight min(pi_old / pi_rollout, cap)",
     "rollout/mismatch_is_truncfrac": "tis_cap: fraction of response tokens whose importance weight was capped",
     "precision/bf16_decode": "bf16=true: 1 when generation reads a bf16 copy of the actor (the GEMM probe measured "

@@ -5,8 +5,9 @@ One iteration in :func:`iteration`: 1. rollout -> 2. score processing -> 3. rewa
 :func:`iterate` loops, and after each iteration 7. (:func:`after_iteration`) evaluates, logs, guards, saves.
 Formulas are in ``shifu.core``, parallel steps in ``shifu.parallel.strategy``.
 
-Run directory: ``metrics.jsonl``, ``tb/``, ``samples.jsonl`` (evaluation samples), ``checkpoints/`` (resume),
-``best/`` (best ``eval.best_metric``), ``final/`` (HF dir), ``critic/``, ``config.yaml``, ``summary.json``.
+Run directory: ``metrics.jsonl``, ``trained.jsonl`` (what each iteration trained), ``tb/``, ``samples.jsonl``
+(evaluation samples), ``checkpoints/`` (resume), ``best/`` (best ``eval.best_metric``), ``final/`` (HF dir),
+``critic/``, ``config.yaml``, ``summary.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from shifu.parallel import build_strategy
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rollout.batch import PromptBatch
 from shifu.runs import checkpoint as ckpt
-from shifu.runs import rng
 from shifu.runs.tracking import progress
 from shifu.trainers import common, ppo_eval, ppo_run
 from shifu.trainers.common import (
@@ -38,10 +38,11 @@ from shifu.trainers.common import (
     prepare_run,
     seed_everything,
 )
-from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, totals
+from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, importance_weighted, totals
+from shifu.trainers.ppo_async import Producer, Sampled, record_trained
 from shifu.trainers.ppo_load import load_prompts, ptx_stream
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
-from shifu.trainers.ppo_rollout import Rollout, collect_rollout, prompt_batch, sampling_params
+from shifu.trainers.ppo_rollout import Rollout, sample_batch, sampling_params, score_rollout
 from shifu.trainers.ppo_update import update
 
 Config = PPOConfig
@@ -70,24 +71,25 @@ SAFE_RESUME_KEYS = {
 
 def iteration(
     m: PPOModels, s: PPOState, cfg: PPOConfig, batch: PromptBatch, params, ptx=None, warmup=False, it=None
-):
-    """One PPO iteration (number ``it``) on a batch of prompts (this rank's share): 1. the rollout, then
-    phases 2-6 in :func:`learn`. Returns the iteration's metrics."""
-    failed = None
-    # 1. rollout: trajectories from the source; old / reference log-probs, values and scores without gradients
-    try:
-        rollout, info = collect_rollout(m, cfg, batch, params, s.sample_gen, it)
-    except RewardServiceUnavailable as e:  # (every rank stops alike, before anything trained)
-        failed = e
-    if m.strategy.any_true(failed is not None):
-        raise failed or RewardServiceUnavailable(f"the {m.source.name} failed on another rank")
+) -> dict[str, float]:
+    """One PPO iteration (number ``it``) on a batch of prompts (this rank's share), sampled by the actor's
+    current weights, then :func:`train_batch`. Returns the iteration's metrics."""
+    made, t_gen = sample_batch(m, cfg, batch, params, s.sample_gen)
+    return train_batch(m, s, cfg, Sampled(it or 1, (it or 1) - 1, None, made, t_gen), ptx, warmup, it)[0]
+
+
+def train_batch(m: PPOModels, s: PPOState, cfg: PPOConfig, sampled: Sampled, ptx=None, warmup=False, it=None):
+    """Iteration ``it`` on a sampled batch (:mod:`shifu.trainers.ppo_async`): the rest of 1., then 2-6 in
+    :func:`learn`. Returns the iteration's metrics and the prompt ids of the trajectories it trained."""
+    # 1. rollout: the sampled trajectories' old / reference log-probs, values and scores without gradients
+    rollout, info = score_rollout(m, cfg, sampled.made, sampled.t_gen, it, sampled.prompt_ids)
     metrics = info | learn(m, s, cfg, rollout, ptx, warmup)
     seconds = info["time/rollout_s"] + metrics.get("time/update_s", 0.0)
     return metrics | {
         "time/scoring_s": info["time/rollout_s"] - info["time/generation_s"],
         "perf/tokens_per_s": int(rollout.response_mask.sum()) / max(1e-9, seconds),
         "rollout/dropped_nonfinite": m.strategy.batch_sums({"n": info["rollout/dropped_nonfinite"]})["n"],
-    }
+    }, rollout.prompt_ids
 
 
 def learn(
@@ -143,12 +145,9 @@ def learn(
     learns = extra.get("rollout/groups_dropped", 0) < n_rows / cfg.group_size  # some group kept (every rank)
     nothing = (torch.zeros_like(kl), torch.zeros_like(kl))  # every group dropped: no advantage to estimate
     advantages, returns = ESTIMATORS[cfg.estimator](signals, cfg, strategy) if learns else nothing
-    if cfg.tis_cap is not None:  # truncated IS: the decode's log-probs against the trainer's old ones
-        advantages = advantages * core.truncated_is_weights(
-            rollout.old_log_probs, rollout.rollout_log_probs, train, cfg.tis_cap
-        )
-        stats = core.rollout_mismatch(rollout.old_log_probs, rollout.rollout_log_probs, mask, cfg.tis_cap)
-        extra |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
+    if cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None:  # the sampler's log-probs vs old
+        advantages, stats = importance_weighted(cfg, rollout, advantages, train)
+        extra |= strategy.mean_over_ranks(stats)
     rollout = dataclasses.replace(rollout, advantages=advantages, returns=returns, response_mask=train)
     metrics = strategy.batch_means(
         {
@@ -170,6 +169,8 @@ def learn(
     # critic warm-up only the value loss. Nothing when dynamic sampling dropped every group.
     if learns:
         metrics |= update(m, s, cfg, rollout, ptx, actor=not warmup)
+        for _ in range(cfg.critic_updates - 1 if not warmup else 0):  # SAO: K critic passes per actor update
+            metrics["loss/value_last"] = update(m, s, cfg, rollout, ptx, actor=False)["loss/value"]
     if warmup:  # the actor has not moved: the controllers wait for it
         return metrics | {"time/update_s": time.perf_counter() - t0}
     if s.penalty_ctl is not None:  # PPO paper sec. 4: beta of KL(pi_old || pi) from the measured approx_kl
@@ -214,20 +215,22 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     latest = ckpt.latest_checkpoint(out) if resume else None
     if latest is not None:
         check_resume_config(ckpt.read_state(latest)["config"], cfg, SAFE_RESUME_KEYS, out)
-        position, loop = ppo_run.restore(latest, m, s, ptx)
-        stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **position)
+        data, loop = ppo_run.restore(latest, m, s, ptx)
+        stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **data["prompts"])
     tracker = ppo_run.open_tracker(cfg, out, strategy, resume, latest, loop["iteration"], dropped)
     run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, held_out, gold_fn, final_prompts)
-    return iterate(run, ids, rows)
+    pending = data.get("pending", []) if latest else []  # an asynchronous run's: sampled, not yet trained
+    run.producer = Producer(run, ids, rows, sampling_params(cfg), pending)  # the iterations' batches
+    return iterate(run)
 
 
-def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[str, Any]:
-    """``run``'s iterations from ``run.loop["iteration"]`` on, each on the next prompts of ``ids`` /
-    ``rows``: :func:`iteration` (phases 1-6), then :func:`after_iteration` (7.); then the end of the run
+def iterate(run: ppo_run.Run) -> dict[str, Any]:
+    """``run``'s iterations from ``run.loop["iteration"]`` on, each on the batch its producer gives it
+    (:mod:`shifu.trainers.ppo_async`: sampled now, or up to ``max_staleness`` versions back):
+    :func:`train_batch` (phases 1-6), then :func:`after_iteration` (7.); then the end of the run
     (``best/`` back as the actor if the guard stopped it, ``final/``, ``summary.json``). A SIGINT/SIGTERM
     stops the run after an iteration, with a checkpoint: returns ``{"stopped": True, "iteration"}``."""
     m, s, cfg, loop = run.models, run.state, run.cfg, run.loop
-    G, params = cfg.group_size, sampling_params(cfg)
     if loop["iteration"] == 0 and cfg.eval.every > 0:
         run.tracker.log(0, run.evaluate(0))
     enabled = m.strategy.is_main and cfg.progress
@@ -238,18 +241,20 @@ def iterate(run: ppo_run.Run, ids: list[list[int]], rows: list[dict]) -> dict[st
             # a run stopped by its reward service in an evaluation resumes with that iteration's metrics
             metrics = loop.pop("pending", None)
             if metrics is None:
-                before = run.stream.state(), s.sample_gen.get_state(), rng.rng_state()
-                batch = prompt_batch(run.stream.next(), m.strategy, G, ids, rows, m.tokenizer.pad_token_id)
-                warmup = loop["iteration"] < cfg.critic_warmup  # the first critic_warmup: critic only
+                it = loop["iteration"] + 1
+                try:  # the reward service went away mid-rollout: nothing trained yet, so checkpoint the state
+                    sampled = run.producer.batch_for(it)  # before this iteration; --resume redoes it
+                except RewardServiceUnavailable as e:
+                    raise run.service_stopped(e, it - 1) from None
+                warmup = it <= cfg.critic_warmup  # the first critic_warmup iterations: the critic only
+                metrics, trained = train_batch(m, s, cfg, sampled, run.ptx, warmup, it)
+                loop["iteration"] = it
+                record_trained(run.out, it, sampled.version, trained, m.strategy)  # (every rank's, by rank 0)
                 try:
-                    metrics = iteration(m, s, cfg, batch, params, run.ptx, warmup, loop["iteration"] + 1)
-                except RewardServiceUnavailable as e:  # the service went away mid-rollout: nothing trained
-                    # yet, so checkpoint the state before this iteration; --resume redoes it
-                    run.stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **before[0])
-                    s.sample_gen.set_state(before[1])
-                    rng.set_rng_state(before[2])
-                    raise run.service_stopped(e, loop["iteration"]) from None
-                loop["iteration"] += 1
+                    run.producer.join()  # the batch sampled meanwhile (max_staleness > 0)
+                except RewardServiceUnavailable as e:  # iteration it trained: logged when resumed
+                    loop["pending"] = metrics
+                    raise run.service_stopped(e, it) from None
             stop_reason, stopping = after_iteration(run, loop["iteration"], metrics, stop)
             if stop_reason:
                 break

@@ -16,6 +16,9 @@ formula is a named function of ``shifu.core`` (docs/concepts/algorithms.md has t
 - ``reinforce_pp``, ``reinforce_pp_baseline``: the discounted reward-to-go of the per-token rewards,
   whitened over the global batch; the baseline variant first subtracts each group's mean score.
 
+:func:`importance_weighted` then weighs them per token by the sampler-vs-trainer importance weight (``tis_cap``,
+``decoupled``, ``is_mask``).
+
 The critic-free estimators ignore ``values`` (no critic is built for them) and return the advantages as
 the returns (nothing fits them).
 """
@@ -131,3 +134,24 @@ ESTIMATORS: dict[str, Callable[[Signals, PPOConfig, Strategy], tuple[Tensor, Ten
     "reinforce_pp": reinforce_pp(baseline=False),
     "reinforce_pp_baseline": reinforce_pp(baseline=True),
 }
+
+
+def importance_weighted(cfg, rollout, advantages: Tensor, train: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The advantages weighed per token by the sampler-vs-trainer importance weight, and its statistics
+    (``rollout/mismatch_*``; with is_mask, ``rollout/is_maskfrac``): ``tis_cap`` alone is truncated IS
+    (:func:`shifu.core.truncated_is_weights`), ``decoupled`` / ``is_mask`` decoupled PPO's weight with SAO's
+    mask (:func:`shifu.core.decoupled_is_weights`)."""
+    old, sampled, mask = rollout.old_log_probs, rollout.rollout_log_probs, rollout.response_mask
+    if not cfg.decoupled and cfg.is_mask is None:
+        weights = core.truncated_is_weights(old, sampled, train, cfg.tis_cap)
+        stats = core.rollout_mismatch(old, sampled, mask, cfg.tis_cap)
+        return advantages * weights, {f"rollout/mismatch_{k}": v for k, v in stats.items()}
+    band = (1 / cfg.is_mask, cfg.is_mask) if cfg.is_mask is not None else None
+    weights = core.decoupled_is_weights(old, sampled, train, cfg.tis_cap, band)
+    stats = {f"rollout/mismatch_{k}": v for k, v in core.rollout_mismatch(old, sampled, mask).items()}
+    stats["rollout/is_weight_mean"] = core.masked_mean(weights, train)
+    if band is not None:
+        stats["rollout/is_maskfrac"] = core.masked_mean(
+            core.outside_band(old, sampled, train, band).float(), train
+        )
+    return advantages * weights, stats

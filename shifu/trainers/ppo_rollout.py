@@ -15,6 +15,7 @@ from shifu import core
 from shifu.config.schema import PPOConfig
 from shifu.generation.rollout import Sample, SamplingParams, critic_forward, policy_forward
 from shifu.models.padding import pad_left
+from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rollout.batch import PromptBatch, Trajectories
 from shifu.rollout.traces import TraceWriter
 from shifu.trainers.common import autocast
@@ -55,6 +56,7 @@ class Rollout:
     )
     step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
     ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
+    prompt_ids: list[int] | None = None  # B prompts' indices among the training prompts (trained.jsonl)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -83,26 +85,78 @@ def collect_rollout(
     iteration: int | None = None,
 ) -> tuple[Rollout, dict[str, float]]:
     """Phase 1: trajectories from the run's rollout source (``models.source``: responses scored by a reward,
-    episodes with an environment, ...) for this rank's prompts, then their old and reference log-probs
-    (logits / T), entropy, values and what their rewards mean to the estimator (:func:`reward_signals`). A
-    trajectory whose score is NaN/Inf is dropped (counted). Returns the rollout and ``{"time/generation_s",
-    "time/rollout_s", "rollout/dropped_nonfinite"}`` and the source's own metrics (e.g. ``env/*``). With
-    ``traces.*`` the trajectories of ``iteration`` are recorded first (:mod:`shifu.rollout.traces`)."""
-    strategy, dev = models.strategy, models.strategy.device
+    episodes with an environment, ...) for this rank's prompts (:func:`sample_batch`, from the actor's current
+    weights), then :func:`score_rollout`. Returns the rollout and its metrics."""
+    made, t_gen = sample_batch(models, cfg, batch, params, generator)
+    return score_rollout(models, cfg, made, t_gen, iteration)
+
+
+def decode_roles(models: PPOModels, cfg: PPOConfig) -> tuple[bool, bool]:
+    """``(reuse, keep)``: whether the decode steps' own log-probs stand in for the trainer's old ones, and
+    whether they are kept apart as the sampler's (``rollout_log_probs``).
+
+    In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
+    old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer. With
+    tis_cap, decoupled, is_mask or max_staleness > 0 they are the sampler's (behaviour policy's), kept apart,
+    and the trainer's forward computes old_log_probs (the proximal policy's).
+    With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward
+    then computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*)."""
+    prec = models.precision
+    behaviour = cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None or cfg.max_staleness > 0
+    reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not behaviour
+    return reuse, behaviour or prec.decode
+
+
+@torch.no_grad()
+def sample_batch(
+    models: PPOModels,
+    cfg: PPOConfig,
+    batch: PromptBatch,
+    params: SamplingParams,
+    generator: torch.Generator,
+    sampler: torch.nn.Module | None = None,
+) -> tuple[Trajectories, float]:
+    """The trajectories of ``batch`` from the rollout source, sampled by ``sampler`` (an asynchronous run's copy
+    of older weights, in eval mode; it touches nothing the trainer holds) or the actor's current weights;
+    returns them with the seconds it took. From the actor (every rank at once), a reward service gone on any rank
+    raises :class:`RewardServiceUnavailable` on every rank, before anything trained."""
     t0 = time.perf_counter()
+    reuse, keep = decode_roles(models, cfg)
+    if sampler is None:
+        models.actor.eval()
+    model, value_head = (sampler, None) if sampler is not None else (models.decoder(), models.value_head)
+    policy = models.policy(model, reuse or keep, value_head if reuse else None)
+    made, failed = None, None
+    try:
+        made = models.source.collect(policy, batch, params, generator).to(models.strategy.device)
+    except RewardServiceUnavailable as e:
+        failed = e
+    if sampler is None and models.strategy.any_true(failed is not None):  # every rank stops alike
+        failed = failed or RewardServiceUnavailable(f"the {models.source.name} failed on another rank")
+    if failed is not None:
+        raise failed
+    return made, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def score_rollout(
+    models: PPOModels,
+    cfg: PPOConfig,
+    made: Trajectories,
+    t_gen: float,
+    iteration: int | None = None,
+    prompt_ids: list[int] | None = None,
+) -> tuple[Rollout, dict[str, float]]:
+    """The rest of phase 1 on sampled trajectories: their old and reference log-probs (logits / T), entropy,
+    values and what their rewards mean to the estimator (:func:`reward_signals`). A trajectory whose score is
+    NaN/Inf is dropped (counted). Returns the rollout and ``{"time/generation_s", "time/rollout_s",
+    "rollout/dropped_nonfinite"}`` and the source's own metrics (e.g. ``env/*``). With ``traces.*`` the
+    trajectories of ``iteration`` are recorded first (:mod:`shifu.rollout.traces`). ``prompt_ids``: each
+    trajectory's prompt, kept on the rollout's rows."""
+    strategy, t0 = models.strategy, time.perf_counter()
     models.actor.eval()
-    # In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
-    # old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer.
-    # With truncated importance sampling (tis_cap) the decode's log-probs are kept apart as the rollout
-    # engine's (rollout_log_probs) and the trainer's forward computes old_log_probs.
-    # With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward then
-    # computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*).
-    tis, prec = cfg.tis_cap is not None, models.precision
-    reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not tis
-    keep_decode = tis or prec.decode  # the decode's own log-probs, kept apart as rollout_log_probs
-    policy = models.policy(models.decoder(), reuse or keep_decode, models.value_head if reuse else None)
-    made = models.source.collect(policy, batch, params, generator).to(dev)
-    t_gen = time.perf_counter() - t0
+    prec = models.precision
+    reuse, keep_decode = decode_roles(models, cfg)
     input_ids, attention_mask, P = made.input_ids, made.attention_mask, made.prompt_ids.shape[1]
     decoded = Sample(made.ids, made.trainable, made.log_probs, made.entropy, made.values) if reuse else None
     old_log_probs, ref_log_probs, entropy, values, ref_log_softmax = scoring_forwards(
@@ -129,19 +183,22 @@ def collect_rollout(
         token_rewards=token_rewards,
         step_mask=step_mask,
         ref_log_softmax=ref_log_softmax,
+        prompt_ids=prompt_ids,
     )
     rollout, dropped = drop_nonfinite(rollout, cfg.group_size)
     info = {
         "time/generation_s": t_gen,
-        "time/rollout_s": time.perf_counter() - t0,
+        "time/rollout_s": t_gen + time.perf_counter() - t0,
         "rollout/dropped_nonfinite": dropped,
     } | made.metrics
-    if cfg.bf16:  # what the probe chose; the bf16 decode's mismatch (with tis_cap, learn() logs it)
+    if cfg.bf16:  # what the probe chose
         info |= prec.metrics()
-        if prec.decode and not tis:
-            r = rollout
-            stats = core.rollout_mismatch(r.old_log_probs, r.rollout_log_probs, r.response_mask)
-            info |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
+    # the bf16 decode's or the older sampler's mismatch (with importance weights, learn() logs it)
+    weighted = cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None
+    if (prec.decode or cfg.max_staleness > 0) and not weighted:
+        r = rollout
+        stats = core.rollout_mismatch(r.old_log_probs, r.rollout_log_probs, r.response_mask)
+        info |= strategy.mean_over_ranks({f"rollout/mismatch_{k}": v for k, v in stats.items()})
     return rollout, info
 
 

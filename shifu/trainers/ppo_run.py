@@ -18,6 +18,7 @@ from shifu.rollout import traces
 from shifu.runs import jsonfile
 from shifu.trainers import common
 from shifu.trainers.common import finish_run
+from shifu.trainers.ppo_async import TRAINED
 from shifu.trainers.ppo_eval import evaluate_and_keep, final_evaluation, save_actor, save_critic
 from shifu.trainers.ppo_models import PPOModels, PPOState
 
@@ -43,11 +44,14 @@ class Run:
     final_prompts: tuple[list[list[int]], list[dict]] = ([], [])
     bar: Any = None
     warned_empty: bool = False  # the responses were said to be empty (once a run)
+    producer: Any = None  # where the iterations' batches come from (shifu.trainers.ppo_async.Producer)
 
     def save(self, it: int) -> None:
         """A checkpoint of iteration ``it``: weights, optimisers, PPOState, the streams' positions, the loop."""
         m, strategy = self.models, self.models.strategy
         data = {"prompts": self.stream.state(), "ptx_served": self.ptx.served if self.ptx is not None else 0}
+        if self.cfg.max_staleness > 0:  # the batches sampled and not yet trained (asynchronous PPO)
+            data["pending"] = self.producer.state()
         js = {
             "ppo": self.state.state_dict(strategy),
             "data": data,
@@ -75,9 +79,10 @@ class Run:
         return service_stopped(e, it, self.out)
 
 
-def restore(latest: Path, models: PPOModels, state: PPOState, ptx) -> tuple[dict[str, int], dict[str, Any]]:
+def restore(latest: Path, models: PPOModels, state: PPOState, ptx) -> tuple[dict[str, Any], dict[str, Any]]:
     """Resuming from the checkpoint ``latest``: the models, optimisers and ``state`` take its values, the ptx
-    stream skips what it served; returns ``(the prompt stream's position, the loop's counters)``."""
+    stream skips what it served; returns ``(the data's state: the prompt stream's position "prompts" and an
+    asynchronous run's pending batches "pending", the loop's counters)``."""
     strategy = models.strategy
     js = strategy.load_checkpoint(latest, models.optimizers, models.plain)
     state.load_state_dict(js["ppo"], strategy)
@@ -86,7 +91,7 @@ def restore(latest: Path, models: PPOModels, state: PPOState, ptx) -> tuple[dict
     loop = js["loop"]
     if strategy.is_main:
         print(f"shifu ppo: resumed from {latest} at iteration {loop['iteration']}", file=sys.stderr)
-    return js["data"]["prompts"], loop
+    return js["data"], loop
 
 
 def open_tracker(
@@ -105,6 +110,7 @@ def open_tracker(
     tracker = common.tracker(cfg, out, strategy, resume_step)
     if main and resume_step is not None:
         trim_samples(out / "samples.jsonl", resume_step)
+        trim_trained(out / TRAINED, resume_step)
     if resume_step is not None:  # each rank its own recorded episodes
         traces.trim(out, strategy.rank, resume_step)
     if latest is None:
@@ -210,6 +216,12 @@ def trim_samples(path: Path, last_iteration: int) -> None:
     """Resuming: drop the evaluation samples an interrupted run wrote after ``last_iteration``."""
     if path.exists():
         jsonfile.keep_rows(path, lambda row: row["iteration"] <= last_iteration)
+
+
+def trim_trained(path: Path, last_iteration: int) -> None:
+    """Resuming: drop the lines of ``trained.jsonl`` an interrupted run wrote after ``last_iteration``."""
+    if path.exists():
+        jsonfile.keep_rows(path, lambda row: row["step"] <= last_iteration)
 
 
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:

@@ -22,7 +22,8 @@ def update(
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over the rollout in shuffled minibatches, each one optimiser step of
     ``grad_accum`` micro-batches; stops the epochs early when ``approx_kl`` passes 1.5 x its target.
-    ``actor=False`` (critic warm-up): only the critic's value loss and optimiser."""
+    ``actor=False`` (critic warm-up, and the extra passes of ``critic_updates``): only the critic's value
+    loss and optimiser."""
     strategy = m.strategy
     coefs = coefficients(s)  # the controllers move after the update (phase 6)
     trained = list(m.optimizers.values()) if actor else [m.optimizers["critic"]]

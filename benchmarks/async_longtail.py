@@ -1,0 +1,140 @@
+"""What a long tail of slow environment steps costs a PPO run, synchronous and asynchronous: one environment step
+in 10 takes ``--slow-s`` seconds (3 by default: a tool that times out, a judge that queues), the rest answer at
+once. Which steps are slow is fixed by the prompt and the turn (a hash), so every schedule meets the same ones.
+
+Each setting runs ``shifu ppo`` twice on a tiny character model with its critic and one rollout per prompt
+(episodes of ``--turns`` turns with the environment, every call of a turn at once): with the slow steps and
+without them. The figure is the extra wall time the slow steps add, for ``max_staleness`` 0 (synchronous: each
+iteration waits for its slowest episode), 1 and 2 (``async_schedule=fixed``: the next batches are sampled in the
+background while the trainer updates, so at most the update's time of each straggler is hidden). The bounded
+schedule (a batch of the first episodes done) is what hides a straggler whole; it is not available yet.
+
+    python benchmarks/async_longtail.py [--record]            # 20 iterations of 16 episodes per setting
+    python benchmarks/async_longtail.py --short               # seconds: keeps it from rotting
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: this script's own folder is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_EVERY = 10  # one step in 10 is slow
+
+
+class LongTail:
+    """An environment whose step sleeps ``slow_s`` seconds when crc32(prompt, turn) % 10 == 0, else answers at
+    once; reward: the fraction of 'a' in the action; done after ``turns`` turns."""
+
+    def __init__(self, slow_s: float = 3.0, turns: int = 2):
+        self.slow_s, self.turns, self.turn, self.prompt = slow_s, turns, 0, ""
+
+    def reset(self, row: dict) -> str:
+        self.prompt, self.turn = row["prompt"], 0
+        return row["prompt"]
+
+    def step(self, action: str):
+        from shifu import Step
+
+        if zlib.crc32(f"{self.prompt}/{self.turn}".encode()) % SLOW_EVERY == 0:
+            time.sleep(self.slow_s)
+        self.turn += 1
+        return Step(
+            observation="k", reward=action.count("a") / max(1, len(action)), done=self.turn >= self.turns
+        )
+
+
+def run_seconds(work: Path, inputs: dict, staleness: int, slow_s: float, args) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one ``shifu ppo`` run."""
+    from shifu.config.loader import load_config
+    from shifu.trainers import ppo
+
+    out = work / f"s{staleness}-{slow_s:g}"
+    overrides = [
+        f"out_dir={out}",
+        f"model.path={inputs['model']}",
+        f"data.train={inputs['prompts']}",
+        "env.factory=async_longtail:LongTail",
+        f"env.kwargs={{slow_s: {slow_s}, turns: {args.turns}}}",
+        f"generation.max_turns={args.turns}",
+        "generation.max_new_tokens=6",
+        f"generation.max_total_tokens={8 * args.turns}",
+        "critic.init=sft",
+        f"iterations={args.iterations}",
+        f"batch_size={args.batch}",
+        f"minibatch_size={args.batch // 2}",
+        "optim.lr=1e-2",
+        "critic.optim.lr=1e-2",
+        "eval.every=0",
+        "eval.num_prompts=4",
+        "eval.final_prompts=0",
+        "save_every=0",
+        "progress=false",
+        "tensorboard=false",
+        f"max_staleness={staleness}",
+        *(["decoupled=true"] if staleness else []),
+    ]
+    cfg = load_config(ppo.Config, None, overrides)
+    t0, c0 = time.perf_counter(), time.process_time()
+    ppo.train(cfg, overwrite=True)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=16, help="episodes per iteration")
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--slow-s", type=float, default=3.0)
+    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--short", action="store_true", help="3 iterations of 4 episodes, 0.2 s slow steps")
+    provenance.add_arguments(ap)
+    args = ap.parse_args()
+    if args.short:
+        args.iterations, args.batch, args.slow_s = 3, 4, 0.2
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from ppo_task import build_char_model, write_prompts
+
+    torch.set_num_threads(int(os.environ.get("SHIFU_THREADS", "1")))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        inputs = {"model": build_char_model(work / "model"), "prompts": write_prompts(work / "prompts.jsonl")}
+        base = None
+        print("max_staleness | wall, no latency (s) | wall, long tail (s) | extra (s) | extra / S=0's")
+        for S in args.staleness:
+            fast, _ = run_seconds(work, inputs, S, 0.0, args)
+            slow, cpu = run_seconds(work, inputs, S, args.slow_s, args)
+            extra = slow - fast
+            base = extra if S == 0 else base
+            ratio = f"{extra / base:.2f}" if base else "-"
+            print(f"{S} | {fast:.1f} | {slow:.1f} | {extra:.1f} | {ratio}", flush=True)
+            provenance.record(
+                args,
+                "async_longtail",
+                {"wall_fast_s": fast, "wall_slow_s": slow, "extra_s": extra, "cpu_slow_s": cpu},
+                params={
+                    "max_staleness": S,
+                    "async_schedule": "fixed",
+                    "iterations": args.iterations,
+                    "episodes": args.batch,
+                    "turns": args.turns,
+                    "slow_s": args.slow_s,
+                    "slow_every": SLOW_EVERY,
+                },
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
