@@ -42,6 +42,8 @@ def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hid
 class _HFDecoder:
     """Fallback for any architecture: the HF forward with the model's own KV cache."""
 
+    keeps_kv = False  # its cache is the model's own: no prefix reuse (shifu.generation.kv_cache)
+
     def __init__(self, model, batch: int, max_len: int, like: Tensor, want_hidden: bool = False):
         self.model = model
         self.want_hidden = want_hidden
@@ -84,8 +86,12 @@ class _FastDecoder:
     """Shared machinery: preallocated K/V, the key-padding mask over the cache, attention over the cache.
 
     ``key_mask`` (B, P+R) bool is True on real prompt positions and on every generated position; the
-    cache holds K/V of every position (pad ones too) and the mask hides the pad ones.
+    cache holds K/V of every position (pad ones too) and the mask hides the pad ones. ``k``/``v`` may be
+    read and written between forwards (``keeps_kv``: :mod:`shifu.generation.kv_cache`'s prefix reuse), and
+    ``length`` set to start a prefill past positions written so.
     """
+
+    keeps_kv = True
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, like: Tensor):
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from shifu.errors import ShifuError
 from shifu.generation.decode import decoder
+from shifu.generation.kv_cache import CallPrefixes
 from shifu.generation.lm_head import token_log_probs
 from shifu.models.padding import position_ids_from_mask
 
@@ -183,6 +184,7 @@ def sample(
     stop: Callable[[Tensor, Tensor], Tensor] | None = None,
     on_step: Callable[[int, Tensor, Tensor], None] | None = None,
     constrain: Callable[[int, Tensor], None] | None = None,
+    prefix: CallPrefixes | None = None,
 ) -> Sample:
     """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
     with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
@@ -207,7 +209,11 @@ def sample(
 
     ``constrain(t, logits (B, V))``, called before each step, may lower logits in place (a grammar's mask: the
     gateway's ``response_format``); the step then samples, and reads its log-probs and entropy, from the
-    constrained logits, which :func:`policy_forward` does not recompute."""
+    constrained logits, which :func:`policy_forward` does not recompute.
+
+    ``prefix`` (:class:`shifu.generation.kv_cache.CallPrefixes`): the rows' cached prefixes are copied into the
+    decoder's cache and only the columns after them prefilled; each row's prompt and response are kept for
+    later calls. The same tokens and log-probs up to float rounding (its module docstring)."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
@@ -231,7 +237,9 @@ def sample(
     dec.key_mask[:, :P] = prompt_mask.to(dec.key_mask.dtype)
     pos = position_ids_from_mask(prompt_mask)
     next_pos = pos[:, -1:] + 1  # (B, 1) position of response token 0
-    logits = dec.forward(prompt_ids, pos)
+    start = 0 if prefix is None else prefix.load(dec, P)  # columns before ``start`` copied from the cache
+    dec.length = start
+    logits = dec.forward(prompt_ids[:, start:], pos[:, start:])
     steps = 0
     for t in range(R):
         if constrain is not None:
@@ -256,6 +264,8 @@ def sample(
         if t + 1 < R:
             pos = next_pos + t if last_position is None else (next_pos + t).clamp(max=last_position)
             logits = dec.forward(buf[:, t : t + 1], pos)
+    if prefix is not None:
+        prefix.save(dec, P, buf, eos_seen_at, steps)
     return _finish(buf, eos_seen_at, steps, pad_token_id, stats, value_head)
 
 
