@@ -1,9 +1,9 @@
 """Prefix reuse (shifu.generation.kv_cache) in the gateway's engine on real tiny GPT-2 and Llama models: agent
-sessions of three turns, each turn's prompt the last prompt and completion plus an observation, sampled with the
+episodes of three turns, each turn's prompt the last prompt and completion plus an observation, sampled with the
 recorded completions' per-row generators. With the cache on, the sampled ids are those sampled with it off and
 the log-probs agree within 1e-5 (and with the trainer's recomputation), while most prompt tokens are copied
 from the cache instead of prefilled; a rewritten history reuses only the blocks it shares; a budget too small
-for the sessions evicts blocks and changes nothing sampled; new weights empty the cache."""
+for the episodes evicts blocks and changes nothing sampled; new weights empty the cache."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def words(tok, n: int, seed: int) -> list[int]:
 
 
 def episodes(engine: Engine, tok, turns: int = 3) -> list[list[tuple[list[int], list[int], list[float]]]]:
-    """Four sessions sharing a 40-token tools block, each turn one sampler call of all four (recorded
-    completions: per-row generators); per turn and session (prompt, ids, log-probs)."""
+    """Four episodes sharing a 40-token tools block, each turn one sampler call of all four (recorded
+    completions: per-row generators); per turn and episode (prompt, ids, log-probs)."""
     tools = words(tok, 40, seed=7)
     prompts = [tools + words(tok, n, seed=10 + s) for s, n in enumerate((5, 23, 11, 37))]
     budgets = (6, 14, 3, 20)
@@ -100,7 +100,7 @@ def test_cached_prefixes_sample_what_a_full_prefill_samples(tok, arch):
     counters = on.prefix_counters()
     total = sum(len(p) for turn in with_cache for p, _, _ in turn)
     assert counters["rows"] == 12 and counters["prefill_tokens"] + counters["reused_tokens"] == total
-    # the first call finds nothing; every later row reuses its session's last prompt and completion
+    # the first call finds nothing; every later row reuses its episode's last prompt and completion
     assert counters["hits"] == 8 and counters["hit_rate"] == pytest.approx(8 / 12)
     first = sum(len(p) for p, _, _ in with_cache[0])
     later = total - first
@@ -157,3 +157,45 @@ def test_the_cache_keeps_parents_longer_than_their_children():
     assert torch.equal(chain[2].k.flatten(), kv[0, 0, 2 * BLOCK : 3 * BLOCK, 0])
     cache.keep(a, kv, kv, cache.generation - 1)  # a call that began before a clear() keeps nothing
     assert len(cache.match(a)) == 2
+
+
+def test_a_served_conversation_reuses_its_prefix_and_answers_as_without_the_cache():
+    """Over HTTP (uvicorn, the openai client): the same seeded conversation on a gateway with the cache and on
+    one without gets the same answers and log-probs; the health endpoint counts the reuse."""
+    openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
+    from shifu.gateway import Gateway, Sampling
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|endoftext|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    model = policy(tok, "gpt2")
+    system = {"role": "system", "content": "you answer questions about the movie and the acting. " * 4}
+
+    def conversation(gw) -> list:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        messages, out = [system, {"role": "user", "content": "what is two plus three?"}], []
+        for turn in range(3):
+            answer = client.chat.completions.create(
+                model="policy", messages=messages, seed=11 + turn, logprobs=True, max_tokens=10
+            )
+            content = answer.choices[0].message.content
+            out.append([(t.token, t.logprob) for t in answer.choices[0].logprobs.content])
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "and a cat?"}]
+        return out
+
+    with Gateway(model, tok, sampling=Sampling(max_tokens=10), prefix_cache_mb=0) as gw:
+        without = conversation(gw)
+        assert httpx.get(gw.url + "/health").json()["prefix_cache"] == {}
+    with Gateway(model, tok, sampling=Sampling(max_tokens=10)) as gw:
+        with_cache = conversation(gw)
+        counters = httpx.get(gw.url + "/health").json()["prefix_cache"]
+    for a, b in zip(without, with_cache, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        torch.testing.assert_close(
+            torch.tensor([x for _, x in a]), torch.tensor([x for _, x in b]), atol=1e-5, rtol=0
+        )
+    assert counters["rows"] == 3 and counters["hits"] == 2 and counters["reused_tokens"] >= 2 * 32

@@ -238,5 +238,14 @@ class Gateway:
         row, call = job.identity
         return (type(row).__name__, row, call)
 
+    def prefix_metrics(self, episodes: int) -> dict[str, float]:
+        """A rollout's ``agent/prefix_hit_rate`` and ``agent/prefill_tokens`` (per episode) from the engine's
+        prefix cache; ``{}`` when it is off."""
+        counters = self.engine.prefix_counters()
+        if not counters:
+            return {}
+        per_episode = counters["prefill_tokens"] / max(1, episodes)
+        return {"agent/prefix_hit_rate": counters["hit_rate"], "agent/prefill_tokens": per_episode}
+
     def memory_of(self, key: str | None) -> CompletionMemory:
         return self.memories.get(key, self.memory) if self.recording else self.memory

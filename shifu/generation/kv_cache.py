@@ -4,7 +4,7 @@ call prefills only the tokens after the longest cached prefix of each prompt.
 A sequence's keys and values are kept in blocks of ``block`` tokens (:class:`PrefixCache`). A block is named by
 its tokens and its parent (the block before it), so a block stands for the whole prefix up to its end: two
 prompts that share their first tokens (an agent's next turn, which extends its last prompt and completion; the
-same system prompt and tools block in every session) share those blocks, stored once. Only whole blocks are
+same system prompt and tools block in every episode) share those blocks, stored once. Only whole blocks are
 kept. The keys and values of a token depend on it and the tokens before it only (positions count from a row's
 first real token, :func:`shifu.models.padding.position_ids_from_mask`, whatever the padding), so a cached
 prefix holds what a full prefill would compute, up to float rounding: the log-probs read off the decode steps

@@ -244,9 +244,8 @@ class AgentEpisodes:
                 )
         t = self._trajectories(episodes, policy, params)
         calls = sum(ep.record.calls for ep in episodes)
-        return dataclasses.replace(
-            t, metrics=t.metrics | {"agent/batched_calls": calls / max(1, sampler_calls)}
-        )
+        batched = {"agent/batched_calls": calls / max(1, sampler_calls)}
+        return dataclasses.replace(t, metrics=t.metrics | batched | gateway.prefix_metrics(len(episodes)))
 
     # ------------------------------------------------------------------------------------ the episodes
     async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:
