@@ -199,3 +199,50 @@ def test_a_served_conversation_reuses_its_prefix_and_answers_as_without_the_cach
             torch.tensor([x for _, x in a]), torch.tensor([x for _, x in b]), atol=1e-5, rtol=0
         )
     assert counters["rows"] == 3 and counters["hits"] == 2 and counters["reused_tokens"] >= 2 * 32
+
+
+def test_in_process_episodes_reuse_each_turns_context_and_record_what_they_record_without(tmp_path):
+    """The episode source (shifu.rollout.episodes) keeps each episode's keys and values between its turns: the
+    same trajectories, log-probs within 1e-5, and the later turns copy their context from the cache."""
+    from ppo_task import build_char_model
+
+    from shifu.config.loader import from_dict
+    from shifu.config.sources import EnvConfig
+    from shifu.envs.base import Environment
+    from shifu.generation.rollout import SamplingParams, sample
+    from shifu.models.loading import load_causal_lm, load_tokenizer
+    from shifu.rollout.batch import PromptBatch
+    from shifu.rollout.episodes import EpisodeLimits, Episodes
+    from shifu.rollout.sources import Policy
+
+    path = build_char_model(tmp_path, n_positions=256)
+    model, tok = load_causal_lm(path, dropout=False).eval(), load_tokenizer(path)
+    kwargs = {"intro": "abcdefghijkl" * 4, "observation": "kkjjkkjjkkjjkkjj", "rewards": [1.0, 2.0, 3.0]}
+    env = Environment(from_dict(EnvConfig, {"factory": "scripted_envs:Scripted", "kwargs": kwargs}))
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=10, max_total_tokens=120, stop=())
+    rows = [{"prompt": "abcdefghijkl"[i : i + 2 + i % 3]} for i in range(6)]
+    calls = []
+
+    def counting(*args, **kw):
+        calls.append(kw.get("prefix"))
+        return sample(*args, **kw)
+
+    def collect(cache_mb):
+        source = Episodes(env, limits, chat=False, prefix_cache_mb=cache_mb)
+        policy = Policy(model, tok, with_log_probs=True, sampler=counting)
+        batch = PromptBatch(torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1, dtype=torch.long), rows)
+        params = SamplingParams(1, temperature=1.0)
+        return source.collect(policy, batch, params, torch.Generator().manual_seed(4))
+
+    without, with_cache = collect(0), collect(256)
+    assert calls[0] is None and calls[-1] is not None
+    assert torch.equal(without.input_ids, with_cache.input_ids) and torch.equal(
+        without.trainable, with_cache.trainable
+    )
+    mask = with_cache.trainable
+    assert mask.sum() > 0
+    torch.testing.assert_close(with_cache.log_probs[mask], without.log_probs[mask], atol=1e-5, rtol=0)
+    counters = calls[-1].cache.counters()
+    assert (
+        max(with_cache.counts["turns"]) == 3 and counters["hits"] >= 6 and counters["reused_tokens"] >= 6 * 48
+    )
