@@ -219,7 +219,10 @@ def test_in_process_episodes_reuse_each_turns_context_and_record_what_they_recor
     model, tok = load_causal_lm(path, dropout=False).eval(), load_tokenizer(path)
     kwargs = {"intro": "abcdefghijkl" * 4, "observation": "kkjjkkjjkkjjkkjj", "rewards": [1.0, 2.0, 3.0]}
     env = Environment(from_dict(EnvConfig, {"factory": "scripted_envs:Scripted", "kwargs": kwargs}))
-    limits = EpisodeLimits(max_turns=3, max_new_tokens=10, max_total_tokens=120, stop=())
+
+    def limits(cache_mb):
+        return EpisodeLimits(max_turns=3, max_new_tokens=10, max_total_tokens=120, prefix_cache_mb=cache_mb)
+
     rows = [{"prompt": "abcdefghijkl"[i : i + 2 + i % 3]} for i in range(6)]
     calls = []
 
@@ -228,7 +231,7 @@ def test_in_process_episodes_reuse_each_turns_context_and_record_what_they_recor
         return sample(*args, **kw)
 
     def collect(cache_mb):
-        source = Episodes(env, limits, chat=False, prefix_cache_mb=cache_mb)
+        source = Episodes(env, limits(cache_mb), chat=False)
         policy = Policy(model, tok, with_log_probs=True, sampler=counting)
         batch = PromptBatch(torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1, dtype=torch.long), rows)
         params = SamplingParams(1, temperature=1.0)

@@ -231,6 +231,7 @@ class AgentEpisodes:
             version=self.version,
             sampling=sampling,
             seed=seed,
+            prefix_cache_mb=self.limits.prefix_cache_mb,
         )
         gateway.plan_sessions(len(batch.rows), self.concurrency)
         with gateway:

@@ -40,12 +40,14 @@ from shifu.rollout.turns import turn_encoder
 @dataclasses.dataclass(frozen=True)
 class EpisodeLimits:
     """How long an episode may run (the sampler's settings, ``generation.*``): turns, tokens per turn, sampled
-    plus observation tokens after the first input, and the strings that end a turn besides EOS."""
+    plus observation tokens after the first input, and the strings that end a turn besides EOS; the MB of keys
+    and values kept between turns (:mod:`shifu.generation.kv_cache`; 0: off)."""
 
     max_turns: int
     max_new_tokens: int
     max_total_tokens: int
     stop: tuple[str, ...] = ()
+    prefix_cache_mb: float = 256
 
 
 @dataclasses.dataclass
@@ -84,21 +86,16 @@ class Episodes:
 
     ``chat``: render first inputs and observations through the chat template when the tokenizer has one
     (``data.chat_template``). ``max_prompt_len``: a first input longer than this is an error naming the row.
-    ``prefix_cache_mb``: an episode's keys and values kept between its turns for one rollout
-    (:mod:`shifu.generation.kv_cache`: a turn prefills only its new observation); 0: off."""
+    Each episode's keys and values are kept between its turns for one rollout, up to ``limits.prefix_cache_mb``
+    (:mod:`shifu.generation.kv_cache`: a turn prefills only what its cached context leaves)."""
 
     gold = True  # the environment's own count of success
 
     def __init__(
-        self,
-        env: Environment,
-        limits: EpisodeLimits,
-        chat: bool = True,
-        max_prompt_len: int | None = None,
-        prefix_cache_mb: float = 256,
+        self, env: Environment, limits: EpisodeLimits, chat: bool = True, max_prompt_len: int | None = None
     ):
         self.env, self.limits, self.chat, self.max_prompt_len = env, limits, chat, max_prompt_len
-        self.prefix_cache_bytes, self._prefix = int(prefix_cache_mb * 2**20), None
+        self._prefix: PrefixCache | None = None  # this rollout's (collect)
 
     @classmethod
     def describe(cls, factory: str) -> SourceDescription:
@@ -122,7 +119,8 @@ class Episodes:
         """One episode per row of ``batch`` (its prompt ids are not read: the environment gives the first
         input); ``params``: how turns are sampled (its ``max_new_tokens`` is replaced by each turn's budget)."""
         eps = self._start(policy.tokenizer, batch.rows)
-        self._prefix = PrefixCache(self.prefix_cache_bytes) if self.prefix_cache_bytes > 0 else None
+        budget = int(self.limits.prefix_cache_mb * 2**20)
+        self._prefix = PrefixCache(budget) if budget > 0 else None
         model, L = policy.model, self.limits
         positions = getattr(getattr(model, "config", None), "n_positions", None)  # GPT-2's learned positions
         positions = positions if isinstance(positions, int) else None
