@@ -26,6 +26,13 @@ history reuses the part it shares and prefills the rest. What is sampled and rec
 float rounding of the log-probs (~1e-6), as with the cache off (0); new weights (:meth:`Engine.set_policy`)
 empty it.
 
+**Retiring rows.** A call's rows end at very different steps (a tool call of 20 tokens beside an answer of 200):
+each leaves the decoder as it ends (:func:`shifu.generation.rollout.sample`'s ``retire``), so the later steps
+forward only the rows still sampling. Every row keeps its own randomness (a recorded completion's generator, or
+the same draws from a shared one), and the tokens are those of the static batch up to the float rounding of
+forwards over fewer rows (``tests/test_engine_retire.py``: the same ids, log-probs within 1e-5). A request that
+arrives meanwhile still waits for the call to end.
+
 **Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
 each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
 grammar does not allow get logit -1e30 (:func:`shifu.generation.rollout.sample`'s ``constrain``), so the row
@@ -173,6 +180,7 @@ class Engine:
         self.last_seconds = 0.0  # how long the last sampler call took
         self._ll = (None, None)  # (vocabulary size, llguidance tokenizer): grammars (_lltok)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.retire = True  # rows leave the decoder as they end (module docstring); False: the static batch
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -231,6 +239,7 @@ class Engine:
             with_log_probs=True,
             stop=stops,
             prefix=prefix,
+            retire=self.retire,
             **self._hooks(rows, model),
         )
         self.calls += 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -190,15 +191,25 @@ class CallPrefixes:
         c.reused_tokens += sum(copied)
         c.prefill_tokens += sum(lengths) - sum(copied)
 
-    def save(self, dec, width: int, response_ids: Tensor, ends: Tensor, steps: int) -> None:
-        """Keep each row's prompt and response in the cache: the tokens whose keys and values ``dec`` holds
+    def save(
+        self,
+        dec,
+        width: int,
+        response_ids: Tensor,
+        ends: Tensor,
+        steps: int,
+        rows: Iterable[tuple[int, int]] | None = None,
+    ) -> None:
+        """Keep rows' prompts and responses in the cache: the tokens whose keys and values ``dec`` holds
         (every one fed to it: the response up to its last token, which is sampled, never fed). ``ends`` (B,):
-        the index of each row's ending token (``steps`` or more: it did not end)."""
+        the index of each row's ending token (``steps`` or more: it did not end). ``rows``: (the decoder's
+        cache row, the call's row) pairs; None: every row, in its own cache row."""
         if not getattr(dec, "keeps_kv", False) or self.cache.budget == 0:
             return
         fed = (ends + 1).clamp(max=steps) - 1  # response tokens fed per row
-        for b, prompt in enumerate(self.prompts):
+        for slot, b in enumerate(range(len(self.prompts))) if rows is None else rows:
+            prompt = self.prompts[b]
             ids = prompt + response_ids[b, : int(fed[b])].tolist()
             first = width - len(prompt)
             span = slice(first, first + len(ids))
-            self.cache.keep(ids, dec.k[:, b, :, span], dec.v[:, b, :, span], self.generation)
+            self.cache.keep(ids, dec.k[:, slot, :, span], dec.v[:, slot, :, span], self.generation)
