@@ -168,13 +168,13 @@ class CallPrefixes:
         # a prefill needs at least the last prompt token (its logits start the response)
         cached = [min(len(c) * bs, n - 1) for c, n in zip(self.chains, lengths)]
         start = width - max(n - c for n, c in zip(lengths, cached))
-        # pad columns before ``start`` are never computed: zeros, not whatever the memory held (a NaN there
-        # would survive the key mask: 0 * NaN)
-        dec.k[:, :, :, :start] = 0
-        dec.v[:, :, :, :start] = 0
         copied = []
         for b, (chain, n) in enumerate(zip(self.chains, lengths)):
             first = width - n  # the row's first real column
+            # its pad columns before ``start`` are never computed: zeros, not whatever the memory held (a NaN
+            # there would survive the key mask: 0 * NaN)
+            dec.k[:, b, :, : min(first, start)] = 0
+            dec.v[:, b, :, : min(first, start)] = 0
             count = max(0, start - first)  # cached tokens before the prefilled columns
             for i in range(0, count, bs):
                 take = min(bs, count - i)
