@@ -1,5 +1,6 @@
 """The tables of the rollout benchmarks: ``env_concurrency.py`` (a slow environment's share of a rollout),
-``agent_gateway.py`` (the agent source's load and HTTP overhead) and ``rss_timeline.py`` (peak memory per stage
+``agent_gateway.py`` (the agent source's load and HTTP overhead), ``agent_engine.py`` (the gateway's engine under
+an agent workload, with and without prefix reuse) and ``rss_timeline.py`` (peak memory per stage
 and per PPO iteration of SmolLM2 runs)."""
 
 from __future__ import annotations
@@ -62,6 +63,43 @@ def agent_gateway(records: list[dict]) -> str:
     return md(headers, rows) + footer(recs, f"Model: {recs[0]['params']['model']}. ")
 
 
+ENGINE_NAMES = {
+    "no_prefix_cache": "static",
+    "static": "static",
+}  # (the first records named it no_prefix_cache)
+
+
+def agent_engine(records: list[dict]) -> str:
+    recs = select(records, "agent_engine")
+    if not recs:
+        return none_yet("agent_engine", "python benchmarks/agent_engine.py --model tiny --record")
+    rows = []
+    for r in recs:
+        m, p = r["metrics"], r["params"]
+        what = (
+            f"{p['model']}: {p['sessions']} x {p['turns']} calls, budgets {'/'.join(map(str, p['budgets']))}"
+        )
+        for name, e in ((k, v) for k, v in m.items() if isinstance(v, dict)):
+            same = e.get("same_answers_as_static", m.get("same_answers"))
+            rows.append(
+                [
+                    what,
+                    ENGINE_NAMES.get(name, name.replace("_", " ")),
+                    fmt(e["tokens_per_s"], ".1f"),
+                    f"{e['p50_ms'] / 1000:.1f} / {e['p99_ms'] / 1000:.1f}",
+                    f"{e['prefill_tokens_per_conversation']:.0f} of {e['prompt_tokens_per_conversation']:.0f}",
+                    fmt(e["hit_rate"], ".2f"),
+                    fmt(e["peak_rss_mb"], ".0f"),
+                    fmt(same, ".2f"),
+                    cpu_label(r),
+                    commit_label(r),
+                ]
+            )
+    headers = ["workload", "engine", "tokens/s", "call p50 / p99 s", "prefill tokens per conversation"]
+    headers += ["hit rate", "server peak RSS MB", "answers as static", "CPU", "commit"]
+    return md(headers, rows) + footer(recs, "A shared 2-core VM with other jobs running: times are noisy. ")
+
+
 def rss_timeline(records: list[dict]) -> str:
     recs = select(records, "rss_timeline")
     if not recs:
@@ -101,5 +139,6 @@ def rss_timeline(records: list[dict]) -> str:
 TABLES = {
     "env-concurrency": env_concurrency,
     "agent-gateway": agent_gateway,
+    "agent-engine": agent_engine,
     "rss-timeline": rss_timeline,
 }

@@ -198,6 +198,8 @@ def test_a_trainers_gateway_waits_for_every_episodes_call_before_it_samples():
     rows = [{"prompt": f"hello {i}"} for i in range(8)]
     t = collect(AgentEpisodes(one_call, "t:one", EpisodeLimits(2, 6, 64)), model, tok, rows)
     assert t.metrics["agent/calls"] == 1 and t.metrics["agent/batched_calls"] == 8
+    # one call per episode: nothing cached before it, every prompt token prefilled
+    assert t.metrics["agent/prefix_hit_rate"] == 0.0 and t.metrics["agent/prefill_tokens"] > 0
 
 
 def test_the_batching_queue_waits_as_long_as_it_is_told():

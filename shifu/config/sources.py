@@ -33,10 +33,17 @@ class GenerationConfig:
         128,
         "multi-turn episodes: sampled plus observation tokens after the first input; reaching it truncates",
     )
+    prefix_cache_mb: float = opt(
+        256,
+        "multi-turn episodes (env.factory, agent.factory): MB of keys and values of earlier turns kept during a "
+        "rollout, so that a turn prefills only what its cached prefix leaves (the same tokens); 0: off",
+    )
 
     def validate(self) -> None:
         if self.temperature <= 0:
             raise ConfigError("generation.temperature must be > 0")
+        if not self.prefix_cache_mb >= 0:
+            raise ConfigError(f"generation.prefix_cache_mb must be >= 0 (0: off), got {self.prefix_cache_mb}")
         for key in ("max_new_tokens", "max_turns", "max_total_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"generation.{key} must be >= 1 (got {getattr(self, key)})")

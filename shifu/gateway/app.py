@@ -233,6 +233,7 @@ class _Routes:
                 "pending": self.state["queue"].pending(),
                 "sampler_calls": gw.engine.calls,
                 "open_sessions": len(gw.sessions.open_keys()),
+                "prefix_cache": gw.engine.prefix_counters(),
             }
         )
 

@@ -18,6 +18,21 @@ their float32 log-probs under ``logits / T`` at the sampling temperature (T = 1 
 decode steps: the values :func:`shifu.generation.rollout.policy_forward` recomputes at the same T up to
 float rounding. ``top_logprobs`` come from one scoring forward of the finished row.
 
+**Prefix reuse.** With ``prefix_cache_bytes`` > 0 the keys and values of every row's prompt and completion are
+kept between calls (:class:`shifu.generation.kv_cache.PrefixCache`, least recently used blocks evicted past the
+budget), and a call prefills only what its rows' cached prefixes leave: a session's next turn extends its last
+prompt and completion, and sessions share their system prompt and tools block. A fork, a retry or a rewritten
+history reuses the part it shares and prefills the rest. What is sampled and recorded is the same, up to the
+float rounding of the log-probs (~1e-6), as with the cache off (0); new weights (:meth:`Engine.set_policy`)
+empty it.
+
+**Retiring rows.** A call's rows end at very different steps (a tool call of 20 tokens beside an answer of 200):
+each leaves the decoder as it ends (:func:`shifu.generation.rollout.sample`'s ``retire``), so the later steps
+forward only the rows still sampling. Every row keeps its own randomness (a recorded completion's generator, or
+the same draws from a shared one), and the tokens are those of the static batch up to the float rounding of
+forwards over fewer rows (``tests/test_engine_retire.py``: the same ids, log-probs within 1e-5). A request that
+arrives meanwhile still waits for the call to end.
+
 **Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
 each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
 grammar does not allow get logit -1e30 (:func:`shifu.generation.rollout.sample`'s ``constrain``), so the row
@@ -42,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
@@ -151,6 +167,7 @@ class Engine:
         max_batch_rows: int = 64,
         max_batch_tokens: int = 65536,
         seed: int = 0,
+        prefix_cache_bytes: int = 512 * 2**20,
     ):
         self.tok = tokenizer
         # the sampler thread's own copy (stop strings, streamed text, grammars): the gateway's tokenizing thread
@@ -162,6 +179,8 @@ class Engine:
         self.calls = 0  # sampler calls run
         self.last_seconds = 0.0  # how long the last sampler call took
         self._ll = (None, None)  # (vocabulary size, llguidance tokenizer): grammars (_lltok)
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.retire = True  # rows leave the decoder as they end (module docstring); False: the static batch
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -169,6 +188,13 @@ class Engine:
             self.model, self.version = model.eval(), int(version)
             self.positions = model_positions(model)
             self.end_ids = end_ids(model, self.tok)
+            if self.prefix is not None:  # new weights: every kept key and value is stale
+                self.prefix.clear()
+
+    def prefix_counters(self) -> dict[str, float]:
+        """The prefix cache's counters (:meth:`shifu.generation.kv_cache.PrefixCache.counters`); ``{}`` when
+        it is off."""
+        return {} if self.prefix is None else self.prefix.counters()
 
     def joins(self, jobs: list[Job], job: Job) -> bool:
         """Whether ``job`` may be sampled in one call with ``jobs`` (module docstring)."""
@@ -184,10 +210,11 @@ class Engine:
     @torch.no_grad()
     def run(self, jobs: list[Job]) -> list[list[Choice]]:
         """One sampler call for ``jobs`` (on the worker thread): each job's ``n`` choices."""
-        with self._lock:
-            model, version = self.model, self.version
-        first = jobs[0]
         rows = [j for j in jobs for _ in range(j.n)]
+        with self._lock:  # (a prefix cache emptied by set_policy from here on keeps nothing of this call)
+            model, version = self.model, self.version
+            prefix = None if self.prefix is None else CallPrefixes(self.prefix, [j.prompt_ids for j in rows])
+        first = jobs[0]
         device = next(model.parameters()).device
         enc = pad_left([j.prompt_ids for j in rows], self.tok.pad_token_id)
         params = SamplingParams(
@@ -211,6 +238,8 @@ class Engine:
             generator=gen,
             with_log_probs=True,
             stop=stops,
+            prefix=prefix,
+            retire=self.retire,
             **self._hooks(rows, model),
         )
         self.calls += 1

@@ -41,7 +41,8 @@ class Gateway:
     ``sampling``: temperature / top-k / top-p and the token cap of a completion. ``max_batch_rows`` /
     ``max_batch_tokens``: the most rows, and rows x (prompt + budget) tokens, merged into one sampler call.
     ``chat_template``: a Jinja template for a tokenizer without one (the gateway never sends a prompt without
-    a chat template)."""
+    a chat template). ``prefix_cache_mb``: the budget of the keys and values kept between calls (prefix reuse,
+    :mod:`shifu.gateway.engine`); 0: off."""
 
     def __init__(
         self,
@@ -59,7 +60,10 @@ class Gateway:
         body_timeout_s: float = 30.0,
         seed: int = 0,
         chat_template: str | None = None,
+        prefix_cache_mb: float = 512,
     ):
+        if prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb must be >= 0 (0: no prefix reuse), got {prefix_cache_mb}")
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
@@ -70,7 +74,9 @@ class Gateway:
         self.tok, self.name, self.recording, self.token = tokenizer, name, recording, token
         self.sampling = sampling or Sampling()
         self.limits = {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s}
-        self.engine = Engine(model, tokenizer, version, max_batch_rows, max_batch_tokens, seed)
+        self.engine = Engine(
+            model, tokenizer, version, max_batch_rows, max_batch_tokens, seed, int(prefix_cache_mb * 2**20)
+        )
         self.format = tool_format(tokenizer)
         self.sessions = SessionStore()
         self.memory = CompletionMemory()  # without recording; a recording session keeps its own
@@ -234,6 +240,15 @@ class Gateway:
             return ()
         row, call = job.identity
         return (type(row).__name__, row, call)
+
+    def prefix_metrics(self, episodes: int) -> dict[str, float]:
+        """A rollout's ``agent/prefix_hit_rate`` and ``agent/prefill_tokens`` (per episode) from the engine's
+        prefix cache; ``{}`` when it is off."""
+        counters = self.engine.prefix_counters()
+        if not counters:
+            return {}
+        per_episode = counters["prefill_tokens"] / max(1, episodes)
+        return {"agent/prefix_hit_rate": counters["hit_rate"], "agent/prefill_tokens": per_episode}
 
     def memory_of(self, key: str | None) -> CompletionMemory:
         return self.memories.get(key, self.memory) if self.recording else self.memory

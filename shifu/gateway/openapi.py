@@ -58,6 +58,13 @@ class Health(Strict):
     pending: Count = Field(description="Completions waiting for the sampler thread.")
     sampler_calls: Count = Field(description="Sampler calls run (each may answer several requests).")
     open_sessions: Count
+    prefix_cache: dict[str, float] = Field(
+        description=(
+            "The prefix cache's counters since the gateway started: rows (prompts looked up), hits, hit_rate, "
+            "prefill_tokens, reused_tokens (copied from the cache instead), evicted_blocks, bytes, budget_bytes; "
+            "empty when it is off."
+        )
+    )
 
 
 class Model(Strict):

@@ -85,6 +85,9 @@ class TeacherEngine:
     def set_policy(self, model, version: int) -> None:
         self.version = int(version)
 
+    def prefix_counters(self) -> dict[str, float]:
+        return {}  # nothing is prefilled: no prefix cache
+
     def expect(self, ids: list[int], messages: list[dict], tools: list[dict] | None) -> None:
         """Note the request whose prompt renders to ``ids`` (answered in arrival order per prompt)."""
         with self._lock:

@@ -42,6 +42,8 @@ def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hid
 class _HFDecoder:
     """Fallback for any architecture: the HF forward with the model's own KV cache."""
 
+    keeps_kv = False  # its cache is the model's own: no prefix reuse (shifu.generation.kv_cache)
+
     def __init__(self, model, batch: int, max_len: int, like: Tensor, want_hidden: bool = False):
         self.model = model
         self.want_hidden = want_hidden
@@ -84,8 +86,12 @@ class _FastDecoder:
     """Shared machinery: preallocated K/V, the key-padding mask over the cache, attention over the cache.
 
     ``key_mask`` (B, P+R) bool is True on real prompt positions and on every generated position; the
-    cache holds K/V of every position (pad ones too) and the mask hides the pad ones.
+    cache holds K/V of every position (pad ones too) and the mask hides the pad ones. ``k``/``v`` may be
+    read and written between forwards (``keeps_kv``: :mod:`shifu.generation.kv_cache`'s prefix reuse), and
+    ``length`` set to start a prefill past positions written so.
     """
+
+    keeps_kv = True
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, like: Tensor):
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)
@@ -97,12 +103,13 @@ class _FastDecoder:
         self.bias: Tensor | None = None  # (B * Hkv, 1, P+R) additive key-padding bias of decode steps
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Write k, v (B, Hkv, T, D) at the current end of the cache; attend q (B, H, T, D) over it."""
-        start, T = self.length, q.shape[2]
+        """Write k, v (B, Hkv, T, D) at the current end of the cache's first B rows (all of them until
+        :meth:`move` retires some); attend q (B, H, T, D) over them."""
+        start, (B, _, T, _) = self.length, q.shape
         end = start + T
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        keys, values = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # views, no copy
+        self.k[layer, :B, :, start:end] = k
+        self.v[layer, :B, :, start:end] = v
+        keys, values = self.k[layer, :B, :, :end], self.v[layer, :B, :, :end]  # views, no copy
         if T == 1:
             return self._attend_one(q, keys, values, scale)
         if keys.shape[1] != q.shape[1]:  # grouped-query attention
@@ -112,7 +119,7 @@ class _FastDecoder:
         # before it attends to itself (its output is never used) so no row of the softmax is empty
         q_pos = torch.arange(start, end, device=q.device).unsqueeze(1)  # (T, 1)
         k_pos = torch.arange(end, device=q.device)  # (S,)
-        mask = ((k_pos <= q_pos) & self.key_mask[:, None, None, :end]) | (k_pos == q_pos)
+        mask = ((k_pos <= q_pos) & self.key_mask[:B, None, None, :end]) | (k_pos == q_pos)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
     def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
@@ -124,9 +131,9 @@ class _FastDecoder:
         """
         B, H, _, D = q.shape
         Hkv, S = keys.shape[1], keys.shape[2]
-        if self.bias is None:
+        if self.bias is None or self.bias.shape[0] != B * Hkv:
             bias = torch.zeros((B, Hkv, 1, self.key_mask.shape[1]), dtype=q.dtype, device=q.device)
-            bias.masked_fill_(~self.key_mask[:, None, None, :], float("-inf"))
+            bias.masked_fill_(~self.key_mask[:B, None, None, :], float("-inf"))
             self.bias = bias.view(B * Hkv, 1, -1)
         qg = q.reshape(B * Hkv, H // Hkv, D)
         scores = torch.baddbmm(
@@ -134,6 +141,14 @@ class _FastDecoder:
         )
         out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * Hkv, S, D))
         return out.view(B, H, 1, D)
+
+    def move(self, source: int, target: int) -> None:
+        """Copy cache row ``source`` (keys, values, key mask) over row ``target``: a sampler retiring an ended
+        row moves its last held row into the ended one's place, and forwards the first rows only."""
+        self.k[:, target] = self.k[:, source]
+        self.v[:, target] = self.v[:, source]
+        self.key_mask[target] = self.key_mask[source]
+        self.bias = None
 
 
 class _GPT2Decoder(_FastDecoder):

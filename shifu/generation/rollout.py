@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from shifu.errors import ShifuError
 from shifu.generation.decode import decoder
+from shifu.generation.kv_cache import CallPrefixes
 from shifu.generation.lm_head import token_log_probs
 from shifu.models.padding import position_ids_from_mask
 
@@ -87,6 +88,41 @@ def _mark_ends(buf: Tensor, t: int, eos_seen_at: Tensor, at_eos: bool, eos_token
     if stop is not None:
         ended = ended | stop(buf[:, : t + 1], eos_seen_at == R).to(buf.device)
     eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
+
+
+def _prefill(dec, prompt_ids: Tensor, pos: Tensor, prefix: CallPrefixes | None) -> Tensor:
+    """The prompts' forward: (B, V) logits of their last positions. With ``prefix``, the columns before the
+    first one it must compute are copied from the prefix cache instead."""
+    start = 0 if prefix is None else prefix.load(dec, prompt_ids.shape[1])
+    dec.length = start
+    return dec.forward(prompt_ids[:, start:], pos[:, start:])
+
+
+def _next_logits(dec, ids, pos, logits, held, ended, prefix, state) -> Tensor:
+    """The (B, V) logits after feeding ``ids`` (B, 1) at ``pos``: every row's, or with ``held`` (:func:`sample`'s
+    ``retire``) the ended rows retired first and the held rows' logits written into ``logits``."""
+    if held is None:
+        return dec.forward(ids, pos)
+    _retire(dec, held, ended, prefix, state)
+    rows = torch.tensor(held, device=ids.device)
+    logits[rows] = dec.forward(ids[rows], pos[rows])
+    return logits
+
+
+def _retire(dec, held: list[int], ended: Tensor, prefix: CallPrefixes | None, state: tuple) -> None:
+    """Drop the rows of ``held`` (the call's rows in the decoder's cache rows 0, 1, ...) that ``ended``: the last
+    row held moves into each one's place (:func:`sample`'s ``retire``); the prefix cache keeps each first."""
+    ended = ended.tolist()
+    for slot in reversed(range(len(held))):  # from the last: the row moved in has not ended
+        if not ended[held[slot]]:
+            continue
+        if prefix is not None:
+            prefix.save(dec, *state, rows=[(slot, held[slot])])
+        last = len(held) - 1
+        if slot != last:
+            dec.move(last, slot)
+            held[slot] = held[last]
+        held.pop()
 
 
 def _uniforms(shape: torch.Size, generator: Generators, probs: Tensor) -> Tensor:
@@ -183,6 +219,8 @@ def sample(
     stop: Callable[[Tensor, Tensor], Tensor] | None = None,
     on_step: Callable[[int, Tensor, Tensor], None] | None = None,
     constrain: Callable[[int, Tensor], None] | None = None,
+    prefix: CallPrefixes | None = None,
+    retire: bool = False,
 ) -> Sample:
     """Sample a response to each left-padded prompt (:func:`generate` returns just the tokens and mask);
     with ``with_log_probs`` also what PPO's rollout would otherwise need a second forward pass for: the
@@ -207,7 +245,18 @@ def sample(
 
     ``constrain(t, logits (B, V))``, called before each step, may lower logits in place (a grammar's mask: the
     gateway's ``response_format``); the step then samples, and reads its log-probs and entropy, from the
-    constrained logits, which :func:`policy_forward` does not recompute."""
+    constrained logits, which :func:`policy_forward` does not recompute.
+
+    ``prefix`` (:class:`shifu.generation.kv_cache.CallPrefixes`): the rows' cached prefixes are copied into the
+    decoder's cache and only the columns after them prefilled; each row's prompt and response are kept for
+    later calls. The same tokens and log-probs up to float rounding (its module docstring).
+
+    ``retire``: a row that ended leaves the decoder at once (its cache row taken by the last row held,
+    :meth:`~shifu.generation.decode._FastDecoder.move`), so later steps forward only the rows still sampling.
+    Every row is still sampled each step (finished rows' draws are discarded, so a batch generator draws as
+    many numbers as without), and the same tokens and log-probs come out up to the float rounding of forwards
+    over fewer rows (``tests/test_prefix_cache.py``). Only with the decoders that keep their own cache, and
+    without ``value_head`` or ``all_done`` (a rank stepping in lockstep forwards every row)."""
     B, P = prompt_ids.shape
     device = prompt_ids.device
     R = params.max_new_tokens
@@ -217,6 +266,7 @@ def sample(
     # model's learned positions: they are held at the last one (a row still sampling never gets there)
     last_position = getattr(getattr(model, "config", None), "n_positions", None)
     last_position = last_position - 1 if isinstance(last_position, int) and all_done is not None else None
+    retire = retire and all_done is None and value_head is None
     all_done = all_done or (lambda local: local)
     buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)
     # index of the first EOS per row (R = none yet): response_mask = position <= eos_seen_at
@@ -231,8 +281,10 @@ def sample(
     dec.key_mask[:, :P] = prompt_mask.to(dec.key_mask.dtype)
     pos = position_ids_from_mask(prompt_mask)
     next_pos = pos[:, -1:] + 1  # (B, 1) position of response token 0
-    logits = dec.forward(prompt_ids, pos)
+    logits = _prefill(dec, prompt_ids, pos, prefix)
     steps = 0
+    # with retire: the call's rows held in the decoder's cache rows 0, 1, ...
+    held = list(range(B)) if retire and dec.keeps_kv else None
     for t in range(R):
         if constrain is not None:
             constrain(t, logits)
@@ -255,7 +307,10 @@ def sample(
             break
         if t + 1 < R:
             pos = next_pos + t if last_position is None else (next_pos + t).clamp(max=last_position)
-            logits = dec.forward(buf[:, t : t + 1], pos)
+            state = (P, buf, eos_seen_at, steps)
+            logits = _next_logits(dec, buf[:, t : t + 1], pos, logits, held, eos_seen_at < R, prefix, state)
+    if prefix is not None:
+        prefix.save(dec, P, buf, eos_seen_at, steps, None if held is None else enumerate(held))
     return _finish(buf, eos_seen_at, steps, pad_token_id, stats, value_head)
 
 

@@ -231,6 +231,7 @@ class AgentEpisodes:
             version=self.version,
             sampling=sampling,
             seed=seed,
+            prefix_cache_mb=self.limits.prefix_cache_mb,
         )
         gateway.plan_sessions(len(batch.rows), self.concurrency)
         with gateway:
@@ -244,9 +245,8 @@ class AgentEpisodes:
                 )
         t = self._trajectories(episodes, policy, params)
         calls = sum(ep.record.calls for ep in episodes)
-        return dataclasses.replace(
-            t, metrics=t.metrics | {"agent/batched_calls": calls / max(1, sampler_calls)}
-        )
+        batched = {"agent/batched_calls": calls / max(1, sampler_calls)}
+        return dataclasses.replace(t, metrics=t.metrics | batched | gateway.prefix_metrics(len(episodes)))
 
     # ------------------------------------------------------------------------------------ the episodes
     async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:

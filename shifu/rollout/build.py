@@ -32,7 +32,7 @@ from shifu.rollout.sources import SINGLE_TURN, RolloutSource, SingleTurn, Source
 def episode_limits(generation: Any) -> EpisodeLimits:
     """An episode's budgets from a ``generation`` config section."""
     g = generation
-    return EpisodeLimits(g.max_turns, g.max_new_tokens, g.max_total_tokens, tuple(g.stop))
+    return EpisodeLimits(g.max_turns, g.max_new_tokens, g.max_total_tokens, tuple(g.stop), g.prefix_cache_mb)
 
 
 def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Module | None]:

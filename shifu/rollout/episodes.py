@@ -28,6 +28,7 @@ import torch
 from shifu.config.imports import typed_key
 from shifu.envs.base import EnvFault, Environment
 from shifu.errors import ShifuError
+from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.rollout import Sample, SamplingParams
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
@@ -39,12 +40,14 @@ from shifu.rollout.turns import turn_encoder
 @dataclasses.dataclass(frozen=True)
 class EpisodeLimits:
     """How long an episode may run (the sampler's settings, ``generation.*``): turns, tokens per turn, sampled
-    plus observation tokens after the first input, and the strings that end a turn besides EOS."""
+    plus observation tokens after the first input, and the strings that end a turn besides EOS; the MB of keys
+    and values kept between turns (:mod:`shifu.generation.kv_cache`; 0: off)."""
 
     max_turns: int
     max_new_tokens: int
     max_total_tokens: int
     stop: tuple[str, ...] = ()
+    prefix_cache_mb: float = 256
 
 
 @dataclasses.dataclass
@@ -82,7 +85,9 @@ class Episodes:
     """The rollout source of ``env.factory``: one episode per row, a fresh environment instance each.
 
     ``chat``: render first inputs and observations through the chat template when the tokenizer has one
-    (``data.chat_template``). ``max_prompt_len``: a first input longer than this is an error naming the row."""
+    (``data.chat_template``). ``max_prompt_len``: a first input longer than this is an error naming the row.
+    Each episode's keys and values are kept between its turns for one rollout, up to ``limits.prefix_cache_mb``
+    (:mod:`shifu.generation.kv_cache`: a turn prefills only what its cached context leaves)."""
 
     gold = True  # the environment's own count of success
 
@@ -90,6 +95,7 @@ class Episodes:
         self, env: Environment, limits: EpisodeLimits, chat: bool = True, max_prompt_len: int | None = None
     ):
         self.env, self.limits, self.chat, self.max_prompt_len = env, limits, chat, max_prompt_len
+        self._prefix: PrefixCache | None = None  # this rollout's (collect)
 
     @classmethod
     def describe(cls, factory: str) -> SourceDescription:
@@ -113,6 +119,8 @@ class Episodes:
         """One episode per row of ``batch`` (its prompt ids are not read: the environment gives the first
         input); ``params``: how turns are sampled (its ``max_new_tokens`` is replaced by each turn's budget)."""
         eps = self._start(policy.tokenizer, batch.rows)
+        budget = int(self.limits.prefix_cache_mb * 2**20)
+        self._prefix = PrefixCache(budget) if budget > 0 else None
         model, L = policy.model, self.limits
         positions = getattr(getattr(model, "config", None), "n_positions", None)  # GPT-2's learned positions
         positions = positions if isinstance(positions, int) else None
@@ -126,6 +134,7 @@ class Episodes:
             if not ep.over:  # still going after max_turns
                 ep.end(truncated=True)
         self._truncated(eps)
+        self._prefix = None  # (the next rollout samples from new weights)
         return _trajectories(eps, policy)
 
     def _truncated(self, eps: list[_Episode]) -> None:
@@ -213,6 +222,7 @@ class Episodes:
             with_log_probs=policy.with_log_probs,
             value_head=policy.value_head,
             stop=RowStops(tok, limits, [self.limits.stop] * len(limits)),
+            **({} if self._prefix is None else {"prefix": CallPrefixes(self._prefix, contexts)}),
             **policy.sample_kwargs,
         )
 

@@ -118,6 +118,10 @@ METRICS: dict[str, str] = {
     "attended to, never trained on)",
     "agent/batched_calls": "agent.factory: completion calls per sampler call of the rollout (concurrent calls of "
     "the episodes merged into one call)",
+    "agent/prefix_hit_rate": "agent.factory: fraction of the rollout's completions that reused cached keys and "
+    "values of an earlier call's prefix (the gateway's prefix cache)",
+    "agent/prefill_tokens": "agent.factory: prompt tokens prefilled per episode (those the prefix cache held were "
+    "copied instead)",
     "agent/length_calls": "agent.factory: fraction of calls that ended at their token cap (finish_reason length)",
     "agent/no_calls": "agent.factory: fraction of episodes without a call (nothing to train: dropped as "
     "rollout/dropped_nonfinite)",

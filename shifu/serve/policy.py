@@ -27,6 +27,13 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--max-batch-rows", type=int, default=64, help="most rows of one sampler call")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator")
+    g.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=512,
+        help="keys and values of earlier calls kept for prefix reuse, least recently used evicted (default "
+        "512; 0: off)",
+    )
     g.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
 
 
@@ -49,6 +56,8 @@ def load_gateway(args: argparse.Namespace, token: str | None):
         )
     if args.max_batch_rows < 1:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
+    if args.prefix_cache_mb < 0:
+        raise ConfigError(f"--prefix-cache-mb must be >= 0 (0: no prefix reuse), got {args.prefix_cache_mb}")
     template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)
@@ -70,6 +79,7 @@ def load_gateway(args: argparse.Namespace, token: str | None):
         body_timeout_s=args.body_timeout,
         seed=args.seed,
         chat_template=template,
+        prefix_cache_mb=args.prefix_cache_mb,
     ), policy_dir
 
 
