@@ -1,0 +1,153 @@
+"""verifiers environments (shifu.envs.verifiers, shifu.rollout.verifiers): a taskset written in the test, installed
+as a package where verifiers 0.4 is installed, named in one setting (``verifiers.taskset=ID``): its tasks are the
+prompts, verifiers' plain chat harness (a uv script, run as a local process) plays them through the run's policy
+gateway, its reward is the return; one PPO step with the critic, a critic-free estimator, the held-out split of its
+own, `shifu eval --run`, and a gain test.
+
+verifiers pins an ``openai`` older than the ``agents`` extra's, so it is installed in an environment of its own
+(as a user would: ``pip install 'verifiers==0.4.*' uv``), kept under ~/.cache/shifu/harness-envs/verifiers, and
+named by ``verifiers.python``. The tests skip only when that environment cannot be made (no package index)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
+pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
+
+from shifu.cli import main as cli  # noqa: E402
+from shifu.config.loader import from_dict  # noqa: E402
+from shifu.config.schema import PPOConfig  # noqa: E402
+from shifu.errors import ConfigError  # noqa: E402
+from shifu.rollout.build import describe  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+REQUIREMENTS = ("verifiers==0.4.*", "uv>=0.5")
+ROOT = Path(__file__).resolve().parents[1]
+
+# a user's own taskset, as `vf-init` lays one out: tasks of letters, rewarded by the fraction of `a` in the reply
+TASKSET = '''
+import verifiers.v1 as vf
+
+LETTERS = "abcdefghijkl"
+
+
+class LettersData(vf.TaskData):
+    pass
+
+
+class LettersTask(vf.Task[LettersData]):
+    @vf.reward(weight=1.0)
+    async def a_fraction(self, trace: vf.Trace) -> float:
+        reply = trace.last_reply or ""
+        return reply.count("a") / max(1, len(reply))
+
+
+class LettersConfig(vf.TasksetConfig):
+    num_tasks: int = 64
+    offset: int = 0
+
+
+class LettersTaskset(vf.Taskset[LettersTask, LettersConfig]):
+    def load(self):
+        for i in range(self.config.offset, self.config.offset + self.config.num_tasks):
+            prompt = "".join(LETTERS[(i * 7 + j) % 12] for j in range(3 + i % 3))
+            yield LettersTask(LettersData(prompt=prompt), self.config.task)
+
+
+__all__ = ["LettersTaskset"]
+'''
+
+
+def verifiers_python() -> Path:
+    """The Python of a virtual environment with verifiers 0.4 and uv installed from the package index, kept
+    under ~/.cache/shifu/harness-envs/verifiers between runs (about a minute and 600 MB the first time)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shifu" / "harness-envs" / "verifiers"
+    python, ready = root / "bin" / "python", root / f"installed-{' '.join(REQUIREMENTS)}"
+    if ready.exists():
+        return python
+    venv.create(root, clear=True, with_pip=True)
+    pip = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *REQUIREMENTS],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if pip.returncode != 0:
+        pytest.skip(f"could not install {' '.join(REQUIREMENTS)} into {root}: {pip.stderr.strip()[-400:]}")
+    ready.touch()
+    return python
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The taskset package (``letters_taskset``) on the worker's import path, the char model with a chat
+    template (tests/test_agent.py's echo task), and the verifiers Python."""
+    from test_agent import build_echo_task
+
+    d = tmp_path_factory.mktemp("verifiers")
+    site = d / "site"
+    (site / "letters_taskset").mkdir(parents=True)
+    (site / "letters_taskset" / "__init__.py").write_text(TASKSET)
+    python = verifiers_python()
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [old])])
+    yield {"char": build_echo_task(d)["char"], "python": str(python), "site": site}
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+def argv(task, out, *extra: str) -> list[str]:
+    return [
+        "ppo",
+        "--out",
+        str(out),
+        f"model.path={task['char']}",
+        "verifiers.taskset=letters_taskset",
+        f"verifiers.python={task['python']}",
+        "verifiers.kwargs={num_tasks: 64}",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
+        "batch_size=16",
+        "minibatch_size=8",
+        "ppo_epochs=2",
+        "eval.temperature=1.0",
+        "critic.init=sft",
+        "optim.lr=1e-2",
+        "critic.optim.lr=1e-2",
+        "kl.controller=fixed",
+        "kl.init_coef=0.01",
+        "progress=false",
+        "tensorboard=false",
+        *extra,
+    ]
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_a_taskset_trains_a_ppo_step_with_its_critic_and_is_measured_by_shifu_eval(task, tmp_path):
+    """One PPO step (GAE on a critic) on the taskset's tasks: every episode's one call went through verifiers'
+    chat harness to the gateway, its return is the task's reward; the source describes itself as the taskset;
+    the held-out split is data.eval_fraction of its tasks; `shifu eval --run` plays them again."""
+    out = tmp_path / "run"
+    assert cli.main(argv(task, out, "iterations=1", "eval.every=1", "eval.num_prompts=4")) == 0
+    train = [r for r in metrics(out) if "agent/return" in r]
+    assert len(train) == 1 and train[0]["agent/errors"] == 0 and train[0]["agent/calls"] == 1
+    assert 0 <= train[0]["agent/return"] <= 1 and "value/explained_var" in train[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["source"]["name"] == "environment verifiers:letters_taskset"
+    record = tmp_path / "eval.json"
+    assert cli.main(["eval", "--run", str(out), "--num-prompts", "4", "--out", str(record)]) == 0
+    rec = json.loads(record.read_text())
+    assert rec["judge"] == "episode return of verifiers:letters_taskset" and rec["prompts"]["count"] == 4
