@@ -33,7 +33,7 @@ REQUIREMENTS = ("verifiers==0.4.*", "uv>=0.5")
 ROOT = Path(__file__).resolve().parents[1]
 
 # a user's own taskset, as `vf-init` lays one out: tasks of letters, rewarded by the fraction of `a` in the reply
-TASKSET = '''
+TASKSET = """
 import verifiers.v1 as vf
 
 LETTERS = "abcdefghijkl"
@@ -63,13 +63,35 @@ class LettersTaskset(vf.Taskset[LettersTask, LettersConfig]):
 
 
 __all__ = ["LettersTaskset"]
-'''
+"""
+
+# a taskset whose tasks need a container: refused, since shifu runs verifiers on local processes only
+BOXED = """
+import verifiers.v1 as vf
+
+
+class BoxedTask(vf.Task[vf.TaskData]):
+    NEEDS_CONTAINER = True
+
+
+class BoxedTaskset(vf.Taskset[BoxedTask, vf.TasksetConfig]):
+    def load(self):
+        yield BoxedTask(vf.TaskData(prompt="abc"), self.config.task)
+
+
+__all__ = ["BoxedTaskset"]
+"""
 
 
 def verifiers_python() -> Path:
     """The Python of a virtual environment with verifiers 0.4 and uv installed from the package index, kept
     under ~/.cache/shifu/harness-envs/verifiers between runs (about a minute and 600 MB the first time)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shifu" / "harness-envs" / "verifiers"
+    root = (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "shifu"
+        / "harness-envs"
+        / "verifiers"
+    )
     python, ready = root / "bin" / "python", root / f"installed-{' '.join(REQUIREMENTS)}"
     if ready.exists():
         return python
@@ -94,8 +116,9 @@ def task(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("verifiers")
     site = d / "site"
-    (site / "letters_taskset").mkdir(parents=True)
-    (site / "letters_taskset" / "__init__.py").write_text(TASKSET)
+    for name, text in (("letters_taskset", TASKSET), ("boxed_taskset", BOXED)):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(text)
     python = verifiers_python()
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [old])])
@@ -150,4 +173,82 @@ def test_a_taskset_trains_a_ppo_step_with_its_critic_and_is_measured_by_shifu_ev
     record = tmp_path / "eval.json"
     assert cli.main(["eval", "--run", str(out), "--num-prompts", "4", "--out", str(record)]) == 0
     rec = json.loads(record.read_text())
-    assert rec["judge"] == "episode return of verifiers:letters_taskset" and rec["prompts"]["count"] == 4
+    assert rec["judge"] == "episode return of verifiers:letters_taskset" and rec["prompts"]["count"] == 3
+    assert rec["prompts"]["from"] == "verifiers:letters_taskset (held-out split, data.eval_fraction)"
+
+
+def test_a_critic_free_estimator_runs_and_the_held_out_split_is_the_tasksets_own(task, tmp_path):
+    """RLOO (groups of 4 episodes of one task, no critic) trains a step; with verifiers.eval_kwargs the held-out
+    tasks are the taskset loaded with that config (here its tasks from 100 on), all of them, none of training's."""
+    out = tmp_path / "run"
+    split = ["verifiers.eval_kwargs={offset: 100, num_tasks: 5}", "eval.every=1", "eval.num_prompts=8"]
+    extra = ["iterations=1", "advantage_estimator=rloo", "group_size=4", *split]
+    assert cli.main(argv(task, out, *extra)) == 0
+    train = [r for r in metrics(out) if "agent/return" in r]
+    assert len(train) == 1 and train[0]["agent/errors"] == 0 and "value/explained_var" not in train[0]
+    evals = [r for r in metrics(out) if "gold/score" in r]
+    assert evals and all(r["eval/score"] == r["gold/score"] for r in evals)
+    record = tmp_path / "eval.json"
+    assert cli.main(["eval", "--run", str(out), "--out", str(record)]) == 0
+    rec = json.loads(record.read_text())
+    assert rec["prompts"] == {"from": "verifiers:letters_taskset (held-out split)", "count": 5}
+    assert [r["prompt"] for r in rec["rows"]] == [letters(i) for i in range(100, 105)]
+
+
+def letters(i: int) -> str:  # the prompt of task i of TASKSET
+    return "".join("abcdefghijkl"[(i * 7 + j) % 12] for j in range(3 + i % 3))
+
+
+def test_the_config_refuses_what_a_taskset_cannot_run():
+    base = {"out_dir": "o", "model": {"path": "m"}, "verifiers": {"taskset": "letters_taskset"}}
+
+    def check(extra: dict) -> str:
+        with pytest.raises(ConfigError) as e:
+            from_dict(PPOConfig, json.loads(json.dumps(base)) | extra).validate()
+        return str(e.value)
+
+    cfg = from_dict(PPOConfig, base)
+    cfg.validate()  # alone it is a complete source: its tasks are the prompts
+    assert describe(cfg).name == "environment verifiers:letters_taskset" and describe(cfg).gold
+    assert "the taskset's tasks are the prompts; unset data.train" in check({"data": {"train": "p.jsonl"}})
+    assert "verifiers.taskset rewards its episodes" in check({"reward": {"function": "x:f"}})
+    assert "give one of env.factory, agent.factory and verifiers.taskset" in check(
+        {"env": {"factory": "x:Y"}}
+    )
+    assert "unset generation.stop" in check({"generation": {"stop": ["]"]}})
+    assert "its id is verifiers.taskset" in check({"verifiers": {"taskset": "x", "kwargs": {"id": "y"}}})
+
+
+def test_a_taskset_that_cannot_run_here_is_refused_before_the_run_writes_anything(task, tmp_path, capsys):
+    """verifiers missing where verifiers.python says, a taskset that is not installed, and one whose tasks need a
+    container (shifu runs verifiers on local processes only): each stops `shifu ppo` before its run directory is
+    made, saying what to do."""
+    out = tmp_path / "run"
+    missing = [
+        a if not a.startswith("verifiers.python=") else f"verifiers.python={tmp_path}/python"
+        for a in argv(task, out)
+    ]
+    assert cli.main(missing) == 2
+    assert "needs verifiers 0.4 in" in capsys.readouterr().err
+    assert cli.main([*argv(task, out), "verifiers.taskset=no_such_taskset"]) == 2
+    assert "taskset 'no_such_taskset' not found" in capsys.readouterr().err
+    assert cli.main([*argv(task, out), "verifiers.taskset=boxed_taskset", "verifiers.kwargs={}"]) == 2
+    err = capsys.readouterr().err
+    assert "need a container" in err and "local processes only" in err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_ppo_raises_the_return_of_a_tasksets_rubric(task, tmp_path):
+    """PPO with its critic raises the taskset's reward (the fraction of `a` in the reply, ~0.08 for the random
+    policy) in training and on the held-out tasks."""
+    out = tmp_path / "run"
+    extra = ["iterations=10", "batch_size=32", "minibatch_size=16", "eval.every=10", "eval.num_prompts=16"]
+    assert cli.main(argv(task, out, *extra, "verifiers.concurrency=32", "data.eval_fraction=0.25")) == 0
+    train = [r for r in metrics(out) if "agent/return" in r]
+    assert len(train) == 10 and all(r["agent/errors"] == 0 for r in train)
+    early = sum(r["agent/return"] for r in train[:3]) / 3
+    late = sum(r["agent/return"] for r in train[-3:]) / 3
+    assert late > early + 0.1, (early, late)
+    evals = [r for r in metrics(out) if "gold/score" in r]
+    assert evals[-1]["gold/score"] > evals[0]["gold/score"] + 0.1, evals

@@ -205,7 +205,9 @@ class VerifiersConfig:
         "installed): its tasks are the prompts (data.train stays empty), its harness plays them over the policy "
         "gateway, its rewards are the return (docs/how-to/verifiers.md); null: off",
     )
-    harness: str = opt("", "the verifiers harness that plays the tasks; empty: the taskset's own, else `null` (chat)")
+    harness: str = opt(
+        "", "the verifiers harness that plays the tasks; empty: the taskset's own, else `null` (chat)"
+    )
     kwargs: dict = opt({}, "the taskset's config (what vf-eval's --env.taskset.* sets), e.g. {num_tasks: 64}")
     eval_kwargs: dict = opt(
         {},
@@ -248,9 +250,14 @@ class VerifiersConfig:
             f"{key} samples on each process's own gateway: use distributed.strategy=ddp or none": (
                 cfg.distributed.strategy in ("fsdp2", "deepspeed")
             ),
-            f"{key}: the harness sends its own stop strings; unset generation.stop": bool(cfg.generation.stop),
+            f"{key}: the harness sends its own stop strings; unset generation.stop": bool(
+                cfg.generation.stop
+            ),
             f"{typed_key('verifiers.kwargs')} and {typed_key('verifiers.eval_kwargs')} are the taskset's config: "
             "its id is verifiers.taskset": "id" in self.kwargs or "id" in self.eval_kwargs,
+            f"data.eval_fraction must be in (0, 1) when {typed_key('verifiers.eval_kwargs')} is empty (got "
+            f"{d.eval_fraction})": not self.eval_kwargs and not 0 < d.eval_fraction < 1,
+            f"data.max_prompt_len must be >= 1 (got {d.max_prompt_len})": d.max_prompt_len < 1,
         }
         for message, wrong in refused.items():
             if wrong:

@@ -57,7 +57,9 @@ def installed(python: str) -> bool:
         return importlib.util.find_spec("verifiers") is not None
     if not Path(python).exists():
         return False
-    probe = "import verifiers.v1, sys; v = __import__('verifiers').__version__; sys.exit(not v.startswith('0.4'))"
+    probe = (
+        "import verifiers.v1, sys; v = __import__('verifiers').__version__; sys.exit(not v.startswith('0.4'))"
+    )
     return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
 
 
@@ -120,7 +122,9 @@ class Worker:
                 self.process.stdin.flush()
             except OSError:
                 self.pending.pop(n)
-                raise VerifiersError(f"the verifiers worker of {self.taskset} stopped: {self.tail()}") from None
+                raise VerifiersError(
+                    f"the verifiers worker of {self.taskset} stopped: {self.tail()}"
+                ) from None
         return future
 
     def _read(self) -> None:
@@ -133,7 +137,9 @@ class Worker:
         with self.lock:  # the worker stopped: whatever waits gets the reason
             waiting, self.pending = list(self.pending.values()), {}
         for future in waiting:
-            future.set_exception(VerifiersError(f"the verifiers worker of {self.taskset} stopped: {self.tail()}"))
+            future.set_exception(
+                VerifiersError(f"the verifiers worker of {self.taskset} stopped: {self.tail()}")
+            )
 
     def tail(self, n: int = 2000) -> str:
         text = Path(self.log.name).read_text(encoding="utf-8", errors="replace")

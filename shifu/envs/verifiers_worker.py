@@ -56,7 +56,11 @@ def load(settings: dict, kwargs: dict) -> Any:
 
 def described(task: Any) -> dict:
     """A task as a prompt row names it: its position, its prompt's text, its name."""
-    return {"idx": task.data.idx, "prompt": task.data.prompt_text or f"task {task.data.idx}", "name": task.data.name}
+    return {
+        "idx": task.data.idx,
+        "prompt": task.data.prompt_text or f"task {task.data.idx}",
+        "name": task.data.name,
+    }
 
 
 class Worker:
@@ -110,14 +114,22 @@ class Worker:
         try:
             result = await self.episode(request)
         except Exception as e:  # noqa: BLE001 (reported to shifu, which applies its on_error)
-            result = {"reward": None, "rewards": {}, "error": f"{type(e).__name__}: {e}", "turns": 0, "stop": None}
+            result = {
+                "reward": None,
+                "rewards": {},
+                "error": f"{type(e).__name__}: {e}",
+                "turns": 0,
+                "stop": None,
+            }
         self.send({"id": request["id"], **result})
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         envs = list(self.envs.values())
         async with _serving(envs):
-            self.send({"ready": True, "tasks": {s: [described(t) for t in ts] for s, ts in self.tasks.items()}})
+            self.send(
+                {"ready": True, "tasks": {s: [described(t) for t in ts] for s, ts in self.tasks.items()}}
+            )
             running = set()
             while line := await loop.run_in_executor(None, sys.stdin.readline):
                 task = asyncio.create_task(self.answer(json.loads(line)))

@@ -115,7 +115,9 @@ def describe_settings(setting: Callable[[str], Any]) -> SourceDescription:
     """The source a PPO config's settings name, ``setting(key)`` reading one (``"env.factory"``): the
     description a run records, for a config as recorded (a run from before runs recorded their source)."""
     if taskset := setting("verifiers.taskset"):
-        return VerifiersEpisodes.describe(str(taskset), V.installed_here(str(setting("verifiers.python") or "")))
+        return VerifiersEpisodes.describe(
+            str(taskset), V.installed_here(str(setting("verifiers.python") or ""))
+        )
     if agent := setting("agent.factory"):
         return AgentEpisodes.describe(str(agent))
     if env := setting("env.factory"):

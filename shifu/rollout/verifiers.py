@@ -48,6 +48,8 @@ async def play(client: Any, row: dict, *, worker: V.Worker, model: str = "policy
 class VerifiersEpisodes(AgentEpisodes):
     """Episodes of the verifiers taskset ``taskset`` (module docstring), played by ``worker``."""
 
+    what, on_error_key = "verifiers taskset", "verifiers.on_error"
+
     def __init__(self, worker: V.Worker, taskset: str, limits: EpisodeLimits, **kw: Any):
         super().__init__(play, taskset, limits, kwargs={"worker": worker}, **kw)
         self.worker = worker
@@ -57,7 +59,9 @@ class VerifiersEpisodes(AgentEpisodes):
         """The description of the taskset ``spec``'s episodes: an environment ("environment verifiers:ID")
         whose return, the task's rewards, is its own measure of success."""
         counted = ("turns", "tool_calls", "observation_tokens")
-        return SourceDescription(ENVIRONMENT, "environment reward", f"verifiers:{spec}", True, counted, available)
+        return SourceDescription(
+            ENVIRONMENT, "environment reward", f"verifiers:{spec}", True, counted, available
+        )
 
     @property
     def description(self) -> SourceDescription:
