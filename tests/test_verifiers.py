@@ -10,6 +10,7 @@ named by ``verifiers.python``. The tests skip only when that environment cannot 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -108,25 +109,34 @@ def verifiers_python() -> Path:
     return python
 
 
+@contextlib.contextmanager
+def tasksets(root: Path):
+    """The tasksets of this file as packages (``letters_taskset``, ``boxed_taskset``) in ``root``, on the import
+    path the verifiers worker inherits (PYTHONPATH) while the context lasts."""
+    for name, text in (("letters_taskset", TASKSET), ("boxed_taskset", BOXED)):
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text(text)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [old])])
+    try:
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    """The taskset package (``letters_taskset``) on the worker's import path, the char model with a chat
-    template (tests/test_agent.py's echo task), and the verifiers Python."""
+    """The tasksets on the worker's import path, the char model with a chat template (tests/test_agent.py's echo
+    task), and the verifiers Python."""
     from test_agent import build_echo_task
 
     d = tmp_path_factory.mktemp("verifiers")
-    site = d / "site"
-    for name, text in (("letters_taskset", TASKSET), ("boxed_taskset", BOXED)):
-        (site / name).mkdir(parents=True)
-        (site / name / "__init__.py").write_text(text)
     python = verifiers_python()
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [old])])
-    yield {"char": build_echo_task(d)["char"], "python": str(python), "site": site}
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old
+    with tasksets(d / "site"):
+        yield {"char": build_echo_task(d)["char"], "python": str(python)}
 
 
 def argv(task, out, *extra: str) -> list[str]:
@@ -138,6 +148,7 @@ def argv(task, out, *extra: str) -> list[str]:
         "verifiers.taskset=letters_taskset",
         f"verifiers.python={task['python']}",
         "verifiers.kwargs={num_tasks: 64}",
+        "verifiers.concurrency=8",
         "generation.max_new_tokens=6",
         "generation.max_total_tokens=24",
         "batch_size=16",
@@ -244,7 +255,7 @@ def test_ppo_raises_the_return_of_a_tasksets_rubric(task, tmp_path):
     policy) in training and on the held-out tasks."""
     out = tmp_path / "run"
     extra = ["iterations=10", "batch_size=32", "minibatch_size=16", "eval.every=10", "eval.num_prompts=16"]
-    assert cli.main(argv(task, out, *extra, "verifiers.concurrency=32", "data.eval_fraction=0.25")) == 0
+    assert cli.main(argv(task, out, *extra, "data.eval_fraction=0.25")) == 0
     train = [r for r in metrics(out) if "agent/return" in r]
     assert len(train) == 10 and all(r["agent/errors"] == 0 for r in train)
     early = sum(r["agent/return"] for r in train[:3]) / 3
@@ -252,3 +263,19 @@ def test_ppo_raises_the_return_of_a_tasksets_rubric(task, tmp_path):
     assert late > early + 0.1, (early, late)
     evals = [r for r in metrics(out) if "gold/score" in r]
     assert evals[-1]["gold/score"] > evals[0]["gold/score"] + 0.1, evals
+
+
+def test_a_quickstart_plan_takes_a_taskset_instead_of_its_environment():
+    """A quickstart plan's PPO stage names a taskset as it names an environment: its source is the taskset, and
+    its stage trains on the taskset's tasks (no data.train) with the plan's reward function left out."""
+    from shifu.pipelines.quickstart import _plan
+    from shifu.pipelines.stages import ppo_overrides
+
+    sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.verifiers.taskset=letters_taskset"]
+    plan = _plan("arith_tool", "smollm2", sets)
+    assert describe(plan["ppo"]).name == "environment verifiers:letters_taskset"
+    files = {"prompts_train": "train.jsonl", "prompts_val": "val.jsonl"}
+    over = ppo_overrides(plan["ppo"], "sft", files, {}, 0)
+    assert "train" not in over.get("data", {}) and "function" not in over.get("reward", {})
+    with pytest.raises(ConfigError, match="give one of env.factory, agent.factory and verifiers.taskset"):
+        _plan("arith_tool", "smollm2", sets[1:])

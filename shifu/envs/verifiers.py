@@ -11,7 +11,7 @@ installed); ``verifiers.harness`` names the harness (empty: the taskset's own, e
 verifiers pins an ``openai`` older than the one the ``agents`` extra needs, so verifiers runs in a process of its
 own, :class:`Worker`: ``verifiers.python`` (empty: this interpreter) runs :mod:`shifu.envs.verifiers_worker`,
 which loads the taskset once, lists its tasks (the run's prompts) and plays each episode it is sent against the
-run's policy gateway (:mod:`shifu.rollout.verifiers`). Everything stays on this machine: the harness's program is
+run's policy gateway (:mod:`shifu.rollout.verifiers`). Everything stays local: the harness's program is
 a local subprocess (verifiers' ``subprocess`` runtime; a taskset or harness that needs a container or a public
 tunnel is refused), its model calls go through verifiers' interception server on 127.0.0.1 to the gateway. The
 plain chat harness is a ``uv`` script: its first run installs its packages from the package index into uv's

@@ -7,7 +7,7 @@ lines: on start it writes ``{"ready": true, "tasks": {SPLIT: [{"idx", "prompt", 
 false, "error": ...}``), then answers each request ``{"id", "split", "idx", "base_url", "key", "model"}`` with
 ``{"id", "reward", "rewards", "error", "turns", "stop"}``, several episodes at once. Logs go to stderr.
 
-Everything runs on this machine: the harness's program as a subprocess (verifiers' ``subprocess`` runtime, never
+Everything runs locally: the harness's program as a subprocess (verifiers' ``subprocess`` runtime, never
 its default remote sandbox), verifiers' interception server on 127.0.0.1 between the program and the base URL.
 """
 
@@ -84,7 +84,7 @@ class Worker:
 
         env, tasks = self.envs[request["split"]], self.tasks[request["split"]]
         # verifiers reads a client's API key from an environment variable: one per episode (the key is the
-        # gateway's session), so concurrent episodes' clients differ
+        # episode's own key on the gateway), so concurrent episodes' clients differ
         self.keys += 1
         var = f"SHIFU_VERIFIERS_KEY_{self.keys}"
         os.environ[var] = request["key"]

@@ -167,10 +167,7 @@ class AgentEpisodes:
     trajectory's first input (None: no bound), ``side_calls`` ``"train"`` or ``"skip"`` (module docstring)."""
 
     gold = True  # what the agent returns is the task's own measure
-    what, on_error_key = (
-        "agent",
-        "agent.on_error",
-    )  # how faults name the source, and the setting they point to
+    what, on_error_key = "agent", "agent.on_error"  # faults name the source and the setting to change
 
     def __init__(
         self,
@@ -243,8 +240,8 @@ class AgentEpisodes:
         for ep in episodes:
             if ep.fault is not None and self.on_error == "raise":
                 raise AgentFault(
-                    f"{ep.fault}. Fix the {self.what}, or set {typed_key(self.on_error_key)}=end_episode to end such "
-                    "episodes with reward 0 (counted as agent/errors)"
+                    f"{ep.fault}. Fix the {self.what}, or set {typed_key(self.on_error_key)}=end_episode to "
+                    "end such episodes with reward 0 (counted as agent/errors)"
                 )
         t = self._trajectories(episodes, policy, params)
         calls = sum(ep.record.calls for ep in episodes)

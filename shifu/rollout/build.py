@@ -20,6 +20,7 @@ from torch import nn
 from shifu.config.imports import load_callable, typed_key
 from shifu.config.loader import from_dict, lookup, to_dict
 from shifu.config.schema import PPOConfig
+from shifu.config.sections import PromptDataConfig
 from shifu.config.sources import AgentConfig, EnvConfig, VerifiersConfig
 from shifu.data.rows import split_prompts
 from shifu.envs import verifiers as V
@@ -195,22 +196,45 @@ def verifiers_source(
     )
 
 
+def own_prompts(cfg: PPOConfig | dict) -> bool:
+    """Whether the source ``cfg`` names (a config, or a quickstart plan's ``ppo`` stage) has prompts of its own,
+    a verifiers taskset's tasks, so that ``data.train`` stays empty."""
+    config = cfg if isinstance(cfg, dict) else to_dict(cfg)
+    return bool(lookup(config, "verifiers.taskset"))
+
+
 def source_prompts(cfg: PPOConfig | Any, seed: int) -> tuple[list[dict], list[dict], str] | None:
     """``(training rows, held-out rows, where they come from)`` when the source of ``cfg`` (a PPO config, or
     a config read by the same schema) has prompts of its own, a verifiers taskset's tasks: its held-out split
-    (``verifiers.eval_kwargs``) or a ``data.eval_fraction`` split of its tasks; None: the prompts are
-    ``data.train`` / ``data.eval``."""
+    (``verifiers.eval_kwargs``) or a ``data.eval_fraction`` split of its tasks (seeded by ``seed``); None: the
+    prompts are ``data.train`` / ``data.eval``."""
     s = getattr(cfg, "verifiers", None)
     if s is None or not s.taskset:
         return None
-    w = verifiers_worker(s)
+    return taskset_prompts(s, cfg.data.eval_fraction, seed)
+
+
+def plan_prompts(ppo_plan: dict, seed: int) -> tuple[list[dict], list[dict], str] | None:
+    """:func:`source_prompts` of a quickstart plan's ``ppo`` stage (a dict; call it inside
+    ``key_prefix("ppo.")``)."""
+    section = plan_section(ppo_plan)
+    if not isinstance(section, VerifiersConfig):
+        return None
+    fraction = lookup(ppo_plan, "data.eval_fraction", PromptDataConfig().eval_fraction)
+    return taskset_prompts(section, fraction, seed)
+
+
+def taskset_prompts(section: VerifiersConfig, eval_fraction: float, seed: int) -> tuple[list, list, str]:
+    w = verifiers_worker(section)
     rows = V.task_rows(w, "train")
     if not rows:
-        raise ConfigError(f"{typed_key('verifiers.taskset')} {s.taskset} has no tasks with {s.kwargs}")
+        raise ConfigError(
+            f"{typed_key('verifiers.taskset')} {section.taskset} has no tasks with {section.kwargs}"
+        )
     if "eval" in w.tasks:
-        return rows, V.task_rows(w, "eval"), f"verifiers:{s.taskset} (held-out split)"
-    train, held_out = split_prompts(rows, cfg.data.eval_fraction, seed)
-    return train, held_out, f"verifiers:{s.taskset} (held-out split, data.eval_fraction)"
+        return rows, V.task_rows(w, "eval"), f"verifiers:{section.taskset} (held-out split)"
+    train, held_out = split_prompts(rows, eval_fraction, seed)
+    return train, held_out, f"verifiers:{section.taskset} (held-out split, data.eval_fraction)"
 
 
 def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str, str]:
