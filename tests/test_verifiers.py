@@ -279,3 +279,28 @@ def test_a_quickstart_plan_takes_a_taskset_instead_of_its_environment():
     assert "train" not in over.get("data", {}) and "function" not in over.get("reward", {})
     with pytest.raises(ConfigError, match="give one of env.factory, agent.factory and verifiers.taskset"):
         _plan("arith_tool", "smollm2", sets[1:])
+
+
+def test_the_example_taskset_loads_its_splits_and_scores_letters_in_place(task, monkeypatch):
+    """examples/envs/verifiers_acronyms.py, imported by verifiers from the working directory: its train and test
+    splits are disjoint phrases, a task's prompt asks for the acronym, and its score counts letters in place."""
+    from shifu.envs import verifiers as V
+
+    monkeypatch.chdir(ROOT / "examples" / "envs")
+    splits = {"train": {"num_tasks": 32}, "eval": {"num_tasks": 32, "split": "test"}}
+    worker = V.Worker(task["python"], "verifiers_acronyms", "", splits)
+    try:
+        train, test = ({t["prompt"] for t in worker.tasks[s]} for s in ("train", "eval"))
+        assert len(train) == len(test) == 32 and not train & test
+        assert all(p.startswith("Write the acronym of: ") for p in train)
+    finally:
+        worker.stop()
+    check = (
+        "import verifiers_acronyms as m\n"
+        "assert m.score('PNG', 'PNG') == 1.0 and m.score('PN', 'PNG') == 2 / 3\n"
+        "assert m.score('A PNG', 'PNG') == 1.0\n"
+        "assert m.score('PXGQ', 'PNG') == 2 / 4 and m.score('', 'PNG') == 0.0\n"
+        "assert m.score('The acronym is PNG.', 'PNG') == 1.0 and m.acronym('open source') == 'OS'\n"
+    )
+    out = subprocess.run([task["python"], "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -39,12 +39,13 @@ def acronym(phrase: str) -> str:
 
 
 def score(reply: str, answer: str) -> float:
-    """The fraction of the answer's letters the reply's first capital letters get right, in place; a longer
-    guess is divided by its own length, so padding a guess does not pay."""
-    first = reply.strip().splitlines()[0] if reply.strip() else ""
-    letters = re.sub(r"[^A-Z]", "", first)
-    right = sum(a == b for a, b in zip(letters, answer))
-    return right / max(len(answer), len(letters))
+    """The fraction of the answer's letters that the reply's first word of two or more capitals gets right, in
+    place ("The acronym is PNG." reads PNG); a longer guess is divided by its own length, so padding does not
+    pay."""
+    words = re.findall(r"\b[A-Z]{2,}\b", reply)
+    guess = words[0] if words else ""
+    right = sum(a == b for a, b in zip(guess, answer))
+    return right / max(len(answer), len(guess))
 
 
 class AcronymData(vf.TaskData):
