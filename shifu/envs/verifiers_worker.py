@@ -14,6 +14,7 @@ its default remote sandbox), verifiers' interception server on 127.0.0.1 between
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -91,7 +92,8 @@ class Worker:
         client = vf.EvalClientConfig(base_url=request["base_url"], api_key_var=var)
         ctx = vf.ModelContext(client=client, model=request["model"], sampling=vf.SamplingConfig())
         try:
-            episode = await env.run_episode(tasks[request["idx"]], ctx)
+            async with self.serving.held():
+                episode = await env.run_episode(tasks[request["idx"]], ctx)
         finally:
             os.environ.pop(var, None)
         errors = [str(getattr(e, "message", e)) for t in episode.traces for e in t.errors] + [
@@ -125,33 +127,62 @@ class Worker:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        envs = list(self.envs.values())
-        async with _serving(envs):
-            self.send(
-                {"ready": True, "tasks": {s: [described(t) for t in ts] for s, ts in self.tasks.items()}}
-            )
-            running = set()
-            while line := await loop.run_in_executor(None, sys.stdin.readline):
-                task = asyncio.create_task(self.answer(json.loads(line)))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            for task in list(running):
-                task.cancel()
+        self.serving = Serving(list(self.envs.values()))
+        self.send({"ready": True, "tasks": {s: [described(t) for t in ts] for s, ts in self.tasks.items()}})
+        running = set()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            task = asyncio.create_task(self.answer(json.loads(line)))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        for task in list(running):
+            task.cancel()
 
 
-class _serving:
-    """Every split's environment serving (its interception server and shared tools) at once."""
+class Serving:
+    """The environments' serving resources (verifiers' interception server with its model clients, shared tool
+    servers), up while episodes are in flight and released when none is. verifiers keeps one model client per
+    distinct client config and every episode's differs (its key), so releasing them when a batch of episodes
+    ends keeps them to a batch's. One task (:meth:`_own`) enters and leaves them."""
 
     def __init__(self, envs: list):
-        self.contexts = [env.serving() for env in envs]
+        self.envs, self.active, self.error = envs, 0, None
+        self.wanted, self.up, self.idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.owner: asyncio.Task | None = None
 
-    async def __aenter__(self):
-        for c in self.contexts:
-            await c.__aenter__()
+    async def _own(self) -> None:
+        while True:
+            await self.wanted.wait()
+            self.wanted.clear()
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    for env in self.envs:
+                        await stack.enter_async_context(env.serving())
+                    self.up.set()
+                    while self.active:  # (an episode may arrive between the last one's end and this check)
+                        await self.idle.wait()
+                        self.idle.clear()
+                    self.up.clear()
+            except Exception as e:  # noqa: BLE001 (every waiting episode reports it)
+                self.error = f"verifiers could not serve the environment: {type(e).__name__}: {e}"
+                self.up.set()
+                return
 
-    async def __aexit__(self, *exc):
-        for c in reversed(self.contexts):
-            await c.__aexit__(*exc)
+    @contextlib.asynccontextmanager
+    async def held(self):
+        if self.owner is None:
+            self.owner = asyncio.create_task(self._own())
+        self.active += 1
+        if self.active == 1:
+            self.wanted.set()
+        try:
+            await self.up.wait()
+            if self.error:
+                raise RuntimeError(self.error)
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.idle.set()
 
 
 def main() -> None:
