@@ -265,11 +265,13 @@ def test_ppo_raises_the_return_of_a_tasksets_rubric(task, tmp_path):
     assert evals[-1]["gold/score"] > evals[0]["gold/score"] + 0.1, evals
 
 
-def test_a_quickstart_plan_takes_a_taskset_instead_of_its_environment():
-    """A quickstart plan's PPO stage names a taskset as it names an environment: its source is the taskset, and
-    its stage trains on the taskset's tasks (no data.train) with the plan's reward function left out."""
+def test_a_quickstart_plan_takes_a_taskset_instead_of_its_environment(task):
+    """A quickstart plan's PPO stage names a taskset as it names an environment: its source is the taskset, its
+    stage trains on the taskset's tasks (no data.train) with the plan's reward function left out, and the final
+    evaluation's held-out rows are the ones the stage held out."""
     from shifu.pipelines.quickstart import _plan
     from shifu.pipelines.stages import ppo_overrides
+    from shifu.rollout.build import plan_prompts, source_prompts
 
     sets = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.verifiers.taskset=letters_taskset"]
     plan = _plan("arith_tool", "smollm2", sets)
@@ -279,6 +281,14 @@ def test_a_quickstart_plan_takes_a_taskset_instead_of_its_environment():
     assert "train" not in over.get("data", {}) and "function" not in over.get("reward", {})
     with pytest.raises(ConfigError, match="give one of env.factory, agent.factory and verifiers.taskset"):
         _plan("arith_tool", "smollm2", sets[1:])
+    stage = {
+        "verifiers": {"taskset": "letters_taskset", "python": task["python"], "kwargs": {"num_tasks": 40}}
+    }
+    stage["data"] = {"eval_fraction": 0.25}
+    train, held_out, where = plan_prompts(stage, seed=3)
+    assert (len(train), len(held_out)) == (30, 10) and where.endswith("(held-out split, data.eval_fraction)")
+    cfg = from_dict(PPOConfig, {"out_dir": "o", "model": {"path": "m"}, "seed": 3, **stage})
+    assert source_prompts(cfg, cfg.seed)[:2] == (train, held_out)
 
 
 def test_the_example_taskset_loads_its_splits_and_scores_letters_in_place(task, monkeypatch):
@@ -292,7 +302,7 @@ def test_the_example_taskset_loads_its_splits_and_scores_letters_in_place(task, 
     try:
         train, test = ({t["prompt"] for t in worker.tasks[s]} for s in ("train", "eval"))
         assert len(train) == len(test) == 32 and not train & test
-        assert all(p.startswith("Write the acronym of: ") for p in train)
+        assert all(p.startswith("Write the acronym of the phrase") and p.endswith(":") for p in train)
     finally:
         worker.stop()
     check = (

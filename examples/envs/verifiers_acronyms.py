@@ -31,6 +31,7 @@ WORDS = (
     "serial service shared simple social software standard static storage system transfer unified universal "
     "virtual visual wireless"
 ).split()
+EXAMPLE = "central processing unit: CPU"  # the prompt's worked example (its words are not all in WORDS)
 SPLITS = {"train": 0, "test": 1}  # a phrase's split: the parity of its seed
 
 
@@ -73,7 +74,7 @@ class AcronymTaskset(vf.Taskset[AcronymTask, AcronymConfig]):
         for i in range(self.config.num_tasks):
             seed = 2 * i + parity
             phrase = " ".join(random.Random(seed).sample(WORDS, self.config.words))
-            prompt = f"Write the acronym of: {phrase}\nAnswer with the capital letters only."
+            prompt = f"Write the acronym of the phrase in capitals.\n{EXAMPLE}\n{phrase}:"
             yield AcronymTask(
                 AcronymData(prompt=prompt, answer=acronym(phrase), id=str(seed)), self.config.task
             )
