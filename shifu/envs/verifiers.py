@@ -44,6 +44,10 @@ class VerifiersError(ShifuError):
     ``verifiers.python``) or stopped; the message quotes what it said."""
 
 
+class NotInstalled(VerifiersError):
+    """The Python that should run verifiers cannot import verifiers 0.4."""
+
+
 def python_of(spec: str) -> str:
     """The interpreter ``verifiers.python`` names (empty: this one)."""
     return spec or sys.executable
@@ -165,6 +169,8 @@ def worker(python: str, taskset: str, harness: str, kwargs: dict, eval_kwargs: d
     key = json.dumps([python, taskset, harness, splits], sort_keys=True, default=str)
     with _LOCK:
         if key not in _WORKERS:
+            if not installed(python):
+                raise NotInstalled(python)
             _WORKERS[key] = Worker(python, taskset, harness, splits)
             atexit.register(_WORKERS[key].stop)
         return _WORKERS[key]

@@ -166,14 +166,14 @@ def verifiers_worker(section: VerifiersConfig) -> V.Worker:
     """The verifiers worker of a ``verifiers`` section (started once per process); a ConfigError when verifiers
     is not installed where ``verifiers.python`` says, or the taskset does not load."""
     python = V.python_of(section.python)
-    if not V.installed(python):
-        where = typed_key("verifiers.python")
-        raise ConfigError(
-            f"{typed_key('verifiers.taskset')} {section.taskset} needs verifiers 0.4 in {python} ({V.EXTRA}, or "
-            f"{where}=PATH a Python that has it, e.g. a virtual environment with verifiers==0.4.*)"
-        )
     try:
         return V.worker(python, section.taskset, section.harness, section.kwargs, section.eval_kwargs)
+    except V.NotInstalled:
+        raise ConfigError(
+            f"{typed_key('verifiers.taskset')} {section.taskset} needs verifiers 0.4 in {python} ({V.EXTRA}, or "
+            f"{typed_key('verifiers.python')}=PATH a Python that has it, e.g. a virtual environment with "
+            "verifiers==0.4.*)"
+        ) from None
     except V.VerifiersError as e:
         raise ConfigError(f"{typed_key('verifiers.taskset')}: {e}") from None
 
