@@ -145,9 +145,9 @@ class PPOConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.verifiers.taskset is None:  # (a verifiers taskset's tasks are the prompts)
+        if not self.verifiers.taskset:  # (a verifiers taskset's tasks are the prompts)
             self.data.validate()
-        check_source(self)  # exactly one of env.factory, agent.factory and reward.*
+        check_source(self)  # exactly one of env.factory, agent.factory, verifiers.taskset and reward.*
         self.reward.validate()
         self._validate_sizes()
         if not (0 < self.clip_low < 1 and self.clip_high > 0):

@@ -268,7 +268,7 @@ def check_source(cfg) -> None:
     """Exactly one of ``env.factory``, ``agent.factory``, ``verifiers.taskset`` and ``reward.*`` makes and rewards
     the rollouts of the PPO config ``cfg``, each with what it needs and excludes."""
     r = cfg.reward
-    if cfg.verifiers.taskset is not None:  # a verifiers taskset's episodes (shifu.rollout.verifiers)
+    if cfg.verifiers.taskset:  # a verifiers taskset's episodes (shifu.rollout.verifiers)
         cfg.verifiers.validate_alongside(cfg)
     elif cfg.agent.factory is not None:  # an outside agent's episodes (shifu.rollout.agent)
         cfg.agent.validate_alongside(cfg)
@@ -279,5 +279,5 @@ def check_source(cfg) -> None:
             "give exactly one of reward.model_path, reward.function, reward.url, "
             f"{typed_key('env.factory')}, {typed_key('agent.factory')} and {typed_key('verifiers.taskset')}"
         )
-    if cfg.agent.factory is not None or cfg.env.factory is not None or cfg.verifiers.taskset is not None:
+    if cfg.agent.factory is not None or cfg.env.factory is not None or cfg.verifiers.taskset:
         cfg.generation.validate_episodes()

@@ -49,8 +49,8 @@ class NotInstalled(VerifiersError):
 
 
 def python_of(spec: str) -> str:
-    """The interpreter ``verifiers.python`` names (empty: this one)."""
-    return spec or sys.executable
+    """The interpreter ``verifiers.python`` names (empty: this one; ``~`` expanded)."""
+    return os.path.expanduser(spec) if spec else sys.executable
 
 
 def installed(python: str) -> bool:
@@ -74,7 +74,7 @@ def installed_here(spec: str) -> bool:
         import importlib.util
 
         return importlib.util.find_spec("verifiers") is not None
-    return Path(spec).exists()
+    return Path(spec).expanduser().exists()
 
 
 class Worker:
