@@ -314,3 +314,33 @@ def test_the_example_taskset_loads_its_splits_and_scores_letters_in_place(task, 
     )
     out = subprocess.run([task["python"], "-c", check], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_an_episode_past_its_timeout_ends_truncated_and_the_worker_plays_on(task):
+    """verifiers.timeout_s: episodes still playing when it passes end truncated (agent/timeouts), the worker is
+    told to stop them, and the next batch on the same worker plays to the end."""
+    import torch
+    from test_agent import batch_of
+
+    from shifu.envs import verifiers as V
+    from shifu.generation.rollout import SamplingParams
+    from shifu.models.loading import load_causal_lm, load_tokenizer
+    from shifu.rollout.episodes import EpisodeLimits
+    from shifu.rollout.sources import Policy
+    from shifu.rollout.verifiers import VerifiersEpisodes
+
+    tok = load_tokenizer(task["char"])
+    tok.padding_side = "left"
+    policy = Policy(load_causal_lm(str(task["char"])), tok, with_log_probs=True)
+    worker = V.worker(task["python"], "letters_taskset", "", {"num_tasks": 4}, {})
+    rows, limits = V.task_rows(worker, "train"), EpisodeLimits(1, 6, 24, ())
+    params = SamplingParams(6, 1.0)
+
+    def collect(timeout_s: float) -> dict:
+        source = VerifiersEpisodes(worker, "letters_taskset", limits, timeout_s=timeout_s)
+        return source.collect(policy, batch_of(rows), params, torch.Generator().manual_seed(0)).metrics
+
+    cut = collect(0.01)
+    assert cut["agent/timeouts"] == 1.0 and cut["agent/errors"] == 0.0
+    played = collect(600.0)
+    assert played["agent/timeouts"] == 0.0 and played["agent/errors"] == 0.0 and played["agent/calls"] == 1.0

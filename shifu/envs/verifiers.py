@@ -129,15 +129,29 @@ class Worker:
                 raise VerifiersError(
                     f"the verifiers worker of {self.taskset} stopped: {self.tail()}"
                 ) from None
+        future.add_done_callback(lambda f: self._cancel(n) if f.cancelled() else None)
         return future
+
+    def _cancel(self, n: int) -> None:
+        """Episode ``n`` is no longer awaited (cancelled: ``verifiers.timeout_s``): the worker stops playing it."""
+        with self.lock:
+            self.pending.pop(n, None)
+            try:
+                self.process.stdin.write(json.dumps({"cancel": n}) + "\n")
+                self.process.stdin.flush()
+            except (OSError, ValueError):  # (a stopped worker plays nothing)
+                pass
 
     def _read(self) -> None:
         for line in self.process.stdout:
             message = json.loads(line)
             with self.lock:
                 future = self.pending.pop(message.pop("id"), None)
-            if future is not None:
-                future.set_result(message)
+            if future is not None and not future.done():
+                try:
+                    future.set_result(message)
+                except concurrent.futures.InvalidStateError:  # (cancelled in the meantime)
+                    pass
         with self.lock:  # the worker stopped: whatever waits gets the reason
             waiting, self.pending = list(self.pending.values()), {}
         for future in waiting:

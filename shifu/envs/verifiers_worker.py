@@ -5,7 +5,8 @@ It imports nothing of shifu (its Python may have only verifiers: verifiers pins 
 started by :class:`shifu.envs.verifiers.Worker` as ``PYTHON verifiers_worker.py SETTINGS_JSON``. It speaks JSON
 lines: on start it writes ``{"ready": true, "tasks": {SPLIT: [{"idx", "prompt", "name"}, ...]}}`` (or ``{"ready":
 false, "error": ...}``), then answers each request ``{"id", "split", "idx", "base_url", "key", "model"}`` with
-``{"id", "reward", "rewards", "error", "turns", "stop"}``, several episodes at once. Logs go to stderr.
+``{"id", "reward", "rewards", "error", "turns", "stop"}``, several episodes at once; ``{"cancel": ID}`` stops
+playing one. Logs go to stderr.
 
 Everything runs locally: the harness's program as a subprocess (verifiers' ``subprocess`` runtime, never
 its default remote sandbox), verifiers' interception server on 127.0.0.1 between the program and the base URL.
@@ -129,12 +130,17 @@ class Worker:
         loop = asyncio.get_running_loop()
         self.serving = Serving(list(self.envs.values()))
         self.send({"ready": True, "tasks": {s: [described(t) for t in ts] for s, ts in self.tasks.items()}})
-        running = set()
+        running: dict[int, asyncio.Task] = {}
         while line := await loop.run_in_executor(None, sys.stdin.readline):
-            task = asyncio.create_task(self.answer(json.loads(line)))
-            running.add(task)
-            task.add_done_callback(running.discard)
-        for task in list(running):
+            request = json.loads(line)
+            if "cancel" in request:  # no longer awaited (shifu's verifiers.timeout_s): stop playing it
+                if (task := running.get(request["cancel"])) is not None:
+                    task.cancel()
+                continue
+            task = asyncio.create_task(self.answer(request))
+            running[request["id"]] = task
+            task.add_done_callback(lambda _, n=request["id"]: running.pop(n, None))
+        for task in list(running.values()):
             task.cancel()
 
 
