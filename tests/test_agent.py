@@ -505,7 +505,7 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
     assert "agent.concurrency must be >= 1" in check({"agent": {"factory": "a:b", "concurrency": 0}})
     with pytest.raises(ConfigError) as e:
         from_dict(PPOConfig, {k: v for k, v in base.items() if k != "agent"}).validate()
-    assert "reward.url, env.factory and agent.factory" in str(e.value)
+    assert "reward.url, env.factory, agent.factory and verifiers.taskset" in str(e.value)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     (tmp_path / "sync_agent.py").write_text("def solve(client, row):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

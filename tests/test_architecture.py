@@ -191,7 +191,14 @@ def test_trainers_never_ask_which_source_made_a_batch():
 
 # the settings that name a rollout source, and the modules that build sources from them (and the config wing,
 # which defines and checks them): everyone else asks the source (SourceDescription) or rollout.build.describe
-SOURCE_KEYS = {"env.factory", "agent.factory", "reward.url", "reward.function", "reward.model_path"}
+SOURCE_KEYS = {
+    "env.factory",
+    "agent.factory",
+    "verifiers.taskset",
+    "reward.url",
+    "reward.function",
+    "reward.model_path",
+}
 READS = {"lookup", "get", "getattr"}  # calls that read a setting by its key
 SOURCE_BUILDERS = {
     "shifu.rollout.build",

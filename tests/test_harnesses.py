@@ -460,6 +460,41 @@ def framework_env(name: str, requirement: str) -> Path:
     return python
 
 
+# -------------------------------------------------------------------------------------- verifiers
+@pytest.mark.slow
+def test_verifiers_plays_a_task_through_its_plain_chat_harness(tmp_path):
+    """verifiers 0.4 pins an ``openai`` of its own, so it runs in an environment of its own
+    (tests/test_verifiers.py makes it), as shifu runs it: a worker process playing a task of a taskset with its
+    plain chat harness (a uv script, a local process) through verifiers' interception server to the gateway. Its
+    calls stream with ``stream_options.include_usage``; the reward the task computes from the reply verifiers
+    parsed is the policy's text (all `a`: 1.0), served and recorded, the recording faithful."""
+    from test_verifiers import tasksets, verifiers_python
+
+    from shifu.envs import verifiers as V
+
+    python = verifiers_python()
+    with tasksets(tmp_path):
+        worker = V.Worker(str(python), "letters_taskset", "null", {"train": {"num_tasks": 1}})
+
+    def harness(base_url, key=KEY):
+        out = worker.submit("train", 0, base_url, key, "policy").result(timeout=600)
+        if out["error"]:
+            raise RuntimeError(out["error"])
+        return out
+
+    try:
+        script = Script(lambda _: "aaaa")
+        out, prompts = script.run(harness)
+        assert (out["reward"], out["turns"], len(prompts)) == (1.0, 1, 1)
+        assert [(r.stream, r.include_usage) for r in script.requests] == [(True, True)]
+        out, rec = script.recorded(harness)
+        assert out["reward"] == 1.0 and (rec.calls, len(rec.trajectories)) == (1, 1)
+        assert script.tok.decode(rec.trajectories[0].segments[0].sampled_ids) == "aaaa<|endoftext|>"
+        assert assert_faithful(script.model, rec, 1.0) == len(rec.trajectories[0].segments[0].sampled_ids)
+    finally:
+        worker.stop()
+
+
 @pytest.mark.slow
 def test_instructor_tools_mode_and_json_mode():
     """instructor pins an ``openai`` of its own, so it runs in an environment of its own: its default mode

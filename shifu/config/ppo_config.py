@@ -20,7 +20,14 @@ from shifu.config.sections import (
     TracesConfig,
     frozen,
 )
-from shifu.config.sources import AgentConfig, EnvConfig, GenerationConfig, RewardConfig, check_source
+from shifu.config.sources import (
+    AgentConfig,
+    EnvConfig,
+    GenerationConfig,
+    RewardConfig,
+    VerifiersConfig,
+    check_source,
+)
 from shifu.errors import ConfigError
 
 
@@ -155,14 +162,18 @@ class PPOConfig(RunConfig):
     agent: AgentConfig = opt(
         AgentConfig(), "episodes of an outside agent on the policy gateway (factory null: off)"
     )
+    verifiers: VerifiersConfig = opt(
+        VerifiersConfig(), "episodes of a verifiers taskset, its harness and its rewards (taskset null: off)"
+    )
     traces: TracesConfig = opt(
         TracesConfig(), "what the run records of its trajectories (shifu traces export)"
     )
 
     def validate(self) -> None:
         super().validate()
-        self.data.validate()
-        check_source(self)  # exactly one of env.factory, agent.factory and reward.*
+        if not self.verifiers.taskset:  # (a verifiers taskset's tasks are the prompts)
+            self.data.validate()
+        check_source(self)  # exactly one of env.factory, agent.factory, verifiers.taskset and reward.*
         self.reward.validate()
         self._validate_sizes()
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
@@ -245,7 +256,8 @@ class PPOConfig(RunConfig):
         """The most tokens a rollout row holds after its prompt: ``generation.max_new_tokens``, or with an
         environment or an agent ``generation.max_total_tokens`` (sampled and read tokens of an episode)."""
         g = self.generation
-        return g.max_total_tokens if self.env.factory or self.agent.factory else g.max_new_tokens
+        episodes = self.env.factory or self.agent.factory or self.verifiers.taskset
+        return g.max_total_tokens if episodes else g.max_new_tokens
 
     @property
     def uses_critic(self) -> bool:

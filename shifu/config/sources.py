@@ -1,7 +1,7 @@
 """The config sections of where a PPO run's trajectories come from, each defined once: how the policy samples
 (``generation``, an episode's budgets included), what scores single responses (``reward``), an environment
-(``env``: multi-turn episodes) or an outside agent (``agent``: episodes over the policy gateway), and
-:func:`check_source`, which takes exactly one of them. The other sections are in :mod:`shifu.config.sections`.
+(``env``: multi-turn episodes), an outside agent (``agent``: episodes over the policy gateway) or a verifiers
+taskset (``verifiers``: its tasks, harness and rewards), and :func:`check_source`, which takes exactly one of them. The other sections are in :mod:`shifu.config.sections`.
 """
 
 from __future__ import annotations
@@ -204,18 +204,87 @@ class AgentConfig:
                 raise ConfigError(message)
 
 
+@frozen
+class VerifiersConfig:
+    taskset: str | None = opt(
+        None,
+        "a verifiers (0.4) taskset, as verifiers names it (an installed taskset package, or a hub id already "
+        "installed): its tasks are the prompts (data.train stays empty), its harness plays them over the policy "
+        "gateway, its rewards are the return (docs/how-to/verifiers.md); null: off",
+    )
+    harness: str = opt(
+        "", "the verifiers harness that plays the tasks; empty: the taskset's own, else `null` (chat)"
+    )
+    kwargs: dict = opt({}, "the taskset's config (what vf-eval's --env.taskset.* sets), e.g. {num_tasks: 64}")
+    eval_kwargs: dict = opt(
+        {},
+        "the held-out split's config, over kwargs (e.g. {split: test}); empty: hold out data.eval_fraction of "
+        "the tasks",
+    )
+    python: str = opt(
+        "",
+        "the Python that runs verifiers (a virtual environment with shifu-rlhf[verifiers] or verifiers==0.4.*; "
+        "it pins another openai than the agents extra); empty: this one",
+    )
+    concurrency: int = opt(16, "episodes played at once (their calls share sampler calls)")
+    timeout_s: float | None = opt(
+        600.0,
+        "seconds one episode may take (the harness's first start installs its packages with uv): past it the "
+        "episode ends truncated; null: no limit",
+    )
+    on_error: Literal["raise", "end_episode"] = opt(
+        "raise",
+        "a failed episode (the harness or a reward raised, a stage timed out): stop the run naming the task, "
+        "or end that episode with reward 0 (agent/errors)",
+    )
+
+    def validate_alongside(self, cfg) -> None:
+        """What a verifiers taskset needs and excludes in the PPO config ``cfg``."""
+        key, r, d = typed_key("verifiers.taskset"), cfg.reward, cfg.data
+        refused = {
+            f"{typed_key('verifiers.concurrency')} must be >= 1 and {typed_key('verifiers.timeout_s')} > 0 or "
+            "null": self.concurrency < 1 or (self.timeout_s is not None and not self.timeout_s > 0),
+            f"give one of {typed_key('env.factory')}, {typed_key('agent.factory')} and {key}": (
+                cfg.env.factory is not None or cfg.agent.factory is not None
+            ),
+            f"{key} rewards its episodes: unset reward.model_path, reward.function, reward.url and "
+            "reward.dense": any(x is not None for x in (r.model_path, r.function, r.url)) or r.dense,
+            f"{key}: the held-out gold is the episode return; unset eval.gold_function": bool(
+                cfg.eval.gold_function
+            ),
+            f"{key}: the taskset's tasks are the prompts; unset data.train and data.eval (its held-out split is "
+            f"{typed_key('verifiers.eval_kwargs')}, or data.eval_fraction)": bool(d.train or d.eval),
+            f"{key} samples on each process's own gateway: use distributed.strategy=ddp or none": (
+                cfg.distributed.strategy in ("fsdp2", "deepspeed")
+            ),
+            f"{key}: the harness sends its own stop strings; unset generation.stop": bool(
+                cfg.generation.stop
+            ),
+            f"{typed_key('verifiers.kwargs')} and {typed_key('verifiers.eval_kwargs')} are the taskset's config: "
+            "its id is verifiers.taskset": "id" in self.kwargs or "id" in self.eval_kwargs,
+            f"data.eval_fraction must be in (0, 1) when {typed_key('verifiers.eval_kwargs')} is empty (got "
+            f"{d.eval_fraction})": not self.eval_kwargs and not 0 < d.eval_fraction < 1,
+            f"data.max_prompt_len must be >= 1 (got {d.max_prompt_len})": d.max_prompt_len < 1,
+        }
+        for message, wrong in refused.items():
+            if wrong:
+                raise ConfigError(message)
+
+
 def check_source(cfg) -> None:
-    """Exactly one of ``env.factory``, ``agent.factory`` and ``reward.*`` makes and rewards the rollouts of the
-    PPO config ``cfg``, each with what it needs and excludes."""
+    """Exactly one of ``env.factory``, ``agent.factory``, ``verifiers.taskset`` and ``reward.*`` makes and rewards
+    the rollouts of the PPO config ``cfg``, each with what it needs and excludes."""
     r = cfg.reward
-    if cfg.agent.factory is not None:  # an outside agent's episodes (shifu.rollout.agent)
+    if cfg.verifiers.taskset:  # a verifiers taskset's episodes (shifu.rollout.verifiers)
+        cfg.verifiers.validate_alongside(cfg)
+    elif cfg.agent.factory is not None:  # an outside agent's episodes (shifu.rollout.agent)
         cfg.agent.validate_alongside(cfg)
     elif cfg.env.factory is not None:  # the environment rewards the episodes
         cfg.env.validate_alongside(r, cfg.eval.gold_function)
     elif sum(x is not None for x in (r.model_path, r.function, r.url)) != 1:
         raise ConfigError(
             "give exactly one of reward.model_path, reward.function, reward.url, "
-            f"{typed_key('env.factory')} and {typed_key('agent.factory')}"
+            f"{typed_key('env.factory')}, {typed_key('agent.factory')} and {typed_key('verifiers.taskset')}"
         )
-    if cfg.agent.factory is not None or cfg.env.factory is not None:
+    if cfg.agent.factory is not None or cfg.env.factory is not None or cfg.verifiers.taskset:
         cfg.generation.validate_episodes()

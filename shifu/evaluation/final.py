@@ -45,10 +45,13 @@ def evaluate(
     through that environment or agent (its ``generation`` budgets); else responses judged by ``gold`` (``package.module:function``;
     the task's own by default), and for arith greedy decoding as well unless ``ev["greedy"]`` is false. One
     progress bar on stderr counts the prompts of every pass."""
-    from shifu.rollout.build import describe
+    from shifu.config.imports import key_prefix
+    from shifu.rollout.build import describe, plan_prompts
     from shifu.runs.tracking import progress
 
-    rows = read_jsonl(prompts_path)[: ev.get("num_prompts")]
+    with key_prefix("ppo."):
+        own = plan_prompts(ppo_plan or {}, seed)  # a verifiers taskset's held-out tasks
+    rows = (own[1] if own else read_jsonl(prompts_path))[: ev.get("num_prompts")]
     episodes = describe(ppo_plan or {}).episodes
     greedy = not episodes and task == "arith" and ev.get("greedy", True)  # the policy at its mode too
     bar = progress(len(rows) * (4 if greedy else 2), "final evaluation")

@@ -67,7 +67,11 @@ def run_config(run_dir: str):
 def held_out_rows(cfg) -> tuple[list[dict], str]:
     """A run's held-out prompt rows as its evaluations read them, and where they came from."""
     from shifu.data.rows import load_rows, split_prompts
+    from shifu.rollout.build import source_prompts
 
+    own = source_prompts(cfg, cfg.seed)  # a verifiers taskset's tasks
+    if own is not None:
+        return own[1], own[2]
     d = cfg.data
     if d.eval:
         return load_rows(d.eval, "prompt", skip_bad=d.skip_bad), d.eval

@@ -67,7 +67,7 @@ from shifu.pipelines.stages import (
     read_jsonl,
     writing,
 )
-from shifu.rollout.build import describe
+from shifu.rollout.build import describe, own_prompts
 from shifu.runs import jsonfile
 
 # ----------------------------------------------------------------------------------------- stage plans
@@ -145,6 +145,8 @@ def check_stage(cls: type, section: Any, where: str) -> None:
         rewarded = describe(section).spec  # (what rewards the stage; an environment or agent, its episodes)
         if cls is PPOConfig and not rewarded:
             fill["reward"] = {"model_path": "<run>/rm/final"}
+        if cls is PPOConfig and own_prompts(section):  # (a verifiers taskset's tasks are its prompts)
+            fill.pop("data")
         if cls is RMConfig and model.get("path") == "bag-of-tokens" and not model.get("tokenizer"):
             fill["model"]["tokenizer"] = "<run>/sft/final"
     check_section(cls, section, where, fill)

@@ -168,17 +168,15 @@ def train_stage(module_name: str, stage_dir: Path, overrides: dict) -> dict:
 
 def ppo_overrides(plan: dict, sft_final: str | Path, files: dict[str, str], reward: dict, seed: int) -> dict:
     """A PPO (or REINFORCE) run's config: ``plan`` from the SFT policy (the actor's start and the
-    reference), on the task's training prompts with its validation prompts held out, rewarded by
-    ``reward`` (``model_path``, ``function`` or a service's ``url``)."""
-    over = merge(
-        plan,
-        {
-            "seed": seed,
-            "model": {"path": str(sft_final)},
-            "reward": dict(reward),
-            "data": {"train": files["prompts_train"], "eval": files["prompts_val"]},
-        },
+    reference), on the task's training prompts with its validation prompts held out (a source with prompts of
+    its own, a verifiers taskset, on its tasks), rewarded by ``reward`` (``model_path``, ``function`` or a
+    service's ``url``)."""
+    from shifu.rollout.build import own_prompts
+
+    data = (
+        {} if own_prompts(plan) else {"data": {"train": files["prompts_train"], "eval": files["prompts_val"]}}
     )
+    over = merge(plan, {"seed": seed, "model": {"path": str(sft_final)}, "reward": dict(reward), **data})
     if "function" not in reward:  # a reward model or service replaces the plan's reward function
         over["reward"].pop("function", None)
     return over

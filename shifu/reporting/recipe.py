@@ -60,7 +60,7 @@ CRITIC_KEYS = ("critic", "vf_coef", "lam", "value_clip", "critic_warmup", "joint
 # the key config of the source that made a PPO run's rollouts, per kind (SourceDescription.kind)
 EPISODE_BUDGETS = ("generation.max_turns", "generation.max_new_tokens", "generation.max_total_tokens")
 SOURCE_KEYS = {
-    "environment": ("env.factory", *EPISODE_BUDGETS),
+    "environment": ("env.factory", "verifiers.taskset", *EPISODE_BUDGETS),
     "agent": ("agent.factory", *EPISODE_BUDGETS),
     "single-turn": ("reward.function", "reward.model_path", "reward.url", "generation.max_new_tokens"),
 }
@@ -305,6 +305,7 @@ def without_unused(config: dict[str, Any], source: Any = None) -> dict[str, Any]
     unused += ["kl.horizon"] if s["kl.controller"] != "adaptive" else []
     kind = source.kind if source is not None else "single-turn"
     unused += [section for k, section in (("environment", "env"), ("agent", "agent")) if k != kind]
+    unused += [] if source is not None and source.spec.startswith("verifiers:") else ["verifiers"]
     unused += [] if kind != "single-turn" else ["generation.max_turns", "generation.max_total_tokens"]
     out = dict(config)
     for key in unused:

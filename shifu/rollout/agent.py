@@ -167,6 +167,7 @@ class AgentEpisodes:
     trajectory's first input (None: no bound), ``side_calls`` ``"train"`` or ``"skip"`` (module docstring)."""
 
     gold = True  # what the agent returns is the task's own measure
+    what, on_error_key = "agent", "agent.on_error"  # faults name the source and the setting to change
 
     def __init__(
         self,
@@ -240,8 +241,8 @@ class AgentEpisodes:
         for ep in episodes:
             if ep.fault is not None and self.on_error == "raise":
                 raise AgentFault(
-                    f"{ep.fault}. Fix the agent, or set {typed_key('agent.on_error')}=end_episode to end such "
-                    "episodes with reward 0 (counted as agent/errors)"
+                    f"{ep.fault}. Fix the {self.what}, or set {typed_key(self.on_error_key)}=end_episode to "
+                    "end such episodes with reward 0 (counted as agent/errors)"
                 )
         t = self._trajectories(episodes, policy, params)
         calls = sum(ep.record.calls for ep in episodes)
@@ -266,7 +267,7 @@ class AgentEpisodes:
         import httpx
         import openai
 
-        where = f"agent {self.spec}, row {describe_row(row)}"
+        where = f"{self.what} {self.spec}, row {describe_row(row)}"
         key = gateway.start_session(row_id=i)
         # a connection of its own (a pool shared by many episodes checks each of its connections per request)
         transport = httpx.AsyncHTTPTransport(verify=False)  # (plain HTTP on 127.0.0.1)

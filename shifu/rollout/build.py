@@ -1,5 +1,6 @@
 """The rollout source a PPO config names (:func:`build_source`): an environment (``env.factory``) makes episodes,
-an outside agent (``agent.factory``) makes them over the policy gateway; otherwise single-turn responses are
+an outside agent (``agent.factory``) or a verifiers taskset (``verifiers.taskset``, whose tasks are also the
+prompts: :func:`source_prompts`) makes them over the policy gateway; otherwise single-turn responses are
 scored by the reward service (``reward.url``), a function (``reward.function``) or a reward model or ensemble
 (``reward.model_path``).
 
@@ -19,7 +20,10 @@ from torch import nn
 from shifu.config.imports import load_callable, typed_key
 from shifu.config.loader import from_dict, lookup, to_dict
 from shifu.config.schema import PPOConfig
-from shifu.config.sources import AgentConfig, EnvConfig
+from shifu.config.sections import PromptDataConfig
+from shifu.config.sources import AgentConfig, EnvConfig, VerifiersConfig
+from shifu.data.rows import split_prompts
+from shifu.envs import verifiers as V
 from shifu.envs.base import Environment
 from shifu.errors import ConfigError
 from shifu.rewards.ensemble import ENSEMBLE_FILE
@@ -27,6 +31,7 @@ from shifu.rewards.sources import RewardSource, load_reward_model
 from shifu.rollout.agent import AGENTS_EXTRA, AgentEpisodes, check_tokenizer, load_agent
 from shifu.rollout.episodes import EpisodeLimits, Episodes
 from shifu.rollout.sources import SINGLE_TURN, RolloutSource, SingleTurn, SourceDescription
+from shifu.rollout.verifiers import VerifiersEpisodes
 
 
 def episode_limits(generation: Any) -> EpisodeLimits:
@@ -40,8 +45,8 @@ def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Modul
     for an environment, an agent, a function or the service), on ``strategy.device``; the strategy places it
     (``strategy.frozen``) and the source reads it inside ``strategy.offloaded``."""
     section = episode_section(cfg)
-    if section is not None:  # an environment (shifu.envs) or an outside agent (shifu.rollout.agent)
-        if isinstance(section, AgentConfig):
+    if section is not None:  # an environment (shifu.envs), an outside agent (shifu.rollout.agent), a taskset
+        if isinstance(section, (AgentConfig, VerifiersConfig)):
             check_tokenizer(tok)
         forks = cfg.group_size == 1 and strategy.world == 1  # (an agent's fork trajectories as rows)
         d = cfg.data
@@ -52,23 +57,31 @@ def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Modul
     return SingleTurn(reward, tuple(cfg.generation.stop), offload, scored_by, spec), model
 
 
-def episode_section(cfg: PPOConfig) -> AgentConfig | EnvConfig | None:
-    """The section of ``cfg`` whose factory makes episodes (``agent``, ``env``); None: single responses."""
+Section = AgentConfig | EnvConfig | VerifiersConfig
+
+
+def episode_section(cfg: PPOConfig) -> Section | None:
+    """The section of ``cfg`` that makes episodes (``agent``, ``env``, ``verifiers``); None: single responses."""
+    if cfg.verifiers.taskset:
+        return cfg.verifiers
     return cfg.agent if cfg.agent.factory else cfg.env if cfg.env.factory else None
 
 
-def plan_section(ppo_plan: dict | None) -> AgentConfig | EnvConfig | None:
+def plan_section(ppo_plan: dict | None) -> Section | None:
     """:func:`episode_section` of a quickstart plan's ``ppo`` stage (a dict, as the plan's YAML writes it),
     read by the schema (call it inside ``key_prefix("ppo.")``: a bad key is named as the plan names it)."""
-    for key, cls in (("agent", AgentConfig), ("env", EnvConfig)):
+    for key, cls, names in (("verifiers", VerifiersConfig, "taskset"), ("agent", AgentConfig, "factory")):
         section = (ppo_plan or {}).get(key)
-        if isinstance(section, dict) and section.get("factory"):
+        if isinstance(section, dict) and section.get(names):
             return from_dict(cls, section)
+    section = (ppo_plan or {}).get("env")
+    if isinstance(section, dict) and section.get("factory"):
+        return from_dict(EnvConfig, section)
     return None
 
 
 def episodes_source(
-    section: AgentConfig | EnvConfig,
+    section: Section,
     generation: Any,
     chat: bool = True,
     max_prompt_len: int | None = None,
@@ -79,6 +92,8 @@ def episodes_source(
     chat template with ``chat``), within a ``generation`` section's budgets; a first input longer than
     ``max_prompt_len`` ids is an error naming the row. An agent whose extras are not installed is refused here,
     before a run writes anything."""
+    if isinstance(section, VerifiersConfig):
+        return verifiers_source(section, generation, train_forks, max_prompt_len)
     if isinstance(section, AgentConfig):
         source = agent_source(section, generation, train_forks, max_prompt_len)
         if not source.description.available:
@@ -100,6 +115,10 @@ def describe(cfg: PPOConfig | dict) -> SourceDescription:
 def describe_settings(setting: Callable[[str], Any]) -> SourceDescription:
     """The source a PPO config's settings name, ``setting(key)`` reading one (``"env.factory"``): the
     description a run records, for a config as recorded (a run from before runs recorded their source)."""
+    if taskset := setting("verifiers.taskset"):
+        return VerifiersEpisodes.describe(
+            str(taskset), V.installed_here(str(setting("verifiers.python") or ""))
+        )
     if agent := setting("agent.factory"):
         return AgentEpisodes.describe(str(agent))
     if env := setting("env.factory"):
@@ -141,6 +160,81 @@ def agent_source(
         max_prompt_len,
         a.side_calls,
     )
+
+
+def verifiers_worker(section: VerifiersConfig) -> V.Worker:
+    """The verifiers worker of a ``verifiers`` section (started once per process); a ConfigError when verifiers
+    is not installed where ``verifiers.python`` says, or the taskset does not load."""
+    python = V.python_of(section.python)
+    try:
+        return V.worker(python, section.taskset, section.harness, section.kwargs, section.eval_kwargs)
+    except V.NotInstalled:
+        raise ConfigError(
+            f"{typed_key('verifiers.taskset')} {section.taskset} needs verifiers 0.4 in {python} ({V.EXTRA}, or "
+            f"{typed_key('verifiers.python')}=PATH a Python that has it, e.g. a virtual environment with "
+            "verifiers==0.4.*)"
+        ) from None
+    except V.VerifiersError as e:
+        raise ConfigError(f"{typed_key('verifiers.taskset')}: {e}") from None
+
+
+def verifiers_source(
+    section: VerifiersConfig, generation: Any, train_forks: bool = False, max_prompt_len: int | None = None
+) -> VerifiersEpisodes:
+    """The episodes of a ``verifiers`` section's taskset with a ``generation`` section's budgets (the rest as
+    :func:`agent_source`)."""
+    s = section
+    return VerifiersEpisodes(
+        verifiers_worker(s),
+        s.taskset,
+        episode_limits(generation),
+        concurrency=s.concurrency,
+        timeout_s=s.timeout_s,
+        on_error=s.on_error,
+        train_forks=train_forks,
+        max_prompt_len=max_prompt_len,
+    )
+
+
+def own_prompts(cfg: PPOConfig | dict) -> bool:
+    """Whether the source ``cfg`` names (a config, or a quickstart plan's ``ppo`` stage) has prompts of its own,
+    a verifiers taskset's tasks, so that ``data.train`` stays empty."""
+    config = cfg if isinstance(cfg, dict) else to_dict(cfg)
+    return bool(lookup(config, "verifiers.taskset"))
+
+
+def source_prompts(cfg: PPOConfig | Any, seed: int) -> tuple[list[dict], list[dict], str] | None:
+    """``(training rows, held-out rows, where they come from)`` when the source of ``cfg`` (a PPO config, or
+    a config read by the same schema) has prompts of its own, a verifiers taskset's tasks: its held-out split
+    (``verifiers.eval_kwargs``) or a ``data.eval_fraction`` split of its tasks (seeded by ``seed``); None: the
+    prompts are ``data.train`` / ``data.eval``."""
+    s = getattr(cfg, "verifiers", None)
+    if s is None or not s.taskset:
+        return None
+    return taskset_prompts(s, cfg.data.eval_fraction, seed)
+
+
+def plan_prompts(ppo_plan: dict, seed: int) -> tuple[list[dict], list[dict], str] | None:
+    """:func:`source_prompts` of a quickstart plan's ``ppo`` stage (a dict; call it inside
+    ``key_prefix("ppo.")``)."""
+    section = plan_section(ppo_plan)
+    if not isinstance(section, VerifiersConfig):
+        return None
+    fraction = lookup(ppo_plan, "data.eval_fraction", PromptDataConfig().eval_fraction)
+    return taskset_prompts(section, fraction, seed)
+
+
+def taskset_prompts(section: VerifiersConfig, eval_fraction: float, seed: int) -> tuple[list, list, str]:
+    w = verifiers_worker(section)
+    rows = V.task_rows(w, "train")
+    if not rows:
+        raise ConfigError(
+            f"{typed_key('verifiers.taskset')} {section.taskset} has no tasks with {section.kwargs}"
+        )
+    if "eval" in w.tasks:
+        return rows, V.task_rows(w, "eval"), f"verifiers:{section.taskset} (held-out split)"
+    train, held_out = split_prompts(rows, eval_fraction, seed)
+    return train, held_out, f"verifiers:{section.taskset} (held-out split, data.eval_fraction)"
 
 
 def load_reward(cfg: PPOConfig, tok, device) -> tuple[Any, str, str]:

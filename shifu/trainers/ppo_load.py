@@ -25,7 +25,7 @@ from shifu.models.loading import (
 from shifu.models.scalar import ScalarModel, new_value_head
 from shifu.parallel.strategy import Strategy
 from shifu.rewards.sources import same_tokenizer
-from shifu.rollout.build import build_source, describe
+from shifu.rollout.build import build_source, describe, source_prompts
 from shifu.rollout.sources import SourceDescription
 
 
@@ -35,20 +35,24 @@ def load_prompts(cfg: PPOConfig) -> tuple:
     or a ``data.eval_fraction`` split of ``data.train``) and the first ``eval.final_prompts`` of them for the
     final evaluation (none without a gold judge: ``eval.gold_function``, or a source whose return is the task's
     own, an environment's or an agent's); ``dropped`` counts the rollout prompts left out."""
-    rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
-    if cfg.data.eval:
-        eval_rows = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad)
+    own = source_prompts(cfg, cfg.seed)  # a verifiers taskset's tasks
+    if own is not None:
+        rows, eval_rows, source = own
+    elif cfg.data.eval:
+        rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
+        eval_rows, source = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad), cfg.data.eval
     else:
+        rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
         rows, eval_rows = split_prompts(rows, cfg.data.eval_fraction, cfg.seed)
+        source = cfg.data.train
     tok = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     tok.padding_side = "left"
     d = cfg.data
     ids, rows, dropped = encode_prompts(
-        tok, rows, d.max_prompt_len, d.prompt_policy, d.train, d.chat_template
+        tok, rows, d.max_prompt_len, d.prompt_policy, own[2] if own else d.train, d.chat_template
     )
     judged = cfg.eval.gold_function is not None or describe(cfg).gold
     n_final = cfg.eval.final_prompts if judged else 0
-    source = d.eval or d.train
 
     def encoded(n: int) -> tuple[list[list[int]], list[dict]]:
         x = encode_prompts(tok, eval_rows[:n], d.max_prompt_len, d.prompt_policy, source, d.chat_template)
