@@ -112,6 +112,31 @@ class Policy:
     largest: Callable[[int], int] = _same
     sampler: Callable[..., Sample] = sample
 
+    def sample(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stop: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> Sample:
+        """One sampler call over left-padded prompts ``(B, P)`` (where the model reads its inputs), as every
+        source samples: the log-probs, entropies and values it reads, the strategy's keywords, the ``stop`` rule
+        (a :class:`shifu.generation.stops.RowStops`; None: EOS and ``max_new_tokens`` only)."""
+        return self.sampler(
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            params,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            generator=generator,
+            with_log_probs=self.with_log_probs,
+            value_head=self.value_head,
+            stop=stop,
+            **self.sample_kwargs,
+        )
+
     def in_step(self, calls: list) -> Iterator:
         """``calls`` (the sampler calls a rank makes now), and under torchrun empty stand-ins until every rank
         has made as many: ranks sampling in step make the same number of forwards."""
@@ -173,21 +198,10 @@ class SingleTurn:
         self, policy: Policy, batch: PromptBatch, params: SamplingParams, generator: torch.Generator | None
     ) -> Trajectories:
         tok, rows = policy.tokenizer, batch.rows
-        out = policy.sampler(
-            policy.model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            params,
-            tok.eos_token_id,
-            tok.pad_token_id,
-            generator=generator,
-            with_log_probs=policy.with_log_probs,
-            value_head=policy.value_head,
-            stop=RowStops(tok, [params.max_new_tokens] * len(rows), [self.stop] * len(rows))
-            if self.stop
-            else None,
-            **policy.sample_kwargs,
+        stop = (
+            RowStops(tok, [params.max_new_tokens] * len(rows), [self.stop] * len(rows)) if self.stop else None
         )
+        out = policy.sample(batch.prompt_ids, batch.prompt_mask, params, generator, stop)
         ids, mask = out.response_ids, out.response_mask
         prompts = [r["prompt"] for r in rows]
         responses = [tok.decode(ids[i][mask[i]], skip_special_tokens=True) for i in range(len(rows))]
