@@ -58,7 +58,8 @@ out of the update as a non-finite score is.
 module); sharded actors (FSDP2, DeepSpeed) are refused by the config.
 
 **Reproducibility.** A completion's randomness is the run's and its own, not the order calls arrive in: per
-collect the trainer's generator draws the gateway's seed (so the step is in it), row ``i``'s episode runs in a
+collect the trainer's generator draws the gateway's seed (so the step is in it; without a generator the seed is
+the collect's number), row ``i``'s episode runs in a
 session of row id ``i``, and each choice of the session's ``k``-th call samples from a generator of its own
 seeded by (seed, ``i``, ``k``, choice) (:mod:`shifu.gateway.engine`). That alone gives the same tokens, not the
 same bits: a row's logits differ in their last bits with the rows beside it in a sampler call (the padded width
@@ -201,7 +202,9 @@ class AgentEpisodes:
             raise ShifuError(f"{typed_key('agent.factory')} needs its extras: {AGENTS_EXTRA}") from None
         check_tokenizer(policy.tokenizer)
         self.version += 1
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else 0
+        # the gateway's seed: drawn from the run's generator; without one, the collect's own number (each batch
+        # of an evaluation samples other tokens, the same on every run)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else self.version
         sampling = Sampling(
             temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k,
