@@ -498,7 +498,9 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
     from_dict(PPOConfig, base).validate()  # alone it is a complete source
     assert "give env.factory or agent.factory, not both" in check({"env": {"factory": "x:Y"}})
     assert "agent.factory rewards its episodes" in check({"reward": {"function": "x:f"}})
-    assert "use distributed.strategy=ddp or none, not fsdp2" in check({"distributed": {"strategy": "fsdp2"}})
+    from_dict(
+        PPOConfig, base | {"distributed": {"strategy": "fsdp2"}}
+    ).validate()  # sharded actors run agents
     assert "unset generation.stop" in check({"generation": {"stop": ["]"]}})
     assert "agent.concurrency must be >= 1" in check({"agent": {"factory": "a:b", "concurrency": 0}})
     with pytest.raises(ConfigError) as e:

@@ -78,7 +78,9 @@ class Gateway:
         self.ended: queue.SimpleQueue[RecordedSession] = queue.SimpleQueue()
         self.server = None
         self.max_wait_s = 1.0  # recording: the longest a sampler call waits for more completions (batch_wait)
-        self._identity: dict[str, list] = {}  # open session's key -> [row (its row_id, else its number), calls]
+        self._identity: dict[
+            str, list
+        ] = {}  # open session's key -> [row (its row_id, else its number), calls]
         self._plan: tuple[int, int] | None = None  # (rows, concurrency): plan_sessions
         self._started = 0  # sessions started since plan_sessions
         self._unnamed = 0  # sessions started without a row id (their identity: ("session", n))

@@ -54,8 +54,10 @@ once the batch's episodes ended); ``end_episode`` keeps what the episode recorde
 (``failed``, ``agent/errors``). An episode with no call has nothing to train: a row with no sampled token, left
 out of the update as a non-finite score is.
 
-**Torchrun.** Each process serves its own share of the rows on its own gateway with its whole actor (DDP's
-module); sharded actors (FSDP2, DeepSpeed) are refused by the config.
+**Torchrun.** Each process serves its own share of the rows on its own gateway, never rank 0 for all: a gateway
+answers calls as they come, so it samples off-step from whole weights (DDP's module, ZeRO-2's; under FSDP2 and
+ZeRO-3 a plain copy every rank gathers from the shards once per collect, ``strategy.whole``), and W gateways
+sample W shares at once where one would sample them one after another and leave W - 1 processes waiting.
 
 **Reproducibility.** A completion's randomness is the run's and its own, not the order calls arrive in: per
 collect the trainer's generator draws the gateway's seed (so the step is in it; without a generator the seed is
@@ -204,7 +206,9 @@ class AgentEpisodes:
         self.version += 1
         # the gateway's seed: drawn from the run's generator; without one, the collect's own number (each batch
         # of an evaluation samples other tokens, the same on every run)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else self.version
+        seed = (
+            int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else self.version
+        )
         sampling = Sampling(
             temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k,
@@ -212,7 +216,7 @@ class AgentEpisodes:
             max_tokens=params.max_new_tokens,
         )
         gateway = Gateway(
-            policy.model,
+            policy.whole(policy.model),  # (a sharded actor's whole copy: the gateway samples off-step)
             policy.tokenizer,
             recording=True,
             token=secrets.token_urlsafe(18),

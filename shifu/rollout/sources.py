@@ -25,8 +25,8 @@ from shifu.generation.stops import RowStops
 from shifu.rollout.batch import PromptBatch, Trajectories, Transcript
 
 
-def _same(n: int) -> int:
-    return n
+def _same(x: Any) -> Any:
+    return x
 
 
 SINGLE_TURN, ENVIRONMENT, AGENT = "single-turn", "environment", "agent"  # SourceDescription.kind
@@ -102,7 +102,8 @@ class Policy:
     the decode steps, as :func:`shifu.generation.rollout.sample` does; ``sample_kwargs``: the strategy's
     (``strategy.generation_kwargs()``: under torchrun every rank steps until all are done); ``largest``: the
     largest of every rank's value of an int (``strategy.largest``; one process: the value itself);
-    ``sampler``: the sampling function (a test may wrap it)."""
+    ``sampler``: the sampling function (a test may wrap it); ``whole``: ``model`` with whole weights, to sample
+    from off-step (``strategy.whole``: a sharded actor's gathered copy; one process: the model itself)."""
 
     model: nn.Module
     tokenizer: Any
@@ -111,6 +112,7 @@ class Policy:
     sample_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     largest: Callable[[int], int] = _same
     sampler: Callable[..., Sample] = sample
+    whole: Callable[[nn.Module], nn.Module] = _same
 
     def sample(
         self,
