@@ -309,9 +309,7 @@ class AgentEpisodes:
                 trained = made if self.side_calls == "train" else own
                 extra += [r for r in trained if r is not main[-1]]
         t = stack(main + extra, policy.tokenizer.pad_token_id, policy.with_log_probs, False)
-        if (
-            policy.value_head is not None
-        ):  # a shared-trunk critic's values: the gateway's sampler has no value head
+        if policy.value_head is not None:  # a shared-trunk critic's (the gateway's sampler has no value head)
             T = 1.0 if params.greedy else params.temperature
             t = dataclasses.replace(t, values=_values(policy, t, T))
         return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
@@ -341,6 +339,7 @@ class AgentEpisodes:
             "agent/",
             tools=True,
         )
+        # (an episode ends on done only in an environment; agent/errors counts the episodes' faults, below)
         return {k: v for k, v in main.items() if k not in ("agent/terminated", "agent/errors")} | {
             "agent/calls": sum(r.calls for r in records) / n,
             "agent/forks": sum(r.forks for r in records) / n,
