@@ -288,10 +288,5 @@ def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:
         )
         for ep in eps
     ]
-    out = stack(trajs, policy.tokenizer.pad_token_id, policy.with_log_probs, policy.value_head is not None)
-    return dataclasses.replace(out, metrics=metrics(out))
-
-
-def metrics(t: Trajectories, prefix: str = "env/") -> dict[str, float]:
-    """Means over the episodes (:func:`shifu.rollout.batch.episode_metrics`)."""
-    return episode_metrics(t.counts, t.truncated, t.failed, t.returns, prefix)
+    t = stack(trajs, policy.tokenizer.pad_token_id, policy.with_log_probs, policy.value_head is not None)
+    return dataclasses.replace(t, metrics=episode_metrics(t.counts, t.truncated, t.failed, t.returns, "env/"))
