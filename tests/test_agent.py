@@ -500,7 +500,9 @@ def test_the_config_refuses_what_an_agent_cannot_run(tmp_path, monkeypatch):
     from_dict(PPOConfig, base).validate()  # alone it is a complete source
     assert "give env.factory or agent.factory, not both" in check({"env": {"factory": "x:Y"}})
     assert "agent.factory rewards its episodes" in check({"reward": {"function": "x:f"}})
-    assert "use distributed.strategy=ddp or none, not fsdp2" in check({"distributed": {"strategy": "fsdp2"}})
+    from_dict(
+        PPOConfig, base | {"distributed": {"strategy": "fsdp2"}}
+    ).validate()  # sharded actors run agents
     assert "unset generation.stop" in check({"generation": {"stop": ["]"]}})
     assert "agent.concurrency must be >= 1" in check({"agent": {"factory": "a:b", "concurrency": 0}})
     with pytest.raises(ConfigError) as e:
@@ -866,3 +868,40 @@ def test_an_agent_without_its_extras_is_refused_before_the_run_writes_anything(
     assert cli.main([*argv, "agent.factory=echo_agent:solve", "progress=false"]) == 2
     assert "agent.factory echo_agent:solve needs its extras: pip install" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_without_a_generator_each_evaluation_batch_samples_its_own_tokens_the_same_every_time():
+    """An evaluation through an agent with no generator: the gateway's seed is the collect's number, so two
+    batches of the same rows sample other tokens, and a fresh source repeats them."""
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    rows = [{"prompt": f"hello {i}"} for i in range(3)]
+    params = SamplingParams(6, 1.0)
+
+    def run() -> list[str]:
+        source = AgentEpisodes(one_call, "t:one", EpisodeLimits(2, 6, 64))
+        return evaluate(Policy(model, tok), source, [batch_of(rows), batch_of(rows)], params, None).responses
+
+    first = run()
+    assert first[:3] != first[3:] and run() == first
+
+
+def test_sessions_without_a_row_id_sample_as_numbered_sessions_not_by_their_random_keys():
+    """A session started without a row id (an outside harness) is identified by its number among such
+    sessions: two gateways with one seed give its calls the same tokens, and another seed other ones."""
+    from shifu.gateway import Gateway
+    from shifu.gateway.engine import Job
+
+    tok = chat_tokenizer()
+    model = tiny_policy(tok, positions=1024)
+    ids = tok("hello there", add_special_tokens=False)["input_ids"]
+
+    def sampled(seed: int) -> list[list[int]]:
+        gw = Gateway(model, tok, recording=True, token="t", seed=seed)
+        keys = [gw.start_session(), gw.start_session()]
+        jobs = [gw.identify(Job(ids, 1, 12, [], 1.0), k) for k in keys]
+        assert [j.identity for j in jobs] == [(("session", 0), 0), (("session", 1), 0)]
+        return [c[0].ids for c in gw.engine.run(jobs)]
+
+    first = sampled(3)
+    assert first == sampled(3) and first[0] != first[1] and sampled(4) != first

@@ -296,6 +296,22 @@ def test_no_module_is_over_the_size_cap():
     assert not long, f"modules over {MAX_LINES} lines (split them by job, a wing's inside the wing): {long}"
 
 
+def test_the_models_position_limit_is_asked_in_one_place():
+    """``n_positions`` / ``max_position_embeddings`` are read off a config only by
+    :func:`shifu.models.positions.position_limit`; every other module asks it."""
+    read = re.compile(
+        r"getattr\([^)]*[\"'](n_positions|max_position_embeddings)[\"']|config\.(n_positions|max_position_embeddings)\b"
+    )
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted(PKG.rglob("*.py"))
+        if path != PKG / "models" / "positions.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if read.search(line)
+    ]
+    assert not found, f"position limits read outside shifu/models/positions.py: {found}"
+
+
 def test_no_formatter_escapes():
     """Code is laid out by ``ruff format``: no comment turns it off (``fmt: skip``, ``fmt: off`` / ``on``) to
     pack code onto long lines under the size caps. A long function is split into named helpers instead

@@ -123,3 +123,32 @@ def test_encoder_backbone_scores_text_pairs():
     cut = rm.encode(["one two three four five six seven eight nine ten"], ["alpha beta"], max_length=10)
     assert tok.decode(cut["input_ids"][0]) == "[CLS] six seven eight nine ten [SEP] alpha beta [SEP]"
     assert rm.encode(["hi"], ["a b c d e f g h i j k l"], max_length=8)["input_ids"].shape[1] == 8
+
+
+def test_a_models_position_limit_is_what_its_config_states_through_wrappers():
+    """position_limit: GPT-2's n_positions, a Llama's max_position_embeddings, a scalar model's backbone's, an
+    ensemble's smallest member's; None for a model whose config states none."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
+
+    from shifu.models.positions import position_limit
+
+    gpt2 = GPT2Model(GPT2Config(vocab_size=20, n_embd=8, n_layer=1, n_head=2, n_positions=24))
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=20,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=40,
+        )
+    )
+    assert position_limit(gpt2) == 24 and position_limit(llama) == 40
+    assert position_limit(SimpleNamespace(backbone=llama)) == 40
+    assert position_limit(SimpleNamespace(members=[llama, gpt2])) == 24
+    assert (
+        position_limit(SimpleNamespace(config=SimpleNamespace())) is None and position_limit(object()) is None
+    )

@@ -182,7 +182,7 @@ class AgentConfig:
 
     def validate_alongside(self, cfg) -> None:
         """What an agent needs and excludes in the PPO config ``cfg``."""
-        key, r, strategy = typed_key("agent.factory"), cfg.reward, cfg.distributed.strategy
+        key, r = typed_key("agent.factory"), cfg.reward
         refused = {
             f"{typed_key('agent.concurrency')} must be >= 1 and {typed_key('agent.timeout_s')} > 0 or null": (
                 self.concurrency < 1 or (self.timeout_s is not None and not self.timeout_s > 0)
@@ -192,10 +192,6 @@ class AgentConfig:
             "reward.dense": any(x is not None for x in (r.model_path, r.function, r.url)) or r.dense,
             f"{key}: the held-out gold is the episode return; unset eval.gold_function": bool(
                 cfg.eval.gold_function
-            ),
-            f"{key} samples on each process's own gateway, which needs whole weights and does not step in "
-            f"lockstep with the other processes: use distributed.strategy=ddp or none, not {strategy}": (
-                strategy in ("fsdp2", "deepspeed")
             ),
             f"{key}: the agent sends its own stop strings; unset generation.stop": bool(cfg.generation.stop),
         }

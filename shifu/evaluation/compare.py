@@ -19,6 +19,7 @@ from torch import nn
 
 from shifu.core.stats import mean_se
 from shifu.evaluation.evaluate import Evaluated, encode_prompts, evaluate, plain_reference, prompt_batches
+from shifu.models.positions import position_limit
 from shifu.rollout.batch import PromptBatch
 from shifu.rollout.sources import Policy
 
@@ -65,7 +66,7 @@ def judge_loaded(
     (``ev``'s ``max_prompt_len``, ``chat_template``; a model with learned positions keeps room for
     ``params.max_new_tokens``), ``ev["batch_size"]`` prompts at a time (64 by default), on the model's device."""
     L = ev.get("max_prompt_len")
-    n_positions = getattr(model.config, "n_positions", None)  # GPT-2: prompt + response fit its positions
+    n_positions = position_limit(model)  # prompt + response fit the model's positions
     if n_positions is not None:
         room = n_positions - params.max_new_tokens
         L = room if L is None else min(L, room)

@@ -20,7 +20,7 @@ from torch import nn
 from shifu.core import kl_estimate, masked_sum
 from shifu.generation.rollout import SamplingParams, policy_forward
 from shifu.models.padding import pad_left
-from shifu.rollout.batch import COUNTS, PromptBatch, Transcript
+from shifu.rollout.batch import COUNTS, PromptBatch, Transcript, episode_metrics
 from shifu.rollout.sources import Policy, RolloutSource
 
 
@@ -85,24 +85,20 @@ class Evaluated:
         return [int(n > 0) for n in self.counts["tool_calls"]]
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        """Where the source counts turns (episodes): the means over the trajectories of what it counts (turns,
-        observation tokens; tool calls, tool errors and ``tool_use`` where reported), the fractions terminated,
-        truncated and failed and the return, keyed ``prefix + "env/" + name`` as the rollout's ``env/*``; else
-        nothing."""
+        """Where the source counts turns (episodes): :func:`shifu.rollout.batch.episode_metrics` of the
+        trajectories (the return's mean over the finite ones), keyed ``prefix + "env/" + name`` as the rollout's
+        ``env/*``; else nothing."""
         if not self.counts:
             return {}
-        n, prefix, uses = max(1, len(self)), prefix + "env/", self.tool_use()
-        tools = ("tool_calls", "tool_errors") if uses is not None else ()
-        kept = [
-            k for k in ("turns", *tools, "observation_tokens") if k in self.counts
-        ]  # (what the source counts)
-        out = {f"{prefix}{k}": sum(self.counts[k]) / n for k in kept}
-        if uses is not None:
-            out[f"{prefix}tool_use"] = sum(uses) / n
-        out[f"{prefix}terminated"] = sum(not (t or f) for t, f in zip(self.truncated, self.failed)) / n
-        out[f"{prefix}truncated"] = sum(self.truncated) / n
-        out[f"{prefix}errors"] = sum(self.failed) / n
-        return out | {f"{prefix}return": self.mean_return()}
+        returns = torch.tensor(self.returns)
+        return episode_metrics(
+            self.counts,
+            torch.tensor(self.truncated, dtype=torch.bool),
+            torch.tensor(self.failed, dtype=torch.bool),
+            returns[torch.isfinite(returns)],
+            prefix + "env/",
+            dtype=torch.float64,
+        )
 
     def records(self, golds: list[float] | None) -> list[dict[str, Any]]:
         """One sample record per trajectory (``samples.jsonl``): the prompt row's prompt, the response as a

@@ -61,6 +61,7 @@ from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
+from shifu.models.positions import position_limit
 
 
 @dataclass
@@ -144,16 +145,6 @@ def end_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int))
 
 
-def model_positions(model) -> int | None:
-    """The most positions a row may use: GPT-2's ``n_positions`` or ``max_position_embeddings``."""
-    cfg = getattr(model, "config", None)
-    for name in ("n_positions", "max_position_embeddings"):
-        n = getattr(cfg, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
-
-
 class Engine:
     """The policy and its sampling calls (module docstring). :meth:`run` runs on the queue's one worker
     thread; :meth:`set_policy` swaps the model between calls (a call samples with the model and version it
@@ -186,7 +177,7 @@ class Engine:
     def set_policy(self, model, version: int) -> None:
         with self._lock:
             self.model, self.version = model.eval(), int(version)
-            self.positions = model_positions(model)
+            self.positions = position_limit(model)
             self.end_ids = end_ids(model, self.tok)
             if self.prefix is not None:  # new weights: every kept key and value is stale
                 self.prefix.clear()

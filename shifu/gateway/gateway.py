@@ -9,8 +9,8 @@ its API key and is recorded (:mod:`shifu.gateway.sessions`); the sampling settin
 (:meth:`Gateway.set_sampling`): a request's own ``temperature``, ``top_p`` and ``seed`` are ignored (the
 answer's ``shifu`` field says what was used), so the recorded log-probs are the ones the trainer recomputes.
 
-**Reproducible recording.** A recorded completion's identity is its session's ``row_id`` (the session key when
-none was given) and its index among the session's calls; its choices are sampled from generators seeded by
+**Reproducible recording.** A recorded completion's identity is its session's ``row_id`` (``("session", n)`` for
+the ``n``-th session started without one) and its index among the session's calls; its choices are sampled from generators seeded by
 the gateway's ``seed`` and that identity (:mod:`shifu.gateway.engine`), not from the order calls arrive in. A
 row's log-probs still depend in their last bits on which rows share its sampler call (the padded width and the
 number of rows change the CPU kernels' order of summation), so a trainer also fixes the calls themselves
@@ -85,9 +85,12 @@ class Gateway:
         self.ended: queue.SimpleQueue[RecordedSession] = queue.SimpleQueue()
         self.server = None
         self.max_wait_s = 1.0  # recording: the longest a sampler call waits for more completions (batch_wait)
-        self._identity: dict[str, list] = {}  # open session's key -> [row (its row_id, else its key), calls]
+        self._identity: dict[
+            str, list
+        ] = {}  # open session's key -> [row (its row_id, else its number), calls]
         self._plan: tuple[int, int] | None = None  # (rows, concurrency): plan_sessions
         self._started = 0  # sessions started since plan_sessions
+        self._unnamed = 0  # sessions started without a row id (their identity: ("session", n))
         self._queue = None  # the app's batching queue, once it serves
 
     # ---------------------------------------------------------------------------------------- serving
@@ -175,7 +178,9 @@ class Gateway:
             raise RuntimeError("sessions need a recording gateway: Gateway(..., recording=True)")
         key = self.sessions.start(row_id)
         self.memories[key] = CompletionMemory(256)
-        self._identity[key] = [key if row_id is None else row_id, 0]
+        if row_id is None:  # numbered in the order they start, never by their random key
+            row_id, self._unnamed = ("session", self._unnamed), self._unnamed + 1
+        self._identity[key] = [row_id, 0]
         self._started += 1
         return key
 

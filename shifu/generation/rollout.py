@@ -22,6 +22,7 @@ from shifu.generation.decode import decoder
 from shifu.generation.kv_cache import CallPrefixes
 from shifu.generation.lm_head import token_log_probs
 from shifu.models.padding import position_ids_from_mask
+from shifu.models.positions import position_limit
 
 
 @dataclasses.dataclass
@@ -164,9 +165,9 @@ class Sample(NamedTuple):
 
 def check_positions(model, prompt_len: int, max_new_tokens: int) -> None:
     """ShifuError when a prompt of ``prompt_len`` tokens plus ``max_new_tokens`` would run past a model with
-    learned positions (GPT-2's ``n_positions``); trainers call it before writing anything."""
-    n_positions = getattr(getattr(model, "config", None), "n_positions", None)
-    if isinstance(n_positions, int) and prompt_len + max_new_tokens > n_positions:
+    positions (:func:`shifu.models.positions.position_limit`); trainers call it before writing anything."""
+    n_positions = position_limit(model)
+    if n_positions is not None and prompt_len + max_new_tokens > n_positions:
         raise ShifuError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"{n_positions} positions: lower data.max_prompt_len or generation.max_new_tokens"
@@ -264,8 +265,8 @@ def sample(
         check_positions(model, P, R)
     # ranks stepping in step (all_done) keep forwarding rows that ended, whose positions may then run past a
     # model's learned positions: they are held at the last one (a row still sampling never gets there)
-    last_position = getattr(getattr(model, "config", None), "n_positions", None)
-    last_position = last_position - 1 if isinstance(last_position, int) and all_done is not None else None
+    last_position = position_limit(model)
+    last_position = last_position - 1 if last_position is not None and all_done is not None else None
     retire = retire and all_done is None and value_head is None
     all_done = all_done or (lambda local: local)
     buf = torch.full((B, R), pad_token_id, dtype=torch.long, device=device)

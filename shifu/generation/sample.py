@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import torch
 
 from shifu.errors import DataError, ShifuError
+from shifu.models.positions import position_limit
 from shifu.runs import jsonfile
 from shifu.runs.files import resolve_policy
 
@@ -100,12 +101,6 @@ def prompt_text(row: dict[str, Any]) -> str:
         return row["prompt"]
     users = [m["content"] for m in row["messages"] if m["role"] == "user"]
     return users[-1] if users else row["messages"][-1]["content"]
-
-
-def position_limit(model) -> int | None:
-    """How many positions the model has, when it has learned (absolute) positions (GPT-2: n_positions)."""
-    n = getattr(getattr(model, "config", None), "n_positions", None)
-    return n if isinstance(n, int) else None
 
 
 def encode(tokenizer, texts: list[str], max_prompt_len: int | None) -> list[list[int]]:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shifu.errors import ConfigError, ShifuError
+from shifu.models.positions import position_limit
 from shifu.runs.files import check_safetensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -264,14 +265,10 @@ def check_own_tokenizer(tokenizer, model: nn.Module, path: str | Path, key: str)
 
 def check_length(model: nn.Module, longest: int, path: str | Path) -> None:
     """ShifuError when the longest encoded example (``longest`` tokens, from data file ``path``) runs past a
-    model with learned positions (GPT-2's ``n_positions``, a BERT-style encoder's absolute positions); the
-    trainers of sft, rm and dpo call it before writing anything."""
-    trunk = getattr(model, "backbone", model)
-    config = getattr(trunk, "config", None)
-    n = getattr(config, "n_positions", None)
-    if n is None and getattr(config, "position_embedding_type", None) == "absolute":
-        n = getattr(config, "max_position_embeddings", None)
-    if isinstance(n, int) and longest > n:
+    model's positions (:func:`shifu.models.positions.position_limit`); the trainers of sft, rm and dpo call it
+    before writing anything."""
+    n = position_limit(model)
+    if n is not None and longest > n:
         raise ShifuError(
             f"{path}: the longest example is {longest} tokens, but the model has {n} positions: set "
             f"data.max_len to at most {n} (and data.max_prompt_len below it)"

@@ -23,6 +23,7 @@ from torch import nn
 from shifu.errors import ShifuError
 from shifu.models.loading import _load_checked, check_own_tokenizer, load_tokenizer, read_json_file
 from shifu.models.padding import last_token_index, pad_right, position_ids_from_mask
+from shifu.models.positions import position_limit
 from shifu.runs.files import check_safetensors
 
 HEAD_FILE = "scalar_head.safetensors"
@@ -265,9 +266,9 @@ class ScalarModel(nn.Module):
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     def text_length(self, max_length: int) -> int:
-        """``max_length`` capped at the model's positions (``config.max_position_embeddings``, when set)."""
-        positions = getattr(self.config, "max_position_embeddings", None)
-        return min(max_length, positions) if isinstance(positions, int) and positions > 0 else max_length
+        """``max_length`` capped at the model's positions (:func:`shifu.models.positions.position_limit`)."""
+        positions = position_limit(self)
+        return min(max_length, positions) if positions is not None else max_length
 
     @torch.no_grad()
     def score_texts(

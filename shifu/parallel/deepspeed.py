@@ -60,6 +60,16 @@ class DeepSpeedStrategy(DistributedStrategy):
     def sharded(self) -> bool:
         return True
 
+    def whole(self, model: nn.Module) -> nn.Module:
+        model = self.unwrap(model)
+        if not any(hasattr(p, "ds_id") for p in model.parameters()):
+            return model  # ZeRO-2: every rank holds whole weights
+        # ZeRO-3: every rank gathers the partitioned weights into a plain copy
+        with _deepspeed().zero.GatheredParameters(list(model.parameters())):
+            state = {k: v.detach().clone().cpu() for k, v in model.named_parameters()}
+        state |= {k: v.detach().clone().cpu() for k, v in model.named_buffers()}
+        return self._whole_copy(model, type(model), state)
+
     def backward(self, parts) -> None:
         for trained, loss in parts:  # each engine back-propagates its own (disjoint) part
             trained.model.backward(loss)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any, Literal
 
 import torch
@@ -84,11 +85,35 @@ def _default_device() -> torch.device:
 
 
 def destroy() -> None:
-    """Leave the process group (call at the end of a torchrun program; a no-op otherwise). Every rank waits
-    for the others first: a rank tearing gloo down while another still talks to it can abort the process."""
+    """Leave the process group (call at the end of a torchrun program; a no-op otherwise), once every rank is
+    done with it. The ranks meet on the rendezvous store, not in a collective: a gloo collective returns on a
+    rank once it has received, while its own last message to a peer may still be queued, and destroying the
+    group closes that connection, so the peer's collective can fail ("Connection closed by peer"; gloo issue
+    155): a race in every run that ended with a barrier right before the group went. A rank that reached the
+    store is done with every collective it made, so once all have, no message is in flight."""
     if dist.is_initialized():
-        dist.barrier()
+        _meet_on_store()
         dist.destroy_process_group()
+
+
+_meetings = 0  # destroy()s in this process (each meets on keys of its own)
+
+
+def _meet_on_store() -> None:
+    """Every rank waits until all have arrived (the default store's timeout bounds it); rank 0, which may host
+    the store, leaves last."""
+    global _meetings
+    _meetings += 1
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    key = f"shifu/leave/{_meetings}"
+    if store.add(f"{key}/arrived", 1) == world:
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"])
+    store.add(f"{key}/left", 1)
+    if dist.get_rank() == 0:
+        deadline = time.monotonic() + store.timeout.total_seconds()
+        while store.add(f"{key}/left", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 # what a collective's error says when another process of the job died or stopped answering (gloo, NCCL)

@@ -137,6 +137,12 @@ class Strategy:
         one process wraps nothing."""
         return model
 
+    def whole(self, model: nn.Module) -> nn.Module:
+        """``model`` with whole weights on this rank, to sample from off-step (an agent's gateway answers its
+        calls as they come, never in lockstep with the other ranks): the unwrapped model where every rank holds
+        whole weights; a sharded backend's gathered copy (call on every rank, at the same point)."""
+        return self.unwrap(model)
+
     def optimize(self, model: nn.Module, params, optim: OptimConfig, total_steps: int) -> Trained:
         """AdamW over ``params`` (the wrapped ``model``'s and any extra module's) and its schedule: the one
         place an optimiser is built, for every backend (:meth:`_attach` hands it to the backend)."""

@@ -88,6 +88,26 @@ class DistributedStrategy(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
+    def whole(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self.unwrap(model)
+        if not isinstance(model, FSDPModule):
+            return model
+        # FSDP2: every rank all-gathers the full state into a plain copy of the model's own class
+        base = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+        return self._whole_copy(model, base, full_state_dict(model, rank0_only=False))
+
+    def _whole_copy(self, model: nn.Module, base: type, state: dict[str, torch.Tensor]) -> nn.Module:
+        """A plain ``base(model.config)`` holding ``state``, kept per model and refreshed on each call."""
+        copies = self.__dict__.setdefault("_whole_copies", {})
+        clone = copies.get(id(model))
+        if clone is None:
+            dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+            clone = base(model.config).to(dtype).eval().requires_grad_(False)
+            copies[id(model)] = clone
+        return load_whole(clone, state).to(self.device)
+
     def generation_kwargs(self) -> dict[str, Any]:
         # ranks keep stepping until every rank's responses ended (sharded forwards never deadlock); the
         # fast decoder reads whole weights, so sharded models generate through HF forwards
@@ -389,3 +409,19 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     opts = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     sd = get_model_state_dict(model, options=opts)
     return sd if rank0_only else {k: v.detach().cpu() for k, v in sd.items()}
+
+
+@torch.no_grad()
+def load_whole(clone: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """``state`` (whole weights) into ``clone``; a weight tied to another (an LM head to its embedding) may be
+    absent from it, any other missing one is an error."""
+    missing, _ = clone.load_state_dict(state, strict=False)
+    if getattr(clone, "tie_weights", None) is not None:
+        clone.tie_weights()
+    kept = dict(clone.named_parameters())  # (a tied weight is named once)
+    lost = [k for k in missing if k in kept]
+    if lost:
+        raise ShifuError(
+            f"the gathered weights lack {lost[:3]}: cannot sample from a whole copy of the actor"
+        )
+    return clone

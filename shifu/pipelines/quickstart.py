@@ -68,6 +68,7 @@ from shifu.pipelines.stages import (
     writing,
 )
 from shifu.rollout.build import describe, own_prompts
+from shifu.rollout.sources import SourceDescription
 from shifu.runs import jsonfile
 
 # ----------------------------------------------------------------------------------------- stage plans
@@ -274,6 +275,14 @@ def report_files() -> list[str]:
     return ["report.html", *(f"report/{name}.png" for name in [*(p.name for p in PLOTS), GOLD_VS_KL])]
 
 
+def reward_settings(source: SourceDescription, gold: str | None) -> dict[str, Any]:
+    """The PPO stage's reward settings, as its source describes itself: none for episodes (an environment's or
+    an agent's reward is their own), the reward function it names, else the task's gold judge ``gold``."""
+    if source.episodes:
+        return {}
+    return {"function": source.spec if source.scored_by == "reward function" else gold}
+
+
 def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = None) -> dict[str, Any]:
     """Run (or continue) the pipeline in ``out``; returns the summary (also written to summary.json).
     ``out`` is held for the rest of the process (:func:`shifu.pipelines.stages.claim_run`)."""
@@ -289,11 +298,10 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
     if plan["sft"] is not None:
         sft_final = stages.sft(*agent_start(stages, plan, files))
     # 3. imdb: preference pairs from the SFT policy, labelled by the noisy judge; then the reward model
-    # rule-based reward (arith): the plan's ppo.reward.function, by default the gold judge itself
+    # rule-based reward (arith): the reward function the plan's PPO stage names, by default the gold judge itself;
+    # an environment or agent rewards its own episodes
     gold = plan.get("gold", GOLD.get(task))
-    reward: dict[str, Any] = {"function": plan["ppo"].get("reward", {}).get("function", gold)}
-    if describe(plan["ppo"]).episodes:  # an environment or agent rewards its episodes (ppo.env, ppo.agent)
-        reward = {}
+    reward = reward_settings(describe(plan["ppo"]), gold)
     rm_accuracy = None
     if task == "imdb":
         prompts = preference_prompts(files, plan["pairs"].get("num_prompts"))

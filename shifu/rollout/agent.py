@@ -54,11 +54,14 @@ once the batch's episodes ended); ``end_episode`` keeps what the episode recorde
 (``failed``, ``agent/errors``). An episode with no call has nothing to train: a row with no sampled token, left
 out of the update as a non-finite score is.
 
-**Torchrun.** Each process serves its own share of the rows on its own gateway with its whole actor (DDP's
-module); sharded actors (FSDP2, DeepSpeed) are refused by the config.
+**Torchrun.** Each process serves its own share of the rows on its own gateway, never rank 0 for all: a gateway
+answers calls as they come, so it samples off-step from whole weights (DDP's module, ZeRO-2's; under FSDP2 and
+ZeRO-3 a plain copy every rank gathers from the shards once per collect, ``strategy.whole``), and W gateways
+sample W shares at once where one would sample them one after another and leave W - 1 processes waiting.
 
 **Reproducibility.** A completion's randomness is the run's and its own, not the order calls arrive in: per
-collect the trainer's generator draws the gateway's seed (so the step is in it), row ``i``'s episode runs in a
+collect the trainer's generator draws the gateway's seed (so the step is in it; without a generator the seed is
+the collect's number), row ``i``'s episode runs in a
 session of row id ``i``, and each choice of the session's ``k``-th call samples from a generator of its own
 seeded by (seed, ``i``, ``k``, choice) (:mod:`shifu.gateway.engine`). That alone gives the same tokens, not the
 same bits: a row's logits differ in their last bits with the rows beside it in a sampler call (the padded width
@@ -93,8 +96,7 @@ from shifu.config.imports import load_callable, typed_key
 from shifu.envs.base import describe_row
 from shifu.errors import ConfigError, ShifuError
 from shifu.generation.rollout import SamplingParams, policy_forward
-from shifu.models.padding import pad_left
-from shifu.rollout.batch import MARKS, PromptBatch, Trajectories, Transcript
+from shifu.rollout.batch import Part, PromptBatch, Trajectories, Trajectory, episode_metrics, stack
 from shifu.rollout.episodes import EpisodeLimits
 from shifu.rollout.sources import AGENT, Policy, SourceDescription
 
@@ -144,20 +146,6 @@ class _Episode:
         if self.fault is not None:
             return 0.0
         return float(self.returned if self.returned is not None else (self.record.reward or 0.0))
-
-
-@dataclasses.dataclass
-class _Row:
-    """One trajectory as rows of the batch hold it (see :func:`_row`)."""
-
-    prompt: list[int]
-    ids: list[int]
-    sampled: list[bool]
-    stats: list[tuple[float, float]]  # (log-prob, entropy) per id, 0 where read
-    rewards: dict[int, float]  # position in ids -> reward (each call's last sampled token)
-    truncated: bool
-    counts: dict[str, int]
-    spans: list[tuple[str, str]]
 
 
 class AgentEpisodes:
@@ -217,7 +205,11 @@ class AgentEpisodes:
             raise ShifuError(f"{typed_key('agent.factory')} needs its extras: {AGENTS_EXTRA}") from None
         check_tokenizer(policy.tokenizer)
         self.version += 1
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else 0
+        # the gateway's seed: drawn from the run's generator; without one, the collect's own number (each batch
+        # of an evaluation samples other tokens, the same on every run)
+        seed = (
+            int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else self.version
+        )
         sampling = Sampling(
             temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k,
@@ -225,7 +217,7 @@ class AgentEpisodes:
             max_tokens=params.max_new_tokens,
         )
         gateway = Gateway(
-            policy.model,
+            policy.whole(policy.model),  # (a sharded actor's whole copy: the gateway samples off-step)
             policy.tokenizer,
             recording=True,
             token=secrets.token_urlsafe(18),
@@ -301,21 +293,26 @@ class AgentEpisodes:
     # ------------------------------------------------------------------------------------ the batch
     def _trajectories(self, episodes: list[_Episode], policy: Policy, params: SamplingParams) -> Trajectories:
         """Each episode's main trajectory in row order, then (``train_forks``) its other trajectories."""
-        eos = policy.tokenizer.eos_token_id
         main, extra = [], []
         for ep in episodes:
             trajs = ep.record.trajectories
             self._check_first_inputs(ep)
-            rows = [_row(t, ep, self.limits, policy.tokenizer) for t in trajs]
-            own = [r for r, t in zip(rows, trajs) if not t.side]  # (the agent's: the main one is its last)
-            main.append(own[-1] if own else _Row([eos], [], [], [], {}, False, _counts(), []))
+            made = [_trajectory(t, ep, self.limits, policy.tokenizer) for t in trajs]
+            own = [r for r, t in zip(made, trajs) if not t.side]  # (the agent's: the main one is its last)
+            failed = ep.fault is not None
+            main.append(
+                own[-1] if own else Trajectory(ep.row, [policy.tokenizer.eos_token_id], failed=failed)
+            )
+            main[-1].counts = main[-1].counts or _counts()
             main[-1].counts["forks"] = ep.record.forks
             main[-1].truncated |= ep.incomplete and bool(own)
             if self.train_forks:
-                trained = rows if self.side_calls == "train" else own
-                extra += [(ep, r) for r in trained if r is not main[-1]]
-        made = [*zip(episodes, main), *extra]
-        t = _batch([(ep.row, r) for ep, r in made], [ep.fault is not None for ep, _ in made], policy, params)
+                trained = made if self.side_calls == "train" else own
+                extra += [r for r in trained if r is not main[-1]]
+        t = stack(main + extra, policy.tokenizer.pad_token_id, policy.with_log_probs, False)
+        if policy.value_head is not None:  # a shared-trunk critic's (the gateway's sampler has no value head)
+            T = 1.0 if params.greedy else params.temperature
+            t = dataclasses.replace(t, values=_values(policy, t, T))
         return dataclasses.replace(t, metrics=self._metrics(episodes, t, len(extra)))
 
     def _check_first_inputs(self, ep: _Episode) -> None:
@@ -335,23 +332,25 @@ class AgentEpisodes:
         n, B = max(1, len(episodes)), len(episodes)
         records = [ep.record for ep in episodes]
         lengths = [s.finish_reason == "length" for r in records for tr in r.trajectories for s in tr.segments]
-        counts = {k: v[:B] for k, v in t.counts.items()}
-        return {
+        main = episode_metrics(
+            {k: v[:B] for k, v in t.counts.items()},
+            t.truncated[:B],
+            t.failed[:B],
+            t.returns[:B],
+            "agent/",
+            tools=True,
+        )
+        # (an episode ends on done only in an environment; agent/errors counts the episodes' faults, below)
+        return {k: v for k, v in main.items() if k not in ("agent/terminated", "agent/errors")} | {
             "agent/calls": sum(r.calls for r in records) / n,
             "agent/forks": sum(r.forks for r in records) / n,
             "agent/side_calls": sum(r.side_calls for r in records) / n,
             "agent/context_exceeded": sum(r.context_exceeded for r in records) / n,
             "agent/fork_rows": fork_rows / n,
-            "agent/turns": sum(counts["turns"]) / n,
-            "agent/tool_calls": sum(counts["tool_calls"]) / n,
-            "agent/tool_use": sum(c > 0 for c in counts["tool_calls"]) / n,
-            "agent/observation_tokens": sum(counts["observation_tokens"]) / n,
             "agent/length_calls": sum(lengths) / max(1, len(lengths)),
             "agent/no_calls": sum(r.calls == 0 for r in records) / n,
-            "agent/truncated": float(t.truncated[:B].float().mean()) if B else 0.0,
             "agent/errors": sum(ep.fault is not None for ep in episodes) / n,
             "agent/timeouts": sum(ep.timed_out for ep in episodes) / n,
-            "agent/return": float(t.returns[:B].mean()) if B else 0.0,
         }
 
 
@@ -387,9 +386,9 @@ def _counts() -> dict[str, int]:
     return {"turns": 0, "tool_calls": 0, "observation_tokens": 0, "forks": 0, "tool_reports": 0}
 
 
-def _row(traj, ep: _Episode, limits: EpisodeLimits, tok) -> _Row:
-    """A recorded trajectory cut to the budgets (module docstring) as a batch row, with the rewards of its
-    calls and the episode's reward on its last sampled token (all 0 after a fault)."""
+def _trajectory(traj, ep: _Episode, limits: EpisodeLimits, tok) -> Trajectory:
+    """A recorded trajectory cut to the budgets (module docstring), with the rewards of its calls and the
+    episode's reward on its last sampled token (all 0 after a fault)."""
     segments, length = [], 0
     for k, seg in enumerate(traj.segments):
         grows = (len(seg.read_ids) if k else 0) + len(seg.sampled_ids)
@@ -397,86 +396,36 @@ def _row(traj, ep: _Episode, limits: EpisodeLimits, tok) -> _Row:
             break
         segments.append(seg)
         length += grows
-    cut = len(segments) < len(traj.segments)
-    first = segments[0]
-    out = _Row(
-        list(first.read_ids), [], [], [], {}, cut or segments[-1].finish_reason == "length", _counts(), []
+    first, failed = segments[0], ep.fault is not None
+    cut = len(segments) < len(traj.segments) or segments[-1].finish_reason == "length"
+    out = Trajectory(
+        ep.row, list(first.read_ids), [], cut, failed, _counts(), [("input", tok.decode(first.read_ids))]
     )
-    out.spans.append(("input", tok.decode(first.read_ids)))
     for k, seg in enumerate(segments):
         if k:
-            out.ids += seg.read_ids
-            out.sampled += [False] * len(seg.read_ids)
-            out.stats += [(0.0, 0.0)] * len(seg.read_ids)
+            out.parts.append(Part(list(seg.read_ids), False))
             out.counts["observation_tokens"] += len(seg.read_ids)
             out.spans.append(("observation", tok.decode(seg.read_ids)))
         entropy = seg.entropy if seg.entropy is not None else [0.0] * len(seg.sampled_ids)
-        out.ids += seg.sampled_ids
-        out.sampled += [True] * len(seg.sampled_ids)
-        out.stats += list(zip(seg.log_probs, entropy))
-        out.rewards[len(out.ids) - 1] = 0.0 if ep.fault is not None else float(seg.reward or 0.0)
+        reward = 0.0 if failed else float(seg.reward or 0.0)
+        out.parts.append(Part(list(seg.sampled_ids), True, list(zip(seg.log_probs, entropy)), reward))
         out.counts["turns"] += 1
         out.counts["tool_reports"] += 1
         out.counts["tool_calls"] += seg.finish_reason == "tool_calls"
         out.spans.append(("policy", tok.decode(seg.sampled_ids)))
-    out.rewards[len(out.ids) - 1] += ep.reward
+    out.parts[-1].reward += ep.reward
     return out
 
 
-def _batch(made: list[tuple[dict, _Row]], failed: list[bool], policy: Policy, params) -> Trajectories:
-    """The rows as left-padded first inputs and right-padded trajectories (:mod:`shifu.rollout.batch`)."""
-    tok = policy.tokenizer
-    B, R = len(made), max(1, max(len(r.ids) for _, r in made))
-    prompts = pad_left([r.prompt for _, r in made], tok.pad_token_id)
-    ids = torch.full((B, R), tok.pad_token_id, dtype=torch.long)
-    sampled, attention, turn_ends = (torch.zeros(B, R, dtype=torch.bool) for _ in range(3))
-    stats, rewards = torch.zeros(2, B, R), torch.zeros(B, R)
-    for i, (_, r) in enumerate(made):
-        n = len(r.ids)
-        if n:
-            ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
-            attention[i, :n] = True
-            sampled[i, :n] = torch.tensor(r.sampled)
-            stats[:, i, :n] = torch.tensor(r.stats).T
-        for at, reward in r.rewards.items():
-            turn_ends[i, at], rewards[i, at] = True, reward
-    out = Trajectories(
-        prompt_ids=prompts["input_ids"],
-        prompt_mask=prompts["attention_mask"],
-        ids=ids,
-        trainable=sampled,
-        attention=attention,
-        rewards=rewards,
-        truncated=torch.tensor([r.truncated for _, r in made]),
-        failed=torch.tensor(failed),
-        rows=[row for row, _ in made],
-        transcripts=[_transcript(r.spans) for _, r in made],
-        log_probs=stats[0] if policy.with_log_probs else None,
-        entropy=stats[1] if policy.with_log_probs else None,
-        turn_ends=turn_ends,
-        counts={k: [r.counts[k] for _, r in made] for k in _counts()},
+def _values(policy: Policy, t: Trajectories, temperature: float) -> torch.Tensor:
+    """``(B, R)`` the shared-trunk critic's values of the trajectories (one forward: the gateway's sampler has no
+    value head)."""
+    device = next(policy.model.parameters()).device
+    ids, mask = t.input_ids.to(device), t.attention_mask.to(device)
+    values = policy_forward(
+        policy.model, ids, mask, t.prompt_ids.shape[1], temperature, value_head=policy.value_head
     )
-    if (
-        policy.value_head is not None
-    ):  # a shared-trunk critic's values: the gateway's sampler has no value head
-        device = next(policy.model.parameters()).device
-        T = 1.0 if params.greedy else params.temperature
-        values = policy_forward(
-            policy.model,
-            out.input_ids.to(device),
-            out.attention_mask.to(device),
-            out.prompt_ids.shape[1],
-            T,
-            value_head=policy.value_head,
-        )[2]
-        out = dataclasses.replace(out, values=values.float().cpu())
-    return out
-
-
-def _transcript(spans: list[tuple[str, str]]) -> Transcript:
-    """The trajectory after its first input as text, the policy's calls (what trains) between ``MARKS``."""
-    shown = "".join(MARKS[0] + t + MARKS[1] if k == "policy" else t for k, t in spans if k != "input")
-    return Transcript(tuple(spans), shown)
+    return values[2].float().cpu()
 
 
 def check_tokenizer(tok) -> None:

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from shifu.models.padding import pad_left
+
 MARKS = ("\u27e6", "\u27e7")  # around a policy turn in a multi-turn transcript (the report highlights it)
 # per trajectory, where the source counts them (episodes): turns, tool calls and errors, observation tokens, and
 # the steps whose Step.info reported tool calls at all (none: tool use is not measured, rather than 0)
@@ -131,3 +133,115 @@ class Trajectories:
                 if isinstance(v := getattr(self, f.name), Tensor)
             },
         )
+
+
+@dataclasses.dataclass
+class Part:
+    """A run of ids in a trajectory after its first input: sampled by the policy (``stats``: per id the decode's
+    ``(log-prob, entropy)`` or ``(log-prob, entropy, value)``; ``reward``: the turn's, on its last id) or read
+    (an observation, a tool's result, what a template wrote between two calls)."""
+
+    ids: list[int]
+    sampled: bool
+    stats: list[tuple[float, ...]] | None = None
+    reward: float = 0.0
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One trajectory as a multi-turn source makes it, before it is a row of :class:`Trajectories`: its data
+    row, its first input's ids, its parts in order, how it ended, what it counted (per key of its source) and its
+    ``(kind, text)`` spans (:class:`Transcript`)."""
+
+    row: dict
+    prompt: list[int]
+    parts: list[Part] = dataclasses.field(default_factory=list)
+    truncated: bool = False
+    failed: bool = False
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    spans: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """Ids after the first input."""
+        return sum(len(p.ids) for p in self.parts)
+
+
+def stack(trajs: list[Trajectory], pad_token_id: int, log_probs: bool, values: bool) -> Trajectories:
+    """Multi-turn trajectories as one batch (module docstring): left-padded first inputs, right-padded parts,
+    ``turn_ends`` and the turn's reward on each sampled part's last id; ``log_probs``: keep the parts' log-probs
+    and entropies, ``values``: their shared-trunk values (0 where a part has none). The counts keyed as the
+    first trajectory's."""
+    B, R = len(trajs), max(1, max(t.length for t in trajs))
+    prompts = pad_left([t.prompt for t in trajs], pad_token_id)
+    ids = torch.full((B, R), pad_token_id, dtype=torch.long)
+    sampled, attention, turn_ends = (torch.zeros(B, R, dtype=torch.bool) for _ in range(3))
+    stats, rewards = torch.zeros(3, B, R), torch.zeros(B, R)
+    for i, t in enumerate(trajs):
+        at = 0
+        for part in t.parts:
+            n = len(part.ids)
+            if not n:
+                continue
+            ids[i, at : at + n] = torch.tensor(part.ids, dtype=torch.long)
+            attention[i, at : at + n] = True
+            if part.sampled:
+                sampled[i, at : at + n] = True
+                kept = torch.tensor(part.stats).T
+                stats[: kept.shape[0], i, at : at + n] = kept
+                turn_ends[i, at + n - 1] = True
+                rewards[i, at + n - 1] = part.reward
+            at += n
+    return Trajectories(
+        prompt_ids=prompts["input_ids"],
+        prompt_mask=prompts["attention_mask"],
+        ids=ids,
+        trainable=sampled,
+        attention=attention,
+        rewards=rewards,
+        truncated=torch.tensor([t.truncated for t in trajs]),
+        failed=torch.tensor([t.failed for t in trajs]),
+        rows=[t.row for t in trajs],
+        transcripts=[transcript(t.spans) for t in trajs],
+        log_probs=stats[0] if log_probs else None,
+        entropy=stats[1] if log_probs else None,
+        values=stats[2] if values else None,
+        turn_ends=turn_ends,
+        counts={k: [t.counts[k] for t in trajs] for k in trajs[0].counts},
+    )
+
+
+def transcript(spans: list[tuple[str, str]]) -> Transcript:
+    """A multi-turn trajectory after its first input as text, the policy's turns (what trains) between
+    :data:`MARKS`."""
+    shown = "".join(MARKS[0] + t + MARKS[1] if k == "policy" else t for k, t in spans if k != "input")
+    return Transcript(tuple(spans), shown)
+
+
+def episode_metrics(
+    counts: dict[str, list[int]],
+    truncated: Tensor,
+    failed: Tensor,
+    returns: Tensor,
+    prefix: str,
+    dtype: torch.dtype = torch.float32,
+    tools: bool | None = None,
+) -> dict[str, float]:
+    """Means over episodes, keyed ``prefix + name``: what the source counts (turns, observation tokens; tool
+    calls, tool errors and the fraction with a tool call, ``tool_use``, where tool calls are reported), the
+    fractions terminated (neither truncated nor failed), truncated and failed (``errors``), and the mean of
+    ``returns``. ``truncated``/``failed``: ``(B,)`` bool, their fractions taken in ``dtype`` (a rollout's
+    float32, an evaluation's lists float64); ``tools``: whether tool calls are reported (None: where any
+    trajectory's ``tool_reports`` count says so)."""
+    n = max(1, len(truncated))
+    reported = tools if tools is not None else sum(counts.get("tool_reports", ())) > 0
+    kept = ("turns", *(("tool_calls", "tool_errors") if reported else ()), "observation_tokens")
+    out = {f"{prefix}{k}": sum(counts[k]) / n for k in kept if k in counts}
+    if reported:
+        out[f"{prefix}tool_use"] = sum(c > 0 for c in counts["tool_calls"]) / n
+    return out | {
+        f"{prefix}terminated": float((~(truncated | failed)).to(dtype).mean()),
+        f"{prefix}truncated": float(truncated.to(dtype).mean()),
+        f"{prefix}errors": float(failed.to(dtype).mean()),
+        f"{prefix}return": float(returns.mean()),
+    }

@@ -32,7 +32,8 @@ from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.rollout import Sample, SamplingParams
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
-from shifu.rollout.batch import COUNTS, MARKS, PromptBatch, Trajectories, Transcript
+from shifu.models.positions import position_limit
+from shifu.rollout.batch import COUNTS, Part, PromptBatch, Trajectories, Trajectory, episode_metrics, stack
 from shifu.rollout.sources import ENVIRONMENT, Policy, SourceDescription
 from shifu.rollout.turns import turn_encoder
 
@@ -50,28 +51,18 @@ class EpisodeLimits:
     prefix_cache_mb: float = 256
 
 
-@dataclasses.dataclass
-class _Part:
-    """A run of ids in an episode's trajectory: sampled by the policy (with the decode's log-prob, entropy and
-    value per token) or read (an observation)."""
-
-    ids: list[int]
-    sampled: bool
-    stats: list[tuple[float, float, float]] | None = None
-
-
 class _Episode:
     def __init__(self, row: dict):
         self.row, self.env, self.fmt = row, None, None
         self.prompt: list[int] = []
-        self.parts: list[_Part] = []
+        self.parts: list[Part] = []
         self.length = 0  # ids after the first input
         self.rewards: dict[int, float] = {}  # part index of a turn -> its reward
         self.counts = dict.fromkeys(COUNTS, 0)
         self.spans: list[tuple[str, str]] = []
         self.over = self.truncated = self.failed = False
 
-    def add(self, part: _Part) -> None:
+    def add(self, part: Part) -> None:
         self.parts.append(part)
         self.length += len(part.ids)
 
@@ -122,8 +113,7 @@ class Episodes:
         budget = int(self.limits.prefix_cache_mb * 2**20)
         self._prefix = PrefixCache(budget) if budget > 0 else None
         model, L = policy.model, self.limits
-        positions = getattr(getattr(model, "config", None), "n_positions", None)  # GPT-2's learned positions
-        positions = positions if isinstance(positions, int) else None
+        positions = position_limit(model)
         for turn in range(L.max_turns):
             groups = self._batches([ep for ep in eps if not ep.over], positions)
             for group in policy.in_step(groups):
@@ -172,7 +162,7 @@ class Episodes:
 
     def _budget(self, ep: _Episode, positions: int | None) -> int:
         """The tokens ``ep`` may sample this turn: the turn's budget, what is left of the episode's, and of the
-        model's learned positions (GPT-2's ``n_positions``), if it has them."""
+        model's positions (:func:`shifu.models.positions.position_limit`), if it states them."""
         L = self.limits
         left = min(L.max_new_tokens, L.max_total_tokens - ep.length)
         return left if positions is None else min(left, positions - len(ep.prompt) - ep.length)
@@ -210,20 +200,15 @@ class Episodes:
         ]
         limits = [self._budget(ep, positions) for ep in group] or [1]
         b = pad_left(contexts, tok.pad_token_id)
+        params = dataclasses.replace(params, max_new_tokens=policy.largest(max(limits)))
+        stop = RowStops(tok, limits, [self.limits.stop] * len(limits))
         device = next(policy.model.parameters()).device
-        return policy.sampler(
-            policy.model,
-            b["input_ids"].to(device),
-            b["attention_mask"].to(device),
-            dataclasses.replace(params, max_new_tokens=policy.largest(max(limits))),
-            tok.eos_token_id,
-            tok.pad_token_id,
-            generator=generator,
-            with_log_probs=policy.with_log_probs,
-            value_head=policy.value_head,
-            stop=RowStops(tok, limits, [self.limits.stop] * len(limits)),
-            **({} if self._prefix is None else {"prefix": CallPrefixes(self._prefix, contexts)}),
-            **policy.sample_kwargs,
+        return policy.sample(
+            b["input_ids"].to(device), b["attention_mask"].to(device),
+            params,
+            generator,
+            stop,
+            None if self._prefix is None else CallPrefixes(self._prefix, contexts),
         )
 
     def _turn(self, tok, group: list[_Episode], turn: int, out: Sample) -> None:
@@ -253,7 +238,7 @@ class Episodes:
             s[j][mask].tolist() if s is not None else [0.0] * len(ids)
             for s in (out.log_probs, out.entropy, out.values)
         ]
-        ep.add(_Part(ids, True, list(zip(*stats))))
+        ep.add(Part(ids, True, list(zip(*stats))))
         ep.counts["turns"] += 1
         action = tok.decode(ids, skip_special_tokens=True)
         ep.spans.append(("policy", tok.decode(ids)))
@@ -287,7 +272,7 @@ class Episodes:
         if ep.length + len(obs) >= budget:  # no room left for another turn
             ep.end(truncated=True)
             return
-        ep.add(_Part(obs, False))
+        ep.add(Part(obs, False))
         ep.counts["observation_tokens"] += len(obs)
         ep.spans.append(("observation", tok.decode(obs)))
 
@@ -300,69 +285,21 @@ class Episodes:
 
 
 def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:
-    """The episodes as left-padded first inputs and right-padded trajectories (:mod:`shifu.rollout.batch`)."""
-    tok = policy.tokenizer
-    B, R = len(eps), max(1, max(ep.length for ep in eps))
-    prompts = pad_left([ep.prompt for ep in eps], tok.pad_token_id)
-    ids = torch.full((B, R), tok.pad_token_id, dtype=torch.long)
-    sampled, attention, turn_ends = (torch.zeros(B, R, dtype=torch.bool) for _ in range(3))
-    stats, rewards = torch.zeros(3, B, R), torch.zeros(B, R)
-    for i, ep in enumerate(eps):
-        at = 0
-        for k, part in enumerate(ep.parts):
-            n = len(part.ids)
-            ids[i, at : at + n] = torch.tensor(part.ids, dtype=torch.long)
-            attention[i, at : at + n] = True
-            if part.sampled:
-                sampled[i, at : at + n] = True
-                stats[:, i, at : at + n] = torch.tensor(part.stats).T
-                turn_ends[i, at + n - 1] = True
-                rewards[i, at + n - 1] = ep.rewards.get(k, 0.0)
-            at += n
-    with_stats = policy.with_log_probs
-    counts = {k: [ep.counts[k] for ep in eps] for k in COUNTS}
-    truncated = torch.tensor([ep.truncated for ep in eps])
-    failed = torch.tensor([ep.failed for ep in eps])
-    out = Trajectories(
-        prompt_ids=prompts["input_ids"],
-        prompt_mask=prompts["attention_mask"],
-        ids=ids,
-        trainable=sampled,
-        attention=attention,
-        rewards=rewards,
-        truncated=truncated,
-        failed=failed,
-        rows=[ep.row for ep in eps],
-        transcripts=[_transcript(ep.spans) for ep in eps],
-        log_probs=stats[0] if with_stats else None,
-        entropy=stats[1] if with_stats else None,
-        values=stats[2] if policy.value_head is not None else None,
-        turn_ends=turn_ends,
-        counts=counts,
-    )
-    return dataclasses.replace(out, metrics=metrics(out))
-
-
-def _transcript(spans: list[tuple[str, str]]) -> Transcript:
-    """The episode after its first input as text, the policy's turns (what trains) between ``MARKS``."""
-    shown = "".join(MARKS[0] + t + MARKS[1] if k == "policy" else t for k, t in spans if k != "input")
-    return Transcript(tuple(spans), shown)
-
-
-def metrics(t: Trajectories, prefix: str = "env/") -> dict[str, float]:
-    """Means over the episodes: turns, observation tokens, tool calls and errors and the fraction with a tool
-    call (``tool_use``; only where the environment reports tool calls in ``Step.info``), the fractions
-    terminated (done), truncated (a budget) and failed (a fault), the return."""
-    n = max(1, len(t))
-    reported = sum(t.counts["tool_reports"]) > 0
-    tools = ("tool_calls", "tool_errors") if reported else ()
-    out = {f"{prefix}{k}": sum(t.counts[k]) / n for k in ("turns", *tools, "observation_tokens")}
-    if reported:
-        out[f"{prefix}tool_use"] = sum(c > 0 for c in t.counts["tool_calls"]) / n
-    ended = ~(t.truncated | t.failed)
-    return out | {
-        f"{prefix}terminated": float(ended.float().mean()),
-        f"{prefix}truncated": float(t.truncated.float().mean()),
-        f"{prefix}errors": float(t.failed.float().mean()),
-        f"{prefix}return": float(t.returns.mean()),
-    }
+    """The episodes as one batch (:func:`shifu.rollout.batch.stack`), each turn's reward on its last token."""
+    trajs = [
+        Trajectory(
+            ep.row,
+            ep.prompt,
+            [
+                dataclasses.replace(p, reward=ep.rewards.get(k, 0.0)) if p.sampled else p
+                for k, p in enumerate(ep.parts)
+            ],
+            ep.truncated,
+            ep.failed,
+            ep.counts,
+            ep.spans,
+        )
+        for ep in eps
+    ]
+    t = stack(trajs, policy.tokenizer.pad_token_id, policy.with_log_probs, policy.value_head is not None)
+    return dataclasses.replace(t, metrics=episode_metrics(t.counts, t.truncated, t.failed, t.returns, "env/"))

@@ -25,8 +25,8 @@ from shifu.generation.stops import RowStops
 from shifu.rollout.batch import PromptBatch, Trajectories, Transcript
 
 
-def _same(n: int) -> int:
-    return n
+def _same(x: Any) -> Any:
+    return x
 
 
 SINGLE_TURN, ENVIRONMENT, AGENT = "single-turn", "environment", "agent"  # SourceDescription.kind
@@ -102,7 +102,8 @@ class Policy:
     the decode steps, as :func:`shifu.generation.rollout.sample` does; ``sample_kwargs``: the strategy's
     (``strategy.generation_kwargs()``: under torchrun every rank steps until all are done); ``largest``: the
     largest of every rank's value of an int (``strategy.largest``; one process: the value itself);
-    ``sampler``: the sampling function (a test may wrap it)."""
+    ``sampler``: the sampling function (a test may wrap it); ``whole``: ``model`` with whole weights, to sample
+    from off-step (``strategy.whole``: a sharded actor's gathered copy; one process: the model itself)."""
 
     model: nn.Module
     tokenizer: Any
@@ -111,6 +112,35 @@ class Policy:
     sample_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     largest: Callable[[int], int] = _same
     sampler: Callable[..., Sample] = sample
+    whole: Callable[[nn.Module], nn.Module] = _same
+
+    def sample(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stop: Callable[[Tensor, Tensor], Tensor] | None = None,
+        prefix=None,
+    ) -> Sample:
+        """One sampler call over left-padded prompts ``(B, P)`` (where the model reads its inputs), as every
+        source samples: the log-probs, entropies and values it reads, the strategy's keywords, the ``stop`` rule
+        (a :class:`shifu.generation.stops.RowStops`; None: EOS and ``max_new_tokens`` only), the cached prefixes
+        the call may reuse (a :class:`shifu.generation.kv_cache.CallPrefixes`; None: every prompt prefilled whole)."""
+        return self.sampler(
+            self.model,
+            prompt_ids,
+            prompt_mask,
+            params,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            generator=generator,
+            with_log_probs=self.with_log_probs,
+            value_head=self.value_head,
+            stop=stop,
+            **({} if prefix is None else {"prefix": prefix}),
+            **self.sample_kwargs,
+        )
 
     def in_step(self, calls: list) -> Iterator:
         """``calls`` (the sampler calls a rank makes now), and under torchrun empty stand-ins until every rank
@@ -173,21 +203,10 @@ class SingleTurn:
         self, policy: Policy, batch: PromptBatch, params: SamplingParams, generator: torch.Generator | None
     ) -> Trajectories:
         tok, rows = policy.tokenizer, batch.rows
-        out = policy.sampler(
-            policy.model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            params,
-            tok.eos_token_id,
-            tok.pad_token_id,
-            generator=generator,
-            with_log_probs=policy.with_log_probs,
-            value_head=policy.value_head,
-            stop=RowStops(tok, [params.max_new_tokens] * len(rows), [self.stop] * len(rows))
-            if self.stop
-            else None,
-            **policy.sample_kwargs,
+        stop = (
+            RowStops(tok, [params.max_new_tokens] * len(rows), [self.stop] * len(rows)) if self.stop else None
         )
+        out = policy.sample(batch.prompt_ids, batch.prompt_mask, params, generator, stop)
         ids, mask = out.response_ids, out.response_mask
         prompts = [r["prompt"] for r in rows]
         responses = [tok.decode(ids[i][mask[i]], skip_special_tokens=True) for i in range(len(rows))]

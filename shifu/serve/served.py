@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from shifu.errors import ConfigError, UserCodeError, function_name, user_code
+from shifu.models.positions import position_limit
 from shifu.rewards.remote import tokenizer_fingerprint
 from shifu.serve.validation import RequestError, ScoreRequest, unprocessable
 
@@ -213,14 +214,6 @@ class Served:
         return function_scores(out, req.size)
 
 
-def model_positions(model) -> int | None:
-    """The most real tokens one row may hold: the smallest member's ``max_position_embeddings`` (GPT-2's
-    ``n_positions``), the limit ``text_length`` applies to text; None when the config states none."""
-    found = [getattr(m.config, "max_position_embeddings", None) for m in _members(model)]
-    found = [n for n in found if isinstance(n, int) and n > 0]
-    return min(found) if found else None
-
-
 def load_served(
     source: str, device: str = "cpu", aggregate: str | None = None, std_coef: float | None = None
 ) -> Served:
@@ -239,7 +232,7 @@ def load_served(
             device=device,
             one_tokenizer=shares_one_tokenizer(model),
             vocab_rows=rows,
-            positions=model_positions(model),
+            positions=position_limit(model),
         )
     if ":" in source and not Path(source).exists():
         from shifu.config.imports import load_callable

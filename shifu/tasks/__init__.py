@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from shifu.models.positions import position_limit
+
 TASKS = ("imdb", "arith", "arith_tool")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".index.json")
 
@@ -60,14 +62,14 @@ def sample_responses(
     on_batch: Callable[[int], object] | None = None,
 ) -> list[str]:
     """Decoded sampled (or greedy) responses, one per prompt, in order: each prompt as a user message through
-    the chat template when the tokenizer has one, cut to leave room for the response in a model with learned
-    positions (GPT-2's ``n_positions``); ``on_batch(n)`` (a progress bar's ``update``) after each batch."""
+    the chat template when the tokenizer has one, cut to leave room for the response in the model's positions
+    (:func:`shifu.models.positions.position_limit`); ``on_batch(n)`` (a progress bar's ``update``) after each batch."""
     from shifu.evaluation.evaluate import encode_prompts, prompt_batches
     from shifu.generation.rollout import SamplingParams
     from shifu.rollout.sources import Policy, SingleTurn
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy)
-    n_positions = getattr(model.config, "n_positions", None)
+    n_positions = position_limit(model)
     room = n_positions - max_new_tokens if n_positions is not None else None
     rows = [{"prompt": p} for p in prompts]
     policy, source, texts = Policy(model, tokenizer), SingleTurn(None), []

@@ -77,7 +77,8 @@ class PPOModels:
     ) -> Policy:
         """``model`` as a rollout source samples from it, in step with the other ranks under torchrun."""
         s = self.strategy
-        return Policy(model, self.tokenizer, with_log_probs, value_head, s.generation_kwargs(), s.largest)
+        kwargs = s.generation_kwargs()
+        return Policy(model, self.tokenizer, with_log_probs, value_head, kwargs, s.largest, whole=s.whole)
 
     def decoder(self) -> nn.Module:
         """The model generation reads: the actor, or its bf16 copy refreshed from the actor's current
