@@ -204,7 +204,8 @@ class Episodes:
         stop = RowStops(tok, limits, [self.limits.stop] * len(limits))
         device = next(policy.model.parameters()).device
         return policy.sample(
-            b["input_ids"].to(device), b["attention_mask"].to(device),
+            b["input_ids"].to(device),
+            b["attention_mask"].to(device),
             params,
             generator,
             stop,
