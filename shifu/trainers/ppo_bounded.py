@@ -25,13 +25,12 @@ import dataclasses
 import threading
 from typing import Any
 
-import torch
+from shifu.data.batches import PromptStream
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """Epoch ``epoch``'s order of the ``n`` prompts: the same permutation :class:`shifu.data.batches.PromptStream`
-    draws."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    """Epoch ``epoch``'s order of the ``n`` prompts: the permutation the synchronous run's prompt stream draws."""
+    return PromptStream(n, n, seed, epoch=epoch).next()
 
 
 class Ledger:
