@@ -13,8 +13,10 @@ import random
 import threading
 
 import pytest
+import torch
 
-from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, epoch_order
+from shifu.rollout.batch import Part, Trajectory, stack
+from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, concat, epoch_order
 
 pytestmark = pytest.mark.unit
 
@@ -150,3 +152,36 @@ def test_killed_and_resumed_trains_the_same_multiset(seed):
     killed, _ = train(n, 0, S, batch, 3, sample, kills=set(rnd.sample(range(1, 10), 3)))
     assert per_epoch(killed) == per_epoch(whole) == {e: list(range(n)) for e in range(3)}
     assert all(step - 1 - v <= S for _, _, step, v in killed)
+
+
+def trajectory(i: int) -> Trajectory:
+    """Trajectory ``i``: a first input of 2 + i % 3 ids and i % 4 + 1 turns of 1 + i % 2 sampled ids and one read."""
+    parts = []
+    for turn in range(i % 4 + 1):
+        n = 1 + i % 2
+        stats = [(-0.1 * (i + k), 0.5, 0.01 * k) for k in range(n)]
+        parts += [Part([3 + k for k in range(n)], True, stats, reward=i + turn), Part([7], False)]
+    return Trajectory(
+        {"i": i}, list(range(5, 7 + i % 3)), parts, truncated=i % 5 == 0, counts={"turns": i % 4}
+    )
+
+
+@pytest.mark.parametrize("cuts", [[1], [3, 4], [1, 2, 5]])
+def test_concat_lays_out_the_batch_as_one_call(cuts):
+    """Trajectories made apart and put together equal those made at once, tensor for tensor."""
+    trajs = [trajectory(i) for i in range(7)]
+    whole = stack(trajs, pad_token_id=0, log_probs=True, values=True)
+    bounds = [0, *cuts, len(trajs)]
+    parts = [stack(trajs[a:b], 0, True, True) for a, b in zip(bounds, bounds[1:])]
+    for part, (a, b) in zip(parts, zip(bounds, bounds[1:])):
+        object.__setattr__(
+            part, "metrics", {"env/turns": float(sum(i % 4 + 1 for i in range(a, b))) / (b - a)}
+        )
+    joined = concat(parts, pad_token_id=0)
+    for f in ("prompt_ids", "prompt_mask", "ids", "trainable", "attention", "rewards", "truncated", "failed"):
+        assert torch.equal(getattr(joined, f), getattr(whole, f)), f
+    for f in ("log_probs", "entropy", "values", "turn_ends"):
+        assert torch.equal(getattr(joined, f), getattr(whole, f)), f
+    assert joined.rows == whole.rows and joined.transcripts == whole.transcripts
+    assert joined.counts == whole.counts
+    assert joined.metrics["env/turns"] == pytest.approx(sum(i % 4 + 1 for i in range(7)) / 7)

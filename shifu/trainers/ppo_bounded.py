@@ -1,6 +1,6 @@
 """The bookkeeping of the bounded asynchronous schedule (``async_schedule=bounded``): which prompts of an epoch
-are still to be sampled, which are trained (final), and the buffer of finished trajectories a batch is taken
-from. Not wired into the trainer yet (the schedule is refused by the config); these are its parts, tested alone.
+are still to be sampled, which are trained (final), the buffer of finished trajectories a batch is taken
+from, and :func:`concat`, which lays trajectories sampled apart out as one batch. Not wired into the trainer yet (the schedule is refused by the config); these are its parts, tested alone.
 
 Numbering: as in :mod:`shifu.trainers.ppo_async`, iteration ``step`` (from 1) trains its batch after
 ``step - 1`` updates, and a trajectory sampled by version ``v`` (the policy after ``v`` updates) trained at
@@ -25,7 +25,12 @@ import dataclasses
 import threading
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
 from shifu.data.batches import PromptStream
+from shifu.rollout.batch import Trajectories
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -172,3 +177,42 @@ class Buffer:
                     raise self.error
                 if not self.cond.wait(timeout):
                     raise TimeoutError(f"{len(self.items)} of {n} trajectories finished in {timeout} s")
+
+
+PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # (B, P), left-padded; every other (B, T) tensor is (B, R)
+
+
+def concat(parts: list[Trajectories], pad_token_id: int) -> Trajectories:
+    """Trajectories sampled apart as one batch, in order: first inputs left-padded to the longest, the rest
+    right-padded (pad ids in ``prompt_ids`` and ``ids``, zeros and False elsewhere), as one call of the source
+    would have laid them out. ``counts`` keyed as the first part's; ``metrics`` each part's weighted by its rows."""
+    first = parts[0]
+    P = max(t.prompt_ids.shape[1] for t in parts)
+    R = max(t.ids.shape[1] for t in parts)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(first):
+        v = getattr(first, f.name)
+        if isinstance(v, Tensor):
+            fields[f.name] = torch.cat([_pad(getattr(t, f.name), f.name, P, R, pad_token_id) for t in parts])
+        elif v is None:
+            fields[f.name] = None
+    keys = {k for t in parts for k in t.metrics}
+    fields["metrics"] = {
+        k: sum(t.metrics[k] * len(t) for t in parts if k in t.metrics)
+        / sum(len(t) for t in parts if k in t.metrics)
+        for k in sorted(keys)
+    }
+    fields["rows"] = [r for t in parts for r in t.rows]
+    fields["transcripts"] = [x for t in parts for x in t.transcripts]
+    fields["counts"] = {k: [c for t in parts for c in t.counts[k]] for k in first.counts}
+    return Trajectories(**fields)
+
+
+def _pad(v: Tensor, name: str, P: int, R: int, pad_token_id: int) -> Tensor:
+    """One part's (B,), (B, P) or (B, R) tensor padded to the batch's P or R."""
+    if v.dim() == 1:
+        return v
+    fill = pad_token_id if name in ("prompt_ids", "ids") else 0
+    if name in PROMPT_SIDE:
+        return F.pad(v, (P - v.shape[1], 0), value=fill)
+    return F.pad(v, (0, R - v.shape[1]), value=fill)
