@@ -1,7 +1,7 @@
 """The parts of ``async_schedule=bounded`` (:mod:`shifu.trainers.ppo_bounded`), alone: a producer thread samples
 prompts one at a time from the ledger's queue into the buffer, the trainer takes the first ``batch_size`` done
 that are fresh enough, and commits them. A straggler does not hold its batch; no trajectory is taken past its
-bound (``step - 1 - version <= S``); one too stale is counted and sampled again; and a loop "killed" at random
+bound (``step - version <= S``); one too stale is counted and sampled again; and a loop "killed" at random
 points (its ledger, buffer and producer abandoned, resumed from the last checkpointed ledger state) trains every
 prompt of each epoch exactly once, as an uninterrupted loop does. The schedule itself stays refused by the config
 until the trainer uses these parts."""
@@ -50,23 +50,23 @@ def train(n, seed, S, batch, epochs, sample, kills=()):
     """The iterations of ``epochs`` epochs (``batch`` divides ``epochs * n``); ``kills``: the steps after whose
     checkpoint the loop is abandoned and resumed from that checkpoint. -> (trained log as (epoch, prompt, step,
     version), stale count)."""
-    log, stale_total, step, steps = [], 0, 1, epochs * n // batch
+    log, stale_total, step, steps = [], 0, 0, epochs * n // batch
     ledger = Ledger(n, seed, epochs=epochs)
     buffer = Buffer(ledger)
     producer = Producer(ledger, buffer, sample)
-    while step <= steps:
+    while step < steps:
         got, stale = buffer.take(step, batch, S, timeout=30)
         stale_total += stale
         ledger.commit([(d.epoch, d.prompt_id) for d in got])
         log += [(d.epoch, d.prompt_id, step, d.version) for d in got]
-        producer.version = step  # the update: version `step` published between sampler calls
+        producer.version = step + 1  # the update: version `step + 1` published between sampler calls
         checkpoint = ledger.state()
         if step in kills:  # SIGKILL after the checkpoint: everything in flight or buffered is lost
             producer.stop.set()
             ledger = Ledger.from_state(n, seed, checkpoint, epochs)
             buffer = Buffer(ledger)
             producer = Producer(ledger, buffer, sample)
-            producer.version = step
+            producer.version = step + 1
         step += 1
     producer.stop.set()
     return log, stale_total
@@ -98,7 +98,7 @@ def test_straggled_run_trains_each_prompt_once_within_bound(S):
         return f"response to {p}"
 
     log, _ = train(n, seed=0, S=S, batch=batch, epochs=3, sample=sample)
-    assert all(step - 1 - v <= S for _, _, step, v in log)
+    assert all(step - v <= S for _, _, step, v in log)
     assert per_epoch(log) == {e: list(range(n)) for e in range(3)}
 
 
@@ -110,7 +110,7 @@ def test_a_straggler_does_not_hold_its_batch():
     ledger = Ledger(n, 0)
     buffer = Buffer(ledger)
     producers = [Producer(ledger, buffer, lambda p: release.wait() if p == first else p) for _ in range(2)]
-    got, _ = buffer.take(1, 4, 0, timeout=30)
+    got, _ = buffer.take(0, 4, 0, timeout=30)
     assert first not in [d.prompt_id for d in got]
     ledger.commit([(d.epoch, d.prompt_id) for d in got])
     release.set()
@@ -125,7 +125,7 @@ def test_too_stale_is_requeued_counted_and_not_lost():
     handed = [ledger.next_prompt() for _ in range(4)]
     for (e, p), v in zip(handed, [0, 3, 1, 3]):
         buffer.put(Finished(e, p, v, None))
-    got, stale = buffer.take(step=5, n=2, S=1)  # oldest allowed: version 3
+    got, stale = buffer.take(step=4, n=2, S=1)  # oldest allowed: version 3
     assert [d.version for d in got] == [3, 3] and stale == 2 and ledger.requeued == 2
     assert {ledger.next_prompt(), ledger.next_prompt()} == {handed[0], handed[2]}  # back at the queue's front
 
@@ -149,9 +149,9 @@ def test_killed_and_resumed_trains_the_same_multiset(seed):
         return p
 
     whole, _ = train(n, 0, S, batch, 3, sample)
-    killed, _ = train(n, 0, S, batch, 3, sample, kills=set(rnd.sample(range(1, 10), 3)))
+    killed, _ = train(n, 0, S, batch, 3, sample, kills=set(rnd.sample(range(0, 9), 3)))
     assert per_epoch(killed) == per_epoch(whole) == {e: list(range(n)) for e in range(3)}
-    assert all(step - 1 - v <= S for _, _, step, v in killed)
+    assert all(step - v <= S for _, _, step, v in killed)
 
 
 def trajectory(i: int) -> Trajectory:

@@ -54,8 +54,8 @@ def test_fixed_staleness_samples_each_batch_from_its_version_in_the_background(t
     assert THREADS.count("shifu-ppo-sampler") == 4, THREADS
     a, b = trained(sync), trained(stale)
     assert len(a) == len(b) == 6 * 8
-    assert [x["version"] for x in a] == [x["step"] - 1 for x in a]  # synchronous: the policy before the step
-    assert [x["version"] for x in b] == [max(0, x["step"] - 3) for x in b]
+    assert [x["version"] for x in a] == [x["step"] for x in a]  # synchronous: the policy before the step
+    assert [x["version"] for x in b] == [max(0, x["step"] - 2) for x in b]
     assert by_step(a) == by_step(b)  # the same prompts in the same order: only who sampled them differs
     rows = [r for r in rows_of(stale / "metrics.jsonl") if "rollout/staleness" in r]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 2, 2, 2, 2]
@@ -135,7 +135,7 @@ def test_fixed_run_killed_anywhere_resumes_bit_identically(task, tmp_path):  # n
     a = (clean / "trained.jsonl").read_text()
     assert a == (resumed / "trained.jsonl").read_text()
     lines = [json.loads(x) for x in a.splitlines()]
-    assert len(lines) == 10 * 8 and all(x["version"] == max(0, x["step"] - 2) for x in lines)
+    assert len(lines) == 10 * 8 and all(x["version"] == max(0, x["step"] - 1) for x in lines)
 
 
 def test_a_longer_resumed_run_samples_the_batches_the_old_end_did_not_need(task, tmp_path):  # noqa: F811
@@ -144,7 +144,8 @@ def test_a_longer_resumed_run_samples_the_batches_the_old_end_did_not_need(task,
     ppo.train(make_cfg(task, out, "iterations=4", *short))
     ppo.train(make_cfg(task, out, "iterations=6", *short), resume=True)
     lines = trained(out)
-    assert sorted(by_step(lines)) == [1, 2, 3, 4, 5, 6] and all(len(v) == 8 for v in by_step(lines).values())
-    # batch 5 was not sampled before the old end: sampled on resume by version 4; batch 6 in the background
-    assert {x["step"]: x["version"] for x in lines} == {1: 0, 2: 0, 3: 1, 4: 2, 5: 4, 6: 4}
-    assert all(0 <= x["step"] - 1 - x["version"] <= 1 for x in lines)  # never past the bound
+    assert sorted(by_step(lines)) == [0, 1, 2, 3, 4, 5] and all(len(v) == 8 for v in by_step(lines).values())
+    # batch 4 (iteration 5) was not sampled before the old end: sampled on resume by version 4; batch 5 in the
+    # background
+    assert {x["step"]: x["version"] for x in lines} == {0: 0, 1: 0, 2: 1, 3: 2, 4: 4, 5: 4}
+    assert all(0 <= x["step"] - x["version"] <= 1 for x in lines)  # never past the bound

@@ -184,8 +184,8 @@ def test_cli_ddp_two_iterations_rank0_writes_once(task, tmp_path):
     assert sizes["sizes/processes"] == 2 and sizes["sizes/batch_per_process"] == 4
     assert all(r["rollout/rows"] == 8 for r in metrics if "rollout/rows" in r)  # global batch
     trained = rows_of(out / "trained.jsonl")  # every rank's trajectories, written once
-    assert [r["step"] for r in trained] == [1] * 8 + [2] * 8 and all(
-        r["version"] == r["step"] - 1 for r in trained
+    assert [r["step"] for r in trained] == [0] * 8 + [1] * 8 and all(
+        r["version"] == r["step"] for r in trained
     )
     samples = rows_of(out / "samples.jsonl")
     per_eval = [sum(s["iteration"] == i for s in samples) for i in (0, 1, 2)]

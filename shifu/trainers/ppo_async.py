@@ -17,7 +17,8 @@ positions after them; a resumed run trains them, then samples on from there, and
 uninterrupted run. A batch the checkpoint lacks (a run extended by a larger ``iterations``, or one whose
 sampling a reward service interrupted) is sampled when it is needed, by the weights of that moment.
 
-Each trajectory carries the version that sampled it; :func:`record_trained` writes ``trained.jsonl``.
+Each trajectory carries the version that sampled it; :func:`record_trained` writes ``trained.jsonl``, where batch
+``k`` (iteration ``k + 1``) is ``step`` ``k``, sampled by version ``max(0, k - S)``.
 """
 
 from __future__ import annotations
@@ -195,8 +196,10 @@ def row_prompt_ids(made: Trajectories, batch_rows: list[dict], mine: list[int], 
 
 
 def record_trained(out: Path, step: int, version: int, prompt_ids: list[int], strategy: Any) -> None:
-    """``trained.jsonl``: a line per trajectory iteration ``step`` trained (``prompt_id``, ``step``, ``version``),
-    every rank's in rank order, written by rank 0 (call on every rank)."""
+    """``trained.jsonl``: a line per trajectory of batch ``step`` (``prompt_id``, ``step``, ``version``), every
+    rank's in rank order, written by rank 0 (call on every rank). ``step`` counts the updates made before it
+    (iteration ``step + 1`` of ``metrics.jsonl`` trains it), so a synchronous run's lines have
+    ``version == step`` and a fixed one's ``version == max(0, step - S)``."""
     prompt_ids = [p for share in strategy.gather(prompt_ids) for p in share]
     if not strategy.is_main:
         return

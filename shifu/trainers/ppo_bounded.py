@@ -2,9 +2,9 @@
 are still to be sampled, which are trained (final), the buffer of finished trajectories a batch is taken
 from, and :func:`concat`, which lays trajectories sampled apart out as one batch. Not wired into the trainer yet (the schedule is refused by the config); these are its parts, tested alone.
 
-Numbering: as in :mod:`shifu.trainers.ppo_async`, iteration ``step`` (from 1) trains its batch after
-``step - 1`` updates, and a trajectory sampled by version ``v`` (the policy after ``v`` updates) trained at
-``step`` is ``step - 1 - v`` versions stale (``rollout/staleness``); the bound is ``step - 1 - v <= S``.
+Numbering: as in ``trained.jsonl``, batch ``step`` (from 0: iteration ``step + 1``) is trained after ``step``
+updates, and a trajectory sampled by version ``v`` (the policy after ``v`` updates) trained in batch ``step`` is
+``step - v`` versions stale (``rollout/staleness``); the bound is ``step - v <= S``.
 
 Exactly once by construction:
 
@@ -162,10 +162,10 @@ class Buffer:
         return stale
 
     def take(self, step: int, n: int, S: int, timeout: float | None = None) -> tuple[list[Finished], int]:
-        """The first ``n`` finished trajectories sampled by a version at least ``step - 1 - S`` -> (them, how
+        """The first ``n`` finished trajectories sampled by a version at least ``step - S`` -> (them, how
         many too stale were sent back to the queue meanwhile). Waits until ``n`` are there (``timeout``
         seconds at most: TimeoutError)."""
-        oldest = step - 1 - S
+        oldest = step - S
         stale = 0
         with self.cond:
             while True:

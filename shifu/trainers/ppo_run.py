@@ -219,9 +219,10 @@ def trim_samples(path: Path, last_iteration: int) -> None:
 
 
 def trim_trained(path: Path, last_iteration: int) -> None:
-    """Resuming: drop the lines of ``trained.jsonl`` an interrupted run wrote after ``last_iteration``."""
+    """Resuming: drop the lines of ``trained.jsonl`` an interrupted run wrote after ``last_iteration`` (whose
+    batches are ``step`` 0 .. ``last_iteration - 1``)."""
     if path.exists():
-        jsonfile.keep_rows(path, lambda row: row["step"] <= last_iteration)
+        jsonfile.keep_rows(path, lambda row: row["step"] < last_iteration)
 
 
 def service_stopped(e: Exception, it: int, out: Path) -> ShifuError:
