@@ -249,7 +249,7 @@ def iterate(run: ppo_run.Run) -> dict[str, Any]:
                 warmup = it <= cfg.critic_warmup  # the first critic_warmup iterations: the critic only
                 metrics, trained = train_batch(m, s, cfg, sampled, run.ptx, warmup, it)
                 loop["iteration"] = it
-                record_trained(run.out, it - 1, sampled.version, trained, m.strategy)  # batch it - 1, by rank 0
+                record_trained(run.out, it - 1, sampled.version, trained, m.strategy)  # batch it - 1
                 try:
                     run.producer.join()  # the batch sampled meanwhile (max_staleness > 0)
                 except RewardServiceUnavailable as e:  # iteration it trained: logged when resumed
