@@ -161,3 +161,16 @@ def test_arith_chain_quickstart_trains_on_two_call_episodes(tmp_path):
     assert s["kl"] > 0  # PPO moved the policy away from the SFT policy
     after = _read(out / "samples_after.jsonl")
     assert len(after) == 32 and all(r["prompt"].endswith("=") and "+" in r["prompt"] for r in after)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_tiny_preset_learns_to_chain_the_two_calls(tmp_path):
+    """The tiny preset as shipped: RL makes the policy chain the two calls (calculator use and turns up) and
+    gains held-out accuracy, by the environment's own count, over the SFT policy (measured with seed 0 and one
+    thread: 0.24 -> 0.96, +0.71 +- 0.02)."""
+    out = tmp_path / "run"
+    assert cli_main(["quickstart", "--task", "arith_chain", "--out", str(out), "--seed", "0"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_after"] >= s["gold_before"] + 0.3 and s["gold_gain"] >= 5 * s["gold_gain_se"], s
+    assert s["tool_use_after"] >= 0.8 > s["tool_use_before"] and s["turns_after"] >= 2.5, s
