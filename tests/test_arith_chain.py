@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_smollm2_presets import cached_model, chat_cached_model  # noqa: F401 (the stand-in fixtures)
 
 from shifu.cli.main import main as cli_main
 from shifu.tasks import arith_chain
@@ -174,3 +175,33 @@ def test_the_tiny_preset_learns_to_chain_the_two_calls(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["gold_after"] >= s["gold_before"] + 0.3 and s["gold_gain"] >= 5 * s["gold_gain_se"], s
     assert s["tool_use_after"] >= 0.8 > s["tool_use_before"] and s["turns_after"] >= 2.5, s
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.usefixtures("chat_cached_model")
+def test_arith_chain_smollm2_quickstart_runs_the_chat_plan(tmp_path):
+    """The smollm2 plan end to end on a stand-in for the cached model (a tiny GPT-2 with a chat template): SFT
+    with LoRA on the chat demonstrations, RLOO with LoRA on json-format episodes of up to 4 turns."""
+    out = tmp_path / "run"
+    sets = [
+        "sft.max_steps=2",
+        "sft.batch_size=4",
+        "sft.lora.target_modules=null",  # the stand-in is a GPT-2: peft's default layers (c_attn)
+        "ppo.iterations=1",
+        "ppo.batch_size=8",
+        "ppo.minibatch_size=8",
+        # the stand-in's tokenizer reads the system message in more tokens than SmolLM2's, in 256 positions
+        "ppo.data.max_prompt_len=240",
+        "ppo.generation.max_new_tokens=8",
+        "ppo.generation.max_total_tokens=16",
+        "eval.num_prompts=8",
+    ]
+    argv = ["quickstart", "--task", "arith_chain", "--preset", "smollm2", "--out", str(out)]
+    assert cli_main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["gold_judge"] == "episode return of shifu.tasks.arith_chain:chain_env" and s["eval_prompts"] == 8
+    sft = _read(out / "data" / "sft_train.jsonl")
+    assert sum(r["messages"][-1]["content"].startswith("<tool_call>") for r in sft) > 0
+    cfg = (out / "ppo" / "config.yaml").read_text()
+    assert "rloo" in cfg and "format: json" in cfg and "max_turns: 4" in cfg
