@@ -9,6 +9,7 @@ syntax (``{`` or ``}`` inside one of its turns, between the transcript's marks):
     python benchmarks/arith_tool_runs.py --seeds 0,1,2 --record                       # PPO, the built-in calculator
     python benchmarks/arith_tool_runs.py --method grpo --seeds 0,1,2 --record
     python benchmarks/arith_tool_runs.py --env calculator:Calculator --cwd examples/envs --seeds 3 --record
+    python benchmarks/arith_tool_runs.py --task arith_chain --seeds 0,1,2 --record    # two calls in sequence
 
 ``--env``: an environment ``package.module:Name`` importable from ``--cwd`` (the directory the quickstart runs in,
 relative to the repository); a finished run in ``--root`` is not repeated. Not run by CI.
@@ -27,7 +28,10 @@ from pathlib import Path
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT_IN = "shifu.tasks.arith_tool:calculator_env"
+BUILT_IN = {
+    "arith_tool": "shifu.tasks.arith_tool:calculator_env",
+    "arith_chain": "shifu.tasks.arith_chain:chain_env",
+}
 METHODS = {"ppo": [], "grpo": ["ppo.advantage_estimator=grpo", "ppo.group_size=4"]}
 TURN = re.compile("\u27e6(.*?)\u27e7", re.S)  # a policy turn in a transcript (shifu.rollout.batch.MARKS)
 
@@ -38,13 +42,13 @@ def braces_written(samples: Path) -> int:
     return sum(any("{" in t or "}" in t for t in TURN.findall(r["response"])) for r in rows)
 
 
-def run(method: str, env: str, seed: int, root: Path, cwd: Path) -> tuple[dict, list[str]]:
+def run(task: str, method: str, env: str, seed: int, root: Path, cwd: Path) -> tuple[dict, list[str]]:
     """One quickstart (skipped when its summary exists); its figures and the ``--set`` options it ran with."""
     name = f"{method}-{env.replace(':', '-').replace('.', '_')}-s{seed}"
     out = (root / name).resolve()
-    sets = METHODS[method] + ([] if env == BUILT_IN else [f"ppo.env.factory={env}"])
+    sets = METHODS[method] + ([] if env == BUILT_IN[task] else [f"ppo.env.factory={env}"])
     if not (out / "summary.json").exists():
-        cmd = [sys.executable, "-m", "shifu", "quickstart", "--task", "arith_tool", "--seed", str(seed)]
+        cmd = [sys.executable, "-m", "shifu", "quickstart", "--task", task, "--seed", str(seed)]
         cmd += ["--threads", "1", "--out", str(out), *(x for s in sets for x in ("--set", s))]
         env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,20 +82,25 @@ def run(method: str, env: str, seed: int, root: Path, cwd: Path) -> tuple[dict, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", choices=sorted(METHODS), default="ppo")
-    ap.add_argument("--env", default=BUILT_IN, help="the environment, package.module:Name")
+    ap.add_argument("--task", choices=sorted(BUILT_IN), default="arith_tool")
+    ap.add_argument("--env", default=None, help="the environment, package.module:Name (default the task's)")
     ap.add_argument(
         "--cwd", default=".", help="the directory the quickstart runs in (relative to the repository)"
     )
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--root", default=".bench/arith_tool", help="where the runs go")
+    ap.add_argument("--root", default=None, help="where the runs go (default .bench/TASK)")
     provenance.add_arguments(ap)
     args = ap.parse_args()
-    cwd = (ROOT / args.cwd).resolve()
+    cwd, env, root = (
+        (ROOT / args.cwd).resolve(),
+        args.env or BUILT_IN[args.task],
+        args.root or f".bench/{args.task}",
+    )
     for seed in (int(x) for x in args.seeds.split(",")):
-        metrics, sets = run(args.method, args.env, seed, Path(args.root), cwd)
-        print(json.dumps({"method": args.method, "env": args.env, "seed": seed, **metrics}), flush=True)
-        params = {"task": "arith_tool", "preset": "tiny", "seed": seed, "method": args.method, "sets": sets}
-        provenance.record(args, "arith_tool", metrics, params=params | {"env": args.env}, threads=1)
+        metrics, sets = run(args.task, args.method, env, seed, Path(root), cwd)
+        print(json.dumps({"method": args.method, "env": env, "seed": seed, **metrics}), flush=True)
+        params = {"task": args.task, "preset": "tiny", "seed": seed, "method": args.method, "sets": sets}
+        provenance.record(args, args.task, metrics, params=params | {"env": env}, threads=1)
 
 
 if __name__ == "__main__":

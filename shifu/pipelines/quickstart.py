@@ -187,7 +187,7 @@ def read_plans(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 PLANS: dict[tuple[str, str], dict[str, Any]] = read_plans(shipped("quickstart"))
-DEFAULT_PRESET = {"imdb": "small", "arith": "tiny", "arith_tool": "tiny"}
+DEFAULT_PRESET = {"imdb": "small", "arith": "tiny", "arith_tool": "tiny", "arith_chain": "tiny"}
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:
@@ -408,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         "-> report. Finished stages are kept; rerunning with the same --out continues.",
     )
     ap.add_argument(
-        "--task", choices=["imdb", "arith", "arith_tool"], default="imdb", help="built-in task (default imdb)"
+        "--task",
+        choices=["imdb", "arith", "arith_tool", "arith_chain"],
+        default="imdb",
+        help="built-in task (default imdb)",
     )
     ap.add_argument(
         "--preset",

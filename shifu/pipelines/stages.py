@@ -242,12 +242,11 @@ class Stages:
         data_dir = self.root / "data"
 
         def work(stage_dir: Path) -> None:
-            from shifu.tasks import arith, arith_tool, imdb
+            from shifu.tasks import arith, arith_chain, arith_tool, imdb
 
             clear_stage(stage_dir, "prepare")
-            {"arith": arith, "arith_tool": arith_tool, "imdb": imdb}[task].prepare(
-                stage_dir, preset, self.seed
-            )
+            tasks = {"arith": arith, "arith_tool": arith_tool, "arith_chain": arith_chain, "imdb": imdb}
+            tasks[task].prepare(stage_dir, preset, self.seed)
 
         base = data_dir / "base"
         if base.is_symlink() and not base.exists() and (data_dir / "DONE").exists():

@@ -1,4 +1,5 @@
-"""Built-in tasks (``arith``, ``arith_tool``, ``imdb``) and the helpers they share for sampling and evaluation.
+"""Built-in tasks (``arith``, ``arith_tool``, ``arith_chain``, ``imdb``) and the helpers they share for sampling
+and evaluation.
 
 A task module exposes ``PRESETS``, ``prepare(out_dir, preset, seed) -> dict[str, str]`` (paths of its data
 files, ``tokenizer`` and ``base`` model dirs) and its judges in :mod:`shifu.tasks.judges`.
@@ -19,7 +20,7 @@ import torch
 
 from shifu.models.positions import position_limit
 
-TASKS = ("imdb", "arith", "arith_tool")
+TASKS = ("imdb", "arith", "arith_tool", "arith_chain")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".index.json")
 
 
