@@ -103,7 +103,10 @@ class Gateway:
         from shifu.http.batching import BatchQueue
 
         wait = self.batch_wait if self.recording else None
-        self._queue = BatchQueue(self.engine.run, executor, self.engine.joins, wait, self._order)
+        run = self.engine.run_admitting if self.engine.admit else self.engine.run
+        self._queue = BatchQueue(
+            run, executor, self.engine.joins, wait, self._order, admitting=self.engine.admit
+        )
         return self._queue
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> Gateway:
