@@ -30,8 +30,21 @@ empty it.
 each leaves the decoder as it ends (:func:`shifu.generation.rollout.sample`'s ``retire``), so the later steps
 forward only the rows still sampling. Every row keeps its own randomness (a recorded completion's generator, or
 the same draws from a shared one), and the tokens are those of the static batch up to the float rounding of
-forwards over fewer rows (``tests/test_engine_retire.py``: the same ids, log-probs within 1e-5). A request that
-arrives meanwhile still waits for the call to end.
+forwards over fewer rows (``tests/test_engine_retire.py``: the same ids, log-probs within 1e-5).
+
+**Admission.** With :attr:`Engine.admit` (the default) the gateway's queue runs :meth:`Engine.run_admitting`: a
+request that arrives while a call decodes, of the call's setting and within its limits, joins it at the next step
+(:class:`shifu.generation.continuous.Running`: its prompt prefilled through the prefix cache into rows and
+columns of the running decoder's cache, its rows sampled beside the others from then on), and every request comes
+back as its last row ends, not when the call does. A row's randomness is its own (a recorded completion's
+generator) or a draw per step from the engine's generator, so a recorded completion samples the same ids
+whether it ran alone, in a static call or joined one mid-decode (``tests/test_engine_admit.py``; log-probs within
+1e-5). Requests with a ``seed`` or a ``grammar``, the models decoded through the HF forward (LoRA, other
+architectures), and calls holding any of them, run as static calls (:meth:`Engine.run`); a pending request that
+may not join stops admission, so it waits for the running call only. A recording gateway does not admit: its
+calls are formed in (row, call) order so that a seeded run repeats bit for bit, and which rows share a step
+changes the float rounding of their log-probs (~1e-6), which a decode joined as requests arrive would leave to
+timing.
 
 **Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
 each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
@@ -302,9 +315,8 @@ class Engine:
                 feed.deliver(index, results[index])
 
         generator = None if first.identity is not None else self.generator
-        loop = Running(
-            model, params, self.tok.eos_token_id, self.tok.pad_token_id, on_end, generator, self.prefix
-        )
+        eos, pad, batch = self.tok.eos_token_id, self.tok.pad_token_id, sum(j.n for j in jobs)
+        loop = Running(model, params, eos, pad, on_end, generator, self.prefix, batch)
         loop.admit(self._admitted(jobs, taken, results))
         while True:
             loop.step()

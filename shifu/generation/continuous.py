@@ -30,7 +30,7 @@ from torch import Tensor
 
 from shifu.generation.decode import decoder
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
-from shifu.generation.rollout import SamplingParams, _prefill, sample_next
+from shifu.generation.rollout import SamplingParams, prefill, sample_next
 from shifu.models.padding import pad_left, position_ids_from_mask
 
 
@@ -54,7 +54,9 @@ class Row:
 
 class Running:
     """The loop (module docstring): :meth:`admit` rows, :meth:`step` until :attr:`rows` is empty; ``on_end(row)``
-    for each row as it ends. ``generator``: the rows without one of their own draw from it."""
+    for each row as it ends. ``generator``: the rows without one of their own draw from it; ``batch``: the rows
+    expected (:func:`~shifu.generation.decode.head_product` reads the output embedding in the order measured
+    fastest at that many rows)."""
 
     def __init__(
         self,
@@ -65,12 +67,15 @@ class Running:
         on_end: Callable[[Row], None],
         generator: torch.Generator | None = None,
         prefix: PrefixCache | None = None,
+        batch: int = 1,
     ):
         self.model, self.params, self.eos, self.pad = model, params, eos_token_id, pad_token_id
         self.on_end, self.generator, self.prefix = on_end, generator, prefix
         self.generation = None if prefix is None else prefix.generation  # what was kept under these weights
         weight = next(model.parameters())
-        self.dec = decoder(model, 1, 1, weight, "auto")
+        self.dec = decoder(
+            model, batch, 1, weight, "auto"
+        )  # (batch: the rows its output embedding's order is for)
         if not self.dec.keeps_kv:
             raise ValueError("admitting rows while decoding needs a decoder that keeps its own cache")
         self.dec.length = 0
@@ -108,7 +113,7 @@ class Running:
         dec.key_mask[span, :start] = False
         with dec.window(span, start) as win:
             win.key_mask[:, :width] = mask.bool()
-            logits = _prefill(win, ids.to(dec.k.device), position_ids_from_mask(mask).to(dec.k.device), calls)
+            logits = prefill(win, ids.to(dec.k.device), position_ids_from_mask(mask).to(dec.k.device), calls)
         for r in rows:
             r.first = dec.length - len(r.prompt)
         self.rows.extend(rows)

@@ -12,6 +12,10 @@ of their keys instead of their arrival (the same items make the same calls howev
 service merges token blocks into one forward
 (:mod:`shifu.serve.batcher`); the gateway merges chat completions of one sampling setting into one sampler
 call (:mod:`shifu.gateway.engine`). A failed call fails the requests in it, never the server.
+
+With ``admitting``, a call is ``run(items, feed)`` and may take pending items while it runs (:class:`Feed`: the
+oldest first, up to the first it refuses) and hand each item its result as soon as it has it; the gateway's
+engine admits requests into a running decode so (:meth:`shifu.gateway.engine.Engine.run_admitting`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class BatchQueue:
     (the first); None: every item is a call of its own (no merging). ``wait(pending items) -> seconds``: how
     long after the oldest pending item arrived the next call may wait for more (0: start now; ``math.inf``:
     until asked again); None: never wait. ``order(item) -> key``: the items of a call are taken in the order of
-    their keys (a stable sort: equal keys in arrival order); None: in arrival order."""
+    their keys (a stable sort: equal keys in arrival order); None: in arrival order. ``admitting``: calls are
+    ``run(items, feed)`` (:class:`Feed`, module docstring)."""
 
     def __init__(
         self,
