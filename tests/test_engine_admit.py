@@ -33,9 +33,9 @@ def tok():
 
 
 def jobs(tok, greedy: bool) -> list[Job]:
-    """Five requests: prompts of 30, 50, 12, 70 and 20 tokens sharing a 10-token head, mixed budgets, one with two
-    choices."""
-    head = words(tok, 10, seed=3)
+    """Five requests: prompts of 40, 60, 22, 80 and 30 tokens sharing a 20-token head (a whole block of the prefix
+    cache), mixed budgets, one with two choices."""
+    head = words(tok, 20, seed=3)
     spec = [(20, 24, 1), (40, 6, 1), (2, 15, 2), (60, 10, 1), (10, 9, 1)]
     out = []
     for i, (extra, budget, n) in enumerate(spec):
@@ -80,10 +80,14 @@ def test_a_row_samples_the_same_alone_in_a_static_batch_and_admitted_mid_decode(
     engine.prefix.clear()
     static = [g for g in engine.run([a, b, c, d])] + engine.run([e])
     engine.prefix.clear()
+    engine.prefix.reused_tokens = 0
     # b after step 2; c (shorter than the columns before it) and d (longer: the cache is laid out again) after
     # step 5; e once every other row has ended (the loop emptied and refilled)
     feed = Feed({2: [b], 5: [c, d]}, last=[e])
     admitted = engine.run_admitting([a], feed)
+    # the head's block, kept as a was admitted, copied for b, d and e (c is prefilled whole beside d, whose
+    # uncached part is longer than c's prompt)
+    assert engine.prefix.reused_tokens == 16 * 3
     assert not feed.plan and not feed.last
     ends = {i: step for i, step in feed.delivered}
     assert sorted(ends) == [0, 1, 2, 3, 4]

@@ -10,7 +10,8 @@ out, the cache is laid out again (:meth:`~shifu.generation.decode._FastDecoder.r
 row uses dropped. Positions are a row's own (from its first real token), the columns before a row's first are
 masked, so a row's keys, values and logits are those a call of its own would compute, up to the float rounding of
 forwards over other rows (~1e-6). A row leaves the decoder as it ends (the last held row moves into its place),
-its prompt and response kept in the prefix cache, and is handed to ``on_end`` at once.
+its prompt and response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the
+rows admitted after it reuse a shared system prompt and tools block), and is handed to ``on_end`` at once.
 
 Each step samples every held row from ``log_softmax(logits / T)`` with :func:`~shifu.generation.rollout.sample_next`,
 as :func:`~shifu.generation.rollout.sample` does: a row with a generator of its own draws its own numbers, so its
@@ -95,7 +96,7 @@ class Running:
                 drop, dec.length + shift - width
             )  # the columns no held row uses go (the prompt fits)
             keep = [(slot, r.first, slot) for slot, r in enumerate(self.rows)]
-            new_rows = max(held + len(rows), 2 * held)
+            new_rows = held + len(rows) + (held + len(rows)) // 4
             dec.relayout(new_rows, dec.length + shift + room + room // 2, keep, shift)
             for r in self.rows:
                 r.first += shift
@@ -114,8 +115,11 @@ class Running:
         with dec.window(span, start) as win:
             win.key_mask[:, :width] = mask.bool()
             logits = prefill(win, ids.to(dec.k.device), position_ids_from_mask(mask).to(dec.k.device), calls)
-        for r in rows:
+        for slot, r in enumerate(rows, held):
             r.first = dec.length - len(r.prompt)
+            if self.prefix is not None:  # rows admitted later reuse its prompt (a shared tools block) at once
+                span = slice(r.first, dec.length)
+                self.prefix.keep(r.prompt, dec.k[:, slot, :, span], dec.v[:, slot, :, span], self.generation)
         self.rows.extend(rows)
         self.logits = logits if self.logits is None or not held else torch.cat([self.logits, logits])
 
