@@ -74,9 +74,8 @@ class Running:
         self.on_end, self.generator, self.prefix = on_end, generator, prefix
         self.generation = None if prefix is None else prefix.generation  # what was kept under these weights
         weight = next(model.parameters())
-        self.dec = decoder(
-            model, batch, 1, weight, "auto"
-        )  # (batch: the rows its output embedding's order is for)
+        # (batch: the rows the order its output embedding is read in is measured for)
+        self.dec = decoder(model, batch, 1, weight, "auto")
         if not self.dec.keeps_kv:
             raise ValueError("admitting rows while decoding needs a decoder that keeps its own cache")
         self.dec.length = 0
@@ -92,9 +91,8 @@ class Running:
         cap_rows, cap_cols = dec.k.shape[1], dec.k.shape[3]
         if shift or held + len(rows) > cap_rows or dec.length + room > cap_cols:
             drop = min((r.first for r in self.rows), default=dec.length)
-            shift -= min(
-                drop, dec.length + shift - width
-            )  # the columns no held row uses go (the prompt fits)
+            # the columns no held row uses go, as far as the new prompts still fit before the current one
+            shift -= min(drop, dec.length + shift - width)
             keep = [(slot, r.first, slot) for slot, r in enumerate(self.rows)]
             new_rows = held + len(rows) + (held + len(rows)) // 4
             dec.relayout(new_rows, dec.length + shift + room + room // 2, keep, shift)
