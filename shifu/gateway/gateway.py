@@ -105,7 +105,8 @@ class Gateway:
         wait = self.batch_wait if self.recording else None
         # a recording run's calls are formed in (row, call) order, so that a seeded run repeats bit for bit:
         # requests joining a running decode as they arrive would leave that to timing (shifu.gateway.engine)
-        admitting = self.engine.admit and not self.recording
+        # (an engine of another kind, a teacher's, runs static calls)
+        admitting = getattr(self.engine, "admit", False) and not self.recording
         run = self.engine.run_admitting if admitting else self.engine.run
         self._queue = BatchQueue(run, executor, self.engine.joins, wait, self._order, admitting=admitting)
         return self._queue
