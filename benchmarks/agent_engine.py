@@ -11,8 +11,9 @@ call ``t`` of conversation ``s`` has ``max_tokens`` ``--budgets[(s + t) % 3]`` (
 long answer).
 
 Each engine runs in a fresh server process, in turn, ``--repeats`` times each: ``static`` (no prefix cache, the
-static batch: the engine as it was), ``prefix_cache`` (prefix reuse) and ``prefix_cache_retire`` (prefix reuse,
-rows leaving the decoder as they end: the gateway's default). Each engine's least disturbed run (its highest
+static batch: the engine as it was), ``prefix_cache`` (prefix reuse), ``prefix_cache_retire`` (prefix reuse,
+rows leaving the decoder as they end) and ``admit`` (besides, calls that arrive while a call decodes join it
+between steps and each comes back as it ends: the gateway's default). Each engine's least disturbed run (its highest
 tokens/s) is reported, with every run's tokens/s beside it. Per engine: completed tokens/s
 (``usage.completion_tokens`` over the wall time of the whole workload), call latency p50 / p99 (ms, timed in the
 client), prefill tokens per conversation (prompt tokens computed: every prompt token without the cache, the
@@ -102,15 +103,16 @@ def tools_block(tok, tokens: int) -> str:
     return tok.decode(tok(text, add_special_tokens=False)["input_ids"][:tokens])
 
 
-def serve(name: str, cache_mb: float, retire: bool, threads: int, conn) -> None:
+def serve(name: str, cache_mb: float, retire: bool, admit: bool, threads: int, conn) -> None:
     """The gateway in a process of its own: sends its base URL through ``conn``; on "stop" sends its peak
     resident memory (MB) and the engine's prefix counters, then exits."""
     from shifu.gateway import Gateway, Sampling
 
     torch.set_num_threads(threads)
     model, tok = tiny_policy() if name == "tiny" else smollm2_policy()
-    with Gateway(model, tok, sampling=Sampling(max_tokens=1024), prefix_cache_mb=cache_mb) as gw:
-        gw.engine.retire = retire
+    gw = Gateway(model, tok, sampling=Sampling(max_tokens=1024), prefix_cache_mb=cache_mb)
+    gw.engine.retire, gw.engine.admit = retire, admit
+    with gw:
         conn.send((gw.base_url, tools_block(tok, conn.recv())))
         conn.recv()
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -166,13 +168,16 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
-def one_run(args, cache_mb: float, retire: bool) -> dict:
-    """The workload on a fresh server with ``cache_mb`` of prefix cache, retiring rows or not."""
+def one_run(args, cache_mb: float, retire: bool, admit: bool) -> dict:
+    """The workload on a fresh server with ``cache_mb`` of prefix cache, retiring rows or not, admitting
+    requests into a running decode or not."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    server = ctx.Process(target=serve, args=(args.model, cache_mb, retire, args.threads, there), daemon=True)
+    server = ctx.Process(
+        target=serve, args=(args.model, cache_mb, retire, admit, args.threads, there), daemon=True
+    )
     server.start()
     try:
         here.send(args.tools_tokens)
@@ -221,14 +226,15 @@ def main(argv: list[str] | None = None) -> int:
             100,
         )
     engines = {
-        "static": (0, False),
-        "prefix_cache": (args.cache_mb, False),
-        "prefix_cache_retire": (args.cache_mb, True),
+        "static": (0, False, False),
+        "prefix_cache": (args.cache_mb, False, False),
+        "prefix_cache_retire": (args.cache_mb, True, False),
+        "admit": (args.cache_mb, True, True),
     }
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.repeats):  # alternating: the machine's load drifts
-        for name, (cache_mb, retire) in engines.items():
-            runs[name].append(one_run(args, cache_mb, retire))
+        for name, (cache_mb, retire, admit) in engines.items():
+            runs[name].append(one_run(args, cache_mb, retire, admit))
     metrics = {}
     for name, rs in runs.items():
         best = max(rs, key=lambda r: r["tokens_per_s"])  # the least disturbed run (a shared machine)

@@ -30,8 +30,21 @@ empty it.
 each leaves the decoder as it ends (:func:`shifu.generation.rollout.sample`'s ``retire``), so the later steps
 forward only the rows still sampling. Every row keeps its own randomness (a recorded completion's generator, or
 the same draws from a shared one), and the tokens are those of the static batch up to the float rounding of
-forwards over fewer rows (``tests/test_engine_retire.py``: the same ids, log-probs within 1e-5). A request that
-arrives meanwhile still waits for the call to end.
+forwards over fewer rows (``tests/test_engine_retire.py``: the same ids, log-probs within 1e-5).
+
+**Admission.** With :attr:`Engine.admit` (the default) the gateway's queue runs :meth:`Engine.run_admitting`: a
+request that arrives while a call decodes, of the call's setting and within its limits, joins it at the next step
+(:class:`shifu.generation.continuous.Running`: its prompt prefilled through the prefix cache into rows and
+columns of the running decoder's cache, its rows sampled beside the others from then on), and every request comes
+back as its last row ends, not when the call does. A row's randomness is its own (a recorded completion's
+generator) or a draw per step from the engine's generator, so a recorded completion samples the same ids
+whether it ran alone, in a static call or joined one mid-decode (``tests/test_engine_admit.py``; log-probs within
+1e-5). Requests with a ``seed`` or a ``grammar``, the models decoded through the HF forward (LoRA, other
+architectures), and calls holding any of them, run as static calls (:meth:`Engine.run`); a pending request that
+may not join stops admission, so it waits for the running call only. A recording gateway does not admit: its
+calls are formed in (row, call) order so that a seeded run repeats bit for bit, and which rows share a step
+changes the float rounding of their log-probs (~1e-6), which a decode joined as requests arrive would leave to
+timing.
 
 **Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
 each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
@@ -57,6 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shifu.generation.continuous import Row, Running
+from shifu.generation.decode import keeps_kv
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.generation.stops import RowStops
@@ -172,6 +187,9 @@ class Engine:
         self._ll = (None, None)  # (vocabulary size, llguidance tokenizer): grammars (_lltok)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.retire = True  # rows leave the decoder as they end (module docstring); False: the static batch
+        self.admit = (
+            True  # requests join a running decode between its steps (module docstring; run_admitting)
+        )
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -250,6 +268,113 @@ class Engine:
             at += j.n
         return grouped
 
+    def admits(self, job: Job) -> bool:
+        """Whether ``job`` may decode in a loop that admits requests between its steps (:meth:`run_admitting`):
+        with :attr:`admit` on, a decoder that keeps its own cache, no ``seed`` and no ``grammar``."""
+        return self.admit and job.seed is None and job.grammar is None and keeps_kv(self.model)
+
+    @torch.no_grad()
+    def run_admitting(self, jobs: list[Job], feed) -> list[list[Choice]]:
+        """One decode loop for ``jobs`` and the jobs of their setting that arrive while it decodes (module
+        docstring), on the worker thread: ``feed.more(accept)`` hands over the pending jobs ``accept`` takes,
+        ``feed.deliver(index, choices)`` each job's choices as its last row ends (index: the job's among
+        ``jobs`` then those handed over). Jobs that may not admit others run as :meth:`run` does."""
+        if not all(self.admits(j) for j in jobs):
+            return self.run(jobs)
+        with self._lock:
+            model, version = self.model, self.version
+        first, t0 = jobs[0], time.perf_counter()
+        params = SamplingParams(
+            max_new_tokens=max(j.budget for j in jobs),
+            temperature=1.0 if first.greedy else first.temperature,
+            top_k=first.top_k,
+            top_p=first.top_p,
+            greedy=first.greedy,
+        )
+        taken: list[Job] = []
+        results: list[list[Choice | None]] = []
+        device = next(model.parameters()).device
+
+        def on_end(row: Row) -> None:
+            index, c, stops = row.tag
+            job = taken[index]
+            ids = row.ids
+            ended = "eos" if ids and ids[-1] in self.end_ids else (stops.reasons[0] or "length")
+            top = self._top(model, job, ids, params.temperature, device) if job.top_logprobs else None
+            results[index][c] = Choice(ids, row.log_probs, ended, stops.hits[0], top, version, row.entropy)
+            if all(x is not None for x in results[index]):
+                feed.deliver(index, results[index])
+
+        generator = None if first.identity is not None else self.generator
+        eos, pad, batch = self.tok.eos_token_id, self.tok.pad_token_id, sum(j.n for j in jobs)
+        loop = Running(model, params, eos, pad, on_end, generator, self.prefix, batch)
+        loop.admit(self._admitted(jobs, taken, results))
+        while True:
+            loop.step()
+            more = feed.more(self._acceptor(loop, first, version, taken))
+            if more:
+                loop.admit(self._admitted(more, taken, results))
+            if not loop.rows:
+                break
+        self.calls += 1
+        self.last_seconds = time.perf_counter() - t0
+        return results
+
+    def _acceptor(self, loop: Running, first: Job, version: int, taken: list[Job]) -> Callable[[Job], bool]:
+        """``accept(job)`` for :meth:`run_admitting`'s ``feed.more``: a job of the loop's setting that fits beside
+        the rows held and those accepted before it (:meth:`joins`' limits), while the policy is the loop's."""
+        rows = len(loop.rows)
+        width = max((len(r.prompt) + r.budget for r in loop.rows), default=0)
+
+        def accept(job: Job) -> bool:
+            nonlocal rows, width
+            if self.version != version or job.setting != first.setting or not self.admits(job):
+                return False
+            if (job.identity is None) != (first.identity is None):
+                return False
+            wide = max(width, len(job.prompt_ids) + job.budget)
+            if self.positions is not None and len(job.prompt_ids) + job.budget > self.positions:
+                return False
+            if rows + job.n > self.max_batch_rows or (rows + job.n) * wide > self.max_batch_tokens:
+                return False
+            rows, width = rows + job.n, wide
+            return True
+
+        return accept
+
+    def _admitted(self, jobs: list[Job], taken: list[Job], results: list) -> list[Row]:
+        """The rows of ``jobs`` for :class:`~shifu.generation.continuous.Running` (each with its stops, its
+        generator when recorded, its streaming hook), the jobs added to ``taken`` and ``results``."""
+        ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
+        rows = []
+        for job in jobs:
+            index = len(taken)
+            taken.append(job)
+            results.append([None] * job.n)
+            for c in range(job.n):
+                stops = RowStops(self.sampler_tok, [job.budget], [job.stops], ends)
+                gen = None
+                if job.identity is not None:
+                    gen = torch.Generator().manual_seed(choice_seed(self.seed, job.identity, c))
+                rows.append(
+                    Row(
+                        job.prompt_ids,
+                        job.budget,
+                        stop=_one_row(stops),
+                        generator=gen,
+                        on_token=self._streamer(job, c),
+                        tag=(index, c, stops),
+                    )
+                )
+        return rows
+
+    def _streamer(self, job: Job, choice: int) -> Callable[[int, float], None] | None:
+        """A row's ``on_token``: ``job.on_text`` told each id and the text it adds (module docstring)."""
+        if job.on_text is None:
+            return None
+        text = IncrementalText(self.sampler_tok)
+        return lambda token, log_prob: job.on_text(choice, token, text.add(token))
+
     def _hooks(self, rows: list[Job], model) -> dict:
         """The sampler's ``on_step`` (each streaming job told its choices' new ids and text, each grammar's
         matcher its row's id) and ``constrain`` (the grammars' masks), for the rows that need them (module
@@ -326,3 +451,9 @@ class Engine:
         _, _, _, dist = policy_forward(model, full, mask, len(job.prompt_ids), temperature, log_softmax=True)
         values, index = dist[0].topk(job.top_logprobs, dim=-1)
         return [list(zip(i.tolist(), v.tolist())) for i, v in zip(index, values)]
+
+
+def _one_row(stops: RowStops) -> Callable[[torch.Tensor], bool]:
+    """A one-row :class:`RowStops` as a :class:`~shifu.generation.continuous.Row`'s ``stop``."""
+    running = torch.ones(1, dtype=torch.bool)
+    return lambda ids: bool(stops(ids, running)[0])

@@ -106,7 +106,12 @@ class Gateway:
         from shifu.http.batching import BatchQueue
 
         wait = self.batch_wait if self.recording else None
-        self._queue = BatchQueue(self.engine.run, executor, self.engine.joins, wait, self._order)
+        # a recording run's calls are formed in (row, call) order, so that a seeded run repeats bit for bit:
+        # requests joining a running decode as they arrive would leave that to timing (shifu.gateway.engine)
+        # (an engine of another kind, a teacher's, runs static calls)
+        admitting = getattr(self.engine, "admit", False) and not self.recording
+        run = self.engine.run_admitting if admitting else self.engine.run
+        self._queue = BatchQueue(run, executor, self.engine.joins, wait, self._order, admitting=admitting)
         return self._queue
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> Gateway:

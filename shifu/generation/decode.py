@@ -10,6 +10,7 @@ cached probe measured faster (:func:`head_product`). Used by :func:`shifu.genera
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -37,6 +38,11 @@ def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hid
         if engine == "fast":
             raise ValueError(f"no fast decoder for model type {model.config.model_type!r}")
     return _HFDecoder(model, batch, max_len, like, want_hidden)
+
+
+def keeps_kv(model) -> bool:
+    """Whether :func:`decoder` (``engine="auto"``) gives ``model`` a decoder that keeps its own cache."""
+    return not is_lora(model) and any(cls.supports(model) for cls in (_GPT2Decoder, _LlamaDecoder))
 
 
 class _HFDecoder:
@@ -149,6 +155,44 @@ class _FastDecoder:
         self.v[:, target] = self.v[:, source]
         self.key_mask[target] = self.key_mask[source]
         self.bias = None
+
+    def relayout(self, rows: int, width: int, keep: list[tuple[int, int, int]], shift: int) -> None:
+        """A cache of ``rows`` rows and ``width`` columns holding what it held, for a sampler that admits rows
+        while it decodes (:mod:`shifu.generation.continuous`): ``keep`` lists (row, first, to) for each row
+        kept, its columns ``first`` .. :attr:`length` (the ones before are masked) copied to row ``to`` moved
+        ``shift`` columns (negative: left). The rest is zeros and masked up to the new :attr:`length`."""
+        k = torch.zeros(
+            self.k.shape[:1] + (rows,) + self.k.shape[2:3] + (width,) + self.k.shape[4:],
+            dtype=self.k.dtype,
+            device=self.k.device,
+        )
+        v = torch.zeros_like(k)
+        length = self.length + shift
+        key_mask = torch.ones((rows, width), dtype=torch.bool, device=k.device)
+        key_mask[:, :length] = False
+        for row, first, to in keep:
+            k[:, to, :, first + shift : length] = self.k[:, row, :, first : self.length]
+            v[:, to, :, first + shift : length] = self.v[:, row, :, first : self.length]
+            key_mask[to, first + shift :] = True
+        self.k, self.v, self.key_mask, self.length, self.bias = k, v, key_mask, length, None
+
+    @contextlib.contextmanager
+    def window(self, rows: slice, first: int):
+        """The cache seen from rows ``rows`` and columns ``first`` on, as if it were the whole of it (a prefill
+        of admitted rows whose prompts end at the current :attr:`length`); :attr:`length` and the rest as they
+        were afterwards."""
+        saved = self.k, self.v, self.key_mask, self.length
+        self.k, self.v, self.key_mask = (
+            self.k[:, rows, :, first:],
+            self.v[:, rows, :, first:],
+            self.key_mask[rows, first:],
+        )
+        self.bias = None
+        try:
+            yield self
+        finally:
+            self.k, self.v, self.key_mask, self.length = saved
+            self.bias = None
 
 
 class _GPT2Decoder(_FastDecoder):

@@ -91,7 +91,7 @@ def _mark_ends(buf: Tensor, t: int, eos_seen_at: Tensor, at_eos: bool, eos_token
     eos_seen_at.masked_fill_(ended & (eos_seen_at == R), t)
 
 
-def _prefill(dec, prompt_ids: Tensor, pos: Tensor, prefix: CallPrefixes | None) -> Tensor:
+def prefill(dec, prompt_ids: Tensor, pos: Tensor, prefix: CallPrefixes | None) -> Tensor:
     """The prompts' forward: (B, V) logits of their last positions. With ``prefix``, the columns before the
     first one it must compute are copied from the prefix cache instead."""
     start = 0 if prefix is None else prefix.load(dec, prompt_ids.shape[1])
@@ -282,7 +282,7 @@ def sample(
     dec.key_mask[:, :P] = prompt_mask.to(dec.key_mask.dtype)
     pos = position_ids_from_mask(prompt_mask)
     next_pos = pos[:, -1:] + 1  # (B, 1) position of response token 0
-    logits = _prefill(dec, prompt_ids, pos, prefix)
+    logits = prefill(dec, prompt_ids, pos, prefix)
     steps = 0
     # with retire: the call's rows held in the decoder's cache rows 0, 1, ...
     held = list(range(B)) if retire and dec.keeps_kv else None

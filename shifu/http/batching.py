@@ -12,11 +12,16 @@ of their keys instead of their arrival (the same items make the same calls howev
 service merges token blocks into one forward
 (:mod:`shifu.serve.batcher`); the gateway merges chat completions of one sampling setting into one sampler
 call (:mod:`shifu.gateway.engine`). A failed call fails the requests in it, never the server.
+
+With ``admitting``, a call is ``run(items, feed)`` and may take pending items while it runs (:class:`Feed`: the
+oldest first, up to the first it refuses) and hand each item its result as soon as it has it; the gateway's
+engine admits requests into a running decode so (:meth:`shifu.gateway.engine.Engine.run_admitting`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 from collections import deque
@@ -42,7 +47,8 @@ class BatchQueue:
     (the first); None: every item is a call of its own (no merging). ``wait(pending items) -> seconds``: how
     long after the oldest pending item arrived the next call may wait for more (0: start now; ``math.inf``:
     until asked again); None: never wait. ``order(item) -> key``: the items of a call are taken in the order of
-    their keys (a stable sort: equal keys in arrival order); None: in arrival order."""
+    their keys (a stable sort: equal keys in arrival order); None: in arrival order. ``admitting``: calls are
+    ``run(items, feed)`` (:class:`Feed`, module docstring)."""
 
     def __init__(
         self,
@@ -51,8 +57,10 @@ class BatchQueue:
         joins: Callable[[list, Any], bool] | None = None,
         wait: Callable[[list], float] | None = None,
         order: Callable[[Any], Any] | None = None,
+        admitting: bool = False,
     ):
         self.run, self.executor, self.joins, self.wait, self.order = run, executor, joins, wait, order
+        self.admitting = admitting
         self._jobs: deque[_Job] = deque()
         self._wake = asyncio.Event()
         self._event_loop = asyncio.get_running_loop()
@@ -135,9 +143,72 @@ class BatchQueue:
                 continue
             if batch[0].alone is not None:
                 await _settle(batch, loop.run_in_executor(self.executor, batch[0].alone), alone=True)
+            elif self.admitting:
+                feed = Feed(self, loop, batch)
+                work = loop.run_in_executor(self.executor, self.run, [j.item for j in batch], feed)
+                await _settle(feed.jobs, work)
             else:
                 work = loop.run_in_executor(self.executor, self.run, [j.item for j in batch])
                 await _settle(batch, work)
+
+    def _admit(self, feed: Feed, accept: Callable[[Any], bool], answer: concurrent.futures.Future) -> None:
+        """On the event loop: the pending items, oldest first, up to the first one ``accept`` refuses (or a
+        function to run alone), moved into ``feed``'s call; ``answer`` gets them."""
+        if not answer.set_running_or_notify_cancel():  # (the worker stopped asking)
+            return
+        try:
+            taken = []
+            for job in self._jobs:
+                if job.alone is not None or job.future.done() or not accept(job.item):
+                    break
+                taken.append(job)
+        except Exception as e:  # a failing accept admits nothing; the call goes on
+            answer.set_exception(e)
+            return
+        for _ in taken:
+            self._jobs.popleft()
+        feed.jobs.extend(taken)
+        answer.set_result([j.item for j in taken])
+
+
+class Feed:
+    """What a call of an admitting queue (``admitting=True``: ``run(items, feed)``) sees of the queue from the
+    worker thread: :meth:`more` admits pending items into the running call, :meth:`deliver` hands one item its
+    result before the call ends. An item's index is its place among the call's first items, then those
+    :meth:`more` returned, in order; ``run`` still returns every item's result (those delivered already are
+    left as they are)."""
+
+    def __init__(self, queue: BatchQueue, loop, jobs: list[_Job]):
+        self.queue, self.loop, self.jobs = queue, loop, list(jobs)
+
+    def more(self, accept: Callable[[Any], bool]) -> list:
+        """The pending items, oldest first, up to the first that ``accept(item)`` refuses (called on the event
+        loop, one item after the other: it may count what it accepted), now items of this call. A pending item
+        that is refused, or a function to run alone, stops admission, so it waits for this call only."""
+        if not self.queue._jobs:  # (a read from another thread: at worst a step late)
+            return []
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self.loop.call_soon_threadsafe(self.queue._admit, self, accept, answer)
+        except RuntimeError:  # the event loop has closed
+            return []
+        try:
+            return answer.result(timeout=5.0)
+        except concurrent.futures.TimeoutError:
+            if answer.cancel():  # not taken: nothing admitted
+                return []
+            return answer.result()
+
+    def deliver(self, index: int, result) -> None:
+        """Hand item ``index`` its result now (from the worker thread)."""
+        future = self.jobs[index].future
+        with contextlib.suppress(RuntimeError):  # (the event loop has closed)
+            self.loop.call_soon_threadsafe(_resolve, future, result)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():  # a client that went away leaves a cancelled future
+        future.set_result(result)
 
 
 def _failed(loop, e: Exception) -> asyncio.Future:
