@@ -57,6 +57,7 @@ from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
 from shifu.evaluation.final import GOLD, eval_settings, evaluate
 from shifu.pipelines.agent_start import TeacherPlan, agent_start
+from shifu.pipelines.side_by_side import overlap, side_by_side
 from shifu.pipelines.stages import (
     Stages,
     claim_run,
@@ -369,61 +370,6 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
 
     stages.run("soup", out / "soup", f"stage soup: merge {members} PPO runs (scale {scale})", work)
     return out / "soup" / "final"
-
-
-def side_by_side(stages: Stages, runs: dict[str, dict]) -> None:
-    """Train the unfinished PPO runs of ``runs`` (stage name -> overrides) at once, one process each (forked:
-    the pipeline's run directory stays held), when this process has a torch thread for each; a run gets
-    ``threads // runs`` threads (one thread each on two cores, where two runs of the small preset's models
-    take about 30 % less wall time side by side than one after the other on both threads). A run that did
-    not finish (stopped, failed) is left to the caller's :meth:`Stages.train`, which resumes or restarts
-    it in this process. Their ``DONE`` markers name the runs that shared the machine (``side_by_side``), so
-    the run's total time counts that stretch once (:func:`overlap`)."""
-    import multiprocessing
-
-    import torch
-
-    todo = [name for name in runs if done(stages.root / name) is None]
-    threads = torch.get_num_threads()
-    if len(todo) < 2 or threads < len(todo) or "fork" not in multiprocessing.get_all_start_methods():
-        return
-    each = threads // len(todo)
-    stages.log(f"stages {', '.join(todo)} side by side: one process each, {each} torch thread(s) each")
-    ctx = multiprocessing.get_context("fork")
-    sys.stdout.flush(), sys.stderr.flush()  # (a forked child would write what is buffered again)
-    procs = [ctx.Process(target=_train_member, args=(stages, name, runs[name], each, todo)) for name in todo]
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        for proc in procs:
-            if proc.pid is not None:
-                proc.join()
-
-
-def _train_member(stages: Stages, name: str, overrides: dict, threads: int, together: list[str]) -> None:
-    """One PPO run of :func:`side_by_side`, in its forked process."""
-    import torch
-
-    from shifu.pipelines.stages import train_stage
-
-    torch.set_num_threads(threads)
-
-    def work(stage_dir: Path) -> dict:
-        train_stage("shifu.trainers.ppo", stage_dir, overrides)
-        return {"side_by_side": together}
-
-    stages.run(name, stages.root / name, f"stage {name}", work, plan=overrides)
-
-
-def overlap(markers: dict[str, dict]) -> float:
-    """Seconds counted twice when stage times are summed: for each group of stages that ran side by side
-    (their markers' ``side_by_side``), every stage's time but the longest."""
-    groups: dict[tuple[str, ...], list[float]] = {}
-    for marker in markers.values():
-        if together := marker.get("side_by_side"):
-            groups.setdefault(tuple(together), []).append(marker["seconds"])
-    return sum(sum(times) - max(times) for times in groups.values())
 
 
 def same_settings(out: Path, runs: list[Path]) -> None:
