@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--spy", action="store_true", help="with --run: sample it with py-spy")
     ap.add_argument("--spy-rate", type=int, default=10)
+    ap.add_argument("--note", default=None, help="with --record: what a reader must know about the run")
     provenance.add_arguments(ap)
     args = ap.parse_args(argv)
     run = args.run or args.run_dir
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     if measured:
         print(f"wall {measured['wall_s']:.1f} s, CPU of the process tree {measured['process_cpu_s']:.1f} s")
     params = {"task": args.task, "preset": args.preset or "small", "seed": args.seed, "sets": args.sets}
-    provenance.record(args, "quickstart_profile", p, params=params, threads=args.threads or os.cpu_count())
+    provenance.record(
+        args, "quickstart_profile", p, params=params, threads=args.threads or os.cpu_count(), note=args.note
+    )
     return 0
 
 
