@@ -32,21 +32,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
 
-# phase of a py-spy sample: the last of these function names found on its stack (innermost wins)
+# phase of a py-spy sample (a frame reads "function (path/file.py:line)"): (phase, function or None: any, a
+# piece of the file's path); the last phase with a frame on the sample's stack, outermost first, is the
+# sample's (the innermost wins: the PPO trainer's held-out evaluation is "ppo: eval", not "ppo")
 PHASES = (
-    ("prepare", ("prepare",)),
-    ("sft", ("shifu.trainers.sft",)),
-    ("pairs: sampling", ("make_preference_pairs",)),
-    ("pairs: judge", ("vader_compound",)),
-    ("rm", ("shifu.trainers.reward",)),
-    ("ppo: sampling", ("collect_rollout", "generate", "sample")),
-    ("ppo: scoring", ("score", "reference_logprobs", "values")),
-    ("ppo: update", ("ppo_update", "backward", "step")),
-    ("ppo: eval", ("evaluate_policy", "periodic_eval")),
-    ("eval", ("shifu.evaluation.final",)),
-    ("report", ("render_report",)),
-    ("import", ("<module>",)),
+    ("import", "<module>", ""),
+    ("prepare", "prepare", "shifu/tasks/imdb.py"),
+    ("sft", None, "shifu/trainers/sft"),
+    ("pairs: sampling", "make_preference_pairs", "shifu/tasks/imdb.py"),
+    ("pairs: judge", "vader_compound", "shifu/tasks/judges.py"),
+    ("rm", None, "shifu/trainers/reward"),
+    ("ppo: sampling", "sample_batch", "shifu/trainers/ppo_rollout.py"),
+    ("ppo: scoring", "score_rollout", "shifu/trainers/ppo_rollout.py"),
+    ("ppo: update", "learn", "shifu/trainers/ppo.py"),
+    ("ppo: eval", None, "shifu/trainers/ppo_eval.py"),
+    ("ppo: checkpoints", None, "shifu/runs/checkpoint.py"),
+    ("eval", "evaluate", "shifu/evaluation/final.py"),
+    ("soup", "merge_policies", "shifu/models/merge.py"),
+    ("report", "render_report", "shifu/reporting/report.py"),
 )
+
+
+def phase_of(stack: str) -> str:
+    """The :data:`PHASES` phase of one py-spy stack (frames joined by ``;``), ``other`` if none."""
+    phase = "other"
+    for frame in stack.split(";"):
+        function, _, where = frame.partition(" (")
+        for name, fn, path in PHASES:
+            if (fn is None or function.strip() == fn) and path in where:
+                phase = name
+    return phase
 
 
 def stage_times(run: Path) -> dict[str, dict[str, float | None]]:
@@ -76,14 +91,9 @@ def spy_phases(raw: Path) -> dict[str, float]:
     counts: dict[str, int] = {}
     for line in raw.read_text(encoding="utf-8", errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
-        if not n.isdigit():
-            continue
-        phase = "other"
-        for frame in stack.split(";"):
-            for name, needles in PHASES:
-                if any(needle in frame for needle in needles):
-                    phase = name
-        counts[phase] = counts.get(phase, 0) + int(n)
+        if n.isdigit():
+            phase = phase_of(stack)
+            counts[phase] = counts.get(phase, 0) + int(n)
     total = sum(counts.values()) or 1
     return {k: round(v / total, 4) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
 
