@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from shifu.cli.main import main as cli_main
 
@@ -367,3 +368,44 @@ def test_a_mistake_in_a_plan_file_names_the_file_the_section_and_the_key(tmp_pat
         with pytest.raises(ConfigError) as e:
             read_plans(tmp_path)
         assert f"config file '{path}'" in str(e.value) and says in str(e.value), str(e.value)
+
+
+@pytest.mark.integration
+def test_soup_members_train_side_by_side_as_one_after_the_other(tmp_path, capsys):
+    """With a torch thread per member, a soup's PPO runs train at once, one forked process and one thread
+    each; each run is the very run it would be alone on one thread, and the run's total time counts the
+    stretch they shared once."""
+    short = [
+        "--task",
+        "arith",
+        "--set",
+        "sft.max_steps=4",
+        "--set",
+        "ppo.iterations=2",
+        "--set",
+        "soup.members=2",
+    ]
+    short += ["--set", "ppo.eval.every=0", "--set", "eval.num_prompts=16"]
+    apart, together = tmp_path / "apart", tmp_path / "together"
+    assert cli_main(["quickstart", "--out", str(apart), "--threads", "1", *short]) == 0
+    assert "side by side" not in capsys.readouterr().err
+    for stage in ("data", "sft"):  # (the same SFT policy, trained on one thread)
+        shutil.copytree(apart / stage, together / stage)
+    try:
+        assert cli_main(["quickstart", "--out", str(together), "--threads", "2", *short]) == 0
+    finally:
+        torch.set_num_threads(1)
+    assert (
+        "stages ppo, ppo-2 side by side: one process each, 1 torch thread(s) each" in capsys.readouterr().err
+    )
+    for run in ("ppo", "ppo-2"):
+        marker = json.loads((together / run / "DONE").read_text())
+        assert marker["side_by_side"] == ["ppo", "ppo-2"]
+        assert "side_by_side" not in json.loads((apart / run / "DONE").read_text())
+        mine, theirs = (load_file(d / run / "final" / "model.safetensors") for d in (together, apart))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), run
+    s, alone = (json.loads((d / "summary.json").read_text()) for d in (together, apart))
+    assert s["gold_after"] == alone["gold_after"] and s["kl"] == alone["kl"]
+    secs = s["seconds"]
+    shared = secs["ppo"] + secs["ppo-2"] - max(secs["ppo"], secs["ppo-2"])
+    assert s["seconds_total"] == pytest.approx(sum(secs.values()) - shared, abs=0.02)

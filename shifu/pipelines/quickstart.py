@@ -57,6 +57,7 @@ from shifu.config.schema import PPOConfig, RMConfig, SFTConfig
 from shifu.errors import ConfigError, ShifuError
 from shifu.evaluation.final import GOLD, eval_settings, evaluate
 from shifu.pipelines.agent_start import TeacherPlan, agent_start
+from shifu.pipelines.side_by_side import overlap, side_by_side
 from shifu.pipelines.stages import (
     Stages,
     claim_run,
@@ -310,7 +311,6 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
         reward = {"model_path": str(out / "rm" / "final")}
     # 4. PPO from the SFT policy (also the frozen reference); a soup plan runs it once per member (seeds
     # seed, seed + 1000, ...) and merges the members' changes to the SFT policy (shifu.models.merge)
-    stages.train("ppo", "shifu.trainers.ppo", ppo_overrides(plan["ppo"], sft_final, files, reward, seed))
     policy = soup(stages, plan, sft_final, files, reward, seed)
     seconds, cpu = stages.seconds(), stages.cpu_seconds()  # cpu None: a stage finished by an older run
 
@@ -326,7 +326,7 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
             task=task, preset=preset, seed=seed, rm_accuracy=rm_accuracy, seconds=seconds, cpu_seconds=cpu
         )
         summary["policy"] = str(policy.relative_to(out))
-        summary["seconds_total"] = round(sum(seconds.values()), 2)
+        summary["seconds_total"] = round(sum(seconds.values()) - overlap(stages.markers), 2)
         summary["cpu_seconds_total"] = round(sum(v or 0.0 for v in cpu.values()), 2)
         (out / "summary.json").write_text(jsonfile.dumps(summary, indent=2), encoding="utf-8")
     from shifu.reporting.modelcard import write_model_card
@@ -338,7 +338,8 @@ def run(task: str, preset: str, out: Path, seed: int, sets: list[str] | None = N
 def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict, seed: int) -> Path:
     """The final policy: ``ppo/final``, or with ``soup.members`` M >= 2 the merge (``soup/final``) of M PPO
     runs from the SFT policy, ``ppo`` and ``ppo-2`` ... ``ppo-M`` (seeds ``seed + 1000 * i``), as
-    ``sft + soup.scale * mean_i(member_i - sft)`` (:func:`shifu.models.merge.merge_policies`)."""
+    ``sft + soup.scale * mean_i(member_i - sft)`` (:func:`shifu.models.merge.merge_policies`). The runs are
+    independent: with more than one torch thread they train side by side (:func:`side_by_side`)."""
     from shifu.models.merge import merge_policies
 
     out, cfg = stages.root, plan.get("soup") or {}
@@ -347,16 +348,21 @@ def soup(stages: Stages, plan: dict, sft_final: Path, files: dict, reward: dict,
         raise ShifuError(f"soup.members must be a whole number >= 1 (1: no merge), got {members!r}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ShifuError(f"soup.scale must be a finite number (1: the plain mean), got {scale!r}")
+    runs = {
+        "ppo" if i == 0 else f"ppo-{i + 1}": ppo_overrides(
+            plan["ppo"], sft_final, files, reward, seed + 1000 * i
+        )
+        for i in range(members)
+    }
+    for name, overrides in runs.items():  # finished runs are only read, their plans checked before any trains
+        if done(out / name) is not None:
+            stages.train(name, "shifu.trainers.ppo", overrides)
+    side_by_side(stages, runs)
+    for name, overrides in runs.items():
+        stages.train(name, "shifu.trainers.ppo", overrides)
     if members == 1:
         return out / "ppo" / "final"
-    dirs = [out / "ppo" / "final"]
-    for i in range(1, members):
-        stages.train(
-            f"ppo-{i + 1}",
-            "shifu.trainers.ppo",
-            ppo_overrides(plan["ppo"], sft_final, files, reward, seed + 1000 * i),
-        )
-        dirs.append(out / f"ppo-{i + 1}" / "final")
+    dirs = [out / name / "final" for name in runs]
 
     same_settings(out, [d.parent for d in dirs])
     what = {"members": [str(d.relative_to(out)) for d in dirs], "scale": float(scale)}
