@@ -88,6 +88,8 @@ def test_public_names():
         "exact_kl",
         "exact_kl_loss",
         "truncated_is_weights",
+        "decoupled_is_weights",
+        "outside_band",
         "rollout_mismatch",
         "conjugate_gradient",
     }

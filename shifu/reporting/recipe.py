@@ -56,7 +56,16 @@ ESTIMATOR_NAMES = {
 }
 LOSS_NAMES = {"ppo": "PPO-clip", "ppo_penalty": "PPO-penalty", "reinforce": "REINFORCE", "gspo": "GSPO"}
 GROUPED = ("grpo", "dr_grpo", "rloo", "bon", "reinforce_pp_baseline")
-CRITIC_KEYS = ("critic", "vf_coef", "lam", "value_clip", "critic_warmup", "joint_optimizer", "lora.critic")
+CRITIC_KEYS = (
+    "critic",
+    "vf_coef",
+    "lam",
+    "value_clip",
+    "critic_warmup",
+    "critic_updates",
+    "joint_optimizer",
+    "lora.critic",
+)
 # the key config of the source that made a PPO run's rollouts, per kind (SourceDescription.kind)
 EPISODE_BUDGETS = ("generation.max_turns", "generation.max_new_tokens", "generation.max_total_tokens")
 SOURCE_KEYS = {
