@@ -45,13 +45,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: this script's own folder is on sys.path)
 import torch  # noqa: E402
+from gateway_stream import chatml_policy, smollm2_policy  # noqa: E402  (its tiny and SmolLM2 policies)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 WORDS = (
     "search read write list files run tests open issue branch commit query table rows column value name path "
     "returns string number list of the a to for with when given by each"
@@ -60,34 +57,8 @@ WORDS = (
 
 def tiny_policy():
     """A random 4 x 256 GPT-2 and a byte-level BPE tokenizer over the tools' words (ChatML, EOS ``<|im_end|>``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from shifu.models.loading import build_tiny_gpt2
-
     corpus = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) for i in range(400)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1000,
-        special_tokens=["<|im_end|>", "<|pad|>", "<|im_start|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(corpus, trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|pad|>")
-    tok.chat_template = CHATML
-    return build_tiny_gpt2(tok, n_layer=4, n_embd=256, n_head=4, n_positions=2048, seed=0), tok
-
-
-def smollm2_policy():
-    from transformers import AutoModelForCausalLM
-
-    from shifu.models.loading import load_tokenizer
-    from shifu.tasks.assets import converted_smollm2
-
-    path = converted_smollm2()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
+    return chatml_policy(corpus, vocab_size=1000, n_layer=4, n_embd=256, n_head=4, n_positions=2048)
 
 
 def tools_block(tok, tokens: int) -> str:

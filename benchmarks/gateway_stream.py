@@ -42,27 +42,36 @@ CHATML = (
 )
 
 
-def tiny_policy():
-    """A random 2 x 64 GPT-2 and a byte-level BPE tokenizer (ChatML, EOS ``<|im_end|>``)."""
+def chatml_policy(
+    corpus: list[str], vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_positions: int
+):
+    """A random GPT-2 of that shape and a byte-level BPE tokenizer trained on ``corpus`` (ChatML, EOS
+    ``<|im_end|>``): the tiny policy of the gateway benchmarks."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from shifu.models.loading import build_tiny_gpt2
 
-    words = "the sea ships sailed over a long story about waves and wind at night".split()
-    corpus = [" ".join(words[(i * 5 + j) % len(words)] for j in range(10)) for i in range(200)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=vocab_size,
         special_tokens=["<|im_end|>", "<|pad|>", "<|im_start|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(corpus, trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|pad|>")
     tok.chat_template = CHATML
-    return build_tiny_gpt2(tok, n_layer=2, n_embd=64, n_head=2, n_positions=1024, seed=0), tok
+    shape = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions)
+    return build_tiny_gpt2(tok, **shape, seed=0), tok
+
+
+def tiny_policy():
+    """A random 2 x 64 GPT-2 and a byte-level BPE tokenizer over a story's words."""
+    words = "the sea ships sailed over a long story about waves and wind at night".split()
+    corpus = [" ".join(words[(i * 5 + j) % len(words)] for j in range(10)) for i in range(200)]
+    return chatml_policy(corpus, vocab_size=400, n_layer=2, n_embd=64, n_head=2, n_positions=1024)
 
 
 def smollm2_policy():
