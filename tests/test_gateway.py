@@ -61,6 +61,26 @@ def tiny_policy(tok, seed: int = 0, positions: int = 256):
     return build_tiny_gpt2(tok, n_layer=2, n_embd=64, n_head=2, n_positions=positions, seed=seed).eval()
 
 
+def relu_policy(tok):
+    """A random tiny GPT-2 with relu activations: sampled through the HF forward (not shifu's own decoder), where a
+    forward hook can hold the sampler."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        activation_function="relu",
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
 def memorized_policy(tok, body: dict, target: str):
     """A tiny GPT-2 trained to answer the request ``body`` (rendered as the gateway renders it) with
     ``target`` then EOS: greedy sampling then writes exactly that (a real model emitting a tool call)."""

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'"
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[serve]'")
 
-from test_gateway import QUESTION, chat_tokenizer, tiny_policy  # noqa: E402
+from test_gateway import QUESTION, chat_tokenizer, relu_policy, tiny_policy  # noqa: E402
 
 from shifu.gateway import Gateway, Sampling  # noqa: E402
 from shifu.gateway.retries import Answer, fingerprint  # noqa: E402
@@ -41,24 +41,8 @@ def sse_lines(gw, key: str, path: str, body: dict, stop_after: int | None = None
 
 
 def gated_policy(tok, gate: threading.Event):
-    """A tiny GPT-2 whose forward waits at ``gate`` (relu: sampled through the HF forward, where a hook can
-    wait)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=256,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        activation_function="relu",
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model = GPT2LMHeadModel(cfg).eval()
+    """A tiny GPT-2 whose forward waits at ``gate`` (:func:`test_gateway.relu_policy`)."""
+    model = relu_policy(tok)
 
     def hold(module, args, kwargs):
         assert gate.wait(120), "the gate never opened"

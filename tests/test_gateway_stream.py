@@ -24,6 +24,7 @@ from test_gateway import (  # noqa: E402
     chat_tokenizer,
     memorized_policy,
     recomputed,
+    relu_policy,
     tiny_policy,
 )
 
@@ -159,22 +160,8 @@ def test_stop_strings_never_show_in_the_stream(served):
 def test_the_async_client_streams_while_the_sampler_is_still_sampling():
     """A gate in the model's forward holds the sampler after a few steps: the first text arrives while the
     sampler call has not returned (the engine counts a call once it has)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     tok = chat_tokenizer()
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=256,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        activation_function="relu",
-        bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model = GPT2LMHeadModel(cfg).eval()  # relu: sampled through the HF forward, where a hook can wait
+    model = relu_policy(tok)  # sampled through the HF forward, where a hook can wait
     gate, forwards = threading.Event(), []
 
     def hold(module, args, kwargs):
