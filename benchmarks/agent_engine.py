@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--sessions", type=int, default=32, help="conversations at once")
     p.add_argument("--turns", type=int, default=3, help="calls per conversation")
-    p.add_argument("--budgets", type=int, nargs="+", default=[24, 96, 256], help="max_tokens, by (s + t) %% 3")
+    p.add_argument(
+        "--budgets", type=int, nargs="+", default=[24, 96, 256], help="max_tokens, by (s + t) %% 3"
+    )
     p.add_argument("--tools-tokens", type=int, default=500, help="tokens of the shared tools block")
     p.add_argument("--cache-mb", type=float, default=512, help="the prefix cache's budget of the new engine")
     p.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
