@@ -66,17 +66,13 @@ def run_config(run_dir: str):
 
 def held_out_rows(cfg) -> tuple[list[dict], str]:
     """A run's held-out prompt rows as its evaluations read them, and where they came from."""
-    from shifu.data.rows import load_rows, split_prompts
-    from shifu.rollout.build import source_prompts
+    from shifu.rollout.build import run_prompts
 
-    own = source_prompts(cfg, cfg.seed)  # a verifiers taskset's tasks
-    if own is not None:
-        return own[1], own[2]
-    d = cfg.data
-    if d.eval:
-        return load_rows(d.eval, "prompt", skip_bad=d.skip_bad), d.eval
-    _, held_out = split_prompts(load_rows(d.train, "prompt", skip_bad=d.skip_bad), d.eval_fraction, cfg.seed)
-    return held_out, f"{d.train} (held-out split, data.eval_fraction)"
+    p = run_prompts(cfg, cfg.seed, train=False)
+    return (
+        p.held_out,
+        f"{p.held_out_from} (held-out split, data.eval_fraction)" if p.split else p.held_out_from,
+    )
 
 
 def policies(args: argparse.Namespace, cfg) -> list[tuple[str, Path]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -22,7 +22,7 @@ from shifu.config.loader import from_dict, lookup, to_dict
 from shifu.config.schema import PPOConfig
 from shifu.config.sections import PromptDataConfig
 from shifu.config.sources import AgentConfig, EnvConfig, VerifiersConfig
-from shifu.data.rows import split_prompts
+from shifu.data.rows import load_rows, split_prompts
 from shifu.envs import verifiers as V
 from shifu.envs.base import Environment
 from shifu.errors import ConfigError
@@ -212,6 +212,33 @@ def source_prompts(cfg: PPOConfig | Any, seed: int) -> tuple[list[dict], list[di
     if s is None or not s.taskset:
         return None
     return taskset_prompts(s, cfg.data.eval_fraction, seed)
+
+
+class RunPrompts(NamedTuple):
+    """A run's prompt rows (:func:`run_prompts`)."""
+
+    train: list[dict] | None  # None: not read (``train=False``)
+    held_out: list[dict]
+    train_from: str  # where the rows are read (a file, or the source's own tasks)
+    held_out_from: str
+    split: bool  # the held-out rows are a ``data.eval_fraction`` split of ``data.train``
+
+
+def run_prompts(cfg: PPOConfig | Any, seed: int, train: bool = True) -> RunPrompts:
+    """A run's prompts: a source's own tasks (:func:`source_prompts`), else ``data.train`` with ``data.eval``,
+    else a ``data.eval_fraction`` split of ``data.train`` (seeded by ``seed``). ``train=False``: only the
+    held-out rows are wanted, so the training rows are not read unless the split needs them."""
+    own = source_prompts(cfg, seed)  # a verifiers taskset's tasks
+    if own is not None:
+        return RunPrompts(own[0], own[1], own[2], own[2], split=False)
+    d = cfg.data
+    rows = load_rows(d.train, "prompt", skip_bad=d.skip_bad) if train or not d.eval else None
+    if d.eval:
+        return RunPrompts(
+            rows, load_rows(d.eval, "prompt", skip_bad=d.skip_bad), d.train, d.eval, split=False
+        )
+    rows, held_out = split_prompts(rows, d.eval_fraction, seed)
+    return RunPrompts(rows, held_out, d.train, d.train, split=True)
 
 
 def plan_prompts(ppo_plan: dict, seed: int) -> tuple[list[dict], list[dict], str] | None:

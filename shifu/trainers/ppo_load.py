@@ -12,7 +12,6 @@ from torch import nn
 
 from shifu.config.schema import PPOConfig
 from shifu.data.batches import encode_prompts, ptx_batches
-from shifu.data.rows import load_rows, split_prompts
 from shifu.errors import ShifuError
 from shifu.models import lora as L
 from shifu.models.loading import (
@@ -25,7 +24,7 @@ from shifu.models.loading import (
 from shifu.models.scalar import ScalarModel, new_value_head
 from shifu.parallel.strategy import Strategy
 from shifu.rewards.sources import same_tokenizer
-from shifu.rollout.build import build_source, describe, source_prompts
+from shifu.rollout.build import build_source, describe, run_prompts
 from shifu.rollout.sources import SourceDescription
 
 
@@ -35,22 +34,11 @@ def load_prompts(cfg: PPOConfig) -> tuple:
     or a ``data.eval_fraction`` split of ``data.train``) and the first ``eval.final_prompts`` of them for the
     final evaluation (none without a gold judge: ``eval.gold_function``, or a source whose return is the task's
     own, an environment's or an agent's); ``dropped`` counts the rollout prompts left out."""
-    own = source_prompts(cfg, cfg.seed)  # a verifiers taskset's tasks
-    if own is not None:
-        rows, eval_rows, source = own
-    elif cfg.data.eval:
-        rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
-        eval_rows, source = load_rows(cfg.data.eval, "prompt", skip_bad=cfg.data.skip_bad), cfg.data.eval
-    else:
-        rows = load_rows(cfg.data.train, "prompt", skip_bad=cfg.data.skip_bad)
-        rows, eval_rows = split_prompts(rows, cfg.data.eval_fraction, cfg.seed)
-        source = cfg.data.train
+    rows, eval_rows, origin, source, _ = run_prompts(cfg, cfg.seed)
     tok = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     tok.padding_side = "left"
     d = cfg.data
-    ids, rows, dropped = encode_prompts(
-        tok, rows, d.max_prompt_len, d.prompt_policy, own[2] if own else d.train, d.chat_template
-    )
+    ids, rows, dropped = encode_prompts(tok, rows, d.max_prompt_len, d.prompt_policy, origin, d.chat_template)
     judged = cfg.eval.gold_function is not None or describe(cfg).gold
     n_final = cfg.eval.final_prompts if judged else 0
 
