@@ -219,6 +219,32 @@ def event_stream(name: str, *events: type[Strict]) -> tuple[dict, dict]:
     return {"schema": event}, schemas
 
 
+def post_operation(
+    operation_id: str,
+    summary: str,
+    security: list[dict],
+    models: tuple[str, str],
+    answered: str,
+    stream: dict,
+    refusals: dict,
+    failed: dict,
+    description: str | None = None,
+) -> dict:
+    """A dialect's OpenAPI POST operation: a JSON body of the schema ``models[0]``, answered (``answered``
+    describes it) by ``models[1]``, or with stream true by ``stream`` (an event-stream media type object); its
+    ``refusals`` by status, and ``failed`` (500) when the sampler fails."""
+    request, answer = (REF.format(model=m) for m in models)
+    operation = {"operationId": operation_id, "summary": summary}
+    if description is not None:
+        operation["description"] = description
+    content = {"application/json": {"schema": {"$ref": answer}}, "text/event-stream": stream}
+    return operation | {
+        "security": security,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": request}}}},
+        "responses": {"200": {"description": answered, "content": content}, **refusals, "500": failed},
+    }
+
+
 def renamed(e: RequestError, field: str) -> RequestError:
     """A refusal of the engine's ``response_format`` (:func:`shifu.gateway.completions.json_grammar`) as one
     of the dialect's own ``field`` (``text.format``), its schema at ``<field>.schema``; other refusals as

@@ -9,7 +9,7 @@ from shifu.gateway.chat.stream import chat_chunks
 from shifu.gateway.chat.translate import parse_chat_request
 from shifu.gateway.completions import new_completion_id
 from shifu.gateway.streaming import SSE_HEADERS, outcomes
-from shifu.gateway.typed import REF, components
+from shifu.gateway.typed import REF, components, post_operation
 
 
 class ChatRoute:
@@ -65,25 +65,15 @@ def openapi() -> dict:
         "x-sse-data": {"$ref": REF.format(model="ChatCompletionChunk")},
     }
     stream = {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
-    operation = {
-        "operationId": "createChatCompletion",
-        "summary": "Sample a chat completion.",
-        "security": [{"bearer": []}, {"apiKey": []}, {}],
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": REF.format(model="ChatCompletionRequest")}}},
-        },
-        "responses": {
-            "200": {
-                "description": "The completion; with stream true, its chunks as Server-Sent Events.",
-                "content": {
-                    "application/json": {"schema": {"$ref": REF.format(model="ChatCompletion")}},
-                    "text/event-stream": stream,
-                },
-            },
-            **{str(s): refused for s in (400, 401, 404, 405, 408, 413, 415)},
-            "500": {"$ref": "#/components/responses/Failed"},
-        },
-    }
+    operation = post_operation(
+        "createChatCompletion",
+        "Sample a chat completion.",
+        [{"bearer": []}, {"apiKey": []}, {}],
+        ("ChatCompletionRequest", "ChatCompletion"),
+        "The completion; with stream true, its chunks as Server-Sent Events.",
+        stream,
+        {str(s): refused for s in (400, 401, 404, 405, 408, 413, 415)},
+        {"$ref": "#/components/responses/Failed"},
+    )
     schemas = components(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk)
     return {"paths": {"/v1/chat/completions": {"post": operation}}, "schemas": schemas}

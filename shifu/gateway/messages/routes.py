@@ -12,7 +12,7 @@ from shifu.gateway.messages.protocol import STREAM_EVENTS, MessagesAnswer, Messa
 from shifu.gateway.messages.stream import message_events
 from shifu.gateway.messages.translate import answer_body, chat_request, message_head
 from shifu.gateway.streaming import SSE_HEADERS, outcomes
-from shifu.gateway.typed import components, event_stream, renamed, validated
+from shifu.gateway.typed import components, event_stream, post_operation, renamed, validated
 from shifu.http.requests import RequestError
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); others are invalid requests
@@ -95,31 +95,21 @@ def openapi() -> dict:
     answers["405"] = {
         "$ref": "#/components/responses/Refused"
     }  # the router's, before this dialect is reached
-    operation = {
-        "operationId": "createMessage",
-        "summary": "Sample a message (Anthropic's Messages API), recorded as a chat completion is.",
-        "description": (
+    operation = post_operation(
+        "createMessage",
+        "Sample a message (Anthropic's Messages API), recorded as a chat completion is.",
+        [{"apiKey": []}, {"bearer": []}, {}],
+        ("MessagesRequest", "MessagesAnswer"),
+        "The message; with stream true, its events (Server-Sent Events).",
+        stream,
+        answers,
+        {"description": "The sampler failed (the message says how).", "content": error},
+        description=(
             "The key as x-api-key (Anthropic's clients) or as a bearer token. A refusal of a request this "
             "schema allows: a prompt too long for the model's positions, a chat template that refuses the "
             "messages, a model that is not served, or a forced tool call (tool_choice) with no tools or naming "
             "another tool."
         ),
-        "security": [{"apiKey": []}, {"bearer": []}, {}],
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MessagesRequest"}}},
-        },
-        "responses": {
-            "200": {
-                "description": "The message; with stream true, its events (Server-Sent Events).",
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/MessagesAnswer"}},
-                    "text/event-stream": stream,
-                },
-            },
-            **answers,
-            "500": {"description": "The sampler failed (the message says how).", "content": error},
-        },
-    }
+    )
     schemas = components(MessagesRequest, MessagesAnswer, MessagesError) | event_schemas
     return {"paths": {"/v1/messages": {"post": operation}}, "schemas": schemas}

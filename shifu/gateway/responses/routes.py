@@ -15,7 +15,7 @@ from shifu.gateway.responses.translate import (
     response_head,
 )
 from shifu.gateway.streaming import SSE_HEADERS, outcomes
-from shifu.gateway.typed import components, event_stream, renamed, validated
+from shifu.gateway.typed import components, event_stream, post_operation, renamed, validated
 from shifu.http.requests import RequestError
 
 
@@ -70,30 +70,20 @@ def openapi() -> dict:
     stream, event_schemas = event_stream("ResponsesStreamEvent", *STREAM_EVENTS)
     refused = {"$ref": "#/components/responses/Refused"}
     answers = {str(s): refused for s in (400, 401, 404, 405, 408, 413, 415)}
-    operation = {
-        "operationId": "createResponse",
-        "summary": "Sample a response (OpenAI's Responses API), recorded as a chat completion is.",
-        "description": (
+    operation = post_operation(
+        "createResponse",
+        "Sample a response (OpenAI's Responses API), recorded as a chat completion is.",
+        [{"bearer": []}, {"apiKey": []}, {}],
+        ("ResponsesRequest", "Response"),
+        "The response; with stream true, its events (Server-Sent Events).",
+        stream,
+        answers,
+        {"$ref": "#/components/responses/Failed"},
+        description=(
             "A refusal of a request this schema allows: code previous_response_not_found (the response is "
             "not kept for this key), tool_not_offered (a forced call with no tools, or naming another tool), "
             "context_length_exceeded, template_error or model_not_found."
         ),
-        "security": [{"bearer": []}, {"apiKey": []}, {}],
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResponsesRequest"}}},
-        },
-        "responses": {
-            "200": {
-                "description": "The response; with stream true, its events (Server-Sent Events).",
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/Response"}},
-                    "text/event-stream": stream,
-                },
-            },
-            **answers,
-            "500": {"$ref": "#/components/responses/Failed"},
-        },
-    }
+    )
     schemas = components(ResponsesRequest, Response) | event_schemas
     return {"paths": {"/v1/responses": {"post": operation}}, "schemas": schemas}
