@@ -1,0 +1,224 @@
+"""Where a PPO iteration's batch comes from under ``async_schedule=bounded`` (``max_staleness=S > 0``): a
+producer thread samples the ledger's prompts a few at a time, on the last weights the trainer published, and each
+iteration trains the first trajectories finished that are at most ``S`` versions behind. A straggler no longer
+holds its batch; a run is not bit-reproducible, and is exactly-once by construction
+(:mod:`shifu.trainers.ppo_bounded`). The trainer sees the interface of
+:class:`shifu.trainers.ppo_async.Producer`: :meth:`BoundedProducer.batch_for`, :meth:`BoundedProducer.join`.
+
+Numbering: batch ``step = it - 1`` (iteration ``it``) is trained after ``step`` updates; a trajectory sampled by
+version ``v`` (the policy after ``v`` updates) may train in it when ``step - v <= S``. Older ones go back to the
+ledger's queue (counted: ``rollout/requeued``) and are sampled again.
+
+Weights: the producer holds one copy of the policy's weights (as the fixed schedule does). It takes the actor's
+weights between two of its sampler calls, never during one, and only while the trainer is not scoring or updating
+(the trainer holds :attr:`BoundedProducer.updating` from taking a batch to publishing its update). It waits for
+the trainer only when its copy is so old that nothing it samples could train (``version < published - S``);
+otherwise it samples on with the copy it has. An evaluation pauses it (:meth:`BoundedProducer.paused`): a rollout
+source serves one caller at a time.
+
+Checkpoints keep the ledger's state (``data.ledger``: the trained prompts of each unfinished epoch), nothing
+sampled: on resume, what was in flight or in the buffer is sampled again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from shifu.trainers.ppo_async import Producer, Sampled, row_prompt_ids
+from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, concat
+from shifu.trainers.ppo_rollout import prompt_batch, sample_batch
+
+UNITS = 4  # sampler calls per batch: each samples a quarter of a batch's prompts (at least one)
+POLL_S = 0.005  # how often a waiting producer looks again (paused, or every prompt handed out)
+
+
+class BoundedProducer:
+    """The batches of a bounded run's iterations (see the module docstring). ``run``: the
+    :class:`shifu.trainers.ppo_run.Run`; ``ids`` / ``rows``: the training prompts and their data rows;
+    ``ledger``: a checkpoint's ledger state (:meth:`state`), or None for a new run."""
+
+    def __init__(
+        self, run: Any, ids: list[list[int]], rows: list[dict], params: Any, ledger: dict | None = None
+    ) -> None:
+        cfg = run.cfg
+        self.run, self.ids, self.rows, self.params = run, ids, rows, params
+        self.S, self.G = cfg.max_staleness, cfg.group_size
+        self.per_batch = cfg.batch_size // cfg.group_size  # prompts a batch trains
+        self.unit = max(1, self.per_batch // UNITS)
+        total = cfg.iterations * self.per_batch  # the synchronous run's prompts, as a multiset
+        self.ledger = (
+            Ledger.from_state(len(ids), cfg.seed, ledger, total)
+            if ledger
+            else Ledger(len(ids), cfg.seed, total=total)
+        )
+        self.buffer = Buffer(self.ledger)
+        self.sampler: nn.Module | None = None  # the one copy of the weights the thread samples from
+        self.version = 0  # the copy's version
+        self.published = 0  # the updates the trainer has made (and published)
+        self.updating = threading.Lock()  # held by the trainer while it scores and updates
+        self.calling = threading.Lock()  # held by the thread during a sampler call
+        self.pausing, self.stopping = threading.Event(), threading.Event()
+        self.thread: threading.Thread | None = None
+        self.taken: list[Finished] = []  # the batch in training: committed by join()
+        self.carry: list[tuple[int, int]] = []  # handed out, for the next call
+
+    # ------------------------------------------------------------------------------------ the trainer's side
+    def batch_for(self, it: int) -> Sampled:
+        """Iteration ``it``'s batch: the first ``batch_size / G`` prompts' trajectories finished within the bound
+        (waits for them); the thread is started on the first call. Holds :attr:`updating` until :meth:`join`."""
+        step = it - 1
+        if self.thread is None:
+            self._start(step)
+        t0 = time.perf_counter()
+        try:
+            got, requeued = self.buffer.take(step, self.per_batch, self.S)
+        except BaseException as e:
+            e.add_note("raised in the sampler thread of async_schedule=bounded, which stopped")
+            raise
+        waited = time.perf_counter() - t0
+        self.updating.acquire()  # the weights are the trainer's until join() publishes the update
+        self.taken = got
+        made = concat([d.item for d in got], self.run.models.tokenizer.pad_token_id)
+        versions = [d.version for d in got for _ in range(len(d.item))]
+        staleness = {  # logged with the source's metrics
+            "rollout/staleness": sum(step - v for v in versions) / len(versions),
+            "rollout/requeued": requeued,
+        }
+        made = dataclasses.replace(made, metrics=made.metrics | staleness)
+        ids = [d.prompt_id for d in got for _ in range(len(d.item))]
+        return Sampled(step, min(versions), ids, made, waited, versions)
+
+    def join(self) -> None:
+        """After the update of the batch :meth:`batch_for` gave: its prompts trained (final in the ledger), the
+        update published (the thread's next copy is of these weights)."""
+        self.ledger.commit([(d.epoch, d.prompt_id) for d in self.taken])
+        self.taken = []
+        self.published = self.run.loop["iteration"]
+        self.updating.release()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The thread stopped between two sampler calls while the trainer uses the rollout source itself."""
+        self.pausing.set()
+        try:
+            with self.calling:
+                yield
+        finally:
+            self.pausing.clear()
+
+    def close(self) -> None:
+        """The thread stopped after its current sampler call (at the end of a run, on any error); idempotent."""
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.updating.locked() and self.taken:  # an error between batch_for and join
+            self.taken = []
+            self.updating.release()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (``data.ledger``): only trained prompts are final."""
+        return {"ledger": self.ledger.state()}
+
+    # ------------------------------------------------------------------------------------ the thread's side
+    def _start(self, step: int) -> None:
+        self.published = self.version = step  # updates made before this batch
+        self._refresh()
+        self.thread = threading.Thread(target=self._loop, name="shifu-ppo-sampler", daemon=True)
+        self.thread.start()
+
+    def _refresh(self) -> None:
+        """The copy set to the actor's current weights (version :attr:`published`)."""
+        live = self.run.models.decoder()
+        if self.sampler is None:
+            self.sampler = copy.deepcopy(live).eval()
+            self.sampler.requires_grad_(False)
+        else:
+            with torch.no_grad():
+                for dst, src in zip(self.sampler.state_dict().values(), live.state_dict().values()):
+                    dst.copy_(src)
+        self.version = self.published
+
+    def _catch_up(self) -> None:
+        """Between two sampler calls: the published weights, if the trainer is not updating; waited for when
+        the copy is too old for anything it samples to train."""
+        if self.published <= self.version:
+            return
+        must = self.version < self.published - self.S
+        got = self.updating.acquire(blocking=False)
+        while must and not got and not self.stopping.is_set():
+            got = self.updating.acquire(timeout=POLL_S * 10)
+        if got:
+            try:
+                self._refresh()
+            finally:
+                self.updating.release()
+
+    def _loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                if self.pausing.is_set():
+                    self.stopping.wait(POLL_S)
+                    continue
+                with self.calling:
+                    self._catch_up()
+                    unit = self._hand_out() if self._room() else []
+                    if unit:
+                        self._sample(unit)
+                if not unit:  # the buffer holds what this version can train, or every prompt is handed out
+                    self.stopping.wait(POLL_S)
+        except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by Buffer.take)
+            self.buffer.fail(e)
+
+    def _room(self) -> bool:
+        """Whether more trajectories of the copy's version could train: it serves the steps from the trainer's
+        next (:attr:`published`) to ``version + S``, a batch each; what the buffer holds beyond would only go
+        stale (sampled again: the producer waits for newer weights instead)."""
+        usable = (self.version + self.S - self.published + 1) * self.per_batch
+        return len(self.buffer.items) < usable
+
+    def _hand_out(self) -> list[tuple[int, int]]:
+        """The next sampler call's prompts ``(epoch, prompt id)``: up to :attr:`unit`, no prompt twice (one met
+        again, from the next epoch, waits for the next call)."""
+        unit, self.carry = self.carry, []
+        while len(unit) < self.unit:
+            handed = self.ledger.next_prompt()
+            if handed is None:
+                break
+            if handed[1] in {p for _, p in unit}:
+                self.carry = [handed]
+                break
+            unit.append(handed)
+        return unit
+
+    def _sample(self, unit: list[tuple[int, int]]) -> None:
+        """One sampler call over ``unit``'s prompts (``G`` rows each), each prompt's rows put in the buffer."""
+        m, cfg, version = self.run.models, self.run.cfg, self.version
+        mine = [p for _, p in unit]
+        batch = prompt_batch(mine, m.strategy, self.G, self.ids, self.rows, m.tokenizer.pad_token_id)
+        made, _ = sample_batch(m, cfg, batch, self.params, self.run.state.sample_gen, self.sampler)
+        owner = row_prompt_ids(made, batch.rows, mine, self.G)
+        if self.stopping.is_set():
+            return
+        for e, p in unit:
+            part = made.select([i for i, q in enumerate(owner) if q == p])
+            self.buffer.put(Finished(e, p, version, part))
+
+
+def producer_for(
+    run: Any, ids: list[list[int]], rows: list[dict], params: Any, data: dict[str, Any]
+) -> Producer | BoundedProducer:
+    """The producer of ``run``'s batches: synchronous (``max_staleness=0``), ``fixed`` or ``bounded``; ``data``:
+    a resumed checkpoint's data state (its pending batches or its ledger), empty for a new run."""
+    if run.cfg.async_schedule == "bounded" and run.cfg.max_staleness > 0:
+        return BoundedProducer(run, ids, rows, params, data.get("ledger"))
+    return Producer(run, ids, rows, params, data.get("pending", []))
