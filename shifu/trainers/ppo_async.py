@@ -1,7 +1,8 @@
 """Where a PPO iteration's batch comes from, synchronous or asynchronous (``max_staleness=S``,
 ``async_schedule=fixed``): the one seam between sampling and training. The trainer asks
 :meth:`Producer.batch_for` for the batch of iteration ``k`` and publishes nothing else; staleness, the pending
-batches and the sampler's copy of the weights live here.
+batches and the sampler's copy of the weights live here (``async_schedule=bounded``'s producer, with the same
+interface, in :mod:`shifu.trainers.ppo_bounded_producer`).
 
 ``S = 0`` is the synchronous run: iteration ``k``'s batch is sampled when it is asked for, by the actor itself
 (version ``k - 1``: the policy after ``k - 1`` updates). ``S > 0``, ``fixed``: iteration ``k`` trains a batch
