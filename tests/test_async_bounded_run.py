@@ -157,7 +157,7 @@ def test_an_error_in_the_sampler_thread_stops_the_run(task, tmp_path):  # noqa: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bounded_run_killed_anywhere_trains_the_same_prompts(task, tmp_path, seed):  # noqa: F811
     clean, resumed = tmp_path / "clean", tmp_path / "resumed"
     argv = [a for a in async_argv(task, resumed) if a != "max_staleness=1"] + [
