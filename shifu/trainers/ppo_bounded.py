@@ -96,6 +96,12 @@ class Ledger:
             self.queue.appendleft((epoch, prompt_id))
             self.requeued += 1
 
+    def give_back(self, epoch: int, prompt_id: int) -> None:
+        """A prompt handed out and not sampled: back to the front of the queue, uncounted."""
+        with self.lock:
+            self.in_flight.remove((epoch, prompt_id))
+            self.queue.appendleft((epoch, prompt_id))
+
     def commit(self, items: list[tuple[int, int]]) -> None:
         """``(epoch, prompt id)`` pairs trained by an update: final. An epoch wholly trained is forgotten."""
         with self.lock:

@@ -1,20 +1,22 @@
-"""Where a PPO iteration's batch comes from under ``async_schedule=bounded`` (``max_staleness=S > 0``): a
-producer thread samples the ledger's prompts a few at a time, on the last weights the trainer published, and each
-iteration trains the first trajectories finished that are at most ``S`` versions behind. A straggler no longer
-holds its batch; a run is not bit-reproducible, and is exactly-once by construction
-(:mod:`shifu.trainers.ppo_bounded`). The trainer sees the interface of
-:class:`shifu.trainers.ppo_async.Producer`: :meth:`BoundedProducer.batch_for`, :meth:`BoundedProducer.join`.
+"""Where a PPO iteration's batch comes from under ``async_schedule=bounded`` (``max_staleness=S > 0``):
+``SAMPLERS`` producer threads sample the ledger's prompts a quarter batch per call, at once, on the last weights
+the trainer published, and each iteration trains the first trajectories finished that are at most ``S`` versions
+behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. A run
+is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
+sees the interface of :class:`shifu.trainers.ppo_async.Producer`: :meth:`BoundedProducer.batch_for`,
+:meth:`BoundedProducer.join`.
 
 Numbering: batch ``step = it - 1`` (iteration ``it``) is trained after ``step`` updates; a trajectory sampled by
 version ``v`` (the policy after ``v`` updates) may train in it when ``step - v <= S``. Older ones go back to the
-ledger's queue (counted: ``rollout/requeued``) and are sampled again.
+ledger's queue (counted: ``rollout/requeued``) and are sampled again. The samplers sample only what their
+versions can still train (the batches up to ``version + S``), then wait for the next update.
 
-Weights: the producer holds one copy of the policy's weights (as the fixed schedule does). It takes the actor's
-weights between two of its sampler calls, never during one, and only while the trainer is not scoring or updating
-(the trainer holds :attr:`BoundedProducer.updating` from taking a batch to publishing its update). It waits for
-the trainer only when its copy is so old that nothing it samples could train (``version < published - S``);
-otherwise it samples on with the copy it has. An evaluation pauses it (:meth:`BoundedProducer.paused`): a rollout
-source serves one caller at a time.
+Weights: each sampler holds one copy of the policy's weights (``SAMPLERS`` copies in all) and its own shallow copy
+of the rollout source (a source keeps per-call state). A sampler takes the actor's weights between two of its
+calls, never during one, and only while the trainer is not scoring or updating (the trainer holds
+:attr:`BoundedProducer.updating` from taking a batch to publishing its update). It waits for the trainer only when
+its copy is so old that nothing it samples could train (``version < published - S``); otherwise it samples on
+with the copy it has. An evaluation pauses every sampler between two calls (:meth:`BoundedProducer.paused`).
 
 Checkpoints keep the ledger's state (``data.ledger``: the trained prompts of each unfinished epoch), nothing
 sampled: on resume, what was in flight or in the buffer is sampled again.
@@ -37,8 +39,20 @@ from shifu.trainers.ppo_async import Producer, Sampled, row_prompt_ids
 from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, concat
 from shifu.trainers.ppo_rollout import prompt_batch, sample_batch
 
-UNITS = 4  # sampler calls per batch: each samples a quarter of a batch's prompts (at least one)
-POLL_S = 0.005  # how often a waiting producer looks again (paused, or every prompt handed out)
+SAMPLERS = 4  # producer threads, each a sampler with its copy of the weights; a call samples a quarter batch
+POLL_S = 0.005  # how often a waiting sampler looks again (paused, or nothing to sample)
+
+
+@dataclasses.dataclass
+class Sampler:
+    """One producer thread's own: its copy of the weights (``model``) and their ``version``, its rollout source
+    (a shallow copy of the run's: a source keeps per-call state), the lock it holds during a sampler call."""
+
+    source: Any
+    model: nn.Module | None = None
+    version: int = 0
+    calling: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
 
 
 class BoundedProducer:
@@ -53,7 +67,7 @@ class BoundedProducer:
         self.run, self.ids, self.rows, self.params = run, ids, rows, params
         self.S, self.G = cfg.max_staleness, cfg.group_size
         self.per_batch = cfg.batch_size // cfg.group_size  # prompts a batch trains
-        self.unit = max(1, self.per_batch // UNITS)
+        self.unit = max(1, self.per_batch // SAMPLERS)
         total = cfg.iterations * self.per_batch  # the synchronous run's prompts, as a multiset
         self.ledger = (
             Ledger.from_state(len(ids), cfg.seed, ledger, total)
@@ -61,28 +75,25 @@ class BoundedProducer:
             else Ledger(len(ids), cfg.seed, total=total)
         )
         self.buffer = Buffer(self.ledger)
-        self.sampler: nn.Module | None = None  # the one copy of the weights the thread samples from
-        self.version = 0  # the copy's version
+        self.samplers = [Sampler(copy.copy(run.models.source)) for _ in range(SAMPLERS)]
         self.published = 0  # the updates the trainer has made (and published)
         self.updating = threading.Lock()  # held by the trainer while it scores and updates
-        self.calling = threading.Lock()  # held by the thread during a sampler call
         self.pausing, self.stopping = threading.Event(), threading.Event()
-        self.thread: threading.Thread | None = None
+        self.started = False
         self.taken: list[Finished] = []  # the batch in training: committed by join()
-        self.carry: list[tuple[int, int]] = []  # handed out, for the next call
 
     # ------------------------------------------------------------------------------------ the trainer's side
     def batch_for(self, it: int) -> Sampled:
         """Iteration ``it``'s batch: the first ``batch_size / G`` prompts' trajectories finished within the bound
-        (waits for them); the thread is started on the first call. Holds :attr:`updating` until :meth:`join`."""
+        (waits for them); the threads are started on the first call. Holds :attr:`updating` until :meth:`join`."""
         step = it - 1
-        if self.thread is None:
+        if not self.started:
             self._start(step)
         t0 = time.perf_counter()
         try:
             got, requeued = self.buffer.take(step, self.per_batch, self.S)
         except BaseException as e:
-            e.add_note("raised in the sampler thread of async_schedule=bounded, which stopped")
+            e.add_note("raised in a sampler thread of async_schedule=bounded, which stopped them all")
             raise
         waited = time.perf_counter() - t0
         self.updating.acquire()  # the weights are the trainer's until join() publishes the update
@@ -99,7 +110,7 @@ class BoundedProducer:
 
     def join(self) -> None:
         """After the update of the batch :meth:`batch_for` gave: its prompts trained (final in the ledger), the
-        update published (the thread's next copy is of these weights)."""
+        update published (the samplers' next copies are of these weights)."""
         self.ledger.commit([(d.epoch, d.prompt_id) for d in self.taken])
         self.taken = []
         self.published = self.run.loop["iteration"]
@@ -107,20 +118,24 @@ class BoundedProducer:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The thread stopped between two sampler calls while the trainer uses the rollout source itself."""
+        """Every sampler stopped between two of its calls while the trainer uses the rollout source itself."""
         self.pausing.set()
         try:
-            with self.calling:
+            with contextlib.ExitStack() as held:
+                for w in self.samplers:
+                    held.enter_context(w.calling)
                 yield
         finally:
             self.pausing.clear()
 
     def close(self) -> None:
-        """The thread stopped after its current sampler call (at the end of a run, on any error); idempotent."""
+        """The threads stopped after their current sampler calls (at the end of a run, on any error);
+        idempotent."""
         self.stopping.set()
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        for w in self.samplers:
+            if w.thread is not None:
+                w.thread.join()
+                w.thread = None
         if self.updating.locked() and self.taken:  # an error between batch_for and join
             self.taken = []
             self.updating.release()
@@ -129,83 +144,89 @@ class BoundedProducer:
         """What a checkpoint keeps (``data.ledger``): only trained prompts are final."""
         return {"ledger": self.ledger.state()}
 
-    # ------------------------------------------------------------------------------------ the thread's side
+    # ----------------------------------------------------------------------------------- the threads' side
     def _start(self, step: int) -> None:
-        self.published = self.version = step  # updates made before this batch
-        self._refresh()
-        self.thread = threading.Thread(target=self._loop, name="shifu-ppo-sampler", daemon=True)
-        self.thread.start()
+        self.published = step  # updates made before this batch
+        for i, w in enumerate(self.samplers):
+            self._refresh(w)
+            w.thread = threading.Thread(
+                target=self._loop, args=(w,), name=f"shifu-ppo-sampler-{i}", daemon=True
+            )
+            w.thread.start()
+        self.started = True
 
-    def _refresh(self) -> None:
-        """The copy set to the actor's current weights (version :attr:`published`)."""
+    def _refresh(self, w: Sampler) -> None:
+        """``w``'s copy set to the actor's current weights (version :attr:`published`)."""
         live = self.run.models.decoder()
-        if self.sampler is None:
-            self.sampler = copy.deepcopy(live).eval()
-            self.sampler.requires_grad_(False)
+        if w.model is None:
+            w.model = copy.deepcopy(live).eval()
+            w.model.requires_grad_(False)
         else:
             with torch.no_grad():
-                for dst, src in zip(self.sampler.state_dict().values(), live.state_dict().values()):
+                for dst, src in zip(w.model.state_dict().values(), live.state_dict().values()):
                     dst.copy_(src)
-        self.version = self.published
+        w.version = self.published
 
-    def _catch_up(self) -> None:
-        """Between two sampler calls: the published weights, if the trainer is not updating; waited for when
+    def _catch_up(self, w: Sampler) -> None:
+        """Between two of ``w``'s calls: the published weights, if the trainer is not updating; waited for when
         the copy is too old for anything it samples to train."""
-        if self.published <= self.version:
+        if self.published <= w.version:
             return
-        must = self.version < self.published - self.S
+        must = w.version < self.published - self.S
         got = self.updating.acquire(blocking=False)
         while must and not got and not self.stopping.is_set():
             got = self.updating.acquire(timeout=POLL_S * 10)
         if got:
             try:
-                self._refresh()
+                self._refresh(w)
             finally:
                 self.updating.release()
 
-    def _loop(self) -> None:
+    def _loop(self, w: Sampler) -> None:
         try:
             while not self.stopping.is_set():
                 if self.pausing.is_set():
                     self.stopping.wait(POLL_S)
                     continue
-                with self.calling:
-                    self._catch_up()
-                    unit = self._hand_out() if self._room() else []
+                with w.calling:
+                    self._catch_up(w)
+                    unit = self._hand_out() if self._room(w) else []
                     if unit:
-                        self._sample(unit)
-                if not unit:  # the buffer holds what this version can train, or every prompt is handed out
+                        self._sample(w, unit)
+                if not unit:  # what this version can train is sampled or sampling, or every prompt handed out
                     self.stopping.wait(POLL_S)
         except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by Buffer.take)
+            self.stopping.set()  # the other samplers stop too
             self.buffer.fail(e)
 
-    def _room(self) -> bool:
-        """Whether more trajectories of the copy's version could train: it serves the steps from the trainer's
-        next (:attr:`published`) to ``version + S``, a batch each; what the buffer holds beyond would only go
-        stale (sampled again: the producer waits for newer weights instead)."""
-        usable = (self.version + self.S - self.published + 1) * self.per_batch
-        return len(self.buffer.items) < usable
+    def _room(self, w: Sampler) -> bool:
+        """Whether more trajectories of ``w``'s version could train: it serves the steps from the trainer's
+        next (:attr:`published`) to ``version + S``, a batch each; sampling beyond what the buffer holds and the
+        calls sample would only go stale (sampled again: the sampler waits for newer weights instead)."""
+        usable = (w.version + self.S - self.published + 1) * self.per_batch
+        return len(self.ledger.in_flight) - len(self.taken) < usable
 
     def _hand_out(self) -> list[tuple[int, int]]:
         """The next sampler call's prompts ``(epoch, prompt id)``: up to :attr:`unit`, no prompt twice (one met
-        again, from the next epoch, waits for the next call)."""
-        unit, self.carry = self.carry, []
+        again, from the next epoch, goes back to the queue uncounted: :meth:`Ledger.give_back`)."""
+        unit: list[tuple[int, int]] = []
         while len(unit) < self.unit:
             handed = self.ledger.next_prompt()
             if handed is None:
                 break
             if handed[1] in {p for _, p in unit}:
-                self.carry = [handed]
+                self.ledger.give_back(*handed)
                 break
             unit.append(handed)
         return unit
 
-    def _sample(self, unit: list[tuple[int, int]]) -> None:
-        """One sampler call over ``unit``'s prompts (``G`` rows each), each prompt's rows put in the buffer."""
-        m, cfg, version = self.run.models, self.run.cfg, self.version
+    def _sample(self, w: Sampler, unit: list[tuple[int, int]]) -> None:
+        """One call of ``w`` over ``unit``'s prompts (``G`` rows each), each prompt's rows put in the buffer."""
+        m, cfg, version = self.run.models, self.run.cfg, w.version
         mine = [p for _, p in unit]
         batch = prompt_batch(mine, m.strategy, self.G, self.ids, self.rows, m.tokenizer.pad_token_id)
-        made, _ = sample_batch(m, cfg, batch, self.params, self.run.state.sample_gen, self.sampler)
+        own = dataclasses.replace(m, source=w.source)
+        made, _ = sample_batch(own, cfg, batch, self.params, self.run.state.sample_gen, w.model)
         owner = row_prompt_ids(made, batch.rows, mine, self.G)
         if self.stopping.is_set():
             return
