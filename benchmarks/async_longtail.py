@@ -7,8 +7,8 @@ Each setting runs ``shifu ppo`` twice on a tiny character model with its critic 
 without them. The figure is the extra wall time the slow steps add, for ``max_staleness`` 0 (synchronous: each
 iteration waits for its slowest episode), then 1 and 2 in each schedule of ``--schedules``: ``fixed`` (the next
 batches are sampled in the background while the trainer updates, so at most the update's time of each straggler
-is hidden) and ``bounded`` (a producer thread samples a quarter batch per call and each iteration trains the
-first episodes done: a straggler holds its own call, not the trainer).
+is hidden) and ``bounded`` (``--samplers`` threads sample at once, each a share of a batch per call, and each
+iteration trains the first episodes done: a straggler holds its own call, not the batch).
 
     python benchmarks/async_longtail.py [--record]            # 20 iterations of 16 episodes per setting
     python benchmarks/async_longtail.py --short               # seconds: keeps it from rotting
@@ -86,6 +86,7 @@ def run_seconds(
         "tensorboard=false",
         f"max_staleness={staleness}",
         f"async_schedule={schedule}",
+        f"async_samplers={args.samplers}",
         *(["decoupled=true"] if staleness else []),
     ]
     cfg = load_config(ppo.Config, None, overrides)
@@ -102,6 +103,7 @@ def main() -> int:
     ap.add_argument("--slow-s", type=float, default=3.0)
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--schedules", nargs="+", default=["fixed", "bounded"], choices=["fixed", "bounded"])
+    ap.add_argument("--samplers", type=int, default=4, help="async_samplers of the bounded runs")
     ap.add_argument("--short", action="store_true", help="3 iterations of 4 episodes, 0.2 s slow steps")
     provenance.add_arguments(ap)
     args = ap.parse_args()
@@ -135,6 +137,7 @@ def main() -> int:
                 params={
                     "max_staleness": S,
                     "async_schedule": schedule,
+                    **({"async_samplers": args.samplers} if schedule == "bounded" else {}),
                     "iterations": args.iterations,
                     "episodes": args.batch,
                     "turns": args.turns,

@@ -105,6 +105,11 @@ class PPOConfig(RunConfig):
         "bounded: each iteration trains the first episodes finished by a version at most S behind (a straggler "
         "does not hold its batch), exactly-once but not bit-reproducible",
     )
+    async_samplers: int = opt(
+        4,
+        "async_schedule=bounded: sampler threads sampling at once, each batch_size / async_samplers responses per "
+        "call and each with its own copy of the policy's weights (more hide more stragglers, for memory)",
+    )
     iterations: int = opt(20, "rollout + update iterations")
     batch_size: int = opt(32, "responses per rollout (batch_size / group_size prompts), over all processes")
     minibatch_size: int = opt(8, "responses per optimiser step, over all processes (global)")
@@ -319,6 +324,8 @@ class PPOConfig(RunConfig):
             )
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0 (got {self.max_staleness}); 0 is synchronous")
+        if self.async_samplers < 1:
+            raise ConfigError(f"async_samplers must be >= 1 (got {self.async_samplers})")
         if self.max_staleness > 0 and self.distributed.strategy != "none":
             raise ConfigError(
                 f"max_staleness > 0 runs in one process: distributed.strategy={self.distributed.strategy} "

@@ -1,5 +1,5 @@
 """Where a PPO iteration's batch comes from under ``async_schedule=bounded`` (``max_staleness=S > 0``):
-``SAMPLERS`` producer threads sample the ledger's prompts a quarter batch per call, at once, on the last weights
+``async_samplers`` threads sample the ledger's prompts at once, ``1 / async_samplers`` of a batch per call, on the last weights
 the trainer published, and each iteration trains the first trajectories finished that are at most ``S`` versions
 behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. A run
 is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
@@ -11,7 +11,7 @@ version ``v`` (the policy after ``v`` updates) may train in it when ``step - v <
 ledger's queue (counted: ``rollout/requeued``) and are sampled again. The samplers sample only what their
 versions can still train (the batches up to ``version + S``), then wait for the next update.
 
-Weights: each sampler holds one copy of the policy's weights (``SAMPLERS`` copies in all) and its own shallow copy
+Weights: each sampler holds one copy of the policy's weights (``async_samplers`` copies in all) and its own shallow copy
 of the rollout source (a source keeps per-call state). A sampler takes the actor's weights between two of its
 calls, never during one, and only while the trainer is not scoring or updating (the trainer holds
 :attr:`BoundedProducer.updating` from taking a batch to publishing its update). It waits for the trainer only when
@@ -39,7 +39,6 @@ from shifu.trainers.ppo_async import Producer, Sampled, row_prompt_ids
 from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, concat
 from shifu.trainers.ppo_rollout import prompt_batch, sample_batch
 
-SAMPLERS = 4  # producer threads, each a sampler with its copy of the weights; a call samples a quarter batch
 POLL_S = 0.005  # how often a waiting sampler looks again (paused, or nothing to sample)
 
 
@@ -67,7 +66,7 @@ class BoundedProducer:
         self.run, self.ids, self.rows, self.params = run, ids, rows, params
         self.S, self.G = cfg.max_staleness, cfg.group_size
         self.per_batch = cfg.batch_size // cfg.group_size  # prompts a batch trains
-        self.unit = max(1, self.per_batch // SAMPLERS)
+        self.unit = max(1, self.per_batch // cfg.async_samplers)  # prompts per sampler call
         total = cfg.iterations * self.per_batch  # the synchronous run's prompts, as a multiset
         self.ledger = (
             Ledger.from_state(len(ids), cfg.seed, ledger, total)
@@ -75,7 +74,7 @@ class BoundedProducer:
             else Ledger(len(ids), cfg.seed, total=total)
         )
         self.buffer = Buffer(self.ledger)
-        self.samplers = [Sampler(copy.copy(run.models.source)) for _ in range(SAMPLERS)]
+        self.samplers = [Sampler(copy.copy(run.models.source)) for _ in range(cfg.async_samplers)]
         self.published = 0  # the updates the trainer has made (and published)
         self.updating = threading.Lock()  # held by the trainer while it scores and updates
         self.pausing, self.stopping = threading.Event(), threading.Event()
