@@ -185,3 +185,13 @@ def test_concat_lays_out_the_batch_as_one_call(cuts):
     assert joined.rows == whole.rows and joined.transcripts == whole.transcripts
     assert joined.counts == whole.counts
     assert joined.metrics["env/turns"] == pytest.approx(sum(i % 4 + 1 for i in range(7)) / 7)
+
+
+def test_a_prompt_given_back_is_next_and_uncounted():
+    """A sampler that meets a prompt twice in one call's hand-out (two epochs) gives the second back."""
+    ledger = Ledger(3, 0)
+    first = [ledger.next_prompt() for _ in range(3)]
+    again = ledger.next_prompt()  # epoch 1's first prompt
+    ledger.give_back(*again)
+    assert ledger.requeued == 0 and again not in ledger.in_flight
+    assert ledger.next_prompt() == again and len(ledger.in_flight) == 4 and again[0] == 1 != first[0][0]
