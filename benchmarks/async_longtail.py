@@ -5,9 +5,10 @@ once. Which steps are slow is fixed by the prompt and the turn (a hash), so ever
 Each setting runs ``shifu ppo`` twice on a tiny character model with its critic and one rollout per prompt
 (episodes of ``--turns`` turns with the environment, every call of a turn at once): with the slow steps and
 without them. The figure is the extra wall time the slow steps add, for ``max_staleness`` 0 (synchronous: each
-iteration waits for its slowest episode), 1 and 2 (``async_schedule=fixed``: the next batches are sampled in the
-background while the trainer updates, so at most the update's time of each straggler is hidden). The bounded
-schedule (a batch of the first episodes done) is what hides a straggler whole; it is not available yet.
+iteration waits for its slowest episode), then 1 and 2 in each schedule of ``--schedules``: ``fixed`` (the next
+batches are sampled in the background while the trainer updates, so at most the update's time of each straggler
+is hidden) and ``bounded`` (``--samplers`` threads sample at once, each a share of a batch per call, and each
+iteration trains the first episodes done: a straggler holds its own call, not the batch).
 
     python benchmarks/async_longtail.py [--record]            # 20 iterations of 16 episodes per setting
     python benchmarks/async_longtail.py --short               # seconds: keeps it from rotting
@@ -54,12 +55,14 @@ class LongTail:
         )
 
 
-def run_seconds(work: Path, inputs: dict, staleness: int, slow_s: float, args) -> tuple[float, float]:
+def run_seconds(
+    work: Path, inputs: dict, staleness: int, slow_s: float, args, schedule: str = "fixed"
+) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one ``shifu ppo`` run."""
     from shifu.config.loader import load_config
     from shifu.trainers import ppo
 
-    out = work / f"s{staleness}-{slow_s:g}"
+    out = work / f"s{staleness}-{schedule}-{slow_s:g}"
     overrides = [
         f"out_dir={out}",
         f"model.path={inputs['model']}",
@@ -82,6 +85,8 @@ def run_seconds(work: Path, inputs: dict, staleness: int, slow_s: float, args) -
         "progress=false",
         "tensorboard=false",
         f"max_staleness={staleness}",
+        f"async_schedule={schedule}",
+        f"async_samplers={args.samplers}",
         *(["decoupled=true"] if staleness else []),
     ]
     cfg = load_config(ppo.Config, None, overrides)
@@ -97,6 +102,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--slow-s", type=float, default=3.0)
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--schedules", nargs="+", default=["fixed", "bounded"], choices=["fixed", "bounded"])
+    ap.add_argument("--samplers", type=int, default=4, help="async_samplers of the bounded runs")
     ap.add_argument("--short", action="store_true", help="3 iterations of 4 episodes, 0.2 s slow steps")
     provenance.add_arguments(ap)
     args = ap.parse_args()
@@ -111,21 +118,26 @@ def main() -> int:
         work = Path(tmp)
         inputs = {"model": build_char_model(work / "model"), "prompts": write_prompts(work / "prompts.jsonl")}
         base = None
-        print("max_staleness | wall, no latency (s) | wall, long tail (s) | extra (s) | extra / S=0's")
-        for S in args.staleness:
-            fast, _ = run_seconds(work, inputs, S, 0.0, args)
-            slow, cpu = run_seconds(work, inputs, S, args.slow_s, args)
+        print(
+            "max_staleness | schedule | wall, no latency (s) | wall, long tail (s) | extra (s) | extra / S=0's"
+        )
+        settings = [(0, "fixed")] if 0 in args.staleness else []  # (S = 0 is synchronous in either schedule)
+        settings += [(S, sch) for sch in args.schedules for S in args.staleness if S > 0]
+        for S, schedule in settings:
+            fast, _ = run_seconds(work, inputs, S, 0.0, args, schedule)
+            slow, cpu = run_seconds(work, inputs, S, args.slow_s, args, schedule)
             extra = slow - fast
             base = extra if S == 0 else base
             ratio = f"{extra / base:.2f}" if base else "-"
-            print(f"{S} | {fast:.1f} | {slow:.1f} | {extra:.1f} | {ratio}", flush=True)
+            print(f"{S} | {schedule} | {fast:.1f} | {slow:.1f} | {extra:.1f} | {ratio}", flush=True)
             provenance.record(
                 args,
                 "async_longtail",
                 {"wall_fast_s": fast, "wall_slow_s": slow, "extra_s": extra, "cpu_slow_s": cpu},
                 params={
                     "max_staleness": S,
-                    "async_schedule": "fixed",
+                    "async_schedule": schedule,
+                    **({"async_samplers": args.samplers} if schedule == "bounded" else {}),
                     "iterations": args.iterations,
                     "episodes": args.batch,
                     "turns": args.turns,

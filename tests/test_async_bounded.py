@@ -3,8 +3,8 @@ prompts one at a time from the ledger's queue into the buffer, the trainer takes
 that are fresh enough, and commits them. A straggler does not hold its batch; no trajectory is taken past its
 bound (``step - version <= S``); one too stale is counted and sampled again; and a loop "killed" at random
 points (its ledger, buffer and producer abandoned, resumed from the last checkpointed ledger state) trains every
-prompt of each epoch exactly once, as an uninterrupted loop does. The schedule itself stays refused by the config
-until the trainer uses these parts."""
+prompt of each epoch exactly once, as an uninterrupted loop does. The trainer's use of them is
+``test_async_bounded_run.py``'s."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def train(n, seed, S, batch, epochs, sample, kills=()):
     checkpoint the loop is abandoned and resumed from that checkpoint. -> (trained log as (epoch, prompt, step,
     version), stale count)."""
     log, stale_total, step, steps = [], 0, 0, epochs * n // batch
-    ledger = Ledger(n, seed, epochs=epochs)
+    ledger = Ledger(n, seed, total=epochs * n)
     buffer = Buffer(ledger)
     producer = Producer(ledger, buffer, sample)
     while step < steps:
@@ -63,7 +63,7 @@ def train(n, seed, S, batch, epochs, sample, kills=()):
         checkpoint = ledger.state()
         if step in kills:  # SIGKILL after the checkpoint: everything in flight or buffered is lost
             producer.stop.set()
-            ledger = Ledger.from_state(n, seed, checkpoint, epochs)
+            ledger = Ledger.from_state(n, seed, checkpoint, epochs * n)
             buffer = Buffer(ledger)
             producer = Producer(ledger, buffer, sample)
             producer.version = step + 1
@@ -185,3 +185,13 @@ def test_concat_lays_out_the_batch_as_one_call(cuts):
     assert joined.rows == whole.rows and joined.transcripts == whole.transcripts
     assert joined.counts == whole.counts
     assert joined.metrics["env/turns"] == pytest.approx(sum(i % 4 + 1 for i in range(7)) / 7)
+
+
+def test_a_prompt_given_back_is_next_and_uncounted():
+    """A sampler that meets a prompt twice in one call's hand-out (two epochs) gives the second back."""
+    ledger = Ledger(3, 0)
+    first = [ledger.next_prompt() for _ in range(3)]
+    again = ledger.next_prompt()  # epoch 1's first prompt
+    ledger.give_back(*again)
+    assert ledger.requeued == 0 and again not in ledger.in_flight
+    assert ledger.next_prompt() == again and len(ledger.in_flight) == 4 and again[0] == 1 != first[0][0]

@@ -73,7 +73,7 @@ def test_decoupled_loss_hand_computed_clip_around_the_proximal_policy():
         ("is_mask=1.0", "is_mask must be > 1"),
         ("critic_updates=0", "critic_updates must be >= 1"),
         ("max_staleness=-1", "max_staleness must be >= 0"),
-        ("async_schedule=bounded", "async_schedule=bounded is not available yet"),
+        ("async_samplers=0", "async_samplers must be >= 1"),
         ("async_schedule=lazy", "async_schedule"),
     ],
 )

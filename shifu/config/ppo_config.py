@@ -102,7 +102,13 @@ class PPOConfig(RunConfig):
     async_schedule: Literal["fixed", "bounded"] = opt(
         "fixed",
         "fixed: iteration k trains a batch sampled by policy version max(0, k - 1 - S), bit-reproducible; "
-        "bounded (episodes trained as they finish) is not available yet",
+        "bounded: each iteration trains the first episodes finished by a version at most S behind (a straggler "
+        "does not hold its batch), exactly-once but not bit-reproducible",
+    )
+    async_samplers: int = opt(
+        4,
+        "async_schedule=bounded: sampler threads sampling at once, each batch_size / async_samplers responses per "
+        "call and each with its own copy of the policy's weights (more hide more stragglers, for memory)",
     )
     iterations: int = opt(20, "rollout + update iterations")
     batch_size: int = opt(32, "responses per rollout (batch_size / group_size prompts), over all processes")
@@ -318,11 +324,8 @@ class PPOConfig(RunConfig):
             )
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0 (got {self.max_staleness}); 0 is synchronous")
-        if self.async_schedule == "bounded":
-            raise ConfigError(
-                "async_schedule=bounded is not available yet: use async_schedule=fixed (each iteration trains "
-                "a batch sampled max_staleness versions back, bit-reproducible)"
-            )
+        if self.async_samplers < 1:
+            raise ConfigError(f"async_samplers must be >= 1 (got {self.async_samplers})")
         if self.max_staleness > 0 and self.distributed.strategy != "none":
             raise ConfigError(
                 f"max_staleness > 0 runs in one process: distributed.strategy={self.distributed.strategy} "

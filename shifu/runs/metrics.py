@@ -61,7 +61,8 @@ METRICS: dict[str, str] = {
     "rollout/dropped_nonfinite": "rollout responses dropped because their score was NaN or infinite "
     "(with group_size > 1, every response of their group)",
     "rollout/groups_dropped": "dynamic_sampling: groups whose scores were all equal, left out of the update",
-    "rollout/staleness": "max_staleness > 0: policy versions between the batch's sampler and the policy it trains (iteration - 1 - version)",
+    "rollout/staleness": "max_staleness > 0: policy versions between the batch's sampler and the policy it trains (iteration - 1 - version; async_schedule=bounded: the mean over its trajectories)",
+    "rollout/requeued": "async_schedule=bounded: trajectories sent back to be sampled again since the last batch, as too stale for theirs",
     "rollout/is_weight_mean": "decoupled or is_mask: mean importance weight pi_old / pi_behav over response tokens (0 where masked)",
     "rollout/is_maskfrac": "is_mask: fraction of response tokens whose ratio pi_old / pi_behav fell outside [1/c, c], dropped from the policy loss",
     "rollout/mismatch_abs_log_ratio": "tis_cap, decoupled, is_mask, max_staleness > 0 or bf16 decode: mean |log pi_old - log pi_rollout| over response tokens "

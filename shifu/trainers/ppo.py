@@ -12,6 +12,7 @@ Run directory: ``metrics.jsonl``, ``trained.jsonl`` (what each iteration trained
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -39,7 +40,8 @@ from shifu.trainers.common import (
     seed_everything,
 )
 from shifu.trainers.ppo_advantages import ESTIMATORS, Signals, importance_weighted, totals
-from shifu.trainers.ppo_async import Producer, Sampled, record_trained
+from shifu.trainers.ppo_async import Sampled, record_trained
+from shifu.trainers.ppo_bounded_producer import producer_for
 from shifu.trainers.ppo_load import load_prompts, ptx_stream
 from shifu.trainers.ppo_models import PPOModels, PPOState, build
 from shifu.trainers.ppo_rollout import Rollout, sample_batch, sampling_params, score_rollout
@@ -80,9 +82,9 @@ def iteration(
 
 def train_batch(m: PPOModels, s: PPOState, cfg: PPOConfig, sampled: Sampled, ptx=None, warmup=False, it=None):
     """Iteration ``it`` on a sampled batch (:mod:`shifu.trainers.ppo_async`): the rest of 1., then 2-6 in
-    :func:`learn`. Returns the iteration's metrics and the prompt ids of the trajectories it trained."""
+    :func:`learn`. Returns the iteration's metrics and the rows it trained (positions in ``sampled.made``)."""
     # 1. rollout: the sampled trajectories' old / reference log-probs, values and scores without gradients
-    rollout, info = score_rollout(m, cfg, sampled.made, sampled.t_gen, it, sampled.prompt_ids)
+    rollout, info = score_rollout(m, cfg, sampled.made, sampled.t_gen, it, list(range(len(sampled.made))))
     metrics = info | learn(m, s, cfg, rollout, ptx, warmup)
     seconds = info["time/rollout_s"] + metrics.get("time/update_s", 0.0)
     return metrics | {
@@ -197,9 +199,8 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
     )
     m = build(cfg, tok, strategy)
     cfg = with_values(cfg, m.used)  # what ran (a critic.init fallback): config.yaml and checkpoints say so
-    check_positions(
-        m.actor_module, max(map(len, ids + held_out[0] + final_prompts[0])), cfg.max_response_tokens
-    )
+    longest = max(map(len, ids + held_out[0] + final_prompts[0]))
+    check_positions(m.actor_module, longest, cfg.max_response_tokens)
     ptx = ptx_stream(cfg, tok)
     G = cfg.group_size  # each prompt's G responses are sampled, scored and kept together on one rank
     s, stream = PPOState.new(cfg, strategy), PromptStream(len(ids), cfg.batch_size // G, cfg.seed)
@@ -219,9 +220,9 @@ def train(cfg: PPOConfig, resume: bool = False, overwrite: bool = False) -> dict
         stream = PromptStream(len(ids), cfg.batch_size // G, cfg.seed, **data["prompts"])
     tracker = ppo_run.open_tracker(cfg, out, strategy, resume, latest, loop["iteration"], dropped)
     run = ppo_run.Run(m, s, cfg, out, stream, ptx, loop, tracker, held_out, gold_fn, final_prompts)
-    pending = data.get("pending", []) if latest else []  # an asynchronous run's: sampled, not yet trained
-    run.producer = Producer(run, ids, rows, sampling_params(cfg), pending)  # the iterations' batches
-    return iterate(run)
+    run.producer = producer_for(run, ids, rows, sampling_params(cfg), data if latest else {})  # the batches
+    with contextlib.closing(run.producer):  # an asynchronous run's sampler thread stopped, on any error too
+        return iterate(run)
 
 
 def iterate(run: ppo_run.Run) -> dict[str, Any]:
@@ -249,9 +250,9 @@ def iterate(run: ppo_run.Run) -> dict[str, Any]:
                 warmup = it <= cfg.critic_warmup  # the first critic_warmup iterations: the critic only
                 metrics, trained = train_batch(m, s, cfg, sampled, run.ptx, warmup, it)
                 loop["iteration"] = it
-                record_trained(run.out, it - 1, sampled.version, trained, m.strategy)  # batch it - 1
+                record_trained(run.out, it - 1, *sampled.rows_trained(trained), m.strategy)  # batch it - 1
                 try:
-                    run.producer.join()  # the batch sampled meanwhile (max_staleness > 0)
+                    run.producer.join()  # the batch sampled meanwhile, or the update published (S > 0)
                 except RewardServiceUnavailable as e:  # iteration it trained: logged when resumed
                     loop["pending"] = metrics
                     raise run.service_stopped(e, it) from None
@@ -264,7 +265,7 @@ def iterate(run: ppo_run.Run) -> dict[str, Any]:
                     best = (loop["best_iteration"], cfg.eval.best_key(), loop["best"])
                     announce_stop("ppo", f"iteration {loop['iteration']}", run.out, best)
                 return {"stopped": True, "iteration": loop["iteration"]}
-    run.bar.close()
+    run.end_iterations()  # (the sampler thread stopped before the best weights or the final evaluation)
     if stop_reason is not None:
         ppo_eval.restore_best(m, cfg, run.out / "best", stop_reason, loop["best_iteration"])
     run.save(loop["iteration"])

@@ -1,7 +1,8 @@
 """Where a PPO iteration's batch comes from, synchronous or asynchronous (``max_staleness=S``,
 ``async_schedule=fixed``): the one seam between sampling and training. The trainer asks
 :meth:`Producer.batch_for` for the batch of iteration ``k`` and publishes nothing else; staleness, the pending
-batches and the sampler's copy of the weights live here.
+batches and the sampler's copy of the weights live here (``async_schedule=bounded``'s producer, with the same
+interface, in :mod:`shifu.trainers.ppo_bounded_producer`).
 
 ``S = 0`` is the synchronous run: iteration ``k``'s batch is sampled when it is asked for, by the actor itself
 (version ``k - 1``: the policy after ``k - 1`` updates). ``S > 0``, ``fixed``: iteration ``k`` trains a batch
@@ -23,6 +24,7 @@ Each trajectory carries the version that sampled it; :func:`record_trained` writ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -53,6 +55,13 @@ class Sampled:
     prompt_ids: list[int]
     made: Trajectories
     t_gen: float
+    versions: list[int] | None = None  # each row's version, when they differ (async_schedule=bounded)
+
+    def rows_trained(self, kept: list[int]) -> tuple[list[int] | int, list[int]]:
+        """``(the versions, the prompt ids)`` of the rows ``kept`` (positions in :attr:`made`: the rows left after
+        the non-finite scores were dropped): :func:`record_trained`'s."""
+        versions = [self.versions[i] for i in kept] if self.versions is not None else self.version
+        return versions, [self.prompt_ids[i] for i in kept]
 
 
 class Producer:
@@ -161,8 +170,24 @@ class Producer:
         self.pending.append(self.outcome["batch"])
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    def state(self) -> list[dict[str, Any]]:
-        """The pending batches as JSON (a checkpoint's ``async.pending``)."""
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Nothing samples in the background while an evaluation runs (between :meth:`join` and the next
+        :meth:`batch_for`): :class:`shifu.trainers.ppo_bounded_producer.BoundedProducer`'s interface."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """A background sampling still running (an error between :meth:`batch_for` and :meth:`join`) waited
+        for, its outcome dropped."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint's data keeps: ``pending``, the batches sampled and not yet trained (``S > 0``)."""
+        return {"pending": self.pending_state()} if self.S > 0 else {}
+
+    def pending_state(self) -> list[dict[str, Any]]:
+        """The pending batches as JSON."""
         return [
             {
                 "step": b.step,
@@ -195,18 +220,20 @@ def row_prompt_ids(made: Trajectories, batch_rows: list[dict], mine: list[int], 
     return out
 
 
-def record_trained(out: Path, step: int, version: int, prompt_ids: list[int], strategy: Any) -> None:
+def record_trained(
+    out: Path, step: int, version: int | list[int], prompt_ids: list[int], strategy: Any
+) -> None:
     """``trained.jsonl``: a line per trajectory of batch ``step`` (``prompt_id``, ``step``, ``version``), every
     rank's in rank order, written by rank 0 (call on every rank). ``step`` counts the updates made before it
     (iteration ``step + 1`` of ``metrics.jsonl`` trains it), so a synchronous run's lines have
-    ``version == step`` and a fixed one's ``version == max(0, step - S)``."""
-    prompt_ids = [p for share in strategy.gather(prompt_ids) for p in share]
+    ``version == step``, a fixed one's ``version == max(0, step - S)`` and a bounded one's
+    ``step - version <= S`` (``version``: one per trajectory there)."""
+    versions = version if isinstance(version, list) else [version] * len(prompt_ids)
+    pairs = [x for share in strategy.gather(list(zip(prompt_ids, versions))) for x in share]
     if not strategy.is_main:
         return
     with open(out / TRAINED, "a", encoding="utf-8") as f:
-        f.writelines(
-            json.dumps({"prompt_id": p, "step": step, "version": version}) + "\n" for p in prompt_ids
-        )
+        f.writelines(json.dumps({"prompt_id": p, "step": step, "version": v}) + "\n" for p, v in pairs)
 
 
 # ---------------------------------------------------------------------------------------------- JSON packing

@@ -1,6 +1,7 @@
 """The bookkeeping of the bounded asynchronous schedule (``async_schedule=bounded``): which prompts of an epoch
 are still to be sampled, which are trained (final), the buffer of finished trajectories a batch is taken
-from, and :func:`concat`, which lays trajectories sampled apart out as one batch. Not wired into the trainer yet (the schedule is refused by the config); these are its parts, tested alone.
+from, and :func:`concat`, which lays trajectories sampled apart out as one batch. The producer thread that
+uses them is :mod:`shifu.trainers.ppo_bounded_producer`.
 
 Numbering: as in ``trained.jsonl``, batch ``step`` (from 0: iteration ``step + 1``) is trained after ``step``
 updates, and a trajectory sampled by version ``v`` (the policy after ``v`` updates) trained in batch ``step`` is
@@ -41,8 +42,10 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 class Ledger:
     """The prompts of a run by epoch: those queued, those handed out (in flight) and those trained. ``n``
     prompts, epochs ordered by ``seed``; ``epoch``: the first epoch not wholly trained, ``trained``: its (and
-    later epochs') trained prompts, ``{epoch: [prompt ids]}``; ``epochs``: how many the run trains (None: no
-    end), so that a run's last batches hold only its last epoch's stragglers."""
+    later epochs') trained prompts, ``{epoch: [prompt ids]}``; ``total``: how many prompts the run trains over
+    all its epochs (None: no end), the first ``total`` of the epochs' orders laid end to end, as the synchronous
+    run's prompt stream draws them: so a bounded run trains the synchronous run's multiset of prompts, and its
+    last batches hold only the stragglers."""
 
     def __init__(
         self,
@@ -50,11 +53,11 @@ class Ledger:
         seed: int,
         epoch: int = 0,
         trained: dict[int, list[int]] | None = None,
-        epochs: int | None = None,
+        total: int | None = None,
     ) -> None:
         if n <= 0:
             raise ValueError(f"a ledger needs at least one prompt (got n={n})")
-        self.n, self.seed, self.epochs = n, seed, epochs
+        self.n, self.seed, self.total = n, seed, total
         self.trained: dict[int, set[int]] = {int(e): set(p) for e, p in (trained or {}).items()}
         self.epoch = epoch  # the first epoch with prompts not trained
         self.in_flight: set[tuple[int, int]] = set()
@@ -67,7 +70,10 @@ class Ledger:
     def _queue_epoch(self) -> None:
         e = self.queued_to + 1
         done = self.trained.get(e, set())
-        self.queue.extend((e, p) for p in epoch_order(self.n, self.seed, e) if p not in done)
+        order = epoch_order(self.n, self.seed, e)
+        if self.total is not None:  # the run's last epoch: its first prompts only
+            order = order[: self.total - e * self.n]
+        self.queue.extend((e, p) for p in order if p not in done)
         self.queued_to = e
 
     def next_prompt(self) -> tuple[int, int] | None:
@@ -76,7 +82,7 @@ class Ledger:
         ask again). The prompt is in flight until :meth:`commit` or :meth:`requeue`."""
         with self.lock:
             while not self.queue:
-                if self.epochs is not None and self.queued_to + 1 >= self.epochs:
+                if self.total is not None and (self.queued_to + 1) * self.n >= self.total:
                     return None
                 self._queue_epoch()
             item = self.queue.popleft()
@@ -89,6 +95,12 @@ class Ledger:
             self.in_flight.remove((epoch, prompt_id))
             self.queue.appendleft((epoch, prompt_id))
             self.requeued += 1
+
+    def give_back(self, epoch: int, prompt_id: int) -> None:
+        """A prompt handed out and not sampled: back to the front of the queue, uncounted."""
+        with self.lock:
+            self.in_flight.remove((epoch, prompt_id))
+            self.queue.appendleft((epoch, prompt_id))
 
     def commit(self, items: list[tuple[int, int]]) -> None:
         """``(epoch, prompt id)`` pairs trained by an update: final. An epoch wholly trained is forgotten."""
@@ -112,10 +124,10 @@ class Ledger:
             }
 
     @classmethod
-    def from_state(cls, n: int, seed: int, state: dict[str, Any], epochs: int | None = None) -> Ledger:
+    def from_state(cls, n: int, seed: int, state: dict[str, Any], total: int | None = None) -> Ledger:
         """A ledger resumed from :meth:`state`: nothing in flight, every untrained prompt queued again."""
         trained = {int(e): list(p) for e, p in state["trained"].items()}
-        return cls(n, seed, state["epoch"], trained, epochs)
+        return cls(n, seed, state["epoch"], trained, total)
 
 
 @dataclasses.dataclass

@@ -56,7 +56,7 @@ class Rollout:
     )
     step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
     ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
-    prompt_ids: list[int] | None = None  # B prompts' indices among the training prompts (trained.jsonl)
+    prompt_ids: list[int] | None = None  # B tags kept with the rows (the trainer's: positions in its batch)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -151,8 +151,8 @@ def score_rollout(
     values and what their rewards mean to the estimator (:func:`reward_signals`). A trajectory whose score is
     NaN/Inf is dropped (counted). Returns the rollout and ``{"time/generation_s", "time/rollout_s",
     "rollout/dropped_nonfinite"}`` and the source's own metrics (e.g. ``env/*``). With ``traces.*`` the
-    trajectories of ``iteration`` are recorded first (:mod:`shifu.rollout.traces`). ``prompt_ids``: each
-    trajectory's prompt, kept on the rollout's rows."""
+    trajectories of ``iteration`` are recorded first (:mod:`shifu.rollout.traces`). ``prompt_ids``: a tag per
+    trajectory, kept on the rollout's rows (what is left after the drop)."""
     strategy, t0 = models.strategy, time.perf_counter()
     models.actor.eval()
     prec = models.precision

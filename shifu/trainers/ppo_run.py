@@ -50,8 +50,7 @@ class Run:
         """A checkpoint of iteration ``it``: weights, optimisers, PPOState, the streams' positions, the loop."""
         m, strategy = self.models, self.models.strategy
         data = {"prompts": self.stream.state(), "ptx_served": self.ptx.served if self.ptx is not None else 0}
-        if self.cfg.max_staleness > 0:  # the batches sampled and not yet trained (asynchronous PPO)
-            data["pending"] = self.producer.state()
+        data |= self.producer.state()  # asynchronous PPO: the batches sampled, not trained; or the ledger
         js = {
             "ppo": self.state.state_dict(strategy),
             "data": data,
@@ -61,10 +60,17 @@ class Run:
         strategy.save_checkpoint(self.out, it, m.optimizers, m.plain, js, self.cfg.keep_last)
 
     def evaluate(self, it: int) -> dict[str, float]:
-        """The held-out evaluation of iteration ``it`` (:func:`shifu.trainers.ppo_eval.evaluate_and_keep`)."""
-        return evaluate_and_keep(
-            self.models, self.cfg, self.eval_prompts, self.gold_fn, self.loop, self.out, it
-        )
+        """The held-out evaluation of iteration ``it`` (:func:`shifu.trainers.ppo_eval.evaluate_and_keep`), with
+        no background sampling meanwhile."""
+        with self.producer.paused():
+            return evaluate_and_keep(
+                self.models, self.cfg, self.eval_prompts, self.gold_fn, self.loop, self.out, it
+            )
+
+    def end_iterations(self) -> None:
+        """The progress bar closed and an asynchronous run's sampler thread stopped: the iterations are over."""
+        self.bar.close()
+        self.producer.close()
 
     def close(self) -> None:
         """The progress bar and the metric sinks closed."""
@@ -82,7 +88,7 @@ class Run:
 def restore(latest: Path, models: PPOModels, state: PPOState, ptx) -> tuple[dict[str, Any], dict[str, Any]]:
     """Resuming from the checkpoint ``latest``: the models, optimisers and ``state`` take its values, the ptx
     stream skips what it served; returns ``(the data's state: the prompt stream's position "prompts" and an
-    asynchronous run's pending batches "pending", the loop's counters)``."""
+    asynchronous run's pending batches "pending" (fixed) or its ledger "ledger" (bounded), the loop's counters)``."""
     strategy = models.strategy
     js = strategy.load_checkpoint(latest, models.optimizers, models.plain)
     state.load_state_dict(js["ppo"], strategy)
