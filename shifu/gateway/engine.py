@@ -47,12 +47,9 @@ changes the float rounding of their log-probs (~1e-6), which a decode joined as 
 timing.
 
 **Paged memory.** The admitting loop keeps its rows' keys and values in blocks of a pool under
-``kv_budget_bytes`` (:mod:`shifu.generation.paged`). A request's rows reserve the blocks of their prompt and
-whole budget as they are admitted and give them back as they end, so a running row is never evicted: a request
-the pool cannot hold beside the rows running waits in the queue (it stops admission, oldest first) and joins as
-rows end and blocks come free, and one whose rows need more than the whole budget is refused before it is queued
-(:meth:`Engine.too_big`). What it samples is the same whatever it waited for. Static calls (a ``seed``, a grammar,
-a recording gateway, the HF decoder) keep a cache of their own, outside the budget.
+``kv_budget_bytes`` (:mod:`shifu.generation.paged`), each row's prompt and whole budget reserved as it joins, so
+no running row is ever evicted: a request that does not fit beside the running rows waits in the queue until rows
+end, one bigger than the whole budget is refused (:meth:`Engine.too_big`). Static calls keep their own cache.
 
 **Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
 each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
@@ -196,14 +193,10 @@ class Engine:
         self.last_seconds = 0.0  # how long the last sampler call took
         self._ll = (None, None)  # (vocabulary size, llguidance tokenizer): grammars (_lltok)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        if kv_budget_bytes <= 0:
-            raise ValueError(f"kv_budget_bytes must be > 0, got {kv_budget_bytes}")
-        self.kv_budget = int(kv_budget_bytes)  # the admitting loop's pool (module docstring)
+        self.kv_budget = int(kv_budget_bytes)  # the admitting loop's pool (module docstring; > 0)
         self.kv = {"peak_bytes": 0, "waits": 0}  # the most its pool held; requests left waiting for room
         self.retire = True  # rows leave the decoder as they end (module docstring); False: the static batch
-        self.admit = (
-            True  # requests join a running decode between its steps (module docstring; run_admitting)
-        )
+        self.admit = True  # requests join a running decode between its steps (module docstring)
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -221,10 +214,10 @@ class Engine:
 
     def kv_blocks(self) -> int:
         """The blocks the admitting loop's pool holds for the policy (module docstring); 0 without one."""
-        model = self.model
-        if not keeps_kv(model):
-            return 0
-        return self.kv_budget // block_bytes(kv_shape(model), next(model.parameters()).dtype)
+        return self.kv_budget // self._block_bytes() if keeps_kv(self.model) else 0
+
+    def _block_bytes(self) -> int:
+        return block_bytes(kv_shape(self.model), next(self.model.parameters()).dtype)
 
     def kv_need(self, job: Job) -> int:
         """The blocks ``job``'s rows reserve in the admitting loop's pool: their prompt and whole budget."""
@@ -234,8 +227,7 @@ class Engine:
         """Why ``job`` can never be admitted (its rows need more than the whole KV budget), or None."""
         if not self.admits(job) or self.kv_need(job) <= self.kv_blocks():
             return None
-        size = block_bytes(kv_shape(self.model), next(self.model.parameters()).dtype)
-        need_mb, have_mb = self.kv_need(job) * size / 2**20, self.kv_budget / 2**20
+        need_mb, have_mb = self.kv_need(job) * self._block_bytes() / 2**20, self.kv_budget / 2**20
         return (
             f"the request's {job.n} choice(s) of {len(job.prompt_ids)} prompt tokens + max_tokens "
             f"{job.budget} need {need_mb:.1f} MB of keys and values, more than the gateway's KV budget "
@@ -244,7 +236,7 @@ class Engine:
         )
 
     def kv_counters(self) -> dict[str, float]:
-        """The admitting loop's pool: its budget, the most it held at once, requests left waiting for room."""
+        """The pool's budget, the most it held at once, the times a request was left waiting for room."""
         return {"budget_bytes": self.kv_budget, **self.kv}
 
     def joins(self, jobs: list[Job], job: Job) -> bool:
@@ -353,16 +345,14 @@ class Engine:
         eos, pad, batch = self.tok.eos_token_id, self.tok.pad_token_id, sum(j.n for j in jobs)
         loop = Running(model, params, eos, pad, on_end, generator, self.prefix, batch, self.kv_budget)
         loop.admit(self._admitted(jobs, taken, results))
-        try:
-            while True:
-                loop.step()
-                more = feed.more(self._acceptor(loop, first, version, taken))
-                if more:
-                    loop.admit(self._admitted(more, taken, results))
-                if not loop.rows:
-                    break
-        finally:
-            self.kv["peak_bytes"] = max(self.kv["peak_bytes"], loop.pool.counters()["peak_bytes"])
+        while True:
+            loop.step()
+            more = feed.more(self._acceptor(loop, first, version, taken))
+            if more:
+                loop.admit(self._admitted(more, taken, results))
+            if not loop.rows:
+                break
+        self.kv["peak_bytes"] = max(self.kv["peak_bytes"], loop.pool.counters()["peak_bytes"])
         self.calls += 1
         self.last_seconds = time.perf_counter() - t0
         return results
