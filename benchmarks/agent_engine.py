@@ -194,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mb", type=float, default=512, help="the prefix cache's budget of the new engine")
     p.add_argument("--kv-mb", type=float, default=1024, help="the admitting loop's pool (--kv-budget-mb)")
     p.add_argument("--tight-kv-mb", type=float, default=None, help="also admit under a pool of this many MB")
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        choices=["static", "prefix_cache", "prefix_cache_retire", "admit", "admit_tight_kv"],
+        help="only these (default: all; without static, no answers are compared)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--short", action="store_true", help="tiny, 4 conversations, budgets 4 8 16, 1 repeat")
@@ -215,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.tight_kv_mb is not None:
         engines["admit_tight_kv"] = (args.cache_mb, True, True, args.tight_kv_mb)
+    if args.engines:
+        engines = {name: engines[name] for name in args.engines}
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.repeats):  # alternating: the machine's load drifts
         for name, (cache_mb, retire, admit, kv_mb) in engines.items():
@@ -224,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         best = max(rs, key=lambda r: r["tokens_per_s"])  # the least disturbed run (a shared machine)
         metrics[name] = {k: round(v, 3) for k, v in best.items() if k != "answers"}
         metrics[name]["tokens_per_s_all"] = [round(r["tokens_per_s"], 1) for r in rs]
+        if "static" not in runs:  # (--engines without it: nothing to compare with)
+            continue
         pairs = [(a, b) for x, y in zip(runs["static"][0]["answers"], rs[0]["answers"]) for a, b in zip(x, y)]
         metrics[name]["same_answers_as_static"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
         metrics[name]["speedup"] = round(metrics[name]["tokens_per_s"] / metrics["static"]["tokens_per_s"], 3)
@@ -238,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             "cache_mb": args.cache_mb,
             "kv_mb": args.kv_mb,
             "tight_kv_mb": args.tight_kv_mb,
+            "engines": args.engines,
             "repeats": args.repeats,
         }
         provenance.record(args, "agent_engine", metrics, params=params, config=params, threads=args.threads)

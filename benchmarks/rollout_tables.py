@@ -90,13 +90,21 @@ def agent_engine(records: list[dict]) -> str:
                     f"{e['prefill_tokens_per_conversation']:.0f} of {e['prompt_tokens_per_conversation']:.0f}",
                     fmt(e["hit_rate"], ".2f"),
                     fmt(e["peak_rss_mb"], ".0f"),
+                    f"{e['kv_peak_mb']:.0f} ({e['kv_waits']})" if e.get("kv_peak_mb") else "–",
                     fmt(same, ".2f"),
                     cpu_label(r),
                     commit_label(r),
                 ]
             )
     headers = ["workload", "engine", "tokens/s", "call p50 / p99 s", "prefill tokens per conversation"]
-    headers += ["hit rate", "server peak RSS MB", "answers as static", "CPU", "commit"]
+    headers += [
+        "hit rate",
+        "server peak RSS MB",
+        "KV pool peak MB (waits)",
+        "answers as static",
+        "CPU",
+        "commit",
+    ]
     return md(headers, rows) + footer(recs, "A shared 2-core VM with other jobs running: times are noisy. ")
 
 

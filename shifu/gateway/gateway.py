@@ -89,6 +89,8 @@ class Gateway:
             int(prefix_cache_mb * 2**20),
             int(kv_budget_mb * 2**20),
         )
+        # a recording gateway never admits into a running decode (the queue below): nor is it bound by its pool
+        self.engine.admit = not recording
         self.format = tool_format(tokenizer)
         self.sessions = SessionStore()
         self.memory = CompletionMemory()  # without recording; a recording session keeps its own

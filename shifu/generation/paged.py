@@ -14,7 +14,9 @@ memory touched stays that of the most live tokens at once.
 
 Each decode step writes the new token's keys and values into its row's block and gathers a layer's blocks of all
 rows into one tensor ``(Hkv * B, blocks * BLOCK, D)`` (:class:`PagedStep`), the columns past a row's length
-masked: a copy per layer and step of what the step reads anyway. The attention is the decoder's own arithmetic
+masked: a copy per layer and step of what the step reads anyway, into a working buffer the pool keeps (one
+layer's keys and values of the rows held, outside the budget; a fresh tensor each time would cost a page fault
+per page, ~6x the copy). The attention is the decoder's own arithmetic
 (scores by ``baddbmm`` with a key-padding bias, softmax, ``bmm``), so a row's log-probs are those of the static
 path up to the float rounding of sums over differently padded columns (~1e-7; ``tests/test_engine_admit.py``).
 Blocks are zeroed as they are allocated: a masked key must still be a number (``0 * NaN`` survives a mask).
@@ -63,6 +65,7 @@ class BlockPool:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self._free: list[int] = []  # a heap: the lowest free block first
+        self._gathered: Tensor | None = None  # the working buffer of gather()
 
     @property
     def budget_bytes(self) -> int:
@@ -109,7 +112,7 @@ class BlockPool:
         self.used -= len(blocks)
         self.reserved -= reserved
         if self.reserved == 0:
-            self.k = self.v = None
+            self.k = self.v = self._gathered = None
             self._free = []
 
     def write(self, blocks: list[int], k: Tensor, v: Tensor) -> None:
@@ -128,6 +131,21 @@ class BlockPool:
         index = torch.tensor(blocks, device=self.device)
         k, v = self.k[:, :, index].flatten(2, 3), self.v[:, :, index].flatten(2, 3)
         return k[:, :, :n], v[:, :, :n]
+
+    def gather(self, layer: int, index: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer ``layer``'s keys and values of blocks ``index`` (n,), in that order: ``(Hkv, n, BLOCK, D)`` each,
+        views of the working buffer (module docstring), good until the next call."""
+        heads, n, bs, dim = self.k.shape[1], index.numel(), self.block, self.k.shape[-1]
+        size = heads * n * bs * dim
+        if (
+            self._gathered is None or self._gathered.shape[1] < size
+        ):  # grown with slack: rows grow a block a time
+            self._gathered = torch.empty((2, size + size // 4), dtype=self.dtype, device=self.device)
+        k = self._gathered[0, :size].view(heads, n, bs, dim)
+        v = self._gathered[1, :size].view(heads, n, bs, dim)
+        torch.index_select(self.k[layer], 1, index, out=k)
+        torch.index_select(self.v[layer], 1, index, out=v)
+        return k, v
 
     def counters(self) -> dict[str, int]:
         """The accounting in bytes (class docstring)."""
@@ -168,8 +186,8 @@ class PagedStep:
         keys[:, self.slot_block, self.slot_offset] = k[:, :, 0].transpose(0, 1)
         values[:, self.slot_block, self.slot_offset] = v[:, :, 0].transpose(0, 1)
         # (Hkv * B, S, D): head-major, so that the gather is one copy and a view
-        keys = keys[:, self.index].view(Hkv * B, -1, D)
-        values = values[:, self.index].view(Hkv * B, -1, D)
+        keys, values = self.pool.gather(layer, self.index)
+        keys, values = keys.view(Hkv * B, -1, D), values.view(Hkv * B, -1, D)
         # query heads sharing a key/value head (GQA: head h uses h // rep) are the rep rows of one group
         qg = q.reshape(B, Hkv, H // Hkv, D).transpose(0, 1).reshape(Hkv * B, H // Hkv, D)
         bias = self.bias.expand(Hkv, B, 1, -1).reshape(Hkv * B, 1, -1)
