@@ -165,3 +165,24 @@ def test_the_gateway_answers_400_for_a_request_the_budget_can_never_hold():
         assert "--kv-budget-mb" in e.value.message
     finally:
         gw.close()
+
+
+@pytest.mark.integration
+def test_rows_admitted_together_prefill_in_runs_and_sample_the_same(tok, monkeypatch):
+    import shifu.generation.continuous as continuous
+
+    model = policy(tok, "llama")
+    batch = jobs(tok, False)
+    whole = served(Engine(model, tok, max_batch_rows=16, max_batch_tokens=1 << 20, seed=5), batch)
+    monkeypatch.setattr(continuous, "PREFILL_TOKENS", 150)  # one or two rows a prefill
+    chunks = continuous._chunks([Row(j.prompt_ids, j.budget) for j in batch], 150)
+    assert [len(c) for c in chunks] == [2, 1, 1, 1]
+    engine = Engine(model, tok, max_batch_rows=16, max_batch_tokens=1 << 20, seed=5)
+    runs = served(engine, batch)
+    assert engine.prefix.reused_tokens >= 16 * 3  # later runs reuse the head block the first one kept
+    for a, b in zip(whole, runs):
+        for x, y in zip(a, b):
+            assert x.ids == y.ids
+            torch.testing.assert_close(
+                torch.tensor(y.log_probs), torch.tensor(x.log_probs), rtol=0, atol=1e-5
+            )

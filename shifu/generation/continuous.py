@@ -4,9 +4,10 @@ that arrive while a call decodes (:meth:`shifu.gateway.engine.Engine.run_admitti
 Each row's keys and values are kept in blocks of a pool under a byte budget (:mod:`shifu.generation.paged`): a
 row reserves the blocks of its prompt and its whole budget as it is admitted (:meth:`Running.room` says whether
 they are free), fills them as it decodes and gives them back as it ends, so no running row is ever evicted and
-the memory held follows the live tokens. Rows admitted together are left-padded to one width and prefilled in a
-cache of their own (:meth:`~shifu.generation.decode._FastDecoder.scratch`) through the prefix cache, and each
-row's real tokens are copied into its blocks. Positions are a row's own (from its first real token), and a decode
+the memory held follows the live tokens. Rows admitted together are prefilled in runs of at most
+:data:`PREFILL_TOKENS` (rows x width), each left-padded to one width in a cache of its own
+(:meth:`~shifu.generation.decode._FastDecoder.scratch`) through the prefix cache (a run reuses the prompts kept by
+the runs before it), and each row's real tokens are copied into its blocks. Positions are a row's own (from its first real token), and a decode
 step attends over each row's own tokens only, so a row's keys, values and logits are those a call of its own
 would compute, up to the float rounding of forwards over other rows (~1e-6). A row leaves the decoder as it ends,
 its prompt and response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the rows
@@ -61,6 +62,25 @@ class Row:
         return len(self.prompt) + self.budget
 
 
+PREFILL_TOKENS = 4096  # the most (rows x width) tokens prefilled in one forward, besides one row's own
+
+
+def _chunks(rows: list[Row], tokens: int) -> list[list[Row]]:
+    """``rows`` in order, in runs whose rows x longest prompt stay within ``tokens`` (a run has at least one row):
+    the scratch cache of a prefill holds that many tokens' keys and values, outside the pool."""
+    out: list[list[Row]] = []
+    width = 0
+    for r in rows:
+        wide = max(width, len(r.prompt))
+        if out and (len(out[-1]) + 1) * wide <= tokens:
+            out[-1].append(r)
+            width = wide
+        else:
+            out.append([r])
+            width = len(r.prompt)
+    return out
+
+
 class Running:
     """The loop (module docstring): :meth:`admit` rows, :meth:`step` until :attr:`rows` is empty; ``on_end(row)``
     for each row as it ends. ``generator``: the rows without one of their own draw from it; ``batch``: the rows
@@ -112,30 +132,32 @@ class Running:
             for r in done:
                 pool.release([], r.reserved)
             raise
-        dec, width = self.dec, max(len(r.prompt) for r in rows)
+        logits = torch.cat([self._prefill(chunk) for chunk in _chunks(rows, PREFILL_TOKENS)])
+        held = bool(self.rows)
+        self.rows.extend(rows)
+        self.logits = logits if self.logits is None or not held else torch.cat([self.logits, logits])
+
+    def _prefill(self, rows: list[Row]) -> Tensor:
+        """Prefill ``rows`` (left-padded to one width) in a cache of their own through the prefix cache, each
+        row's tokens copied into its blocks; their (rows, V) logits."""
+        dec, pool, width = self.dec, self.pool, max(len(r.prompt) for r in rows)
         enc = pad_left([r.prompt for r in rows], self.pad)
-        ids, mask = enc["input_ids"], enc["attention_mask"]
+        ids, mask = enc["input_ids"].to(pool.device), enc["attention_mask"]
         calls = None
         if self.prefix is not None:
             calls = CallPrefixes(self.prefix, [r.prompt for r in rows])
             calls.generation = self.generation
         with dec.scratch(len(rows), width) as scratch:
             scratch.key_mask[:] = mask.bool()
-            logits = prefill(
-                scratch, ids.to(dec.k.device), position_ids_from_mask(mask).to(dec.k.device), calls
-            )
+            logits = prefill(scratch, ids, position_ids_from_mask(mask).to(pool.device), calls)
             for b, r in enumerate(rows):
                 span = slice(width - len(r.prompt), width)
                 k, v = scratch.k[:, b, :, span], scratch.v[:, b, :, span]
                 r.blocks = pool.allocate(blocks_for(len(r.prompt), pool.block))
                 pool.write(r.blocks, k, v)
-                if (
-                    self.prefix is not None
-                ):  # rows admitted later reuse its prompt (a shared tools block) at once
+                if self.prefix is not None:  # rows prefilled after it reuse its prompt (a shared tools block)
                     self.prefix.keep(r.prompt, k, v, self.generation)
-        held = bool(self.rows)
-        self.rows.extend(rows)
-        self.logits = logits if self.logits is None or not held else torch.cat([self.logits, logits])
+        return logits
 
     def step(self) -> None:
         """Sample each held row's next token; the rows that end leave (``on_end``), the others are fed it."""
