@@ -16,9 +16,9 @@ Each decode step writes the new token's keys and values into its row's block and
 rows into one tensor ``(Hkv * B, blocks * BLOCK, D)`` (:class:`PagedStep`), the columns past a row's length
 masked: a copy per layer and step of what the step reads anyway, into a working buffer the pool keeps (one
 layer's keys and values of the rows held, outside the budget; a fresh tensor each time would cost a page fault
-per page, ~6x the copy). The attention is the decoder's own arithmetic
-(scores by ``baddbmm`` with a key-padding bias, softmax, ``bmm``), so a row's log-probs are those of the static
-path up to the float rounding of sums over differently padded columns (~1e-7; ``tests/test_engine_admit.py``).
+per page, ~6x the copy). The attention is the decoder's own arithmetic (scores by ``baddbmm`` with a key-padding
+bias, softmax, ``bmm``), so a row's log-probs are those of the static path up to the float rounding of sums over
+differently padded columns (~1e-7; ``tests/test_paged_kv.py``, ``tests/test_engine_admit.py``).
 Blocks are zeroed as they are allocated: a masked key must still be a number (``0 * NaN`` survives a mask).
 """
 
