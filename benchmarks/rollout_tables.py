@@ -79,6 +79,9 @@ def agent_engine(records: list[dict]) -> str:
         what = (
             f"{p['model']}: {p['sessions']} x {p['turns']} calls, budgets {'/'.join(map(str, p['budgets']))}"
         )
+        if "kv_mb" in p:  # (the records since the admitting loop's pool)
+            tight = f", tight {p['tight_kv_mb']:g}" if p.get("tight_kv_mb") else ""
+            what += f"; KV pool {p['kv_mb']:g}{tight} MB, prefix cache {p['cache_mb']:g} MB"
         for name, e in ((k, v) for k, v in m.items() if isinstance(v, dict)):
             same = e.get("same_answers_as_static", m.get("same_answers"))
             rows.append(
