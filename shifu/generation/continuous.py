@@ -51,9 +51,8 @@ class Row:
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
-    blocks: list[int] = field(
-        default_factory=list
-    )  # its table: the pool's blocks its tokens are in, in order
+    # its block table: the pool's blocks its tokens are in, in order
+    blocks: list[int] = field(default_factory=list)
     reserved: int = 0  # the blocks the pool promised it (its prompt and whole budget)
 
     @property
