@@ -13,12 +13,15 @@ long answer).
 Each engine runs in a fresh server process, in turn, ``--repeats`` times each: ``static`` (no prefix cache, the
 static batch: the engine as it was), ``prefix_cache`` (prefix reuse), ``prefix_cache_retire`` (prefix reuse,
 rows leaving the decoder as they end) and ``admit`` (besides, calls that arrive while a call decodes join it
-between steps and each comes back as it ends: the gateway's default). Each engine's least disturbed run (its highest
+between steps and each comes back as it ends: the gateway's default, its keys and values in blocks of a pool of
+``--kv-mb``; with ``--tight-kv-mb``, ``admit_tight_kv`` too, the same under a pool that makes calls wait for room).
+Each engine's least disturbed run (its highest
 tokens/s) is reported, with every run's tokens/s beside it. Per engine: completed tokens/s
 (``usage.completion_tokens`` over the wall time of the whole workload), call latency p50 / p99 (ms, timed in the
 client), prefill tokens per conversation (prompt tokens computed: every prompt token without the cache, the
 engine's ``prefill_tokens`` counter with it), the cache's hit rate, the server's peak resident memory (MB,
-``ru_maxrss`` of its process), and the fraction of answers identical to the static engine's.
+``ru_maxrss`` of its process), the most the admitting loop's pool held (``kv_peak_mb``) and how often a call
+waited for room in it (``kv_waits``), and the fraction of answers identical to the static engine's.
 
 The machine the records come from is a shared 2-core VM: wall-clock figures are noisy (load average recorded).
 
@@ -74,20 +77,22 @@ def tools_block(tok, tokens: int) -> str:
     return tok.decode(tok(text, add_special_tokens=False)["input_ids"][:tokens])
 
 
-def serve(name: str, cache_mb: float, retire: bool, admit: bool, threads: int, conn) -> None:
+def serve(
+    name: str, cache_mb: float, retire: bool, admit: bool, threads: int, conn, kv_mb: float = 1024
+) -> None:
     """The gateway in a process of its own: sends its base URL through ``conn``; on "stop" sends its peak
-    resident memory (MB) and the engine's prefix counters, then exits."""
+    resident memory (MB), the engine's prefix counters and its pool's, then exits."""
     from shifu.gateway import Gateway, Sampling
 
     torch.set_num_threads(threads)
     model, tok = tiny_policy() if name == "tiny" else smollm2_policy()
-    gw = Gateway(model, tok, sampling=Sampling(max_tokens=1024), prefix_cache_mb=cache_mb)
+    gw = Gateway(model, tok, sampling=Sampling(max_tokens=1024), prefix_cache_mb=cache_mb, kv_budget_mb=kv_mb)
     gw.engine.retire, gw.engine.admit = retire, admit
     with gw:
         conn.send((gw.base_url, tools_block(tok, conn.recv())))
         conn.recv()
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        conn.send((peak_mb, gw.engine.prefix_counters()))
+        conn.send((peak_mb, gw.engine.prefix_counters(), gw.engine.kv_counters()))
 
 
 async def conversation(client, s: int, system: str, args, calls: list[dict]) -> list[str]:
@@ -139,15 +144,15 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
-def one_run(args, cache_mb: float, retire: bool, admit: bool) -> dict:
+def one_run(args, cache_mb: float, retire: bool, admit: bool, kv_mb: float) -> dict:
     """The workload on a fresh server with ``cache_mb`` of prefix cache, retiring rows or not, admitting
-    requests into a running decode or not."""
+    requests into a running decode (a pool of ``kv_mb``) or not."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     server = ctx.Process(
-        target=serve, args=(args.model, cache_mb, retire, admit, args.threads, there), daemon=True
+        target=serve, args=(args.model, cache_mb, retire, admit, args.threads, there, kv_mb), daemon=True
     )
     server.start()
     try:
@@ -155,7 +160,7 @@ def one_run(args, cache_mb: float, retire: bool, admit: bool) -> dict:
         url, system = here.recv()
         calls, answers, wall = asyncio.run(workload(url, system, args))
         here.send("stop")
-        peak_mb, counters = here.recv()
+        peak_mb, counters, kv = here.recv()
     finally:
         server.join(60)
     latencies = [c["s"] for c in calls]
@@ -171,6 +176,8 @@ def one_run(args, cache_mb: float, retire: bool, admit: bool) -> dict:
         "prefill_tokens_per_conversation": prefill / args.sessions,
         "hit_rate": counters.get("hit_rate", 0.0),
         "peak_rss_mb": peak_mb,
+        "kv_peak_mb": kv["peak_bytes"] / 2**20,
+        "kv_waits": kv["waits"],
         "answers": answers,
     }
 
@@ -185,6 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tools-tokens", type=int, default=500, help="tokens of the shared tools block")
     p.add_argument("--cache-mb", type=float, default=512, help="the prefix cache's budget of the new engine")
+    p.add_argument("--kv-mb", type=float, default=1024, help="the admitting loop's pool (--kv-budget-mb)")
+    p.add_argument("--tight-kv-mb", type=float, default=None, help="also admit under a pool of this many MB")
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        choices=["static", "prefix_cache", "prefix_cache_retire", "admit", "admit_tight_kv"],
+        help="only these (default: all; without static, no answers are compared)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--short", action="store_true", help="tiny, 4 conversations, budgets 4 8 16, 1 repeat")
@@ -199,20 +214,26 @@ def main(argv: list[str] | None = None) -> int:
             100,
         )
     engines = {
-        "static": (0, False, False),
-        "prefix_cache": (args.cache_mb, False, False),
-        "prefix_cache_retire": (args.cache_mb, True, False),
-        "admit": (args.cache_mb, True, True),
+        "static": (0, False, False, args.kv_mb),
+        "prefix_cache": (args.cache_mb, False, False, args.kv_mb),
+        "prefix_cache_retire": (args.cache_mb, True, False, args.kv_mb),
+        "admit": (args.cache_mb, True, True, args.kv_mb),
     }
+    if args.tight_kv_mb is not None:
+        engines["admit_tight_kv"] = (args.cache_mb, True, True, args.tight_kv_mb)
+    if args.engines:
+        engines = {name: engines[name] for name in args.engines}
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.repeats):  # alternating: the machine's load drifts
-        for name, (cache_mb, retire, admit) in engines.items():
-            runs[name].append(one_run(args, cache_mb, retire, admit))
+        for name, (cache_mb, retire, admit, kv_mb) in engines.items():
+            runs[name].append(one_run(args, cache_mb, retire, admit, kv_mb))
     metrics = {}
     for name, rs in runs.items():
         best = max(rs, key=lambda r: r["tokens_per_s"])  # the least disturbed run (a shared machine)
         metrics[name] = {k: round(v, 3) for k, v in best.items() if k != "answers"}
         metrics[name]["tokens_per_s_all"] = [round(r["tokens_per_s"], 1) for r in rs]
+        if "static" not in runs:  # (--engines without it: nothing to compare with)
+            continue
         pairs = [(a, b) for x, y in zip(runs["static"][0]["answers"], rs[0]["answers"]) for a, b in zip(x, y)]
         metrics[name]["same_answers_as_static"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
         metrics[name]["speedup"] = round(metrics[name]["tokens_per_s"] / metrics["static"]["tokens_per_s"], 3)
@@ -225,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             "budgets": args.budgets,
             "tools_tokens": args.tools_tokens,
             "cache_mb": args.cache_mb,
+            "kv_mb": args.kv_mb,
+            "tight_kv_mb": args.tight_kv_mb,
+            "engines": args.engines,
             "repeats": args.repeats,
         }
         provenance.record(args, "agent_engine", metrics, params=params, config=params, threads=args.threads)

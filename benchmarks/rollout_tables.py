@@ -79,6 +79,9 @@ def agent_engine(records: list[dict]) -> str:
         what = (
             f"{p['model']}: {p['sessions']} x {p['turns']} calls, budgets {'/'.join(map(str, p['budgets']))}"
         )
+        if "kv_mb" in p:  # (the records since the admitting loop's pool)
+            tight = f", tight {p['tight_kv_mb']:g}" if p.get("tight_kv_mb") else ""
+            what += f"; KV pool {p['kv_mb']:g}{tight} MB, prefix cache {p['cache_mb']:g} MB"
         for name, e in ((k, v) for k, v in m.items() if isinstance(v, dict)):
             same = e.get("same_answers_as_static", m.get("same_answers"))
             rows.append(
@@ -90,13 +93,21 @@ def agent_engine(records: list[dict]) -> str:
                     f"{e['prefill_tokens_per_conversation']:.0f} of {e['prompt_tokens_per_conversation']:.0f}",
                     fmt(e["hit_rate"], ".2f"),
                     fmt(e["peak_rss_mb"], ".0f"),
+                    f"{e['kv_peak_mb']:.0f} ({e['kv_waits']})" if e.get("kv_peak_mb") else "–",
                     fmt(same, ".2f"),
                     cpu_label(r),
                     commit_label(r),
                 ]
             )
     headers = ["workload", "engine", "tokens/s", "call p50 / p99 s", "prefill tokens per conversation"]
-    headers += ["hit rate", "server peak RSS MB", "answers as static", "CPU", "commit"]
+    headers += [
+        "hit rate",
+        "server peak RSS MB",
+        "KV pool peak MB (waits)",
+        "answers as static",
+        "CPU",
+        "commit",
+    ]
     return md(headers, rows) + footer(recs, "A shared 2-core VM with other jobs running: times are noisy. ")
 
 

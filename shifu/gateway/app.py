@@ -46,7 +46,7 @@ from shifu.gateway.completions import (
     prompt_ids,
 )
 from shifu.gateway.openapi import EndSession, SetReward, StartSession, build
-from shifu.gateway.protocol import ChatRequest
+from shifu.gateway.protocol import ChatRequest, bad
 from shifu.gateway.retries import ANSWERING, Answer, fingerprint
 from shifu.gateway.sessions import Call, UnknownSession, system_digest
 from shifu.gateway.streaming import stream_events, withheld
@@ -234,6 +234,7 @@ class _Routes:
                 "sampler_calls": gw.engine.calls,
                 "open_sessions": len(gw.sessions.open_keys()),
                 "prefix_cache": gw.engine.prefix_counters(),
+                "kv_pool": gw.engine.kv_counters(),
             }
         )
 
@@ -270,6 +271,8 @@ class _Routes:
         try:
             ids = await self.on_encoder(prompt_ids, gw.tok, req, gw.format, memory)
             job = gw.identify(make_job(req, ids, gw.sampling, gw.engine.positions, gw.recording), key)
+            if (why := gw.engine.too_big(job)) is not None:  # it would never fit: refused, not queued
+                raise bad("max_tokens", why, "kv_budget_exceeded")
         except RequestError as e:
             if key is not None and e.code == "context_length_exceeded":  # the episode met the context limit
                 with contextlib.suppress(UnknownSession):

@@ -46,6 +46,11 @@ calls are formed in (row, call) order so that a seeded run repeats bit for bit, 
 changes the float rounding of their log-probs (~1e-6), which a decode joined as requests arrive would leave to
 timing.
 
+**Paged memory.** The admitting loop keeps its rows' keys and values in blocks of a pool under
+``kv_budget_bytes`` (:mod:`shifu.generation.paged`), each row's prompt and whole budget reserved as it joins, so
+no running row is ever evicted: a request that does not fit beside the running rows waits in the queue until rows
+end, one bigger than the whole budget is refused (:meth:`Engine.too_big`). Static calls keep their own cache.
+
 **Grammars.** A job with a ``grammar`` (an llguidance grammar: the JSON schema of ``response_format``) has
 each of its rows constrained by a matcher of it (``llguidance.LLMatcher``): before each step the tokens the
 grammar does not allow get logit -1e30 (:func:`shifu.generation.rollout.sample`'s ``constrain``), so the row
@@ -71,8 +76,9 @@ from dataclasses import dataclass
 import torch
 
 from shifu.generation.continuous import Row, Running
-from shifu.generation.decode import keeps_kv
+from shifu.generation.decode import keeps_kv, kv_shape
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
+from shifu.generation.paged import block_bytes, blocks_for
 from shifu.generation.rollout import SamplingParams, policy_forward, sample
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
@@ -174,6 +180,7 @@ class Engine:
         max_batch_tokens: int = 65536,
         seed: int = 0,
         prefix_cache_bytes: int = 512 * 2**20,
+        kv_budget_bytes: int = 1024 * 2**20,
     ):
         self.tok = tokenizer
         # the sampler thread's own copy (stop strings, streamed text, grammars): the gateway's tokenizing thread
@@ -186,10 +193,10 @@ class Engine:
         self.last_seconds = 0.0  # how long the last sampler call took
         self._ll = (None, None)  # (vocabulary size, llguidance tokenizer): grammars (_lltok)
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.kv_budget = int(kv_budget_bytes)  # the admitting loop's pool (module docstring; > 0)
+        self.kv = {"peak_bytes": 0, "waits": 0}  # the most its pool held; requests left waiting for room
         self.retire = True  # rows leave the decoder as they end (module docstring); False: the static batch
-        self.admit = (
-            True  # requests join a running decode between its steps (module docstring; run_admitting)
-        )
+        self.admit = True  # requests join a running decode between its steps (module docstring)
         self.set_policy(model, version)
 
     def set_policy(self, model, version: int) -> None:
@@ -205,6 +212,33 @@ class Engine:
         it is off."""
         return {} if self.prefix is None else self.prefix.counters()
 
+    def kv_blocks(self) -> int:
+        """The blocks the admitting loop's pool holds for the policy (module docstring); 0 without one."""
+        return self.kv_budget // self._block_bytes() if keeps_kv(self.model) else 0
+
+    def _block_bytes(self) -> int:
+        return block_bytes(kv_shape(self.model), next(self.model.parameters()).dtype)
+
+    def kv_need(self, job: Job) -> int:
+        """The blocks ``job``'s rows reserve in the admitting loop's pool: their prompt and whole budget."""
+        return job.n * blocks_for(len(job.prompt_ids) + job.budget)
+
+    def too_big(self, job: Job) -> str | None:
+        """Why ``job`` can never be admitted (its rows need more than the whole KV budget), or None."""
+        if not self.admits(job) or self.kv_need(job) <= self.kv_blocks():
+            return None
+        need_mb, have_mb = self.kv_need(job) * self._block_bytes() / 2**20, self.kv_budget / 2**20
+        return (
+            f"the request's {job.n} choice(s) of {len(job.prompt_ids)} prompt tokens + max_tokens "
+            f"{job.budget} need {need_mb:.1f} MB of keys and values, more than the gateway's KV budget "
+            f"({have_mb:.1f} MB): lower max_tokens or n, send a shorter conversation, or serve with a larger "
+            "--kv-budget-mb"
+        )
+
+    def kv_counters(self) -> dict[str, float]:
+        """The pool's budget, the most it held at once, the times a request was left waiting for room."""
+        return {"budget_bytes": self.kv_budget, **self.kv}
+
     def joins(self, jobs: list[Job], job: Job) -> bool:
         """Whether ``job`` may be sampled in one call with ``jobs`` (module docstring)."""
         if job.seed is not None or jobs[0].seed is not None or job.setting != jobs[0].setting:
@@ -214,6 +248,8 @@ class Engine:
         rows = sum(j.n for j in jobs) + job.n
         width = max(len(j.prompt_ids) for j in (*jobs, job)) + max(j.budget for j in (*jobs, job))
         fits = self.positions is None or width <= self.positions
+        if self.admits(job) and all(self.admits(j) for j in jobs):  # the admitting loop's pool holds them all
+            fits = fits and sum(self.kv_need(j) for j in (*jobs, job)) <= self.kv_blocks()
         return fits and rows <= self.max_batch_rows and rows * width <= self.max_batch_tokens
 
     @torch.no_grad()
@@ -307,7 +343,7 @@ class Engine:
 
         generator = None if first.identity is not None else self.generator
         eos, pad, batch = self.tok.eos_token_id, self.tok.pad_token_id, sum(j.n for j in jobs)
-        loop = Running(model, params, eos, pad, on_end, generator, self.prefix, batch)
+        loop = Running(model, params, eos, pad, on_end, generator, self.prefix, batch, self.kv_budget)
         loop.admit(self._admitted(jobs, taken, results))
         while True:
             loop.step()
@@ -316,6 +352,7 @@ class Engine:
                 loop.admit(self._admitted(more, taken, results))
             if not loop.rows:
                 break
+        self.kv["peak_bytes"] = max(self.kv["peak_bytes"], loop.pool.counters()["peak_bytes"])
         self.calls += 1
         self.last_seconds = time.perf_counter() - t0
         return results
@@ -325,9 +362,10 @@ class Engine:
         the rows held and those accepted before it (:meth:`joins`' limits), while the policy is the loop's."""
         rows = len(loop.rows)
         width = max((len(r.prompt) + r.budget for r in loop.rows), default=0)
+        free = loop.pool.capacity - loop.pool.reserved  # blocks not promised to a held row
 
         def accept(job: Job) -> bool:
-            nonlocal rows, width
+            nonlocal rows, width, free
             if self.version != version or job.setting != first.setting or not self.admits(job):
                 return False
             if (job.identity is None) != (first.identity is None):
@@ -337,7 +375,10 @@ class Engine:
                 return False
             if rows + job.n > self.max_batch_rows or (rows + job.n) * wide > self.max_batch_tokens:
                 return False
-            rows, width = rows + job.n, wide
+            if self.kv_need(job) > free:  # it waits until rows end (module docstring)
+                self.kv["waits"] += 1
+                return False
+            rows, width, free = rows + job.n, wide, free - self.kv_need(job)
             return True
 
         return accept

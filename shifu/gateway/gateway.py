@@ -42,7 +42,9 @@ class Gateway:
     ``max_batch_tokens``: the most rows, and rows x (prompt + budget) tokens, merged into one sampler call.
     ``chat_template``: a Jinja template for a tokenizer without one (the gateway never sends a prompt without
     a chat template). ``prefix_cache_mb``: the budget of the keys and values kept between calls (prefix reuse,
-    :mod:`shifu.gateway.engine`); 0: off."""
+    :mod:`shifu.gateway.engine`); 0: off. ``kv_budget_mb``: the budget of the keys and values of the requests
+    decoding at once (the admitting loop's block pool, :mod:`shifu.gateway.engine`): a request that does not fit
+    waits, one bigger than the whole budget is refused (400 ``kv_budget_exceeded``)."""
 
     def __init__(
         self,
@@ -61,9 +63,12 @@ class Gateway:
         seed: int = 0,
         chat_template: str | None = None,
         prefix_cache_mb: float = 512,
+        kv_budget_mb: float = 1024,
     ):
         if prefix_cache_mb < 0:
             raise ConfigError(f"prefix_cache_mb must be >= 0 (0: no prefix reuse), got {prefix_cache_mb}")
+        if not kv_budget_mb > 0:
+            raise ConfigError(f"kv_budget_mb must be > 0, got {kv_budget_mb}")
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
@@ -75,8 +80,17 @@ class Gateway:
         self.sampling = sampling or Sampling()
         self.limits = {"max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s}
         self.engine = Engine(
-            model, tokenizer, version, max_batch_rows, max_batch_tokens, seed, int(prefix_cache_mb * 2**20)
+            model,
+            tokenizer,
+            version,
+            max_batch_rows,
+            max_batch_tokens,
+            seed,
+            int(prefix_cache_mb * 2**20),
+            int(kv_budget_mb * 2**20),
         )
+        # a recording gateway never admits into a running decode (the queue below): nor is it bound by its pool
+        self.engine.admit = not recording
         self.format = tool_format(tokenizer)
         self.sessions = SessionStore()
         self.memory = CompletionMemory()  # without recording; a recording session keeps its own

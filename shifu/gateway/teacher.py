@@ -88,6 +88,12 @@ class TeacherEngine:
     def prefix_counters(self) -> dict[str, float]:
         return {}  # nothing is prefilled: no prefix cache
 
+    def kv_counters(self) -> dict[str, float]:
+        return {}  # nothing is decoded: no block pool
+
+    def too_big(self, job: Job) -> str | None:
+        return None
+
     def expect(self, ids: list[int], messages: list[dict], tools: list[dict] | None) -> None:
         """Note the request whose prompt renders to ``ids`` (answered in arrival order per prompt)."""
         with self._lock:

@@ -1,17 +1,17 @@
 """A decode loop that admits rows between its steps: :class:`Running`, the gateway engine's sampler for requests
 that arrive while a call decodes (:meth:`shifu.gateway.engine.Engine.run_admitting`).
 
-Rows share the decoder's cache columns as in :func:`shifu.generation.rollout.sample`: every step writes one
-column for every row held, and a row's prompt ends at the column where its first response token goes. Rows
-admitted together are left-padded to one width and prefilled in a window of the cache (their rows, their
-columns: :meth:`~shifu.generation.decode._FastDecoder.window`) so that their prompts end at the current column,
-through the prefix cache; when a prompt is longer than the columns before it, or the rows or the columns run
-out, the cache is laid out again (:meth:`~shifu.generation.decode._FastDecoder.relayout`), the columns no held
-row uses dropped. Positions are a row's own (from its first real token), the columns before a row's first are
-masked, so a row's keys, values and logits are those a call of its own would compute, up to the float rounding of
-forwards over other rows (~1e-6). A row leaves the decoder as it ends (the last held row moves into its place),
-its prompt and response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the
-rows admitted after it reuse a shared system prompt and tools block), and is handed to ``on_end`` at once.
+Each row's keys and values are kept in blocks of a pool under a byte budget (:mod:`shifu.generation.paged`): a
+row reserves the blocks of its prompt and its whole budget as it is admitted (:meth:`Running.room` says whether
+they are free), fills them as it decodes and gives them back as it ends, so no running row is ever evicted and
+the memory held follows the live tokens. Rows admitted together are prefilled in runs of at most
+:data:`PREFILL_TOKENS` (rows x width), each left-padded to one width in a cache of its own
+(:meth:`~shifu.generation.decode._FastDecoder.scratch`) through the prefix cache (a run reuses the prompts kept by
+the runs before it), and each row's real tokens are copied into its blocks. Positions are a row's own (from its first real token), and a decode
+step attends over each row's own tokens only, so a row's keys, values and logits are those a call of its own
+would compute, up to the float rounding of forwards over other rows (~1e-6). A row leaves the decoder as it ends,
+its prompt and response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the rows
+admitted after it reuse a shared system prompt and tools block), and is handed to ``on_end`` at once.
 
 Each step samples every held row from ``log_softmax(logits / T)`` with :func:`~shifu.generation.rollout.sample_next`,
 as :func:`~shifu.generation.rollout.sample` does: a row with a generator of its own draws its own numbers, so its
@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from shifu.generation.decode import decoder
+from shifu.generation.decode import decoder, kv_shape
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
+from shifu.generation.paged import BlockPool, PagedStep, blocks_for
 from shifu.generation.rollout import SamplingParams, prefill, sample_next
 from shifu.models.padding import pad_left, position_ids_from_mask
 
@@ -50,14 +51,40 @@ class Row:
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
-    first: int = 0  # the decoder's column of its first real prompt token
+    # its block table: the pool's blocks its tokens are in, in order
+    blocks: list[int] = field(default_factory=list)
+    reserved: int = 0  # the blocks the pool promised it (its prompt and whole budget)
+
+    @property
+    def need(self) -> int:
+        """Tokens the row may hold: its prompt and whole budget (the blocks it reserves)."""
+        return len(self.prompt) + self.budget
+
+
+PREFILL_TOKENS = 4096  # the most (rows x width) tokens prefilled in one forward, besides one row's own
+
+
+def _chunks(rows: list[Row], tokens: int) -> list[list[Row]]:
+    """``rows`` in order, in runs whose rows x longest prompt stay within ``tokens`` (a run has at least one row):
+    the scratch cache of a prefill holds that many tokens' keys and values, outside the pool."""
+    out: list[list[Row]] = []
+    width = 0
+    for r in rows:
+        wide = max(width, len(r.prompt))
+        if out and (len(out[-1]) + 1) * wide <= tokens:
+            out[-1].append(r)
+            width = wide
+        else:
+            out.append([r])
+            width = len(r.prompt)
+    return out
 
 
 class Running:
     """The loop (module docstring): :meth:`admit` rows, :meth:`step` until :attr:`rows` is empty; ``on_end(row)``
     for each row as it ends. ``generator``: the rows without one of their own draw from it; ``batch``: the rows
     expected (:func:`~shifu.generation.decode.head_product` reads the output embedding in the order measured
-    fastest at that many rows)."""
+    fastest at that many rows); ``kv_budget_bytes``: the pool's budget (:attr:`pool`)."""
 
     def __init__(
         self,
@@ -69,6 +96,7 @@ class Running:
         generator: torch.Generator | None = None,
         prefix: PrefixCache | None = None,
         batch: int = 1,
+        kv_budget_bytes: int = 2**30,
     ):
         self.model, self.params, self.eos, self.pad = model, params, eos_token_id, pad_token_id
         self.on_end, self.generator, self.prefix = on_end, generator, prefix
@@ -78,48 +106,57 @@ class Running:
         self.dec = decoder(model, batch, 1, weight, "auto")
         if not self.dec.keeps_kv:
             raise ValueError("admitting rows while decoding needs a decoder that keeps its own cache")
-        self.dec.length = 0
+        self.pool = BlockPool(kv_budget_bytes, kv_shape(model), weight)
         self.rows: list[Row] = []
         self.logits: Tensor | None = None  # (rows, V) of the held rows' next tokens
 
+    def room(self, tokens: int) -> bool:
+        """Whether a row that may hold ``tokens`` tokens (:attr:`Row.need`) can be admitted now."""
+        return self.pool.reserved + blocks_for(tokens, self.pool.block) <= self.pool.capacity
+
     def admit(self, rows: list[Row]) -> None:
-        """Prefill ``rows`` (through the prefix cache) and hold them from the next :meth:`step` on."""
-        dec, held = self.dec, len(self.rows)
-        width = max(len(r.prompt) for r in rows)
-        shift = max(0, width - dec.length)
-        room = max(r.budget - len(r.ids) for r in (*self.rows, *rows))
-        cap_rows, cap_cols = dec.k.shape[1], dec.k.shape[3]
-        if shift or held + len(rows) > cap_rows or dec.length + room > cap_cols:
-            drop = min((r.first for r in self.rows), default=dec.length)
-            # the columns no held row uses go, as far as the new prompts still fit before the current one
-            shift -= min(drop, dec.length + shift - width)
-            keep = [(slot, r.first, slot) for slot, r in enumerate(self.rows)]
-            new_rows = held + len(rows) + (held + len(rows)) // 4
-            dec.relayout(new_rows, dec.length + shift + room + room // 2, keep, shift)
-            for r in self.rows:
-                r.first += shift
+        """Prefill ``rows`` (through the prefix cache) and hold them from the next :meth:`step` on; each reserves
+        its blocks (a ValueError if the pool cannot hold them now: ask :meth:`room` first)."""
+        pool, done = self.pool, []
+        try:
+            for r in rows:
+                r.reserved = blocks_for(r.need, pool.block)
+                if not pool.reserve(r.reserved):
+                    raise ValueError(
+                        f"no room in the KV pool for a row of {r.need} tokens now "
+                        f"({pool.reserved} of {pool.capacity} blocks reserved): admit it once rows have ended"
+                    )
+                done.append(r)
+        except ValueError:
+            for r in done:
+                pool.release([], r.reserved)
+            raise
+        logits = torch.cat([self._prefill(chunk) for chunk in _chunks(rows, PREFILL_TOKENS)])
+        held = bool(self.rows)
+        self.rows.extend(rows)
+        self.logits = logits if self.logits is None or not held else torch.cat([self.logits, logits])
+
+    def _prefill(self, rows: list[Row]) -> Tensor:
+        """Prefill ``rows`` (left-padded to one width) in a cache of their own through the prefix cache, each
+        row's tokens copied into its blocks; their (rows, V) logits."""
+        dec, pool, width = self.dec, self.pool, max(len(r.prompt) for r in rows)
         enc = pad_left([r.prompt for r in rows], self.pad)
-        ids, mask = enc["input_ids"], enc["attention_mask"]
-        start = dec.length - width
-        span = slice(held, held + len(rows))
+        ids, mask = enc["input_ids"].to(pool.device), enc["attention_mask"]
         calls = None
         if self.prefix is not None:
             calls = CallPrefixes(self.prefix, [r.prompt for r in rows])
             calls.generation = self.generation
-        dec.k[:, span, :, :start] = 0  # never computed: zeros (a NaN would survive the mask)
-        dec.v[:, span, :, :start] = 0
-        dec.key_mask[span] = True
-        dec.key_mask[span, :start] = False
-        with dec.window(span, start) as win:
-            win.key_mask[:, :width] = mask.bool()
-            logits = prefill(win, ids.to(dec.k.device), position_ids_from_mask(mask).to(dec.k.device), calls)
-        for slot, r in enumerate(rows, held):
-            r.first = dec.length - len(r.prompt)
-            if self.prefix is not None:  # rows admitted later reuse its prompt (a shared tools block) at once
-                span = slice(r.first, dec.length)
-                self.prefix.keep(r.prompt, dec.k[:, slot, :, span], dec.v[:, slot, :, span], self.generation)
-        self.rows.extend(rows)
-        self.logits = logits if self.logits is None or not held else torch.cat([self.logits, logits])
+        with dec.scratch(len(rows), width) as scratch:
+            scratch.key_mask[:] = mask.bool()
+            logits = prefill(scratch, ids, position_ids_from_mask(mask).to(pool.device), calls)
+            for b, r in enumerate(rows):
+                span = slice(width - len(r.prompt), width)
+                k, v = scratch.k[:, b, :, span], scratch.v[:, b, :, span]
+                r.blocks = pool.allocate(blocks_for(len(r.prompt), pool.block))
+                pool.write(r.blocks, k, v)
+                if self.prefix is not None:  # rows prefilled after it reuse its prompt (a shared tools block)
+                    self.prefix.keep(r.prompt, k, v, self.generation)
+        return logits
 
     def step(self) -> None:
         """Sample each held row's next token; the rows that end leave (``on_end``), the others are fed it."""
@@ -141,25 +178,34 @@ class Running:
                 ended.append(b)
             if r.on_token is not None:
                 r.on_token(t, lp[b])
-        for b in reversed(ended):  # from the last: the row moved in has not ended
+        for b in reversed(ended):  # from the last: the rows before keep their places
             self._retire(b)
-        if self.rows:
-            dec = self.dec
-            ids = torch.tensor([[r.ids[-1]] for r in self.rows], device=dec.k.device)
-            pos = torch.tensor([[len(r.prompt) + len(r.ids) - 1] for r in self.rows], device=dec.k.device)
-            self.logits = dec.forward(ids, pos)
-        else:
-            self.logits = None
+        self.logits = self._feed() if self.rows else None
+
+    def _feed(self) -> Tensor:
+        """The held rows' last tokens fed (each into its next free slot, a new block when its last is full): their
+        next logits."""
+        pool, dec, device = self.pool, self.dec, self.pool.device
+        lengths = []
+        for r in self.rows:
+            n = len(r.prompt) + len(r.ids) - 1  # tokens held: the new one goes at index n
+            if n // pool.block == len(r.blocks):
+                r.blocks += pool.allocate(1)
+            lengths.append(n)
+        ids = torch.tensor([[r.ids[-1]] for r in self.rows], device=device)
+        pos = torch.tensor([[n] for n in lengths], device=device)
+        dec.paged = PagedStep(pool, [r.blocks for r in self.rows], lengths)
+        try:
+            return dec.forward(ids, pos)
+        finally:
+            dec.paged = None
 
     def _retire(self, slot: int) -> None:
-        row, dec = self.rows[slot], self.dec
+        row = self.rows.pop(slot)
         if self.prefix is not None:  # its prompt and the response tokens fed (the last is sampled, never fed)
             ids = row.prompt + row.ids[:-1]
-            span = slice(row.first, row.first + len(ids))
-            self.prefix.keep(ids, dec.k[:, slot, :, span], dec.v[:, slot, :, span], self.generation)
-        last = len(self.rows) - 1
-        if slot != last:
-            dec.move(last, slot)
-            self.rows[slot] = self.rows[last]
-        self.rows.pop()
+            k, v = self.pool.read(row.blocks, len(ids))
+            self.prefix.keep(ids, k, v, self.generation)
+        self.pool.release(row.blocks, row.reserved)
+        row.blocks = []
         self.on_end(row)

@@ -45,6 +45,15 @@ def keeps_kv(model) -> bool:
     return not is_lora(model) and any(cls.supports(model) for cls in (_GPT2Decoder, _LlamaDecoder))
 
 
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of the cache a decoder that keeps its own (:func:`keeps_kv`) holds
+    for ``model``: a token's keys and values are 2 x their product numbers."""
+    for cls in (_GPT2Decoder, _LlamaDecoder):
+        if cls.supports(model):
+            return cls.kv_shape(model.config)
+    raise ValueError(f"no decoder that keeps its own cache for model type {model.config.model_type!r}")
+
+
 class _HFDecoder:
     """Fallback for any architecture: the HF forward with the model's own KV cache."""
 
@@ -94,10 +103,12 @@ class _FastDecoder:
     ``key_mask`` (B, P+R) bool is True on real prompt positions and on every generated position; the
     cache holds K/V of every position (pad ones too) and the mask hides the pad ones. ``k``/``v`` may be
     read and written between forwards (``keeps_kv``: :mod:`shifu.generation.kv_cache`'s prefix reuse), and
-    ``length`` set to start a prefill past positions written so.
+    ``length`` set to start a prefill past positions written so. With :attr:`paged` set, a decode step's keys
+    and values are written to and read from a block pool instead (:mod:`shifu.generation.paged`).
     """
 
     keeps_kv = True
+    paged = None  # a decode step's view of a block pool (shifu.generation.paged.PagedStep); None: own cache
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, like: Tensor):
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)
@@ -111,6 +122,8 @@ class _FastDecoder:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write k, v (B, Hkv, T, D) at the current end of the cache's first B rows (all of them until
         :meth:`move` retires some); attend q (B, H, T, D) over them."""
+        if self.paged is not None:
+            return self.paged.attend(layer, q, k, v, scale)
         start, (B, _, T, _) = self.length, q.shape
         end = start + T
         self.k[layer, :B, :, start:end] = k
@@ -156,42 +169,21 @@ class _FastDecoder:
         self.key_mask[target] = self.key_mask[source]
         self.bias = None
 
-    def relayout(self, rows: int, width: int, keep: list[tuple[int, int, int]], shift: int) -> None:
-        """A cache of ``rows`` rows and ``width`` columns holding what it held, for a sampler that admits rows
-        while it decodes (:mod:`shifu.generation.continuous`): ``keep`` lists (row, first, to) for each row
-        kept, its columns ``first`` .. :attr:`length` (the ones before are masked) copied to row ``to`` moved
-        ``shift`` columns (negative: left). The rest is zeros and masked up to the new :attr:`length`."""
-        k = torch.zeros(
-            self.k.shape[:1] + (rows,) + self.k.shape[2:3] + (width,) + self.k.shape[4:],
-            dtype=self.k.dtype,
-            device=self.k.device,
-        )
-        v = torch.zeros_like(k)
-        length = self.length + shift
-        key_mask = torch.ones((rows, width), dtype=torch.bool, device=k.device)
-        key_mask[:, :length] = False
-        for row, first, to in keep:
-            k[:, to, :, first + shift : length] = self.k[:, row, :, first : self.length]
-            v[:, to, :, first + shift : length] = self.v[:, row, :, first : self.length]
-            key_mask[to, first + shift :] = True
-        self.k, self.v, self.key_mask, self.length, self.bias = k, v, key_mask, length, None
-
     @contextlib.contextmanager
-    def window(self, rows: slice, first: int):
-        """The cache seen from rows ``rows`` and columns ``first`` on, as if it were the whole of it (a prefill
-        of admitted rows whose prompts end at the current :attr:`length`); :attr:`length` and the rest as they
-        were afterwards."""
-        saved = self.k, self.v, self.key_mask, self.length
-        self.k, self.v, self.key_mask = (
-            self.k[:, rows, :, first:],
-            self.v[:, rows, :, first:],
-            self.key_mask[rows, first:],
-        )
-        self.bias = None
+    def scratch(self, rows: int, width: int):
+        """A cache of its own of ``rows`` rows and ``width`` columns, every key unmasked, while the block held
+        runs (a prefill of rows admitted into a paged decode: :mod:`shifu.generation.continuous`); the cache,
+        :attr:`length` and :attr:`paged` as they were afterwards."""
+        saved = self.k, self.v, self.key_mask, self.length, self.paged
+        shape = self.k.shape[:1] + (rows,) + self.k.shape[2:3] + (width,) + self.k.shape[4:]
+        self.k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        self.v = torch.empty_like(self.k)
+        self.key_mask = torch.ones((rows, width), dtype=torch.bool, device=self.k.device)
+        self.length, self.paged, self.bias = 0, None, None
         try:
             yield self
         finally:
-            self.k, self.v, self.key_mask, self.length = saved
+            self.k, self.v, self.key_mask, self.length, self.paged = saved
             self.bias = None
 
 
@@ -210,11 +202,14 @@ class _GPT2Decoder(_FastDecoder):
             and not getattr(cfg, "add_cross_attention", False)
         )
 
+    @staticmethod
+    def kv_shape(cfg) -> tuple[int, int, int]:
+        return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+
     def __init__(self, model, batch: int, max_len: int):
         cfg, tr = model.config, model.transformer
-        self.n_head = cfg.n_head
-        self.head_dim = cfg.n_embd // cfg.n_head
-        super().__init__(cfg.n_layer, batch, self.n_head, self.head_dim, max_len, tr.wte.weight)
+        n_layer, self.n_head, self.head_dim = self.kv_shape(cfg)
+        super().__init__(n_layer, batch, self.n_head, self.head_dim, max_len, tr.wte.weight)
         self.tr, self.eps = tr, cfg.layer_norm_epsilon
         self.head = head_product(model.lm_head.weight, batch)
         self.approximate = self.ACTIVATIONS[cfg.activation_function]
@@ -280,12 +275,17 @@ class _LlamaDecoder(_FastDecoder):
             and (cfg.rope_parameters or {}).get("rope_type", "default") != "dynamic"
         )
 
+    @staticmethod
+    def kv_shape(cfg) -> tuple[int, int, int]:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
+
     def __init__(self, model, batch: int, max_len: int):
         cfg, inner = model.config, model.model
-        self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_head
+        n_layer, self.n_kv, self.head_dim = self.kv_shape(cfg)
+        self.n_head = cfg.num_attention_heads
         w = inner.embed_tokens.weight
-        super().__init__(cfg.num_hidden_layers, batch, self.n_kv, self.head_dim, max_len, w)
+        super().__init__(n_layer, batch, self.n_kv, self.head_dim, max_len, w)
         self.inner, self.eps = inner, cfg.rms_norm_eps
         self.head = head_product(model.lm_head.weight, batch)
         self.scale = self.head_dim**-0.5

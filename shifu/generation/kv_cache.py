@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+BLOCK = 16  # tokens per block: the prefix cache's and the admitting loop's pool's (shifu.generation.paged)
+
 
 @dataclass
 class Block:
@@ -54,7 +56,7 @@ class PrefixCache:
     that reused a cached prefix), ``prefill_tokens`` (prompt tokens computed) and ``reused_tokens`` (prompt
     tokens copied from the cache instead), ``evicted`` (blocks dropped for room)."""
 
-    def __init__(self, budget_bytes: int, block: int = 16):
+    def __init__(self, budget_bytes: int, block: int = BLOCK):
         if budget_bytes < 0 or block < 1:
             raise ValueError(
                 f"a prefix cache needs budget_bytes >= 0 and block >= 1, got {budget_bytes}, {block}"

@@ -34,6 +34,13 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
         help="keys and values of earlier calls kept for prefix reuse, least recently used evicted (default "
         "512; 0: off)",
     )
+    g.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=1024,
+        help="keys and values of the requests decoding at once, in blocks (default 1024); a request that does "
+        "not fit beside the running ones waits, one bigger than the budget is refused",
+    )
     g.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
 
 
@@ -58,6 +65,8 @@ def load_gateway(args: argparse.Namespace, token: str | None):
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     if args.prefix_cache_mb < 0:
         raise ConfigError(f"--prefix-cache-mb must be >= 0 (0: no prefix reuse), got {args.prefix_cache_mb}")
+    if not args.kv_budget_mb > 0:
+        raise ConfigError(f"--kv-budget-mb must be > 0, got {args.kv_budget_mb}")
     template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)
@@ -80,6 +89,7 @@ def load_gateway(args: argparse.Namespace, token: str | None):
         seed=args.seed,
         chat_template=template,
         prefix_cache_mb=args.prefix_cache_mb,
+        kv_budget_mb=args.kv_budget_mb,
     ), policy_dir
 
 
