@@ -11,8 +11,12 @@ version ``v`` (the policy after ``v`` updates) may train in it when ``step - v <
 ledger's queue (counted: ``rollout/requeued``) and are sampled again. The samplers sample only what their
 versions can still train (the batches up to ``version + S``), then wait for the next update.
 
-Weights: each sampler holds one copy of the policy's weights (``async_samplers`` copies in all) and its own shallow copy
-of the rollout source (a source keeps per-call state). A sampler takes the actor's weights between two of its
+Weights: each sampler holds one copy of the policy's weights (``async_samplers`` copies in all), its own shallow copy
+of the rollout source (a source keeps per-call state) and its own copy of the tokenizer (an agent's gateway, one
+per sampler call, tokenizes in a thread of its own, and a fast tokenizer is not to be called from two threads at
+once). What the copies still share is safe to share: an agent's or a verifiers taskset's sampler call starts its
+own gateway (its own port, sessions, event loop and seed), and a verifiers worker takes episodes from any thread
+(each with its own id, base URL and API key). A sampler takes the actor's weights between two of its
 calls, never during one, and only while the trainer is not scoring or updating (the trainer holds
 :attr:`BoundedProducer.updating` from taking a batch to publishing its update). It waits for the trainer only when
 its copy is so old that nothing it samples could train (``version < published - S``); otherwise it samples on
@@ -45,9 +49,11 @@ POLL_S = 0.005  # how often a waiting sampler looks again (paused, or nothing to
 @dataclasses.dataclass
 class Sampler:
     """One producer thread's own: its copy of the weights (``model``) and their ``version``, its rollout source
-    (a shallow copy of the run's: a source keeps per-call state), the lock it holds during a sampler call."""
+    (a shallow copy of the run's: a source keeps per-call state) and tokenizer (a copy of the run's), the lock it
+    holds during a sampler call."""
 
     source: Any
+    tokenizer: Any
     model: nn.Module | None = None
     version: int = 0
     calling: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -74,7 +80,10 @@ class BoundedProducer:
             else Ledger(len(ids), cfg.seed, total=total)
         )
         self.buffer = Buffer(self.ledger)
-        self.samplers = [Sampler(copy.copy(run.models.source)) for _ in range(cfg.async_samplers)]
+        self.samplers = [
+            Sampler(copy.copy(run.models.source), copy.deepcopy(run.models.tokenizer))
+            for _ in range(cfg.async_samplers)
+        ]
         self.published = 0  # the updates the trainer has made (and published)
         self.updating = threading.Lock()  # held by the trainer while it scores and updates
         self.pausing, self.stopping = threading.Event(), threading.Event()
@@ -224,7 +233,7 @@ class BoundedProducer:
         m, cfg, version = self.run.models, self.run.cfg, w.version
         mine = [p for _, p in unit]
         batch = prompt_batch(mine, m.strategy, self.G, self.ids, self.rows, m.tokenizer.pad_token_id)
-        own = dataclasses.replace(m, source=w.source)
+        own = dataclasses.replace(m, source=w.source, tokenizer=w.tokenizer)
         made, _ = sample_batch(own, cfg, batch, self.params, self.run.state.sample_gen, w.model)
         owner = row_prompt_ids(made, batch.rows, mine, self.G)
         if self.stopping.is_set():
