@@ -96,7 +96,9 @@ def load_gateway(args: argparse.Namespace, token: str | None):
 def serve_policy(args: argparse.Namespace, token: str | None) -> int:
     """Run the gateway of ``args.policy`` in the foreground until interrupted."""
     from shifu.http.runner import bind_socket, serve_forever, socket_url
+    from shifu.parallel.threads import return_freed_memory
 
+    return_freed_memory()  # memory that follows the requests held, not their high-water mark
     gateway, policy_dir = load_gateway(args, token)
     sock = bind_socket(args.host, args.port)
     print(
