@@ -54,6 +54,8 @@ from gateway_stream import chatml_policy, smollm2_policy  # noqa: E402  (its tin
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from shifu.serve.policy import KV_BUDGET_MB, PREFIX_CACHE_MB  # noqa: E402  (the defaults of shifu serve --policy)
+
 WORDS = (
     "search read write list files run tests open issue branch commit query table rows column value name path "
     "returns string number list of the a to for with when given by each"
@@ -209,8 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         "--budgets", type=int, nargs="+", default=[24, 96, 256], help="max_tokens, by (s + t) %% 3"
     )
     p.add_argument("--tools-tokens", type=int, default=500, help="tokens of the shared tools block")
-    p.add_argument("--cache-mb", type=float, default=512, help="the prefix cache's budget of the new engine")
-    p.add_argument("--kv-mb", type=float, default=1024, help="the admitting loop's pool (--kv-budget-mb)")
+    p.add_argument(
+        "--cache-mb",
+        type=float,
+        default=PREFIX_CACHE_MB,
+        help="the prefix cache's budget of the new engine (shifu serve --policy's default)",
+    )
+    p.add_argument(
+        "--kv-mb",
+        type=float,
+        default=KV_BUDGET_MB,
+        help="the admitting loop's pool (--kv-budget-mb's default)",
+    )
     p.add_argument("--tight-kv-mb", type=float, default=None, help="also admit under a pool of this many MB")
     p.add_argument(
         "--engines",
