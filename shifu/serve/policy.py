@@ -43,8 +43,7 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=KV_BUDGET_MB,
         help=f"keys and values of the requests decoding at once, in blocks (default {KV_BUDGET_MB}); a request "
-        "that does "
-        "not fit beside the running ones waits, one bigger than the budget is refused",
+        "that does not fit beside the running ones waits, one bigger than the budget is refused",
     )
     g.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
 
