@@ -347,7 +347,6 @@ class Engine:
         loop.admit(self._admitted(jobs, taken, results))
         while True:
             loop.step()
-            # (kept while the loop runs: one loop may serve a whole workload, its last answer sent before it ends)
             self.kv["peak_bytes"] = max(self.kv["peak_bytes"], loop.pool.peak * loop.pool.block_bytes)
             more = feed.more(self._acceptor(loop, first, version, taken))
             if more:
