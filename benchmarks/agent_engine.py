@@ -15,7 +15,9 @@ static batch: the engine as it was), ``prefix_cache`` (prefix reuse), ``prefix_c
 rows leaving the decoder as they end) and ``admit`` (besides, calls that arrive while a call decodes join it
 between steps and each comes back as it ends: the gateway's default, its keys and values in blocks of a pool of
 ``--kv-mb``; with ``--tight-kv-mb``, ``admit_tight_kv`` too, the same under a pool that makes calls wait for room).
-Each engine's least disturbed run (its highest
+The server sets glibc's malloc as ``shifu serve --policy`` does (``--malloc returned``: large blocks handed back to
+the kernel on free); ``--malloc returned kept system`` runs each engine under each setting, to weigh what it
+costs and saves. Each engine's least disturbed run (its highest
 tokens/s) is reported, with every run's tokens/s beside it. Per engine: completed tokens/s
 (``usage.completion_tokens`` over the wall time of the whole workload), call latency p50 / p99 (ms, timed in the
 client), prefill tokens per conversation (prompt tokens computed: every prompt token without the cache, the
@@ -52,6 +54,8 @@ from gateway_stream import chatml_policy, smollm2_policy  # noqa: E402  (its tin
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from shifu.serve.policy import KV_BUDGET_MB, PREFIX_CACHE_MB  # noqa: E402  (the defaults of shifu serve --policy)
+
 WORDS = (
     "search read write list files run tests open issue branch commit query table rows column value name path "
     "returns string number list of the a to for with when given by each"
@@ -78,12 +82,26 @@ def tools_block(tok, tokens: int) -> str:
 
 
 def serve(
-    name: str, cache_mb: float, retire: bool, admit: bool, threads: int, conn, kv_mb: float = 1024
+    name: str,
+    cache_mb: float,
+    retire: bool,
+    admit: bool,
+    threads: int,
+    conn,
+    kv_mb: float = 1024,
+    malloc: str = "returned",
 ) -> None:
     """The gateway in a process of its own: sends its base URL through ``conn``; on "stop" sends its peak
-    resident memory (MB), the engine's prefix counters and its pool's, then exits."""
+    resident memory (MB), the engine's prefix counters and its pool's, then exits. ``malloc``: glibc's malloc
+    as ``shifu serve --policy`` sets it (``returned``), as other ``shifu`` commands do (``kept``) or as is
+    (``system``)."""
     from shifu.gateway import Gateway, Sampling
+    from shifu.parallel.threads import keep_freed_memory, return_freed_memory
 
+    if malloc != "system":
+        keep_freed_memory()  # as ``shifu`` does before any command
+    if malloc == "returned":
+        return_freed_memory()  # as ``shifu serve --policy`` does then
     torch.set_num_threads(threads)
     model, tok = tiny_policy() if name == "tiny" else smollm2_policy()
     gw = Gateway(model, tok, sampling=Sampling(max_tokens=1024), prefix_cache_mb=cache_mb, kv_budget_mb=kv_mb)
@@ -144,15 +162,17 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
-def one_run(args, cache_mb: float, retire: bool, admit: bool, kv_mb: float) -> dict:
+def one_run(args, cache_mb: float, retire: bool, admit: bool, kv_mb: float, malloc: str) -> dict:
     """The workload on a fresh server with ``cache_mb`` of prefix cache, retiring rows or not, admitting
-    requests into a running decode (a pool of ``kv_mb``) or not."""
+    requests into a running decode (a pool of ``kv_mb``) or not, its malloc set as ``malloc`` says."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     server = ctx.Process(
-        target=serve, args=(args.model, cache_mb, retire, admit, args.threads, there, kv_mb), daemon=True
+        target=serve,
+        args=(args.model, cache_mb, retire, admit, args.threads, there, kv_mb, malloc),
+        daemon=True,
     )
     server.start()
     try:
@@ -191,14 +211,33 @@ def main(argv: list[str] | None = None) -> int:
         "--budgets", type=int, nargs="+", default=[24, 96, 256], help="max_tokens, by (s + t) %% 3"
     )
     p.add_argument("--tools-tokens", type=int, default=500, help="tokens of the shared tools block")
-    p.add_argument("--cache-mb", type=float, default=512, help="the prefix cache's budget of the new engine")
-    p.add_argument("--kv-mb", type=float, default=1024, help="the admitting loop's pool (--kv-budget-mb)")
+    p.add_argument(
+        "--cache-mb",
+        type=float,
+        default=PREFIX_CACHE_MB,
+        help="the prefix cache's budget of the new engine (shifu serve --policy's default)",
+    )
+    p.add_argument(
+        "--kv-mb",
+        type=float,
+        default=KV_BUDGET_MB,
+        help="the admitting loop's pool (--kv-budget-mb's default)",
+    )
     p.add_argument("--tight-kv-mb", type=float, default=None, help="also admit under a pool of this many MB")
     p.add_argument(
         "--engines",
         nargs="+",
         choices=["static", "prefix_cache", "prefix_cache_retire", "admit", "admit_tight_kv"],
         help="only these (default: all; without static, no answers are compared)",
+    )
+    p.add_argument(
+        "--malloc",
+        nargs="+",
+        choices=["returned", "kept", "system"],
+        default=["returned"],
+        help="glibc's malloc in the server: as shifu serve --policy sets it (returned: large blocks unmapped on "
+        "free), as other shifu commands (kept: freed memory kept for reuse) or glibc's own; with more than "
+        "one, each engine runs under each (its name suffixed by the others)",
     )
     p.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
     p.add_argument("--threads", type=int, default=1)
@@ -223,10 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         engines["admit_tight_kv"] = (args.cache_mb, True, True, args.tight_kv_mb)
     if args.engines:
         engines = {name: engines[name] for name in args.engines}
+    first = args.malloc[0]
+    engines = {
+        name if malloc == first else f"{name}_malloc_{malloc}": (*setting, malloc)
+        for malloc in args.malloc
+        for name, setting in engines.items()
+    }
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.repeats):  # alternating: the machine's load drifts
-        for name, (cache_mb, retire, admit, kv_mb) in engines.items():
-            runs[name].append(one_run(args, cache_mb, retire, admit, kv_mb))
+        for name, (cache_mb, retire, admit, kv_mb, malloc) in engines.items():
+            runs[name].append(one_run(args, cache_mb, retire, admit, kv_mb, malloc))
     metrics = {}
     for name, rs in runs.items():
         best = max(rs, key=lambda r: r["tokens_per_s"])  # the least disturbed run (a shared machine)
@@ -249,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_mb": args.kv_mb,
             "tight_kv_mb": args.tight_kv_mb,
             "engines": args.engines,
+            "malloc": args.malloc,
             "repeats": args.repeats,
         }
         provenance.record(args, "agent_engine", metrics, params=params, config=params, threads=args.threads)

@@ -82,6 +82,8 @@ def agent_engine(records: list[dict]) -> str:
         if "kv_mb" in p:  # (the records since the admitting loop's pool)
             tight = f", tight {p['tight_kv_mb']:g}" if p.get("tight_kv_mb") else ""
             what += f"; KV pool {p['kv_mb']:g}{tight} MB, prefix cache {p['cache_mb']:g} MB"
+        if "malloc" in p:  # (the records since the server's malloc was set as shifu serve --policy sets it)
+            what += f"; malloc {'/'.join(p['malloc'])}"
         for name, e in ((k, v) for k, v in m.items() if isinstance(v, dict)):
             same = e.get("same_answers_as_static", m.get("same_answers"))
             rows.append(

@@ -145,3 +145,49 @@ def test_memory_one_thread_freed_serves_another_thread():
     assert r.returncode == 0 and r.stderr.split()[-1] == "kept", r.stderr
     before, after = map(int, r.stdout.split())  # (an arena per thread: +512 MiB)
     assert before > 512 and after - before < 256, (before, after)
+
+
+# shifu's malloc (kept), then, if asked, shifu serve --policy's (returned): resident MiB before 512 MiB in
+# tensors of 1 to 8 MiB, while they live and after they are freed
+_RETURNED = """
+import sys, torch
+from shifu.parallel.threads import keep_freed_memory, return_freed_memory
+modes = [keep_freed_memory()] + ([return_freed_memory()] if sys.argv[1] == "serve" else [])
+print(*modes, file=sys.stderr)
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+before = rss()
+xs = [torch.ones((1 + i % 8) << 18) for i in range(114)]
+held = rss()
+del xs
+print(before, held, rss())
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_serving_hands_freed_large_blocks_back_to_the_kernel():
+    """``shifu serve --policy`` replaces the freed memory kept for reuse by large blocks unmapped on free: the
+    server's resident memory follows what it holds (kept: the 512 MiB stay with the process)."""
+    base = _without_malloc_settings()
+
+    def run(mode, **env):
+        r = subprocess.run(
+            [sys.executable, "-c", _RETURNED, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**base, **env},
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stderr.split(), [int(x) for x in r.stdout.split()]
+
+    modes, (before, held, after) = run("serve")
+    assert modes == ["kept", "returned"] and held - before > 450 and after - before < 64, (
+        before,
+        held,
+        after,
+    )
+    modes, (before, held, after) = run("kept")
+    assert modes == ["kept"] and after - before > 450, (before, held, after)
+    assert run("serve", SHIFU_MALLOC="system")[0] == ["system", "system"]  # as the user asked: left alone

@@ -347,12 +347,12 @@ class Engine:
         loop.admit(self._admitted(jobs, taken, results))
         while True:
             loop.step()
+            self.kv["peak_bytes"] = max(self.kv["peak_bytes"], loop.pool.peak * loop.pool.block_bytes)
             more = feed.more(self._acceptor(loop, first, version, taken))
             if more:
                 loop.admit(self._admitted(more, taken, results))
             if not loop.rows:
                 break
-        self.kv["peak_bytes"] = max(self.kv["peak_bytes"], loop.pool.counters()["peak_bytes"])
         self.calls += 1
         self.last_seconds = time.perf_counter() - t0
         return results

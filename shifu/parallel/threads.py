@@ -1,5 +1,5 @@
 """CPU threads of torch (``--threads`` or ``SHIFU_THREADS``), and glibc's malloc: freed memory kept for reuse
-while a command runs, handed back between stages."""
+while a command runs, handed back between stages; large blocks handed back at once by a server."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ def set_threads(n: int | None) -> None:
 
 
 MALLOC_ENV = "SHIFU_MALLOC"
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -3, -4, -8  # <malloc.h>
+SERVE_MMAP_THRESHOLD = 1 << 20  # bytes: a block this large or larger is mapped on its own, unmapped on free
 
 
 def keep_freed_memory() -> str:
@@ -42,6 +44,44 @@ def keep_freed_memory() -> str:
     ``SHIFU_MALLOC=system``, or any ``MALLOC_*`` / ``GLIBC_TUNABLES`` setting or preloaded malloc of your own,
     leaves malloc as it is.
     Returns what was done: ``"kept"``, ``"system"`` (left as asked) or ``"unavailable"`` (not glibc)."""
+    mallopt = _glibc_mallopt()
+    if isinstance(mallopt, str):
+        return mallopt
+    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    ok = ok and mallopt(M_ARENA_MAX, 1) == 1
+    return "kept" if ok else "unavailable"
+
+
+def return_freed_memory() -> str:
+    """Make glibc's malloc hand a freed large block back to the kernel at once: what a serving process wants.
+
+    A server's memory should follow the requests it holds, not the most they ever held. Its decode loop
+    allocates large temporaries at every step (the logits of every row, the keys and values a step reads), of
+    sizes that change with the rows decoding. :func:`keep_freed_memory` keeps each of them for reuse, and
+    glibc's own default does too once a freed block has raised its mmap threshold (to at most 32 MiB): the
+    heap then holds its high-water mark of temporaries, in fragments no later size fits well. Serving
+    SmolLM2-135M to 32 agent sessions, that was about 1.8 GB of a 4.7 GB peak (benchmarks/agent_engine.py).
+    Here every block of :data:`SERVE_MMAP_THRESHOLD` (1 MiB) or more is mapped on its own and unmapped on
+    ``free``, the heap of smaller ones is trimmed once 2 MiB lies free at its top, and every thread allocates
+    from one arena (as with :func:`keep_freed_memory`). The price is a page fault per page of each large
+    block, paid again at each allocation (docs/how-to/policy-endpoint.md gives the measured cost).
+
+    Called by ``shifu serve --policy`` once it starts (after ``shifu`` has called :func:`keep_freed_memory`:
+    every setting of that one is replaced). ``SHIFU_MALLOC=system``, or any ``MALLOC_*`` / ``GLIBC_TUNABLES``
+    setting or preloaded malloc of your own, leaves malloc as it is.
+    Returns what was done: ``"returned"``, ``"system"`` (left as asked) or ``"unavailable"`` (not glibc)."""
+    mallopt = _glibc_mallopt()
+    if isinstance(mallopt, str):
+        return mallopt
+    ok = mallopt(M_MMAP_MAX, 65536) == 1  # glibc's default count of mapped blocks (keep_freed_memory: 0)
+    ok = ok and mallopt(M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD) == 1  # fixed: no longer raised by a free
+    ok = ok and mallopt(M_TRIM_THRESHOLD, 2 * SERVE_MMAP_THRESHOLD) == 1 and mallopt(M_ARENA_MAX, 1) == 1
+    return "returned" if ok else "unavailable"
+
+
+def _glibc_mallopt():
+    """glibc's ``mallopt``, or why it is not to be called: ``"system"`` (the user's own malloc settings, or
+    ``SHIFU_MALLOC=system``) or ``"unavailable"`` (not glibc)."""
     own = "GLIBC_TUNABLES" in os.environ or "malloc" in os.environ.get("LD_PRELOAD", "")  # jemalloc, tcmalloc
     if os.environ.get(MALLOC_ENV, "") == "system" or own or any(k.startswith("MALLOC_") for k in os.environ):
         return "system"
@@ -51,13 +91,9 @@ def keep_freed_memory() -> str:
     if platform.libc_ver()[0] != "glibc":
         return "unavailable"
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        return ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return "unavailable"
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # <malloc.h>
-    ok = mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1
-    ok = ok and mallopt(m_arena_max, 1) == 1
-    return "kept" if ok else "unavailable"
 
 
 def release_freed_memory() -> bool:

@@ -16,6 +16,10 @@ from pathlib import Path
 
 from shifu.errors import ConfigError
 
+# the defaults of --prefix-cache-mb and --kv-budget-mb: with SmolLM2-135M's 540 MB of weights, 32 agent sessions
+# peak under 2.5 GB (docs/how-to/policy-endpoint.md)
+PREFIX_CACHE_MB, KV_BUDGET_MB = 256, 512
+
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``shifu serve --policy`` (ignored when serving a reward)."""
@@ -30,16 +34,16 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefix-cache-mb",
         type=float,
-        default=512,
+        default=PREFIX_CACHE_MB,
         help="keys and values of earlier calls kept for prefix reuse, least recently used evicted (default "
-        "512; 0: off)",
+        f"{PREFIX_CACHE_MB}; 0: off)",
     )
     g.add_argument(
         "--kv-budget-mb",
         type=float,
-        default=1024,
-        help="keys and values of the requests decoding at once, in blocks (default 1024); a request that does "
-        "not fit beside the running ones waits, one bigger than the budget is refused",
+        default=KV_BUDGET_MB,
+        help=f"keys and values of the requests decoding at once, in blocks (default {KV_BUDGET_MB}); a request "
+        "that does not fit beside the running ones waits, one bigger than the budget is refused",
     )
     g.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
 
@@ -96,7 +100,9 @@ def load_gateway(args: argparse.Namespace, token: str | None):
 def serve_policy(args: argparse.Namespace, token: str | None) -> int:
     """Run the gateway of ``args.policy`` in the foreground until interrupted."""
     from shifu.http.runner import bind_socket, serve_forever, socket_url
+    from shifu.parallel.threads import return_freed_memory
 
+    return_freed_memory()  # memory that follows the requests held, not their high-water mark
     gateway, policy_dir = load_gateway(args, token)
     sock = bind_socket(args.host, args.port)
     print(
