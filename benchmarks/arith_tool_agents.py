@@ -6,7 +6,8 @@ The paths: ``env``, the task's own calculator environment; ``example``, the deve
 without the task (``examples/agents/math_agent.py``: its own tool name and argument schema, no system prompt).
 The agent paths start from SFT on the agent's own calls answered by the task's teacher (the quickstart's default
 with ``ppo.agent``). Per run: the held-out accuracy before and after RL, the paired gain and its standard error,
-whether it learned (gain >= 3 standard errors), tool use, process CPU seconds and peak RSS; per path, the mean
+whether it learned (a gain above zero of at least 3 standard errors; a start already at full accuracy is
+``at_ceiling``, with nothing left to learn), tool use, process CPU seconds and peak RSS; per path, the mean
 gain with its standard error over the seeds and the smallest gain in standard errors::
 
     python benchmarks/arith_tool_agents.py --paths env,example,independent --seeds 0,1,2,3,4 --record
@@ -75,7 +76,8 @@ def run(path: str, seed: int, head: str, root: Path) -> tuple[dict, list[str]]:
     metrics |= json.loads((out / "process.json").read_text()) if (out / "process.json").exists() else {}
     gain, se = metrics.get("gold_gain"), metrics.get("gold_gain_se")
     metrics["gain_in_se"] = gain / se if gain is not None and se else None
-    metrics["learned"] = bool(gain is not None and se is not None and gain >= 3 * se)
+    metrics["learned"] = bool(gain is not None and se is not None and gain > 0 and gain >= 3 * se)
+    metrics["at_ceiling"] = metrics.get("gold_before") == 1.0
     return metrics, sets
 
 
