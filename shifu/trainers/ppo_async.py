@@ -117,14 +117,7 @@ class Producer:
 
     def _refresh(self) -> nn.Module:
         """The sampler's copy, set to the actor's current weights (between two sampler calls)."""
-        live = self.run.models.decoder()
-        if self.sampler is None:
-            self.sampler = copy.deepcopy(live).eval()
-            self.sampler.requires_grad_(False)
-        else:
-            with torch.no_grad():
-                for dst, src in zip(self.sampler.state_dict().values(), live.state_dict().values()):
-                    dst.copy_(src)
+        self.sampler = weights_copy(self.sampler, self.run.models.decoder())
         return self.sampler
 
     def batch_for(self, step: int) -> Sampled:
@@ -204,6 +197,19 @@ class Producer:
         self.pending = [
             Sampled(b["step"], b["version"], b["prompt_ids"], unpack(b["made"]), b["t_gen"]) for b in pending
         ]
+
+
+def weights_copy(held: nn.Module | None, live: nn.Module) -> nn.Module:
+    """A sampler's frozen copy of ``live`` with its current weights: ``held`` overwritten in place, or a new copy
+    when there is none yet."""
+    if held is None:
+        held = copy.deepcopy(live).eval()
+        held.requires_grad_(False)
+        return held
+    with torch.no_grad():
+        for dst, src in zip(held.state_dict().values(), live.state_dict().values()):
+            dst.copy_(src)
+    return held
 
 
 def row_prompt_ids(made: Trajectories, batch_rows: list[dict], mine: list[int], G: int) -> list[int]:

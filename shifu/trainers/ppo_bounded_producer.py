@@ -36,10 +36,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
-from shifu.trainers.ppo_async import Producer, Sampled, row_prompt_ids
+from shifu.trainers.ppo_async import Producer, Sampled, row_prompt_ids, weights_copy
 from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, concat
 from shifu.trainers.ppo_rollout import prompt_batch, sample_batch
 
@@ -165,14 +164,7 @@ class BoundedProducer:
 
     def _refresh(self, w: Sampler) -> None:
         """``w``'s copy set to the actor's current weights (version :attr:`published`)."""
-        live = self.run.models.decoder()
-        if w.model is None:
-            w.model = copy.deepcopy(live).eval()
-            w.model.requires_grad_(False)
-        else:
-            with torch.no_grad():
-                for dst, src in zip(w.model.state_dict().values(), live.state_dict().values()):
-                    dst.copy_(src)
+        w.model = weights_copy(w.model, self.run.models.decoder())
         w.version = self.published
 
     def _catch_up(self, w: Sampler) -> None:
