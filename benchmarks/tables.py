@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import async_longtail_tables  # noqa: E402
 import decode_weights_tables  # noqa: E402
 import imdb_headroom_tables  # noqa: E402
 import memory_tables  # noqa: E402
@@ -52,6 +53,7 @@ RENDERERS = (
     serve_load_tables,
     memory_tables,
     rollout_tables,
+    async_longtail_tables,
 )
 
 
