@@ -209,3 +209,22 @@ def test_gradient_checkpointing_under_cpu_bf16_autocast_gives_the_same_gradients
 def test_gradient_checkpointing_refuses_a_plain_module():
     with pytest.raises(ShifuError, match="gradient_checkpointing"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.unit
+def test_a_build_lock_left_by_a_killed_deepspeed_op_build_is_named(tmp_path, monkeypatch):
+    """A build of a DeepSpeed op killed midway leaves its lock, and every later launch waits on it without a
+    word: shifu names an old lock (and leaves one young enough to be a build in progress alone)."""
+    from shifu.parallel.deepspeed import STALE_LOCK_S, stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old, young = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (old, young):
+        lock.parent.mkdir()
+        lock.touch()
+    now = young.stat().st_mtime + 5
+    os.utime(old, (now - STALE_LOCK_S - 60, now - STALE_LOCK_S - 60))
+    warnings = stale_build_locks(now)
+    assert len(warnings) == 1 and str(old) in warnings[0] and "delete the file" in warnings[0]
+    old.unlink()
+    assert stale_build_locks(now) == []

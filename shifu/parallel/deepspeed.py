@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +122,37 @@ def _deepspeed():
         import deepspeed
     except ImportError:
         raise ShifuError("DeepSpeed is not installed: pip install 'shifu-rlhf[deepspeed]'") from None
+    if D.is_main():
+        for line in stale_build_locks():
+            print(line, file=sys.stderr, flush=True)
     return deepspeed
+
+
+STALE_LOCK_S = 600  # a build of one of DeepSpeed's ops takes a minute or two
+
+
+def stale_build_locks(now: float | None = None) -> list[str]:
+    """A warning per build lock older than :data:`STALE_LOCK_S` in torch's extensions folders
+    (``TORCH_EXTENSIONS_DIR``, else torch's default build root). DeepSpeed builds some of its ops there on first
+    use (on CPU its shared-memory collectives), and a build killed midway leaves its ``lock`` behind: every later
+    launch then waits on it forever, without a word."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    out = []
+    for lock in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}):
+        try:
+            age = now - lock.stat().st_mtime
+        except OSError:  # built and released meanwhile
+            continue
+        if age > STALE_LOCK_S:
+            out.append(
+                f"shifu: warning: {lock} is a build lock left {age / 60:.0f} min ago; DeepSpeed waits on it "
+                "forever. If no other process is building that op now (a build killed midway leaves its lock), "
+                "delete the file."
+            )
+    return out
 
 
 def load_config(ds_config: str | Path | dict, max_grad_norm: float | None = None) -> dict[str, Any]:
