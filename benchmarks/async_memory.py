@@ -1,14 +1,16 @@
 """What asynchronous PPO costs in memory: the peak resident memory of a ``shifu ppo`` run at ``max_staleness`` 0
-and 1, and the bytes of the sampler's copy of the policy's weights, for the tiny character model of the tests and
-for SmolLM2-135M-Instruct (``shifu install smollm2``).
+and 1 (in the fixed and the bounded schedule), and the bytes of the samplers' copies of the policy's weights,
+for the tiny character model of the tests and for SmolLM2-135M-Instruct (``shifu install smollm2``).
 
 Each setting runs in its own process (so that each peak is its own): a short PPO run with its critic, one
 rollout per prompt and a two-turn environment that answers at once (the long-tail benchmark's, without latency).
-The child counts the sampler copies :class:`shifu.trainers.ppo_async.Producer` makes (a copy is made once and
-refreshed in place afterwards) and their parameter and buffer bytes, beside the policy's own.
+The child counts the sampler copies the producers make (``shifu.trainers.ppo_async.weights_copy``: a copy is
+made once per sampler and refreshed in place afterwards) and their parameter and buffer bytes, beside the
+policy's own.
 
     python benchmarks/async_memory.py [--record]                 # tiny and smollm2, S = 0 and 1
     python benchmarks/async_memory.py --models tiny              # seconds
+    python benchmarks/async_memory.py --schedules bounded --samplers 2
 """
 
 from __future__ import annotations
@@ -44,27 +46,36 @@ def module_bytes(m) -> int:
     return total
 
 
-def child(model: str, prompts: str, staleness: int, iterations: int, batch: int, out: str) -> dict:
+def child(
+    model: str,
+    prompts: str,
+    staleness: int,
+    schedule: str,
+    samplers: int,
+    iterations: int,
+    batch: int,
+    out: str,
+) -> dict:
     """One run in this process: its peak RSS, the policy's bytes, the sampler copies made and their bytes."""
     import torch
 
     from shifu.config.loader import load_config
-    from shifu.trainers import ppo, ppo_async
+    from shifu.trainers import ppo, ppo_async, ppo_bounded_producer
 
     torch.set_num_threads(int(os.environ.get("SHIFU_THREADS", "1")))
     copies: list[int] = []
     policy: list[int] = []
-    refresh = ppo_async.Producer._refresh
+    weights_copy = ppo_async.weights_copy
 
-    def counted(self):
-        before = self.sampler
-        sampler = refresh(self)
-        if sampler is not before:  # a new copy (not a refresh in place)
+    def counted(held, live):
+        sampler = weights_copy(held, live)
+        if sampler is not held:  # a new copy (not a refresh in place)
             copies.append(module_bytes(sampler))
-            policy.append(module_bytes(self.run.models.decoder()))
+            policy.append(module_bytes(live))
         return sampler
 
-    ppo_async.Producer._refresh = counted
+    # both schedules' producers make and refresh their copies with it
+    ppo_async.weights_copy = ppo_bounded_producer.weights_copy = counted
     overrides = [
         f"out_dir={out}",
         f"model.path={model}",
@@ -85,6 +96,8 @@ def child(model: str, prompts: str, staleness: int, iterations: int, batch: int,
         "progress=false",
         "tensorboard=false",
         f"max_staleness={staleness}",
+        f"async_schedule={schedule}",
+        f"async_samplers={samplers}",
         *(["decoupled=true"] if staleness else []),
     ]
     ppo.train(load_config(ppo.Config, None, overrides), overwrite=True)
@@ -113,6 +126,8 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2, help="episodes per iteration")
+    ap.add_argument("--schedules", nargs="+", default=["fixed", "bounded"], choices=["fixed", "bounded"])
+    ap.add_argument("--samplers", type=int, default=4, help="a bounded run's async_samplers (its default: 4)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON arguments of one run
     provenance.add_arguments(ap)
     args = ap.parse_args()
@@ -125,20 +140,23 @@ def main() -> int:
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
     }
-    print("model | max_staleness | peak RSS (MB) | sampler copies | copy (MB) | policy (MB)")
+    print("model | max_staleness | schedule | peak RSS (MB) | sampler copies | copy (MB) | policy (MB)")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         prompts = str(write_prompts(work / "prompts.jsonl"))
         for name in args.models:
             model = model_path(name, work)
-            for S in (0, 1):
+            # S = 0 once (synchronous in either schedule), then S = 1 in each schedule
+            for S, schedule in [(0, "fixed"), *((1, s) for s in args.schedules)]:
                 spec = {
                     "model": model,
                     "prompts": prompts,
                     "staleness": S,
+                    "schedule": schedule,
+                    "samplers": args.samplers,
                     "iterations": args.iterations,
                     "batch": args.batch,
-                    "out": str(work / f"{name}-s{S}"),
+                    "out": str(work / f"{name}-s{S}-{schedule}"),
                 }
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", json.dumps(spec)],
@@ -150,7 +168,8 @@ def main() -> int:
                     sys.exit(f"{name} at max_staleness={S} failed:\n{done.stderr[-3000:]}")
                 m = json.loads(done.stdout.strip().splitlines()[-1])
                 print(
-                    f"{name} | {S} | {m['peak_rss_mb']} | {m['sampler_copies']} | {m['sampler_copy_mb']} | "
+                    f"{name} | {S} | {schedule} | {m['peak_rss_mb']} | {m['sampler_copies']} | "
+                    f"{m['sampler_copy_mb']} | "
                     f"{m['policy_mb']}",
                     flush=True,
                 )
@@ -161,7 +180,8 @@ def main() -> int:
                     params={
                         "model": name,
                         "max_staleness": S,
-                        "async_schedule": "fixed",
+                        "async_schedule": schedule,
+                        **({"async_samplers": args.samplers} if schedule == "bounded" and S else {}),
                         "iterations": args.iterations,
                         "episodes": args.batch,
                         "claim": "at most one extra copy of the policy's weights per sampler",
