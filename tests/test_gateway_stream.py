@@ -165,6 +165,17 @@ def entries(chunks, i: int) -> list[list]:
     ]
 
 
+def texts_of_entries(tok, carried: list, ids: list[int]) -> list[tuple[str, str]]:
+    """Per chunk in ``carried`` (:func:`entries`): its delta's content and the text of the sampled ids its
+    entries stand for (``ids``: the choice's, in order; the entries are one per id)."""
+    out, at = [], 0
+    for text, got in carried:
+        out.append((text, tok.decode(ids[at : at + len(got)], skip_special_tokens=True)))
+        at += len(got)
+    assert at == len(ids)
+    return out
+
+
 @pytest.mark.integration
 def test_each_content_delta_carries_the_log_probs_of_its_tokens(served):
     gw, model, tok = served
@@ -181,13 +192,14 @@ def test_each_content_delta_carries_the_log_probs_of_its_tokens(served):
             joined = [e.model_dump() for _, got in carried for e in got]
             assert joined == [e.model_dump() for e in want.logprobs.content]  # token, logprob, bytes, top 2
             assert all(len(e["top_logprobs"]) == 2 for e in joined)
-            # each delta's tokens are its text (unless one is a part of a character), the last delta's may go
-            # on past it (a token the stop string cuts); the finish chunk's never showed (EOS, the stop's)
-            deltas = [(text, "".join(e.token for e in got)) for text, got in carried if text]
-            for text, said in deltas[:-1]:
-                assert said == text or "\ufffd" in said
-            assert deltas[-1][1].startswith(deltas[-1][0]) or "\ufffd" in deltas[-1][1]
-            assert not carried[-1][0]  # the finish chunk: no text
+            # each delta's tokens are its text (the bytes of a character together), the last delta's may go on
+            # past it (a token the stop string cuts); the finish chunk's never showed (EOS, the stop's)
+            deltas = texts_of_entries(tok, carried, want.model_extra["token_ids"])
+            for text, said in deltas[:-2]:
+                assert said == text
+            assert deltas[-2][1].startswith(deltas[-2][0]) and not deltas[-1][0]
+            if not extra:  # no stop: the text is its tokens' to the end, the finish chunk's is the EOS only
+                assert deltas[-2][1] == deltas[-2][0] and deltas[-1][1] == ""
     # the admitting loop (no seed): the same per delta, log-probs the trainer recomputes
     chunks, texts = streamed(client, messages=QUESTION, logprobs=True, extra_body={"return_token_ids": True})
     carried = entries(chunks, 0)
@@ -195,6 +207,7 @@ def test_each_content_delta_carries_the_log_probs_of_its_tokens(served):
     ids = finish.model_extra["token_ids"]
     joined = [e for _, got in carried for e in got]
     assert [e.token for e in joined] == [tok.decode([t]) for t in ids] and sum(1 for t, _ in carried if t) > 1
+    assert all(text == said for text, said in texts_of_entries(tok, carried, ids)[:-1])
     prompt = chunks[0].model_extra["prompt_token_ids"]
     want = recomputed(model, prompt, ids, 1.0)
     torch.testing.assert_close(torch.tensor([e.logprob for e in joined]), want, rtol=0, atol=1e-5)
@@ -277,6 +290,21 @@ def test_a_tool_call_streams_once_complete_and_the_text_before_it_as_typed(calle
         assert (call.index, call.type, call.function.name) == (0, "function", "calculator")
         assert call.id.startswith("call_") and json.loads(call.function.arguments) == {"expression": "2+3"}
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # with logprobs: the text's tokens with its deltas, the call's (and the end's) on the finish chunk
+        kw = {
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "logprobs": True,
+            "extra_body": {"return_token_ids": True},
+        }
+        chunks, _ = streamed(client, **kw)
+        want = client.chat.completions.create(model="policy", **kw).choices[0]
+        carried = entries(chunks, 0)
+        got = [e.model_dump() for _, lps in carried for e in lps]
+        assert got == [e.model_dump() for e in want.logprobs.content]
+        (*typed, (_, call_text)) = texts_of_entries(tok, carried, want.model_extra["token_ids"])
+        assert all(text == said for text, said in typed) and "".join(t for t, _ in typed) == SAID
+        assert call_text.strip() == CALL  # (the space before the call is stripped from the content)
         # the client's own stream helper accumulates the same message as the plain answer
         with client.chat.completions.stream(model="policy", messages=QUESTION, tools=TOOLS) as stream:
             final = stream.get_final_completion()
