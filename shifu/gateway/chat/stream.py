@@ -44,8 +44,8 @@ def _error(e: Exception) -> dict:
 def _rest(answered: dict | None, sent: int) -> dict | None:
     """The finish chunk's ``logprobs``: the answer's entries after the ``sent`` ones the deltas carried (the
     entries of the ids whose text never showed: :class:`~shifu.gateway.streaming.Finish`'s tokens). Taken from
-    the answer itself, so the chunks join into it whatever the sampler told the stream (a sampler that tells
-    no tokens leaves them all to this chunk)."""
+    the answer itself, so the chunks join into it whatever the sampler told the stream: a sampler that tells
+    no tokens as it goes (a teacher's, :mod:`shifu.gateway.teacher`) leaves them all to this chunk."""
     if answered is None:
         return None
     return {"content": answered["content"][sent:], "refusal": None}
