@@ -29,7 +29,7 @@ from test_gateway import (  # noqa: E402
 )
 
 from shifu.gateway import Gateway, Sampling  # noqa: E402
-from shifu.gateway.engine import Engine, IncrementalText, Job  # noqa: E402
+from shifu.gateway.engine import Engine, IncrementalText, Job, Token  # noqa: E402
 from shifu.gateway.streaming import Withheld  # noqa: E402
 
 SAID = "Sure, café ☕ déjà."  # multi-byte characters, split over byte-level tokens
@@ -86,17 +86,29 @@ def test_the_engine_hands_each_step_to_a_streaming_job_and_samples_the_same():
     tok = chat_tokenizer()
     engine = Engine(tiny_policy(tok), tok)
     prompt = tok("hello there", add_special_tokens=False)["input_ids"]
-    seen: list[tuple[int, int, str]] = []
+    seen: list[tuple[int, Token, str]] = []
 
     def job(**kw) -> Job:
-        return Job(prompt_ids=prompt, n=2, budget=9, stops=[], temperature=1.0, seed=5, **kw)
+        return Job(prompt_ids=prompt, n=2, budget=9, stops=[], temperature=1.0, seed=5, top_logprobs=2, **kw)
 
     plain = engine.run([job()])[0]
     heard = engine.run([job(on_text=lambda *a: seen.append(a))])[0]
     assert [c.ids for c in heard] == [c.ids for c in plain]
     assert [c.log_probs for c in heard] == [c.log_probs for c in plain]
+    assert [c.top for c in heard] == [c.top for c in plain]
     for i, choice in enumerate(heard):  # every sampled id, in order, the ending one included
-        assert [t for c, t, _ in seen if c == i] == choice.ids
+        told = [t for c, t, _ in seen if c == i]
+        assert [t.id for t in told] == choice.ids
+        # the very log-probs and alternatives the choice returns, as they are sampled
+        assert [t.log_prob for t in told] == choice.log_probs
+        assert [[(a, lp) for a, _, lp in t.top] for t in told] == choice.top
+        assert [t.text for t in told] == [tok.decode([a]) for a in choice.ids]
+        for t in (
+            told
+        ):  # read off the step that sampled the token: among the best with its very log-prob, or below
+            best = {a: lp for a, _, lp in t.top}
+            assert list(best.values()) == sorted(best.values(), reverse=True)
+            assert best[t.id] == t.log_prob if t.id in best else t.log_prob <= min(best.values())
         text_ids = choice.ids[:-1] if choice.ended == "eos" else choice.ids
         text, joined = (
             tok.decode(text_ids, skip_special_tokens=True),
@@ -132,7 +144,7 @@ def test_streamed_chunks_join_into_the_answer_of_the_same_seed(served):
         # the same tokens and log-probs, which the trainer recomputes
         ids = mine[-1].model_extra["token_ids"]
         assert ids == want.model_extra["token_ids"]
-        got = [t.logprob for t in mine[-1].logprobs.content]
+        got = [t.logprob for ch in mine if ch.logprobs for t in ch.logprobs.content]
         assert got == [t.logprob for t in want.logprobs.content]
         torch.testing.assert_close(torch.tensor(got), recomputed(model, prompt, ids, 1.0), rtol=0, atol=1e-5)
     usage = chunks[-1]
@@ -141,6 +153,64 @@ def test_streamed_chunks_join_into_the_answer_of_the_same_seed(served):
     # without include_usage: no usage chunk
     chunks, _ = streamed(client, messages=QUESTION, seed=11)
     assert all(c.choices for c in chunks) and chunks[-1].choices[0].finish_reason is not None
+
+
+def entries(chunks, i: int) -> list[list]:
+    """Per chunk of choice ``i`` that carries log-probs: its delta's content and its entries."""
+    return [
+        (ch.delta.content or "", ch.logprobs.content)
+        for c in chunks
+        for ch in c.choices
+        if ch.index == i and ch.logprobs is not None
+    ]
+
+
+def texts_of_entries(tok, carried: list, ids: list[int]) -> list[tuple[str, str]]:
+    """Per chunk in ``carried`` (:func:`entries`): its delta's content and the text of the sampled ids its
+    entries stand for (``ids``: the choice's, in order; the entries are one per id)."""
+    out, at = [], 0
+    for text, got in carried:
+        out.append((text, tok.decode(ids[at : at + len(got)], skip_special_tokens=True)))
+        at += len(got)
+    assert at == len(ids)
+    return out
+
+
+@pytest.mark.integration
+def test_each_content_delta_carries_the_log_probs_of_its_tokens(served):
+    gw, model, tok = served
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TOKEN)
+    kw = {"messages": QUESTION, "seed": 7, "n": 2, "logprobs": True, "top_logprobs": 2}
+    for extra in ({}, {"stop": ["the", "a"]}):  # a stop string cuts the text: its tokens' entries come last
+        chunks, _ = streamed(client, extra_body={"return_token_ids": True}, **kw, **extra)
+        plain = client.chat.completions.create(
+            model="policy", extra_body={"return_token_ids": True}, **kw, **extra
+        )
+        for i, want in enumerate(plain.choices):
+            carried = entries(chunks, i)
+            assert sum(1 for text, _ in carried if text) > 1  # with the deltas, not all on the finish chunk
+            joined = [e.model_dump() for _, got in carried for e in got]
+            assert joined == [e.model_dump() for e in want.logprobs.content]  # token, logprob, bytes, top 2
+            assert all(len(e["top_logprobs"]) == 2 for e in joined)
+            # each delta's tokens are its text (the bytes of a character together), the last delta's may go on
+            # past it (a token the stop string cuts); the finish chunk's never showed (EOS, the stop's)
+            deltas = texts_of_entries(tok, carried, want.model_extra["token_ids"])
+            for text, said in deltas[:-2]:
+                assert said == text
+            assert deltas[-2][1].startswith(deltas[-2][0]) and not deltas[-1][0]
+            if not extra:  # no stop: the text is its tokens' to the end, the finish chunk's is the EOS only
+                assert deltas[-2][1] == deltas[-2][0] and deltas[-1][1] == ""
+    # the admitting loop (no seed): the same per delta, log-probs the trainer recomputes
+    chunks, texts = streamed(client, messages=QUESTION, logprobs=True, extra_body={"return_token_ids": True})
+    carried = entries(chunks, 0)
+    (finish,) = [ch for c in chunks for ch in c.choices if ch.finish_reason]
+    ids = finish.model_extra["token_ids"]
+    joined = [e for _, got in carried for e in got]
+    assert [e.token for e in joined] == [tok.decode([t]) for t in ids] and sum(1 for t, _ in carried if t) > 1
+    assert all(text == said for text, said in texts_of_entries(tok, carried, ids)[:-1])
+    prompt = chunks[0].model_extra["prompt_token_ids"]
+    want = recomputed(model, prompt, ids, 1.0)
+    torch.testing.assert_close(torch.tensor([e.logprob for e in joined]), want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.integration
@@ -220,6 +290,21 @@ def test_a_tool_call_streams_once_complete_and_the_text_before_it_as_typed(calle
         assert (call.index, call.type, call.function.name) == (0, "function", "calculator")
         assert call.id.startswith("call_") and json.loads(call.function.arguments) == {"expression": "2+3"}
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # with logprobs: the text's tokens with its deltas, the call's (and the end's) on the finish chunk
+        kw = {
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "logprobs": True,
+            "extra_body": {"return_token_ids": True},
+        }
+        chunks, _ = streamed(client, **kw)
+        want = client.chat.completions.create(model="policy", **kw).choices[0]
+        carried = entries(chunks, 0)
+        got = [e.model_dump() for _, lps in carried for e in lps]
+        assert got == [e.model_dump() for e in want.logprobs.content]
+        (*typed, (_, call_text)) = texts_of_entries(tok, carried, want.model_extra["token_ids"])
+        assert all(text == said for text, said in typed) and "".join(t for t, _ in typed) == SAID
+        assert call_text.strip() == CALL  # (the space before the call is stripped from the content)
         # the client's own stream helper accumulates the same message as the plain answer
         with client.chat.completions.stream(model="policy", messages=QUESTION, tools=TOOLS) as stream:
             final = stream.get_final_completion()
@@ -278,7 +363,8 @@ def test_a_streamed_call_is_recorded_as_a_plain_one():
             if ch.finish_reason and ch.model_extra["token_ids"] == seg.sampled_ids
         ]
         assert seg.read_ids == prompt and seg.finish_reason == finish.finish_reason
-        assert seg.log_probs == [t.logprob for t in finish.logprobs.content]
+        mine = [ch for c in chunks for ch in c.choices if ch.index == finish.index]
+        assert seg.log_probs == [t.logprob for ch in mine if ch.logprobs for t in ch.logprobs.content]
         want = recomputed(model, prompt, seg.sampled_ids, T)
         torch.testing.assert_close(torch.tensor(seg.log_probs), want, rtol=0, atol=1e-5)
     a, b = greedy

@@ -264,23 +264,29 @@ def _finite(lp: float) -> float:
     return lp if math.isfinite(lp) else -9999.0
 
 
+def logprob_entry(text: str, log_prob: float, top: list[tuple[str, float]] | None) -> dict:
+    """One sampled token's entry of ``logprobs.content`` (a non-streamed answer's, and a streamed chunk's):
+    its ``text`` decoded alone, its log-prob and, with ``top_logprobs``, the most likely alternatives' ``(text,
+    log-prob)`` (None: ``top_logprobs`` is ``[]``)."""
+    alts = [
+        {"token": alt, "logprob": _finite(alt_lp), "bytes": list(alt.encode("utf-8"))}
+        for alt, alt_lp in top or []
+    ]
+    return {
+        "token": text,
+        "logprob": _finite(log_prob),
+        "bytes": list(text.encode("utf-8")),
+        "top_logprobs": alts,
+    }
+
+
 def _logprobs(tokenizer, choice: Choice, top: int) -> dict:
     content = []
     for k, (t, lp) in enumerate(zip(choice.ids, choice.log_probs)):
-        text = tokenizer.decode([t])
-        entry = {
-            "token": text,
-            "logprob": _finite(lp),
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [],
-        }
+        alts = None
         if top and choice.top is not None:
-            for alt, alt_lp in choice.top[k]:
-                alt_text = tokenizer.decode([alt])
-                entry["top_logprobs"].append(
-                    {"token": alt_text, "logprob": _finite(alt_lp), "bytes": list(alt_text.encode("utf-8"))}
-                )
-        content.append(entry)
+            alts = [(tokenizer.decode([alt]), alt_lp) for alt, alt_lp in choice.top[k]]
+        content.append(logprob_entry(tokenizer.decode([t]), lp, alts))
     return {"content": content, "refusal": None}
 
 

@@ -16,7 +16,8 @@ arrives. The others share the engine's generator.
 Each choice comes back with its sampled ids (the ending EOS or end-of-turn id included when sampled) and
 their float32 log-probs under ``logits / T`` at the sampling temperature (T = 1 when greedy), read off the
 decode steps: the values :func:`shifu.generation.rollout.policy_forward` recomputes at the same T up to
-float rounding. ``top_logprobs`` come from one scoring forward of the finished row.
+float rounding. ``top_logprobs`` are read off the same steps: the most likely ids of the distribution each
+token was sampled from, so a token's own log-prob is among them exactly whenever it is one of the most likely.
 
 **Prefix reuse.** With ``prefix_cache_bytes`` > 0 the keys and values of every row's prompt and completion are
 kept between calls (:class:`shifu.generation.kv_cache.PrefixCache`, least recently used blocks evicted past the
@@ -59,9 +60,11 @@ end-of-turn id is allowed. Such log-probs are not those :func:`~shifu.generation
 recomputes: a recording gateway refuses grammars (:mod:`shifu.gateway.completions`).
 
 **Streaming.** A job with ``on_text`` is told each of its choices' ids as they are sampled, on the sampler
-thread, with the text each one adds (:class:`IncrementalText`): ``on_text(choice, id, text)`` once per step
-and choice until the choice's ending id (included). It must only hand them over (the chat dialect puts them
-on the event loop, :mod:`shifu.gateway.streaming`); what is sampled and returned does not change.
+thread, with the text each one adds (:class:`IncrementalText`): ``on_text(choice, token, text)`` once per step
+and choice until the choice's ending id (included), ``token`` a :class:`Token` (the id, the log-prob its choice
+returns and a session records, its ``top_logprobs``, their texts), in static calls and in the admitting loop
+alike. It must only hand them over (the chat dialect puts them on the event loop,
+:mod:`shifu.gateway.streaming`); what is sampled and returned does not change.
 """
 
 from __future__ import annotations
@@ -75,11 +78,12 @@ from dataclasses import dataclass
 
 import torch
 
+from shifu.gateway.tokens import IncrementalText, Token
 from shifu.generation.continuous import Row, Running
 from shifu.generation.decode import keeps_kv, kv_shape
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.paged import block_bytes, blocks_for
-from shifu.generation.rollout import SamplingParams, policy_forward, sample
+from shifu.generation.rollout import SamplingParams, sample
 from shifu.generation.stops import RowStops
 from shifu.models.padding import pad_left
 from shifu.models.positions import position_limit
@@ -99,7 +103,7 @@ class Job:
     greedy: bool = False
     seed: int | None = None
     top_logprobs: int = 0
-    on_text: Callable[[int, int, str], None] | None = None  # streaming: (choice, id, new text) per step
+    on_text: Callable[[int, Token, str], None] | None = None  # streaming: (choice, token, new text) per step
     grammar: str | None = None  # llguidance's grammar every choice's ids must follow (response_format)
     identity: tuple | None = None  # (row, call): a recorded completion's (see the module docstring)
 
@@ -112,7 +116,8 @@ class Job:
 class Choice:
     """One sampled completion: ``ids`` and their ``log_probs``; ``ended``: ``"eos"`` (EOS or another
     end-of-turn id, the last of ``ids``), ``"stop"`` (the stop string ``stop_hit``) or ``"length"``;
-    ``top``: per token the ``top_logprobs`` most likely ``(id, log-prob)``; ``version``: the policy's;
+    ``top``: per token the ``top_logprobs`` most likely ``(id, log-prob)`` of the distribution it was sampled
+    from, best first; ``version``: the policy's;
     ``entropy``: per token the entropy of the sampling distribution (``logits / T``), read off the same steps."""
 
     ids: list[int]
@@ -122,31 +127,6 @@ class Choice:
     top: list[list[tuple[int, float]]] | None
     version: int
     entropy: list[float] | None = None
-
-
-class IncrementalText:
-    """The text of a growing list of ids a piece at a time: :meth:`add` returns the text the new id adds
-    ("" while it ends inside a multi-byte character, or adds none). The piece is the difference between
-    decoding the ids from a few before the newest with and without it, not the newest alone: a tokenizer may
-    write a token differently at the start of a text (SentencePiece drops a word's leading space), so the
-    pieces join into the text of all the ids. Special tokens are left out, as in an answer's content."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.start = self.read = 0  # decode from ``start``; ``read``: the ids whose text is out already
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        before = self._text(self.ids[self.start : self.read])
-        after = self._text(self.ids[self.start :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        self.start, self.read = self.read, len(self.ids)
-        return after[len(before) :]
 
 
 def choice_seed(seed: int, identity: tuple, choice: int) -> int:
@@ -272,6 +252,7 @@ class Engine:
         gen = self._generators(jobs)
         ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
         stops = RowStops(self.sampler_tok, [j.budget for j in rows], [j.stops for j in rows], ends)
+        tops = {b: [] for b, j in enumerate(rows) if j.top_logprobs}  # per row asking, per token (_hooks)
         t0 = time.perf_counter()
         out = sample(
             model,
@@ -285,19 +266,18 @@ class Engine:
             stop=stops,
             prefix=prefix,
             retire=self.retire,
-            **self._hooks(rows, model),
+            **self._hooks(rows, model, tops),
         )
         self.calls += 1
         self.last_seconds = time.perf_counter() - t0
         choices = []
-        for b, job in enumerate(rows):
+        for b in range(len(rows)):
             mask = out.response_mask[b].cpu()
             ids = out.response_ids[b].cpu()[mask].tolist()
             log_probs = out.log_probs[b].cpu()[mask].tolist()
             entropy = out.entropy[b].cpu()[mask].tolist()
             ended = "eos" if ids and ids[-1] in self.end_ids else (stops.reasons[b] or "length")
-            top = self._top(model, job, ids, params.temperature, device) if job.top_logprobs else None
-            choices.append(Choice(ids, log_probs, ended, stops.hits[b], top, version, entropy))
+            choices.append(Choice(ids, log_probs, ended, stops.hits[b], tops.get(b), version, entropy))
         grouped, at = [], 0
         for j in jobs:
             grouped.append(choices[at : at + j.n])
@@ -329,14 +309,13 @@ class Engine:
         )
         taken: list[Job] = []
         results: list[list[Choice | None]] = []
-        device = next(model.parameters()).device
 
         def on_end(row: Row) -> None:
             index, c, stops = row.tag
             job = taken[index]
             ids = row.ids
             ended = "eos" if ids and ids[-1] in self.end_ids else (stops.reasons[0] or "length")
-            top = self._top(model, job, ids, params.temperature, device) if job.top_logprobs else None
+            top = row.top if job.top_logprobs else None
             results[index][c] = Choice(ids, row.log_probs, ended, stops.hits[0], top, version, row.entropy)
             if all(x is not None for x in results[index]):
                 feed.deliver(index, results[index])
@@ -405,39 +384,57 @@ class Engine:
                         generator=gen,
                         on_token=self._streamer(job, c),
                         tag=(index, c, stops),
+                        top_logprobs=job.top_logprobs,
                     )
                 )
         return rows
 
-    def _streamer(self, job: Job, choice: int) -> Callable[[int, float], None] | None:
+    def _streamer(self, job: Job, choice: int) -> Callable | None:
         """A row's ``on_token``: ``job.on_text`` told each id and the text it adds (module docstring)."""
         if job.on_text is None:
             return None
         text = IncrementalText(self.sampler_tok)
-        return lambda token, log_prob: job.on_text(choice, token, text.add(token))
+        return lambda token, log_prob, top: job.on_text(
+            choice, self._token(token, log_prob, top), text.add(token)
+        )
 
-    def _hooks(self, rows: list[Job], model) -> dict:
+    def _token(self, token: int, log_prob: float, top: list[tuple[int, float]] | None) -> Token:
+        """The :class:`Token` a streaming job is told (on the sampler thread: its own tokenizer)."""
+        decode = self.sampler_tok.decode
+        alts = None if top is None else [(i, decode([i]), lp) for i, lp in top]
+        return Token(token, log_prob, decode([token]), alts)
+
+    def _hooks(self, rows: list[Job], model, tops: dict[int, list]) -> dict:
         """The sampler's ``on_step`` (each streaming job told its choices' new ids and text, each grammar's
-        matcher its row's id) and ``constrain`` (the grammars' masks), for the rows that need them (module
-        docstring)."""
+        matcher its row's id, each row in ``tops`` its step's ``top_logprobs`` appended) and ``constrain`` (the
+        grammars' masks), for the rows that need them (module docstring)."""
         listening = [(b, j) for b, j in enumerate(rows) if j.on_text is not None]
         matchers = {b: self._matcher(j.grammar, model) for b, j in enumerate(rows) if j.grammar is not None}
-        if not listening and not matchers:
+        if not listening and not matchers and not tops:
             return {}
         choice = {b: sum(1 for r in rows[:b] if r is j) for b, j in listening}  # row -> index among its job's
         texts = {b: IncrementalText(self.sampler_tok) for b, _ in listening}
         live = set(matchers)
 
-        def on_step(t: int, tokens: torch.Tensor, real: torch.Tensor) -> None:
+        def on_step(t: int, tokens: torch.Tensor, real: torch.Tensor, logp: torch.Tensor) -> None:
             tokens, real = tokens.tolist(), real.tolist()
             for b, matcher in matchers.items():
                 if b in live and real[b]:
                     matcher.consume_token(tokens[b])
                 elif b in live:
                     live.discard(b)  # ended: nothing more to constrain
-            for b, job in listening:
+            step_top = {}
+            for b, kept in tops.items():
                 if real[b]:
-                    job.on_text(choice[b], tokens[b], texts[b].add(tokens[b]))
+                    values, index = logp[b].topk(rows[b].top_logprobs)
+                    step_top[b] = list(zip(index.tolist(), values.tolist()))
+                    kept.append(step_top[b])
+            for b, job in listening:
+                if real[b]:  # the log-prob as the call returns it: the same float32 of the same step
+                    lp = logp[b, tokens[b]].item()
+                    job.on_text(
+                        choice[b], self._token(tokens[b], lp, step_top.get(b)), texts[b].add(tokens[b])
+                    )
 
         if not matchers:
             return {"on_step": on_step}
@@ -484,14 +481,6 @@ class Engine:
             seeds = [choice_seed(self.seed, j.identity, c) for j in jobs for c in range(j.n)]
             return [torch.Generator().manual_seed(s) for s in seeds]
         return self.generator if jobs[0].seed is None else torch.Generator().manual_seed(jobs[0].seed)
-
-    def _top(self, model, job: Job, ids: list[int], temperature: float, device) -> list[list[tuple]]:
-        """Per sampled token, the ``job.top_logprobs`` most likely ids and log-probs (one scoring forward)."""
-        full = torch.tensor([job.prompt_ids + ids], device=device)
-        mask = torch.ones_like(full)
-        _, _, _, dist = policy_forward(model, full, mask, len(job.prompt_ids), temperature, log_softmax=True)
-        values, index = dist[0].topk(job.top_logprobs, dim=-1)
-        return [list(zip(i.tolist(), v.tolist())) for i, v in zip(index, values)]
 
 
 def _one_row(stops: RowStops) -> Callable[[torch.Tensor], bool]:

@@ -14,13 +14,25 @@ list[Outcome]`` that does what the plain answer does with the sampled
     async for event in stream_events(queue, job, withheld, resolve):
         ...  # TextDelta, ToolCall, Finish, then one Usage
 
-- :class:`TextDelta` ``(choice, text)``: content as it is decoded; the deltas of a choice join into its
+- :class:`TextDelta` ``(choice, text, tokens)``: content as it is decoded; the deltas of a choice join into its
   outcome's content exactly (text that may still turn out to be a stop string or a tool call's opening is held
-  back until that is known);
+  back until that is known), and ``tokens`` are the sampled ids (:class:`~shifu.gateway.tokens.Token`) whose
+  text the delta releases (the rule under **Tokens**);
 - :class:`ToolCall` ``(choice, index, call)``: a complete call, ``{"id", "type": "function", "function":
   {"name", "arguments"}}``, once the choice is sampled;
-- :class:`Finish` ``(choice, outcome)``: the choice's end (its :class:`Outcome`, with the finish reason);
+- :class:`Finish` ``(choice, outcome, tokens)``: the choice's end (its :class:`Outcome`, with the finish reason)
+  and the sampled ids no delta carried;
 - :class:`Usage` ``(prompt_tokens, completion_tokens)``: last, once.
+
+**Tokens.** Every sampled id of a choice goes out once, in order, so that the tokens of its deltas and its
+finish join into all it sampled (what its answer's ``logprobs`` and ``token_ids`` list and a session records).
+A delta ends where an id's text ends (a part of an id's text that may show waits for the rest of it) and
+carries the ids whose text it releases; an id that adds no text by itself (the first bytes of a multi-byte
+character, a special token) goes with the next id that does, and so with the text it begins.
+The last delta, sent once the answer is known, also carries the ids whose text it shows only in part (one a
+stop string cuts). Ids whose text never shows go with the finish: the ending EOS or end-of-turn id, a stop
+string's ids, a tool call's (whose call goes out whole as :class:`ToolCall`), all of a forced call's, and an
+incomplete character's at the very end.
 
 Text is handed from the sampler thread to the event loop with one wake-up for whatever piled up meanwhile:
 each step's text goes out as soon as the loop runs, and a loop that falls behind sends what came since in one
@@ -39,6 +51,7 @@ from dataclasses import dataclass, field
 
 from shifu.gateway.engine import Choice, Job
 from shifu.gateway.protocol import ChatRequest
+from shifu.gateway.tokens import Token
 from shifu.generation.stops import cut_at_stop
 from shifu.models.tool_calls import ToolFormat
 
@@ -62,6 +75,7 @@ class Outcome:
 class TextDelta:
     choice: int
     text: str
+    tokens: list[Token] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +89,7 @@ class ToolCall:
 class Finish:
     choice: int
     outcome: Outcome
+    tokens: list[Token] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +144,53 @@ class Withheld:
         return text
 
 
+class _Ids:
+    """A choice's sampled ids as they come, each with the span of the choice's text that it (with the ids before
+    it that added none) ends, handed out once by :meth:`ending` / :meth:`beginning` / :meth:`rest` (the rule under
+    **Tokens** in the module docstring)."""
+
+    def __init__(self):
+        self.tokens: list[Token] = []
+        self.spans: list[tuple[int, int]] = []  # (start, end) in the choice's text, per token
+        self.waiting: list[Token] = []  # ids that added no text yet: they go with the next that does
+        self.out = 0  # tokens handed out
+
+    def add(self, token: Token, start: int, end: int) -> None:
+        self.waiting.append(token)
+        if end > start:
+            self.tokens += self.waiting
+            self.spans += [(start, end)] * len(self.waiting)
+            self.waiting = []
+
+    def _take(self, keep: Callable[[tuple[int, int]], bool]) -> list[Token]:
+        at = self.out
+        while at < len(self.tokens) and keep(self.spans[at]):
+            at += 1
+        taken, self.out = self.tokens[self.out : at], at
+        return taken
+
+    def boundary(self, length: int, floor: int) -> int:
+        """The longest text of at most ``length`` characters that ends where an id's text ends (at least
+        ``floor``: the text handed out)."""
+        at, end = self.out, floor
+        while at < len(self.tokens) and self.spans[at][1] <= length:
+            end, at = self.spans[at][1], at + 1
+        return end
+
+    def ending(self, length: int) -> list[Token]:
+        """The ids not handed out whose text ends within the first ``length`` characters."""
+        return self._take(lambda span: span[1] <= length)
+
+    def beginning(self, length: int) -> list[Token]:
+        """The ids not handed out whose text begins within the first ``length`` characters."""
+        return self._take(lambda span: span[0] < length)
+
+    def rest(self) -> list[Token]:
+        taken, self.out = self.tokens[self.out :] + self.waiting, len(self.tokens)
+        self.waiting = []
+        return taken
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -154,14 +216,12 @@ async def stream_events(
     """The events of ``job``'s choices (module docstring); ``queue``: the gateway's
     :class:`~shifu.http.batching.BatchQueue` of sampler calls."""
     loop = asyncio.get_running_loop()
-    handed: list[tuple[int, str]] = []  # (choice, text) from the sampler thread, not yet taken
+    handed: list[tuple[int, Token, str]] = []  # (choice, token, text) from the sampler thread, not yet taken
     lock, wake, waking = threading.Lock(), asyncio.Event(), [False]
 
-    def on_text(choice: int, token: int, text: str) -> None:  # on the sampler thread
-        if not text:
-            return
+    def on_text(choice: int, token: Token, text: str) -> None:  # on the sampler thread
         with lock:
-            handed.append((choice, text))
+            handed.append((choice, token, text))
             if waking[0]:  # the loop is woken already and takes this too: one wake-up for what piled up
                 return
             waking[0] = True
@@ -177,28 +237,30 @@ async def stream_events(
     _RUNNING.add(done)
     # the sampler thread hands its text over before the call's result reaches the loop: once done, all is here
     done.add_done_callback(lambda task: (_RUNNING.discard(task), wake.set()))
-    texts, sent = [""] * job.n, [""] * job.n
+    texts, sent, ids = [""] * job.n, [""] * job.n, [_Ids() for _ in range(job.n)]
     while not done.done() or handed:
         await wake.wait()
         wake.clear()
         with lock:
             taken, handed[:], waking[0] = handed[:], [], False
-        for choice, piece in taken:
+        for choice, token, piece in taken:
+            ids[choice].add(token, len(texts[choice]), len(texts[choice]) + len(piece))
             texts[choice] += piece
-        for choice in sorted({c for c, _ in taken}):
+        for choice in sorted({c for c, _, piece in taken if piece}):
             shown = withheld[choice].visible(texts[choice])
+            shown = shown[: ids[choice].boundary(len(shown), len(sent[choice]))]
             if len(shown) > len(sent[choice]) and shown.startswith(sent[choice]):
-                yield TextDelta(choice, shown[len(sent[choice]) :])
+                yield TextDelta(choice, shown[len(sent[choice]) :], ids[choice].ending(len(shown)))
                 sent[choice] = shown
     choices, outcomes = done.result()
     for i, outcome in enumerate(outcomes):
         content = outcome.content or ""
         if content.startswith(sent[i]):
             if len(content) > len(sent[i]):
-                yield TextDelta(i, content[len(sent[i]) :])
+                yield TextDelta(i, content[len(sent[i]) :], ids[i].beginning(len(content)))
         else:  # the held-back rules keep this from happening; say so where it would
             log.warning("streamed text %r is not the start of the answer's content %r", sent[i], content)
         for k, call in enumerate(outcome.tool_calls):
             yield ToolCall(i, k, call)
-        yield Finish(i, outcome)
+        yield Finish(i, outcome, ids[i].rest())
     yield Usage(len(job.prompt_ids), sum(len(c.ids) for c in choices))

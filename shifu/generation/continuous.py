@@ -40,17 +40,22 @@ from shifu.models.padding import pad_left, position_ids_from_mask
 class Row:
     """One row to sample: ``prompt`` ids, at most ``budget`` tokens; ``stop(ids (1, t+1)) -> bool`` ends it at
     the token just sampled (besides EOS); ``generator``: its own, or None (the loop's shared one);
-    ``on_token(id, log_prob)`` after each of its tokens. What it sampled: ``ids``, ``log_probs``, ``entropy``."""
+    ``top_logprobs``: how many of each step's most likely ids to keep; ``on_token(id, log_prob, top)`` after each
+    of its tokens. What it sampled: ``ids``, ``log_probs``, ``entropy`` and, with ``top_logprobs``, ``top``: per
+    token the most likely ``(id, log-prob)``, best first, read off the distribution its token was sampled from
+    (None without)."""
 
     prompt: list[int]
     budget: int
     stop: Callable[[Tensor], bool] | None = None
     generator: torch.Generator | None = None
-    on_token: Callable[[int, float], None] | None = None
+    on_token: Callable[[int, float, list[tuple[int, float]] | None], None] | None = None
     tag: object = None  # the caller's
+    top_logprobs: int = 0
     ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     # its block table: the pool's blocks its tokens are in, in order
     blocks: list[int] = field(default_factory=list)
     reserved: int = 0  # the blocks the pool promised it (its prompt and whole budget)
@@ -173,11 +178,16 @@ class Running:
             r.ids.append(t)
             r.log_probs.append(lp[b])
             r.entropy.append(entropy[b])
+            top = None
+            if r.top_logprobs:
+                values, index = logp[b].topk(r.top_logprobs)
+                top = list(zip(index.tolist(), values.tolist()))
+                r.top.append(top)
             stop = r.stop is not None and r.stop(torch.tensor([r.ids]))
             if (params.stop_at_eos and t == self.eos) or stop or len(r.ids) >= r.budget:
                 ended.append(b)
             if r.on_token is not None:
-                r.on_token(t, lp[b])
+                r.on_token(t, lp[b], top)
         for b in reversed(ended):  # from the last: the rows before keep their places
             self._retire(b)
         self.logits = self._feed() if self.rows else None

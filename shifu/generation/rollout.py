@@ -218,7 +218,7 @@ def sample(
     with_log_probs: bool = False,
     value_head: nn.Module | None = None,
     stop: Callable[[Tensor, Tensor], Tensor] | None = None,
-    on_step: Callable[[int, Tensor, Tensor], None] | None = None,
+    on_step: Callable[[int, Tensor, Tensor, Tensor | None], None] | None = None,
     constrain: Callable[[int, Tensor], None] | None = None,
     prefix: CallPrefixes | None = None,
     retire: bool = False,
@@ -240,9 +240,11 @@ def sample(
     at the token just sampled, as EOS does (the token is kept): stop strings and per-row budgets of the
     episode source and the gateway (:class:`shifu.generation.stops.RowStops`). ``running`` marks the rows that have not ended.
 
-    ``on_step(t, tokens (B,), real (B,) bool)``, called after each step once its ends are known: the tokens of
-    step ``t`` and the rows they belong to (True up to a row's ending token, included); the gateway streams
-    answers with it as they are decoded. It changes nothing sampled.
+    ``on_step(t, tokens (B,), real (B,) bool, logp (B, V) | None)``, called after each step once its ends are
+    known: the tokens of step ``t``, the rows they belong to (True up to a row's ending token, included) and,
+    with ``with_log_probs``, the step's ``log_softmax(logits / T)`` that the tokens' log-probs are read off
+    (else None); the gateway streams answers with it as they are decoded and reads ``top_logprobs`` off it. It
+    must not change ``logp``, and changes nothing sampled.
 
     ``constrain(t, logits (B, V))``, called before each step, may lower logits in place (a grammar's mask: the
     gateway's ``response_format``); the step then samples, and reads its log-probs and entropy, from the
@@ -303,7 +305,7 @@ def sample(
         steps = t + 1
         _mark_ends(buf, t, eos_seen_at, params.stop_at_eos, eos_token_id, stop)
         if on_step is not None:
-            on_step(t, tok, eos_seen_at >= t)
+            on_step(t, tok, eos_seen_at >= t, logp if stats is not None else None)
         if (params.stop_at_eos or stop is not None) and all_done(bool((eos_seen_at < R).all())):
             break
         if t + 1 < R:

@@ -258,7 +258,7 @@ class ChatCompletionRequest(Strict):
     )
     logprobs: bool | None = Field(
         None,
-        description="The log-prob of every sampled token (streamed: on each choice's finish_reason chunk).",
+        description="The log-prob of every sampled token (streamed: with the content delta of its text).",
     )
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), Integral] | None = Field(
         None, description="Read with logprobs true."
@@ -271,8 +271,8 @@ class ChatCompletionRequest(Strict):
         description=(
             "true: the answer as chat.completion.chunk Server-Sent Events while it is sampled (the 200 "
             "response's text/event-stream); text that may be a stop string or a tool call's opening is held back "
-            "until known, each tool call is sent once complete, and logprobs / token_ids come with each choice's "
-            "finish_reason chunk."
+            "until known, each tool call is sent once complete, logprobs with the content deltas of their tokens' "
+            "text (the rest on the finish_reason chunk), token_ids on each choice's finish_reason chunk."
         ),
     )
     stream_options: ChatStreamOptions | None = Field(None, description="Read with stream true.")
@@ -473,7 +473,8 @@ class ChatChunkChoice(Strict):
     delta: ChatDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = Field(
-        description="With logprobs: on the finish_reason chunk, one entry per sampled token of the choice."
+        description="With logprobs: a content delta's tokens; on the finish_reason chunk the tokens never shown "
+        "(EOS, a stop string's, a tool call's). The chunks' join into the answer's logprobs.content."
     )
     token_ids: list[Id] = Field(None, description="On the finish_reason chunk, with return_token_ids.")
 

@@ -4,7 +4,12 @@ OpenAI ``chat.completion.chunk`` objects over Server-Sent Events, ``data: {chunk
 Per choice (``index``): a first chunk with ``delta.role``, then ``delta.content`` as the text is decoded,
 each tool call once it is complete in one ``delta.tool_calls`` entry (``index``, ``id``, ``type``,
 ``function.name`` and the whole ``function.arguments``), then a chunk with ``finish_reason`` (and with
-``logprobs`` / ``token_ids`` when asked, for every sampled id of the choice). With
+``token_ids`` when asked, every sampled id of the choice). With ``logprobs``, as OpenAI's chunks do, each
+content delta carries ``logprobs.content`` for the sampled ids whose text it releases (the rule:
+:mod:`shifu.gateway.streaming`'s **Tokens**: an id that adds no text by itself goes with the next one's) and
+the ``finish_reason`` chunk the entries of the ids whose text never showed (the ending EOS or end-of-turn id, a
+stop string's, a tool call's), so that the chunks' entries join into the answer's ``logprobs.content``, one
+per sampled id, with the very log-probs a session records. With
 ``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk has ``choices: []``, the
 ``usage`` and shifu's ``shifu`` field. The non-streamed answer is built, remembered and recorded as for
 ``stream: false`` (:func:`shifu.gateway.completions.answer`); the streamed deltas join into its message.
@@ -17,8 +22,10 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from shifu.gateway.completions import logprob_entry
 from shifu.gateway.protocol import ChatRequest
 from shifu.gateway.streaming import Finish, TextDelta, ToolCall, Usage
+from shifu.gateway.tokens import Token
 from shifu.http.requests import RequestError
 
 
@@ -32,6 +39,16 @@ def _error(e: Exception) -> dict:
         return {"message": e.message, "type": kind, "param": e.field, "code": e.code}
     message = f"the gateway failed ({type(e).__name__}: {e})"
     return {"message": message, "type": "server_error", "param": None, "code": None}
+
+
+def _rest(answered: dict | None, sent: int) -> dict | None:
+    """The finish chunk's ``logprobs``: the answer's entries after the ``sent`` ones the deltas carried (the
+    entries of the ids whose text never showed: :class:`~shifu.gateway.streaming.Finish`'s tokens). Taken from
+    the answer itself, so the chunks join into it whatever the sampler told the stream: a sampler that tells
+    no tokens as it goes (a teacher's, :mod:`shifu.gateway.teacher`) leaves them all to this chunk."""
+    if answered is None:
+        return None
+    return {"content": answered["content"][sent:], "refusal": None}
 
 
 async def chat_chunks(
@@ -50,22 +67,31 @@ async def chat_chunks(
     def choice(i: int, delta: dict, finish: str | None = None, **extra) -> dict:
         return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish} | extra
 
+    def logprobs(tokens: list[Token]) -> dict | None:
+        if not req.logprobs:
+            return None
+        entries = [
+            logprob_entry(t.text, t.log_prob, t.top and [(a, lp) for _, a, lp in t.top]) for t in tokens
+        ]
+        return {"content": entries, "refusal": None}
+
     first = {"prompt_token_ids": prompt} if req.return_token_ids else {}
     for i in range(req.n):
         yield chunk([choice(i, {"role": "assistant"})], **first)
-    texted = [False] * req.n
+    texted, entries_sent = [False] * req.n, [0] * req.n
     try:
         async for ev in events:
             if isinstance(ev, TextDelta):
                 texted[ev.choice] = True
-                yield chunk([choice(ev.choice, {"content": ev.text})])
+                entries_sent[ev.choice] += len(ev.tokens)
+                yield chunk([choice(ev.choice, {"content": ev.text}, logprobs=logprobs(ev.tokens))])
             elif isinstance(ev, ToolCall):
                 yield chunk([choice(ev.choice, {"tool_calls": [{"index": ev.index} | ev.call]})])
             elif isinstance(ev, Finish):
                 if ev.outcome.content == "" and not texted[ev.choice]:  # an empty answer: content ""
                     yield chunk([choice(ev.choice, {"content": ""})])
                 item = answered["body"]["choices"][ev.choice]
-                extra = {"logprobs": item["logprobs"]} | (
+                extra = {"logprobs": _rest(item["logprobs"], entries_sent[ev.choice])} | (
                     {"token_ids": item["token_ids"]} if "token_ids" in item else {}
                 )
                 yield chunk([choice(ev.choice, {}, ev.outcome.finish_reason) | extra])
