@@ -65,6 +65,12 @@ class Health(Strict):
             "empty when it is off."
         )
     )
+    kv_pool: dict[str, float] = Field(
+        description=(
+            "The paged KV pool of requests that join a running decode (shifu serve --policy --kv-budget-mb): "
+            "budget_bytes, peak_bytes (the most it held at once), waits (the times a request waited for room)."
+        )
+    )
 
 
 class Model(Strict):
