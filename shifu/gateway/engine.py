@@ -136,6 +136,12 @@ def choice_seed(seed: int, identity: tuple, choice: int) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
 
+def call_params(first: Job, max_new_tokens: int) -> SamplingParams:
+    """A call's sampling: its jobs share one setting (``Engine.joins``), read off the first."""
+    temperature = 1.0 if first.greedy else first.temperature
+    return SamplingParams(max_new_tokens, temperature, first.top_k, first.top_p, greedy=first.greedy)
+
+
 def end_ids(model, tokenizer) -> list[int]:
     """Ids that end a turn: the tokenizer's EOS and every ``eos_token_id`` of the model's generation config
     (Llama 3's ``<|eot_id|>`` and ``<|end_of_text|>``)."""
@@ -242,13 +248,7 @@ class Engine:
         first = jobs[0]
         device = next(model.parameters()).device
         enc = pad_left([j.prompt_ids for j in rows], self.tok.pad_token_id)
-        params = SamplingParams(
-            max_new_tokens=max(j.budget for j in rows),
-            temperature=1.0 if first.greedy else first.temperature,
-            top_k=first.top_k,
-            top_p=first.top_p,
-            greedy=first.greedy,
-        )
+        params = call_params(first, max(j.budget for j in rows))
         gen = self._generators(jobs)
         ends = [i for i in self.end_ids if i != self.tok.eos_token_id]
         stops = RowStops(self.sampler_tok, [j.budget for j in rows], [j.stops for j in rows], ends)
@@ -300,13 +300,7 @@ class Engine:
         with self._lock:
             model, version = self.model, self.version
         first, t0 = jobs[0], time.perf_counter()
-        params = SamplingParams(
-            max_new_tokens=max(j.budget for j in jobs),
-            temperature=1.0 if first.greedy else first.temperature,
-            top_k=first.top_k,
-            top_p=first.top_p,
-            greedy=first.greedy,
-        )
+        params = call_params(first, max(j.budget for j in jobs))
         taken: list[Job] = []
         results: list[list[Choice | None]] = []
 
