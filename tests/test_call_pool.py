@@ -51,6 +51,20 @@ def test_a_pool_starts_only_the_workers_its_calls_need():
     assert pool.workers == 2 and len(threads_named("pool-lazy")) == 2
 
 
+def test_callers_in_several_threads_get_workers_for_all_their_calls():
+    """One caller's single call waits for another caller's single call (made while the first runs): they finish
+    only if the pool gives the second its own worker rather than queueing it behind the busy one."""
+    pool, barrier = CallPool(4, "pool-callers"), threading.Barrier(2, timeout=20)
+    first: list = []
+    caller = threading.Thread(target=lambda: first.extend(pool.run([barrier.wait], None)))
+    caller.start()
+    assert until(lambda: pool.workers == 1)
+    (second,) = pool.run([barrier.wait], None)
+    caller.join()
+    assert first[0][1] is None and second[1] is None  # (a broken barrier: a BrokenBarrierError)
+    assert pool.workers == 2
+
+
 def test_idle_workers_end_and_the_next_run_starts_them_again(monkeypatch):
     monkeypatch.setattr(pool_module, "IDLE_S", 0.2)
     pool = CallPool(4, "pool-idle")

@@ -36,8 +36,9 @@ class CallPool:
     def __init__(self, size: int, name: str):
         self.size, self.name = size, name
         self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _live and the decision of a worker to end
+        self._lock = threading.Lock()  # guards _live, _pending and the decision of a worker to end
         self._live = 0  # workers that will take a queued call (busy ones after their call)
+        self._pending = 0  # calls queued or running, of every caller (not those given up)
         self._named = 0
 
     @property
@@ -71,6 +72,7 @@ class CallPool:
                 call.done.set()
                 if call.abandoned:  # no longer counted: its replacement took this worker's place
                     return
+                self._pending -= 1
 
     def run(
         self, fns: list[Callable[[], Any]], timeout_s: float | None
@@ -79,10 +81,11 @@ class CallPool:
         the order given: ``error`` is what the call raised, or None; ``value`` is :data:`TIMED_OUT` when the call
         ran longer than ``timeout_s`` seconds after it started (None: no limit)."""
         calls = [_Call(fn) for fn in fns]
-        with self._lock:
+        with self._lock:  # as many workers as the calls of every caller need, up to the pool's size
             for call in calls:
                 self._queue.put(call)
-            self._start(max(0, min(self.size, len(calls)) - self._live))
+            self._pending += len(calls)
+            self._start(max(0, min(self.size, self._pending) - self._live))
         out = []
         for call in calls:
             if not _wait(call, timeout_s):
@@ -90,6 +93,7 @@ class CallPool:
                     if not call.done.is_set():  # (one that ended this very moment goes on)
                         call.abandoned = True
                         self._live -= 1
+                        self._pending -= 1
                         self._start(1)
                 out.append((TIMED_OUT, None))
                 continue
