@@ -7,8 +7,8 @@ Each setting runs ``shifu ppo`` twice on a tiny character model with its critic 
 without them. The figure is the extra wall time the slow steps add, for ``max_staleness`` 0 (synchronous: each
 iteration waits for its slowest episode), then 1 and 2 in each schedule of ``--schedules``: ``fixed`` (the next
 batches are sampled in the background while the trainer updates, so at most the update's time of each straggler
-is hidden) and ``bounded`` (``--samplers`` threads sample at once, each a share of a batch per call, and each
-iteration trains the first episodes done: a straggler holds its own call, not the batch).
+is hidden) and ``bounded`` (``--samplers`` threads sample at once, each advancing its episodes on their own, and
+each iteration trains the first episodes done: a straggler holds its own episode, not the batch).
 
     python benchmarks/async_longtail.py [--record]            # 20 iterations of 16 episodes per setting
     python benchmarks/async_longtail.py --short               # seconds: keeps it from rotting

@@ -21,6 +21,8 @@ The action given to ``env.step`` is that turn's tokens decoded with special toke
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -61,6 +63,7 @@ class _Episode:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.spans: list[tuple[str, str]] = []
         self.over = self.truncated = self.failed = False
+        self.version: int | None = None  # (a stream's) the policy version that sampled its first turn
 
     def add(self, part: Part) -> None:
         self.parts.append(part)
@@ -126,6 +129,13 @@ class Episodes:
         self._truncated(eps)
         self._prefix = None  # (the next rollout samples from new weights)
         return _trajectories(eps, policy)
+
+    def stream(
+        self, policy: Policy, params: SamplingParams, generator: torch.Generator | None
+    ) -> EpisodeStream:
+        """Episodes that advance on their own, each finished as its last step answers
+        (:class:`EpisodeStream`); ``policy``'s model may be given new weights between two of its rounds."""
+        return EpisodeStream(self, policy, params, generator)
 
     def _truncated(self, eps: list[_Episode]) -> None:
         """The final rewards of the episodes a budget cut (``truncate()``, at once), on their last sampled token."""
@@ -283,6 +293,110 @@ class Episodes:
             return fn(*args)
         except ShifuError as e:
             raise type(e)(f"{self.env.where(ep.row, turn)}: {e}") from None
+
+
+class EpisodeStream:
+    """Episodes of :class:`Episodes` that advance on their own, for a sampler that trains each as it finishes
+    (``async_schedule=bounded``). A round (:meth:`advance`) applies the environment steps that have answered, then
+    samples one turn of every episode whose environment has answered, in one sampler call (or one per
+    :meth:`Episodes._batches` group), and hands those turns' actions to the environment without waiting for
+    them: a slow step holds its own episode only, and the others go on to their next turns. Turns, budgets, ends,
+    faults and rewards are as in :meth:`Episodes.collect`; which episodes share a sampler call depends on when
+    their environments answer, so a stream is not bit-reproducible.
+
+    Episodes are added in groups (a prompt's ``group_size`` rows) under a key; a group is out when all its
+    episodes have ended, with the oldest policy version that sampled any of its turns (each token's log-probs
+    are those of the version that sampled it). :meth:`new_weights`: the policy's model was given new weights
+    (the cached keys and values are of the old ones)."""
+
+    def __init__(
+        self, source: Episodes, policy: Policy, params: SamplingParams, generator: torch.Generator | None
+    ):
+        self.source, self.policy, self.params, self.generator = source, policy, params, generator
+        self.positions = position_limit(policy.model)
+        self.groups: dict[Hashable, tuple[list[_Episode], int]] = {}  # key -> (episodes, version when added)
+        self.stepping: dict[
+            Future, tuple[_Episode, str, int]
+        ] = {}  # an environment step -> (episode, action, turn)
+        self.pool = ThreadPoolExecutor(
+            source.env.pool.size, thread_name_prefix=f"shifu-stream {source.env.name}"
+        )
+        self.new_weights()
+
+    def new_weights(self) -> None:
+        budget = int(self.source.limits.prefix_cache_mb * 2**20)
+        self.source._prefix = PrefixCache(budget) if budget > 0 else None
+
+    def add(self, key: Hashable, rows: list[dict], version: int) -> None:
+        """A group of episodes, one per row, started (their environments reset) under ``key``."""
+        self.groups[key] = (self.source._start(self.policy.tokenizer, rows), version)
+
+    def __len__(self) -> int:
+        """The groups not yet out."""
+        return len(self.groups)
+
+    @torch.no_grad()
+    def advance(self, version: int, wait_s: float) -> list[tuple[Hashable, int, Trajectories]]:
+        """One round, sampled by policy ``version``; waits up to ``wait_s`` seconds for an environment when no
+        episode can take a turn. Returns the groups that ended: ``(key, version, trajectories)``."""
+        ready = self._ready()
+        if not ready and self.stepping:
+            self._arrived(wait_s)
+            ready = self._ready()
+        for group in self.source._batches(ready, self.positions):
+            for ep in group:
+                ep.version = version if ep.version is None else ep.version
+            self._sampled(
+                group, self.source._sample(self.policy, group, self.positions, self.params, self.generator)
+            )
+        self._arrived(0)
+        return self._out()
+
+    def close(self) -> None:
+        """No more rounds: the environment steps under way finish in their threads, unread."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.source._prefix = None
+
+    def _ready(self) -> list[_Episode]:
+        waiting = {id(ep) for ep, _, _ in self.stepping.values()}
+        return [ep for eps, _ in self.groups.values() for ep in eps if not ep.over and id(ep) not in waiting]
+
+    def _sampled(self, group: list[_Episode], out: Sample) -> None:
+        """Each episode's sampled turn appended, and its action handed to the environment (not waited for)."""
+        tok, env = self.policy.tokenizer, self.source.env
+        for j, ep in enumerate(group):
+            turn = ep.counts["turns"]
+            action, ended = self.source._append_turn(tok, ep, out, j)
+            if not ended:  # cut by a token budget: the turn never ends
+                ep.end(truncated=True)
+                continue
+            self.stepping[self.pool.submit(env.step, [(ep.env, action, ep.row, turn)])] = (ep, action, turn)
+
+    def _arrived(self, wait_s: float) -> None:
+        """The environment steps that have answered (within ``wait_s`` seconds, at least one when any is under
+        way and ``wait_s > 0``), applied in the order their turns were handed out."""
+        if not self.stepping:
+            return
+        done, _ = wait(list(self.stepping), timeout=wait_s, return_when=FIRST_COMPLETED)
+        for fut in [f for f in self.stepping if f in done]:
+            ep, action, turn = self.stepping.pop(fut)
+            (step,) = fut.result()
+            if isinstance(step, EnvFault):
+                self.source.env.fault(step)
+                ep.end(failed=True)
+                continue
+            self.source._observe(self.policy.tokenizer, ep, turn, action, step)
+
+    def _out(self) -> list[tuple[Hashable, int, Trajectories]]:
+        waiting = {id(ep) for ep, _, _ in self.stepping.values()}
+        out = []
+        for key, (eps, added) in list(self.groups.items()):
+            if all(ep.over and id(ep) not in waiting for ep in eps):
+                del self.groups[key]
+                self.source._truncated(eps)
+                versions = [ep.version for ep in eps if ep.version is not None]
+                out.append((key, min(versions, default=added), _trajectories(eps, self.policy)))
+        return out
 
 
 def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:

@@ -1,8 +1,11 @@
 """Where a PPO iteration's batch comes from under ``async_schedule=bounded`` (``max_staleness=S > 0``):
 ``async_samplers`` threads sample the ledger's prompts at once, ``1 / async_samplers`` of a batch per call, on the last weights
 the trainer published, and each iteration trains the first trajectories finished that are at most ``S`` versions
-behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. A run
-is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
+behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. Over
+episodes with an environment (a source with ``stream``, :class:`shifu.rollout.episodes.EpisodeStream`) a
+sampler's episodes advance on their own instead: each round samples one turn of every episode whose environment
+has answered and hands the actions to the environment without waiting, so a straggler holds its own episode only
+and one sampler is enough. A run is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
 sees the interface of :class:`shifu.trainers.ppo_async.Producer`: :meth:`BoundedProducer.batch_for`,
 :meth:`BoundedProducer.join`.
 
@@ -40,7 +43,7 @@ from torch import nn
 
 from shifu.trainers.ppo_async import Producer, Sampled, row_prompt_ids, weights_copy
 from shifu.trainers.ppo_bounded import Buffer, Finished, Ledger, concat
-from shifu.trainers.ppo_rollout import prompt_batch, sample_batch
+from shifu.trainers.ppo_rollout import prompt_batch, sample_batch, sampler_policy
 
 POLL_S = 0.005  # how often a waiting sampler looks again (paused, or nothing to sample)
 
@@ -167,11 +170,11 @@ class BoundedProducer:
         w.model = weights_copy(w.model, self.run.models.decoder())
         w.version = self.published
 
-    def _catch_up(self, w: Sampler) -> None:
+    def _catch_up(self, w: Sampler) -> bool:
         """Between two of ``w``'s calls: the published weights, if the trainer is not updating; waited for when
-        the copy is too old for anything it samples to train."""
+        the copy is too old for anything it samples to train. Returns whether ``w`` took new weights."""
         if self.published <= w.version:
-            return
+            return False
         must = w.version < self.published - self.S
         got = self.updating.acquire(blocking=False)
         while must and not got and not self.stopping.is_set():
@@ -181,8 +184,12 @@ class BoundedProducer:
                 self._refresh(w)
             finally:
                 self.updating.release()
+        return got
 
     def _loop(self, w: Sampler) -> None:
+        if callable(getattr(w.source, "stream", None)):
+            self._stream_loop(w)
+            return
         try:
             while not self.stopping.is_set():
                 if self.pausing.is_set():
@@ -198,6 +205,37 @@ class BoundedProducer:
         except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by Buffer.take)
             self.stopping.set()  # the other samplers stop too
             self.buffer.fail(e)
+
+    def _stream_loop(self, w: Sampler) -> None:
+        """A sampler over a source whose episodes advance on their own (:meth:`Episodes.stream`): between two
+        rounds it takes new weights, hands out prompts while its version can still train them, and puts each
+        prompt's trajectories in the buffer as its episodes end; a straggler holds its own episode only."""
+        m, cfg = self.run.models, self.run.cfg
+        own = dataclasses.replace(m, source=w.source, tokenizer=w.tokenizer)
+        stream = w.source.stream(sampler_policy(own, cfg, w.model), self.params, self.run.state.sample_gen)
+        try:
+            while not self.stopping.is_set():
+                if self.pausing.is_set():
+                    self.stopping.wait(POLL_S)
+                    continue
+                with w.calling:
+                    if self._catch_up(w):
+                        stream.new_weights()
+                    while self._room(w) and (unit := self._hand_out()):
+                        for e, p in unit:
+                            stream.add((e, p), [self.rows[p]] * self.G, w.version)
+                    done = stream.advance(w.version, POLL_S * 10) if len(stream) else []
+                if self.stopping.is_set():
+                    return
+                for (e, p), version, made in done:
+                    self.buffer.put(Finished(e, p, version, made))
+                if not len(stream):  # every prompt this version can train is handed out and done
+                    self.stopping.wait(POLL_S)
+        except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by Buffer.take)
+            self.stopping.set()
+            self.buffer.fail(e)
+        finally:
+            stream.close()
 
     def _room(self, w: Sampler) -> bool:
         """Whether more trajectories of ``w``'s version could train: it serves the steps from the trainer's

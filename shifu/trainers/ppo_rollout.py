@@ -17,6 +17,7 @@ from shifu.generation.rollout import Sample, SamplingParams, critic_forward, pol
 from shifu.models.padding import pad_left
 from shifu.rewards.remote import RewardServiceUnavailable
 from shifu.rollout.batch import PromptBatch, Trajectories
+from shifu.rollout.sources import Policy
 from shifu.rollout.traces import TraceWriter
 from shifu.trainers.common import autocast
 from shifu.trainers.ppo_models import PPOModels
@@ -44,16 +45,12 @@ class Rollout:
     values: Tensor  # (B, R) critic values V(s_t) (zeros without a critic)
     entropy: Tensor  # (B, R) entropy of pi_old at each position
     scores: Tensor  # (B,) the reward on each trajectory's last sampled token (or its return), finite
-    eos_found: (
-        Tensor  # (B,) bool: the trajectory ended as it should (EOS, a stop string, done), not by a budget
-    )
+    eos_found: Tensor  # (B,) bool: the trajectory ended as it should (EOS, stop string, done), not by budget
     rows: list[dict]  # B prompt rows of the data file
     advantages: Tensor | None = None  # (B, R)
     returns: Tensor | None = None  # (B, R) value targets
     rollout_log_probs: Tensor | None = None  # (B, R) the decode's own log-probs (with tis_cap)
-    token_rewards: Tensor | None = (
-        None  # (B, R) rewards on the tokens that end a step or an earlier turn, else 0
-    )
+    token_rewards: Tensor | None = None  # (B, R) rewards on tokens that end a step or an earlier turn, else 0
     step_mask: Tensor | None = None  # (B, R) bool, the tokens that end a step (with token_rewards)
     ref_log_softmax: Tensor | None = None  # (B, R, V) log pi_ref(. | s_t) (kl.loss_estimator=full)
     prompt_ids: list[int] | None = None  # B tags kept with the rows (the trainer's: positions in its batch)
@@ -93,18 +90,23 @@ def collect_rollout(
 
 def decode_roles(models: PPOModels, cfg: PPOConfig) -> tuple[bool, bool]:
     """``(reuse, keep)``: whether the decode steps' own log-probs stand in for the trainer's old ones, and
-    whether they are kept apart as the sampler's (``rollout_log_probs``).
-
-    In fp32 the decode steps' own log-probs / entropies (and shared-trunk values) are the rollout's
-    old_log_probs: the same logits as a second forward up to float rounding, one forward pass fewer. With
-    tis_cap, decoupled, is_mask or max_staleness > 0 they are the sampler's (behaviour policy's), kept apart,
-    and the trainer's forward computes old_log_probs (the proximal policy's).
-    With bf16 decode (shifu.parallel.precision) generation reads the actor's bf16 copy; the trainer's forward
-    then computes old_log_probs and the decode's log-probs measure the mismatch (rollout/mismatch_*)."""
+    whether they are kept apart as the sampler's (``rollout_log_probs``). In fp32 the decode steps' own log-probs
+    / entropies (and shared-trunk values) are the rollout's old_log_probs: the same logits as a second forward up
+    to float rounding, one forward pass fewer. With tis_cap, decoupled, is_mask or max_staleness > 0 they are the
+    sampler's (behaviour policy's), kept apart, and the trainer's forward computes old_log_probs (the proximal
+    policy's); so it does with bf16 decode (the actor's bf16 copy), where the decode's log-probs measure the
+    mismatch (rollout/mismatch_*)."""
     prec = models.precision
     behaviour = cfg.tis_cap is not None or cfg.decoupled or cfg.is_mask is not None or cfg.max_staleness > 0
     reuse = models.reuses_decode_log_probs(cfg, prec.update or prec.decode) and not behaviour
     return reuse, behaviour or prec.decode
+
+
+def sampler_policy(models: PPOModels, cfg: PPOConfig, sampler: torch.nn.Module | None = None) -> Policy:
+    """What the source samples from: ``sampler`` (older weights, no value head) or the actor's decoder."""
+    reuse, keep = decode_roles(models, cfg)
+    model, value_head = (sampler, None) if sampler is not None else (models.decoder(), models.value_head)
+    return models.policy(model, reuse or keep, value_head if reuse else None)
 
 
 @torch.no_grad()
@@ -121,11 +123,9 @@ def sample_batch(
     returns them with the seconds it took. From the actor (every rank at once), a reward service gone on any rank
     raises :class:`RewardServiceUnavailable` on every rank, before anything trained."""
     t0 = time.perf_counter()
-    reuse, keep = decode_roles(models, cfg)
     if sampler is None:
         models.actor.eval()
-    model, value_head = (sampler, None) if sampler is not None else (models.decoder(), models.value_head)
-    policy = models.policy(model, reuse or keep, value_head if reuse else None)
+    policy = sampler_policy(models, cfg, sampler)
     made, failed = None, None
     try:
         made = models.source.collect(policy, batch, params, generator).to(models.strategy.device)

@@ -1,0 +1,126 @@
+"""``async_schedule=bounded`` with an environment: each sampler's episodes advance on their own
+(:class:`shifu.rollout.episodes.EpisodeStream`), so a slow environment step holds its own episode only. With one
+sampler, batches train while a straggler's step is still waiting (the sampler's other episodes go on); every line
+of ``trained.jsonl`` stays within its bound, the run trains the synchronous run's multiset of prompts, a prompt's
+group of episodes trains in one batch, and each iteration's episode metrics are logged."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ppo_task import build_char_model, write_prompts
+from test_async_bounded_run import expected_prompts, n_trained, within_bound
+from test_async_fixed import trained
+from test_ppo import rows_of
+
+from shifu import Step
+from shifu.config.loader import load_config
+from shifu.trainers import ppo
+
+pytestmark = pytest.mark.integration
+
+HELD: dict = {}  # the run directory, and what the straggler's holds saw
+SLOW_TEXT = "abc"  # tests/ppo_task.py's prompts 0, 12, 24, 36, 48 and 60
+
+
+class Straggler:
+    """Two turns; reward: the fraction of 'a' in the action. A first step of a SLOW_TEXT episode sampled in the
+    background holds (up to 5 s) until the trainer has trained one more batch: counted in HELD["overtaken"]
+    when a batch trained while it waited."""
+
+    def __init__(self):
+        self.prompt, self.turn = "", 0
+
+    def reset(self, row: dict) -> str:
+        self.prompt, self.turn = row["prompt"], 0
+        return row["prompt"]
+
+    def step(self, action: str) -> Step:
+        if self.prompt == SLOW_TEXT and self.turn == 0 and HELD.get("out") is not None:
+            before, deadline = n_trained(HELD["out"]), time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if n_trained(HELD["out"]) >= before + 8:
+                    HELD["overtaken"] += 1
+                    break
+                time.sleep(0.01)
+            HELD["holds"] += 1
+        self.turn += 1
+        return Step(observation="k", reward=action.count("a") / max(1, len(action)), done=self.turn >= 2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bounded_episodes")
+    return {"model": build_char_model(d / "model"), "prompts": write_prompts(d / "prompts.jsonl")}
+
+
+def config(data, out: Path, *extra: str):
+    return load_config(
+        ppo.Config,
+        None,
+        [
+            f"out_dir={out}",
+            f"model.path={data['model']}",
+            f"data.train={data['prompts']}",
+            "env.factory=test_async_bounded_episodes:Straggler",
+            "generation.max_turns=2",
+            "generation.stop=[g,h,i,j,k,l]",
+            "generation.max_new_tokens=6",
+            "generation.max_total_tokens=16",
+            "critic.init=sft",
+            "batch_size=8",
+            "minibatch_size=4",
+            "optim.lr=1e-2",
+            "critic.optim.lr=1e-2",
+            "eval.every=0",
+            "eval.final_prompts=0",
+            "save_every=0",
+            "progress=false",
+            "tensorboard=false",
+            "async_schedule=bounded",
+            "max_staleness=1",
+            "async_samplers=1",
+            "decoupled=true",
+            "is_mask=4.0",
+            *extra,
+        ],
+    )
+
+
+def test_a_straggling_step_holds_its_own_episode_only(data, tmp_path):
+    out = tmp_path / "run"
+    HELD.update(out=out, overtaken=0, holds=0)
+    try:
+        cfg = config(data, out, "iterations=10")
+        ppo.train(cfg)
+    finally:
+        HELD["out"] = None
+    # one sampler: a batch trained while one of its episodes waited on the environment
+    assert HELD["holds"] > 0 and HELD["overtaken"] > 0, HELD
+    lines = trained(out)
+    assert len(lines) == 10 * 8 and within_bound(lines, 1)
+    assert sorted({x["step"] for x in lines}) == list(range(10))
+    assert collections.Counter(x["prompt_id"] for x in lines) == expected_prompts(cfg, 8)
+    rows = [r for r in rows_of(out / "metrics.jsonl") if "rollout/staleness" in r]
+    assert len(rows) == 10 and sum(r["env/turns"] for r in rows) / 10 > 1.5  # most episodes take both turns
+    assert not any(t.name.startswith("shifu-ppo-sampler") for t in threading.enumerate())
+
+
+def test_a_prompts_episodes_train_together(data, tmp_path):
+    """group_size 2: a prompt's two episodes end as one group and train in the same batch."""
+    out = tmp_path / "run"
+    cfg = config(data, out, "iterations=4", "advantage_estimator=rloo", "group_size=2", "async_samplers=2")
+    ppo.train(cfg)
+    lines = trained(out)
+    assert len(lines) == 4 * 8 and within_bound(lines, 1)
+    per_step = collections.defaultdict(collections.Counter)
+    for x in lines:
+        per_step[x["step"]][x["prompt_id"]] += 1
+    assert all(set(c.values()) == {2} for c in per_step.values())
+    assert collections.Counter(x["prompt_id"] for x in lines) == collections.Counter(
+        {p: 2 * k for p, k in expected_prompts(cfg, 4).items()}
+    )
