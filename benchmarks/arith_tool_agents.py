@@ -7,15 +7,17 @@ without the task (``examples/agents/math_agent.py``: its own tool name and argum
 The agent paths start from SFT on the agent's own calls answered by the task's teacher (the quickstart's default
 with ``ppo.agent``). Per run: the held-out accuracy before and after RL, the paired gain and its standard error,
 whether it learned (a gain above zero of at least 3 standard errors; a start already at full accuracy is
-``at_ceiling``, with nothing left to learn), tool use, process CPU seconds and peak RSS; per path, the mean
-gain with its standard error over the seeds and the smallest gain in standard errors::
+``at_ceiling``, with nothing left to learn), tool use, process CPU seconds and peak RSS; then the untrained base
+model against the final policy through the same path (``shifu eval --run``, paired on the same held-out prompts:
+``base_gold``, ``base_gain``, ``learned_from_base``), the whole start's worth; per path, the mean gain with its
+standard error over the seeds and the smallest gain in standard errors::
 
     python benchmarks/arith_tool_agents.py --paths env,example,independent --seeds 0,1,2,3,4 --record
     python benchmarks/arith_tool_agents.py --paths independent --seeds 0,1,2,3,4 --critic-head zero --record
 
 ``--critic-head``: the critic's new value head, ``normal`` (random, the default) or ``zero``
 (``ppo.critic.head_init``), to choose the default from the same seeds. A finished run in ``--root`` is not
-repeated. About 1000 CPU seconds per run. Not run by CI.
+repeated. About 2500 CPU seconds per agent run and 1400-2300 per environment run. Not run by CI.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def run(path: str, seed: int, head: str, root: Path) -> tuple[dict, list[str]]:
     """One quickstart (skipped when its summary exists); its figures and the ``--set`` options it ran with."""
     sets = PATHS[path] + ([f"ppo.critic.head_init={head}"] if head != "normal" else [])
     out = (root / f"{path}-{head}-s{seed}").resolve()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(AGENTS)])}
     if not (out / "summary.json").exists():
         cmd = [sys.executable, "-m", "shifu", "quickstart", "--task", "arith_tool", "--preset", "smollm2"]
         cmd += [
@@ -59,7 +62,6 @@ def run(path: str, seed: int, head: str, root: Path) -> tuple[dict, list[str]]:
             str(out),
             *(x for s in sets for x in ("--set", s)),
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(AGENTS)])}
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.with_suffix(".log"), "w") as log:
             proc = subprocess.Popen(cmd, cwd=AGENTS, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -76,9 +78,47 @@ def run(path: str, seed: int, head: str, root: Path) -> tuple[dict, list[str]]:
     metrics |= json.loads((out / "process.json").read_text()) if (out / "process.json").exists() else {}
     gain, se = metrics.get("gold_gain"), metrics.get("gold_gain_se")
     metrics["gain_in_se"] = gain / se if gain is not None and se else None
-    metrics["learned"] = bool(gain is not None and se is not None and gain > 0 and gain >= 3 * se)
+    metrics["learned"] = learned(gain, se)
     metrics["at_ceiling"] = metrics.get("gold_before") == 1.0
-    return metrics, sets
+    return metrics | from_base(out, s, env), sets
+
+
+def learned(gain: float | None, se: float | None) -> bool:
+    """A gain above zero of at least 3 standard errors (a gain of 0 with a standard error of 0 is not one)."""
+    return bool(gain is not None and se is not None and gain > 0 and gain >= 3 * se)
+
+
+def from_base(out: Path, summary: dict, env: dict) -> dict:
+    """The whole start's worth: the untrained base model (``data/base``, what SFT starts from) against the final
+    policy, through the same path (agent or environment), on the quickstart's held-out prompts (the first
+    ``eval_prompts`` of ``data/prompts_eval.jsonl``) at its temperature, paired by ``shifu eval --run``; written to
+    ``base_vs_final.json`` once."""
+    rec = out / "base_vs_final.json"
+    if not rec.exists():
+        cmd = [sys.executable, "-m", "shifu", "eval", "--run", str(out / "ppo")]
+        cmd += [
+            "--prompts",
+            str(out / "data" / "prompts_eval.jsonl"),
+            "--num-prompts",
+            str(summary["eval_prompts"]),
+        ]
+        cmd += ["--temperature", str(summary["eval_temperature"])]
+        cmd += ["--threads", "1", "--no-progress", "--out", str(rec), str(out / "data" / "base")]
+        cmd += [str(out / "ppo" / "final")]
+        with open(out.with_suffix(".base.log"), "w") as log:
+            done = subprocess.run(cmd, cwd=AGENTS, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"{out.name}: the base evaluation failed: see {out.with_suffix('.base.log')}")
+    r = json.loads(rec.read_text())
+    base, paired = r["policies"]["A"], r["paired"]
+    return {
+        "base_gold": base["mean"],
+        "base_gold_se": base["se"],
+        "base_tool_use": base.get("tool_use"),
+        "base_gain": paired["gain"],
+        "base_gain_se": paired["gain_se"],
+        "learned_from_base": learned(paired["gain"], paired["gain_se"]),
+    }
 
 
 def summary(path: str, head: str, runs: list[dict]) -> dict:
@@ -97,6 +137,8 @@ def summary(path: str, head: str, runs: list[dict]) -> dict:
         "gain_mean_se": se,
         "min_gain_in_se": worst,
         "learned": sum(r["learned"] for r in runs),
+        "at_ceiling": sum(r["at_ceiling"] for r in runs),
+        "learned_from_base": sum(bool(r.get("learned_from_base")) for r in runs),
     }
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import arith_tool_agents_tables  # noqa: E402
 import async_longtail_tables  # noqa: E402
 import decode_weights_tables  # noqa: E402
 import imdb_headroom_tables  # noqa: E402
@@ -54,6 +55,7 @@ RENDERERS = (
     memory_tables,
     rollout_tables,
     async_longtail_tables,
+    arith_tool_agents_tables,
 )
 
 
