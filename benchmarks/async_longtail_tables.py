@@ -1,5 +1,6 @@
 """The table of ``benchmarks/async_longtail.py``'s records: the wall time a long tail of slow environment steps
-adds to a run, per staleness bound and schedule, against the synchronous run (S = 0) of the same invocation."""
+adds to a run, per source (an environment, or an agent through the gateway), staleness bound and schedule, against
+the synchronous run (S = 0) of the same invocation and source."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ def schedule_cell(p: dict) -> str:
     return f"bounded, {samplers} samplers" if samplers else "bounded, samplers not recorded"
 
 
+SOURCES = {"env": "environment", "agent": "agent (gateway)"}
+
+
+def source(r: dict) -> str:
+    return r["params"].get("source", "env")  # (records before the agent source: the environment)
+
+
 def async_longtail(records: list[dict]) -> str:
     recs = select(records, "async_longtail")
     if not recs:
         return none_yet("async_longtail", "python benchmarks/async_longtail.py --record")
     rows = []
-    # an invocation's records share the series, the commit and the command, and its S = 0 run is their
-    # reference; the newest invocation first
-    invocations = by_key(recs, lambda r: (r.get("series"), r["commit"], r["command"])).values()
+    # an invocation's records of one source share the series, the commit and the command, and its S = 0 run is
+    # their reference; the newest invocation first
+    invocations = by_key(recs, lambda r: (r.get("series"), r["commit"], r["command"], source(r))).values()
     for runs in sorted(invocations, key=lambda rs: min(r["date"] for r in rs), reverse=True):
         runs = sorted(runs, key=lambda r: r["date"])
         sync = [r for r in runs if r["params"]["max_staleness"] == 0]
@@ -32,6 +40,7 @@ def async_longtail(records: list[dict]) -> str:
             rows.append(
                 [
                     r.get("series") or "-",
+                    SOURCES[source(r)],
                     str(r["params"]["max_staleness"]),
                     schedule_cell(r["params"]),
                     fmt(m["wall_fast_s"], ".1f"),
@@ -42,7 +51,15 @@ def async_longtail(records: list[dict]) -> str:
                     commit_label(r),
                 ]
             )
-    headers = ["series", "S", "schedule", "wall, no latency (s)", "wall, long tail (s)", "extra (s)"]
+    headers = [
+        "series",
+        "source",
+        "S",
+        "schedule",
+        "wall, no latency (s)",
+        "wall, long tail (s)",
+        "extra (s)",
+    ]
     headers += ["extra vs S = 0", "CPU", "commit"]
     return md(headers, rows) + footer(recs)
 
