@@ -13,7 +13,9 @@ def schedule_cell(p: dict) -> str:
     if p["async_schedule"] != "bounded":
         return p["async_schedule"]
     samplers = p.get("async_samplers")
-    return f"bounded, {samplers} samplers" if samplers else "bounded, samplers not recorded"
+    if not samplers:
+        return "bounded, samplers not recorded"
+    return f"bounded, {samplers} sampler{'s' if samplers > 1 else ''}"
 
 
 SOURCES = {"env": "environment", "agent": "agent (gateway)"}
