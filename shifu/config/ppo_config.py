@@ -109,7 +109,7 @@ class PPOConfig(RunConfig):
         4,
         "async_schedule=bounded: sampler threads sampling at once, each batch_size / async_samplers responses per "
         "call and each with its own copy of the policy's weights (more hide more stragglers, for memory); over "
-        "environment episodes each sampler's episodes advance on their own, and 1 is enough",
+        "environment or agent episodes each sampler's episodes run on their own, and 1 is enough",
     )
     iterations: int = opt(20, "rollout + update iterations")
     batch_size: int = opt(32, "responses per rollout (batch_size / group_size prompts), over all processes")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 from dataclasses import replace
 
 from shifu.errors import ConfigError
@@ -106,6 +107,9 @@ class Gateway:
         self._started = 0  # sessions started since plan_sessions
         self._unnamed = 0  # sessions started without a row id (their identity: ("session", n))
         self._queue = None  # the app's batching queue, once it serves
+        # held through each sampler call: whoever holds it between two calls may change the policy's weights
+        # in place (an asynchronous run's sampler, shifu.rollout.agent_stream)
+        self.calling = threading.Lock()
 
     # ---------------------------------------------------------------------------------------- serving
     def app(self):
@@ -125,7 +129,12 @@ class Gateway:
         # (an engine of another kind, a teacher's, runs static calls)
         admitting = getattr(self.engine, "admit", False) and not self.recording
         run = self.engine.run_admitting if admitting else self.engine.run
-        self._queue = BatchQueue(run, executor, self.engine.joins, wait, self._order, admitting=admitting)
+
+        def call(*args):
+            with self.calling:
+                return run(*args)
+
+        self._queue = BatchQueue(call, executor, self.engine.joins, wait, self._order, admitting=admitting)
         return self._queue
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> Gateway:

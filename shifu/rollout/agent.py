@@ -196,6 +196,27 @@ class AgentEpisodes:
     ) -> Trajectories:
         """One episode of the agent per row of ``batch`` (its prompt ids are not read: the agent's first call
         renders the first input), sampled as ``params`` says."""
+        gateway = self._gateway(policy, params, generator)
+        gateway.plan_sessions(len(batch.rows), self.concurrency)
+        with gateway:
+            episodes = asyncio.run(self._run(gateway, batch.rows))
+        sampler_calls = gateway.engine.calls
+        t = self._finished(episodes, policy, params)
+        calls = sum(ep.record.calls for ep in episodes)
+        batched = {"agent/batched_calls": calls / max(1, sampler_calls)}
+        return dataclasses.replace(t, metrics=t.metrics | batched | gateway.prefix_metrics(len(episodes)))
+
+    def stream(self, policy: Policy, params: SamplingParams, generator: torch.Generator | None):
+        """Episodes that run on their own, each group out as its episodes end
+        (:class:`shifu.rollout.agent_stream.AgentStream`); ``policy``'s model may be given new weights in place
+        while the stream is paused."""
+        from shifu.rollout.agent_stream import AgentStream
+
+        return AgentStream(self, policy, params, generator)
+
+    def _gateway(self, policy: Policy, params: SamplingParams, generator: torch.Generator | None):
+        """A recording gateway (not started) on ``policy`` with the trainer's sampling, for one collect or one
+        stream."""
         from shifu.gateway import Gateway, Sampling
 
         try:
@@ -216,7 +237,7 @@ class AgentEpisodes:
             top_p=params.top_p,
             max_tokens=params.max_new_tokens,
         )
-        gateway = Gateway(
+        return Gateway(
             policy.whole(policy.model),  # (a sharded actor's whole copy: the gateway samples off-step)
             policy.tokenizer,
             recording=True,
@@ -226,20 +247,16 @@ class AgentEpisodes:
             seed=seed,
             prefix_cache_mb=self.limits.prefix_cache_mb,
         )
-        gateway.plan_sessions(len(batch.rows), self.concurrency)
-        with gateway:
-            episodes = asyncio.run(self._run(gateway, batch.rows))
-        sampler_calls = gateway.engine.calls
+
+    def _finished(self, episodes: list[_Episode], policy: Policy, params: SamplingParams) -> Trajectories:
+        """The ended ``episodes`` as trajectories; the first fault (in row order) raised with ``on_error=raise``."""
         for ep in episodes:
             if ep.fault is not None and self.on_error == "raise":
                 raise AgentFault(
                     f"{ep.fault}. Fix the {self.what}, or set {typed_key(self.on_error_key)}=end_episode to "
                     "end such episodes with reward 0 (counted as agent/errors)"
                 )
-        t = self._trajectories(episodes, policy, params)
-        calls = sum(ep.record.calls for ep in episodes)
-        batched = {"agent/batched_calls": calls / max(1, sampler_calls)}
-        return dataclasses.replace(t, metrics=t.metrics | batched | gateway.prefix_metrics(len(episodes)))
+        return self._trajectories(episodes, policy, params)
 
     # ------------------------------------------------------------------------------------ the episodes
     async def _run(self, gateway, rows: list[dict]) -> list[_Episode]:

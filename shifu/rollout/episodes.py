@@ -20,6 +20,7 @@ The action given to ``env.step`` is that turn's tokens decoded with special toke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Hashable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -323,7 +324,12 @@ class EpisodeStream:
         )
         self.new_weights()
 
-    def new_weights(self) -> None:
+    def paused(self) -> contextlib.AbstractContextManager:
+        """While held, the policy's weights may change in place (nothing samples between two rounds)."""
+        return contextlib.nullcontext()
+
+    def new_weights(self, version: int | None = None) -> None:
+        """The policy's model was given new weights: the prefix cache (keys and values of the old) emptied."""
         budget = int(self.source.limits.prefix_cache_mb * 2**20)
         self.source._prefix = PrefixCache(budget) if budget > 0 else None
 

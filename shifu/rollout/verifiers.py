@@ -49,6 +49,9 @@ class VerifiersEpisodes(AgentEpisodes):
     """Episodes of the verifiers taskset ``taskset`` (module docstring), played by ``worker``."""
 
     what, on_error_key = "verifiers taskset", "verifiers.on_error"
+    # a bounded asynchronous run samples a taskset's episodes a share of a batch per call (the worker's episodes
+    # are not cancelled with a stream's tasks)
+    stream = None
 
     def __init__(self, worker: V.Worker, taskset: str, limits: EpisodeLimits, **kw: Any):
         super().__init__(play, taskset, limits, kwargs={"worker": worker}, **kw)

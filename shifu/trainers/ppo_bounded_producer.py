@@ -2,10 +2,9 @@
 ``async_samplers`` threads sample the ledger's prompts at once, ``1 / async_samplers`` of a batch per call, on the last weights
 the trainer published, and each iteration trains the first trajectories finished that are at most ``S`` versions
 behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. Over
-episodes with an environment (a source with ``stream``, :class:`shifu.rollout.episodes.EpisodeStream`) a
-sampler's episodes advance on their own instead: each round samples one turn of every episode whose environment
-has answered and hands the actions to the environment without waiting, so a straggler holds its own episode only
-and one sampler is enough. A run is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
+episodes with an environment or an agent (a source with ``stream``: :class:`shifu.rollout.episodes.EpisodeStream`,
+:class:`shifu.rollout.agent_stream.AgentStream`) a sampler's episodes run on their own instead, each prompt's
+trajectories out as its episodes end, so a straggler holds its own episode only and one sampler is enough. A run is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
 sees the interface of :class:`shifu.trainers.ppo_async.Producer`: :meth:`BoundedProducer.batch_for`,
 :meth:`BoundedProducer.join`.
 
@@ -16,7 +15,7 @@ versions can still train (the batches up to ``version + S``), then wait for the 
 
 Weights: each sampler holds one copy of the policy's weights (``async_samplers`` copies in all), its own shallow copy
 of the rollout source (a source keeps per-call state) and its own copy of the tokenizer (an agent's gateway, one
-per sampler call, tokenizes in a thread of its own, and a fast tokenizer is not to be called from two threads at
+per sampler (or sampler call), tokenizes in a thread of its own, and a fast tokenizer is not to be called from two threads at
 once). What the copies still share is safe to share: an agent's or a verifiers taskset's sampler call starts its
 own gateway (its own port, sessions, event loop and seed), and a verifiers worker takes episodes from any thread
 (each with its own id, base URL and API key). A sampler takes the actor's weights between two of its
@@ -207,9 +206,10 @@ class BoundedProducer:
             self.buffer.fail(e)
 
     def _stream_loop(self, w: Sampler) -> None:
-        """A sampler over a source whose episodes advance on their own (:meth:`Episodes.stream`): between two
-        rounds it takes new weights, hands out prompts while its version can still train them, and puts each
-        prompt's trajectories in the buffer as its episodes end; a straggler holds its own episode only."""
+        """A sampler over a source whose episodes run on their own (its ``stream``): between two rounds it takes
+        new weights (while the stream is paused: an agent's gateway between two sampler calls), hands out prompts
+        while its version can still train them, and puts each prompt's trajectories in the buffer as its
+        episodes end; a straggler holds its own episode only."""
         m, cfg = self.run.models, self.run.cfg
         own = dataclasses.replace(m, source=w.source, tokenizer=w.tokenizer)
         stream = w.source.stream(sampler_policy(own, cfg, w.model), self.params, self.run.state.sample_gen)
@@ -219,8 +219,11 @@ class BoundedProducer:
                     self.stopping.wait(POLL_S)
                     continue
                 with w.calling:
-                    if self._catch_up(w):
-                        stream.new_weights()
+                    if self.published > w.version:
+                        with stream.paused():  # (an agent's gateway between two sampler calls)
+                            took = self._catch_up(w)
+                        if took:
+                            stream.new_weights(w.version)
                     while self._room(w) and (unit := self._hand_out()):
                         for e, p in unit:
                             stream.add((e, p), [self.rows[p]] * self.G, w.version)
