@@ -112,3 +112,73 @@ def test_a_bounded_agent_run_trains_each_session_once_as_its_own_row(echo_task, 
     logged = [m for m in rows_of(out / "metrics.jsonl") if "agent/calls" in m]
     assert len(logged) == 6 and all(m["agent/errors"] == m["agent/timeouts"] == 0 for m in logged)
     assert not any(t.name.startswith("shifu-ppo-sampler") for t in threading.enumerate())
+
+
+HELD: dict = {}  # the run directory, and what the straggler's holds saw
+
+
+async def straggler(client, row: dict) -> float:
+    """Two calls; the tool between them holds (up to 5 s) on the first episode of 'abc' (tests/ppo_task.py's
+    prompts 0, 12, 24, ...) sampled in the background, until the trainer has trained one more batch."""
+    import asyncio
+
+    from test_async_bounded_run import n_trained
+
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model=MODEL, messages=messages, stop=STOP)
+    said = first.choices[0].message.content or ""
+    if row["prompt"] == "abc" and HELD.get("out") is not None:
+        before, waited = n_trained(HELD["out"]), 0.0
+        while waited < 5 and n_trained(HELD["out"]) < before + 8:
+            await asyncio.sleep(0.01)
+            waited += 0.01
+        HELD["overtaken"] += n_trained(HELD["out"]) >= before + 8
+        HELD["holds"] += 1
+    messages += [{"role": "assistant", "content": said}, {"role": "user", "content": echo(said)}]
+    await client.chat.completions.create(model=MODEL, messages=messages, stop=STOP)
+    return marker(row["prompt"])
+
+
+def test_a_slow_agent_holds_its_own_episode_only(echo_task, tmp_path):
+    """One sampler: its episodes run on their own on one gateway (shifu.rollout.agent_stream), so batches train
+    while an episode waits on its tool; every line within its bound, the synchronous run's multiset of prompts,
+    each trained row its own session's, and an evaluation mid-run pauses the gateway and goes on."""
+    out = tmp_path / "run"
+    argv = [
+        f"out_dir={out}",
+        f"model.path={echo_task['char']}",
+        f"data.train={echo_task['prompts']}",
+        "agent.factory=test_agent_async_bounded:straggler",
+        "generation.max_new_tokens=6",
+        "generation.max_total_tokens=24",
+        "iterations=10",
+        "batch_size=8",
+        "minibatch_size=4",
+        "eval.every=5",
+        "eval.num_prompts=4",
+        "eval.final_prompts=0",
+        "critic.init=sft",
+        "save_every=0",
+        "progress=false",
+        "tensorboard=false",
+        "traces.episodes=true",
+        "async_schedule=bounded",
+        "max_staleness=1",
+        "async_samplers=1",
+        "decoupled=true",
+    ]
+    cfg = load_config(ppo.Config, None, argv)
+    HELD.update(out=out, overtaken=0, holds=0)
+    try:
+        ppo.train(cfg)
+    finally:
+        HELD["out"] = None
+    assert HELD["holds"] > 0 and HELD["overtaken"] > 0, HELD
+    lines = trained(out)
+    assert len(lines) == 10 * 8 and within_bound(lines, 1)
+    assert collections.Counter(x["prompt_id"] for x in lines) == expected_prompts(cfg, 8)
+    assert len({x["version"] for x in lines}) > 2  # the gateway took new weights as the run went
+    for r in rows_of(out / "episodes" / "rank-0.jsonl"):
+        assert r["input"] == r["prompt"] + " " and r["return"] == pytest.approx(marker(r["prompt"]), abs=1e-6)
+    assert any(k.startswith("eval/") for m in rows_of(out / "metrics.jsonl") for k in m)  # (iteration 5's)
+    assert not any(t.name.startswith("shifu-ppo-sampler") for t in threading.enumerate())

@@ -59,6 +59,7 @@ class Sampler:
     version: int = 0
     calling: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
+    stream: Any = None  # its source's stream, when it runs one (_stream_loop)
 
 
 class BoundedProducer:
@@ -133,6 +134,8 @@ class BoundedProducer:
             with contextlib.ExitStack() as held:
                 for w in self.samplers:
                     held.enter_context(w.calling)
+                    if w.stream is not None:  # (an agent's episodes wait for their gateway's next call)
+                        held.enter_context(w.stream.paused())
                 yield
         finally:
             self.pausing.clear()
@@ -212,8 +215,10 @@ class BoundedProducer:
         episodes end; a straggler holds its own episode only."""
         m, cfg = self.run.models, self.run.cfg
         own = dataclasses.replace(m, source=w.source, tokenizer=w.tokenizer)
-        stream = w.source.stream(sampler_policy(own, cfg, w.model), self.params, self.run.state.sample_gen)
+        stream = None
         try:
+            policy = sampler_policy(own, cfg, w.model)
+            stream = w.stream = w.source.stream(policy, self.params, self.run.state.sample_gen)
             while not self.stopping.is_set():
                 if self.pausing.is_set():
                     self.stopping.wait(POLL_S)
@@ -238,7 +243,9 @@ class BoundedProducer:
             self.stopping.set()
             self.buffer.fail(e)
         finally:
-            stream.close()
+            w.stream = None
+            if stream is not None:
+                stream.close()
 
     def _room(self, w: Sampler) -> bool:
         """Whether more trajectories of ``w``'s version could train: it serves the steps from the trainer's
