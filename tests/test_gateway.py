@@ -563,3 +563,39 @@ def test_answers_are_what_their_models_say(served):
     streamed = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
     chunks = [ChatCompletionChunk.model_validate(c.model_dump(exclude_unset=True)) for c in streamed]
     assert chunks[-1].usage is not None and any(c.choices and c.choices[0].logprobs for c in chunks)
+
+
+def test_a_recording_gateway_keeps_an_idle_connection_past_uvicorns_default():
+    """An agent pauses between its calls (its tools); a server that closes the idle connection just as the next
+    request goes out leaves it unanswered (the client sees a connection error). A recording gateway keeps idle
+    connections open (RECORDING_KEEP_ALIVE_S); a plain one closes them after uvicorn's 5 s."""
+    import http.client
+    import time
+    from urllib.parse import urlparse
+
+    tok = chat_tokenizer()
+    model = tiny_policy(tok)
+    with (
+        Gateway(model, tok, recording=True, token=TOKEN) as recording,
+        Gateway(model, tok) as plain,
+    ):
+        conns = {}
+        for name, gw in (("recording", recording), ("plain", plain)):
+            url = urlparse(gw.url)
+            conns[name] = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+            conns[name].request("GET", "/health")
+            assert conns[name].getresponse().read()
+        time.sleep(6)
+        for conn in conns.values():
+            conn.sock.setblocking(False)
+        try:
+            conns["plain"].sock.recv(1)  # b"": the server closed it
+            plain_closed = True
+        except BlockingIOError:
+            plain_closed = False
+        with pytest.raises(BlockingIOError):  # still open, nothing to read
+            conns["recording"].sock.recv(1)
+        assert plain_closed
+        conns["recording"].sock.setblocking(True)
+        conns["recording"].request("GET", "/health")  # the same connection answers
+        assert json.loads(conns["recording"].getresponse().read())["status"] == "ok"

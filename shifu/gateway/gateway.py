@@ -33,6 +33,8 @@ from shifu.gateway.engine import Engine, Job
 from shifu.gateway.sessions import CompletionMemory, RecordedSession, SessionStore
 from shifu.models.tool_calls import tool_format
 
+RECORDING_KEEP_ALIVE_S = 3600  # (Gateway.start)
+
 
 class Gateway:
     """An OpenAI-compatible endpoint on ``model`` (see the module docstring).
@@ -142,7 +144,10 @@ class Gateway:
         from shifu.http.runner import BackgroundServer
 
         if self.server is None:
-            self.server = BackgroundServer(self.app(), host, port)
+            # a recording gateway's clients are its sessions' agents, which pause between calls (their tools)
+            # and close their connections as their episodes end: an idle connection is kept an hour
+            keep_alive = RECORDING_KEEP_ALIVE_S if self.recording else 5
+            self.server = BackgroundServer(self.app(), host, port, keep_alive_s=keep_alive)
         return self
 
     @property

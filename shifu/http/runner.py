@@ -71,14 +71,21 @@ def serve_forever(app, sock: socket.socket, log_level: str = "info", access_log:
 class BackgroundServer:
     """``app`` on uvicorn in a daemon thread, listening on ``host:port`` (port 0: a free one, read from
     :attr:`port` / :attr:`url` once started). The app's lifespan has run when the constructor returns;
-    :meth:`close` stops the server and waits for its thread. Usable as a context manager."""
+    :meth:`close` stops the server and waits for its thread. Usable as a context manager. ``keep_alive_s``: how
+    long an idle connection stays open (uvicorn's ``timeout_keep_alive``): a client that sends its next request
+    just as the server closes the connection gets no answer, so a server whose clients pause between requests
+    (an agent's tool calls) keeps their connections longer than any pause."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", keep_alive_s: int = 5
+    ):
         uvicorn = require_uvicorn()
         self.sock = bind_socket(host, port)
         self.url = socket_url(self.sock)
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
+        config = uvicorn.Config(
+            app, log_level=log_level, access_log=False, lifespan="on", timeout_keep_alive=keep_alive_s
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, name="shifu-http", daemon=True
