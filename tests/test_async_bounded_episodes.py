@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from ppo_task import build_char_model, write_prompts
-from test_async_bounded_run import expected_prompts, n_trained, within_bound
+from test_async_bounded_run import expected_prompts, groups_train_together, n_trained, within_bound
 from test_async_fixed import trained
 from test_ppo import rows_of
 
@@ -117,10 +117,4 @@ def test_a_prompts_episodes_train_together(data, tmp_path):
     ppo.train(cfg)
     lines = trained(out)
     assert len(lines) == 4 * 8 and within_bound(lines, 1)
-    per_step = collections.defaultdict(collections.Counter)
-    for x in lines:
-        per_step[x["step"]][x["prompt_id"]] += 1
-    assert all(set(c.values()) == {2} for c in per_step.values())
-    assert collections.Counter(x["prompt_id"] for x in lines) == collections.Counter(
-        {p: 2 * k for p, k in expected_prompts(cfg, 4).items()}
-    )
+    assert groups_train_together(lines, cfg, 4, 2)

@@ -88,13 +88,7 @@ def test_bounded_groups_stay_together(task, tmp_path):  # noqa: F811
     ppo.train(cfg)
     lines = trained(out)
     assert len(lines) == 4 * 8 and within_bound(lines, 1)
-    per_step = collections.defaultdict(collections.Counter)
-    for x in lines:
-        per_step[x["step"]][x["prompt_id"]] += 1
-    assert all(set(c.values()) == {2} for c in per_step.values())
-    assert collections.Counter(x["prompt_id"] for x in lines) == collections.Counter(
-        {p: 2 * k for p, k in expected_prompts(cfg, 4).items()}
-    )
+    assert groups_train_together(lines, cfg, 4, 2)
 
 
 HELD: dict = {}  # the straggler test's run directory and what its holds saw
@@ -117,6 +111,17 @@ def straggling_reward(prompts, responses, rows):
 
 
 SLOW_TEXT = "abc"  # tests/ppo_task.py's prompts 0, 12, 24, 36, 48 and 60
+
+
+def groups_train_together(lines: list[dict], cfg, per_batch: int, G: int) -> bool:
+    """Each prompt's ``G`` trajectories of a step trained in that step, and the run trained the synchronous run's
+    prompts (``per_batch`` a batch), each ``G`` times."""
+    per_step = collections.defaultdict(collections.Counter)
+    for x in lines:
+        per_step[x["step"]][x["prompt_id"]] += 1
+    together = all(set(c.values()) == {G} for c in per_step.values())
+    multiset = collections.Counter({p: G * k for p, k in expected_prompts(cfg, per_batch).items()})
+    return together and collections.Counter(x["prompt_id"] for x in lines) == multiset
 
 
 def n_trained(out) -> int:
