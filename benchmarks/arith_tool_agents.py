@@ -6,8 +6,8 @@ The paths: ``env``, the task's own calculator environment; ``example``, the deve
 without the task (``examples/agents/math_agent.py``: its own tool name and argument schema, no system prompt).
 The agent paths start from SFT on the agent's own calls answered by the task's teacher (the quickstart's default
 with ``ppo.agent``). Per run: the held-out accuracy before and after RL, the paired gain and its standard error,
-whether it learned (a gain above zero of at least 3 standard errors; a start already at full accuracy is
-``at_ceiling``, with nothing left to learn), tool use, process CPU seconds and peak RSS; then the untrained base
+whether it learned (a gain above zero of at least 3 standard errors; a start with no room left for such a gain,
+too few prompts wrong, is ``at_ceiling``), tool use, process CPU seconds and peak RSS; then the untrained base
 model against the final policy through the same path (``shifu eval --run``, paired on the same held-out prompts:
 ``base_gold``, ``base_gain``, ``learned_from_base``), the whole start's worth; per path, the mean gain with its
 standard error over the seeds and the smallest gain in standard errors::
@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import provenance  # benchmarks/provenance.py (this script's own folder is on sys.path)
+from arith_tool_agents_tables import at_ceiling
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENTS = ROOT / "examples" / "agents"
@@ -79,7 +80,7 @@ def run(path: str, seed: int, head: str, root: Path) -> tuple[dict, list[str]]:
     gain, se = metrics.get("gold_gain"), metrics.get("gold_gain_se")
     metrics["gain_in_se"] = gain / se if gain is not None and se else None
     metrics["learned"] = learned(gain, se)
-    metrics["at_ceiling"] = metrics.get("gold_before") == 1.0
+    metrics["at_ceiling"] = at_ceiling(metrics.get("gold_before"), metrics.get("eval_prompts"))
     return metrics | from_base(out, s, env), sets
 
 

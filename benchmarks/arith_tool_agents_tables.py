@@ -4,6 +4,8 @@ each path's mean over its seeds. A seed recorded more than once shows its newest
 
 from __future__ import annotations
 
+import math
+
 from table_parts import commit_label, cpu_label, fmt, footer, md, none_yet, pm, se, select
 
 PATH = {
@@ -20,10 +22,23 @@ def gain_cell(gain: float | None, err: float | None) -> str:
     return f"{cell} ({gain / err:.1f} s.e.)" if err else cell
 
 
+def at_ceiling(before: float | None, n: int | None) -> bool:
+    """No room left for a gain of 3 standard errors: even answering every one of the ``n`` held-out prompts the
+    start got wrong (``k`` of them), and no other, would be a paired gain under 3 of its standard errors (the
+    standard error of ``k`` ones among ``n`` differences; ``k`` below about 9 at ``n`` = 128)."""
+    if before is None or not n or n < 2:
+        return False
+    k = round((1 - before) * n)
+    if k == 0 or k >= n:
+        return k == 0
+    gain = k / n
+    return gain < 3 * math.sqrt(gain * (1 - gain) / (n - 1))
+
+
 def verdict(m: dict) -> str:
     if m.get("learned"):
         return "learned"
-    return "at ceiling" if m.get("at_ceiling") else "did not learn"
+    return "at ceiling" if at_ceiling(m.get("gold_before"), m.get("eval_prompts")) else "did not learn"
 
 
 def arith_tool_agents(records: list[dict]) -> str:
@@ -75,16 +90,18 @@ def critic_head(params: dict) -> str:
 def mean_row(path: str, head: str, runs: list[dict]) -> list[str]:
     """The mean over the seeds, each gain's standard error read off the spread of the per-seed gains."""
 
-    def mean(key: str) -> tuple[float | None, float | None]:
+    def mean(key: str, partial: bool = False) -> tuple[float | None, float | None]:
+        """Over every seed (``partial``: over the seeds that recorded ``key``, two at least)."""
         xs = [r["metrics"][key] for r in runs if r["metrics"].get(key) is not None]
-        if len(xs) != len(runs):
+        if len(xs) != len(runs) and not (partial and len(xs) >= 2):
             return None, None
         return sum(xs) / len(xs), se(xs)
 
     rl, rl_se = mean("gold_gain")
-    base, base_se = mean("base_gain")
+    base, base_se = mean("base_gain", partial=True)
+    based = sum(r["metrics"].get("base_gain") is not None for r in runs)
     learned = sum(bool(r["metrics"].get("learned")) for r in runs)
-    ceiling = sum(bool(r["metrics"].get("at_ceiling")) for r in runs)
+    ceiling = sum(at_ceiling(r["metrics"].get("gold_before"), r["metrics"].get("eval_prompts")) for r in runs)
     cpu = [r["metrics"].get("cpu_seconds_total") for r in runs]
     rss = [r["metrics"].get("peak_rss_mb") for r in runs]
     return [
@@ -95,7 +112,8 @@ def mean_row(path: str, head: str, runs: list[dict]) -> list[str]:
         fmt(mean("gold_before")[0], ".3f"),
         fmt(mean("gold_after")[0], ".3f"),
         f"{gain_cell(rl, rl_se)}; {learned} learned, {ceiling} at ceiling",
-        gain_cell(base, base_se),
+        gain_cell(base, base_se)
+        + (f" ({based} of {len(runs)} seeds)" if base is not None and based < len(runs) else ""),
         "",
         f"{min(cpu):.0f}-{max(cpu):.0f}" if None not in cpu else "-",
         str(max(rss)) if None not in rss else "-",
