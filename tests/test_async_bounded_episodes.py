@@ -2,20 +2,30 @@
 (:class:`shifu.rollout.episodes.EpisodeStream`), so a slow environment step holds its own episode only. With one
 sampler, batches train while a straggler's step is still waiting (the sampler's other episodes go on); every line
 of ``trained.jsonl`` stays within its bound, the run trains the synchronous run's multiset of prompts, a prompt's
-group of episodes trains in one batch, and each iteration's episode metrics are logged."""
+group of episodes trains in one batch, and each iteration's episode metrics are logged; a run SIGKILLed at random
+points and resumed trains the uninterrupted run's multiset of prompts."""
 
 from __future__ import annotations
 
 import collections
+import random
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from ppo_task import build_char_model, write_prompts
-from test_async_bounded_run import expected_prompts, groups_train_together, n_trained, within_bound
-from test_async_fixed import trained
-from test_ppo import rows_of
+from test_async_bounded_run import (
+    expected_prompts,
+    groups_train_together,
+    last_logged,
+    n_trained,
+    within_bound,
+)
+from test_async_fixed import async_argv, trained
+from test_ppo import rows_of, task  # noqa: F401 (the fixture)
+from test_resume import Run, latest_step, logged_step_at_least, tmp_write_started
 
 from shifu import Step
 from shifu.config.loader import load_config
@@ -118,3 +128,36 @@ def test_a_prompts_episodes_train_together(data, tmp_path):
     lines = trained(out)
     assert len(lines) == 4 * 8 and within_bound(lines, 1)
     assert groups_train_together(lines, cfg, 4, 2)
+
+
+@pytest.mark.slow
+def test_a_bounded_episode_run_killed_anywhere_trains_the_same_prompts(task, tmp_path):  # noqa: F811
+    """The episode stream under SIGKILL at random points and --resume: the uninterrupted run's multiset of
+    prompts, every line within its bound (what was in flight at a kill is sampled again)."""
+    clean, resumed = tmp_path / "clean", tmp_path / "resumed"
+    episodes = [
+        "env.factory=test_async_bounded_episodes:Straggler",
+        "generation.max_turns=2",
+        "generation.stop=[g,h,i,j,k,l]",
+        "generation.max_total_tokens=16",
+        "async_schedule=bounded",
+        "async_samplers=1",
+    ]
+    argv = [a for a in async_argv(task, resumed) if not a.startswith("reward.")] + episodes
+    clean_argv = [str(clean) if a == str(resumed) else a for a in argv]
+    assert Run(clean_argv, tmp_path / "clean.log").wait() == 0
+    rnd, r, kills = random.Random(0), Run(argv, tmp_path / "0.log"), 0
+    for k in range(3):  # SIGKILL 1 or 2 iterations past the furthest logged yet, or mid-write
+        after = max(0, latest_step(resumed))
+        target = max(after, last_logged(resumed)) + rnd.randint(1, 2)
+        cond = tmp_write_started(resumed, after) if k == 2 else logged_step_at_least(resumed, target)
+        if not r.signal_when(cond, signal.SIGKILL):
+            break
+        kills += 1
+        r = Run([*argv, "--resume"], tmp_path / f"{k + 1}.log")
+    assert r.wait() == 0, r.output()
+    assert kills >= 1
+    a, b = trained(clean), trained(resumed)
+    assert within_bound(a, 1) and within_bound(b, 1) and len(b) == 10 * 8
+    assert collections.Counter(x["prompt_id"] for x in b) == collections.Counter(x["prompt_id"] for x in a)
+    assert sorted({x["step"] for x in b}) == list(range(10))
