@@ -27,9 +27,19 @@ from table_parts import (
 def arith_tool(records: list[dict]) -> str:
     """``shifu quickstart --task arith_tool`` per method and environment: the seeds' mean accuracy before and
     after, the gain's mean ± its standard error over seeds, the calculator use, the CPU time of each run."""
-    recs = select(records, "arith_tool")
+    return tool_runs(records, "arith_tool")
+
+
+def arith_chain(records: list[dict]) -> str:
+    """The same for ``--task arith_chain`` (two calculator calls in sequence)."""
+    return tool_runs(records, "arith_chain")
+
+
+def tool_runs(records: list[dict], task: str) -> str:
+    """``benchmarks/arith_tool_runs.py``'s records of ``task`` (its benchmark name)."""
+    recs = select(records, task)
     if not recs:
-        return none_yet("arith_tool", "python -m shifu quickstart --task arith_tool", "")
+        return none_yet(task, f"python benchmarks/arith_tool_runs.py --task {task} --record", "")
     groups = by_key(recs, lambda r: (r["params"]["env"], r["params"]["method"], cpu_label(r), r["commit"]))
     rows = []
     for (env, method, cpu, _), rs in sorted(
@@ -266,6 +276,7 @@ def quickstart_bf16(records: list[dict]) -> str:
 # the tables this module renders, by the name of their block in the pages
 TABLES = {
     "arith-tool": arith_tool,
+    "arith-chain": arith_chain,
     "imdb-variants": imdb_variants,
     "imdb-reward-models": imdb_reward_models,
     "quickstart-bf16": quickstart_bf16,

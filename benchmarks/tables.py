@@ -39,6 +39,7 @@ import rollout_tables  # noqa: E402
 import serve_load_tables  # noqa: E402
 import smollm2_recipe_tables  # noqa: E402
 import study_frontier_tables  # noqa: E402
+import verifiers_smollm2_tables  # noqa: E402
 
 ROOT = provenance.ROOT
 PAGES = ("README.md", "docs/benchmarks/*.md")
@@ -56,6 +57,7 @@ RENDERERS = (
     rollout_tables,
     async_longtail_tables,
     arith_tool_agents_tables,
+    verifiers_smollm2_tables,
 )
 
 
