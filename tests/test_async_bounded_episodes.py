@@ -11,7 +11,6 @@ import collections
 import random
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ from ppo_task import build_char_model, write_prompts
 from test_async_bounded_run import (
     expected_prompts,
     groups_train_together,
+    hold,
     last_logged,
-    n_trained,
     within_bound,
 )
 from test_async_fixed import async_argv, trained
@@ -51,13 +50,7 @@ class Straggler:
 
     def step(self, action: str) -> Step:
         if self.prompt == SLOW_TEXT and self.turn == 0 and HELD.get("out") is not None:
-            before, deadline = n_trained(HELD["out"]), time.monotonic() + 5
-            while time.monotonic() < deadline:
-                if n_trained(HELD["out"]) >= before + 8:
-                    HELD["overtaken"] += 1
-                    break
-                time.sleep(0.01)
-            HELD["holds"] += 1
+            hold(HELD)
         self.turn += 1
         return Step(observation="k", reward=action.count("a") / max(1, len(action)), done=self.turn >= 2)
 

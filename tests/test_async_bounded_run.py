@@ -100,13 +100,7 @@ def straggling_reward(prompts, responses, rows):
     if threading.current_thread().name.startswith("shifu-ppo-sampler") and any(
         r["prompt"] == SLOW_TEXT for r in rows
     ):
-        before, deadline = n_trained(HELD["out"]), time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if n_trained(HELD["out"]) >= before + 8:
-                HELD["overtaken"] += 1
-                break
-            time.sleep(0.01)
-        HELD["holds"] += 1
+        hold(HELD)
     return [r.count("a") / max(1, len(r)) for r in responses]
 
 
@@ -122,6 +116,18 @@ def groups_train_together(lines: list[dict], cfg, per_batch: int, G: int) -> boo
     together = all(set(c.values()) == {G} for c in per_step.values())
     multiset = collections.Counter({p: G * k for p, k in expected_prompts(cfg, per_batch).items()})
     return together and collections.Counter(x["prompt_id"] for x in lines) == multiset
+
+
+def hold(held: dict, batch: int = 8, timeout_s: float = 5.0) -> None:
+    """A straggler's wait: until the run in ``held["out"]`` has trained ``batch`` more trajectories (counted in
+    ``held["overtaken"]``) or ``timeout_s`` seconds passed; counted in ``held["holds"]``."""
+    before, deadline = n_trained(held["out"]), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if n_trained(held["out"]) >= before + batch:
+            held["overtaken"] += 1
+            break
+        time.sleep(0.01)
+    held["holds"] += 1
 
 
 def n_trained(out) -> int:
