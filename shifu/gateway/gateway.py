@@ -146,8 +146,8 @@ class Gateway:
         if self.server is None:
             # a recording gateway's clients are its sessions' agents, which pause between calls (their tools)
             # and close their connections as their episodes end: an idle connection is kept an hour
-            keep_alive = RECORDING_KEEP_ALIVE_S if self.recording else 5
-            self.server = BackgroundServer(self.app(), host, port, keep_alive_s=keep_alive)
+            kept = {"keep_alive_s": RECORDING_KEEP_ALIVE_S} if self.recording else {}
+            self.server = BackgroundServer(self.app(), host, port, **kept)
         return self
 
     @property

@@ -228,22 +228,16 @@ class Episodes:
         their observations in episode order."""
         stepping = []
         for j, ep in enumerate(group):
-            action, ended = self._append_turn(tok, ep, out, j)
-            if ended:
+            action = self._append_turn(tok, ep, out, j)
+            if action is not None:
                 stepping.append((ep, action))
-            else:  # cut by a token budget: the turn never ends
-                ep.end(truncated=True)
         calls = [(ep.env, action, ep.row, turn) for ep, action in stepping]
         for (ep, action), step in zip(stepping, self.env.step(calls)):
-            if isinstance(step, EnvFault):
-                self.env.fault(step)
-                ep.end(failed=True)
-                continue
             self._observe(tok, ep, turn, action, step)
 
-    def _append_turn(self, tok, ep: _Episode, out: Sample, j: int) -> tuple[str, bool]:
-        """Row ``j`` of the turn's sample appended to ``ep``: ``(the action's text, whether the turn ended at EOS
-        or a stop string)``."""
+    def _append_turn(self, tok, ep: _Episode, out: Sample, j: int) -> str | None:
+        """Row ``j`` of the turn's sample appended to ``ep``: the action's text when the turn ended (at EOS or a
+        stop string), for the environment; None when a token budget cut it (the episode ends, truncated)."""
         mask = out.response_mask[j]
         ids = out.response_ids[j][mask].tolist()
         stats = [
@@ -254,10 +248,18 @@ class Episodes:
         ep.counts["turns"] += 1
         action = tok.decode(ids, skip_special_tokens=True)
         ep.spans.append(("policy", tok.decode(ids)))
-        return action, ids[-1] == tok.eos_token_id or any(s in action for s in self.limits.stop)
+        if ids[-1] == tok.eos_token_id or any(s in action for s in self.limits.stop):
+            return action
+        ep.end(truncated=True)  # cut by a token budget: the turn never ends
+        return None
 
     def _observe(self, tok, ep: _Episode, turn: int, action: str, step) -> None:
-        """``step``'s reward on the turn just taken, its counts, then its observation appended (or the end)."""
+        """``step``'s reward on the turn just taken, its counts, then its observation appended (or the end); a
+        faulted step (:class:`EnvFault`) is reported and ends the episode, failed."""
+        if isinstance(step, EnvFault):
+            self.env.fault(step)
+            ep.end(failed=True)
+            return
         ep.rewards[len(ep.parts) - 1] = float(step.reward)
         for k in ("tool_calls", "tool_errors"):
             value = step.info.get(k, 0)
@@ -363,8 +365,12 @@ class EpisodeStream:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.source._prefix = None
 
+    def _waiting(self) -> set[int]:
+        """The episodes (ids) whose environment step is under way."""
+        return {id(ep) for ep, _, _ in self.stepping.values()}
+
     def _ready(self) -> list[_Episode]:
-        waiting = {id(ep) for ep, _, _ in self.stepping.values()}
+        waiting = self._waiting()
         return [ep for eps, _ in self.groups.values() for ep in eps if not ep.over and id(ep) not in waiting]
 
     def _sampled(self, group: list[_Episode], out: Sample) -> None:
@@ -372,9 +378,8 @@ class EpisodeStream:
         tok, env = self.policy.tokenizer, self.source.env
         for j, ep in enumerate(group):
             turn = ep.counts["turns"]
-            action, ended = self.source._append_turn(tok, ep, out, j)
-            if not ended:  # cut by a token budget: the turn never ends
-                ep.end(truncated=True)
+            action = self.source._append_turn(tok, ep, out, j)
+            if action is None:
                 continue
             self.stepping[self.pool.submit(env.step, [(ep.env, action, ep.row, turn)])] = (ep, action, turn)
 
@@ -387,14 +392,10 @@ class EpisodeStream:
         for fut in [f for f in self.stepping if f in done]:
             ep, action, turn = self.stepping.pop(fut)
             (step,) = fut.result()
-            if isinstance(step, EnvFault):
-                self.source.env.fault(step)
-                ep.end(failed=True)
-                continue
             self.source._observe(self.policy.tokenizer, ep, turn, action, step)
 
     def _out(self) -> list[tuple[Hashable, int, Trajectories]]:
-        waiting = {id(ep) for ep, _, _ in self.stepping.values()}
+        waiting = self._waiting()
         out = []
         for key, (eps, added) in list(self.groups.items()):
             if all(ep.over and id(ep) not in waiting for ep in eps):

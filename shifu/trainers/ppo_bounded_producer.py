@@ -4,7 +4,8 @@ the trainer published, and each iteration trains the first trajectories finished
 behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. Over
 episodes with an environment or an agent (a source with ``stream``: :class:`shifu.rollout.episodes.EpisodeStream`,
 :class:`shifu.rollout.agent_stream.AgentStream`) a sampler's episodes run on their own instead, each prompt's
-trajectories out as its episodes end, so a straggler holds its own episode only and one sampler is enough. A run is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
+trajectories out as its episodes end, so a straggler holds its own episode only and one sampler is enough. A run
+is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
 sees the interface of :class:`shifu.trainers.ppo_async.Producer`: :meth:`BoundedProducer.batch_for`,
 :meth:`BoundedProducer.join`.
 
@@ -14,10 +15,10 @@ ledger's queue (counted: ``rollout/requeued``) and are sampled again. The sample
 versions can still train (the batches up to ``version + S``), then wait for the next update.
 
 Weights: each sampler holds one copy of the policy's weights (``async_samplers`` copies in all), its own shallow copy
-of the rollout source (a source keeps per-call state) and its own copy of the tokenizer (an agent's gateway, one
-per sampler (or sampler call), tokenizes in a thread of its own, and a fast tokenizer is not to be called from two threads at
-once). What the copies still share is safe to share: an agent's or a verifiers taskset's sampler call starts its
-own gateway (its own port, sessions, event loop and seed), and a verifiers worker takes episodes from any thread
+of the rollout source (a source keeps per-call state) and its own copy of the tokenizer (an agent's gateway
+tokenizes in a thread of its own, and a fast tokenizer is not to be called from two threads at once). What the
+copies still share is safe to share: an agent's sampler (a verifiers taskset's sampler call) starts its own
+gateway (its own port, sessions, event loop and seed), and a verifiers worker takes episodes from any thread
 (each with its own id, base URL and API key). A sampler takes the actor's weights between two of its
 calls, never during one, and only while the trainer is not scoring or updating (the trainer holds
 :attr:`BoundedProducer.updating` from taking a batch to publishing its update). It waits for the trainer only when
