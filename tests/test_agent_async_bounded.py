@@ -16,7 +16,7 @@ pytest.importorskip("openai", reason="pip install 'shifu-rlhf[agents]'")
 pytest.importorskip("uvicorn", reason="pip install 'shifu-rlhf[agents]'")
 
 from test_agent import build_echo_task  # noqa: E402
-from test_async_bounded_run import expected_prompts, within_bound  # noqa: E402
+from test_async_bounded_run import expected_prompts, train_holding, within_bound  # noqa: E402
 from test_async_fixed import trained  # noqa: E402
 from test_ppo import rows_of  # noqa: E402
 
@@ -168,13 +168,7 @@ def test_a_slow_agent_holds_its_own_episode_only(echo_task, tmp_path):
         "decoupled=true",
     ]
     cfg = load_config(ppo.Config, None, argv)
-    HELD.update(out=out, overtaken=0, holds=0)
-    try:
-        ppo.train(cfg)
-    finally:
-        HELD["out"] = None
-    assert HELD["holds"] > 0 and HELD["overtaken"] > 0, HELD
-    lines = trained(out)
+    lines = train_holding(cfg, out, HELD)
     assert len(lines) == 10 * 8 and within_bound(lines, 1)
     assert collections.Counter(x["prompt_id"] for x in lines) == expected_prompts(cfg, 8)
     assert len({x["version"] for x in lines}) > 2  # the gateway took new weights as the run went

@@ -130,6 +130,18 @@ def hold(held: dict, batch: int = 8, timeout_s: float = 5.0) -> None:
     held["holds"] += 1
 
 
+def train_holding(cfg, out, held: dict) -> list[dict]:
+    """``cfg``'s run (into ``out``) with its straggler's holds counted in ``held`` (:func:`hold`): asserts that a
+    batch trained while a straggler waited, and returns the run's ``trained.jsonl`` lines."""
+    held.update(out=out, overtaken=0, holds=0)
+    try:
+        ppo.train(cfg)
+    finally:
+        held["out"] = None
+    assert held["holds"] > 0 and held["overtaken"] > 0, held
+    return trained(out)
+
+
 def n_trained(out) -> int:
     path = out / "trained.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -142,12 +154,9 @@ def test_a_straggler_does_not_hold_the_batches(task, tmp_path):  # noqa: F811
 
     assert SLOW_TEXT == "".join(ALPHABET[:3])
     out = tmp_path / "run"
-    HELD.update(out=out, overtaken=0, holds=0)
     reward = "reward.function=test_async_bounded_run:straggling_reward"
     cfg = make_cfg(task, out, "iterations=10", *SHORT, *BOUNDED, reward)
-    ppo.train(cfg)
-    lines = trained(out)
-    assert HELD["holds"] > 0 and HELD["overtaken"] > 0, HELD  # a batch trained while a straggler sampled
+    lines = train_holding(cfg, out, HELD)  # a batch trained while a straggler sampled
     assert within_bound(lines, 1)
     assert collections.Counter(x["prompt_id"] for x in lines) == expected_prompts(cfg, 8)
 
