@@ -19,7 +19,13 @@ from shifu.data.batches import collate_sft, encode_sft, trained_tokens
 from shifu.data.rows import load_train_eval
 from shifu.errors import ConfigError
 from shifu.generation.lm_head import sequence_log_probs
-from shifu.models.loading import check_length, check_own_tokenizer, load_causal_lm, load_tokenizer
+from shifu.models.loading import (
+    check_length,
+    check_own_tokenizer,
+    fuse_tanh_gelu,
+    load_causal_lm,
+    load_tokenizer,
+)
 from shifu.parallel import build_strategy
 from shifu.parallel.strategy import Strategy
 from shifu.trainers import common, loop
@@ -87,6 +93,7 @@ def train(cfg: SFTConfig, resume: bool = False, overwrite: bool = False) -> dict
     report_counts(d.train, counts, strategy.is_main)
     report_counts(d.eval or d.train + " (held out)", eval_counts, strategy.is_main)
     model = load_causal_lm(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code).to(device)
+    fuse_tanh_gelu(model)  # GPT-2's gelu_new as one fused kernel: the same function, as PPO trains it
     check_own_tokenizer(
         tokenizer,
         model,
