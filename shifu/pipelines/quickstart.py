@@ -91,6 +91,7 @@ class PairsPlan:
     drop_ties: bool = opt(False, "imdb: leave out pairs whose two responses the judge scores the same")
     num_prompts: int | None = opt(None, "imdb: pair prompts topped up to this many; arith: prompts")
     samples_per_prompt: int | None = opt(None, "arith (shifu study): SFT samples per prompt")
+    shards: int = opt(1, "imdb: parts sampled on one thread each, side by side given a thread per part")
 
 
 @dataclasses.dataclass(frozen=True)

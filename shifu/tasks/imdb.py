@@ -224,6 +224,13 @@ def prepare(out_dir: str | Path, preset: str = "small", seed: int = 0) -> dict[s
 # ------------------------------------------------------------------------------------ preference pairs
 
 
+def part_seed(seed: int, part: int) -> int:
+    """The generator seed of part ``part`` of a sharded sampling: ``seed`` itself for part 0."""
+    if part == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{part}".encode()).digest()[:8], "little") >> 1
+
+
 def make_preference_pairs(
     policy_dir: str | Path,
     prompts: list[str],
@@ -235,8 +242,14 @@ def make_preference_pairs(
     eval_fraction: float = 0.1,
     batch_size: int = 64,
     drop_ties: bool = False,
+    shards: int = 1,
 ) -> dict[str, float | str]:
     """Sample two responses per prompt from the SFT policy, label them with the noisy VADER judge.
+
+    With ``shards`` > 1 the prompts are cut into that many contiguous parts, each sampled on one torch thread
+    with a generator of its own (part 0 seeded by ``seed``, as the unsharded run), side by side in forked
+    processes when the process has a thread per part (:func:`shifu.parallel.forked.map_forked`): the pairs are
+    the same at any thread count, and two cores sample about twice as fast as one process on two threads.
 
     Writes ``pairs_train.jsonl`` and ``pairs_eval.jsonl`` (``prompt``, ``chosen``, ``rejected``, plus
     ``gold_chosen``/``gold_rejected``) and ``sft_samples.jsonl`` (every sample as prompt/response, for the
@@ -249,6 +262,7 @@ def make_preference_pairs(
     import torch
 
     from shifu.models.loading import load_causal_lm, load_tokenizer
+    from shifu.parallel.forked import map_forked
     from shifu.runs.tracking import progress
     from shifu.tasks import sample_responses
 
@@ -256,12 +270,22 @@ def make_preference_pairs(
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(policy_dir)
     model = load_causal_lm(policy_dir, dropout=False).eval()
-    gen = torch.Generator().manual_seed(seed)
     doubled = [p for p in prompts for _ in range(2)]  # a, b adjacent for each prompt
+    size = -(-len(prompts) // max(1, shards))
+    parts = [doubled[i : i + 2 * size] for i in range(0, len(doubled), 2 * size)]
+
+    def sample_part(k: int, on_batch) -> list[str]:
+        gen = torch.Generator().manual_seed(part_seed(seed, k))
+        return sample_responses(
+            model, tok, parts[k], max_new_tokens, temperature, gen, batch_size, on_batch=on_batch
+        )
+
     bar = progress(len(doubled), "pairs: sampling")
-    responses = sample_responses(
-        model, tok, doubled, max_new_tokens, temperature, gen, batch_size, on_batch=bar.update
-    )
+    if len(parts) == 1:
+        responses = sample_part(0, bar.update)
+    else:
+        sampled = map_forked(sample_part, range(len(parts)), "pairs: sampling part", bar.update)
+        responses = [y for part in sampled for y in part]
     bar.close()
     gold = np.array(vader_compound(doubled, responses), dtype=np.float64)
     g_a, g_b = gold[0::2], gold[1::2]
