@@ -83,3 +83,21 @@ def test_preference_pairs_in_parts_are_the_same_at_any_thread_count(tiny_model_d
     samples = [json.loads(line) for line in files[1][2].splitlines()]
     # both parts sampled: prompts of the first and of the second half have responses
     assert {s["prompt"] for s in samples} & {prompts[0], prompts[-1]} == {prompts[0], prompts[-1]}
+
+
+def test_the_final_evaluation_is_the_same_at_any_thread_count(tiny_model_dir, tmp_path, threads):
+    from shifu.evaluation.final import evaluate
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Review {i}: the film was"}) + "\n" for i in range(24)))
+    summaries, samples = {}, {}
+    for n in (1, 2):
+        threads(n)
+        out = tmp_path / f"threads{n}"
+        out.mkdir()
+        ev = {"temperature": 1.0, "max_new_tokens": 8}
+        summaries[n] = evaluate("imdb", tiny_model_dir, tiny_model_dir, str(prompts), ev, 5, out)
+        samples[n] = [(out / f).read_text() for f in ("samples_before.jsonl", "samples_after.jsonl")]
+    assert summaries[1] == summaries[2]
+    assert samples[1] == samples[2]
+    assert summaries[1]["gold_gain"] == 0.0  # the same policy twice, the same sampling seed

@@ -13,6 +13,8 @@ from typing import Any
 
 from shifu.config.imports import load_callable
 from shifu.evaluation.compare import judge_policy, paired_summary, sample_records
+from shifu.evaluation.evaluate import Evaluated
+from shifu.parallel.forked import map_forked
 from shifu.runs.jsonfile import read_jsonl, write_jsonl
 
 GOLD = {"arith": "shifu.tasks.judges:exact_match", "imdb": "shifu.tasks.judges:vader_compound"}
@@ -70,13 +72,19 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
     T, R = ev["temperature"], ev["max_new_tokens"]
     source = SingleTurn(None, scored_by="gold judge", spec=gold)  # unscored: the judge reads the responses
 
-    def run(what: str, policy: Path, ref: Path | None, sample_seed: int, is_greedy: bool = False):
+    def run(what: str, sample_seed: int, is_greedy: bool = False):
+        """The SFT and the final policy (its KL to the SFT), side by side on one thread each given two
+        (:func:`shifu.parallel.forked.map_forked`: the same figures at any thread count)."""
         bar.set_postfix_str(what, refresh=True)
         params = SamplingParams(max_new_tokens=R, temperature=T, greedy=is_greedy)
-        return judge_policy(policy, ref, rows, source, params, sample_seed, ev, bar.update)
 
-    before = run(f"SFT policy, sampled T={T:g}", sft_dir, None, seed + 777)
-    after = run(f"final policy, sampled T={T:g}", final_dir, sft_dir, seed + 777)
+        def judge(policies: tuple[Path, Path | None], on_batch) -> Evaluated:
+            return judge_policy(*policies, rows, source, params, sample_seed, ev, on_batch)
+
+        pair = [(sft_dir, None), (final_dir, None if is_greedy else sft_dir)]
+        return map_forked(judge, pair, f"final evaluation ({what}): policy", bar.update)
+
+    before, after = run(f"SFT and final policy, sampled T={T:g}", seed + 777)
     prompts = [r["prompt"] for r in rows]
     g_before = [float(x) for x in gold_fn(prompts, before.responses, rows)]
     g_after = [float(x) for x in gold_fn(prompts, after.responses, rows)]
@@ -85,8 +93,7 @@ def _responses(task, sft_dir, final_dir, rows, gold, ev, seed, out, bar, greedy)
     n = len(rows)
     summary = paired_summary(before, after, g_before, g_after, T) | {"gold_judge": gold}
     if greedy:
-        gb = run("SFT policy, greedy", sft_dir, None, seed, True).responses
-        ga = run("final policy, greedy", final_dir, None, seed, True).responses
+        gb, ga = (e.responses for e in run("SFT and final policy, greedy", seed, True))
         summary["gold_greedy_before"] = sum(gold_fn(prompts, gb, rows)) / n
         summary["gold_greedy_after"] = sum(gold_fn(prompts, ga, rows)) / n
     bar.close()

@@ -24,22 +24,21 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad lists of token ids -> input_ids, attention_mask (B,T)."""
+    rows = [r if isinstance(r, list) else [int(t) for t in r] for r in rows]
     T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
+    ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows], dtype=torch.long).view(len(rows), T)
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows], dtype=torch.long).view(
+        len(rows), T
+    )
     return {"input_ids": ids, "attention_mask": mask}
 
 
 def pad_left(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad lists of token ids -> input_ids, attention_mask (B,T) (prompts for generation)."""
+    rows = [r if isinstance(r, list) else [int(t) for t in r] for r in rows]
     T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, T - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, T - len(r) :] = 1
+    ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], dtype=torch.long).view(len(rows), T)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long).view(
+        len(rows), T
+    )
     return {"input_ids": ids, "attention_mask": mask}

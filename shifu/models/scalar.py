@@ -240,14 +240,9 @@ class ScalarModel(nn.Module):
         if tok is None:
             raise ShifuError("this scalar model has no tokenizer; it can only score token ids")
         if self.is_causal:
-            rows = []
-            for pr, rs in zip(prompts, responses):
-                ids = (
-                    tok(pr, add_special_tokens=False)["input_ids"]
-                    + tok(rs, add_special_tokens=False)["input_ids"]
-                )
-                ids = ids[-(max_length - 1) :] + [tok.eos_token_id]
-                rows.append(ids)
+            p_ids = tok(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []
+            r_ids = tok(list(responses), add_special_tokens=False)["input_ids"] if responses else []
+            rows = [(p + r)[-(max_length - 1) :] + [tok.eos_token_id] for p, r in zip(p_ids, r_ids)]
             return pad_right(rows, tok.pad_token_id)
         # Over-long pairs lose tokens from the left of the longer text first (usually the prompt), the
         # same "keep the end" policy as the causal branch; never an error for a long response.
