@@ -34,6 +34,7 @@ import memory_tables  # noqa: E402
 import ppo_iteration_tables  # noqa: E402
 import provenance  # noqa: E402
 import quickstart_methods_tables  # noqa: E402
+import quickstart_profile_tables  # noqa: E402
 import quickstart_tables  # noqa: E402
 import rollout_tables  # noqa: E402
 import serve_load_tables  # noqa: E402
@@ -48,6 +49,7 @@ RENDERERS = (
     quickstart_methods_tables,
     smollm2_recipe_tables,
     quickstart_tables,
+    quickstart_profile_tables,
     study_frontier_tables,
     imdb_headroom_tables,
     ppo_iteration_tables,
