@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arith_tool_agents_tables  # noqa: E402
 import async_longtail_tables  # noqa: E402
+import async_objective_tables  # noqa: E402
 import decode_weights_tables  # noqa: E402
 import imdb_headroom_tables  # noqa: E402
 import memory_tables  # noqa: E402
@@ -58,6 +59,7 @@ RENDERERS = (
     memory_tables,
     rollout_tables,
     async_longtail_tables,
+    async_objective_tables,
     arith_tool_agents_tables,
     verifiers_smollm2_tables,
 )
