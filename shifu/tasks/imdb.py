@@ -249,7 +249,8 @@ def make_preference_pairs(
     With ``shards`` > 1 the prompts are cut into that many contiguous parts, each sampled on one torch thread
     with a generator of its own (part 0 seeded by ``seed``, as the unsharded run), side by side in forked
     processes when the process has a thread per part (:func:`shifu.parallel.forked.map_forked`): the pairs are
-    the same at any thread count, and two cores sample about twice as fast as one process on two threads.
+    the same at any thread count, and two such parts sample faster than one process on two threads (the small
+    preset's pairs: 37 s against 64 s of wall time on two cores, docs/benchmarks/throughput.md).
 
     Writes ``pairs_train.jsonl`` and ``pairs_eval.jsonl`` (``prompt``, ``chosen``, ``rejected``, plus
     ``gold_chosen``/``gold_rejected``) and ``sft_samples.jsonl`` (every sample as prompt/response, for the
@@ -271,7 +272,7 @@ def make_preference_pairs(
     tok = load_tokenizer(policy_dir)
     model = load_causal_lm(policy_dir, dropout=False).eval()
     doubled = [p for p in prompts for _ in range(2)]  # a, b adjacent for each prompt
-    size = -(-len(prompts) // max(1, shards))
+    size = max(1, -(-len(prompts) // max(1, shards)))
     parts = [doubled[i : i + 2 * size] for i in range(0, len(doubled), 2 * size)]
 
     def sample_part(k: int, on_batch) -> list[str]:
