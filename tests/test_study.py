@@ -276,7 +276,8 @@ def test_print_config_prints_the_budget_as_the_study_runs_it(tmp_path, monkeypat
     assert out.startswith("# shifu study frontier budget: ") and "imdb-reduced.yaml" in out
     plan, budget, small = yaml.safe_load(out), budgets.BUDGETS[("imdb", "reduced")], PLANS[("imdb", "small")]
     # the shared stages as they run: the budget's keys over the quickstart small plan's
-    assert plan["sft"] == small["sft"] and plan["pairs"] == {**small["pairs"], "num_prompts": 3000}
+    assert plan["sft"] == {**small["sft"], "max_steps": 400}  # the study's own SFT length
+    assert plan["pairs"] == {**small["pairs"], "num_prompts": 3000}
     assert plan["rm"]["model"] == {"path": "minilm"} and plan["rm"]["l2_coef"] == 0.0
     # every method's settings and points, the critic-free ones included
     assert {k: plan[k] for k in budgets.METHODS} == {k: budget[k] for k in budgets.METHODS}
