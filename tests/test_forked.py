@@ -77,7 +77,9 @@ def test_preference_pairs_in_parts_are_the_same_at_any_thread_count(tiny_model_d
         threads(n)
         out = tmp_path / f"threads{n}"
         info = make_preference_pairs(tiny_model_dir, prompts, out, 8, 0.1, seed=3, shards=2)
-        files[n] = [(out / f).read_text() for f in ("pairs_train.jsonl", "pairs_eval.jsonl", "sft_samples.jsonl")]
+        files[n] = [
+            (out / f).read_text() for f in ("pairs_train.jsonl", "pairs_eval.jsonl", "sft_samples.jsonl")
+        ]
         assert info["pairs"] > 0
     assert files[1] == files[2]
     samples = [json.loads(line) for line in files[1][2].splitlines()]
