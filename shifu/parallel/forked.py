@@ -3,9 +3,9 @@
 Models of the quickstart's size gain less from a second intra-op thread than from a core of their own: a decode
 step of 64 rows is a few small matrix products, too small to split well between threads. :func:`map_forked`
 runs ``fn(item)`` for each item, each with one torch thread: in forked processes at once when this process has
-a torch thread for each, else one after another here (with one thread meanwhile). Either way each item's result
-is the one it gets alone on one thread, so the results do not depend on the thread count or on whether the
-machine can fork.
+a torch thread for each (on Linux), else one after another here (with one thread meanwhile). Either way each
+item's result is the one it gets alone on one thread, so the results do not depend on the thread count or on
+whether the machine can fork.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def map_forked(
 
     report = on_progress or (lambda n: None)
     threads = torch.get_num_threads()
-    if len(items) < 2 or threads < len(items) or "fork" not in multiprocessing.get_all_start_methods():
+    # fork only on Linux: macOS forbids forking a process whose threads used its system frameworks
+    forkable = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+    if len(items) < 2 or threads < len(items) or not forkable:
         torch.set_num_threads(1)
         try:
             return [fn(item, report) for item in items]
