@@ -388,10 +388,11 @@ def test_sums_rewards_score_the_answer_and_its_digits(rewards):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_rule_and_process_rewards_train_the_arith_quickstart(rewards, tmp_path):
-    """The quickstart's additions trained on each example reward instead of the built-in one, 10 PPO
-    iterations (the SFT policy shared): the built-in exact-match judge's held-out gain (measured +0.12 ± 0.02
-    with exact_match, +0.14 ± 0.02 with digit_steps) is positive beyond noise."""
-    short = ["--set", "ppo.iterations=10", "--set", "ppo.eval.every=10"]
+    """The quickstart's additions trained on each example reward instead of the built-in one, 20 PPO
+    iterations (the SFT policy shared): the built-in exact-match judge's held-out gain (measured +0.115 ± 0.023
+    with exact_match, +0.105 ± 0.023 with digit_steps; at 10 iterations the gain of one seed is within a few
+    standard errors of noise) is positive beyond noise."""
+    short = ["--set", "ppo.iterations=20", "--set", "ppo.eval.every=10"]
     runs = {}
     for name in ("exact_match", "digit_steps"):
         out = tmp_path / name
@@ -410,4 +411,4 @@ def test_rule_and_process_rewards_train_the_arith_quickstart(rewards, tmp_path):
         for r in _read(tmp_path / "digit_steps" / "ppo" / "metrics.jsonl")
         if "objective/process_reward" in r
     ]
-    assert len(steps) == 10
+    assert len(steps) == 20
