@@ -14,13 +14,6 @@ LABELS = {
 ORDER = tuple(LABELS)
 
 
-def staleness(sets: list[str]) -> str:
-    for s in sets:
-        if s.startswith("ppo.max_staleness="):
-            return s.split("=", 1)[1]
-    return "0"
-
-
 def option(sets: list[str], key: str) -> str | None:
     for s in sets:
         if s.startswith(f"ppo.{key}="):
@@ -45,7 +38,7 @@ def async_objective(records: list[dict]) -> str:
         rows.append(
             [
                 label,
-                staleness(sets),
+                option(sets, "max_staleness") or "0",
                 option(sets, "iterations") or "-",
                 str(p["seed"]),
                 f"{m['gold_before']:.3f} → {m['gold_after']:.3f}",

@@ -26,10 +26,8 @@ def pad_right(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad lists of token ids -> input_ids, attention_mask (B,T)."""
     rows = [r if isinstance(r, list) else [int(t) for t in r] for r in rows]
     T = max(len(r) for r in rows)
-    ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows], dtype=torch.long).view(len(rows), T)
-    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows], dtype=torch.long).view(
-        len(rows), T
-    )
+    ids = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -37,8 +35,6 @@ def pad_left(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad lists of token ids -> input_ids, attention_mask (B,T) (prompts for generation)."""
     rows = [r if isinstance(r, list) else [int(t) for t in r] for r in rows]
     T = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], dtype=torch.long).view(len(rows), T)
-    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long).view(
-        len(rows), T
-    )
+    ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask}

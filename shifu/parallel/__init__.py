@@ -3,11 +3,12 @@
 (``deepspeed.py``) — each placing models, building the optimiser through the one ``build_optimizer`` and
 owning its own checkpoint format; the process group and its collectives (``distributed.py``); ``shifu
 launch``, torchrun with the exit status of a signal (``launch.py``); the bf16 precision probe, CPU
-threads, and independent work side by side in forked processes (``forked.py``). Only this wing imports torch.distributed. Checkpoints flow downward: the strategy decides what
-state there is and writes its backend's shards into a staging directory that ``shifu.runs.checkpoint``
-names, then hands everything to ``runs.checkpoint``, the one writer of the run directory (atomic rename,
-manifest, ``latest``, ``keep_last``), which moves the shards in as ``sharded/`` without reading them. The
-other direction would need the lower ``runs`` wing to know every backend, or to call back into this one.
+threads, and independent work side by side in forked processes (``forked.py``). Only this wing imports
+torch.distributed. Checkpoints flow downward: the strategy decides what state there is and writes its
+backend's shards into a staging directory that ``shifu.runs.checkpoint`` names, then hands everything to
+``runs.checkpoint``, the one writer of the run directory (atomic rename, manifest, ``latest``,
+``keep_last``), which moves the shards in as ``sharded/`` without reading them. The other direction would
+need the lower ``runs`` wing to know every backend, or to call back into this one.
 """
 
 from __future__ import annotations
