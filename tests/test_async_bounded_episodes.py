@@ -1,5 +1,5 @@
 """``async_schedule=bounded`` with an environment: each sampler's episodes advance on their own
-(:class:`shifu.rollout.episodes.EpisodeStream`), so a slow environment step holds its own episode only. With one
+(:class:`shifu.rollout.episode_stream.EpisodeStream`), so a slow environment step holds its own episode only. With one
 sampler, batches train while a straggler's step is still waiting (the sampler's other episodes go on); every line
 of ``trained.jsonl`` stays within its bound, the run trains the synchronous run's multiset of prompts, a prompt's
 group of episodes trains in one batch, and each iteration's episode metrics are logged; a run SIGKILLed at random

@@ -186,3 +186,43 @@ def test_rows_admitted_together_prefill_in_runs_and_sample_the_same(tok, monkeyp
             torch.testing.assert_close(
                 torch.tensor(y.log_probs), torch.tensor(x.log_probs), rtol=0, atol=1e-5
             )
+
+
+@pytest.mark.unit
+@torch.no_grad()
+def test_rows_sharing_a_head_prefill_it_once_and_sample_the_same(tok):
+    from test_prefix_cache import words
+
+    from shifu.generation.kv_cache import PrefixCache
+
+    model = policy(tok, "gpt2")
+    head = words(tok, 3 * BLOCK + 5, seed=11)  # a system prompt and tools block every row starts with
+    prompts = [head + words(tok, 4 + k, seed=k) for k in range(6)]
+
+    def admitted(prefix):
+        ended = []
+        loop = Running(
+            model,
+            SamplingParams(8, greedy=True),
+            tok.eos_token_id,
+            tok.pad_token_id,
+            ended.append,
+            None,
+            prefix,
+            6,
+        )
+        loop.admit([Row(p, 8, tag=k) for k, p in enumerate(prompts)])
+        while loop.rows:
+            loop.step()
+        return sorted(ended, key=lambda r: r.tag)
+
+    cache = PrefixCache(1 << 24)
+    shared, alone = admitted(cache), admitted(None)
+    # the first row's head is prefilled once; the five others, prefilled together over the columns of their
+    # longest part not cached, copy the rest from its 3 whole blocks
+    width = max(len(p) - 3 * BLOCK for p in prompts[1:])
+    assert cache.reused_tokens == sum(len(p) - width for p in prompts[1:]) > 5 * 2 * BLOCK
+    assert cache.prefill_tokens == sum(map(len, prompts)) - cache.reused_tokens
+    for a, b in zip(shared, alone):
+        assert a.ids == b.ids
+        torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), rtol=0, atol=1e-5)

@@ -38,12 +38,19 @@ class GenerationConfig:
         "multi-turn episodes (env.factory, agent.factory): MB of keys and values of earlier turns kept during a "
         "rollout, so that a turn prefills only what its cached prefix leaves (the same tokens); 0: off",
     )
+    kv_budget_mb: float = opt(
+        1024,
+        "multi-turn episodes (env.factory): MB of keys and values of the turns decoding at once; a turn joins the "
+        "running decode as its environment answers and waits while it does not fit; 0: every episode's turn in "
+        "one sampler call, turn by turn",
+    )
 
     def validate(self) -> None:
         if self.temperature <= 0:
             raise ConfigError("generation.temperature must be > 0")
-        if not self.prefix_cache_mb >= 0:
-            raise ConfigError(f"generation.prefix_cache_mb must be >= 0 (0: off), got {self.prefix_cache_mb}")
+        for key in ("prefix_cache_mb", "kv_budget_mb"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"generation.{key} must be >= 0 (0: off), got {getattr(self, key)}")
         for key in ("max_new_tokens", "max_turns", "max_total_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"generation.{key} must be >= 1 (got {getattr(self, key)})")

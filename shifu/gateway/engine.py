@@ -84,7 +84,7 @@ from shifu.generation.decode import keeps_kv, kv_shape
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
 from shifu.generation.paged import block_bytes, blocks_for
 from shifu.generation.rollout import SamplingParams, sample
-from shifu.generation.stops import RowStops
+from shifu.generation.stops import RowStops, one_row
 from shifu.models.padding import pad_left
 from shifu.models.positions import position_limit
 
@@ -374,7 +374,7 @@ class Engine:
                     Row(
                         job.prompt_ids,
                         job.budget,
-                        stop=_one_row(stops),
+                        stop=one_row(stops),
                         generator=gen,
                         on_token=self._streamer(job, c),
                         tag=(index, c, stops),
@@ -475,9 +475,3 @@ class Engine:
             seeds = [choice_seed(self.seed, j.identity, c) for j in jobs for c in range(j.n)]
             return [torch.Generator().manual_seed(s) for s in seeds]
         return self.generator if jobs[0].seed is None else torch.Generator().manual_seed(jobs[0].seed)
-
-
-def _one_row(stops: RowStops) -> Callable[[torch.Tensor], bool]:
-    """A one-row :class:`RowStops` as a :class:`~shifu.generation.continuous.Row`'s ``stop``."""
-    running = torch.ones(1, dtype=torch.bool)
-    return lambda ids: bool(stops(ids, running)[0])

@@ -7,9 +7,11 @@ they are free), fills them as it decodes and gives them back as it ends, so no r
 the memory held follows the live tokens. Rows admitted together are prefilled in runs of at most
 :data:`PREFILL_TOKENS` (rows x width), each left-padded to one width in a cache of its own
 (:meth:`~shifu.generation.decode._FastDecoder.scratch`) through the prefix cache (a run reuses the prompts kept by
-the runs before it), and each row's real tokens are copied into its blocks. Positions are a row's own (from its first real token), and a decode
-step attends over each row's own tokens only, so a row's keys, values and logits are those a call of its own
-would compute, up to the float rounding of forwards over other rows (~1e-6). A row leaves the decoder as it ends,
+the runs before it), and each row's real tokens are copied into its blocks. When the first of the rows admitted
+together shares a block or more not yet cached with another (the same system prompt and tools block in every
+episode or conversation), it is prefilled on its own first, so the others copy that head instead of computing it
+each. Positions are a row's own (from its first real token), and a decode step attends over each row's own tokens
+only, so a row's keys, values and logits are those a call of its own would compute, up to the float rounding of forwards over other rows (~1e-6). A row leaves the decoder as it ends,
 its prompt and response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the rows
 admitted after it reuse a shared system prompt and tools block), and is handed to ``on_end`` at once.
 
@@ -38,8 +40,8 @@ from shifu.models.padding import pad_left, position_ids_from_mask
 
 @dataclass
 class Row:
-    """One row to sample: ``prompt`` ids, at most ``budget`` tokens; ``stop(ids (1, t+1)) -> bool`` ends it at
-    the token just sampled (besides EOS); ``generator``: its own, or None (the loop's shared one);
+    """One row to sample: ``prompt`` ids, at most ``budget`` tokens; ``stop(ids) -> bool`` (the ids sampled so
+    far, a list) ends it at the token just sampled (besides EOS); ``generator``: its own, or None (the loop's shared one);
     ``top_logprobs``: how many of each step's most likely ids to keep; ``on_token(id, log_prob, top)`` after each
     of its tokens. What it sampled: ``ids``, ``log_probs``, ``entropy`` and, with ``top_logprobs``, ``top``: per
     token the most likely ``(id, log-prob)``, best first, read off the distribution its token was sampled from
@@ -47,7 +49,7 @@ class Row:
 
     prompt: list[int]
     budget: int
-    stop: Callable[[Tensor], bool] | None = None
+    stop: Callable[[list[int]], bool] | None = None
     generator: torch.Generator | None = None
     on_token: Callable[[int, float, list[tuple[int, float]] | None], None] | None = None
     tag: object = None  # the caller's
@@ -83,6 +85,16 @@ def _chunks(rows: list[Row], tokens: int) -> list[list[Row]]:
             out.append([r])
             width = len(r.prompt)
     return out
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many ids ``a`` and ``b`` begin with in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Running:
@@ -136,10 +148,25 @@ class Running:
             for r in done:
                 pool.release([], r.reserved)
             raise
-        logits = torch.cat([self._prefill(chunk) for chunk in _chunks(rows, PREFILL_TOKENS)])
+        chunks = (
+            [[rows[0]], *_chunks(rows[1:], PREFILL_TOKENS)]
+            if self._leads(rows)
+            else _chunks(rows, PREFILL_TOKENS)
+        )
+        logits = torch.cat([self._prefill(chunk) for chunk in chunks])
         held = bool(self.rows)
         self.rows.extend(rows)
         self.logits = logits if self.logits is None or not held else torch.cat([self.logits, logits])
+
+    def _leads(self, rows: list[Row]) -> bool:
+        """Whether the first of ``rows`` is to be prefilled on its own first: a prompt that shares a block or more
+        not yet cached with another row's (the same system prompt and tools block), which the rows prefilled after
+        it then reuse from the prefix cache instead of computing each."""
+        if self.prefix is None or len(rows) < 2:
+            return False
+        first, block = rows[0].prompt, self.prefix.block
+        known = len(self.prefix.match(first)) * block
+        return any(_shared(first, r.prompt) >= known + block for r in rows[1:])
 
     def _prefill(self, rows: list[Row]) -> Tensor:
         """Prefill ``rows`` (left-padded to one width) in a cache of their own through the prefix cache, each
@@ -183,7 +210,7 @@ class Running:
                 values, index = logp[b].topk(r.top_logprobs)
                 top = list(zip(index.tolist(), values.tolist()))
                 r.top.append(top)
-            stop = r.stop is not None and r.stop(torch.tensor([r.ids]))
+            stop = r.stop is not None and r.stop(r.ids)
             if (params.stop_at_eos and t == self.eos) or stop or len(r.ids) >= r.budget:
                 ended.append(b)
             if r.on_token is not None:

@@ -9,7 +9,7 @@ string ending at the newest token (special tokens, which decode to no text, can 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -76,3 +76,26 @@ class RowStops:
                 self.reasons[b] = "length"
                 ended[b] = True
         return ended & running.cpu()
+
+
+def one_row(stops: RowStops) -> Callable[[list[int]], bool]:
+    """A one-row :class:`RowStops` as a :class:`~shifu.generation.continuous.Row`'s ``stop(ids)``: the same ends,
+    ``reasons[0]`` and ``hits[0]``, read off the row's list of ids (no tensor per step)."""
+    ends, budget = set(stops.end_ids.tolist()), int(stops.budgets[0])
+    strings, window = stops.stops[0], stops.windows[0]
+
+    def stop(ids: list[int]) -> bool:
+        if ids[-1] in ends:
+            stops.reasons[0] = "stop"
+            return True
+        if strings:
+            hit = stop_hit(stops.tok.decode(ids[-window:], skip_special_tokens=True), strings)
+            if hit is not None:
+                stops.reasons[0], stops.hits[0] = "stop", hit
+                return True
+        if len(ids) >= budget:
+            stops.reasons[0] = "length"
+            return True
+        return False
+
+    return stop

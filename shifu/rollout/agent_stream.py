@@ -1,5 +1,5 @@
 """An agent's episodes that run on their own, for a sampler that trains each as it finishes
-(``async_schedule=bounded``): the counterpart of :class:`shifu.rollout.episodes.EpisodeStream` for the agent
+(``async_schedule=bounded``): the counterpart of :class:`shifu.rollout.episode_stream.EpisodeStream` for the agent
 source (:class:`shifu.rollout.agent.AgentEpisodes`).
 
 One recording gateway serves the sampler's copy of the policy for the stream's whole life, and the agent's
@@ -34,7 +34,7 @@ from shifu.rollout.sources import Policy
 class AgentStream:
     """The episodes of ``source`` (an :class:`~shifu.rollout.agent.AgentEpisodes`) on a gateway of their own,
     sampled from ``policy`` as ``params`` says (the module docstring). The interface of
-    :class:`shifu.rollout.episodes.EpisodeStream`: :meth:`add`, :meth:`advance`, :meth:`paused`,
+    :class:`shifu.rollout.episode_stream.EpisodeStream`: :meth:`add`, :meth:`advance`, :meth:`paused`,
     :meth:`new_weights`, :meth:`close`."""
 
     def __init__(

@@ -37,7 +37,9 @@ from shifu.rollout.verifiers import VerifiersEpisodes
 def episode_limits(generation: Any) -> EpisodeLimits:
     """An episode's budgets from a ``generation`` config section."""
     g = generation
-    return EpisodeLimits(g.max_turns, g.max_new_tokens, g.max_total_tokens, tuple(g.stop), g.prefix_cache_mb)
+    return EpisodeLimits(
+        g.max_turns, g.max_new_tokens, g.max_total_tokens, tuple(g.stop), g.prefix_cache_mb, g.kv_budget_mb
+    )
 
 
 def build_source(cfg: PPOConfig, tok, strategy) -> tuple[RolloutSource, nn.Module | None]:

@@ -2,10 +2,25 @@
 
 An episode's trajectory is the ids of its first input (``env.reset(row)``, :mod:`shifu.rollout.turns`), then per
 turn the ids the policy sampled and the ids of the environment's observation, appended as they were made: every
-turn's sampler input is a prefix of the final row, and nothing is ever re-tokenised. All episodes of a batch
-advance together, one sampler call per turn over the episodes still running (left-padded contexts, positions from
-the mask, as the trainer's forward sees the final row); the environment calls of a turn run at once
-(:class:`shifu.envs.base.Environment`), their results applied in episode order.
+turn's sampler input is a prefix of the final row, and nothing is ever re-tokenised.
+
+**One running decode** (``generation.kv_budget_mb`` > 0, the default). A rollout's turns decode in one
+:class:`shifu.generation.continuous.Running` loop: every episode's first turn is admitted, and after each decode
+step the turns that ended there are appended, their environments stepped (at once,
+:class:`shifu.envs.base.Environment`, results applied in episode order), and the next turns of the episodes that
+go on admitted before the next step, their contexts prefilled through the rollout's prefix cache. An episode no
+longer waits for the longest turn of the batch, and the decoder forwards only the rows still sampling. Each
+turn's keys and values (its context and whole budget) are reserved in a pool of ``kv_budget_mb``; a turn that
+does not fit waits, first come first admitted, until rows end. What joins when depends only on the tokens
+sampled and the environments' answers, never on timing, so a seeded rollout repeats bit for bit; the rows
+draw from the rollout's generator, one number per held row per step. The log-probs are those of a call of the
+row's own up to the float rounding of forwards over other rows (~1e-6; the trainer's recomputation within
+1e-5). Under torchrun (ranks step in step), with a shared-trunk critic (values read off the decode) or a decoder
+that does not keep its own cache (HF forwards), and with ``kv_budget_mb=0``, turns run in lockstep instead.
+
+**Lockstep.** All episodes advance together, one sampler call per turn over the episodes still running
+(left-padded contexts, positions from the mask, as the trainer's forward sees the final row), each call
+decoding until its longest turn ends.
 
 A turn ends at EOS or at the first token whose decoded turn text contains a ``stop`` string (the token is kept).
 The action given to ``env.step`` is that turn's tokens decoded with special tokens skipped. An episode ends:
@@ -20,10 +35,9 @@ The action given to ``env.step`` is that turn's tokens decoded with special toke
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import dataclasses
-from collections.abc import Hashable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,27 +45,36 @@ import torch
 from shifu.config.imports import typed_key
 from shifu.envs.base import EnvFault, Environment
 from shifu.errors import ShifuError
+from shifu.generation.continuous import Row, Running
+from shifu.generation.decode import keeps_kv
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
-from shifu.generation.rollout import Sample, SamplingParams
-from shifu.generation.stops import RowStops
+from shifu.generation.paged import blocks_for
+from shifu.generation.rollout import Sample, SamplingParams, sample
+from shifu.generation.stops import RowStops, one_row
 from shifu.models.padding import pad_left
 from shifu.models.positions import position_limit
 from shifu.rollout.batch import COUNTS, Part, PromptBatch, Trajectories, Trajectory, episode_metrics, stack
 from shifu.rollout.sources import ENVIRONMENT, Policy, SourceDescription
 from shifu.rollout.turns import turn_encoder
 
+# decode steps between a turn's end and the step before which its environment's answer is applied (module
+# docstring): the steps a slow environment's call runs beside the decode
+STEP_LAG = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeLimits:
     """How long an episode may run (the sampler's settings, ``generation.*``): turns, tokens per turn, sampled
     plus observation tokens after the first input, and the strings that end a turn besides EOS; the MB of keys
-    and values kept between turns (:mod:`shifu.generation.kv_cache`; 0: off)."""
+    and values kept between turns (:mod:`shifu.generation.kv_cache`; 0: off); the MB of keys and values of the
+    turns decoding at once (the admitting loop's pool, module docstring; 0: turns in lockstep)."""
 
     max_turns: int
     max_new_tokens: int
     max_total_tokens: int
     stop: tuple[str, ...] = ()
     prefix_cache_mb: float = 256
+    kv_budget_mb: float = 1024
 
 
 class _Episode:
@@ -85,6 +108,7 @@ class Episodes:
     (:mod:`shifu.generation.kv_cache`: a turn prefills only what its cached context leaves)."""
 
     gold = True  # the environment's own count of success
+    step_lag = STEP_LAG  # (module docstring)
 
     def __init__(
         self, env: Environment, limits: EpisodeLimits, chat: bool = True, max_prompt_len: int | None = None
@@ -116,26 +140,140 @@ class Episodes:
         eps = self._start(policy.tokenizer, batch.rows)
         budget = int(self.limits.prefix_cache_mb * 2**20)
         self._prefix = PrefixCache(budget) if budget > 0 else None
-        model, L = policy.model, self.limits
-        positions = position_limit(model)
-        for turn in range(L.max_turns):
-            groups = self._batches([ep for ep in eps if not ep.over], positions)
-            for group in policy.in_step(groups):
-                out = self._sample(policy, group, positions, params, generator)
-                if group:
-                    self._turn(policy.tokenizer, group, turn, out)
+        if self._admits(policy):
+            self._admitting(policy, eps, params, generator)
+        else:
+            self._lockstep(policy, eps, params, generator)
         for ep in eps:
             if not ep.over:  # still going after max_turns
                 ep.end(truncated=True)
         self._truncated(eps)
         self._prefix = None  # (the next rollout samples from new weights)
+        return self._trajectories(eps, policy)
+
+    @staticmethod
+    def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:
+        """The episodes as one batch (:func:`shifu.rollout.batch.stack`), each turn's reward on its last token."""
         return _trajectories(eps, policy)
 
-    def stream(
-        self, policy: Policy, params: SamplingParams, generator: torch.Generator | None
-    ) -> EpisodeStream:
+    def _admits(self, policy: Policy) -> bool:
+        """Whether this rollout's turns decode in one admitting loop (module docstring): a pool budget, one
+        process (not ranks stepping in step), no shared-trunk values to read, shifu's own decoder and sampler."""
+        return (
+            self.limits.kv_budget_mb > 0
+            and "all_done" not in policy.sample_kwargs
+            and policy.value_head is None
+            and policy.sampler is sample
+            and keeps_kv(policy.model)
+        )
+
+    def _lockstep(self, policy: Policy, eps: list[_Episode], params, generator) -> None:
+        """Every running episode's turn in one sampler call (or one per :meth:`_batches` group), turn by turn."""
+        positions = position_limit(policy.model)
+        for turn in range(self.limits.max_turns):
+            groups = self._batches([ep for ep in eps if not ep.over], positions)
+            for group in policy.in_step(groups):
+                out = self._sample(policy, group, positions, params, generator)
+                if group:
+                    self._turn(policy.tokenizer, group, turn, out)
+
+    def _admitting(self, policy: Policy, eps: list[_Episode], params, generator) -> None:
+        """The episodes' turns in one :class:`~shifu.generation.continuous.Running` loop (module docstring): a
+        turn joins as soon as its episode's environment has answered and its keys and values fit in the pool."""
+        tok, positions = policy.tokenizer, position_limit(policy.model)
+        order = {id(ep): k for k, ep in enumerate(eps)}
+        ended: list[Row] = []
+        budget = int(self.limits.kv_budget_mb * 2**20)
+        try:
+            loop = Running(
+                policy.model,
+                params,
+                tok.eos_token_id,
+                tok.pad_token_id,
+                ended.append,
+                generator,
+                self._prefix,
+                len(eps),
+                budget,
+            )
+        except ValueError as e:  # (the pool holds no block)
+            key = typed_key("generation.kv_budget_mb")
+            raise ShifuError(f"{key}={self.limits.kv_budget_mb:g}: {e} (or 0: turns in lockstep)") from None
+        waiting = collections.deque(ep for ep in eps if not ep.over)
+        lag, steps = self.step_lag, 0
+        pending: collections.deque[tuple[int, Any, list]] = (
+            collections.deque()
+        )  # (due step, answers, stepping)
+        with ThreadPoolExecutor(lag + 1, thread_name_prefix=f"shifu-episodes {self.env.name}") as stepper:
+            while waiting or loop.rows or pending:
+                # the environments' answers due by this step (or the oldest, when nothing else can run)
+                while pending and (pending[0][0] <= steps or not (loop.rows or waiting)):
+                    _, answers, stepping = pending.popleft()
+                    waiting.extend(self._observed(tok, stepping, answers.result() if lag else answers))
+                rows = []
+                while waiting:
+                    row = self._turn_row(tok, waiting[0], positions)
+                    if row is not None and not fits(loop, [*rows, row]):
+                        if loop.rows or rows:
+                            break  # it waits for rows to end (first come, first admitted)
+                        raise ShifuError(
+                            f"{self.env.where(waiting[0].row, waiting[0].counts['turns'])}: a turn of "
+                            f"{len(row.prompt)} context tokens and a budget of {row.budget} does not fit in "
+                            f"{typed_key('generation.kv_budget_mb')}={self.limits.kv_budget_mb:g}: raise it"
+                        )
+                    waiting.popleft()
+                    if row is not None:
+                        rows.append(row)
+                if rows:
+                    loop.admit(rows)
+                if not loop.rows:
+                    continue
+                loop.step()
+                steps += 1
+                if not ended:
+                    continue
+                stepping = self._ended_turns(policy, sorted(ended, key=lambda r: order[id(r.tag)]))
+                ended.clear()
+                if stepping:
+                    calls = [(ep.env, action, ep.row, turn) for ep, action, turn in stepping]
+                    answers = stepper.submit(self.env.step, calls) if lag else self.env.step(calls)
+                    pending.append((steps + lag, answers, stepping))
+
+    def _turn_row(self, tok, ep: _Episode, positions: int | None) -> Row | None:
+        """``ep``'s next turn as a row of the admitting loop; None when no token is left to it (it ends here,
+        truncated)."""
+        budget = self._budget(ep, positions)
+        if budget < 1:
+            ep.end(truncated=True)
+            return None
+        context = ep.prompt + [p for part in ep.parts for p in part.ids]
+        return Row(context, budget, stop=one_row(RowStops(tok, [budget], [self.limits.stop])), tag=ep)
+
+    def _ended_turns(self, policy: Policy, rows: list[Row]) -> list[tuple[_Episode, str, int]]:
+        """The turns of ``rows`` (ended at one step, in episode order) appended: ``(episode, action, turn)`` of
+        those whose environment is to be stepped."""
+        tok, stepping = policy.tokenizer, []
+        for r in rows:
+            ep, turn = r.tag, r.tag.counts["turns"]
+            zeros = [0.0] * len(r.ids)
+            stats = [r.log_probs, r.entropy, zeros] if policy.with_log_probs else [zeros, zeros, zeros]
+            action = self._append_turn(tok, ep, r.ids, stats)
+            if action is not None:
+                stepping.append((ep, action, turn))
+        return stepping
+
+    def _observed(self, tok, stepping: list[tuple[_Episode, str, int]], answers: list) -> list[_Episode]:
+        """The environments' ``answers`` to ``stepping`` applied in episode order: the episodes that go on."""
+        for (ep, action, turn), step in zip(stepping, answers):
+            self._observe(tok, ep, turn, action, step)
+        return [ep for ep, _, _ in stepping if not ep.over]
+
+    def stream(self, policy: Policy, params: SamplingParams, generator: torch.Generator | None):
         """Episodes that advance on their own, each finished as its last step answers
-        (:class:`EpisodeStream`); ``policy``'s model may be given new weights between two of its rounds."""
+        (:class:`shifu.rollout.episode_stream.EpisodeStream`); ``policy``'s model may be given new weights
+        between two of its rounds."""
+        from shifu.rollout.episode_stream import EpisodeStream
+
         return EpisodeStream(self, policy, params, generator)
 
     def _truncated(self, eps: list[_Episode]) -> None:
@@ -228,22 +366,17 @@ class Episodes:
         their observations in episode order."""
         stepping = []
         for j, ep in enumerate(group):
-            action = self._append_turn(tok, ep, out, j)
+            action = self._append_row(tok, ep, out, j)
             if action is not None:
                 stepping.append((ep, action))
         calls = [(ep.env, action, ep.row, turn) for ep, action in stepping]
         for (ep, action), step in zip(stepping, self.env.step(calls)):
             self._observe(tok, ep, turn, action, step)
 
-    def _append_turn(self, tok, ep: _Episode, out: Sample, j: int) -> str | None:
-        """Row ``j`` of the turn's sample appended to ``ep``: the action's text when the turn ended (at EOS or a
-        stop string), for the environment; None when a token budget cut it (the episode ends, truncated)."""
-        mask = out.response_mask[j]
-        ids = out.response_ids[j][mask].tolist()
-        stats = [
-            s[j][mask].tolist() if s is not None else [0.0] * len(ids)
-            for s in (out.log_probs, out.entropy, out.values)
-        ]
+    def _append_turn(self, tok, ep: _Episode, ids: list[int], stats: list[list[float]]) -> str | None:
+        """The turn sampled for ``ep`` appended (its ids, and per id the log-prob, entropy and value read off
+        the decode steps): the action's text when the turn ended (at EOS or a stop string), for the environment;
+        None when a token budget cut it (the episode ends, truncated)."""
         ep.add(Part(ids, True, list(zip(*stats))))
         ep.counts["turns"] += 1
         action = tok.decode(ids, skip_special_tokens=True)
@@ -252,6 +385,10 @@ class Episodes:
             return action
         ep.end(truncated=True)  # cut by a token budget: the turn never ends
         return None
+
+    def _append_row(self, tok, ep: _Episode, out: Sample, j: int) -> str | None:
+        """Row ``j`` of a sampler call appended to ``ep`` as its turn (:meth:`_append_turn`)."""
+        return self._append_turn(tok, ep, *_row(out, j))
 
     def _observe(self, tok, ep: _Episode, turn: int, action: str, step) -> None:
         """``step``'s reward on the turn just taken, its counts, then its observation appended (or the end); a
@@ -298,112 +435,22 @@ class Episodes:
             raise type(e)(f"{self.env.where(ep.row, turn)}: {e}") from None
 
 
-class EpisodeStream:
-    """Episodes of :class:`Episodes` that advance on their own, for a sampler that trains each as it finishes
-    (``async_schedule=bounded``). A round (:meth:`advance`) applies the environment steps that have answered, then
-    samples one turn of every episode whose environment has answered, in one sampler call (or one per
-    :meth:`Episodes._batches` group), and hands those turns' actions to the environment without waiting for
-    them: a slow step holds its own episode only, and the others go on to their next turns. Turns, budgets, ends,
-    faults and rewards are as in :meth:`Episodes.collect`; which episodes share a sampler call depends on when
-    their environments answer, so a stream is not bit-reproducible.
+def fits(loop: Running, rows: list[Row]) -> bool:
+    """Whether ``loop``'s pool can take ``rows`` beside the rows it holds (each reserves its prompt and budget)."""
+    pool = loop.pool
+    return pool.reserved + sum(blocks_for(r.need, pool.block) for r in rows) <= pool.capacity
 
-    Episodes are added in groups (a prompt's ``group_size`` rows) under a key; a group is out when all its
-    episodes have ended, with the oldest policy version that sampled any of its turns (each token's log-probs
-    are those of the version that sampled it). :meth:`new_weights`: the policy's model was given new weights
-    (the cached keys and values are of the old ones)."""
 
-    def __init__(
-        self, source: Episodes, policy: Policy, params: SamplingParams, generator: torch.Generator | None
-    ):
-        self.source, self.policy, self.params, self.generator = source, policy, params, generator
-        self.positions = position_limit(policy.model)
-        self.groups: dict[Hashable, tuple[list[_Episode], int]] = {}  # key -> (episodes, version when added)
-        self.stepping: dict[
-            Future, tuple[_Episode, str, int]
-        ] = {}  # an environment step -> (episode, action, turn)
-        self.pool = ThreadPoolExecutor(
-            source.env.pool.size, thread_name_prefix=f"shifu-stream {source.env.name}"
-        )
-        self.new_weights()
-
-    def paused(self) -> contextlib.AbstractContextManager:
-        """While held, the policy's weights may change in place (nothing samples between two rounds)."""
-        return contextlib.nullcontext()
-
-    def new_weights(self, version: int | None = None) -> None:
-        """The policy's model was given new weights: the prefix cache (keys and values of the old) emptied."""
-        budget = int(self.source.limits.prefix_cache_mb * 2**20)
-        self.source._prefix = PrefixCache(budget) if budget > 0 else None
-
-    def add(self, key: Hashable, rows: list[dict], version: int) -> None:
-        """A group of episodes, one per row, started (their environments reset) under ``key``."""
-        self.groups[key] = (self.source._start(self.policy.tokenizer, rows), version)
-
-    def __len__(self) -> int:
-        """The groups not yet out."""
-        return len(self.groups)
-
-    @torch.no_grad()
-    def advance(self, version: int, wait_s: float) -> list[tuple[Hashable, int, Trajectories]]:
-        """One round, sampled by policy ``version``; waits up to ``wait_s`` seconds for an environment when no
-        episode can take a turn. Returns the groups that ended: ``(key, version, trajectories)``."""
-        ready = self._ready()
-        if not ready and self.stepping:
-            self._arrived(wait_s)
-            ready = self._ready()
-        for group in self.source._batches(ready, self.positions):
-            for ep in group:
-                ep.version = version if ep.version is None else ep.version
-            self._sampled(
-                group, self.source._sample(self.policy, group, self.positions, self.params, self.generator)
-            )
-        self._arrived(0)
-        return self._out()
-
-    def close(self) -> None:
-        """No more rounds: the environment steps under way finish in their threads, unread."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.source._prefix = None
-
-    def _waiting(self) -> set[int]:
-        """The episodes (ids) whose environment step is under way."""
-        return {id(ep) for ep, _, _ in self.stepping.values()}
-
-    def _ready(self) -> list[_Episode]:
-        waiting = self._waiting()
-        return [ep for eps, _ in self.groups.values() for ep in eps if not ep.over and id(ep) not in waiting]
-
-    def _sampled(self, group: list[_Episode], out: Sample) -> None:
-        """Each episode's sampled turn appended, and its action handed to the environment (not waited for)."""
-        tok, env = self.policy.tokenizer, self.source.env
-        for j, ep in enumerate(group):
-            turn = ep.counts["turns"]
-            action = self.source._append_turn(tok, ep, out, j)
-            if action is None:
-                continue
-            self.stepping[self.pool.submit(env.step, [(ep.env, action, ep.row, turn)])] = (ep, action, turn)
-
-    def _arrived(self, wait_s: float) -> None:
-        """The environment steps that have answered (within ``wait_s`` seconds, at least one when any is under
-        way and ``wait_s > 0``), applied in the order their turns were handed out."""
-        if not self.stepping:
-            return
-        done, _ = wait(list(self.stepping), timeout=wait_s, return_when=FIRST_COMPLETED)
-        for fut in [f for f in self.stepping if f in done]:
-            ep, action, turn = self.stepping.pop(fut)
-            (step,) = fut.result()
-            self.source._observe(self.policy.tokenizer, ep, turn, action, step)
-
-    def _out(self) -> list[tuple[Hashable, int, Trajectories]]:
-        waiting = self._waiting()
-        out = []
-        for key, (eps, added) in list(self.groups.items()):
-            if all(ep.over and id(ep) not in waiting for ep in eps):
-                del self.groups[key]
-                self.source._truncated(eps)
-                versions = [ep.version for ep in eps if ep.version is not None]
-                out.append((key, min(versions, default=added), _trajectories(eps, self.policy)))
-        return out
+def _row(out: Sample, j: int) -> tuple[list[int], list[list[float]]]:
+    """Row ``j`` of a sampler call: its response ids, and their log-probs, entropies and values (0 where the
+    call read none)."""
+    mask = out.response_mask[j]
+    ids = out.response_ids[j][mask].tolist()
+    stats = [
+        s[j][mask].tolist() if s is not None else [0.0] * len(ids)
+        for s in (out.log_probs, out.entropy, out.values)
+    ]
+    return ids, stats
 
 
 def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:

@@ -2,7 +2,7 @@
 ``async_samplers`` threads sample the ledger's prompts at once, ``1 / async_samplers`` of a batch per call, on the last weights
 the trainer published, and each iteration trains the first trajectories finished that are at most ``S`` versions
 behind. A straggler holds its own call only: the other samplers go on, and the batch does not wait for it. Over
-episodes with an environment or an agent (a source with ``stream``: :class:`shifu.rollout.episodes.EpisodeStream`,
+episodes with an environment or an agent (a source with ``stream``: :class:`shifu.rollout.episode_stream.EpisodeStream`,
 :class:`shifu.rollout.agent_stream.AgentStream`) a sampler's episodes run on their own instead, each prompt's
 trajectories out as its episodes end, so a straggler holds its own episode only and one sampler is enough. A run
 is not bit-reproducible, and is exactly-once by construction (:mod:`shifu.trainers.ppo_bounded`). The trainer
