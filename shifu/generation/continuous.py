@@ -2,18 +2,19 @@
 that arrive while a call decodes (:meth:`shifu.gateway.engine.Engine.run_admitting`).
 
 Each row's keys and values are kept in blocks of a pool under a byte budget (:mod:`shifu.generation.paged`): a
-row reserves the blocks of its prompt and its whole budget as it is admitted (:meth:`Running.room` says whether
-they are free), fills them as it decodes and gives them back as it ends, so no running row is ever evicted and
-the memory held follows the live tokens. Rows admitted together are prefilled in runs of at most
+row reserves the blocks of its prompt and its whole budget as it is admitted (:meth:`Running.room` says
+whether they are free), fills them as it decodes and gives them back as it ends, so no running row is ever
+evicted and the memory held follows the live tokens. Rows admitted together are prefilled in runs of at most
 :data:`PREFILL_TOKENS` (rows x width), each left-padded to one width in a cache of its own
-(:meth:`~shifu.generation.decode._FastDecoder.scratch`) through the prefix cache (a run reuses the prompts kept by
-the runs before it), and each row's real tokens are copied into its blocks. When the first of the rows admitted
-together shares a block or more not yet cached with another (the same system prompt and tools block in every
-episode or conversation), it is prefilled on its own first, so the others copy that head instead of computing it
-each. Positions are a row's own (from its first real token), and a decode step attends over each row's own tokens
-only, so a row's keys, values and logits are those a call of its own would compute, up to the float rounding of forwards over other rows (~1e-6). A row leaves the decoder as it ends,
-its prompt and response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the rows
-admitted after it reuse a shared system prompt and tools block), and is handed to ``on_end`` at once.
+(:meth:`~shifu.generation.decode._FastDecoder.scratch`) through the prefix cache (a run reuses the prompts
+kept by the runs before it), and each row's real tokens are copied into its blocks. When the first of the rows
+admitted together shares a block or more not yet cached with another (the same system prompt and tools block
+in every episode or conversation), it is prefilled on its own first, so the others copy that head instead of
+computing it each. Positions are a row's own (from its first real token), and a decode step attends over each
+row's own tokens only, so a row's keys, values and logits are those a call of its own would compute, up to the
+float rounding of forwards over other rows (~1e-6). A row leaves the decoder as it ends, its prompt and
+response kept in the prefix cache (its prompt is kept there as it is admitted too, so that the rows admitted
+after it reuse a shared system prompt and tools block), and is handed to ``on_end`` at once.
 
 Each step samples every held row from ``log_softmax(logits / T)`` with :func:`~shifu.generation.rollout.sample_next`,
 as :func:`~shifu.generation.rollout.sample` does: a row with a generator of its own draws its own numbers, so its
