@@ -1,7 +1,8 @@
 """An agent run that learns from every seed: ``shifu quickstart --task arith_tool --preset smollm2`` over seeds, per
 path, each run in its own process with one torch thread, recorded in ``benchmarks/results/arith_tool_agents.jsonl``.
 
-The paths: ``env``, the task's own calculator environment; ``example``, the developers' example agent
+The paths: ``env``, the task's own calculator environment (``env-lockstep``: the same, its turns sampled one
+sampler call per turn, ``generation.kv_budget_mb=0``); ``example``, the developers' example agent
 (``examples/agents/arith_tool_agent.py``, the task's tool and system message); ``independent``, an agent written
 without the task (``examples/agents/math_agent.py``: its own tool name and argument schema, no system prompt).
 The agent paths start from SFT on the agent's own calls answered by the task's teacher (the quickstart's default
@@ -40,6 +41,7 @@ AGENTS = ROOT / "examples" / "agents"
 AGENT = ["ppo.env.factory=null", "ppo.generation.stop=[]", "ppo.data.max_prompt_len=256"]
 PATHS = {
     "env": [],
+    "env-lockstep": ["ppo.generation.kv_budget_mb=0"],  # the environment's turns a sampler call each
     "example": [*AGENT, "ppo.agent.factory=arith_tool_agent:solve"],
     "independent": [*AGENT, "ppo.agent.factory=math_agent:solve"],
 }

@@ -10,6 +10,7 @@ from table_parts import commit_label, cpu_label, fmt, footer, md, none_yet, pm, 
 
 PATH = {
     "env": "environment (`calculator_env`)",
+    "env-lockstep": "environment, a sampler call per turn (`generation.kv_budget_mb=0`)",
     "example": "example agent (`arith_tool_agent:solve`)",
     "independent": "independent agent (`math_agent:solve`)",
 }
