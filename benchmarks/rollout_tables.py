@@ -1,6 +1,7 @@
 """The tables of the rollout benchmarks: ``env_concurrency.py`` (a slow environment's share of a rollout),
 ``agent_gateway.py`` (the agent source's load and HTTP overhead), ``agent_engine.py`` (the gateway's engine under
-an agent workload, with and without prefix reuse) and ``rss_timeline.py`` (peak memory per stage
+an agent workload, with and without prefix reuse), ``episode_engine.py`` (an environment's episodes in lockstep
+against one running decode) and ``rss_timeline.py`` (peak memory per stage
 and per PPO iteration of SmolLM2 runs)."""
 
 from __future__ import annotations
@@ -113,6 +114,33 @@ def agent_engine(records: list[dict]) -> str:
     return md(headers, rows) + footer(recs, "A shared 2-core VM with other jobs running: times are noisy. ")
 
 
+def episode_engine(records: list[dict]) -> str:
+    recs = select(records, "episode_engine")
+    if not recs:
+        return none_yet("episode_engine", "python benchmarks/episode_engine.py --run RUN --record")
+    rows = []
+    for r in recs:
+        m, p = r["metrics"], r["params"]
+        schedule = "lockstep" if p["lag"] is None else f"running decode, lag {p['lag']}"
+        workload = f"{p['policy']} ({p['plan']}), {p['episodes']} episodes"
+        rows.append(
+            [
+                workload,
+                fmt(p["sleep_ms"], ".0f"),
+                schedule,
+                fmt(m["rollout_s"], ".3f"),
+                f"{m['sampled_tokens']} / {m['turns']}",
+                fmt(m["tokens_per_s"], ".0f"),
+                fmt(m["time_vs_lockstep"], ".2f") + "x",
+                cpu_label(r),
+                commit_label(r),
+            ]
+        )
+    headers = ["workload", "ms per step", "schedule", "rollout s", "tokens / turns", "tokens/s"]
+    headers += ["time / lockstep's", "CPU", "commit"]
+    return md(headers, rows) + footer(recs)
+
+
 def rss_timeline(records: list[dict]) -> str:
     recs = select(records, "rss_timeline")
     if not recs:
@@ -153,5 +181,6 @@ TABLES = {
     "env-concurrency": env_concurrency,
     "agent-gateway": agent_gateway,
     "agent-engine": agent_engine,
+    "episode-engine": episode_engine,
     "rss-timeline": rss_timeline,
 }
