@@ -122,7 +122,8 @@ def episode_engine(records: list[dict]) -> str:
     for r in recs:
         m, p = r["metrics"], r["params"]
         schedule = "lockstep" if p["lag"] is None else f"running decode, lag {p['lag']}"
-        workload = f"{p['policy']} ({p['plan']}), {p['episodes']} episodes"
+        policy = f"{p['run']}'s SFT" if p["policy"] == "sft/final" else p["policy"]
+        workload = f"{policy}, plan {p['plan']}, {p['episodes']} episodes"
         rows.append(
             [
                 workload,
