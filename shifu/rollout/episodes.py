@@ -201,9 +201,8 @@ class Episodes:
             raise ShifuError(f"{key}={self.limits.kv_budget_mb:g}: {e} (or 0: turns in lockstep)") from None
         waiting = collections.deque(ep for ep in eps if not ep.over)
         lag, steps = self.step_lag, 0
-        pending: collections.deque[tuple[int, Any, list]] = (
-            collections.deque()
-        )  # (due step, answers, stepping)
+        # the environment calls under way: (the step their answers are due at, the answers, what was stepped)
+        pending: collections.deque[tuple[int, Any, list]] = collections.deque()
         with ThreadPoolExecutor(lag + 1, thread_name_prefix=f"shifu-episodes {self.env.name}") as stepper:
             while waiting or loop.rows or pending:
                 # the environments' answers due by this step (or the oldest, when nothing else can run)
