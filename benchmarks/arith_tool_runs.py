@@ -8,6 +8,7 @@ syntax (``{`` or ``}`` inside one of its turns, between the transcript's marks):
 
     python benchmarks/arith_tool_runs.py --seeds 0,1,2 --record                       # PPO, the built-in calculator
     python benchmarks/arith_tool_runs.py --method grpo --seeds 0,1,2 --record
+    python benchmarks/arith_tool_runs.py --method ppo-lockstep --seeds 0,1,2 --record  # generation.kv_budget_mb=0
     python benchmarks/arith_tool_runs.py --env calculator:Calculator --cwd examples/envs --seeds 3 --record
     python benchmarks/arith_tool_runs.py --task arith_chain --seeds 0,1,2 --record    # two calls in sequence
 
@@ -32,7 +33,11 @@ BUILT_IN = {
     "arith_tool": "shifu.tasks.arith_tool:calculator_env",
     "arith_chain": "shifu.tasks.arith_chain:chain_env",
 }
-METHODS = {"ppo": [], "grpo": ["ppo.advantage_estimator=grpo", "ppo.group_size=4"]}
+METHODS = {
+    "ppo": [],
+    "grpo": ["ppo.advantage_estimator=grpo", "ppo.group_size=4"],
+    "ppo-lockstep": ["ppo.generation.kv_budget_mb=0"],  # PPO, the episodes' turns a sampler call each
+}
 TURN = re.compile("\u27e6(.*?)\u27e7", re.S)  # a policy turn in a transcript (shifu.rollout.batch.MARKS)
 
 

@@ -52,7 +52,11 @@ def tool_runs(records: list[dict], task: str) -> str:
         gain = pm(mean(gains), se(gains)) if len(rs) > 1 else pm(gains[0], ses[0]) + " (paired over prompts)"
         rows.append(
             [
-                {"ppo": "PPO (critic)", "grpo": "GRPO (`group_size=4`)"}.get(method, method),
+                {
+                    "ppo": "PPO (critic)",
+                    "grpo": "GRPO (`group_size=4`)",
+                    "ppo-lockstep": "PPO (critic), turns in lockstep (`generation.kv_budget_mb=0`)",
+                }.get(method, method),
                 f"`{env}`",
                 ", ".join(str(r["params"]["seed"]) for r in rs),
                 f"{mean(metric(r, 'gold_before') for r in rs):.3f} → {mean(metric(r, 'gold_after') for r in rs):.3f}",
