@@ -52,50 +52,36 @@ class RowStops:
         self.stops = [list(s) for s in stops] if stops is not None else [[] for _ in budgets]
         self.windows = [tail_window(s) for s in self.stops]
         self.end_ids = torch.tensor(sorted(set(end_ids)), dtype=torch.long)
+        self._ends, self._budgets = set(self.end_ids.tolist()), [int(n) for n in budgets]
         self.reasons: list[str | None] = [None] * len(self.budgets)
         self.hits: list[str | None] = [None] * len(self.budgets)
 
     def __call__(self, tokens: Tensor, running: Tensor) -> Tensor:
         steps = tokens.shape[1]
-        newest = tokens[:, -1].cpu()
+        newest = tokens[:, -1].tolist()
         ended = torch.zeros(len(newest), dtype=torch.bool)
-        if len(self.end_ids):
-            ended |= torch.isin(newest, self.end_ids)
         for b in running.cpu().nonzero().flatten().tolist():
-            if ended[b]:
-                self.reasons[b] = "stop"
-                continue
-            if self.stops[b]:
-                text = self.tok.decode(tokens[b, -self.windows[b] :].tolist(), skip_special_tokens=True)
-                hit = stop_hit(text, self.stops[b])
-                if hit is not None:
-                    self.reasons[b], self.hits[b] = "stop", hit
-                    ended[b] = True
-                    continue
-            if steps >= self.budgets[b]:
-                self.reasons[b] = "length"
-                ended[b] = True
-        return ended & running.cpu()
+            ended[b] = self.row_ends(b, newest[b], steps, lambda n, b=b: tokens[b, -n:].tolist())
+        return ended
 
-
-def one_row(stops: RowStops) -> Callable[[list[int]], bool]:
-    """A one-row :class:`RowStops` as a :class:`~shifu.generation.continuous.Row`'s ``stop(ids)``: the same ends,
-    ``reasons[0]`` and ``hits[0]``, read off the row's list of ids (no tensor per step)."""
-    ends, budget = set(stops.end_ids.tolist()), int(stops.budgets[0])
-    strings, window = stops.stops[0], stops.windows[0]
-
-    def stop(ids: list[int]) -> bool:
-        if ids[-1] in ends:
-            stops.reasons[0] = "stop"
+    def row_ends(self, b: int, newest: int, steps: int, tail: Callable[[int], list[int]]) -> bool:
+        """Whether row ``b`` ends at ``newest``, its ``steps``-th token (``reasons[b]`` and ``hits[b]`` set);
+        ``tail(n)``: the row's last ``n`` ids, read only when it has stop strings."""
+        if newest in self._ends:
+            self.reasons[b] = "stop"
             return True
-        if strings:
-            hit = stop_hit(stops.tok.decode(ids[-window:], skip_special_tokens=True), strings)
+        if self.stops[b]:
+            hit = stop_hit(self.tok.decode(tail(self.windows[b]), skip_special_tokens=True), self.stops[b])
             if hit is not None:
-                stops.reasons[0], stops.hits[0] = "stop", hit
+                self.reasons[b], self.hits[b] = "stop", hit
                 return True
-        if len(ids) >= budget:
-            stops.reasons[0] = "length"
+        if steps >= self._budgets[b]:
+            self.reasons[b] = "length"
             return True
         return False
 
-    return stop
+
+def one_row(stops: RowStops) -> Callable[[list[int]], bool]:
+    """A one-row :class:`RowStops` as a :class:`~shifu.generation.continuous.Row`'s ``stop(ids)``: its
+    :meth:`~RowStops.row_ends` read off the row's list of ids (no tensor per step)."""
+    return lambda ids: stops.row_ends(0, ids[-1], len(ids), lambda n: ids[-n:])
