@@ -42,11 +42,11 @@ from shifu.models.padding import pad_left, position_ids_from_mask
 @dataclass
 class Row:
     """One row to sample: ``prompt`` ids, at most ``budget`` tokens; ``stop(ids) -> bool`` (the ids sampled so
-    far, a list) ends it at the token just sampled (besides EOS); ``generator``: its own, or None (the loop's shared one);
-    ``top_logprobs``: how many of each step's most likely ids to keep; ``on_token(id, log_prob, top)`` after each
-    of its tokens. What it sampled: ``ids``, ``log_probs``, ``entropy`` and, with ``top_logprobs``, ``top``: per
-    token the most likely ``(id, log-prob)``, best first, read off the distribution its token was sampled from
-    (None without)."""
+    far, a list) ends it at the token just sampled (besides EOS); ``generator``: its own, or None (the loop's
+    shared one); ``top_logprobs``: how many of each step's most likely ids to keep; ``on_token(id, log_prob,
+    top)`` after each of its tokens. What it sampled: ``ids``, ``log_probs``, ``entropy`` and, with
+    ``top_logprobs``, ``top``: per token the most likely ``(id, log-prob)``, best first, read off the
+    distribution its token was sampled from (None without)."""
 
     prompt: list[int]
     budget: int
@@ -128,9 +128,10 @@ class Running:
         self.rows: list[Row] = []
         self.logits: Tensor | None = None  # (rows, V) of the held rows' next tokens
 
-    def room(self, tokens: int) -> bool:
-        """Whether a row that may hold ``tokens`` tokens (:attr:`Row.need`) can be admitted now."""
-        return self.pool.reserved + blocks_for(tokens, self.pool.block) <= self.pool.capacity
+    def room(self, *tokens: int) -> bool:
+        """Whether rows that may hold ``tokens`` tokens each (:attr:`Row.need`) can be admitted now, together."""
+        pool = self.pool
+        return pool.reserved + sum(blocks_for(n, pool.block) for n in tokens) <= pool.capacity
 
     def admit(self, rows: list[Row]) -> None:
         """Prefill ``rows`` (through the prefix cache) and hold them from the next :meth:`step` on; each reserves

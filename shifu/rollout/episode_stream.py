@@ -20,12 +20,13 @@ from shifu.rollout.sources import Policy
 
 
 class EpisodeStream:
-    """Episodes of ``source`` (a :class:`~shifu.rollout.episodes.Episodes`) that advance on their own, for a sampler that trains each as it finishes
-    (``async_schedule=bounded``). A round (:meth:`advance`) applies the environment steps that have answered, then
-    samples one turn of every episode whose environment has answered, in one sampler call (or one per
-    :meth:`~shifu.rollout.episodes.Episodes._batches` group), and hands those turns' actions to the environment without waiting for
-    them: a slow step holds its own episode only, and the others go on to their next turns. Turns, budgets, ends,
-    faults and rewards are as in :meth:`~shifu.rollout.episodes.Episodes.collect`; which episodes share a sampler call depends on when
+    """Episodes of ``source`` (a :class:`~shifu.rollout.episodes.Episodes`) that advance on their own, for a
+    sampler that trains each as it finishes (``async_schedule=bounded``). A round (:meth:`advance`) applies
+    the environment steps that have answered, then samples one turn of every episode whose environment has
+    answered, in one sampler call (or one per :meth:`~shifu.rollout.episodes.Episodes._batches` group), and
+    hands those turns' actions to the environment without waiting for them: a slow step holds its own episode
+    only, and the others go on to their next turns. Turns, budgets, ends, faults and rewards are as in
+    :meth:`~shifu.rollout.episodes.Episodes.collect`; which episodes share a sampler call depends on when
     their environments answer, so a stream is not bit-reproducible.
 
     Episodes are added in groups (a prompt's ``group_size`` rows) under a key; a group is out when all its

@@ -48,7 +48,6 @@ from shifu.errors import ShifuError
 from shifu.generation.continuous import Row, Running
 from shifu.generation.decode import keeps_kv
 from shifu.generation.kv_cache import CallPrefixes, PrefixCache
-from shifu.generation.paged import blocks_for
 from shifu.generation.rollout import Sample, SamplingParams, sample
 from shifu.generation.stops import RowStops, one_row
 from shifu.models.padding import pad_left
@@ -154,7 +153,25 @@ class Episodes:
     @staticmethod
     def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:
         """The episodes as one batch (:func:`shifu.rollout.batch.stack`), each turn's reward on its last token."""
-        return _trajectories(eps, policy)
+        trajs = [
+            Trajectory(
+                ep.row,
+                ep.prompt,
+                [
+                    dataclasses.replace(p, reward=ep.rewards.get(k, 0.0)) if p.sampled else p
+                    for k, p in enumerate(ep.parts)
+                ],
+                ep.truncated,
+                ep.failed,
+                ep.counts,
+                ep.spans,
+            )
+            for ep in eps
+        ]
+        t = stack(trajs, policy.tokenizer.pad_token_id, policy.with_log_probs, policy.value_head is not None)
+        return dataclasses.replace(
+            t, metrics=episode_metrics(t.counts, t.truncated, t.failed, t.returns, "env/")
+        )
 
     def _admits(self, policy: Policy) -> bool:
         """Whether this rollout's turns decode in one admitting loop (module docstring): a pool budget, one
@@ -212,7 +229,7 @@ class Episodes:
                 rows = []
                 while waiting:
                     row = self._turn_row(tok, waiting[0], positions)
-                    if row is not None and not fits(loop, [*rows, row]):
+                    if row is not None and not loop.room(*(r.need for r in rows), row.need):
                         if loop.rows or rows:
                             break  # it waits for rows to end (first come, first admitted)
                         raise ShifuError(
@@ -234,7 +251,7 @@ class Episodes:
                 stepping = self._ended_turns(policy, sorted(ended, key=lambda r: order[id(r.tag)]))
                 ended.clear()
                 if stepping:
-                    calls = [(ep.env, action, ep.row, turn) for ep, action, turn in stepping]
+                    calls = _calls(stepping)
                     answers = stepper.submit(self.env.step, calls) if lag else self.env.step(calls)
                     pending.append((steps + lag, answers, stepping))
 
@@ -367,10 +384,8 @@ class Episodes:
         for j, ep in enumerate(group):
             action = self._append_row(tok, ep, out, j)
             if action is not None:
-                stepping.append((ep, action))
-        calls = [(ep.env, action, ep.row, turn) for ep, action in stepping]
-        for (ep, action), step in zip(stepping, self.env.step(calls)):
-            self._observe(tok, ep, turn, action, step)
+                stepping.append((ep, action, turn))
+        self._observed(tok, stepping, self.env.step(_calls(stepping)))
 
     def _append_turn(self, tok, ep: _Episode, ids: list[int], stats: list[list[float]]) -> str | None:
         """The turn sampled for ``ep`` appended (its ids, and per id the log-prob, entropy and value read off
@@ -386,8 +401,15 @@ class Episodes:
         return None
 
     def _append_row(self, tok, ep: _Episode, out: Sample, j: int) -> str | None:
-        """Row ``j`` of a sampler call appended to ``ep`` as its turn (:meth:`_append_turn`)."""
-        return self._append_turn(tok, ep, *_row(out, j))
+        """Row ``j`` of a sampler call appended to ``ep`` as its turn (:meth:`_append_turn`; 0 for the log-probs,
+        entropies and values the call read none of)."""
+        mask = out.response_mask[j]
+        ids = out.response_ids[j][mask].tolist()
+        stats = [
+            s[j][mask].tolist() if s is not None else [0.0] * len(ids)
+            for s in (out.log_probs, out.entropy, out.values)
+        ]
+        return self._append_turn(tok, ep, ids, stats)
 
     def _observe(self, tok, ep: _Episode, turn: int, action: str, step) -> None:
         """``step``'s reward on the turn just taken, its counts, then its observation appended (or the end); a
@@ -434,40 +456,6 @@ class Episodes:
             raise type(e)(f"{self.env.where(ep.row, turn)}: {e}") from None
 
 
-def fits(loop: Running, rows: list[Row]) -> bool:
-    """Whether ``loop``'s pool can take ``rows`` beside the rows it holds (each reserves its prompt and budget)."""
-    pool = loop.pool
-    return pool.reserved + sum(blocks_for(r.need, pool.block) for r in rows) <= pool.capacity
-
-
-def _row(out: Sample, j: int) -> tuple[list[int], list[list[float]]]:
-    """Row ``j`` of a sampler call: its response ids, and their log-probs, entropies and values (0 where the
-    call read none)."""
-    mask = out.response_mask[j]
-    ids = out.response_ids[j][mask].tolist()
-    stats = [
-        s[j][mask].tolist() if s is not None else [0.0] * len(ids)
-        for s in (out.log_probs, out.entropy, out.values)
-    ]
-    return ids, stats
-
-
-def _trajectories(eps: list[_Episode], policy: Policy) -> Trajectories:
-    """The episodes as one batch (:func:`shifu.rollout.batch.stack`), each turn's reward on its last token."""
-    trajs = [
-        Trajectory(
-            ep.row,
-            ep.prompt,
-            [
-                dataclasses.replace(p, reward=ep.rewards.get(k, 0.0)) if p.sampled else p
-                for k, p in enumerate(ep.parts)
-            ],
-            ep.truncated,
-            ep.failed,
-            ep.counts,
-            ep.spans,
-        )
-        for ep in eps
-    ]
-    t = stack(trajs, policy.tokenizer.pad_token_id, policy.with_log_probs, policy.value_head is not None)
-    return dataclasses.replace(t, metrics=episode_metrics(t.counts, t.truncated, t.failed, t.returns, "env/"))
+def _calls(stepping: list[tuple[_Episode, str, int]]) -> list[tuple]:
+    """``Environment.step``'s calls for ``(episode, action, turn)`` triples."""
+    return [(ep.env, action, ep.row, turn) for ep, action, turn in stepping]
