@@ -143,6 +143,8 @@ def record(out: Path) -> None:
             "clip_low=0.003",
             "clip_high=0.004",
         ],
+        # LoRA on the actor (peft's default layers for GPT-2), the reference its adapters switched off
+        "ppo_lora": ["lora.enabled=true", "lora.r=4", "critic.init=reward", "optim.lr=1e-3"],
     }
     for name, extra in variants.items():
         _shifu("ppo", "--out", str(out / name), *ppo, *extra)
