@@ -198,10 +198,11 @@ def test_lora_critic_is_refused_where_there_is_no_critic_of_its_own():
 
 def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     """Rollouts of a LoRA actor come from the adapted policy, not the base model: the hand-written GPT-2
-    decoder (engine auto's choice for a plain model) reads each layer's own weight and would skip the
-    adapters, so a peft model decodes through its HF forward. The log-probs read off the decode steps equal
-    the adapted actor's full forward at the sampled tokens, and differ from the base model's."""
-    from shifu.generation.decode import _GPT2Decoder, decoder
+    decoder reads each adapted layer's weight with its adapters merged in (W + s B A), so a peft model
+    decodes fast, with the tokens the HF forward of the adapted model samples and log-probs equal to the
+    adapted actor's full forward at the sampled tokens (and unlike the base model's). Adapters a merge does
+    not express (here: on the embedding) decode through the HF forward, and engine 'fast' says so."""
+    from shifu.generation.decode import _GPT2Decoder, _HFDecoder, decoder, keeps_kv
     from shifu.generation.rollout import SamplingParams, policy_forward, sample
     from shifu.models.padding import pad_left
 
@@ -217,23 +218,56 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     ids, mask = enc["input_ids"], enc["attention_mask"]
     params = SamplingParams(max_new_tokens=6, stop_at_eos=False)
     w = next(frozen.parameters())
-    assert isinstance(decoder(frozen, 3, 9, w, "auto"), _GPT2Decoder)  # a plain GPT-2: the fast decoder
-    with pytest.raises(ValueError, match="LoRA adapters"):
-        decoder(actor, 3, 9, w, "fast")
+    assert isinstance(decoder(actor, 3, 9, w, "auto"), _GPT2Decoder) and keeps_kv(actor)
+    runs = {}
     with torch.no_grad():
-        s = sample(
-            actor,
-            ids,
-            mask,
-            params,
-            tok.eos_token_id,
-            tok.pad_token_id,
-            torch.Generator().manual_seed(1),
-            with_log_probs=True,
-        )
+        for engine in ("auto", "hf"):
+            runs[engine] = sample(
+                actor,
+                ids,
+                mask,
+                params,
+                tok.eos_token_id,
+                tok.pad_token_id,
+                torch.Generator().manual_seed(1),
+                with_log_probs=True,
+                engine=engine,
+            )
+        s = runs["auto"]
         full = torch.cat([ids, s.response_ids], 1)
         attn = torch.cat([mask, s.response_mask.long()], 1)
         adapted = policy_forward(actor, full, attn, ids.shape[1])[0]
         base = policy_forward(frozen, full, attn, ids.shape[1])[0]
-    torch.testing.assert_close(s.log_probs, adapted.float(), rtol=1e-4, atol=1e-4)
+    assert torch.equal(s.response_ids, runs["hf"].response_ids), (
+        "the merged weights sample what peft's forward does"
+    )
+    torch.testing.assert_close(s.log_probs, runs["hf"].log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(s.log_probs, adapted.float(), rtol=0, atol=1e-5)
     assert (s.log_probs - base).abs().max() > 0.1, "the adapters should change the sampled log-probs"
+
+    # LoRA on the token embedding: not a merge the decoders read, so the HF forward decodes
+    on_embedding = lora.wrap_lora(
+        copy.deepcopy(frozen), lora.LoraConfig(enabled=True, r=4, target_modules=["wte"])
+    )
+    assert isinstance(decoder(on_embedding, 3, 9, w, "auto"), _HFDecoder) and not keeps_kv(on_embedding)
+    with pytest.raises(ValueError, match="no fast decoder for these LoRA adapters"):
+        decoder(on_embedding, 3, 9, w, "fast")
+
+
+def test_a_lora_layer_merged_weight_follows_the_adapter_switches(setup):
+    """lora.merged_weight: W itself for a plain layer, and with the adapters switched off (the reference);
+    W + (alpha / r) B A otherwise, in W's layout (GPT-2's Conv1D keeps (in, out))."""
+    tok, frozen, actor, _ = setup
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    plain = frozen.transformer.h[0].attn.c_attn
+    layer = lora.base_model(actor).transformer.h[0].attn.c_attn
+    assert lora.merged_weight(plain) is plain.weight
+    merged = lora.merged_weight(layer)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    want = layer.get_base_layer().weight + (b @ a).t() * (8.0 / 4)
+    assert merged.shape == plain.weight.shape and torch.allclose(merged, want)
+    with lora.adapters_disabled(actor):
+        assert lora.merged_weight(layer) is layer.get_base_layer().weight

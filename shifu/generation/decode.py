@@ -17,41 +17,47 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from shifu.models.lora import is_lora
+from shifu.models import lora
 from shifu.parallel.precision import Probe, alternating_best
 
 
 def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
     """The fastest decoder that supports ``model`` (``engine``: "auto", "fast" (must be supported), "hf").
 
-    A model with adapter layers (peft's LoRA) always decodes through its HF forward: the hand-written
-    decoders read each layer's own weight and would sample from the base model without the adapters."""
+    A model with LoRA adapters (peft) decodes fast with each adapted layer's weight merged, ``W + (alpha / r)
+    B A`` computed when the decoder is made (:func:`shifu.models.lora.merged_weight`); adapters a merge does
+    not express (:func:`shifu.models.lora.decodable`) decode through the HF forward."""
     if engine not in ("auto", "fast", "hf"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'hf', not {engine!r}")
-    adapted = is_lora(model)
-    if engine == "fast" and adapted:
-        raise ValueError("no fast decoder for a model with LoRA adapters (it would skip them); use 'hf'")
-    if engine != "hf" and not adapted:
-        for cls in (_GPT2Decoder, _LlamaDecoder):
-            if cls.supports(model):
-                return cls(model, batch, max_len)
-        if engine == "fast":
-            raise ValueError(f"no fast decoder for model type {model.config.model_type!r}")
+    fast = _fast(model) if engine != "hf" else None
+    if fast is not None:
+        return fast(lora.base_model(model), batch, max_len)
+    if engine == "fast":
+        what = "these LoRA adapters" if lora.is_lora(model) else f"model type {model.config.model_type!r}"
+        raise ValueError(f"no fast decoder for {what}; use 'hf'")
     return _HFDecoder(model, batch, max_len, like, want_hidden)
+
+
+def _fast(model) -> type[_FastDecoder] | None:
+    """The hand-written decoder class for ``model`` (peft's wrapper looked through), or None."""
+    if lora.is_lora(model) and not lora.decodable(model):
+        return None
+    plain = lora.base_model(model)
+    return next((cls for cls in (_GPT2Decoder, _LlamaDecoder) if cls.supports(plain)), None)
 
 
 def keeps_kv(model) -> bool:
     """Whether :func:`decoder` (``engine="auto"``) gives ``model`` a decoder that keeps its own cache."""
-    return not is_lora(model) and any(cls.supports(model) for cls in (_GPT2Decoder, _LlamaDecoder))
+    return _fast(model) is not None
 
 
 def kv_shape(model) -> tuple[int, int, int]:
     """(layers, key/value heads, head size) of the cache a decoder that keeps its own (:func:`keeps_kv`) holds
     for ``model``: a token's keys and values are 2 x their product numbers."""
-    for cls in (_GPT2Decoder, _LlamaDecoder):
-        if cls.supports(model):
-            return cls.kv_shape(model.config)
-    raise ValueError(f"no decoder that keeps its own cache for model type {model.config.model_type!r}")
+    fast = _fast(model)
+    if fast is None:
+        raise ValueError(f"no decoder that keeps its own cache for model type {model.config.model_type!r}")
+    return fast.kv_shape(lora.base_model(model).config)
 
 
 class _HFDecoder:
@@ -214,20 +220,22 @@ class _GPT2Decoder(_FastDecoder):
         self.head = head_product(model.lm_head.weight, batch)
         self.approximate = self.ACTIVATIONS[cfg.activation_function]
         # the weights each step reads, looked up once (module attribute access costs ~2 us a time)
+        # (a LoRA layer's weight with its adapters merged in: lora.merged_weight)
+        W, bias = lora.merged_weight, lora.merged_bias
         self.blocks = [
             (
                 b.ln_1.weight,
                 b.ln_1.bias,
-                b.attn.c_attn.weight,
-                b.attn.c_attn.bias,
-                b.attn.c_proj.weight,
-                b.attn.c_proj.bias,
+                W(b.attn.c_attn),
+                bias(b.attn.c_attn),
+                W(b.attn.c_proj),
+                bias(b.attn.c_proj),
                 b.ln_2.weight,
                 b.ln_2.bias,
-                b.mlp.c_fc.weight,
-                b.mlp.c_fc.bias,
-                b.mlp.c_proj.weight,
-                b.mlp.c_proj.bias,
+                W(b.mlp.c_fc),
+                bias(b.mlp.c_fc),
+                W(b.mlp.c_proj),
+                bias(b.mlp.c_proj),
             )
             for b in tr.h
         ]
@@ -289,14 +297,18 @@ class _LlamaDecoder(_FastDecoder):
         self.inner, self.eps = inner, cfg.rms_norm_eps
         self.head = head_product(model.lm_head.weight, batch)
         self.scale = self.head_dim**-0.5
-        # q/k/v and gate/up fused into one matmul each (weights change between rollouts: fuse per call)
-        self.qkv, self.qkv_bias, self.gate_up = [], [], []
+        # q/k/v and gate/up fused into one matmul each (weights change between rollouts: fuse per call); a LoRA
+        # layer's weight with its adapters merged in (lora.merged_weight)
+        W, bias = lora.merged_weight, lora.merged_bias
+        self.qkv, self.qkv_bias, self.gate_up, self.o, self.down = [], [], [], [], []
         for blk in inner.layers:
             at, mlp = blk.self_attn, blk.mlp
-            self.qkv.append(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).t())
-            biases = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]
+            self.qkv.append(torch.cat([W(at.q_proj), W(at.k_proj), W(at.v_proj)]).t())
+            biases = [bias(at.q_proj), bias(at.k_proj), bias(at.v_proj)]
             self.qkv_bias.append(None if biases[0] is None else torch.cat(biases))
-            self.gate_up.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t())
+            self.gate_up.append(torch.cat([W(mlp.gate_proj), W(mlp.up_proj)]).t())
+            self.o.append((W(at.o_proj), bias(at.o_proj)))
+            self.down.append(W(mlp.down_proj).t())
 
     def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
         inner, (B, T) = self.inner, ids.shape
@@ -316,10 +328,10 @@ class _LlamaDecoder(_FastDecoder):
             k = _rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
             a = self.attend(i, q, k, v, self.scale).transpose(1, 2).reshape(B * T, H * D)
-            x = F.linear(a, blk.self_attn.o_proj.weight, blk.self_attn.o_proj.bias).add_(x)
+            x = F.linear(a, *self.o[i]).add_(x)
             h = F.rms_norm(x, (d,), blk.post_attention_layernorm.weight, self.eps)
             gate, up = (h @ self.gate_up[i]).chunk(2, dim=-1)
-            x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)
+            x = (F.silu(gate).mul_(up) @ self.down[i]).add_(x)
         self.length += T
         self.last_hidden = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
         return self.head(self.last_hidden)

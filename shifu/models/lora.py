@@ -163,3 +163,48 @@ def merged_copy(model: nn.Module) -> nn.Module:
     if not is_lora(model):
         raise ShifuError("merged_copy needs a LoRA model")
     return copy.deepcopy(_inner(model)).merge_and_unload()
+
+
+# ------------------------------------------------------------------ what shifu's own decoders read of an adapted model
+def decodable(model: nn.Module) -> bool:
+    """Whether :func:`merged_weight` gives every adapted layer of ``model`` (a peft model) its exact weight:
+    plain LoRA on linear layers only (no DoRA or other variant, none on an embedding), the adapter input's
+    dropout off or the layer in eval mode. The output layer is never adapted by shifu; one that is, is not
+    decodable either (the decoders read the output embedding as it is)."""
+    peft = _peft()
+    for name, m in _inner(model).named_modules():
+        if not isinstance(m, peft.tuners.lora.LoraLayer):
+            continue
+        if not isinstance(m, peft.tuners.lora.Linear) or name.endswith("lm_head"):
+            return False
+        for a in m.active_adapters:
+            if a in m.lora_variant or (m.training and not isinstance(m.lora_dropout[a], nn.Identity)):
+                return False
+    return True
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a peft model (whose adapted layers are peft's wrappers), or ``model``
+    itself (unwrapped from DDP) when it has no adapters."""
+    inner = _inner(model)
+    return inner.get_base_model() if _is_peft(inner) else inner
+
+
+@torch.no_grad()
+def merged_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight ``layer`` computes with: ``W + (alpha / r) B A`` of its active adapters for a LoRA layer (a new
+    tensor, in ``W``'s layout and dtype), ``W`` itself for a plain one (or with the adapters switched off or
+    already merged into ``W``). Check :func:`decodable` first."""
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+    if base is layer or layer.disable_adapters or layer.merged:
+        return base.weight
+    w = base.weight
+    for a in layer.active_adapters:
+        if a in layer.lora_A:
+            w = w + layer.get_delta_weight(a).to(w.dtype)
+    return w
+
+
+def merged_bias(layer: nn.Module) -> torch.Tensor | None:
+    """The bias ``layer`` adds (LoRA never adapts it): its base layer's."""
+    return (layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer).bias
