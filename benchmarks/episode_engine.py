@@ -19,6 +19,13 @@ figure, and the held-out gain of a whole run is measured by the quickstart bench
     # SmolLM2 on arith_tool's environment, the prompts of a tiny arith_tool run
     python benchmarks/episode_engine.py --run RUN --plan shifu/presets/quickstart/arith_tool-smollm2.yaml \
         --policy ~/.cache/.../smollm2 --record
+    # the same with the plan's LoRA adapters on the policy (as its PPO stage trains it), against lockstep turns
+    # decoded through the HF forward of the peft model (schedule lockstep-hf)
+    python benchmarks/episode_engine.py ... --lora --record
+
+``--lora``: the policy wrapped with the plan's ``lora`` adapters, their B matrices drawn small and non-zero (an
+adapter some updates into training), and a third schedule, ``lockstep-hf``: lockstep turns through peft's HF
+forward, the way a LoRA actor decoded before shifu's decoders merged adapters.
 """
 
 from __future__ import annotations
@@ -59,15 +66,16 @@ class Slowed:
         return getattr(self._env, name)
 
 
-def rollout(model, tok, source, rows: list[dict], params) -> tuple[float, int, int]:
-    """Seconds of one rollout of ``rows``, the tokens sampled and the turns taken."""
+def rollout(model, tok, source, rows: list[dict], params, engine: str = "auto") -> tuple[float, int, int]:
+    """Seconds of one rollout of ``rows``, the tokens sampled and the turns taken (``engine``: the sampler's)."""
     from shifu.rollout.batch import PromptBatch
     from shifu.rollout.sources import Policy
 
     n = len(rows)
     batch = PromptBatch(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), rows)
     t0 = time.perf_counter()
-    made = source.collect(Policy(model, tok, True), batch, params, torch.Generator().manual_seed(0))
+    policy = Policy(model, tok, True, sample_kwargs={} if engine == "auto" else {"engine": engine})
+    made = source.collect(policy, batch, params, torch.Generator().manual_seed(0))
     return time.perf_counter() - t0, int(made.trainable.sum()), sum(made.counts["turns"])
 
 
@@ -89,24 +97,39 @@ def workload(args: argparse.Namespace) -> tuple[dict, str, list[dict], Path]:
     return plan, env["factory"], rows, Path(args.policy or run / "sft" / "final")
 
 
-def sources(plan: dict, lags: list[int]) -> list[tuple[str, int | None, object]]:
-    """``(schedule, lag, episode source)``: lockstep, then the running decode at each lag."""
+def sources(plan: dict, lags: list[int], hf: bool = False) -> list[tuple[str, int | None, object]]:
+    """``(schedule, lag, episode source)``: lockstep (``hf``: also lockstep through the HF forward, lag -1), then
+    the running decode at each lag."""
     from shifu.config.imports import key_prefix
     from shifu.config.loader import from_dict
     from shifu.config.sources import GenerationConfig
     from shifu.rollout.build import episodes_source, plan_section
 
     out = []
-    for lag in [None, *lags]:
-        kv = {"kv_budget_mb": 0} if lag is None else {}
+    for lag in [None, *([-1] if hf else []), *lags]:
+        kv = {"kv_budget_mb": 0} if lag is None or lag < 0 else {}
         with key_prefix("ppo."):
             generation = from_dict(GenerationConfig, plan["generation"] | kv)
             chat = plan.get("data", {}).get("chat_template", True)
             source = episodes_source(plan_section(plan), generation, chat)
-        if lag is not None:
+        if lag is not None and lag >= 0:
             source.step_lag = lag
-        out.append(("lockstep" if lag is None else "admit", lag, source))
+        out.append(("lockstep" if lag is None else "lockstep-hf" if lag < 0 else "admit", lag, source))
     return out
+
+
+def with_lora(model, plan: dict):
+    """``model`` with the plan's LoRA adapters, B drawn from N(0, 0.02^2) (seeded): a policy some updates in."""
+    from shifu.config.sections import LoraConfig
+    from shifu.models import lora
+
+    adapted = lora.wrap_lora(model, LoraConfig(**(plan.get("lora") or {}) | {"enabled": True})).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return adapted
 
 
 def main() -> None:
@@ -120,6 +143,7 @@ def main() -> None:
     ap.add_argument("--lags", default=None, help="comma-separated; default: shifu's STEP_LAG")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lora", action="store_true", help="the plan's LoRA adapters on the policy (docstring)")
     provenance.add_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,14 +154,18 @@ def main() -> None:
 
     plan, factory, rows, policy = workload(args)
     model, tok = load_policy(policy)
+    if args.lora:
+        model = with_lora(model, plan)
     params = SamplingParams(plan["generation"]["max_new_tokens"], 1.0)
-    schedules = sources(plan, [STEP_LAG] if args.lags is None else [int(x) for x in args.lags.split(",")])
+    lags = [STEP_LAG] if args.lags is None else [int(x) for x in args.lags.split(",")]
+    schedules = sources(plan, lags, hf=args.lora)
     rollout(model, tok, schedules[0][2], rows, params)  # warm-up: allocations, imports
     times: dict[int | None, list[float]] = {}
     counts: dict[int | None, tuple[int, int]] = {}
     for _ in range(args.repeats):
         for _name, lag, source in schedules:
-            seconds, tokens, turns = rollout(model, tok, source, rows, params)
+            engine = "hf" if lag is not None and lag < 0 else "auto"
+            seconds, tokens, turns = rollout(model, tok, source, rows, params, engine)
             times.setdefault(lag, []).append(seconds)
             counts[lag] = (tokens, turns)
     base = min(times[None])
@@ -160,7 +188,8 @@ def main() -> None:
             "episodes": len(rows),
             "sleep_ms": args.sleep_ms,
             "schedule": name,
-            "lag": lag,
+            "lag": None if lag is not None and lag < 0 else lag,
+            **({"lora": True} if args.lora else {}),
         }
         provenance.record(args, "episode_engine", metrics, params=params_rec, threads=args.threads)
 

@@ -121,8 +121,11 @@ def episode_engine(records: list[dict]) -> str:
     rows = []
     for r in recs:
         m, p = r["metrics"], r["params"]
-        schedule = "lockstep" if p["lag"] is None else f"running decode, lag {p['lag']}"
+        schedule = p.get("schedule", "lockstep") if p["lag"] is None else f"running decode, lag {p['lag']}"
+        if schedule == "lockstep-hf":
+            schedule = "lockstep, peft's HF forward"
         policy = f"{p['run']}'s SFT" if p["policy"] == "sft/final" else p["policy"]
+        policy += " with LoRA adapters" if p.get("lora") else ""
         workload = f"{policy}, plan {p['plan']}, {p['episodes']} episodes"
         rows.append(
             [
