@@ -335,10 +335,10 @@ class Engine:
         the rows held and those accepted before it (:meth:`joins`' limits), while the policy is the loop's."""
         rows = len(loop.rows)
         width = max((len(r.prompt) + r.budget for r in loop.rows), default=0)
-        free = loop.pool.capacity - loop.pool.reserved  # blocks not promised to a held row
+        accepted: list[int] = []  # the tokens each row accepted so far may hold (its prompt and whole budget)
 
         def accept(job: Job) -> bool:
-            nonlocal rows, width, free
+            nonlocal rows, width
             if self.version != version or job.setting != first.setting or not self.admits(job):
                 return False
             if (job.identity is None) != (first.identity is None):
@@ -348,10 +348,12 @@ class Engine:
                 return False
             if rows + job.n > self.max_batch_rows or (rows + job.n) * wide > self.max_batch_tokens:
                 return False
-            if self.kv_need(job) > free:  # it waits until rows end (module docstring)
+            need = [len(job.prompt_ids) + job.budget] * job.n
+            if not loop.room(*accepted, *need):  # it waits until rows end (module docstring)
                 self.kv["waits"] += 1
                 return False
-            rows, width, free = rows + job.n, wide, free - self.kv_need(job)
+            rows, width = rows + job.n, wide
+            accepted.extend(need)
             return True
 
         return accept
