@@ -39,6 +39,13 @@ def _chunks(shape: tuple[int, ...], chunk_elements: int) -> Iterator[tuple[slice
             yield slice(b0, b0 + b_step), slice(t0, t0 + t_step)
 
 
+def _head(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` of a chunk ``x`` (b, t, d) of the hidden states, as one 2-D product: a chunk
+    of several rows and part of their positions is not contiguous, and F.linear would broadcast the weight
+    into a batched product instead (the same values, measured 1.5x slower at SmolLM2's output layer)."""
+    return F.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 def _scaled(chunk: Tensor, temperature: float) -> Tensor:
     z = chunk.float()
     return z / temperature if temperature != 1.0 else z
@@ -244,7 +251,7 @@ class _HeadTokenStats(torch.autograd.Function):
         ent, lse = (torch.empty_like(lp), torch.empty_like(lp)) if with_entropy else (None, None)
         with torch.autocast(hidden.device.type, enabled=False):  # the operands are cast already
             for bs, ts in _chunks(shape, chunk_elements):
-                u = _scaled(F.linear(hidden[bs, ts].to(dtype), w, b), temperature)
+                u = _scaled(_head(hidden[bs, ts].to(dtype), w, b), temperature)
                 if with_entropy:
                     lp[bs, ts], ent[bs, ts], lse[bs, ts] = _joint(u, index[bs, ts])
                 else:
@@ -276,7 +283,7 @@ def _head_backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None) -> tupl
     grad_bias = torch.zeros_like(bias) if need_bias else None
     for bs, ts in _chunks(ctx.shape, ctx.chunk_elements):
         x = hidden[bs, ts].to(dtype)
-        u = _scaled(F.linear(x, w, b), tau)
+        u = _scaled(_head(x, w, b), tau)
         g_lp = None if grad_lp is None else grad_lp[bs, ts]
         if ent is None:
             g = _log_probs_grad(u, index[bs, ts], g_lp, tau)
