@@ -254,9 +254,10 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
         decoder(on_embedding, 3, 9, w, "fast")
 
 
-def test_a_lora_layer_merged_weight_follows_the_adapter_switches(setup):
-    """lora.merged_weight: W itself for a plain layer, and with the adapters switched off (the reference);
-    W + (alpha / r) B A otherwise, in W's layout (GPT-2's Conv1D keeps (in, out))."""
+def test_a_lora_layer_reads_as_its_base_weight_and_low_rank_terms(setup):
+    """lora.linear: a plain layer's own weight and bias and no adapter term; an adapted layer's base weight (the
+    same tensor, never a copy) and its adapter's (A, B, alpha / r), none with the adapters switched off (the
+    reference); base product plus the terms (lora.add_low_rank) is the peft layer's own output."""
     tok, frozen, actor, _ = setup
     with torch.no_grad():
         for name, p in actor.named_parameters():
@@ -264,10 +265,72 @@ def test_a_lora_layer_merged_weight_follows_the_adapter_switches(setup):
                 p.fill_(0.01)
     plain = frozen.transformer.h[0].attn.c_attn
     layer = lora.base_model(actor).transformer.h[0].attn.c_attn
-    assert lora.merged_weight(plain) is plain.weight
-    merged = lora.merged_weight(layer)
-    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    want = layer.get_base_layer().weight + (b @ a).t() * (8.0 / 4)
-    assert merged.shape == plain.weight.shape and torch.allclose(merged, want)
+    w, b, low = lora.linear(plain)
+    assert w is plain.weight and b is plain.bias and low == ()
+    w, b, low = lora.linear(layer)
+    assert w is layer.get_base_layer().weight and len(low) == 1 and low[0][2] == 8.0 / 4
+    x = torch.randn(5, w.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(
+            lora.add_low_rank(torch.addmm(b, x, w), x, low), layer(x)
+        )  # GPT-2's Conv1D: x W + b
     with lora.adapters_disabled(actor):
-        assert lora.merged_weight(layer) is layer.get_base_layer().weight
+        assert lora.linear(layer)[2] == ()
+
+
+def test_a_lora_llama_decodes_through_its_adapters_on_every_projection():
+    """A Llama-style actor with LoRA on all seven projections (the SmolLM2 presets' layers) decodes with shifu's
+    decoder: the tokens peft's HF forward samples, log-probs within 1e-5 of the adapted model's full forward,
+    and unlike the base model's; through the running decode (episodes', the gateway's) as through a call."""
+    from conftest import build_tiny_tokenizer
+    from test_prefix_cache import tiny_llama
+
+    from shifu.generation.continuous import Row, Running
+    from shifu.generation.decode import _LlamaDecoder, decoder, keeps_kv
+    from shifu.generation.rollout import SamplingParams, policy_forward, sample
+
+    tok = build_tiny_tokenizer()
+    base = tiny_llama(tok)
+    frozen = copy.deepcopy(base).requires_grad_(False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    actor = lora.wrap_lora(base, lora.LoraConfig(enabled=True, r=4, alpha=8.0, target_modules=targets)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    w = next(frozen.parameters())
+    assert isinstance(decoder(actor, 2, 8, w, "auto"), _LlamaDecoder) and keeps_kv(actor)
+    prompt = torch.randint(3, len(tok), (2, 7), generator=g)
+    mask = torch.ones_like(prompt)
+    params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    with torch.no_grad():
+        fast, hf = (
+            sample(
+                actor,
+                prompt,
+                mask,
+                params,
+                tok.eos_token_id,
+                tok.pad_token_id,
+                torch.Generator().manual_seed(1),
+                with_log_probs=True,
+                engine=engine,
+            )
+            for engine in ("auto", "hf")
+        )
+        full = torch.cat([prompt, fast.response_ids], 1)
+        adapted = policy_forward(actor, full, torch.ones_like(full), 7)[0]
+        plain = policy_forward(frozen, full, torch.ones_like(full), 7)[0]
+        ended: list[Row] = []
+        loop = Running(actor, params, tok.eos_token_id, tok.pad_token_id, ended.append)
+        loop.admit([Row(prompt[0].tolist(), 8, generator=torch.Generator().manual_seed(2))])
+        while loop.rows:
+            loop.step()
+        row = ended[0]
+        ids = torch.tensor([prompt[0].tolist() + row.ids])
+        running = policy_forward(actor, ids, torch.ones_like(ids), 7)[0]
+    assert torch.equal(fast.response_ids, hf.response_ids)
+    torch.testing.assert_close(fast.log_probs, adapted.float(), rtol=0, atol=1e-5)
+    assert (fast.log_probs - plain).abs().max() > 0.1, "the adapters should change the sampled log-probs"
+    torch.testing.assert_close(torch.tensor([row.log_probs]), running.float(), rtol=0, atol=1e-5)

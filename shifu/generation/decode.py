@@ -24,9 +24,10 @@ from shifu.parallel.precision import Probe, alternating_best
 def decoder(model, batch: int, max_len: int, like: Tensor, engine: str, want_hidden: bool = False):
     """The fastest decoder that supports ``model`` (``engine``: "auto", "fast" (must be supported), "hf").
 
-    A model with LoRA adapters (peft) decodes fast with each adapted layer's weight merged, ``W + (alpha / r)
-    B A`` computed when the decoder is made (:func:`shifu.models.lora.merged_weight`); adapters a merge does
-    not express (:func:`shifu.models.lora.decodable`) decode through the HF forward."""
+    A model with LoRA adapters (peft) decodes fast too: each adapted layer is its frozen base weight (read in
+    place, never copied) and its adapters' low-rank terms, applied as peft applies them
+    (:func:`shifu.models.lora.linear`); adapters that are not plain LoRA on linear layers
+    (:func:`shifu.models.lora.decodable`) decode through the HF forward."""
     if engine not in ("auto", "fast", "hf"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'hf', not {engine!r}")
     fast = _fast(model) if engine != "hf" else None
@@ -219,26 +220,26 @@ class _GPT2Decoder(_FastDecoder):
         self.tr, self.eps = tr, cfg.layer_norm_epsilon
         self.head = head_product(model.lm_head.weight, batch)
         self.approximate = self.ACTIVATIONS[cfg.activation_function]
-        # the weights each step reads, looked up once (module attribute access costs ~2 us a time)
-        # (a LoRA layer's weight with its adapters merged in: lora.merged_weight)
-        W, bias = lora.merged_weight, lora.merged_bias
+        # the weights each step reads, looked up once (module attribute access costs ~2 us a time); a LoRA
+        # layer's base weight and its adapters' low-rank terms, applied after the base product (lora.linear)
+        layers = [
+            (b, [lora.linear(m) for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)])
+            for b in tr.h
+        ]
         self.blocks = [
             (
                 b.ln_1.weight,
                 b.ln_1.bias,
-                W(b.attn.c_attn),
-                bias(b.attn.c_attn),
-                W(b.attn.c_proj),
-                bias(b.attn.c_proj),
+                *ls[0][:2],
+                *ls[1][:2],
                 b.ln_2.weight,
                 b.ln_2.bias,
-                W(b.mlp.c_fc),
-                bias(b.mlp.c_fc),
-                W(b.mlp.c_proj),
-                bias(b.mlp.c_proj),
+                *ls[2][:2],
+                *ls[3][:2],
             )
-            for b in tr.h
+            for b, ls in layers
         ]
+        self.low = [tuple(low for _, _, low in ls) for _, ls in layers]  # () for a plain layer
 
     def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
         """(B, T) ids at (B, T) positions -> (B, V) logits of the last position; advances the cache."""
@@ -249,14 +250,19 @@ class _GPT2Decoder(_FastDecoder):
         for i, (ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, pr_w, pr_b) in enumerate(
             self.blocks
         ):
+            low_qkv, low_o, low_fc, low_pr = self.low[i]
             h = F.layer_norm(x, (d,), ln1_w, ln1_b, eps)
             qkv = torch.addmm(qkv_b, h, qkv_w)  # Conv1D: x @ W + b
+            qkv = lora.add_low_rank(qkv, h, low_qkv) if low_qkv else qkv
             q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
             a = self.attend(i, q, k, v, D**-0.5).transpose(1, 2).reshape(B * T, d)
-            x = torch.addmm(o_b, a, o_w).add_(x)
+            o = torch.addmm(o_b, a, o_w)
+            x = (lora.add_low_rank(o, a, low_o) if low_o else o).add_(x)
             h = F.layer_norm(x, (d,), ln2_w, ln2_b, eps)
-            h = F.gelu(torch.addmm(fc_b, h, fc_w), approximate=self.approximate)
-            x = torch.addmm(pr_b, h, pr_w).add_(x)
+            fc = torch.addmm(fc_b, h, fc_w)
+            h = F.gelu(lora.add_low_rank(fc, h, low_fc) if low_fc else fc, approximate=self.approximate)
+            pr = torch.addmm(pr_b, h, pr_w)
+            x = (lora.add_low_rank(pr, h, low_pr) if low_pr else pr).add_(x)
         self.length += T
         last = x.view(B, T, d)[:, -1]
         self.last_hidden = F.layer_norm(last, (d,), tr.ln_f.weight, tr.ln_f.bias, eps)
@@ -297,18 +303,33 @@ class _LlamaDecoder(_FastDecoder):
         self.inner, self.eps = inner, cfg.rms_norm_eps
         self.head = head_product(model.lm_head.weight, batch)
         self.scale = self.head_dim**-0.5
-        # q/k/v and gate/up fused into one matmul each (weights change between rollouts: fuse per call); a LoRA
-        # layer's weight with its adapters merged in (lora.merged_weight)
-        W, bias = lora.merged_weight, lora.merged_bias
-        self.qkv, self.qkv_bias, self.gate_up, self.o, self.down = [], [], [], [], []
-        for blk in inner.layers:
+        # q/k/v and gate/up fused into one matmul each (weights change between rollouts: fuse per call). A model
+        # with LoRA adapters keeps its seven projections apart, each its base weight (never copied: it is frozen)
+        # and its adapters' low-rank terms (lora.linear), as peft computes them
+        proj = [
+            [
+                lora.linear(m)
+                for m in (
+                    at.q_proj,
+                    at.k_proj,
+                    at.v_proj,
+                    at.o_proj,
+                    mlp.gate_proj,
+                    mlp.up_proj,
+                    mlp.down_proj,
+                )
+            ]
+            for at, mlp in ((blk.self_attn, blk.mlp) for blk in inner.layers)
+        ]
+        self.adapted = any(low for ps in proj for _, _, low in ps)
+        self.proj = proj if self.adapted else None
+        self.qkv, self.qkv_bias, self.gate_up = [], [], []
+        for blk in [] if self.adapted else inner.layers:
             at, mlp = blk.self_attn, blk.mlp
-            self.qkv.append(torch.cat([W(at.q_proj), W(at.k_proj), W(at.v_proj)]).t())
-            biases = [bias(at.q_proj), bias(at.k_proj), bias(at.v_proj)]
+            self.qkv.append(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).t())
+            biases = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]
             self.qkv_bias.append(None if biases[0] is None else torch.cat(biases))
-            self.gate_up.append(torch.cat([W(mlp.gate_proj), W(mlp.up_proj)]).t())
-            self.o.append((W(at.o_proj), bias(at.o_proj)))
-            self.down.append(W(mlp.down_proj).t())
+            self.gate_up.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t())
 
     def forward(self, ids: Tensor, pos: Tensor) -> Tensor:
         inner, (B, T) = self.inner, ids.shape
@@ -319,22 +340,38 @@ class _LlamaDecoder(_FastDecoder):
         d = x.shape[-1]
         x = x.view(B * T, d)
         for i, blk in enumerate(inner.layers):
+            p = None if self.proj is None else self.proj[i]
             h = F.rms_norm(x, (d,), blk.input_layernorm.weight, self.eps)
-            qkv = (
-                h @ self.qkv[i] if self.qkv_bias[i] is None else torch.addmm(self.qkv_bias[i], h, self.qkv[i])
-            )
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = _rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)
-            k = _rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
+            if p is not None:
+                q, k, v = (_adapted(h, *p[j]) for j in range(3))
+            else:
+                qkv = (
+                    h @ self.qkv[i]
+                    if self.qkv_bias[i] is None
+                    else torch.addmm(self.qkv_bias[i], h, self.qkv[i])
+                )
+                q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = _rope(q.reshape(B, T, H, D).transpose(1, 2), cos, sin)
+            k = _rope(k.reshape(B, T, Hkv, D).transpose(1, 2), cos, sin)
+            v = v.reshape(B, T, Hkv, D).transpose(1, 2)
             a = self.attend(i, q, k, v, self.scale).transpose(1, 2).reshape(B * T, H * D)
-            x = F.linear(a, *self.o[i]).add_(x)
+            o = blk.self_attn.o_proj
+            x = (F.linear(a, o.weight, o.bias) if p is None else _adapted(a, *p[3])).add_(x)
             h = F.rms_norm(x, (d,), blk.post_attention_layernorm.weight, self.eps)
-            gate, up = (h @ self.gate_up[i]).chunk(2, dim=-1)
-            x = (F.silu(gate).mul_(up) @ self.down[i]).add_(x)
+            if p is not None:
+                m = F.silu(_adapted(h, *p[4])).mul_(_adapted(h, *p[5]))
+                x = _adapted(m, *p[6]).add_(x)
+            else:
+                gate, up = (h @ self.gate_up[i]).chunk(2, dim=-1)
+                x = (F.silu(gate).mul_(up) @ blk.mlp.down_proj.weight.t()).add_(x)
         self.length += T
         self.last_hidden = F.rms_norm(x.view(B, T, d)[:, -1], (d,), inner.norm.weight, self.eps)
         return self.head(self.last_hidden)
+
+
+def _adapted(x: Tensor, weight: Tensor, bias: Tensor | None, low) -> Tensor:
+    """A LoRA model's projection: the base layer's product, then its adapters' low-rank terms (lora.linear)."""
+    return lora.add_low_rank(F.linear(x, weight, bias), x, low)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from shifu.config.sections import LoraConfig
 from shifu.errors import ConfigError, ShifuError
@@ -167,10 +168,10 @@ def merged_copy(model: nn.Module) -> nn.Module:
 
 # ------------------------------------------------------------------ what shifu's own decoders read of an adapted model
 def decodable(model: nn.Module) -> bool:
-    """Whether :func:`merged_weight` gives every adapted layer of ``model`` (a peft model) its exact weight:
-    plain LoRA on linear layers only (no DoRA or other variant, none on an embedding), the adapter input's
-    dropout off or the layer in eval mode. The output layer is never adapted by shifu; one that is, is not
-    decodable either (the decoders read the output embedding as it is)."""
+    """Whether :func:`linear` describes every adapted layer of ``model`` (a peft model) exactly: plain LoRA on
+    linear layers only (no DoRA or other variant, none on an embedding), the adapter input's dropout off or the
+    layer in eval mode. The output layer is never adapted by shifu; one that is, is not decodable either (the
+    decoders read the output embedding as it is)."""
     peft = _peft()
     for name, m in _inner(model).named_modules():
         if not isinstance(m, peft.tuners.lora.LoraLayer):
@@ -190,21 +191,29 @@ def base_model(model: nn.Module) -> nn.Module:
     return inner.get_base_model() if _is_peft(inner) else inner
 
 
-@torch.no_grad()
-def merged_weight(layer: nn.Module) -> torch.Tensor:
-    """The weight ``layer`` computes with: ``W + (alpha / r) B A`` of its active adapters for a LoRA layer (a new
-    tensor, in ``W``'s layout and dtype), ``W`` itself for a plain one (or with the adapters switched off or
-    already merged into ``W``). Check :func:`decodable` first."""
+LowRank = tuple[
+    tuple[torch.Tensor, torch.Tensor, float], ...
+]  # (A (r, in), B (out, r), alpha / r) per adapter
+
+
+def linear(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, LowRank]:
+    """What ``layer`` computes, for a decoder that applies it itself: its base weight and bias (the layer's own
+    for a plain one; the same tensors, never a copy) and the low-rank terms of its active adapters, ``x ->
+    base(x) + sum (x A^T) B^T * scale`` as peft computes it (none for a plain layer, nor with the adapters
+    switched off or merged into the weight). Check :func:`decodable` first."""
     base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
     if base is layer or layer.disable_adapters or layer.merged:
-        return base.weight
-    w = base.weight
-    for a in layer.active_adapters:
-        if a in layer.lora_A:
-            w = w + layer.get_delta_weight(a).to(w.dtype)
-    return w
+        return base.weight, base.bias, ()
+    low = tuple(
+        (layer.lora_A[a].weight, layer.lora_B[a].weight, float(layer.scaling[a]))
+        for a in layer.active_adapters
+        if a in layer.lora_A
+    )
+    return base.weight, base.bias, low
 
 
-def merged_bias(layer: nn.Module) -> torch.Tensor | None:
-    """The bias ``layer`` adds (LoRA never adapts it): its base layer's."""
-    return (layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer).bias
+def add_low_rank(y: torch.Tensor, x: torch.Tensor, low: LowRank) -> torch.Tensor:
+    """``y`` (a layer's base output for inputs ``x``) plus the adapters' terms ``low`` (:func:`linear`)."""
+    for a, b, scale in low:
+        y = y + F.linear(F.linear(x, a), b) * scale
+    return y
