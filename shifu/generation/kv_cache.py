@@ -21,7 +21,7 @@ One sampler call reads and fills the cache through :class:`CallPrefixes`, the ``
 the last ``S`` columns of every row, ``S`` the longest part of a prompt not cached; each row's columns before
 those are copied from its cached blocks (a row whose prompt fits in the last ``S`` columns is prefilled whole).
 The decoders with a preallocated cache (:mod:`shifu.generation.decode`'s GPT-2 and Llama ones) take part; the
-HF forward's cache (other architectures, LoRA) prefills whole, as without a prefix cache.
+HF forward's cache (other architectures, adapters other than plain LoRA) prefills whole, as without a prefix cache.
 """
 
 from __future__ import annotations
