@@ -196,6 +196,17 @@ def test_lora_critic_is_refused_where_there_is_no_critic_of_its_own():
             load_config(PPOConfig, None, [*base, *extra])
 
 
+def sampled_by_both_engines(actor, ids, mask, params, tok):
+    """One call sampled (seed 1) through shifu's decoder (engine auto), then through the HF forward (engine hf)."""
+    from shifu.generation.rollout import sample
+
+    args = (params, tok.eos_token_id, tok.pad_token_id)
+    return tuple(
+        sample(actor, ids, mask, *args, torch.Generator().manual_seed(1), with_log_probs=True, engine=engine)
+        for engine in ("auto", "hf")
+    )
+
+
 def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     """Rollouts of a LoRA actor come from the adapted policy, not the base model: the hand-written GPT-2
     decoder reads each adapted layer's weight with its adapters merged in (W + s B A), so a peft model
@@ -203,7 +214,7 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     adapted actor's full forward at the sampled tokens (and unlike the base model's). Adapters a merge does
     not express (here: on the embedding) decode through the HF forward, and engine 'fast' says so."""
     from shifu.generation.decode import _GPT2Decoder, _HFDecoder, decoder, keeps_kv
-    from shifu.generation.rollout import SamplingParams, policy_forward, sample
+    from shifu.generation.rollout import SamplingParams, policy_forward
     from shifu.models.padding import pad_left
 
     tok, frozen, actor, _ = setup
@@ -219,29 +230,14 @@ def test_a_lora_actor_samples_from_its_adapted_policy(setup):
     params = SamplingParams(max_new_tokens=6, stop_at_eos=False)
     w = next(frozen.parameters())
     assert isinstance(decoder(actor, 3, 9, w, "auto"), _GPT2Decoder) and keeps_kv(actor)
-    runs = {}
     with torch.no_grad():
-        for engine in ("auto", "hf"):
-            runs[engine] = sample(
-                actor,
-                ids,
-                mask,
-                params,
-                tok.eos_token_id,
-                tok.pad_token_id,
-                torch.Generator().manual_seed(1),
-                with_log_probs=True,
-                engine=engine,
-            )
-        s = runs["auto"]
+        s, hf = sampled_by_both_engines(actor, ids, mask, params, tok)
         full = torch.cat([ids, s.response_ids], 1)
         attn = torch.cat([mask, s.response_mask.long()], 1)
         adapted = policy_forward(actor, full, attn, ids.shape[1])[0]
         base = policy_forward(frozen, full, attn, ids.shape[1])[0]
-    assert torch.equal(s.response_ids, runs["hf"].response_ids), (
-        "the merged weights sample what peft's forward does"
-    )
-    torch.testing.assert_close(s.log_probs, runs["hf"].log_probs, rtol=0, atol=1e-5)
+    assert torch.equal(s.response_ids, hf.response_ids), "the merged weights sample what peft's forward does"
+    torch.testing.assert_close(s.log_probs, hf.log_probs, rtol=0, atol=1e-5)
     torch.testing.assert_close(s.log_probs, adapted.float(), rtol=0, atol=1e-5)
     assert (s.log_probs - base).abs().max() > 0.1, "the adapters should change the sampled log-probs"
 
@@ -287,7 +283,7 @@ def test_a_lora_llama_decodes_through_its_adapters_on_every_projection():
 
     from shifu.generation.continuous import Row, Running
     from shifu.generation.decode import _LlamaDecoder, decoder, keeps_kv
-    from shifu.generation.rollout import SamplingParams, policy_forward, sample
+    from shifu.generation.rollout import SamplingParams, policy_forward
 
     tok = build_tiny_tokenizer()
     base = tiny_llama(tok)
@@ -305,20 +301,7 @@ def test_a_lora_llama_decodes_through_its_adapters_on_every_projection():
     mask = torch.ones_like(prompt)
     params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
     with torch.no_grad():
-        fast, hf = (
-            sample(
-                actor,
-                prompt,
-                mask,
-                params,
-                tok.eos_token_id,
-                tok.pad_token_id,
-                torch.Generator().manual_seed(1),
-                with_log_probs=True,
-                engine=engine,
-            )
-            for engine in ("auto", "hf")
-        )
+        fast, hf = sampled_by_both_engines(actor, prompt, mask, params, tok)
         full = torch.cat([prompt, fast.response_ids], 1)
         adapted = policy_forward(actor, full, torch.ones_like(full), 7)[0]
         plain = policy_forward(frozen, full, torch.ones_like(full), 7)[0]
