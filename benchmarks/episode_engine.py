@@ -97,24 +97,26 @@ def workload(args: argparse.Namespace) -> tuple[dict, str, list[dict], Path]:
     return plan, env["factory"], rows, Path(args.policy or run / "sft" / "final")
 
 
-def sources(plan: dict, lags: list[int], hf: bool = False) -> list[tuple[str, int | None, object]]:
-    """``(schedule, lag, episode source)``: lockstep (``hf``: also lockstep through the HF forward, lag -1), then
-    the running decode at each lag."""
+def sources(plan: dict, lags: list[int], hf: bool = False) -> list[tuple[str, int | None, object, str]]:
+    """``(schedule, lag, episode source, sampler engine)``: lockstep (``hf``: also lockstep through the HF
+    forward), then the running decode at each lag."""
     from shifu.config.imports import key_prefix
     from shifu.config.loader import from_dict
     from shifu.config.sources import GenerationConfig
     from shifu.rollout.build import episodes_source, plan_section
 
+    schedules = [("lockstep", None, "auto"), *([("lockstep-hf", None, "hf")] if hf else [])]
+    schedules += [("admit", lag, "auto") for lag in lags]
     out = []
-    for lag in [None, *([-1] if hf else []), *lags]:
-        kv = {"kv_budget_mb": 0} if lag is None or lag < 0 else {}
+    for name, lag, engine in schedules:
+        kv = {"kv_budget_mb": 0} if lag is None else {}
         with key_prefix("ppo."):
             generation = from_dict(GenerationConfig, plan["generation"] | kv)
             chat = plan.get("data", {}).get("chat_template", True)
             source = episodes_source(plan_section(plan), generation, chat)
-        if lag is not None and lag >= 0:
+        if lag is not None:
             source.step_lag = lag
-        out.append(("lockstep" if lag is None else "lockstep-hf" if lag < 0 else "admit", lag, source))
+        out.append((name, lag, source, engine))
     return out
 
 
@@ -160,20 +162,19 @@ def main() -> None:
     lags = [STEP_LAG] if args.lags is None else [int(x) for x in args.lags.split(",")]
     schedules = sources(plan, lags, hf=args.lora)
     rollout(model, tok, schedules[0][2], rows, params)  # warm-up: allocations, imports
-    times: dict[int | None, list[float]] = {}
-    counts: dict[int | None, tuple[int, int]] = {}
+    times: dict[tuple[str, int | None], list[float]] = {}
+    counts: dict[tuple[str, int | None], tuple[int, int]] = {}
     for _ in range(args.repeats):
-        for _name, lag, source in schedules:
-            engine = "hf" if lag is not None and lag < 0 else "auto"
+        for name, lag, source, engine in schedules:
             seconds, tokens, turns = rollout(model, tok, source, rows, params, engine)
-            times.setdefault(lag, []).append(seconds)
-            counts[lag] = (tokens, turns)
-    base = min(times[None])
-    for name, lag, _ in schedules:
-        best, (tokens, turns) = min(times[lag]), counts[lag]
+            times.setdefault((name, lag), []).append(seconds)
+            counts[name, lag] = (tokens, turns)
+    base = min(times["lockstep", None])
+    for name, lag, _, _ in schedules:
+        best, (tokens, turns) = min(times[name, lag]), counts[name, lag]
         metrics = {
             "rollout_s": round(best, 3),
-            "rollout_s_all": [round(t, 3) for t in times[lag]],
+            "rollout_s_all": [round(t, 3) for t in times[name, lag]],
             "sampled_tokens": tokens,
             "turns": turns,
             "tokens_per_s": round(tokens / best, 1),
@@ -188,7 +189,7 @@ def main() -> None:
             "episodes": len(rows),
             "sleep_ms": args.sleep_ms,
             "schedule": name,
-            "lag": None if lag is not None and lag < 0 else lag,
+            "lag": lag,
             **({"lora": True} if args.lora else {}),
         }
         provenance.record(args, "episode_engine", metrics, params=params_rec, threads=args.threads)

@@ -41,11 +41,11 @@ back as its last row ends, not when the call does. A row's randomness is its own
 generator) or a draw per step from the engine's generator, so a recorded completion samples the same ids
 whether it ran alone, in a static call or joined one mid-decode (``tests/test_engine_admit.py``; log-probs within
 1e-5). Requests with a ``seed`` or a ``grammar``, the models decoded through the HF forward (other
-architectures, adapters other than plain LoRA), and calls holding any of them, run as static calls (:meth:`Engine.run`); a pending request that
-may not join stops admission, so it waits for the running call only. A recording gateway does not admit: its
-calls are formed in (row, call) order so that a seeded run repeats bit for bit, and which rows share a step
-changes the float rounding of their log-probs (~1e-6), which a decode joined as requests arrive would leave to
-timing.
+architectures, adapters other than plain LoRA), and calls holding any of them, run as static calls
+(:meth:`Engine.run`); a pending request that may not join stops admission, so it waits for the running call
+only. A recording gateway does not admit: its calls are formed in (row, call) order so that a seeded run
+repeats bit for bit, and which rows share a step changes the float rounding of their log-probs (~1e-6), which a
+decode joined as requests arrive would leave to timing.
 
 **Paged memory.** The admitting loop keeps its rows' keys and values in blocks of a pool under
 ``kv_budget_bytes`` (:mod:`shifu.generation.paged`), each row's prompt and whole budget reserved as it joins, so

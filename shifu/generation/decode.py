@@ -321,10 +321,9 @@ class _LlamaDecoder(_FastDecoder):
             ]
             for at, mlp in ((blk.self_attn, blk.mlp) for blk in inner.layers)
         ]
-        self.adapted = any(low for ps in proj for _, _, low in ps)
-        self.proj = proj if self.adapted else None
+        self.proj = proj if any(low for ps in proj for _, _, low in ps) else None
         self.qkv, self.qkv_bias, self.gate_up = [], [], []
-        for blk in [] if self.adapted else inner.layers:
+        for blk in inner.layers if self.proj is None else []:
             at, mlp = blk.self_attn, blk.mlp
             self.qkv.append(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).t())
             biases = [at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]

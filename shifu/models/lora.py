@@ -191,9 +191,8 @@ def base_model(model: nn.Module) -> nn.Module:
     return inner.get_base_model() if _is_peft(inner) else inner
 
 
-LowRank = tuple[
-    tuple[torch.Tensor, torch.Tensor, float], ...
-]  # (A (r, in), B (out, r), alpha / r) per adapter
+# an adapted layer's low-rank terms: (A (r, in), B (out, r), alpha / r) per active adapter
+LowRank = tuple[tuple[torch.Tensor, torch.Tensor, float], ...]
 
 
 def linear(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, LowRank]:
